@@ -1,0 +1,14 @@
+"""grain_jax_sync: per-host batches in, agreed global jax.Arrays out."""
+
+from grain_jax_sync._src.compat import jax_sync_generator
+from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
+from grain_jax_sync._src.sharding import default_sharding
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "JaxBatchIterator",
+  "default_sharding",
+  "iter_jax_batches",
+  "jax_sync_generator",
+]

@@ -1,0 +1,337 @@
+"""What a batch is: leaves, row count, structure signature, validation.
+
+A batch is a NumPy array or a pytree of them built from dicts, lists, tuples
+and namedtuples. Every leaf shares the leading (row) dimension. The structure
+signature (tree shape, per-leaf dtype and trailing shape) is what hosts compare
+to make sure they build the same global arrays; it is JSON so that it can travel
+in the exchange and let a host with no data of its own build dummy batches.
+
+Pure NumPy; no JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# A JSON encoding of a tree's containers. "*" is a leaf; {"d": [[key, sub]...]}
+# a dict with keys in sorted order; {"l": [...]} a list; {"t": [...]} a tuple;
+# {"t": [...], "nt": "module:QualName", "f": [fields]} a namedtuple.
+TreeSpec = Any
+LEAF = "*"
+ROOT_NAME = "<batch>"
+
+_NUMERIC_KINDS = frozenset("biufc")
+
+
+def _key_order(key: Any) -> tuple[str, Any]:
+  return (type(key).__name__, key)
+
+
+def _is_namedtuple(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _is_scalar(x: Any) -> bool:
+  return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, (str, bytes))
+
+
+def _is_scalar_sequence(x: Any) -> bool:
+  """A (nested) list of numbers: one leaf that NumPy converts unambiguously."""
+  if not isinstance(x, list) or not x:
+    return False
+  return all(_is_scalar(e) or _is_scalar_sequence(e) for e in x)
+
+
+def _child_name(prefix: str, key: Any) -> str:
+  return str(key) if not prefix else f"{prefix}/{key}"
+
+
+def flatten(batch: Any) -> tuple[list[Any], list[str], TreeSpec]:
+  """Flattens a batch into leaves, leaf names and a JSON tree spec.
+
+  Dicts are walked in sorted key order (as `jax.tree_util` does). A list of
+  numbers is one leaf, not a container of scalar leaves.
+
+  Args:
+    batch: An array or a pytree of arrays.
+
+  Returns:
+    (leaves, names, spec): leaves as given (not yet converted), their
+    slash-joined paths (``"features/ids"``; ``"<batch>"`` for a bare array) and
+    the tree spec that `unflatten` inverts.
+  """
+  leaves: list[Any] = []
+  names: list[str] = []
+
+  def walk(x: Any, prefix: str) -> TreeSpec:
+    if isinstance(x, Mapping):
+      try:
+        keys = sorted(x.keys(), key=_key_order)
+      except TypeError as e:
+        raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
+      return {"d": [[k, walk(x[k], _child_name(prefix, k))] for k in keys]}
+    if _is_namedtuple(x):
+      t = type(x)
+      return {
+        "t": [walk(v, _child_name(prefix, f)) for f, v in zip(t._fields, x)],
+        "nt": f"{t.__module__}:{t.__qualname__}",
+        "f": list(t._fields),
+      }
+    if isinstance(x, tuple):
+      return {"t": [walk(v, _child_name(prefix, i)) for i, v in enumerate(x)]}
+    if isinstance(x, list) and not _is_scalar_sequence(x):
+      return {"l": [walk(v, _child_name(prefix, i)) for i, v in enumerate(x)]}
+    leaves.append(x)
+    names.append(prefix or ROOT_NAME)
+    return LEAF
+
+  spec = walk(batch, "")
+  return leaves, names, spec
+
+
+def _namedtuple_type(path: str, fields: Sequence[str]) -> type:
+  module, _, qualname = path.partition(":")
+  try:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+      obj = getattr(obj, part)
+    return obj
+  except (ImportError, AttributeError):
+    return collections.namedtuple(qualname.rsplit(".", 1)[-1], fields)  # type: ignore[misc]
+
+
+def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
+  """Rebuilds a batch from `flatten`'s spec and a list of leaves."""
+  it = iter(leaves)
+
+  def build(s: TreeSpec) -> Any:
+    if s == LEAF:
+      return next(it)
+    if "d" in s:
+      return {k: build(sub) for k, sub in s["d"]}
+    if "l" in s:
+      return [build(sub) for sub in s["l"]]
+    values = [build(sub) for sub in s["t"]]
+    if "nt" in s:
+      return _namedtuple_type(s["nt"], s["f"])(*values)
+    return tuple(values)
+
+  out = build(spec)
+  return out
+
+
+def is_dict_spec(spec: TreeSpec) -> bool:
+  return isinstance(spec, dict) and "d" in spec
+
+
+def spec_keys(spec: TreeSpec) -> list[Any]:
+  return [k for k, _ in spec["d"]] if is_dict_spec(spec) else []
+
+
+def where(process_index: int, batch_index: int, name: str | None = None) -> str:
+  """The prefix of every data error: process, batch and column."""
+  s = f"process {process_index}, batch {batch_index}"
+  return s if name is None else f"{s}, column {name!r}"
+
+
+def _dtype_ok(dtype: np.dtype) -> bool:
+  if dtype.kind in _NUMERIC_KINDS:
+    return True
+  # ml_dtypes types (bfloat16, float8_*, int4) have kind 'V' but are numeric.
+  return dtype.fields is None and isinstance(getattr(ml_dtypes, dtype.name, None), type)
+
+
+def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
+  """Converts one leaf to a native-byte-order NumPy array with >= 1 dim.
+
+  Args:
+    x: The leaf: an ndarray, anything with ``__array__`` (a jax.Array, a
+      tf.Tensor in eager mode) or a list of numbers.
+    context: The error prefix, from `where`.
+
+  Returns:
+    The array; a copy only when the byte order had to change.
+
+  Raises:
+    ValueError: For None, strings, objects, structured dtypes, 0-d leaves and
+      ragged lists, naming the column and batch.
+  """
+  if x is None:
+    raise ValueError(
+      f"{context}: leaf is None; expected a NumPy array with a leading row dimension"
+    )
+  if isinstance(x, (str, bytes)):
+    raise ValueError(
+      f"{context}: leaf is a Python {type(x).__name__}; expected a numeric"
+      " array (strings cannot become jax.Arrays: tokenize or drop the column)"
+    )
+  if not isinstance(x, np.ndarray):
+    try:
+      x = np.asarray(x)
+    except ValueError as e:
+      raise ValueError(
+        f"{context}: cannot convert a {type(x).__name__} to one array ({e});"
+        " expected a rectangular array of numbers"
+      ) from e
+  dtype = x.dtype
+  if not _dtype_ok(dtype):
+    what = {
+      "U": "a string",
+      "S": "a bytes",
+      "O": "an object",
+      "V": "a structured",
+      "M": "a datetime",
+      "m": "a timedelta",
+    }.get(dtype.kind, "a non-numeric")
+    raise ValueError(
+      f"{context}: {what} array (dtype {dtype}); expected a numeric or bool"
+      " dtype that a jax.Array can hold (tokenize/encode it, or drop the"
+      " column)"
+    )
+  if x.ndim == 0:
+    raise ValueError(
+      f"{context}: 0-d leaf (a scalar of dtype {dtype}); expected an array"
+      " whose first dimension is the row (batch) dimension. Batch the"
+      " elements first (e.g. Grain's `.batch(n)` or tf.data's `.batch(n)`)"
+    )
+  if not dtype.isnative:
+    x = x.astype(dtype.newbyteorder("="))
+  return x
+
+
+def row_count(leaves: Sequence[np.ndarray], names: Sequence[str], *, context: str) -> int:
+  """Returns the shared leading dimension, or raises naming the leaves."""
+  if not leaves:
+    return 0
+  sizes = {n: int(a.shape[0]) for n, a in zip(names, leaves)}
+  distinct = set(sizes.values())
+  if len(distinct) > 1:
+    shown = ", ".join(f"{n!r}: {s}" for n, s in sizes.items())
+    raise ValueError(
+      f"{context}: leaves have different leading sizes ({shown}); expected"
+      " every leaf to share the row dimension. The elements look unbatched:"
+      " batch them first (Grain `.batch(n)`, tf.data `.batch(n)`)"
+    )
+  return distinct.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """The structure of a batch, without its row count.
+
+  Attributes:
+    spec: The tree spec from `flatten`.
+    names: Leaf names, in leaf order.
+    dtypes: NumPy dtype names (``"float32"``, ``"bfloat16"``), in leaf order.
+    shapes: Trailing shapes (all but the row dimension), in leaf order.
+  """
+
+  spec: TreeSpec
+  names: tuple[str, ...]
+  dtypes: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+
+  @classmethod
+  def of(cls, leaves: Sequence[np.ndarray], names: Sequence[str], spec: TreeSpec) -> Signature:
+    return cls(
+      spec=spec,
+      names=tuple(names),
+      dtypes=tuple(a.dtype.name for a in leaves),
+      shapes=tuple(tuple(int(d) for d in a.shape[1:]) for a in leaves),
+    )
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "spec": self.spec,
+      "leaves": [[n, d, list(s)] for n, d, s in zip(self.names, self.dtypes, self.shapes)],
+    }
+
+  @classmethod
+  def from_json(cls, obj: Mapping[str, Any]) -> Signature:
+    leaves = obj["leaves"]
+    return cls(
+      spec=obj["spec"],
+      names=tuple(n for n, _, _ in leaves),
+      dtypes=tuple(d for _, d, _ in leaves),
+      shapes=tuple(tuple(s) for _, _, s in leaves),
+    )
+
+  def np_dtypes(self) -> list[np.dtype]:
+    return [
+      np.dtype(d) if not hasattr(ml_dtypes, d) else np.dtype(getattr(ml_dtypes, d))
+      for d in self.dtypes
+    ]
+
+  def describe(self) -> str:
+    return ", ".join(
+      f"{n}: {d}[rows{''.join(f', {x}' for x in s)}]"
+      for n, d, s in zip(self.names, self.dtypes, self.shapes)
+    )
+
+
+def diff(a: Signature, b: Signature) -> list[str]:
+  """Human-readable differences between two signatures ("a" vs "b")."""
+  out: list[str] = []
+  la = {n: (d, s) for n, d, s in zip(a.names, a.dtypes, a.shapes)}
+  lb = {n: (d, s) for n, d, s in zip(b.names, b.dtypes, b.shapes)}
+  only_a = [n for n in a.names if n not in lb]
+  only_b = [n for n in b.names if n not in la]
+  if only_a:
+    out.append(f"columns only in the first: {only_a}")
+  if only_b:
+    out.append(f"columns only in the second: {only_b}")
+  for n in a.names:
+    if n in lb and la[n] != lb[n]:
+      (da, sa), (db, sb) = la[n], lb[n]
+      if da != db:
+        out.append(f"column {n!r}: dtype {da} vs {db}")
+      if sa != sb:
+        out.append(f"column {n!r}: trailing shape {tuple(sa)} vs {tuple(sb)}")
+  if not out and a.spec != b.spec:
+    out.append(f"tree structure {a.spec!r} vs {b.spec!r}")
+  return out
+
+
+@dataclasses.dataclass
+class HostBatch:
+  """One validated local batch.
+
+  Attributes:
+    leaves: Native-order NumPy arrays sharing the leading dimension.
+    rows: That leading dimension.
+    signature: The batch's structure.
+  """
+
+  leaves: list[np.ndarray]
+  rows: int
+  signature: Signature
+
+
+def validate(batch: Any, *, process_index: int, batch_index: int) -> HostBatch:
+  """Flattens and checks one source batch.
+
+  Args:
+    batch: What the source yielded.
+    process_index: This process, for error messages.
+    batch_index: The source batch's index on this host, for error messages.
+
+  Returns:
+    The validated batch (``rows == 0`` for an empty batch).
+
+  Raises:
+    ValueError: Naming the process, batch and column of any bad leaf.
+  """
+  raw, names, spec = flatten(batch)
+  leaves = [
+    to_leaf_array(x, context=where(process_index, batch_index, n)) for x, n in zip(raw, names)
+  ]
+  rows = row_count(leaves, names, context=where(process_index, batch_index))
+  return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec))

@@ -1,0 +1,263 @@
+"""Moves window reports between processes. Knows nothing about batches.
+
+Three transports, one interface (`Exchange.all_gather`):
+
+* `LocalExchange`: one process, or synchronization off. Returns the caller's
+  own payload; no communication.
+* `KeyValueExchange`: the coordination service's key-value store that
+  `jax.distributed.initialize` starts. No device work, no host-device sync, so
+  it can run in the background pipeline thread ahead of the training step.
+  Per window each process makes one write, one directory read (plus one
+  blocking read per wait while peers are behind) and one delete: O(1)
+  messages per process, O(processes) per window at the coordinator.
+* `CollectiveExchange`: `process_allgather` over the devices; the fallback when
+  there are several processes but no key-value store client.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+_KEY_ROOT = "grain_jax_sync"
+_instances = itertools.count()
+
+
+class Cancelled(Exception):
+  """The exchange was cancelled by `close()` while waiting for peers."""
+
+
+class PeerTimeoutError(RuntimeError):
+  """Peers did not report within the exchange timeout.
+
+  Attributes:
+    missing: Indices of the processes whose reports never arrived.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int]):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class Exchange(Protocol):
+  process_index: int
+  process_count: int
+
+  def all_gather(self, window: int, payload: str) -> list[str]:
+    """Returns every process's payload for `window`, in process order."""
+    ...
+
+  def finish(self) -> None:
+    """Called once by every process after the final window; cleans up."""
+    ...
+
+  def close(self) -> None:
+    """Releases what this process can release without its peers."""
+    ...
+
+
+class LocalExchange:
+  """No communication: each process decides alone."""
+
+  def __init__(self, process_index: int = 0):
+    self.process_index = process_index
+    self.process_count = 1
+
+  def all_gather(self, window: int, payload: str) -> list[str]:
+    del window
+    return [payload]
+
+  def finish(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def distributed_client() -> Any | None:
+  """The `jax.distributed` key-value store client, or None."""
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - very old or very new JAX.
+    return None
+  return getattr(distributed.global_state, "client", None)
+
+
+def new_namespace(name: str | None = None) -> str:
+  """A key prefix for one iterator; the same on every process under SPMD.
+
+  Every process creates its iterators in the same order, so a per-process
+  counter names them consistently. Pass `name` where that does not hold (an
+  iterator created on some processes only).
+  """
+  return f"{_KEY_ROOT}/{name if name is not None else next(_instances)}"
+
+
+class KeyValueExchange:
+  """All-gather through the coordination service's key-value store.
+
+  Keys: ``{namespace}/{window}/{process}``. A process deletes its key for
+  window w once it holds every report of window w+1, because by then every peer
+  has read window w. `finish` waits at a barrier and deletes the last key.
+  """
+
+  def __init__(
+    self,
+    client: Any,
+    namespace: str,
+    *,
+    process_index: int,
+    process_count: int,
+    timeout_s: float,
+    poll_s: float = 0.5,
+  ):
+    if timeout_s <= 0:
+      raise ValueError(f"`sync_timeout_s` must be > 0, got {timeout_s}")
+    self._client = client
+    self._ns = namespace
+    self.process_index = process_index
+    self.process_count = process_count
+    self._timeout_s = float(timeout_s)
+    self._poll_ms = max(1, int(poll_s * 1000))
+    self._cancel = threading.Event()
+    self._own_keys: list[str] = []
+
+  def _key(self, window: int, process: int) -> str:
+    return f"{self._ns}/{window}/{process}"
+
+  def all_gather(self, window: int, payload: str) -> list[str]:
+    key = self._key(window, self.process_index)
+    self._client.key_value_set(key, payload)
+    self._own_keys.append(key)
+    prefix = f"{self._ns}/{window}/"
+    deadline = time.monotonic() + self._timeout_s
+    got: dict[int, str] = {}
+    while True:
+      for k, v in self._client.key_value_dir_get(prefix):
+        got[int(k.rsplit("/", 1)[1])] = v
+      missing = [p for p in range(self.process_count) if p not in got]
+      if not missing:
+        break
+      if self._cancel.is_set():
+        raise Cancelled()
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        raise PeerTimeoutError(
+          f"{_processes(missing)} did not report window {window} within"
+          f" `sync_timeout_s`={self._timeout_s:g}s; {_pronoun(missing)} may"
+          " have died, hung in its source, or created its iterators in a"
+          " different order (pass the same `name=` on every process).",
+          missing,
+        )
+      wait_ms = max(1, min(self._poll_ms, int(remaining * 1000)))
+      try:
+        v = self._client.blocking_key_value_get(self._key(window, missing[0]), wait_ms)
+        got[missing[0]] = v
+      except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError.
+        if not _is_deadline(e):
+          raise RuntimeError(
+            f"the jax.distributed key-value store failed while waiting for"
+            f" {_processes(missing)} (window {window}): {e}. If process 0"
+            " died, the coordination service went with it."
+          ) from e
+    # Every peer has posted window `window`, so all have read `window - 1`.
+    while len(self._own_keys) > 1:
+      self._delete(self._own_keys.pop(0))
+    return [got[p] for p in range(self.process_count)]
+
+  def _delete(self, key: str) -> None:
+    try:
+      self._client.key_value_delete(key)
+    except Exception as e:  # noqa: BLE001 - best effort.
+      logger.debug("could not delete %s: %s", key, e)
+
+  def finish(self) -> None:
+    timeout_ms = int(min(self._timeout_s, 60.0) * 1000)
+    try:
+      self._client.wait_at_barrier(f"{self._ns}/end", timeout_ms)
+    except Exception as e:  # noqa: BLE001
+      logger.warning("grain_jax_sync: end-of-stream barrier failed: %s", e)
+      return
+    for key in self._own_keys:
+      self._delete(key)
+    self._own_keys.clear()
+
+  def close(self) -> None:
+    self._cancel.set()
+
+  @property
+  def own_keys(self) -> tuple[str, ...]:
+    return tuple(self._own_keys)
+
+
+def _is_deadline(e: Exception) -> bool:
+  text = str(e).lower()
+  return "deadline" in text or "timed out" in text or "timeout" in text
+
+
+def _processes(ps: Sequence[int]) -> str:
+  return ("process " if len(ps) == 1 else "processes ") + ", ".join(map(str, ps))
+
+
+def _pronoun(ps: Sequence[int]) -> str:
+  return "it" if len(ps) == 1 else "they"
+
+
+class CollectiveExchange:
+  """All-gather of JSON payloads with `process_allgather` (device fallback).
+
+  Two collectives per window: the payload lengths, then the padded payloads.
+  It must run in the same order on every process, relative to all other
+  collectives, so prefer `KeyValueExchange`.
+  """
+
+  def __init__(self, *, process_index: int, process_count: int):
+    self.process_index = process_index
+    self.process_count = process_count
+
+  def all_gather(self, window: int, payload: str) -> list[str]:
+    del window
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    data = np.frombuffer(payload.encode(), dtype=np.uint8)
+    lengths = np.asarray(
+      multihost_utils.process_allgather(np.array([data.size], np.int32))
+    ).reshape(-1)
+    width = int(lengths.max())
+    buf = np.zeros((width,), np.uint8)
+    buf[: data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.process_count, width)
+    return [bytes(gathered[p, : lengths[p]]).decode() for p in range(self.process_count)]
+
+  def finish(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def make_exchange(*, synchronize: bool, name: str | None, timeout_s: float) -> Exchange:
+  """Picks the transport for this process."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  index, count = jax.process_index(), jax.process_count()
+  if count == 1 or not synchronize:
+    return LocalExchange(index)
+  client = distributed_client()
+  if client is not None:
+    return KeyValueExchange(
+      client,
+      new_namespace(name),
+      process_index=index,
+      process_count=count,
+      timeout_s=timeout_s,
+    )
+  logger.info("grain_jax_sync: no key-value store client; exchanging via collectives")
+  return CollectiveExchange(process_index=index, process_count=count)

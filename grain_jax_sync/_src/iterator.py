@@ -1,0 +1,578 @@
+"""JaxBatchIterator: source -> validate -> agree -> pad/mask -> global jax.Array.
+
+The producer (`_Producer`) reads a window of batches, exchanges one report per
+host, lets `plan.decide` say what every host does, and builds the global
+arrays. It runs in the prefetch thread (or inline with `prefetch_batches=0`).
+Each produced batch carries the source state after it, so the state the user
+sees is the state after the last batch they received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import padding, sources
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
+from grain_jax_sync._src import sharding as sharding_lib
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The iterator's options, validated."""
+
+  batch_size: int
+  drop_last: bool
+  paddings: Any
+  mask_key: str | None
+  dtypes: Any
+  synchronize: bool
+  lookahead: int
+  prefetch: int
+  sync_timeout_s: float
+  name: str | None
+
+  def digest(self) -> dict[str, Any]:
+    """What every host must agree on (compared in the first exchange)."""
+    return plan_lib.settings_digest(
+      {
+        "batch_size": self.batch_size,
+        "drop_last": self.drop_last,
+        "paddings": _describe(self.paddings),
+        "mask_key": self.mask_key,
+        "dtypes": _describe(self.dtypes),
+        "synchronize_lookahead": self.lookahead,
+      }
+    )
+
+
+def _describe(x: Any) -> Any:
+  if x is None:
+    return None
+  if isinstance(x, Mapping):
+    return {str(k): _describe(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+  try:
+    return np.dtype(x).name
+  except TypeError:
+    return repr(x)
+
+
+@dataclasses.dataclass
+class _Item:
+  value: Any
+  state: Any
+
+
+@dataclasses.dataclass
+class _Read:
+  batch: batches_lib.HostBatch
+  state: Any
+
+
+class _Producer:
+  """Reads, agrees and converts; one instance per (re)start."""
+
+  def __init__(
+    self,
+    settings: Settings,
+    source: sources.SourceIterator,
+    exchange: exchange_lib.Exchange,
+    sharding: jax.sharding.Sharding,
+    *,
+    local_devices: int,
+    start_state: Any,
+    start_position: int,
+  ):
+    self._s = settings
+    self._source = source
+    self._exchange = exchange
+    self._sharding = sharding
+    self._local_devices = local_devices
+    self._pi = exchange.process_index
+    self._pc = jax.process_count()
+    self._window = settings.lookahead if exchange.process_count > 1 else 1
+    self._options = plan_lib.Options(
+      batch_size=settings.batch_size,
+      drop_last=settings.drop_last,
+      pad=settings.paddings is not None,
+    )
+    self._last_state = start_state
+    self._position = start_position
+    self._reads = 0  # Source batches read by this producer (for messages).
+    self._exhausted = False
+    self._error: BaseException | None = None
+    self._reported: plan_lib.ReportedError | None = None
+    self._own_signature: batches_lib.Signature | None = None
+    self._signature: batches_lib.Signature | None = None
+    self._layout: dict[str, Any] | None = None
+    self._sent_config = False
+
+  # -- reading ---------------------------------------------------------------
+
+  def _fail(self, error: BaseException, kind: plan_lib.ErrorKind, message: str) -> None:
+    self._error = error
+    self._reported = plan_lib.ReportedError(
+      kind, message, self._pi, self._reads, type(error).__qualname__
+    )
+
+  def _read_window(self) -> list[_Read]:
+    out: list[_Read] = []
+    while len(out) < self._window and not self._exhausted and self._error is None:
+      index = self._reads
+      try:
+        raw = next(self._source)
+      except StopIteration:
+        self._exhausted = True
+        break
+      except Exception as e:  # noqa: BLE001 - travels in the exchange.
+        self._fail(
+          e,
+          plan_lib.ErrorKind.SOURCE,
+          f"process {self._pi} failed while reading batch {index} from its"
+          f" source: {type(e).__qualname__}: {e}",
+        )
+        break
+      self._reads += 1
+      try:
+        hb = batches_lib.validate(raw, process_index=self._pi, batch_index=index)
+        if hb.rows and self._own_signature is None:
+          self._own_signature = hb.signature
+        elif hb.rows and hb.signature != self._own_signature:
+          assert self._own_signature is not None
+          diffs = batches_lib.diff(self._own_signature, hb.signature)
+          raise ValueError(
+            f"{batches_lib.where(self._pi, index)}: the batch structure"
+            f" changed mid-stream ({'; '.join(diffs)}; earlier batches had"
+            f" [{self._own_signature.describe()}]); expected every batch to"
+            " have the same columns, dtypes and trailing shapes"
+          )
+      except ValueError as e:
+        self._fail(e, plan_lib.ErrorKind.VALUE, str(e))
+        break
+      state = self._source.get_state() if self._source.supports_state else None
+      if hb.rows == 0:  # Empty batches are skipped.
+        self._last_state = state
+        continue
+      out.append(_Read(hb, state))
+    return out
+
+  def _report(self, reads: list[_Read]) -> plan_lib.Report:
+    config = None
+    if not self._sent_config:
+      config = self._s.digest()
+      self._sent_config = True
+    return plan_lib.Report(
+      process_index=self._pi,
+      rows=tuple(r.batch.rows for r in reads),
+      exhausted=self._exhausted,
+      error=self._reported,
+      signature=None if self._own_signature is None else self._own_signature.to_json(),
+      local_devices=self._local_devices,
+      config=config,
+    )
+
+  # -- building --------------------------------------------------------------
+
+  def _learn_signature(self, reports: list[plan_lib.Report]) -> None:
+    if self._signature is not None:
+      return
+    if self._own_signature is not None:
+      self._signature = self._own_signature
+      return
+    for r in reports:
+      if r.signature is not None:
+        self._signature = batches_lib.Signature.from_json(r.signature)
+        return
+
+  def _get_layout(self) -> dict[str, Any]:
+    """Per-leaf dtypes and padding values; same on every host."""
+    if self._layout is not None:
+      return self._layout
+    sig = self._signature
+    assert sig is not None
+    src = sig.np_dtypes()
+    want = padding.per_leaf(self._s.dtypes, sig, what="dtypes")
+    try:
+      host, device = sharding_lib.split_casts(src, want)
+    except TypeError as e:
+      raise ValueError(f"`dtypes` has a value that is not a dtype: {e}") from e
+    pads = None
+    if self._s.paddings is not None:
+      values = padding.per_leaf(self._s.paddings, sig, what="paddings")
+      pads = padding.check_pad_values(values, host, sig.names)
+    mask_key = self._s.mask_key
+    if mask_key is not None:
+      if not batches_lib.is_dict_spec(sig.spec):
+        raise ValueError(
+          f"`mask_key`={mask_key!r} needs dict batches, but the batches are"
+          f" structured as {sig.spec!r}; use dict batches or mask_key=None"
+        )
+      if mask_key in batches_lib.spec_keys(sig.spec):
+        raise ValueError(
+          f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
+        )
+    self._layout = {"host": host, "device": device, "pads": pads}
+    return self._layout
+
+  def _build(self, read: _Read | None, step: plan_lib.Step) -> Any:
+    sig = self._signature
+    assert sig is not None
+    layout = self._get_layout()
+    leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+    pads = layout["pads"]
+    out = []
+    for k, leaf in enumerate(leaves_in):
+      local = padding.fill_leaf(
+        leaf,
+        target=step.rows,
+        shape=sig.shapes[k],
+        dtype=layout["host"][k],
+        pad=None if pads is None else pads[k],
+      )
+      out.append(sharding_lib.to_global(local, self._sharding, self._pc, layout["device"][k]))
+    tree = batches_lib.unflatten(sig.spec, out)
+    if self._s.mask_key is not None:
+      real = read.batch.rows if read is not None else 0
+      tree[self._s.mask_key] = sharding_lib.to_global(
+        padding.mask(real, step.rows), self._sharding, self._pc
+      )
+    return tree
+
+  # -- the loop --------------------------------------------------------------
+
+  def __iter__(self) -> Iterator[_Item]:
+    window = 0
+    while True:
+      reads = self._read_window()
+      report = self._report(reads)
+      payloads = self._exchange.all_gather(window, report.to_json())
+      window += 1
+      reports = [plan_lib.Report.from_json(p) for p in payloads]
+      self._learn_signature(reports)
+      decision = plan_lib.decide(reports, self._options, position=self._position)
+      for i, step in enumerate(decision.steps):
+        read = reads[i] if i < len(reads) else None
+        if read is not None:
+          self._last_state = read.state
+        if step.action == plan_lib.Action.DROP:
+          logger.warning(
+            "grain_jax_sync: drop_last dropped a batch on every host (real"
+            " rows per process %s, batch_size %d)",
+            list(step.real_rows),
+            self._s.batch_size,
+          )
+          continue
+        value = self._build(read, step)
+        self._position += 1
+        yield _Item(value, self._last_state)
+      if decision.end == plan_lib.End.CONTINUE:
+        continue
+      self._exchange.finish()
+      if decision.end == plan_lib.End.STOP:
+        return
+      self._raise(decision.error)
+
+  def _raise(self, error: plan_lib.ReportedError | None) -> None:
+    assert error is not None
+    if error.process_index == self._pi and self._error is not None:
+      raise self._error
+    if error.kind == plan_lib.ErrorKind.VALUE:
+      raise ValueError(error.message)
+    raise RuntimeError(
+      f"{error.message} (process {error.process_index} raised"
+      f" {error.type_name}; process {self._pi} stops too so that no host"
+      " waits forever)"
+    )
+
+  def close(self) -> None:
+    self._exchange.close()
+
+
+class JaxBatchIterator(Iterator[Any]):
+  """Iterates global `jax.Array` batches that every host agrees on.
+
+  Built by `iter_jax_batches`. Supports `get_state`/`set_state` for exact
+  resume, `close()` and use as a context manager.
+  """
+
+  def __init__(
+    self,
+    source: Any,
+    *,
+    settings: Settings,
+    sharding: jax.sharding.Sharding | None = None,
+  ):
+    self._settings = settings
+    self._sharding = sharding if sharding is not None else sharding_lib.default_sharding()
+    self._local_devices = sharding_lib.local_row_shards(self._sharding)
+    if settings.paddings is not None and settings.batch_size % self._local_devices:
+      raise ValueError(
+        f"`batch_size` must be divisible by the {self._local_devices} local"
+        f" devices when `paddings` is given, got {settings.batch_size}"
+      )
+    self._source = sources.open_source(source)
+    self._state = self._source.get_state() if self._source.supports_state else None
+    self._position = 0
+    self._pipeline: Any = None
+    self._producer: _Producer | None = None
+    self._closed = False
+    self._exhausted = False
+    self._generation = 0  # Pipeline (re)starts; names exchange keys.
+    self._finalizer = weakref.finalize(self, _shutdown, [None, None])
+
+  # -- pipeline ----------------------------------------------------------------
+
+  def _start(self) -> None:
+    s = self._settings
+    self._generation += 1
+    name = None if s.name is None else f"{s.name}/{self._generation}"
+    exchange = exchange_lib.make_exchange(
+      synchronize=s.synchronize, name=name, timeout_s=s.sync_timeout_s
+    )
+    producer = _Producer(
+      s,
+      self._source,
+      exchange,
+      self._sharding,
+      local_devices=self._local_devices,
+      start_state=self._state,
+      start_position=self._position,
+    )
+    self._producer = producer
+    if s.prefetch > 0:
+      self._pipeline = prefetch_lib.Prefetcher(
+        iter(producer), buffer_size=s.prefetch, on_close=producer.close
+      )
+    else:
+      self._pipeline = iter(producer)
+    self._finalizer.detach()
+    self._finalizer = weakref.finalize(self, _shutdown, [self._pipeline, producer])
+
+  def _stop_pipeline(self) -> None:
+    _shutdown([self._pipeline, self._producer])
+    self._pipeline = None
+    self._producer = None
+
+  def __iter__(self) -> JaxBatchIterator:
+    return self
+
+  def __next__(self) -> Any:
+    if self._closed:
+      raise RuntimeError("the iterator is closed")
+    if self._exhausted:
+      raise StopIteration
+    if self._pipeline is None:
+      self._start()
+    try:
+      item = next(self._pipeline)
+    except BaseException:
+      self._exhausted = True
+      self._stop_pipeline()
+      raise
+    self._state = item.state
+    self._position += 1
+    return item.value
+
+  # -- state -------------------------------------------------------------------
+
+  def get_state(self) -> dict[str, Any]:
+    """The resume state after the last batch this consumer received.
+
+    Returns:
+      A JSON-serialisable dict, per process; restore it with `set_state` in a
+      freshly built iterator on the same process.
+
+    Raises:
+      RuntimeError: If the source cannot report its position.
+    """
+    if not self._source.supports_state:
+      self._source.get_state()  # Raises with the source's description.
+    return {
+      "version": STATE_VERSION,
+      "batches": self._position,
+      "process_index": jax.process_index(),
+      "process_count": jax.process_count(),
+      "source": self._state,
+    }
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Resumes after the batch that `state` was taken at.
+
+    Args:
+      state: A dict from `get_state` on the same process index.
+
+    Raises:
+      ValueError: If the state is from another version, process or process
+        count.
+      RuntimeError: If the source cannot resume.
+    """
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+      raise ValueError(
+        f"`state` must be a dict from JaxBatchIterator.get_state() with"
+        f" version {STATE_VERSION}, got {state!r:.200}"
+      )
+    for key, now in (
+      ("process_count", jax.process_count()),
+      ("process_index", jax.process_index()),
+    ):
+      if state[key] != now:
+        raise ValueError(
+          f"`state` was taken with {key}={state[key]}, but this process has"
+          f" {key}={now}; each process must restore its own state with the"
+          " same process count"
+        )
+    self._stop_pipeline()
+    self._source.set_state(state["source"])
+    self._state = state["source"]
+    self._position = int(state["batches"])
+    self._exhausted = False
+
+  # -- lifetime ----------------------------------------------------------------
+
+  def close(self) -> None:
+    """Stops the prefetch thread and releases the source; idempotent."""
+    if self._closed:
+      return
+    self._closed = True
+    self._stop_pipeline()
+    self._finalizer.detach()
+    self._source.close()
+
+  def __enter__(self) -> JaxBatchIterator:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  @property
+  def sharding(self) -> jax.sharding.Sharding:
+    """The sharding of every yielded leaf."""
+    return self._sharding
+
+
+def _shutdown(parts: list[Any]) -> None:
+  pipeline, producer = parts
+  if producer is not None:
+    producer.close()
+  if isinstance(pipeline, prefetch_lib.Prefetcher):
+    pipeline.close()
+  elif pipeline is not None:
+    close = getattr(pipeline, "close", None)
+    if callable(close):
+      close()
+
+
+def iter_jax_batches(
+  source: Any,
+  *,
+  batch_size: int = 256,
+  drop_last: bool = False,
+  paddings: Any = None,
+  mask_key: str | None = None,
+  dtypes: Any = None,
+  synchronize_batches: bool = True,
+  synchronize_lookahead: int = 10,
+  prefetch_batches: int = 2,
+  sharding: jax.sharding.Sharding | None = None,
+  sync_timeout_s: float = 600.0,
+  name: str | None = None,
+) -> JaxBatchIterator:
+  """Iterates global `jax.Array` batches that every process agrees on.
+
+  Each process passes its own shard of the data. For every batch, all
+  processes agree (in windows of `synchronize_lookahead` batches) on whether
+  there is one and how many rows it has, then each yields the same structure
+  of global arrays whose leading dimension is ``rows * jax.process_count()``,
+  sharded along the 1-D ``"data"`` mesh axis over all devices.
+
+  Rules, identical on every process:
+    * all sources ended: every process stops;
+    * some ended: stop if `drop_last`; else the ended ones yield dummy batches
+      of `paddings` values (all-False mask) if `paddings` is given; else
+      every process raises ValueError;
+    * row counts differ: pad to `batch_size` with `paddings`; with
+      `drop_last` a batch shorter than `batch_size` on any process is dropped
+      on every process; otherwise ValueError with the range of sizes;
+    * batch structure (tree, dtypes, trailing shapes) or settings differ:
+      ValueError naming the processes and columns;
+    * a source raises: that process re-raises its exception, the others raise
+      RuntimeError naming it.
+
+  Args:
+    source: Per-process batches: a sequence or iterable of NumPy arrays or
+      pytrees of them (dicts, lists, tuples), a Grain `DataLoader`,
+      `IterDataset` or `MapDataset`, or a `tf.data.Dataset`.
+    batch_size: Rows per process per batch that padding fills to and
+      `drop_last` compares with.
+    drop_last: Stop when any process runs out; drop batches shorter than
+      `batch_size`.
+    paddings: Fill value for padded rows and dummy batches: a scalar or a dict
+      of column name (or prefix) to scalar. None disables padding.
+    mask_key: If set, dict batches get a boolean ``(rows,)`` column of that
+      name: True for real rows, False for padding and dummy batches.
+    dtypes: Output dtype: one dtype or a dict of column name to dtype.
+      Narrowing casts run on the host before the transfer, widening casts on
+      the device after it.
+    synchronize_batches: Agree across processes (a single process never
+      exchanges anything).
+    synchronize_lookahead: Batches per agreement window.
+    prefetch_batches: Batches prepared ahead in a background thread (0: none).
+    sharding: Sharding of every leaf; default: `default_sharding()`.
+    sync_timeout_s: How long to wait for a peer's report before raising an
+      error that names the missing processes.
+    name: Names the exchange keys; needed only when processes do not create
+      their iterators in the same order.
+
+  Returns:
+    A `JaxBatchIterator`.
+
+  Raises:
+    ValueError: For bad arguments (checked here) and bad data (on iteration,
+      on every process).
+
+  Example:
+
+    >>> batches = [{"x": np.arange(8.0)}, {"x": np.arange(4.0)}]
+    >>> with iter_jax_batches(batches, batch_size=8, paddings=0, mask_key="mask") as it:
+    ...   for batch in it:
+    ...     loss = step(batch["x"], batch["mask"])
+  """
+  for arg, value in (("batch_size", batch_size), ("synchronize_lookahead", synchronize_lookahead)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+  if (
+    isinstance(prefetch_batches, bool)
+    or not isinstance(prefetch_batches, (int, np.integer))
+    or prefetch_batches < 0
+  ):
+    raise ValueError(f"`prefetch_batches` must be an int >= 0, got {prefetch_batches!r}")
+  if mask_key is not None and not isinstance(mask_key, str):
+    raise ValueError(f"`mask_key` must be a str or None, got {mask_key!r}")
+  if not sync_timeout_s > 0:
+    raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
+  settings = Settings(
+    batch_size=int(batch_size),
+    drop_last=bool(drop_last),
+    paddings=paddings,
+    mask_key=mask_key,
+    dtypes=dtypes,
+    synchronize=bool(synchronize_batches),
+    lookahead=int(synchronize_lookahead),
+    prefetch=int(prefetch_batches),
+    sync_timeout_s=float(sync_timeout_s),
+    name=name,
+  )
+  return JaxBatchIterator(source, settings=settings, sharding=sharding)

@@ -1,0 +1,62 @@
+"""The interface every source adapter implements."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+
+class SourceIterator:
+  """A per-host batch iterator with optional exact resume.
+
+  Subclasses implement `__next__` and, where the source can resume, set
+  `supports_state` and implement `get_state`/`set_state` with JSON values.
+  """
+
+  supports_state: bool = False
+  description: str = "source"
+
+  def __iter__(self) -> SourceIterator:
+    return self
+
+  def __next__(self) -> Any:
+    raise NotImplementedError
+
+  def get_state(self) -> Any:
+    raise RuntimeError(
+      f"{self.description} cannot report its position, so the iterator"
+      " cannot be checkpointed. Use a Grain DataLoader or dataset, a"
+      " sequence (list) of batches, or an iterator with get_state() and"
+      " set_state()."
+    )
+
+  def set_state(self, state: Any) -> None:
+    del state
+    self.get_state()
+
+  def close(self) -> None:
+    pass
+
+
+def encode_state(state: Any) -> Any:
+  """Makes a source state JSON-serialisable (bytes -> base64)."""
+  if isinstance(state, (bytes, bytearray)):
+    return {"__bytes_b64__": base64.b64encode(bytes(state)).decode("ascii")}
+  return state
+
+
+def decode_state(state: Any) -> Any:
+  if isinstance(state, dict) and set(state) == {"__bytes_b64__"}:
+    return base64.b64decode(state["__bytes_b64__"])
+  return state
+
+
+def check_json(state: Any, description: str) -> None:
+  try:
+    json.dumps(state)
+  except (TypeError, ValueError) as e:
+    raise RuntimeError(
+      f"the state of {description} is not JSON-serialisable ({e}); wrap the"
+      " source so that get_state() returns JSON values"
+    ) from e

@@ -1,0 +1,85 @@
+"""Plain Python sources: sequences (resumable by index) and any iterable."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync._src.sources import base
+
+
+class SequenceSource(base.SourceIterator):
+  """A sequence of batches, read in order; the state is the next index."""
+
+  supports_state = True
+
+  def __init__(self, seq: Sequence[Any]):
+    self._seq = seq
+    self._i = 0
+    self.description = f"a {type(seq).__name__} of {len(seq)} batches"
+
+  def __next__(self) -> Any:
+    if self._i >= len(self._seq):
+      raise StopIteration
+    item = self._seq[self._i]
+    self._i += 1
+    return item
+
+  def get_state(self) -> Any:
+    return {"index": self._i}
+
+  def set_state(self, state: Any) -> None:
+    index = int(state["index"])
+    if not 0 <= index <= len(self._seq):
+      raise ValueError(f"state index {index} is outside the sequence of {len(self._seq)} batches")
+    self._i = index
+
+
+class IteratorSource(base.SourceIterator):
+  """Any iterable. Resumable when its iterator has get_state/set_state."""
+
+  def __init__(self, iterable: Iterable[Any]):
+    self._it = iter(iterable)
+    self.supports_state = callable(getattr(self._it, "get_state", None)) and callable(
+      getattr(self._it, "set_state", None)
+    )
+    self.description = f"an iterator of type {type(self._it).__qualname__}"
+    self._checked = False
+
+  def __next__(self) -> Any:
+    return next(self._it)
+
+  def get_state(self) -> Any:
+    if not self.supports_state:
+      return super().get_state()
+    state = base.encode_state(self._it.get_state())
+    if not self._checked:
+      base.check_json(state, self.description)
+      self._checked = True
+    return state
+
+  def set_state(self, state: Any) -> None:
+    if not self.supports_state:
+      super().set_state(state)
+      return
+    self._it.set_state(base.decode_state(state))
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if callable(close):
+      close()
+
+
+def open_iterable(source: Any) -> base.SourceIterator:
+  if isinstance(source, Sequence) and not isinstance(source, (str, bytes, np.ndarray)):
+    return SequenceSource(source)
+  if isinstance(source, (str, bytes)):
+    raise ValueError(f"`source` must be an iterable of batches, got a {type(source).__name__}")
+  try:
+    return IteratorSource(source)
+  except TypeError as e:
+    raise ValueError(
+      f"`source` must be an iterable of batches, got {type(source).__qualname__}"
+    ) from e

@@ -1,0 +1,317 @@
+"""Local multi-host simulator: N real JAX processes x D CPU devices on loopback.
+
+Each process is a fresh Python interpreter with
+``XLA_FLAGS=--xla_force_host_platform_device_count=D``, joined to its peers by
+``jax.distributed.initialize`` on 127.0.0.1 with gloo CPU collectives. Nothing
+is mocked: ``jax.process_count()``, the coordination service's key-value store
+and the collectives are the real ones. A run that does not finish within
+``timeout_s`` is killed and reported as a ``TimeoutError``, so a hang fails a
+test instead of stalling it.
+
+Example:
+
+  # scenarios.py (importable by file path; module-level functions only)
+  def scenario():
+    import jax
+    return jax.process_index(), jax.device_count()
+
+  outcomes = grain_jax_sync.testing.run_processes(
+      scenario, num_processes=2, devices_per_process=4)
+  assert [o.value for o in outcomes] == [(0, 8), (1, 8)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["ProcessOutcome", "run_processes", "values"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessOutcome:
+  """What one simulated host did.
+
+  Attributes:
+    process_index: ``jax.process_index()`` of the process.
+    value: The scenario's return value, or None when it raised.
+    error_type: Qualified name of the exception the scenario raised, if any.
+    error_message: ``str()`` of that exception.
+    traceback: Formatted traceback of that exception.
+    exit_code: The interpreter's exit code (-9 for SIGKILL).
+    elapsed_s: Seconds the scenario function ran (NaN if it never returned).
+    log: The last 4,000 characters of the process's stderr.
+  """
+
+  process_index: int
+  value: Any = None
+  error_type: str | None = None
+  error_message: str | None = None
+  traceback: str | None = None
+  exit_code: int | None = None
+  elapsed_s: float = float("nan")
+  log: str = ""
+
+  @property
+  def ok(self) -> bool:
+    return self.error_type is None and self.exit_code == 0
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
+  qualname = fn.__qualname__
+  if "<locals>" in qualname or "<lambda>" in qualname:
+    raise ValueError(
+      f"`fn` must be a module-level function so that every process can import it, got {qualname!r}"
+    )
+  module = fn.__module__
+  path = os.path.abspath(inspect.getfile(fn))
+  if module in ("__main__", None) or module.startswith("__gjs"):
+    return {"file": path, "qualname": qualname}
+  # The directory that makes `module` importable by its dotted name.
+  root = os.path.dirname(path)
+  for _ in range(module.count(".")):
+    root = os.path.dirname(root)
+  return {"module": module, "root": root, "file": path, "qualname": qualname}
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError:
+    return ""
+  return data[-limit:].decode("utf-8", "replace")
+
+
+def run_processes(
+  fn: Callable[..., Any],
+  *,
+  num_processes: int,
+  devices_per_process: int = 1,
+  args: Sequence[Any] = (),
+  kwargs: Mapping[str, Any] | None = None,
+  per_process_kwargs: Sequence[Mapping[str, Any]] | None = None,
+  timeout_s: float = 120.0,
+  heartbeat_timeout_s: int = 100,
+  env: Mapping[str, str] | None = None,
+) -> list[ProcessOutcome]:
+  """Runs ``fn(*args, **kwargs)`` in `num_processes` real JAX processes.
+
+  Args:
+    fn: A module-level function. It is imported in every process by module
+      name or, failing that, by file path; it runs after
+      ``jax.distributed.initialize`` (skipped when `num_processes` is 1).
+    num_processes: How many processes (simulated hosts) to start.
+    devices_per_process: Forced CPU devices per process.
+    args: Positional arguments for `fn`; must pickle.
+    kwargs: Keyword arguments for `fn` in every process; must pickle.
+    per_process_kwargs: Optional extra keyword arguments, one mapping per
+      process, merged over `kwargs`.
+    timeout_s: Wall-clock bound for the whole run. Past it every process is
+      killed and ``TimeoutError`` is raised with each process's log tail.
+    heartbeat_timeout_s: Passed to ``jax.distributed.initialize``.
+    env: Extra environment variables for every process.
+
+  Returns:
+    One ``ProcessOutcome`` per process, in process-index order.
+
+  Raises:
+    TimeoutError: When the run does not finish within `timeout_s`.
+    ValueError: For bad arguments.
+  """
+  if num_processes < 1:
+    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
+  if devices_per_process < 1:
+    raise ValueError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
+  if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
+    raise ValueError(
+      f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
+    )
+  spec = _function_spec(fn)
+  port = _free_port()
+  workdir = tempfile.mkdtemp(prefix="gjs_sim_")
+  procs: list[subprocess.Popen[bytes]] = []
+  paths = []
+  base_env = dict(os.environ)
+  base_env.update(env or {})
+  base_env["XLA_FLAGS"] = (
+    base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices_per_process}"
+  ).strip()
+  base_env["JAX_PLATFORMS"] = "cpu"
+  base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  base_env.setdefault("PYTHONUNBUFFERED", "1")
+  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  base_env["PYTHONPATH"] = os.pathsep.join(
+    [pkg_root] + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  )
+  for i in range(num_processes):
+    kw = dict(kwargs or {})
+    if per_process_kwargs is not None:
+      kw.update(per_process_kwargs[i])
+    job = {
+      "fn": spec,
+      "args": tuple(args),
+      "kwargs": kw,
+      "process_id": i,
+      "num_processes": num_processes,
+      "coordinator": f"127.0.0.1:{port}",
+      "heartbeat_timeout_s": heartbeat_timeout_s,
+      "result": os.path.join(workdir, f"result_{i}.pkl"),
+    }
+    job_path = os.path.join(workdir, f"job_{i}.pkl")
+    with open(job_path, "wb") as f:
+      pickle.dump(job, f)
+    log_path = os.path.join(workdir, f"log_{i}.txt")
+    paths.append((job["result"], log_path))
+    log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, "-m", "grain_jax_sync.testing", job_path],
+        env=base_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+      )
+    )
+    log.close()
+  deadline = time.monotonic() + timeout_s
+  timed_out = False
+  for p in procs:
+    remaining = deadline - time.monotonic()
+    try:
+      p.wait(timeout=max(remaining, 0.01))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      break
+  if timed_out:
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        p.wait()
+    tails = "\n".join(
+      f"--- process {i} (exit {procs[i].returncode}) ---\n{_tail(log, 2000)}"
+      for i, (_, log) in enumerate(paths)
+    )
+    raise TimeoutError(
+      f"{num_processes} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
+    )
+  outcomes = []
+  for i, (result_path, log_path) in enumerate(paths):
+    payload: dict[str, Any] = {}
+    if os.path.exists(result_path):
+      with open(result_path, "rb") as f:
+        payload = pickle.load(f)
+    outcomes.append(
+      ProcessOutcome(
+        process_index=i,
+        exit_code=procs[i].returncode,
+        log=_tail(log_path),
+        **payload,
+      )
+    )
+  return outcomes
+
+
+def values(outcomes: Sequence[ProcessOutcome]) -> list[Any]:
+  """Returns each process's value; raises if any process failed."""
+  bad = [o for o in outcomes if not o.ok]
+  if bad:
+    o = bad[0]
+    raise AssertionError(
+      f"process {o.process_index} failed (exit {o.exit_code}):"
+      f" {o.error_type}: {o.error_message}\n{o.traceback or ''}\n{o.log}"
+    )
+  return [o.value for o in outcomes]
+
+
+def _load(spec: Mapping[str, str]) -> Callable[..., Any]:
+  obj: Any = None
+  if "module" in spec:
+    if spec["root"] not in sys.path:
+      sys.path.insert(0, spec["root"])
+    try:
+      obj = importlib.import_module(spec["module"])
+    except ImportError:
+      obj = None
+  if obj is None:
+    path = spec["file"]
+    name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    obj = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = obj
+    module_spec.loader.exec_module(obj)
+  for part in spec["qualname"].split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def _worker(job_path: str) -> None:
+  with open(job_path, "rb") as f:
+    job = pickle.load(f)
+  payload: dict[str, Any] = {}
+  code = 0
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    jax.config.update("jax_platforms", "cpu")
+    if job["num_processes"] > 1:
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.distributed.initialize(
+        coordinator_address=job["coordinator"],
+        num_processes=job["num_processes"],
+        process_id=job["process_id"],
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=job["heartbeat_timeout_s"],
+      )
+    fn = _load(job["fn"])
+    start = time.monotonic()
+    try:
+      payload["value"] = fn(*job["args"], **job["kwargs"])
+    finally:
+      payload["elapsed_s"] = time.monotonic() - start
+  except BaseException as e:  # noqa: BLE001 - reported to the parent.
+    payload["value"] = None
+    payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
+    payload["error_message"] = str(e)
+    payload["traceback"] = traceback.format_exc()
+  try:
+    with open(job["result"] + ".tmp", "wb") as f:
+      pickle.dump(payload, f)
+  except Exception:  # noqa: BLE001 - an unpicklable value.
+    payload["value"] = repr(payload.get("value"))
+    with open(job["result"] + ".tmp", "wb") as f:
+      pickle.dump(payload, f)
+  os.replace(job["result"] + ".tmp", job["result"])
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Skip jax.distributed's shutdown barrier: a peer that failed or was killed
+  # would hold every other process there for the shutdown timeout.
+  os._exit(code)
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1])

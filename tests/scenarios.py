@@ -1,0 +1,75 @@
+"""Scenario functions that run inside simulated hosts (module level, importable).
+
+Each returns plain Python/NumPy values that pickle back to the test. Rows encode
+where they came from: value = 1000 * process + 10 * source batch + row, so a
+test can say exactly which real row landed where.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+def rows_for(process: int, batch: int, n: int) -> np.ndarray:
+  return 1000 * process + 10 * batch + np.arange(n, dtype=np.int64)
+
+
+def make_batches(process: int, sizes: list[int], *, extra: bool = True) -> list[dict[str, np.ndarray]]:
+  """Dict batches {"x": int32 ids, "y": float32 (n, 2)} with given row counts."""
+  out = []
+  for b, n in enumerate(sizes):
+    x = rows_for(process, b, n).astype(np.int32)
+    batch = {"x": x}
+    if extra:
+      batch["y"] = np.stack([x, -x], axis=1).astype(np.float32)
+    out.append(batch)
+  return out
+
+
+def gather(tree: Any) -> Any:
+  """Every leaf of a batch of global arrays as one host NumPy array."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  return jax.tree_util.tree_map(
+      lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree
+  )
+
+
+def consume(it, limit: int | None = None) -> dict[str, Any]:
+  """Drains `it`, gathering every batch; records the error if one is raised."""
+  out: dict[str, Any] = {"batches": [], "error": None, "error_type": None}
+  start = time.monotonic()
+  try:
+    for i, batch in enumerate(it):
+      out["batches"].append(gather(batch))
+      if limit is not None and i + 1 >= limit:
+        break
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out["error"] = str(e)
+    out["error_type"] = type(e).__name__
+  out["elapsed_s"] = time.monotonic() - start
+  return out
+
+
+def run_iter(per_process_sizes: list[list[int]], kwargs: dict[str, Any], *, limit: int | None = None, compat: bool = False) -> dict[str, Any]:
+  """Runs iter_jax_batches (or jax_sync_generator) over `make_batches`."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = make_batches(p, per_process_sizes[p])
+  if compat:
+    it = gjs.jax_sync_generator(data, **kwargs)
+  else:
+    it = gjs.iter_jax_batches(data, **kwargs)
+  result = consume(it, limit)
+  if not compat:
+    it.close()
+  result["local_devices"] = jax.local_device_count()
+  result["process_count"] = jax.process_count()
+  return result
