@@ -112,6 +112,7 @@ def run_processes(
   per_process_kwargs: Sequence[Mapping[str, Any]] | None = None,
   timeout_s: float = 120.0,
   heartbeat_timeout_s: int = 100,
+  exit_barrier_timeout_s: float = 30.0,
   env: Mapping[str, str] | None = None,
 ) -> list[ProcessOutcome]:
   """Runs ``fn(*args, **kwargs)`` in `num_processes` real JAX processes.
@@ -129,6 +130,10 @@ def run_processes(
     timeout_s: Wall-clock bound for the whole run. Past it every process is
       killed and ``TimeoutError`` is raised with each process's log tail.
     heartbeat_timeout_s: Passed to ``jax.distributed.initialize``.
+    exit_barrier_timeout_s: After `fn` returns or raises, each process waits
+      up to this long at a barrier for its peers before exiting, so that no
+      process tears down a collective a peer is still in. 0 skips the barrier
+      (a process killed mid-run makes its peers wait the full timeout).
     env: Extra environment variables for every process.
 
   Returns:
@@ -175,6 +180,7 @@ def run_processes(
       "num_processes": num_processes,
       "coordinator": f"127.0.0.1:{port}",
       "heartbeat_timeout_s": heartbeat_timeout_s,
+      "exit_barrier_timeout_s": exit_barrier_timeout_s,
       "result": os.path.join(workdir, f"result_{i}.pkl"),
     }
     job_path = os.path.join(workdir, f"job_{i}.pkl")
@@ -298,6 +304,17 @@ def _worker(job_path: str) -> None:
     payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
     payload["error_message"] = str(e)
     payload["traceback"] = traceback.format_exc()
+  if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
+    # Wait for every peer before exiting: a process that exits while a peer is
+    # still inside a gloo collective with it resets that peer's connection.
+    try:
+      from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
+      distributed.global_state.client.wait_at_barrier(
+        "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
+      )
+    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
+      pass
   try:
     with open(job["result"] + ".tmp", "wb") as f:
       pickle.dump(payload, f)
