@@ -304,17 +304,6 @@ def _worker(job_path: str) -> None:
     payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
     payload["error_message"] = str(e)
     payload["traceback"] = traceback.format_exc()
-  if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
-    # Wait for every peer before exiting: a process that exits while a peer is
-    # still inside a gloo collective with it resets that peer's connection.
-    try:
-      from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-      distributed.global_state.client.wait_at_barrier(
-        "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
-      )
-    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
-      pass
   try:
     with open(job["result"] + ".tmp", "wb") as f:
       pickle.dump(payload, f)
@@ -325,8 +314,23 @@ def _worker(job_path: str) -> None:
   os.replace(job["result"] + ".tmp", job["result"])
   sys.stdout.flush()
   sys.stderr.flush()
-  # Skip jax.distributed's shutdown barrier: a peer that failed or was killed
-  # would hold every other process there for the shutdown timeout.
+  if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
+    # Leave together: a process that exits while a peer is still inside a gloo
+    # collective resets the peer's connection, and process 0 hosts the
+    # coordination service that the others need until they shut down.
+    try:
+      from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
+      distributed.global_state.client.wait_at_barrier(
+        "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
+      )
+      import jax  # pylint: disable=g-import-not-at-top
+
+      jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
+      pass
+  # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
+  # was killed would hold every other process there for the shutdown timeout.
   os._exit(code)
 
 

@@ -17,7 +17,9 @@ def rows_for(process: int, batch: int, n: int) -> np.ndarray:
   return 1000 * process + 10 * batch + np.arange(n, dtype=np.int64)
 
 
-def make_batches(process: int, sizes: list[int], *, extra: bool = True) -> list[dict[str, np.ndarray]]:
+def make_batches(
+  process: int, sizes: list[int], *, extra: bool = True
+) -> list[dict[str, np.ndarray]]:
   """Dict batches {"x": int32 ids, "y": float32 (n, 2)} with given row counts."""
   out = []
   for b, n in enumerate(sizes):
@@ -35,7 +37,7 @@ def gather(tree: Any) -> Any:
   from jax.experimental import multihost_utils
 
   return jax.tree_util.tree_map(
-      lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree
+    lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree
   )
 
 
@@ -55,7 +57,13 @@ def consume(it, limit: int | None = None) -> dict[str, Any]:
   return out
 
 
-def run_iter(per_process_sizes: list[list[int]], kwargs: dict[str, Any], *, limit: int | None = None, compat: bool = False) -> dict[str, Any]:
+def run_iter(
+  per_process_sizes: list[list[int]],
+  kwargs: dict[str, Any],
+  *,
+  limit: int | None = None,
+  compat: bool = False,
+) -> dict[str, Any]:
   """Runs iter_jax_batches (or jax_sync_generator) over `make_batches`."""
   import jax
 
@@ -73,3 +81,81 @@ def run_iter(per_process_sizes: list[list[int]], kwargs: dict[str, Any], *, limi
   result["local_devices"] = jax.local_device_count()
   result["process_count"] = jax.process_count()
   return result
+
+
+class FailingSource:
+  """Yields `good` batches, then raises KeyError (a source failure)."""
+
+  def __init__(self, batches, good: int):
+    self._batches = batches
+    self._good = good
+
+  def __iter__(self):
+    for i, b in enumerate(self._batches):
+      if i == self._good:
+        raise KeyError(f"record {i} is missing")
+      yield b
+
+
+def run_failing(
+  sizes: list[list[int]], fail_at: dict[int, int], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+  """Process p's source raises at batch fail_at[p] (if given)."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = make_batches(p, sizes[p])
+  source = FailingSource(data, fail_at[p]) if p in fail_at else data
+  with gjs.iter_jax_batches(source, **kwargs) as it:
+    return consume(it)
+
+
+def structured_batches(process: int, variant: str, n_batches: int = 2) -> list[Any]:
+  """Batches whose structure depends on `variant` (per process)."""
+  out = []
+  for b in range(n_batches):
+    x = rows_for(process, b, 4).astype(np.int32)
+    if variant == "nested":
+      out.append({"a": {"ids": x, "pair": (x * 2, x.astype(np.float32)[:, None])}, "b": [x + 1]})
+    elif variant == "extra_column":
+      out.append({"x": x, "extra": x})
+    elif variant == "float":
+      out.append({"x": x.astype(np.float32)})
+    else:
+      out.append({"x": x})
+  return out
+
+
+def run_structured(variant_by_process: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = structured_batches(p, variant_by_process[p])
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    return consume(it)
+
+
+def run_resume(sizes: list[list[int]], kwargs: dict[str, Any], k: int) -> dict[str, Any]:
+  """An uninterrupted run vs state after k batches restored in a fresh iterator."""
+  import json
+
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = make_batches(p, sizes[p])
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    full = consume(it)
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    first = consume(it, limit=k)
+    state = json.loads(json.dumps(it.get_state()))
+    # Prefetched-but-unconsumed batches must not leak into the state.
+  with gjs.iter_jax_batches(data, **kwargs) as it2:
+    it2.set_state(state)
+    rest = consume(it2)
+  return {"full": full, "first": first, "rest": rest, "state": state}

@@ -222,7 +222,8 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
           End.RAISE,
           _value_error(
             f"uneven number of batches: {_fmt(out)} ran out of data at"
-            f" batch {index} while {_fmt(left)} still have batches. Set"
+            f" batch {index} while {_fmt(left)}"
+            f" {'still has' if len(left) == 1 else 'still have'} batches. Set"
             " `drop_last=True` to stop at the shortest host, or pass"
             " `paddings` to fill the missing batches with masked dummy"
             " batches"

@@ -1,0 +1,92 @@
+"""Batch flattening, validation and signatures (pure NumPy)."""
+
+import collections
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from grain_jax_sync._src import batches
+
+Point = collections.namedtuple("Point", ["a", "b"])
+
+
+@pytest.mark.parametrize(
+  "batch",
+  [
+    np.arange(4),
+    {"x": np.arange(4), "y": {"z": np.ones((4, 2))}},
+    (np.arange(4), [np.arange(4), np.zeros(4)]),
+    {"p": Point(np.arange(4), np.arange(4.0))},
+  ],
+)
+def test_flatten_unflatten_round_trip(batch):
+  leaves, names, spec = batches.flatten(batch)
+  rebuilt = batches.unflatten(spec, leaves)
+  assert type(rebuilt) is type(batch)
+  l2, n2, s2 = batches.flatten(rebuilt)
+  assert n2 == names and s2 == spec
+  for a, b in zip(leaves, l2):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_flatten_names_are_paths_in_sorted_key_order():
+  _, names, _ = batches.flatten({"b": np.zeros(1), "a": {"d": np.zeros(1), "c": (np.zeros(1),)}})
+  assert names == ["a/c/0", "a/d", "b"]
+
+
+def test_validate_rows_and_signature():
+  hb = batches.validate(
+    {"x": np.zeros((4, 3), np.float32), "m": np.ones(4, bool)}, process_index=0, batch_index=0
+  )
+  assert hb.rows == 4
+  assert hb.signature.dtypes == ("bool", "float32") and hb.signature.shapes == ((), (3,))
+
+
+def test_validate_big_endian_becomes_native_and_bfloat16_is_numeric():
+  hb = batches.validate(
+    {"be": np.arange(4, dtype=">i4"), "bf": np.ones(4, ml_dtypes.bfloat16)},
+    process_index=0,
+    batch_index=0,
+  )
+  assert hb.leaves[0].dtype.isnative and list(hb.leaves[0]) == [0, 1, 2, 3]
+  assert hb.signature.dtypes[1] == "bfloat16"
+
+
+def test_validate_list_of_numbers_is_one_leaf():
+  hb = batches.validate({"x": [1, 2, 3]}, process_index=0, batch_index=0)
+  assert hb.rows == 3 and hb.leaves[0].tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+  ("batch", "match"),
+  [
+    ({"s": np.array(["a", "b"])}, r"process 1, batch 5, column 's': a string array"),
+    ({"o": np.array([object(), 1], dtype=object)}, r"column 'o': an object array"),
+    ({"r": np.zeros(2, dtype=[("a", "i4")])}, r"column 'r': a structured array"),
+    ({"z": np.float32(1.0)}, r"column 'z': 0-d leaf"),
+    ({"n": None}, r"column 'n': leaf is None"),
+    (
+      {"a": np.zeros(3), "b": np.zeros(2)},
+      r"process 1, batch 5: leaves have different leading sizes \('a': 3, 'b': 2\)",
+    ),
+    ({"l": [[1, 2], [3]]}, r"column 'l': cannot convert"),
+    ({"t": "text"}, r"column 't': leaf is a Python str"),
+  ],
+)
+def test_validate_bad_leaf_names_process_batch_and_column(batch, match):
+  with pytest.raises(ValueError, match=match):
+    batches.validate(batch, process_index=1, batch_index=5)
+
+
+def test_signature_json_round_trip_and_diff():
+  hb = batches.validate({"x": np.zeros((2, 3), np.float32)}, process_index=0, batch_index=0)
+  sig = hb.signature
+  assert batches.Signature.from_json(sig.to_json()) == sig
+  other = batches.validate(
+    {"x": np.zeros((2, 4), np.int32), "y": np.zeros(2)}, process_index=0, batch_index=0
+  ).signature
+  d = batches.diff(sig, other)
+  assert "columns only in the second: ['y']" in d
+  assert "column 'x': dtype float32 vs int32" in d
+  assert "column 'x': trailing shape (3,) vs (4,)" in d

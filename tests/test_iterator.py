@@ -1,0 +1,387 @@
+"""The core engine across real JAX processes: every rule of iter_jax_batches.
+
+Topologies: 1 process x 8 devices (in-process, see conftest.py), 2 processes x
+4 devices and 4 processes x 2 devices (real processes joined by
+jax.distributed with gloo). Every check reads the rows of the global arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import scenarios
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+MULTI = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
+TIMEOUT = 180
+
+
+def run(fn, n, d, *args):
+  return testing.run_processes(
+    fn, num_processes=n, devices_per_process=d, args=args, timeout_s=TIMEOUT
+  )
+
+
+def expected_x(sizes, out_index_to_source, target, pad):
+  """Global 'x' for one output batch: per process its rows padded to target."""
+  parts = []
+  for p, src in enumerate(out_index_to_source):
+    rows = np.full(target, pad, np.int64)
+    if src is not None:
+      n = sizes[p][src]
+      rows[:n] = scenarios.rows_for(p, src, n)
+    parts.append(rows)
+  return np.concatenate(parts)
+
+
+# -- equal batches ---------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_equal_batches_rows_in_process_order(n, d):
+  sizes = [[8, 8, 8]] * n
+  for out in testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8})):
+    assert out["error"] is None and len(out["batches"]) == 3
+    for b, batch in enumerate(out["batches"]):
+      want = expected_x(sizes, [b] * n, 8, 0)
+      np.testing.assert_array_equal(batch["x"], want)
+      np.testing.assert_array_equal(batch["y"], np.stack([want, -want], 1).astype(np.float32))
+      assert batch["x"].dtype == np.int32
+
+
+def test_single_process_takes_the_no_exchange_fast_path():
+  from grain_jax_sync._src import exchange
+
+  ex = exchange.make_exchange(synchronize=True, name=None, timeout_s=1.0)
+  assert isinstance(ex, exchange.LocalExchange)
+  assert ex.all_gather(0, "report") == ["report"]
+
+
+def test_single_process_yields_rows_and_structure():
+  data = scenarios.make_batches(0, [8, 16])
+  with gjs.iter_jax_batches(data, batch_size=16) as it:
+    out = list(it)
+  assert [o["x"].shape for o in out] == [(8,), (16,)]
+  np.testing.assert_array_equal(np.asarray(out[1]["x"]), scenarios.rows_for(0, 1, 16))
+  assert out[1]["y"].sharding.spec == gjs.default_sharding().spec
+  assert len(out[1]["x"].addressable_shards) == 8
+
+
+# -- uneven numbers of batches -----------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_uneven_counts_with_paddings_yield_masked_dummies(n, d):
+  sizes = [[8, 8, 4]] + [[8]] * (n - 1)
+  kwargs = {"batch_size": 8, "paddings": {"x": -1, "y": 0.5}, "mask_key": "mask"}
+  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+    assert out["error"] is None and len(out["batches"]) == 3
+    for b, batch in enumerate(out["batches"]):
+      src = [b] + [b if b == 0 else None] * (n - 1)
+      want = expected_x(sizes, src, 8, -1)
+      np.testing.assert_array_equal(batch["x"], want)
+      real = np.concatenate(
+        [np.arange(8) < (sizes[p][s] if s is not None else 0) for p, s in enumerate(src)]
+      )
+      np.testing.assert_array_equal(batch["mask"], real)
+      np.testing.assert_array_equal(
+        batch["y"][~real], np.full((int((~real).sum()), 2), 0.5, np.float32)
+      )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_uneven_counts_with_drop_last_stop_at_shortest(n, d):
+  sizes = [[8, 8, 8]] + [[8, 8]] * (n - 1)
+  for out in testing.values(
+    run(scenarios.run_iter, n, d, sizes, {"batch_size": 8, "drop_last": True})
+  ):
+    assert out["error"] is None and len(out["batches"]) == 2
+    np.testing.assert_array_equal(out["batches"][1]["x"], expected_x(sizes, [1] * n, 8, 0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_uneven_counts_without_options_raise_on_every_host(n, d):
+  sizes = [[8, 8]] + [[8]] * (n - 1)
+  outs = testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8}))
+  for out in outs:
+    assert out["error_type"] == "ValueError"
+    assert "ran out of data at batch 1 while process 0 still has batches" in out["error"]
+    assert len(out["batches"]) == 1
+  assert len({o["error"] for o in outs}) == 1
+
+
+# -- uneven row counts ---------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_uneven_rows_padded_to_batch_size_and_masked(n, d):
+  sizes = [[8, 6 - 2 * (p % 2)] for p in range(n)]
+  kwargs = {"batch_size": 8, "paddings": 0, "mask_key": "mask"}
+  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+    last = out["batches"][1]
+    np.testing.assert_array_equal(last["x"], expected_x(sizes, [1] * n, 8, 0))
+    want_mask = np.concatenate([np.arange(8) < sizes[p][1] for p in range(n)])
+    np.testing.assert_array_equal(last["mask"], want_mask)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_uneven_rows_without_paddings_raise_range(n, d):
+  sizes = [[8]] + [[4]] * (n - 1)
+  for out in testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8})):
+    assert out["error_type"] == "ValueError"
+    assert "host batch sizes range from 4 to 8" in out["error"]
+
+
+@pytest.mark.multiprocess
+def test_rows_not_divisible_by_local_devices_raise_everywhere():
+  outs = testing.values(run(scenarios.run_iter, 2, 4, [[6], [6]], {"batch_size": 8}))
+  for out in outs:
+    assert out["error_type"] == "ValueError"
+    assert "6 rows per host, not divisible by the 4 local devices" in out["error"]
+
+
+def test_single_process_rows_not_divisible_raise():
+  with pytest.raises(ValueError, match="6 rows per host, not divisible by the 8 local devices"):
+    list(gjs.iter_jax_batches(scenarios.make_batches(0, [6]), batch_size=8))
+
+
+# -- the reference's defects ---------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_drop_last_without_sync_drops_short_final_batch_two_hosts():
+  sizes = [[8, 8, 5], [8, 8, 3]]
+  kwargs = {"drop_last": True, "batch_size": 8, "synchronize_batches": False}
+  for out in testing.values(
+    testing.run_processes(
+      scenarios.run_iter,
+      num_processes=2,
+      devices_per_process=4,
+      args=(sizes, kwargs),
+      kwargs={"compat": True},
+      timeout_s=TIMEOUT,
+    )
+  ):
+    assert out["error"] is None and len(out["batches"]) == 2
+    np.testing.assert_array_equal(out["batches"][1]["x"], expected_x(sizes, [1, 1], 8, 0))
+
+
+def test_drop_last_without_sync_drops_short_final_batch_one_host():
+  out = list(
+    gjs.jax_sync_generator(scenarios.make_batches(0, [8, 8, 5]), drop_last=True, batch_size=8)
+  )
+  assert len(out) == 2
+  np.testing.assert_array_equal(np.asarray(out[1]["x"]), scenarios.rows_for(0, 1, 8))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  ("variants", "needle"),
+  [
+    (["plain", "extra_column"], "columns only in the second: ['extra']"),
+    (["plain", "float"], "column 'x': dtype int32 vs float32"),
+  ],
+)
+def test_structure_mismatch_raises_naming_processes_and_columns(variants, needle):
+  outs = testing.values(run(scenarios.run_structured, 2, 4, variants, {"batch_size": 4}))
+  for out in outs:
+    assert out["error_type"] == "ValueError"
+    assert "processes 0 and 1 yield batches of different structure" in out["error"]
+    assert needle in out["error"]
+    assert out["batches"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_empty_host_with_paddings_builds_dummies_from_peer_structure(n, d):
+  sizes = [[8, 8]] + [[]] * (n - 1)
+  kwargs = {"batch_size": 8, "paddings": {"x": -7, "y": 0}, "mask_key": "mask"}
+  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+    assert out["error"] is None and len(out["batches"]) == 2
+    for b, batch in enumerate(out["batches"]):
+      np.testing.assert_array_equal(batch["x"], expected_x(sizes, [b] + [None] * (n - 1), 8, -7))
+      np.testing.assert_array_equal(batch["mask"], np.arange(8 * n) < 8)
+      assert batch["y"].shape == (8 * n, 2)
+
+
+@pytest.mark.multiprocess
+def test_empty_host_compat_generator_synchronized():
+  sizes = [[8], []]
+  kwargs = {"drop_last": False, "batch_size": 8, "paddings": 0, "synchronize_batches": True}
+  outs = testing.values(
+    testing.run_processes(
+      scenarios.run_iter,
+      num_processes=2,
+      devices_per_process=4,
+      args=(sizes, kwargs),
+      kwargs={"compat": True},
+      timeout_s=TIMEOUT,
+    )
+  )
+  for out in outs:
+    assert out["error"] is None and len(out["batches"]) == 1
+    np.testing.assert_array_equal(out["batches"][0]["x"], expected_x(sizes, [0, None], 8, 0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_source_failure_raises_promptly_on_every_host(n, d):
+  sizes = [[8, 8, 8]] * n
+  outs = testing.values(
+    run(scenarios.run_failing, n, d, sizes, {1: 2}, {"batch_size": 8, "synchronize_lookahead": 10})
+  )
+  assert outs[1]["error_type"] == "KeyError" and "record 2 is missing" in outs[1]["error"]
+  for p, out in enumerate(outs):
+    assert len(out["batches"]) == 2  # Batches before the failure, on every host.
+    assert out["elapsed_s"] < 60
+    if p != 1:
+      assert out["error_type"] == "RuntimeError"
+      assert "process 1 failed while reading batch 2 from its source: KeyError" in out["error"]
+
+
+def test_paddings_batch_size_not_divisible_checked_before_first_batch():
+  with pytest.raises(
+    ValueError,
+    match="`batch_size` must be divisible by the 8 local devices when `paddings` is given, got 6",
+  ):
+    gjs.iter_jax_batches([], batch_size=6, paddings=0)
+  gen = gjs.jax_sync_generator([{"x": np.zeros(8)}], drop_last=False, batch_size=6, paddings=0)
+  with pytest.raises(ValueError, match="got 6"):
+    next(gen)
+
+
+# -- dtypes, pytrees, mask -----------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_dtypes_per_column_across_hosts():
+  sizes = [[8], [8]]
+  kwargs = {"batch_size": 8, "dtypes": {"x": "int16", "y": "bfloat16"}}
+  for out in testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs)):
+    batch = out["batches"][0]
+    assert batch["x"].dtype == np.int16 and batch["y"].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(batch["x"], expected_x(sizes, [0, 0], 8, 0))
+
+
+def test_dtypes_scalar_and_bare_array_batches():
+  data = [np.arange(8, dtype=np.float64).reshape(8, 1) for _ in range(2)]
+  out = list(gjs.iter_jax_batches(data, batch_size=8, dtypes="float16"))
+  assert out[0].dtype == np.float16 and out[0].shape == (8, 1)
+  np.testing.assert_array_equal(np.asarray(out[1])[:, 0], np.arange(8))
+
+
+@pytest.mark.multiprocess
+def test_nested_pytree_batches_keep_structure_across_hosts():
+  outs = testing.values(
+    run(scenarios.run_structured, 2, 4, ["nested", "nested"], {"batch_size": 4})
+  )
+  for out in outs:
+    batch = out["batches"][1]
+    x = np.concatenate([scenarios.rows_for(p, 1, 4) for p in range(2)])
+    np.testing.assert_array_equal(batch["a"]["ids"], x)
+    assert isinstance(batch["a"]["pair"], tuple) and isinstance(batch["b"], list)
+    np.testing.assert_array_equal(batch["a"]["pair"][0], 2 * x)
+    assert batch["a"]["pair"][1].shape == (8, 1)
+    np.testing.assert_array_equal(batch["b"][0], x + 1)
+
+
+def test_mask_key_requires_dict_batches():
+  with pytest.raises(ValueError, match="`mask_key`='mask' needs dict batches"):
+    list(gjs.iter_jax_batches([np.zeros(8)], batch_size=8, mask_key="mask"))
+
+
+def test_paddings_dict_with_unknown_column_raises():
+  with pytest.raises(
+    ValueError, match=r"`paddings` names columns that the batches do not have: \['z'\]"
+  ):
+    list(
+      gjs.iter_jax_batches(
+        scenarios.make_batches(0, [8]), batch_size=8, paddings={"x": 0, "y": 0, "z": 1}
+      )
+    )
+
+
+def test_empty_batches_are_skipped():
+  data = [{"x": np.zeros(0)}, {}, {"x": np.arange(8)}]
+  out = list(gjs.iter_jax_batches(data, batch_size=8))
+  assert len(out) == 1 and np.asarray(out[0]["x"]).tolist() == list(range(8))
+
+
+# -- state -------------------------------------------------------------------------
+
+
+def _assert_same_batches(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("k", [1, 4])
+def test_resume_continues_exactly_across_hosts(k):
+  sizes = [[8, 8, 8, 8, 8, 5], [8, 8, 8]]
+  kwargs = {"batch_size": 8, "paddings": 0, "mask_key": "mask", "synchronize_lookahead": 3}
+  for out in testing.values(run(scenarios.run_resume, 2, 4, sizes, kwargs, k)):
+    assert out["full"]["error"] is None and len(out["full"]["batches"]) == 6
+    assert out["state"]["batches"] == k
+    _assert_same_batches(out["first"]["batches"], out["full"]["batches"][:k])
+    _assert_same_batches(out["rest"]["batches"], out["full"]["batches"][k:])
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_state_reflects_consumed_batches_not_prefetched(prefetch):
+  data = scenarios.make_batches(0, [8] * 6)
+  with gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch) as it:
+    next(it)
+    next(it)
+    assert it.get_state()["source"] == {"index": 2}
+    state = it.get_state()
+    rest = [np.asarray(b["x"]) for b in it]
+  with gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch) as it2:
+    it2.set_state(state)
+    again = [np.asarray(b["x"]) for b in it2]
+  assert len(rest) == 4
+  for a, b in zip(rest, again):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_get_state_on_generator_source_raises_clearly():
+  it = gjs.iter_jax_batches((b for b in scenarios.make_batches(0, [8])), batch_size=8)
+  with pytest.raises(RuntimeError, match="cannot report its position"):
+    it.get_state()
+  it.close()
+
+
+def test_set_state_rejects_other_process_count():
+  it = gjs.iter_jax_batches(scenarios.make_batches(0, [8]), batch_size=8)
+  with pytest.raises(ValueError, match="process_count=2"):
+    it.set_state(
+      {"version": 1, "batches": 0, "process_index": 0, "process_count": 2, "source": {"index": 0}}
+    )
+  it.close()
+
+
+# -- lifetime ------------------------------------------------------------------------
+
+
+def test_close_and_context_manager_leave_no_thread():
+  before = set(threading.enumerate())
+  with gjs.iter_jax_batches(
+    scenarios.make_batches(0, [8] * 10), batch_size=8, prefetch_batches=2
+  ) as it:
+    next(it)
+  assert set(threading.enumerate()) - before == set()
+  with pytest.raises(RuntimeError, match="closed"):
+    next(it)
