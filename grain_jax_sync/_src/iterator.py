@@ -64,6 +64,10 @@ def _describe(x: Any) -> Any:
     return None
   if isinstance(x, Mapping):
     return {str(k): _describe(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+  if isinstance(x, (np.generic, np.ndarray)):
+    # A NumPy value, not a dtype: np.dtype(np.float32(1)) is float32, which
+    # would hide different padding values.
+    return repr(np.asarray(x).tolist())
   try:
     return np.dtype(x).name
   except TypeError:
