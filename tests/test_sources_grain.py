@@ -1,0 +1,121 @@
+"""Grain sources: DataLoader, IterDataset, MapDataset and started iterators."""
+
+import json
+
+import grain
+import numpy as np
+import pytest
+import scenarios_sources as ss
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+SIZES = [13, 6]  # Uneven shards: 4 vs 2 batches of 4 on the two hosts.
+PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
+
+
+def _unmasked(out):
+  return [i for ids, mask in zip(out["ids"], out["mask"]) for i, m in zip(ids, mask) if m]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["dataloader", "iterdataset", "mapdataset", "iterdataset_raw"])
+def test_grain_source_two_processes_uneven_shards_every_example_once(kind):
+  outs = testing.values(
+    testing.run_processes(
+      ss.run_grain,
+      num_processes=2,
+      devices_per_process=4,
+      args=(kind, SIZES, PADDED),
+      timeout_s=120,
+    )
+  )
+  assert outs[0] == outs[1]  # Every host sees the same global batches.
+  out = outs[0]
+  assert out["error"] is None
+  assert out["consistent"]  # Nested dict/tuple leaves stay with their id.
+  assert sorted(_unmasked(out)) == list(range(sum(SIZES)))
+  assert len(out["ids"]) == 4  # The longer shard's batch count.
+  # Host 1 ran out after 2 batches: its rows of batches 2 and 3 are dummies.
+  for b in (2, 3):
+    assert out["mask"][b][4:] == [False] * 4
+    assert out["ids"][b][4:] == [-1] * 4
+  assert all(
+    i == -1 for ids, mask in zip(out["ids"], out["mask"]) for i, m in zip(ids, mask) if not m
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["dataloader", "iterdataset"])
+def test_grain_resume_after_k_batches_continues_like_uninterrupted_run(kind):
+  outs = testing.values(
+    testing.run_processes(
+      ss.resume,
+      num_processes=2,
+      devices_per_process=4,
+      args=(kind, SIZES, 2, PADDED),
+      timeout_s=120,
+    )
+  )
+  for out in outs:
+    assert out["head"] == 2
+    assert out["resumed"] == out["full"]
+    assert len(out["full"]["ids"]) == 4
+    assert sorted(_unmasked(out["full"])) == list(range(sum(SIZES)))
+  assert outs[0]["full"] == outs[1]["full"]
+
+
+def _examples(n):
+  return grain.MapDataset.source(list(range(n))).map(ss.make_example)
+
+
+def test_grain_dataloader_state_is_a_json_dict_not_bytes():
+  ids = list(range(16))
+  loader = grain.DataLoader(
+    data_source=ids,
+    sampler=grain.samplers.IndexSampler(
+      num_records=16, shard_options=grain.sharding.NoSharding(), num_epochs=1
+    ),
+    operations=[grain.transforms.Batch(8)],
+    worker_count=0,
+  )
+  with gjs.iter_jax_batches(loader, batch_size=8, prefetch_batches=0) as it:
+    first = next(it)
+    state = it.get_state()
+  np.testing.assert_array_equal(np.asarray(first), np.arange(8))
+  assert state["source"]["last_seen_indices"] == {"0": 7}
+  json.dumps(state)
+  with gjs.iter_jax_batches(loader, batch_size=8, prefetch_batches=0) as it:
+    it.set_state(state)
+    np.testing.assert_array_equal(np.asarray(next(it)), np.arange(8, 16))
+    with pytest.raises(StopIteration):
+      next(it)
+
+
+def test_grain_mapdataset_is_read_in_index_order():
+  ds = grain.MapDataset.range(32).map(lambda i: {"i": np.int64(i)}).batch(8)
+  with gjs.iter_jax_batches(ds, batch_size=8) as it:
+    got = [np.asarray(b["i"]).tolist() for b in it]
+  assert got == [list(range(k, k + 8)) for k in range(0, 32, 8)]
+
+
+@pytest.mark.parametrize("kind", ["map", "iter"])
+def test_grain_unbatched_elements_raise_with_batch_hint(kind):
+  ds = _examples(16)  # Elements with 0-d leaves: not batched.
+  if kind == "iter":
+    ds = ds.to_iter_dataset()
+  it = gjs.iter_jax_batches(ds, batch_size=8)
+  with it, pytest.raises(ValueError, match=r"column 'id': 0-d leaf.*Grain's `\.batch\(n\)`"):
+    next(it)
+
+
+def test_grain_elements_with_different_leading_sizes_raise_as_unbatched():
+  ds = grain.MapDataset.range(4).map(
+    lambda i: {"tokens": np.arange(8, dtype=np.int32), "label": np.arange(3)}
+  )
+  it = gjs.iter_jax_batches(ds, batch_size=8)
+  with (
+    it,
+    pytest.raises(ValueError, match=r"different leading sizes.*look unbatched.*\.batch\(n\)"),
+  ):
+    next(it)
