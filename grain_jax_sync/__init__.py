@@ -3,12 +3,14 @@
 from grain_jax_sync._src.compat import jax_sync_generator
 from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
 from grain_jax_sync._src.sharding import default_sharding
+from grain_jax_sync._src.sources.tf_data import from_tf_data
 
 __version__ = "0.1.0"
 
 __all__ = [
   "JaxBatchIterator",
   "default_sharding",
+  "from_tf_data",
   "iter_jax_batches",
   "jax_sync_generator",
 ]
