@@ -133,13 +133,20 @@ class KeyValueExchange:
 
   def all_gather(self, window: int, payload: str) -> list[str]:
     key = self._key(window, self.process_index)
-    self._client.key_value_set(key, payload)
+    try:
+      self._client.key_value_set(key, payload)
+    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+      raise _store_failed(e, f"posting window {window}") from e
     self._own_keys.append(key)
     prefix = f"{self._ns}/{window}/"
     deadline = time.monotonic() + self._timeout_s
     got: dict[int, str] = {}
     while True:
-      for k, v in self._client.key_value_dir_get(prefix):
+      try:
+        entries = self._client.key_value_dir_get(prefix)
+      except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+        raise _store_failed(e, f"reading window {window}") from e
+      for k, v in entries:
         got[int(k.rsplit("/", 1)[1])] = v
       missing = [p for p in range(self.process_count) if p not in got]
       if not missing:
@@ -194,6 +201,16 @@ class KeyValueExchange:
   @property
   def own_keys(self) -> tuple[str, ...]:
     return tuple(self._own_keys)
+
+
+def _store_failed(e: Exception, doing: str) -> RuntimeError:
+  """The error for a key-value store call that failed outright."""
+  return RuntimeError(
+    f"the jax.distributed key-value store failed while {doing}: {e}. The"
+    " coordination service runs in process 0: if process 0 died, every other"
+    " process has lost it and the job must be restarted; otherwise see"
+    " process 0's log"
+  )
 
 
 def _is_deadline(e: Exception) -> bool:
