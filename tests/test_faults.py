@@ -1,0 +1,349 @@
+"""The fault matrix across 2 and 4 real processes: every host ends the same way.
+
+Each case either raises the same clear error on every host or yields the same
+batches on every host, within a bound. To keep CI cheap, one run of N
+processes per topology executes every data and settings case in sequence (each
+with its own iterator and exchange keys, see `scenarios_faults.run_cases`);
+the tests below read their case from that run. Killed processes need a run of
+their own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import scenarios
+import scenarios_faults
+
+from grain_jax_sync import testing
+
+TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
+TIMEOUT = 150
+BOUND_S = 30.0  # Every faulty case ends on every host well within this.
+SIX = [8] * 6
+
+
+def _sizes(n, victim_sizes, others=SIX):
+  return [list(others)] * (n - 1) + [list(victim_sizes)]
+
+
+def _on_victim(n, value):
+  return [None] * (n - 1) + [value]
+
+
+def _cases(n):
+  """Every data and settings case; the last process is the faulty one."""
+  base = {"batch_size": 8, "synchronize_lookahead": 4}
+  pad = {**base, "paddings": 0, "mask_key": "mask"}
+  cases = {}
+  # A source raises on one host: first batch, middle of a window, last batch.
+  for label, at in (("first", 0), ("mid_window", 2), ("last", 5)):
+    cases[f"raise_{label}"] = {
+      "sizes": _sizes(n, SIX),
+      "kwargs": base,
+      "raise_at": _on_victim(n, at),
+    }
+  # Structure disagreements (from the first batch) and a mid-stream change.
+  for label, mutation, at in (
+    ("keys", "drop_y", 0),
+    ("renamed", "rename_y", 0),
+    ("nesting", "nest_y", 0),
+    ("dtype", "y_float64", 0),
+    ("trailing_shape", "y_trailing_3", 0),
+    ("mid_stream", "drop_y", 3),
+  ):
+    cases[f"structure_{label}"] = {
+      "sizes": _sizes(n, SIX),
+      "kwargs": base,
+      "mutate": _on_victim(n, (at, mutation)),
+    }
+  # Settings disagreements: the last process was given something else.
+  for label, good, bad in (
+    ("batch_size", base, {**base, "batch_size": 16}),
+    ("drop_last", base, {**base, "drop_last": True}),
+    ("paddings", pad, {**pad, "paddings": -1}),
+    (
+      "paddings_numpy_scalar",
+      {**pad, "paddings": np.float32(0)},
+      {**pad, "paddings": np.float32(1)},
+    ),
+    ("mask_key", pad, {**pad, "mask_key": "valid"}),
+  ):
+    cases[f"config_{label}"] = {"sizes": _sizes(n, SIX), "kwargs": [good] * (n - 1) + [bad]}
+  # Empty shards.
+  for label, kwargs in (
+    ("plain", base),
+    ("padded", pad),
+    ("drop_last", {**base, "drop_last": True}),
+  ):
+    cases[f"one_empty_{label}"] = {"sizes": _sizes(n, [], others=[8, 8]), "kwargs": kwargs}
+    cases[f"all_empty_{label}"] = {"sizes": [[]] * n, "kwargs": kwargs}
+  return cases
+
+
+_RUNS: dict = {}
+
+
+def _matrix(n, d):
+  """Runs every case of `_cases(n)` in one set of n processes.
+
+  The result, or the failure, is kept: a broken run fails each test that
+  reads it once, without being run again.
+  """
+  if (n, d) not in _RUNS:
+    try:
+      _RUNS[(n, d)] = _run_matrix(n, d)
+    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
+      _RUNS[(n, d)] = e
+  got = _RUNS[(n, d)]
+  if isinstance(got, Exception):
+    raise got
+  return got
+
+
+def _run_matrix(n, d):
+  cases = _cases(n)
+  outcomes = testing.run_processes(
+    scenarios_faults.run_cases,
+    num_processes=n,
+    devices_per_process=d,
+    args=(list(cases.values()),),
+    timeout_s=TIMEOUT,
+  )
+  per_process = testing.values(outcomes)
+  return {label: [per_process[p][i] for p in range(n)] for i, label in enumerate(cases)}, outcomes
+
+
+def _case(n, d, label):
+  results, _ = _matrix(n, d)
+  outs = results[label]
+  for out in outs:
+    assert out["elapsed_s"] < BOUND_S, (label, out["elapsed_s"])
+  return outs
+
+
+def _assert_same_error_everywhere(outs, error_type, *needles):
+  messages = {out["error"] for out in outs}
+  assert len(messages) == 1, messages  # Word for word the same on every host.
+  for out in outs:
+    assert out["error_type"] == error_type, out
+    for needle in needles:
+      assert needle in out["error"], (needle, out["error"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_every_process_exits_cleanly_after_the_whole_matrix(n, d):
+  _, outcomes = _matrix(n, d)
+  assert [o.exit_code for o in outcomes] == [0] * n
+  assert all(o.elapsed_s < TIMEOUT for o in outcomes)
+
+
+# -- a source raises on one host ---------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(("label", "at"), [("first", 0), ("mid_window", 2), ("last", 5)])
+def test_source_raise_on_one_host_raises_on_every_host(n, d, label, at):
+  outs = _case(n, d, f"raise_{label}")
+  v = n - 1
+  assert outs[v]["error_type"] == "OSError"
+  assert outs[v]["error"] == f"disk on fire at batch {at}"
+  for p, out in enumerate(outs):
+    assert out["n"] == at  # The batches before the failure, on every host.
+    for b, batch in enumerate(out["batches"]):
+      want = np.concatenate([scenarios.rows_for(q, b, 8) for q in range(n)])
+      np.testing.assert_array_equal(batch["x"], want)
+    if p != v:
+      assert out["error_type"] == "RuntimeError"
+      assert f"process {v} failed while reading batch {at} from its source: OSError" in out["error"]
+      assert f"process {v} raised OSError" in out["error"]
+
+
+# -- structure disagreements -------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("label", "needles"),
+  [
+    ("keys", ["columns only in the first: ['y']"]),
+    ("renamed", ["columns only in the first: ['y']", "columns only in the second: ['z']"]),
+    ("nesting", ["columns only in the first: ['y']", "columns only in the second: ['y/inner']"]),
+    ("dtype", ["column 'y': dtype float32 vs float64"]),
+    ("trailing_shape", ["column 'y': trailing shape (2,) vs (3,)"]),
+  ],
+)
+def test_structure_disagreement_raises_on_every_host(n, d, label, needles):
+  outs = _case(n, d, f"structure_{label}")
+  _assert_same_error_everywhere(
+    outs, "ValueError", f"processes 0 and {n - 1} yield batches of different structure", *needles
+  )
+  assert all(out["n"] == 0 for out in outs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_structure_change_mid_stream_on_one_host_raises_on_every_host(n, d):
+  outs = _case(n, d, "structure_mid_stream")
+  _assert_same_error_everywhere(
+    outs,
+    "ValueError",
+    f"process {n - 1}, batch 3: the batch structure changed mid-stream",
+    "columns only in the first: ['y']",
+  )
+  assert all(out["n"] == 3 for out in outs)
+
+
+# -- settings disagreements --------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("label", "needle"),
+  [
+    ("batch_size", "batch_size: 8 vs 16"),
+    ("drop_last", "drop_last: False vs True"),
+    ("paddings", "paddings: '0' vs '-1'"),
+    ("paddings_numpy_scalar", "paddings:"),
+    ("mask_key", "mask_key: 'mask' vs 'valid'"),
+  ],
+)
+def test_settings_disagreement_raises_on_every_host_before_any_batch(n, d, label, needle):
+  outs = _case(n, d, f"config_{label}")
+  _assert_same_error_everywhere(
+    outs, "ValueError", f"processes 0 and {n - 1} were given different settings", needle
+  )
+  assert all(out["n"] == 0 for out in outs)
+
+
+# -- empty shards ------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_one_empty_shard_without_options_raises_on_every_host(n, d):
+  outs = _case(n, d, "one_empty_plain")
+  _assert_same_error_everywhere(
+    outs, "ValueError", f"uneven number of batches: process {n - 1} ran out of data at batch 0"
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_one_empty_shard_with_paddings_yields_masked_dummies(n, d):
+  for out in _case(n, d, "one_empty_padded"):
+    assert out["error"] is None and out["n"] == 2
+    for b, batch in enumerate(out["batches"]):
+      want = np.concatenate([scenarios.rows_for(q, b, 8) for q in range(n - 1)] + [np.zeros(8)])
+      np.testing.assert_array_equal(batch["x"], want)
+      np.testing.assert_array_equal(batch["mask"], np.arange(8 * n) < 8 * (n - 1))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_one_empty_shard_with_drop_last_yields_nothing_everywhere(n, d):
+  for out in _case(n, d, "one_empty_drop_last"):
+    assert out["error"] is None and out["n"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize("label", ["plain", "padded", "drop_last"])
+def test_all_shards_empty_yield_zero_batches_without_error(n, d, label):
+  for out in _case(n, d, f"all_empty_{label}"):
+    assert out["error"] is None and out["error_type"] is None
+    assert out["n"] == 0
+
+
+# -- a process is killed -----------------------------------------------------------
+
+KILL_SYNC_TIMEOUT_S = 4.0
+HEARTBEAT_S = 30  # Longer than the sync timeout: the library speaks first.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_killed_host_survivors_raise_naming_it_within_sync_timeout(n, d):
+  victim = 1  # Not the coordinator (process 0 hosts the coordination service).
+  outcomes = testing.run_processes(
+    scenarios_faults.run_kill,
+    num_processes=n,
+    devices_per_process=d,
+    args=(victim, [[8] * 6] * n, 2, KILL_SYNC_TIMEOUT_S),
+    kwargs={"linger_s": 3.0},
+    timeout_s=TIMEOUT,
+    heartbeat_timeout_s=HEARTBEAT_S,
+    exit_barrier_timeout_s=0,
+  )
+  assert outcomes[victim].exit_code == -9 and outcomes[victim].value is None
+  for o in outcomes:
+    if o.process_index == victim:
+      continue
+    assert o.exit_code == 0, o.log
+    out = o.value
+    assert out["n"] == 2  # The window before the kill was agreed and yielded.
+    assert out["error_type"] == "PeerTimeoutError"
+    assert out["error"].startswith(f"process {victim} did not report window 1 within")
+    assert "`sync_timeout_s`=4s" in out["error"] and "may have died" in out["error"]
+    assert KILL_SYNC_TIMEOUT_S <= out["elapsed_s"] < KILL_SYNC_TIMEOUT_S + 10
+    assert out["close_s"] < 5
+    assert not [t for t in out["threads"] if t.startswith("grain_jax_sync")]
+
+
+@pytest.mark.multiprocess
+def test_killed_host_with_long_sync_timeout_jax_terminates_survivors_at_heartbeat():
+  # With `sync_timeout_s` above the heartbeat timeout, JAX's coordination
+  # service detects the dead task first and aborts every survivor, naming it.
+  heartbeat = 5
+  start = time.monotonic()
+  outcomes = testing.run_processes(
+    scenarios_faults.run_kill,
+    num_processes=2,
+    devices_per_process=2,
+    args=(1, [[8] * 6] * 2, 2, 120.0),
+    timeout_s=TIMEOUT,
+    heartbeat_timeout_s=heartbeat,
+    exit_barrier_timeout_s=0,
+  )
+  wall_s = time.monotonic() - start
+  survivor = outcomes[0]
+  assert wall_s < 60  # Start-up plus about one heartbeat timeout.
+  assert outcomes[1].exit_code == -9
+  assert survivor.exit_code == -6 and survivor.value is None  # SIGABRT, no Python error.
+  assert "The following tasks are unhealthy (stopped sending heartbeats):\n1" in survivor.log
+
+
+@pytest.mark.multiprocess
+def test_killed_coordinator_survivors_raise_or_are_terminated_promptly():
+  # Process 0 hosts the coordination service. When it dies the survivor either
+  # sees the store fail in its next exchange call (a RuntimeError naming
+  # process 0), or JAX's error polling aborts it first: a race, both prompt.
+  start = time.monotonic()
+  outcomes = testing.run_processes(
+    scenarios_faults.run_kill,
+    num_processes=2,
+    devices_per_process=2,
+    args=(0, [[8] * 6] * 2, 2, 120.0),
+    timeout_s=TIMEOUT,
+    heartbeat_timeout_s=HEARTBEAT_S,
+    exit_barrier_timeout_s=0,
+  )
+  wall_s = time.monotonic() - start
+  survivor = outcomes[1]
+  assert wall_s < 60  # Start-up included; nothing waits for `sync_timeout_s`.
+  assert outcomes[0].exit_code == -9
+  if survivor.exit_code == -6:  # SIGABRT from JAX, no Python error.
+    assert "Failed to send RPC to coordination service" in survivor.log
+  else:
+    assert survivor.exit_code == 0, survivor.log
+    out = survivor.value
+    assert out["error_type"] == "RuntimeError", out
+    assert "the jax.distributed key-value store failed while" in out["error"]
+    assert "if process 0 died, every other process has lost it" in out["error"]
+    assert out["elapsed_s"] < 10
