@@ -156,6 +156,8 @@ def _hostile_leaf(kind: str, n: int) -> Any:
     return 3.5
   if kind == "list_of_lists":
     return base.tolist()
+  if kind == "bool":
+    return base > 5
   if kind == "non_contiguous":
     return np.arange(n * 4, dtype=np.float32).reshape(n, 4)[:, ::2]
   if kind == "negative_stride":
@@ -171,14 +173,20 @@ def _hostile_leaf(kind: str, n: int) -> Any:
   raise ValueError(kind)
 
 
+EVERY_HOST_KINDS = frozenset({"bool", "list_of_lists"})
+
+
 def run_hostile(
   bad_process: int, kinds: list[str], *, batch_size: int = 8, bad_batch: int = 1
 ) -> list[dict[str, Any]]:
   """For each kind, `bad_process` yields column `y` of that kind at `bad_batch`.
 
   Every other batch (and every other process) is the normal
-  ``{"x": int32 (n,), "y": float32 (n, 2)}``. Returns one outcome per kind;
-  valid kinds also return the gathered `y` of the bad batch position.
+  ``{"x": int32 (n,), "y": float32 (n, 2)}``; kinds in `EVERY_HOST_KINDS`
+  replace `y` in every batch on every host instead (a dtype all hosts share).
+  ``"too_big"`` and ``"too_big_padded"`` make the batch twice `batch_size`
+  (the latter with `paddings`). Returns one outcome per kind with the gathered
+  `y` of each yielded batch.
   """
   import jax
 
@@ -188,20 +196,17 @@ def run_hostile(
   results = []
   for k, kind in enumerate(kinds):
     data = scenarios.make_batches(p, [batch_size] * 3)
-    if p == bad_process:
-      data[bad_batch] = dict(data[bad_batch])
-      if kind == "too_big":
-        data[bad_batch] = scenarios.make_batches(p, [batch_size * 2])[0]
-      elif kind == "bool":
-        data[bad_batch]["y"] = data[bad_batch]["y"] > 1
-      else:
-        data[bad_batch]["y"] = _hostile_leaf(kind, batch_size)
-    if kind == "bool":  # Every host must agree on the dtype.
-      for b in data:
-        b["y"] = np.asarray(b["y"]) > 1
     kwargs: dict[str, Any] = {"batch_size": batch_size, "name": f"hostile{k}"}
-    if kind == "too_big":
-      kwargs.update(paddings=0, mask_key="mask")
+    if kind in EVERY_HOST_KINDS:
+      for b in data:
+        b["y"] = _hostile_leaf(kind, batch_size)
+    elif kind.startswith("too_big"):
+      if p == bad_process:
+        data[bad_batch] = scenarios.make_batches(p, [batch_size * 2])[0]
+      if kind == "too_big_padded":
+        kwargs.update(paddings=0, mask_key="mask")
+    elif p == bad_process:
+      data[bad_batch] = {**data[bad_batch], "y": _hostile_leaf(kind, batch_size)}
     it = gjs.iter_jax_batches(data, **kwargs)
     out = _outcome(it)
     it.close()

@@ -1,0 +1,151 @@
+"""Hostile input on one host: the same clear error on every host, or correct rows.
+
+Process 1 of 2 (4 devices each) yields an unusual `y` column at batch 1. Bad
+leaves must raise, on both processes, a ValueError that names the process, the
+batch, the column and what was expected; unusual but valid arrays
+(non-contiguous, negative strides, read-only, big-endian, Fortran order, bool,
+lists of numbers) must arrive with their exact values. One run of two
+processes covers every kind; single-process checks repeat the valid kinds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scenarios
+import scenarios_faults
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+N, D, B = 2, 4, 8
+BAD = 1  # The process that yields the hostile column.
+TIMEOUT = 150
+
+# kind -> substrings of the error, after "process 1, batch 1".
+INVALID = {
+  "string": ["column 'y': a string array (dtype <U2); expected a numeric or bool dtype"],
+  "bytes": ["column 'y': a bytes array (dtype |S1); expected a numeric or bool dtype"],
+  "object": ["column 'y': an object array (dtype object); expected a numeric or bool dtype"],
+  "structured": ["column 'y': a structured array", "expected a numeric or bool dtype"],
+  "ragged": [
+    ": leaves have different leading sizes ('x': 8, 'y': 7)",
+    "expected every leaf to share the row dimension",
+  ],
+  "zero_d": ["column 'y': 0-d leaf (a scalar of dtype float32)", "expected an array whose first"],
+  "python_scalar": ["column 'y': 0-d leaf (a scalar of dtype float64)"],
+  "none": ["column 'y': leaf is None; expected a NumPy array with a leading row dimension"],
+  "ragged_list": [
+    "column 'y': cannot convert a list to one array",
+    "expected a rectangular array of numbers",
+  ],
+}
+# Errors that concern the whole batch rather than a column.
+BATCH_LEVEL = {
+  "too_big_padded": [
+    "process 1, output batch 1: 16 rows, more than `batch_size`=8; expected at most `batch_size`"
+  ],
+  "too_big": ["uneven batch sizes at batch 1", "(process 0: 8, process 1: 16)"],
+}
+VALID_ONE_BATCH = ["non_contiguous", "negative_stride", "read_only", "big_endian", "fortran"]
+VALID_EVERY_HOST = sorted(scenarios_faults.EVERY_HOST_KINDS)
+KINDS = [*INVALID, *BATCH_LEVEL, *VALID_ONE_BATCH, *VALID_EVERY_HOST]
+
+_RUN: dict = {}
+
+
+def _outs(kind):
+  """Both processes' outcomes for `kind` (one shared run, failure kept)."""
+  if "run" not in _RUN:
+    try:
+      outcomes = testing.run_processes(
+        scenarios_faults.run_hostile,
+        num_processes=N,
+        devices_per_process=D,
+        args=(BAD, KINDS),
+        timeout_s=TIMEOUT,
+      )
+      per_process = testing.values(outcomes)
+      _RUN["run"] = {k: [per_process[p][i] for p in range(N)] for i, k in enumerate(KINDS)}
+    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
+      _RUN["run"] = e
+  if isinstance(_RUN["run"], Exception):
+    raise _RUN["run"]
+  outs = _RUN["run"][kind]
+  for out in outs:
+    assert out["elapsed_s"] < 30
+  return outs
+
+
+def _normal_y(process, batch):
+  x = scenarios.rows_for(process, batch, B).astype(np.float32)
+  return np.stack([x, -x], axis=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", [*INVALID, *BATCH_LEVEL])
+def test_hostile_leaf_on_one_host_raises_same_error_on_every_host(kind):
+  outs = _outs(kind)
+  assert len({out["error"] for out in outs}) == 1  # Word for word the same.
+  for out in outs:
+    assert out["error_type"] == "ValueError", out
+    if kind in INVALID:
+      assert out["error"].startswith("process 1, batch 1"), out["error"]
+    for needle in INVALID.get(kind) or BATCH_LEVEL[kind]:
+      assert needle in out["error"], (needle, out["error"])
+    assert out["n"] == 1  # The batch before the bad one, on every host.
+    np.testing.assert_array_equal(
+      out["batches"][0], np.concatenate([_normal_y(p, 0) for p in range(N)])
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", VALID_ONE_BATCH)
+def test_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
+  odd = np.asarray(scenarios_faults._hostile_leaf(kind, B), np.float32)
+  for out in _outs(kind):
+    assert out["error"] is None and out["n"] == 3
+    for b, y in enumerate(out["batches"]):
+      assert y.dtype == np.float32 and y.shape == (N * B, 2)
+      want = [_normal_y(p, b) for p in range(N)]
+      if b == 1:
+        want[BAD] = odd
+      np.testing.assert_array_equal(y, np.concatenate(want))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("kind", "dtype"), [("bool", np.bool_), ("list_of_lists", np.float32)])
+def test_bool_and_python_lists_on_every_host_convert(kind, dtype):
+  # Lists of floats become float64 in NumPy and float32 on the device (JAX
+  # without x64), the same on every host.
+  local = np.asarray(scenarios_faults._hostile_leaf(kind, B))
+  for out in _outs(kind):
+    assert out["error"] is None and out["n"] == 3
+    for y in out["batches"]:
+      assert y.dtype == dtype
+      np.testing.assert_array_equal(y, np.concatenate([local] * N).astype(dtype))
+
+
+# -- one process: the same conversions without the exchange ---------------------------
+
+
+@pytest.mark.parametrize("kind", [*VALID_ONE_BATCH, "bool", "list_of_lists"])
+def test_single_process_valid_kinds_keep_values(kind):
+  leaf = scenarios_faults._hostile_leaf(kind, 8)
+  with gjs.iter_jax_batches([{"y": leaf}], batch_size=8) as it:
+    (batch,) = list(it)
+  np.testing.assert_array_equal(np.asarray(batch["y"]), np.asarray(leaf))
+
+
+@pytest.mark.parametrize("kind", list(INVALID))
+def test_single_process_invalid_kinds_raise_naming_batch_and_column(kind):
+  batches = scenarios.make_batches(0, [8, 8])
+  batches[1] = {**batches[1], "y": scenarios_faults._hostile_leaf(kind, 8)}
+  with gjs.iter_jax_batches(batches, batch_size=8) as it:
+    next(it)
+    with pytest.raises(ValueError) as info:
+      next(it)
+  message = str(info.value)
+  assert message.startswith("process 0, batch 1")
+  for needle in INVALID[kind]:
+    assert needle in message
