@@ -1,6 +1,8 @@
 """grain_jax_sync: per-host batches in, agreed global jax.Arrays out."""
 
+from grain_jax_sync._src.checkpoint import checkpoint_restore, checkpoint_save
 from grain_jax_sync._src.compat import jax_sync_generator
+from grain_jax_sync._src.grain_dataset import device_put
 from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
 from grain_jax_sync._src.sharding import default_sharding
 from grain_jax_sync._src.sources.tf_data import from_tf_data
@@ -9,7 +11,10 @@ __version__ = "0.1.0"
 
 __all__ = [
   "JaxBatchIterator",
+  "checkpoint_restore",
+  "checkpoint_save",
   "default_sharding",
+  "device_put",
   "from_tf_data",
   "iter_jax_batches",
   "jax_sync_generator",
