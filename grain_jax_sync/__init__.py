@@ -6,6 +6,7 @@ from grain_jax_sync._src.grain_dataset import device_put
 from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
 from grain_jax_sync._src.sharding import default_sharding
 from grain_jax_sync._src.sources.tf_data import from_tf_data
+from grain_jax_sync._src.sources.tfds import tfds_pipeline
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ __all__ = [
   "from_tf_data",
   "iter_jax_batches",
   "jax_sync_generator",
+  "tfds_pipeline",
 ]

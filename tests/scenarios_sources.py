@@ -306,3 +306,60 @@ def run_tfds_mock(num_examples: int, kwargs: dict[str, Any], *, device_put: bool
     "shapes": shapes,
     "tensorflow_imported": "tensorflow" in sys.modules,
   }
+
+
+def build_tiny_ids(data_dir: str, num_examples: int, file_format: str) -> None:
+  """Prepares a real TFDS data set "tiny_ids" ({"id", "x"}) under `data_dir`.
+
+  Used where TFDS's mock cannot serve: `mock_data` ignores sub-splits, so the
+  tf.data reader's `tfds.even_splits` shards can only be checked on real
+  files. Needs TensorFlow (TFDS serializes examples with it).
+  """
+  import tensorflow_datasets as tfds
+
+  class TinyIds(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    VERSION = tfds.core.Version("1.0.0")
+    name = "tiny_ids"
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.FeaturesDict(
+          {"id": np.int64, "x": tfds.features.Tensor(shape=(2,), dtype=np.float32)}
+        ),
+      )
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      for i in range(num_examples):
+        yield i, {"id": i, "x": np.array([i, -i], np.float32)}
+
+  TinyIds(data_dir=data_dir, file_format=file_format).download_and_prepare()
+
+
+def run_tfds_files(reader: str, data_dir: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """tfds_pipeline over the prepared "tiny_ids" files with either reader."""
+  import sys
+
+  import grain_jax_sync as gjs
+
+  ds = gjs.tfds_pipeline(
+    "tiny_ids", split="train", batch_size=BATCH, reader=reader, data_dir=data_dir, shuffle=True
+  )
+  ids, masks, xs_ok = [], [], True
+  with gjs.iter_jax_batches(ds, **kwargs) as it:
+    for b in it:
+      g = gather(b)
+      ids.append(g["id"].tolist())
+      masks.append(g["mask"].tolist())
+      real = g["mask"]
+      xs_ok = xs_ok and np.array_equal(g["x"][real], np.stack([g["id"], -g["id"]], 1)[real])
+  return {
+    "ids": ids,
+    "mask": masks,
+    "x_ok": bool(xs_ok),
+    "tensorflow_imported": "tensorflow" in sys.modules,
+  }
