@@ -6,16 +6,28 @@ Three transports, one interface (`Exchange.all_gather`):
   own payload; no communication.
 * `KeyValueExchange`: the coordination service's key-value store that
   `jax.distributed.initialize` starts. No device work, no host-device sync, so
-  it can run in the background pipeline thread ahead of the training step.
-  Per window each process makes one write, one directory read (plus one
-  blocking read per wait while peers are behind) and one delete: O(1)
-  messages per process, O(processes) per window at the coordinator.
+  it can run in a background thread ahead of the training step. Two ways to
+  use it:
+
+  - windowed (`all_gather`): per window each process makes one write, one
+    directory read (plus one blocking read per wait while peers are behind)
+    and one delete;
+  - pipelined (`post` / `poll` / `wait` / `release`): each process posts a
+    chunk whenever it has read new batches, reads every peer's new chunks with
+    one directory read, blocks on one peer's next key only when it has nothing
+    else to do, and deletes its own chunks once every peer has acknowledged
+    them.
+
+  Either way: O(1) messages per process per window (chunk), O(processes) per
+  window at the coordinator; a directory read returns O(processes) chunks.
+  `finish` ends with one barrier and one directory delete.
 * `CollectiveExchange`: `process_allgather` over the devices; the fallback when
   there are several processes but no key-value store client.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -102,9 +114,14 @@ def new_namespace(name: str | None = None) -> str:
 class KeyValueExchange:
   """All-gather through the coordination service's key-value store.
 
-  Keys: ``{namespace}/{window}/{process}``. A process deletes its key for
-  window w once it holds every report of window w+1, because by then every peer
-  has read window w. `finish` waits at a barrier and deletes the last key.
+  Windowed keys: ``{namespace}/{window}/{process}``. A process deletes its key
+  for window w once it holds every report of window w+1, because by then every
+  peer has read window w.
+
+  Pipelined keys: ``{namespace}/s/{process}/{seq}``, one per posted chunk. The
+  caller releases a chunk once every peer has acknowledged it.
+
+  `finish` waits at a barrier; then process 0 deletes the namespace.
   """
 
   def __init__(
@@ -127,6 +144,11 @@ class KeyValueExchange:
     self._poll_ms = max(1, int(poll_s * 1000))
     self._cancel = threading.Event()
     self._own_keys: list[str] = []
+    # Pipelined use.
+    self._posted = 0
+    self._unreleased: collections.deque[int] = collections.deque()
+    self._next = [0] * process_count
+    self._inbox: list[dict[int, str]] = [{} for _ in range(process_count)]
 
   def _key(self, window: int, process: int) -> str:
     return f"{self._ns}/{window}/{process}"
@@ -184,16 +206,102 @@ class KeyValueExchange:
     except Exception as e:  # noqa: BLE001 - best effort.
       logger.debug("could not delete %s: %s", key, e)
 
+  # -- pipelined use -----------------------------------------------------------
+
+  def _stream_prefix(self) -> str:
+    return f"{self._ns}/s/"
+
+  def post(self, payload: str) -> int:
+    """Publishes this process's next chunk; returns its sequence number."""
+    seq = self._posted
+    self._client.key_value_set(f"{self._stream_prefix()}{self.process_index}/{seq}", payload)
+    self._posted += 1
+    self._unreleased.append(seq)
+    return seq
+
+  def poll(self) -> list[tuple[int, str]]:
+    """Peers' chunks not returned before, in order per process (one dir read)."""
+    if self._cancel.is_set():
+      raise Cancelled()
+    prefix = self._stream_prefix()
+    for key, value in self._client.key_value_dir_get(prefix):
+      p_text, _, seq_text = key[len(prefix) :].partition("/")
+      p, seq = int(p_text), int(seq_text)
+      if p != self.process_index and seq >= self._next[p]:
+        self._inbox[p][seq] = value
+    return self._drain()
+
+  def _drain(self) -> list[tuple[int, str]]:
+    out = []
+    for p, box in enumerate(self._inbox):
+      while self._next[p] in box:
+        out.append((p, box.pop(self._next[p])))
+        self._next[p] += 1
+    return out
+
+  def wait(self, process: int, timeout_s: float) -> list[tuple[int, str]]:
+    """Blocks until `process` posts its next chunk or `timeout_s` passes.
+
+    Returns:
+      The chunks that arrived (possibly none on a timeout).
+
+    Raises:
+      Cancelled: If `close()` was called.
+      RuntimeError: If the key-value store fails.
+    """
+    if self._cancel.is_set():
+      raise Cancelled()
+    key = f"{self._stream_prefix()}{process}/{self._next[process]}"
+    wait_ms = max(1, min(self._poll_ms, int(timeout_s * 1000)))
+    try:
+      value = self._client.blocking_key_value_get(key, wait_ms)
+    except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError.
+      if not _is_deadline(e):
+        raise RuntimeError(
+          f"the jax.distributed key-value store failed while waiting for"
+          f" process {process}: {e}. If process 0 died, the coordination"
+          " service went with it."
+        ) from e
+      return []
+    self._inbox[process][self._next[process]] = value
+    return self._drain()
+
+  def release(self, below: int) -> None:
+    """Deletes this process's chunks with sequence numbers below `below`."""
+    while self._unreleased and self._unreleased[0] < below:
+      seq = self._unreleased.popleft()
+      self._delete(f"{self._stream_prefix()}{self.process_index}/{seq}")
+
+  def timeout_error(self, missing: Sequence[int], what: str) -> PeerTimeoutError:
+    """The error for peers that did not report `what` in time."""
+    return PeerTimeoutError(
+      f"{_processes(missing)} did not report {what} within"
+      f" `sync_timeout_s`={self._timeout_s:g}s; {_pronoun(missing)} may"
+      " have died, hung in its source, or created its iterators in a"
+      " different order (pass the same `name=` on every process).",
+      missing,
+    )
+
+  @property
+  def timeout_s(self) -> float:
+    return self._timeout_s
+
+  # -- both --------------------------------------------------------------------
+
   def finish(self) -> None:
+    """Barrier, then process 0 deletes the whole namespace in one call."""
     timeout_ms = int(min(self._timeout_s, 60.0) * 1000)
     try:
       self._client.wait_at_barrier(f"{self._ns}/end", timeout_ms)
     except Exception as e:  # noqa: BLE001
       logger.warning("grain_jax_sync: end-of-stream barrier failed: %s", e)
       return
-    for key in self._own_keys:
-      self._delete(key)
+    # Every process is past its last read, so nothing under the namespace is
+    # needed any more; deleting a key deletes everything below it.
+    if self.process_index == 0:
+      self._delete(self._ns)
     self._own_keys.clear()
+    self._unreleased.clear()
 
   def close(self) -> None:
     self._cancel.set()

@@ -9,8 +9,10 @@ sees is the state after the last batch they received.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -20,6 +22,7 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import padding, sources
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
@@ -28,6 +31,22 @@ from grain_jax_sync._src import sharding as sharding_lib
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+# The pipelined exchange (key-value store) reads at most
+#   max(1, min(READ_AHEAD_WINDOWS * synchronize_lookahead,
+#              READ_AHEAD_BYTES // bytes of the first batch))
+# undecided batches ahead; see docs/performance.md for the memory formula.
+READ_AHEAD_BYTES = 64 << 20
+READ_AHEAD_WINDOWS = 4
+# A batch that took this long to read is posted at once (a slow source); faster
+# reads are posted in chunks of up to `synchronize_lookahead` batches.
+FLUSH_AFTER_S = 0.002
+# The agreement thread asks the store for news at most this often while it
+# still has batches to read.
+POLL_MIN_S = 0.002
+AGREE_THREAD = "grain_jax_sync-agree"
+# Decided batches queued between the agreement thread and the build thread.
+STAGE_BUFFER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +142,7 @@ class _Producer:
     self._signature: batches_lib.Signature | None = None
     self._layout: dict[str, Any] | None = None
     self._sent_config = False
+    self._stage: prefetch_lib.Prefetcher[Any] | None = None  # The agreement thread.
 
   # -- reading ---------------------------------------------------------------
 
@@ -134,13 +154,27 @@ class _Producer:
 
   def _read_window(self) -> list[_Read]:
     out: list[_Read] = []
-    while len(out) < self._window and not self._exhausted and self._error is None:
+    while len(out) < self._window:
+      read = self._read_one(track_empty=True)
+      if read is None:
+        break
+      out.append(read)
+    return out
+
+  def _read_one(self, *, track_empty: bool) -> _Read | None:
+    """The next non-empty source batch, or None once the stream ended or failed.
+
+    Args:
+      track_empty: Let a skipped empty batch advance the resume state (only
+        where reading and yielding share a thread).
+    """
+    while not self._exhausted and self._error is None:
       index = self._reads
       try:
         raw = next(self._source)
       except StopIteration:
         self._exhausted = True
-        break
+        return None
       except Exception as e:  # noqa: BLE001 - travels in the exchange.
         self._fail(
           e,
@@ -148,7 +182,7 @@ class _Producer:
           f"process {self._pi} failed while reading batch {index} from its"
           f" source: {type(e).__qualname__}: {e}",
         )
-        break
+        return None
       self._reads += 1
       try:
         hb = batches_lib.validate(raw, process_index=self._pi, batch_index=index)
@@ -165,13 +199,14 @@ class _Producer:
           )
       except ValueError as e:
         self._fail(e, plan_lib.ErrorKind.VALUE, str(e))
-        break
+        return None
       state = self._source.get_state() if self._source.supports_state else None
       if hb.rows == 0:  # Empty batches are skipped.
-        self._last_state = state
+        if track_empty:
+          self._last_state = state
         continue
-      out.append(_Read(hb, state))
-    return out
+      return _Read(hb, state)
+    return None
 
   def _report(self, reads: list[_Read]) -> plan_lib.Report:
     config = None
@@ -237,27 +272,36 @@ class _Producer:
     layout = self._get_layout()
     leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
     pads = layout["pads"]
-    out = []
-    for k, leaf in enumerate(leaves_in):
-      local = padding.fill_leaf(
+    local = [
+      padding.fill_leaf(
         leaf,
         target=step.rows,
         shape=sig.shapes[k],
         dtype=layout["host"][k],
         pad=None if pads is None else pads[k],
       )
-      out.append(sharding_lib.to_global(local, self._sharding, self._pc, layout["device"][k]))
-    tree = batches_lib.unflatten(sig.spec, out)
+      for k, leaf in enumerate(leaves_in)
+    ]
+    device = layout["device"]
     if self._s.mask_key is not None:
       real = read.batch.rows if read is not None else 0
-      tree[self._s.mask_key] = sharding_lib.to_global(
-        padding.mask(real, step.rows), self._sharding, self._pc
-      )
-    return tree
+      local.append(padding.mask(real, step.rows))
+      device = [*device, None]
+    # One call for every leaf: a single batched transfer in a single process.
+    out = sharding_lib.to_global_leaves(local, self._sharding, self._pc, device)
+    if self._s.mask_key is not None:
+      mask = out.pop()
+      tree = batches_lib.unflatten(sig.spec, out)
+      tree[self._s.mask_key] = mask
+      return tree
+    return batches_lib.unflatten(sig.spec, out)
 
   # -- the loop --------------------------------------------------------------
 
   def __iter__(self) -> Iterator[_Item]:
+    if isinstance(self._exchange, exchange_lib.KeyValueExchange):
+      yield from self._iter_pipelined()
+      return
     window = 0
     while True:
       reads = self._read_window()
@@ -289,6 +333,203 @@ class _Producer:
         return
       self._raise(decision.error)
 
+  # -- the pipelined loop (key-value store) ----------------------------------
+
+  def _read_ahead_limit(self, read: _Read) -> int:
+    """Batches the agreement stage may hold: `lookahead`, capped by bytes."""
+    nbytes = sum(leaf.nbytes for leaf in read.batch.leaves)
+    return max(1, min(READ_AHEAD_WINDOWS * self._s.lookahead, READ_AHEAD_BYTES // max(1, nbytes)))
+
+  def _iter_pipelined(self) -> Iterator[_Item]:
+    """Builds what the agreement stage decided; the stage runs in its own thread."""
+    stage: Any = self._agree_pipelined()
+    if self._s.prefetch > 0:
+      stage = prefetch_lib.Prefetcher(
+        stage, buffer_size=STAGE_BUFFER, on_close=self._exchange.close, name=AGREE_THREAD
+      )
+      self._stage = stage
+    try:
+      for read, step in stage:
+        if read is not None:
+          self._last_state = read.state
+        if step.action == plan_lib.Action.DROP:
+          logger.warning(
+            "grain_jax_sync: drop_last dropped a batch on every host (real"
+            " rows per process %s, batch_size %d)",
+            list(step.real_rows),
+            self._s.batch_size,
+          )
+          continue
+        value = self._build(read, step)
+        self._position += 1
+        yield _Item(value, self._last_state)
+    finally:
+      if isinstance(stage, prefetch_lib.Prefetcher):
+        stage.close()
+
+  def _agree_pipelined(self) -> Iterator[tuple[_Read | None, plan_lib.Step]]:
+    """Reads ahead, posts rows as read, decides positions as soon as all are in.
+
+    Every process posts the row counts of the batches it reads in chunks
+    (`ledger.Chunk`), and decides with `plan.decide` every position for which
+    each process's batch (or end of stream) is known, so no position waits for
+    a whole window. Between handing decided batches to the build stage it
+    keeps reading, up to `_read_ahead_limit` undecided batches, so that its
+    rows reach the peers before they need them.
+    """
+    ex = self._exchange
+    assert isinstance(ex, exchange_lib.KeyValueExchange)
+    pi = self._pi
+    led = ledger_lib.Ledger(self._pc)
+    led.set_own(pi, signature=None, devices=self._local_devices, config=self._s.digest())
+    pending: collections.deque[_Read] = collections.deque()
+    unposted: list[int] = []
+    end_posted = False
+    posted = 0  # Own positions posted.
+    chunk_ends: collections.deque[tuple[int, int]] = collections.deque()  # (seq, end)
+    sent_signature = False
+    j = 0  # Positions decided.
+    yielded = self._position  # Output batches decided (for messages).
+    limit = self._s.lookahead
+    last_poll = -1.0
+    rpc_s = 0.001
+    deadline: float | None = None
+
+    def own_end() -> bool:
+      return self._exhausted or self._error is not None
+
+    def flush() -> None:
+      nonlocal posted, end_posted, sent_signature, rpc_s
+      final = own_end() and not end_posted
+      if not unposted and not final:
+        return
+      signature = None
+      if not sent_signature and self._own_signature is not None:
+        signature = self._own_signature.to_json()
+        sent_signature = True
+      config = None
+      if not self._sent_config:
+        config = self._s.digest()
+        self._sent_config = True
+      report = plan_lib.Report(
+        process_index=pi,
+        rows=tuple(unposted),
+        exhausted=self._exhausted if final else False,
+        error=self._reported if final else None,
+        signature=signature,
+        local_devices=self._local_devices,
+        config=config,
+      )
+      t0 = time.monotonic()
+      seq = ex.post(ledger_lib.Chunk(start=posted, ack=j, report=report).to_json())
+      rpc_s = 0.8 * rpc_s + 0.2 * (time.monotonic() - t0)
+      posted += len(unposted)
+      # An end-of-stream marker is needed to decide position `posted` itself.
+      chunk_ends.append((seq, posted + (1 if final else 0)))
+      unposted.clear()
+      end_posted = end_posted or final
+
+    def absorb(items: list[tuple[int, str]]) -> None:
+      for _, text in items:
+        led.add(ledger_lib.Chunk.from_json(text))
+      if items:  # Release own chunks that every peer has acknowledged.
+        acked = min(led.ack(p) for p in range(self._pc) if p != pi)
+        below = None
+        while chunk_ends and chunk_ends[0][1] <= acked:
+          below = chunk_ends.popleft()[0] + 1
+        if below is not None:
+          ex.release(below)
+
+    def read() -> None:
+      nonlocal limit
+      t0 = time.monotonic()
+      first = led.count(pi) == 0
+      r = self._read_one(track_empty=False)
+      if r is None:
+        led.end(
+          plan_lib.Report(
+            process_index=pi,
+            exhausted=self._exhausted,
+            error=self._reported,
+            signature=None if self._own_signature is None else self._own_signature.to_json(),
+            local_devices=self._local_devices,
+          )
+        )
+        flush()
+        return
+      if first:
+        limit = self._read_ahead_limit(r)
+        assert self._own_signature is not None
+        led.set_own(
+          pi,
+          signature=self._own_signature.to_json(),
+          devices=self._local_devices,
+          config=self._s.digest(),
+        )
+      pending.append(r)
+      led.add_rows(pi, r.batch.rows)
+      unposted.append(r.batch.rows)
+      # Post at once what took long to read (a slow source); batch up the rest.
+      if (
+        time.monotonic() - t0 >= FLUSH_AFTER_S
+        or len(unposted) >= self._s.lookahead
+        or len(unposted) * 2 >= limit
+      ):
+        flush()
+
+    def room() -> bool:
+      return len(pending) < limit and not own_end()
+
+    while True:
+      size = led.window(j)
+      if size > 0:
+        deadline = None
+        reports = led.window_reports(j, size, with_config=j == 0)
+        self._learn_signature(reports)
+        decision = plan_lib.decide(reports, self._options, position=yielded)
+        for step in decision.steps:
+          own = pending.popleft() if j < led.count(pi) else None
+          j += 1
+          if step.action == plan_lib.Action.YIELD:
+            yielded += 1
+          yield own, step
+          if room():  # Keep reading while the build stage works.
+            read()
+        led.forget(j)
+        if decision.end == plan_lib.End.CONTINUE:
+          continue
+        flush()
+        ex.finish()
+        if decision.end == plan_lib.End.STOP:
+          return
+        self._raise(decision.error)
+        return
+      missing = led.missing(j)
+      if pi in missing:
+        read()
+        continue
+      now = time.monotonic()
+      if room() and now - last_poll < max(POLL_MIN_S, 2 * rpc_s):
+        read()  # Read ahead instead of asking the store again so soon.
+        continue
+      flush()
+      t0 = time.monotonic()
+      items = ex.poll()
+      last_poll = time.monotonic()
+      rpc_s = 0.8 * rpc_s + 0.2 * (last_poll - t0)
+      absorb(items)
+      if items:
+        continue
+      if room():
+        read()
+        continue
+      if deadline is None:
+        deadline = now + ex.timeout_s
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        raise ex.timeout_error(led.missing(j), f"batch {yielded} (position {j})")
+      absorb(ex.wait(missing[0], remaining))
+
   def _raise(self, error: plan_lib.ReportedError | None) -> None:
     assert error is not None
     if error.process_index == self._pi and self._error is not None:
@@ -303,6 +544,8 @@ class _Producer:
 
   def close(self) -> None:
     self._exchange.close()
+    if self._stage is not None:
+      self._stage.close()
 
 
 class JaxBatchIterator(Iterator[Any]):

@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 _END = object()
 _JOIN_TIMEOUT_S = 30.0
+_WAKE_S = 0.05  # How often a blocked consumer checks for close().
 
 
 class _Raised:
@@ -67,7 +68,14 @@ class Prefetcher(Generic[T]):
   def __next__(self) -> T:
     if self._done:
       raise StopIteration
-    item = self._queue.get()
+    while True:
+      try:
+        item = self._queue.get(timeout=_WAKE_S)
+        break
+      except queue.Empty:
+        if self._stop.is_set():  # Closed from another thread.
+          self._done = True
+          raise StopIteration from None
     if item is _END:
       self._done = True
       raise StopIteration
@@ -75,6 +83,10 @@ class Prefetcher(Generic[T]):
       self._done = True
       raise item.error.with_traceback(item.error.__traceback__)
     return item
+
+  def qsize(self) -> int:
+    """Items ready in the queue (approximate, as `queue.Queue.qsize`)."""
+    return self._queue.qsize()
 
   @property
   def thread(self) -> threading.Thread:

@@ -1,0 +1,187 @@
+"""What every process has reported, per batch position, for the pipelined exchange.
+
+In the pipelined exchange each process posts the row counts of the batches it
+has read as soon as it reads them (a `Chunk`: one or more consecutive
+positions), and every process decides position ``j`` with `plan.decide` once it
+knows, for every process, either the rows of its batch ``j`` or that its stream
+ended (or failed) before ``j``. `Ledger` keeps that knowledge and turns it into
+the one-position reports that `plan.decide` takes.
+
+Pure Python: no JAX, no I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Any
+
+from grain_jax_sync._src import plan as plan_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One post: consecutive positions of one process.
+
+  Attributes:
+    start: The position of ``report.rows[0]`` (the process's count of
+      non-empty batches read before this chunk).
+    ack: Positions the poster had decided when posting; peers release their
+      chunks that end at or before the smallest ack they have seen.
+    report: The rows read, and the end of the stream if it was reached
+      (exhausted or error), plus signature/config/device count.
+  """
+
+  start: int
+  ack: int
+  report: plan_lib.Report
+
+  def to_json(self) -> str:
+    return json.dumps({"s": self.start, "a": self.ack, "R": self.report.to_json()})
+
+  @classmethod
+  def from_json(cls, text: str) -> Chunk:
+    obj = json.loads(text)
+    return cls(start=obj["s"], ack=obj["a"], report=plan_lib.Report.from_json(obj["R"]))
+
+
+class Ledger:
+  """Per-process knowledge of rows per position, stream ends, structure.
+
+  Args:
+    process_count: How many processes report.
+  """
+
+  def __init__(self, process_count: int):
+    self._n = process_count
+    self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
+    self._base = [0] * process_count  # Position of _rows[p][0].
+    self._end: list[plan_lib.Report | None] = [None] * process_count
+    self._signature: list[dict[str, Any] | None] = [None] * process_count
+    self._devices = [1] * process_count
+    self._config: list[dict[str, Any] | None] = [None] * process_count
+    self._ack = [0] * process_count
+
+  def count(self, p: int) -> int:
+    """Positions process `p` has reported rows for."""
+    return self._base[p] + len(self._rows[p])
+
+  def ended(self, p: int) -> bool:
+    return self._end[p] is not None
+
+  def ack(self, p: int) -> int:
+    return self._ack[p]
+
+  def add(self, chunk: Chunk) -> None:
+    """Records one chunk; chunks of a process must arrive in order.
+
+    Raises:
+      RuntimeError: If the chunk does not continue the process's stream.
+    """
+    r = chunk.report
+    p = r.process_index
+    if chunk.start != self.count(p) or self._end[p] is not None:
+      raise RuntimeError(
+        f"internal: process {p} posted positions from {chunk.start}, expected"
+        f" {self.count(p)} (ended: {self._end[p] is not None})"
+      )
+    self._rows[p].extend(r.rows)
+    if r.exhausted or r.error is not None:
+      self._end[p] = r
+    if r.signature is not None:
+      self._signature[p] = r.signature
+    if r.config is not None:
+      self._config[p] = r.config
+    self._devices[p] = r.local_devices
+    self._ack[p] = max(self._ack[p], chunk.ack)
+
+  def add_rows(self, p: int, rows: int) -> None:
+    """Records one more batch of process `p` (its own reads, no chunk)."""
+    self._rows[p].append(rows)
+
+  def end(self, report: plan_lib.Report) -> None:
+    """Records that process `report.process_index` ended (own stream)."""
+    p = report.process_index
+    self._end[p] = report
+    if report.signature is not None:
+      self._signature[p] = report.signature
+
+  def set_own(self, p: int, *, signature: dict[str, Any] | None, devices: int, config: Any) -> None:
+    """Records a process's structure, device count and settings."""
+    if signature is not None:
+      self._signature[p] = signature
+    self._devices[p] = devices
+    self._config[p] = config
+
+  def window(self, position: int) -> int:
+    """How many positions from `position` on are known for every process.
+
+    Positions after every stream ended count as one more (the end itself).
+    """
+    live = [self.count(p) - position for p in range(self._n) if self._end[p] is None]
+    if live:
+      return max(0, min(live))
+    return max(self.count(p) for p in range(self._n)) - position + 1
+
+  def window_reports(self, position: int, size: int, *, with_config: bool) -> list[plan_lib.Report]:
+    """Window reports for `plan.decide` over positions ``[position, position + size)``.
+
+    A process whose stream ends inside the window reports its remaining rows
+    and its end (exhausted or error), exactly like a windowed exchange.
+    """
+    out = []
+    for p in range(self._n):
+      base = self._base[p]
+      stop = min(self.count(p), position + size)
+      rows = tuple(self._rows[p][i - base] for i in range(position, stop))
+      ended = self._end[p] is not None and self.count(p) < position + size
+      end = self._end[p] if ended else None
+      out.append(
+        plan_lib.Report(
+          process_index=p,
+          rows=rows,
+          exhausted=end.exhausted if end is not None else False,
+          error=end.error if end is not None else None,
+          signature=self._signature[p],
+          local_devices=self._devices[p],
+          config=self._config[p] if with_config else None,
+        )
+      )
+    return out
+
+  def missing(self, position: int) -> list[int]:
+    """Processes whose batch (or end) at `position` is not known yet."""
+    return [p for p in range(self._n) if position >= self.count(p) and self._end[p] is None]
+
+  def reports_at(self, position: int, *, with_config: bool) -> list[plan_lib.Report] | None:
+    """One-position reports for `plan.decide`, or None while any is missing."""
+    out = []
+    for p in range(self._n):
+      if position < self.count(p):
+        rows: tuple[int, ...] = (self._rows[p][position - self._base[p]],)
+        exhausted, error = False, None
+      elif self._end[p] is not None:
+        rows, exhausted, error = (), self._end[p].exhausted, self._end[p].error
+      else:
+        return None
+      out.append(
+        plan_lib.Report(
+          process_index=p,
+          rows=rows,
+          exhausted=exhausted,
+          error=error,
+          signature=self._signature[p],
+          local_devices=self._devices[p],
+          config=self._config[p] if with_config else None,
+        )
+      )
+    return out
+
+  def forget(self, position: int) -> None:
+    """Drops what is known about positions before `position`."""
+    for p in range(self._n):
+      rows = self._rows[p]
+      while self._base[p] < position and rows:
+        rows.popleft()
+        self._base[p] += 1
