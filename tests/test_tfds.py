@@ -115,3 +115,31 @@ def test_tfds_real_files_two_processes_every_example_once(reader, tmp_path):
   assert len(out["ids"]) == 2
   assert out["tensorflow_imported"] == (reader == "tf_data")
   np.testing.assert_array_equal(np.array(out["mask"]).sum(), 13)
+
+
+@pytest.mark.multiprocess
+def test_tfds_train_example_runs_on_mock_data_and_checkpoints(tmp_path):
+  import os
+  import sys
+
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from examples import tfds_train
+
+  outs = testing.values(
+    testing.run_processes(
+      tfds_train.train,
+      num_processes=2,
+      devices_per_process=4,
+      kwargs={"mock_examples": 100, "checkpoint_dir": str(tmp_path / "ckpt")},
+      timeout_s=180,
+    )
+  )
+  assert outs[0] == outs[1]
+  # 100 examples: shards of 50, batches of 32 -> 2 steps, every example once.
+  assert outs[0]["steps"] == 2 and outs[0]["examples"] == 100
+  assert np.isfinite(outs[0]["loss"])
+  data = tmp_path / "ckpt" / "2" / "data"
+  assert sorted(p.name for p in data.glob("*.json")) == [
+    "process_0-of-2.json",
+    "process_1-of-2.json",
+  ]
