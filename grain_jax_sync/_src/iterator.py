@@ -492,6 +492,10 @@ class _Producer:
           j += 1
           if step.action == plan_lib.Action.YIELD:
             yielded += 1
+          # Never block on the consumer while holding unposted rows: a peer
+          # may need them to decide the batch that this host's training step
+          # is waiting for in a collective with that peer.
+          flush()
           yield own, step
           if room():  # Keep reading while the build stage works.
             read()
