@@ -76,7 +76,11 @@ class GrainLoaderSource(base.SourceIterator):
     self._it.set_state(state)
 
   def close(self) -> None:
+    # DataLoaderIterator (Grain 0.2.18) has no close(); its dataset iterator
+    # does, and closing it stops the worker processes now rather than at exit.
     close = getattr(self._it, "close", None)
+    if not callable(close):
+      close = getattr(getattr(self._it, "_iterator", None), "close", None)
     if callable(close):
       close()
 
