@@ -16,7 +16,7 @@ PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["dataloader", "device_put"])
+@pytest.mark.parametrize("kind", ["dataloader", "iterdataset", "device_put"])
 def test_orbax_checkpoint_manager_resumes_exactly_on_every_host(kind, tmp_path):
   outs = testing.values(
     testing.run_processes(
