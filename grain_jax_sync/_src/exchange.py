@@ -214,7 +214,10 @@ class KeyValueExchange:
   def post(self, payload: str) -> int:
     """Publishes this process's next chunk; returns its sequence number."""
     seq = self._posted
-    self._client.key_value_set(f"{self._stream_prefix()}{self.process_index}/{seq}", payload)
+    try:
+      self._client.key_value_set(f"{self._stream_prefix()}{self.process_index}/{seq}", payload)
+    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+      raise _store_failed(e, f"posting chunk {seq}") from e
     self._posted += 1
     self._unreleased.append(seq)
     return seq
@@ -224,7 +227,11 @@ class KeyValueExchange:
     if self._cancel.is_set():
       raise Cancelled()
     prefix = self._stream_prefix()
-    for key, value in self._client.key_value_dir_get(prefix):
+    try:
+      entries = self._client.key_value_dir_get(prefix)
+    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+      raise _store_failed(e, "reading the peers' chunks") from e
+    for key, value in entries:
       p_text, _, seq_text = key[len(prefix) :].partition("/")
       p, seq = int(p_text), int(seq_text)
       if p != self.process_index and seq >= self._next[p]:
