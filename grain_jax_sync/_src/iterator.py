@@ -326,6 +326,9 @@ class _Producer:
         value = self._build(read, step)
         self._position += 1
         yield _Item(value, self._last_state)
+      # Drop this window's batches before reading the next one, so that at
+      # most one window is held (not two).
+      reads = read = value = None
       if decision.end == plan_lib.End.CONTINUE:
         continue
       self._exchange.finish()
@@ -489,13 +492,16 @@ class _Producer:
         decision = plan_lib.decide(reports, self._options, position=yielded)
         for step in decision.steps:
           own = pending.popleft() if j < led.count(pi) else None
+          # Never hand a position on (the hand-off may block on the consumer)
+          # before this host's row for it is posted: a peer may need that row
+          # to decide the batch that this host's training step is waiting for
+          # in a collective with that peer. Rows read further ahead may wait
+          # for their chunk; no peer needs them to reach this position.
+          if j >= posted:
+            flush()
           j += 1
           if step.action == plan_lib.Action.YIELD:
             yielded += 1
-          # Never block on the consumer while holding unposted rows: a peer
-          # may need them to decide the batch that this host's training step
-          # is waiting for in a collective with that peer.
-          flush()
           yield own, step
           if room():  # Keep reading while the build stage works.
             read()
