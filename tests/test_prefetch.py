@@ -1,0 +1,252 @@
+"""Prefetch: order, state, exceptions and thread lifetime, in one and several processes.
+
+Behaviour only; speed lives in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+import scenarios
+import scenarios_perf
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+from grain_jax_sync._src import prefetch
+
+TIMEOUT = 180
+
+
+def run(fn, *args, n=2, d=4, **kwargs):
+  return testing.values(
+    testing.run_processes(
+      fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
+    )
+  )
+
+
+def xs(it):
+  return [np.asarray(b["x"]) for b in it]
+
+
+def wait_for_no_threads(deadline_s=5.0):
+  end = time.monotonic() + deadline_s
+  while scenarios_perf.library_threads() and time.monotonic() < end:
+    time.sleep(0.01)
+  return scenarios_perf.library_threads()
+
+
+# -- one process --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch_batches", [1, 2, 5])
+def test_prefetch_order_equals_no_prefetch_single_process(prefetch_batches):
+  data = scenarios.make_batches(0, [8, 8, 4, 8, 8, 2, 8])
+  kw = {"batch_size": 8, "paddings": -1, "mask_key": "m"}
+  with gjs.iter_jax_batches(data, prefetch_batches=0, **kw) as it:
+    want = xs(it)
+  with gjs.iter_jax_batches(data, prefetch_batches=prefetch_batches, **kw) as it:
+    got = xs(it)
+  assert len(got) == len(want) == 7
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6])
+def test_state_after_k_batches_equals_no_prefetch_single_process(k):
+  data = scenarios.make_batches(0, [8] * 6)
+  states = []
+  for pf in (0, 3):
+    it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=pf)
+    for _ in range(k):
+      next(it)
+    time.sleep(0.05)  # The prefetch thread runs ahead meanwhile.
+    states.append(it.get_state())
+    it.close()
+  assert states[0] == states[1]
+  assert states[0]["batches"] == k
+
+
+def test_resume_from_state_with_prefetch_continues_exactly():
+  data = scenarios.make_batches(0, [8] * 6)
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=3)
+  first = [np.asarray(next(it)["x"]) for _ in range(2)]
+  time.sleep(0.05)
+  state = it.get_state()
+  it.close()
+  it2 = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=3)
+  it2.set_state(state)
+  rest = xs(it2)
+  it2.close()
+  with gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=0) as it3:
+    want = xs(it3)
+  for g, w in zip(first + rest, want, strict=True):
+    np.testing.assert_array_equal(g, w)
+
+
+def _exploding_source():
+  yield {"x": np.arange(8)}
+  yield {"x": np.arange(8)}
+  raise KeyError("record 2 is corrupt")
+
+
+@pytest.mark.parametrize("prefetch_batches", [0, 2])
+def test_source_exception_reraised_in_consumer_with_original_traceback(prefetch_batches):
+  it = gjs.iter_jax_batches(_exploding_source(), batch_size=8, prefetch_batches=prefetch_batches)
+  got = 0
+  with pytest.raises(KeyError, match="record 2 is corrupt") as info:
+    for _ in it:
+      got += 1
+  assert got == 2
+  frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+  assert "_exploding_source" in frames
+  it.close()
+  assert wait_for_no_threads() == []
+
+
+def test_close_leaves_no_thread_single_process():
+  data = scenarios.make_batches(0, [8] * 50)
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  next(it)
+  time.sleep(0.05)
+  assert scenarios_perf.library_threads()  # Blocked on a full queue.
+  it.close()
+  assert scenarios_perf.library_threads() == []
+  with pytest.raises(RuntimeError, match="closed"):
+    next(it)
+
+
+def test_dropped_iterator_leaves_no_thread_single_process():
+  data = scenarios.make_batches(0, [8] * 50)
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  next(it)
+  time.sleep(0.05)
+  assert scenarios_perf.library_threads()
+  del it
+  gc.collect()
+  assert wait_for_no_threads() == []
+
+
+def test_prefetch_zero_starts_no_thread():
+  data = scenarios.make_batches(0, [8] * 5)
+  with gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=0) as it:
+    next(it)
+    assert scenarios_perf.library_threads() == []
+
+
+def test_device_put_close_leaves_no_thread():
+  grain = pytest.importorskip("grain")
+  ds = grain.MapDataset.range(64).map(lambda i: {"x": np.int32(i)}).batch(8).to_iter_dataset()
+  it = iter(gjs.device_put(ds, gjs.default_sharding(), batch_size=8))
+  first = next(it)
+  np.testing.assert_array_equal(np.asarray(first["x"]), np.arange(8))
+  it.close()
+  assert wait_for_no_threads() == []
+
+
+def test_prefetcher_close_wakes_a_blocked_consumer():
+  release = threading.Event()
+
+  def producer():
+    release.wait(10)
+    yield 1
+
+  p = prefetch.Prefetcher(producer(), buffer_size=1)
+  result = []
+  t = threading.Thread(target=lambda: result.append(list(p)))
+  t.start()
+  time.sleep(0.1)
+  release.set()  # Lets the producer thread finish so close() can join it.
+  p.close()
+  t.join(5)
+  assert not t.is_alive()
+  assert not p.thread.is_alive()
+
+
+def test_prefetcher_rejects_zero_buffer():
+  with pytest.raises(ValueError, match="buffer_size"):
+    prefetch.Prefetcher(iter([]), buffer_size=0)
+
+
+# -- several processes ----------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("k", [1, 4])
+def test_state_after_k_batches_equals_no_prefetch_two_processes(k):
+  sizes = [[8, 8, 8, 4, 8, 8, 8, 8], [8, 8, 8, 8, 8, 2]]
+  kw = {"batch_size": 8, "paddings": 0, "mask_key": "m"}
+  outs = {}
+  for pf in (0, 2):
+    outs[pf] = run(
+      scenarios_perf.consume_with_state,
+      sizes,
+      {**kw, "prefetch_batches": pf},
+      k=k,
+      delay_s=[0.1, 0.1],
+    )
+  for p in range(2):
+    assert outs[0][p]["state"] == outs[2][p]["state"]
+    assert outs[0][p]["state"]["batches"] == k
+    for a, b in zip(outs[0][p]["batches"], outs[2][p]["batches"], strict=True):
+      np.testing.assert_array_equal(a["x"], b["x"])
+      np.testing.assert_array_equal(a["m"], b["m"])
+    assert outs[2][p]["threads"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  "kw",
+  [
+    pytest.param({"prefetch_batches": 0}, id="prefetch0"),
+    pytest.param({"prefetch_batches": 2}, id="prefetch2"),
+    pytest.param({"prefetch_batches": 2, "synchronize_lookahead": 1}, id="lookahead1"),
+    pytest.param({"prefetch_batches": 4, "synchronize_lookahead": 3}, id="lookahead3"),
+  ],
+)
+def test_decisions_do_not_depend_on_timing_two_processes(kw):
+  # Process 0 reads slowly, process 1 quickly; uneven sizes and counts.
+  sizes = [[8, 4, 8, 8, 6, 8, 8], [8, 8, 8, 2, 8]]
+  base = {"batch_size": 8, "paddings": -1, "mask_key": "m"}
+  want = run(scenarios_perf.consume_all, sizes, base, delay_s=[0.0, 0.0])
+  got = run(scenarios_perf.consume_all, sizes, {**base, **kw}, delay_s=[0.01, 0.0])
+  for w, g in zip(want, got, strict=True):
+    assert g["error"] is None and w["error"] is None
+    assert len(g["batches"]) == len(w["batches"]) == 7
+    for a, b in zip(w["batches"], g["batches"], strict=True):
+      np.testing.assert_array_equal(a["x"], b["x"])
+      np.testing.assert_array_equal(a["m"], b["m"])
+    assert g["threads"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["close", "drop"])
+def test_stopped_half_way_leaves_no_thread_two_processes(mode):
+  outs = run(scenarios_perf.stop_half_way, mode, {"batch_size": 8, "prefetch_batches": 2})
+  for o in outs:
+    assert "grain_jax_sync-prefetch" in o["during"]
+    assert "grain_jax_sync-agree" in o["during"]
+    assert o["after"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch_batches", [0, 2])
+def test_source_exception_reraised_with_traceback_two_processes(prefetch_batches):
+  outs = run(
+    scenarios_perf.source_error,
+    {"batch_size": 8, "prefetch_batches": prefetch_batches},
+    fail_process=1,
+    at=3,
+  )
+  p0, p1 = outs
+  assert p1["type"] == "KeyError" and "bad record 3" in p1["message"]
+  assert "_failing_source" in p1["frames"]
+  assert p0["type"] == "RuntimeError"
+  assert "process 1" in p0["message"] and "KeyError" in p0["message"]
+  assert p0["got"] == p1["got"] == 3
+  assert p0["threads"] == p1["threads"] == []
