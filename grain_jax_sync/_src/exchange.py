@@ -143,6 +143,9 @@ class KeyValueExchange:
     self._timeout_s = float(timeout_s)
     self._poll_ms = max(1, int(poll_s * 1000))
     self._cancel = threading.Event()
+    # Held while writing a key, so that no write lands after `close()`.
+    self._write_lock = threading.Lock()
+    self._released = False  # `finish()` or `close()` has dealt with the keys.
     self._own_keys: list[str] = []
     # Pipelined use.
     self._posted = 0
@@ -155,11 +158,14 @@ class KeyValueExchange:
 
   def all_gather(self, window: int, payload: str) -> list[str]:
     key = self._key(window, self.process_index)
-    try:
-      self._client.key_value_set(key, payload)
-    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
-      raise _store_failed(e, f"posting window {window}") from e
-    self._own_keys.append(key)
+    with self._write_lock:
+      if self._cancel.is_set():
+        raise Cancelled()
+      try:
+        self._client.key_value_set(key, payload)
+      except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+        raise _store_failed(e, f"posting window {window}") from e
+      self._own_keys.append(key)
     prefix = f"{self._ns}/{window}/"
     deadline = time.monotonic() + self._timeout_s
     got: dict[int, str] = {}
@@ -214,10 +220,13 @@ class KeyValueExchange:
   def post(self, payload: str) -> int:
     """Publishes this process's next chunk; returns its sequence number."""
     seq = self._posted
-    try:
-      self._client.key_value_set(f"{self._stream_prefix()}{self.process_index}/{seq}", payload)
-    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
-      raise _store_failed(e, f"posting chunk {seq}") from e
+    with self._write_lock:
+      if self._cancel.is_set():
+        raise Cancelled()
+      try:
+        self._client.key_value_set(f"{self._stream_prefix()}{self.process_index}/{seq}", payload)
+      except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+        raise _store_failed(e, f"posting chunk {seq}") from e
     self._posted += 1
     self._unreleased.append(seq)
     return seq
@@ -309,9 +318,29 @@ class KeyValueExchange:
       self._delete(self._ns)
     self._own_keys.clear()
     self._unreleased.clear()
+    self._released = True
 
   def close(self) -> None:
+    """Stops waits and writes; the last process to close deletes the keys.
+
+    Never blocks on peers (it runs in `close()` and in garbage collection):
+    each process adds one to a counter under the namespace, and the one that
+    brings it to the process count deletes the namespace, because by then no
+    process writes or needs its keys. A process that never closes (it died)
+    leaves them behind.
+    """
     self._cancel.set()
+    with self._write_lock:
+      if self._released:
+        return
+      self._released = True
+      try:
+        closed = self._client.key_value_increment(f"{self._ns}/closed", 1)
+      except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator).
+        logger.debug("grain_jax_sync: could not count the close of %s: %s", self._ns, e)
+        return
+    if closed >= self.process_count:
+      self._delete(self._ns)
 
   @property
   def own_keys(self) -> tuple[str, ...]:
