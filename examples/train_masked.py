@@ -47,6 +47,11 @@ def train(epochs: int = 20, batch_size: int = 16) -> dict[str, float]:
     with gjs.iter_jax_batches(shard, batch_size=batch_size, paddings=0.0, mask_key="mask") as it:
       for batch in it:
         params, loss = sgd_step(params, batch)
+        # Wait for the step, as a loop that logs its loss does. On CPU devices
+        # with gloo, letting hundreds of collective steps queue up under async
+        # dispatch can stall XLA's CPU collectives (seen with plain
+        # make_array_from_process_local_data + jit, no grain_jax_sync).
+        loss.block_until_ready()
         steps += 1
   return {
     "w": float(params["w"][0, 0]),
