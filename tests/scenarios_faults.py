@@ -329,12 +329,15 @@ def _leftovers(tag: str) -> dict[str, Any]:
 
   gc.collect()
   client = distributed.global_state.client
-  client.wait_at_barrier(f"hygiene/{tag}", 60_000)
-  return {
+  client.wait_at_barrier(f"hygiene/{tag}/closed", 60_000)
+  out = {
     "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")),
     "children": [c.pid for c in psutil.Process().children(recursive=True)],
     "keys": sorted(k for k, _ in client.key_value_dir_get("grain_jax_sync/")),
   }
+  # Nobody starts the next case before every process has looked.
+  client.wait_at_barrier(f"hygiene/{tag}/looked", 60_000)
+  return out
 
 
 def run_hygiene() -> dict[str, Any]:

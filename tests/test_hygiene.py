@@ -1,0 +1,138 @@
+"""Nothing left behind: threads, processes and exchange keys after every ending.
+
+Across 2 real processes (`scenarios_faults.run_hygiene`) an iterator is
+drained, closed early, left by a `with` block, ended by an agreed error, ended
+by a source error, and garbage-collected; after each, once every process has
+got there, no `grain_jax_sync` thread, no child process and no key under
+``grain_jax_sync/`` in the coordination service's store may remain. In one
+process the same holds for threads, and a Grain `DataLoader`'s worker
+processes stop on `close()`.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import scenarios
+import scenarios_faults
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+ENDINGS = ["drained", "closed_early", "context", "error_no_close", "source_error_no_close"]
+ENDINGS += ["collected"]
+_RUN: dict = {}
+
+
+def _hygiene():
+  if "run" not in _RUN:
+    try:
+      outcomes = testing.run_processes(
+        scenarios_faults.run_hygiene, num_processes=2, devices_per_process=4, timeout_s=150
+      )
+      _RUN["run"] = testing.values(outcomes)
+    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
+      _RUN["run"] = e
+  if isinstance(_RUN["run"], Exception):
+    raise _RUN["run"]
+  return _RUN["run"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_nothing_left_behind_across_processes(ending):
+  for out in _hygiene():
+    assert out[ending] == {"threads": [], "children": [], "keys": []}
+
+
+@pytest.mark.multiprocess
+def test_hygiene_cases_ended_as_intended():
+  outs = _hygiene()
+  for out in outs:
+    assert out["drained_n"] == 12
+    assert out["error_message"].startswith("uneven number of batches: process 0 ran out")
+  assert [out["source_error_type"] for out in outs] == ["OSError", "RuntimeError"]
+
+
+# -- one process -------------------------------------------------------------------
+
+
+def _our_threads():
+  return [t for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
+
+
+def _wait_for(predicate, timeout_s=10.0):
+  deadline = time.monotonic() + timeout_s
+  while not predicate() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return predicate()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_no_thread_left_after_an_exception(prefetch):
+  data = scenarios.make_batches(0, [8, 8]) + [{"x": np.zeros(8), "y": None}]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+  with pytest.raises(ValueError, match="process 0, batch 2, column 'y': leaf is None"):
+    for _ in it:
+      pass
+  assert _our_threads() == []  # Even before close().
+  it.close()
+  assert _our_threads() == []
+
+
+def test_no_thread_left_after_garbage_collection():
+  it = gjs.iter_jax_batches(scenarios.make_batches(0, [8] * 20), batch_size=8, prefetch_batches=2)
+  next(it)
+  assert len(_our_threads()) >= 1
+  del it
+  gc.collect()
+  assert _wait_for(lambda: _our_threads() == [])
+
+
+def test_no_thread_left_after_closing_mid_stream_with_a_blocked_consumer_queue():
+  it = gjs.iter_jax_batches(scenarios.make_batches(0, [8] * 20), batch_size=8, prefetch_batches=1)
+  next(it)
+  time.sleep(0.2)  # Let the producer fill the queue and block on it.
+  it.close()
+  assert _our_threads() == []
+  with pytest.raises(RuntimeError, match="closed"):
+    next(it)
+
+
+def _workers():
+  """Child processes, less multiprocessing's resource tracker (it lives until exit)."""
+  out = set()
+  for child in psutil.Process().children(recursive=True):
+    try:
+      if not any("resource_tracker" in part for part in child.cmdline()):
+        out.add(child.pid)
+    except psutil.NoSuchProcess:
+      pass
+  return out
+
+
+def test_grain_dataloader_workers_stop_on_close():
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+    flags.FLAGS.mark_as_parsed()
+  loader = scenarios_faults.grain_shard("loader", 0, 1, 64, 8)
+  loader = type(loader)(
+    data_source=loader._data_source,  # noqa: SLF001 - same pipeline, one worker.
+    sampler=loader._sampler,  # noqa: SLF001
+    operations=loader._operations,  # noqa: SLF001
+    worker_count=1,
+  )
+  before = _workers()
+  it = gjs.iter_jax_batches(loader, batch_size=8)
+  batch = next(it)
+  np.testing.assert_array_equal(np.asarray(batch["id"]), np.arange(8))
+  assert _workers() - before  # A worker runs.
+  it.close()
+  assert _wait_for(lambda: not (_workers() - before))
+  assert _our_threads() == []
