@@ -211,7 +211,7 @@ def test_structure_change_mid_stream_on_one_host_raises_on_every_host(n, d):
     ("batch_size", "batch_size: 8 vs 16"),
     ("drop_last", "drop_last: False vs True"),
     ("paddings", "paddings: '0' vs '-1'"),
-    ("paddings_numpy_scalar", "paddings:"),
+    ("paddings_numpy_scalar", "paddings: '0.0' vs '1.0'"),
     ("mask_key", "mask_key: 'mask' vs 'valid'"),
   ],
 )
