@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -60,3 +61,27 @@ def check_json(state: Any, description: str) -> None:
       f"the state of {description} is not JSON-serialisable ({e}); wrap the"
       " source so that get_state() returns JSON values"
     ) from e
+
+
+def drop_dict_paths(element: Any, paths: Sequence[tuple[Any, ...]]) -> Any:
+  """Returns `element` without the dict entries at `paths`.
+
+  A dict left empty by the drop is removed too. Works on NumPy elements and on
+  elements traced by tf.data alike.
+  """
+  if not paths or not isinstance(element, Mapping):
+    return element
+  here = {p[0] for p in paths if len(p) == 1}
+  deeper: dict[Any, list[tuple[Any, ...]]] = {}
+  for p in paths:
+    if len(p) > 1:
+      deeper.setdefault(p[0], []).append(p[1:])
+  out = {}
+  for k, v in element.items():
+    if k in here:
+      continue
+    kept = drop_dict_paths(v, deeper.get(k, []))
+    if k in deeper and isinstance(kept, Mapping) and not kept:
+      continue  # Every column under `k` was dropped.
+    out[k] = kept
+  return out

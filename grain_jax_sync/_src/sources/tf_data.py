@@ -65,24 +65,9 @@ def unsupported_columns(element_spec: Any) -> list[tuple[str, tuple[Any, ...], s
 
 def _drop_paths(element: Any, paths: list[tuple[Any, ...]]) -> Any:
   """Returns `element` without the dict entries at `paths` (traced by tf.data)."""
-  if not paths:
-    return element
-  if not isinstance(element, Mapping):
+  if paths and not isinstance(element, Mapping):
     raise AssertionError("only dict entries can be dropped")
-  here = {p[0] for p in paths if len(p) == 1}
-  deeper: dict[Any, list[tuple[Any, ...]]] = {}
-  for p in paths:
-    if len(p) > 1:
-      deeper.setdefault(p[0], []).append(p[1:])
-  out = {}
-  for k, v in element.items():
-    if k in here:
-      continue
-    kept = _drop_paths(v, deeper.get(k, []))
-    if k in deeper and isinstance(kept, Mapping) and not kept:
-      continue  # Every column under `k` was dropped.
-    out[k] = kept
-  return out
+  return base.drop_dict_paths(element, paths)
 
 
 def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:

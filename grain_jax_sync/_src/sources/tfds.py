@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from grain_jax_sync._src.sources import base
+
 logger = logging.getLogger(__name__)
 
 _READERS = ("data_source", "tf_data")
@@ -66,25 +68,6 @@ def _unsupported_features(tensor_info: Any, prefix: tuple[str, ...] = ()) -> lis
   return []
 
 
-def _drop(element: Any, paths: Sequence[tuple[str, ...]]) -> Any:
-  if not paths or not isinstance(element, Mapping):
-    return element
-  here = {p[0] for p in paths if len(p) == 1}
-  deeper: dict[str, list[tuple[str, ...]]] = {}
-  for p in paths:
-    if len(p) > 1:
-      deeper.setdefault(p[0], []).append(p[1:])
-  out = {}
-  for k, v in element.items():
-    if k in here:
-      continue
-    kept = _drop(v, deeper.get(k, []))
-    if k in deeper and isinstance(kept, Mapping) and not kept:
-      continue  # Every column under `k` was dropped.
-    out[k] = kept
-  return out
-
-
 class _DropColumns:
   """A picklable element transform that removes the given dict paths."""
 
@@ -92,7 +75,7 @@ class _DropColumns:
     self._paths = [tuple(p) for p in paths]
 
   def __call__(self, element: Any) -> Any:
-    return _drop(element, self._paths)
+    return base.drop_dict_paths(element, self._paths)
 
 
 def tfds_pipeline(
