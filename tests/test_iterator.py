@@ -133,6 +133,21 @@ def test_uneven_rows_padded_to_batch_size_and_masked(n, d):
     np.testing.assert_array_equal(last["mask"], want_mask)
 
 
+def test_single_process_pads_short_batch_and_masks_it():
+  data = scenarios.make_batches(0, [8, 5])
+  with gjs.iter_jax_batches(
+    data, batch_size=8, paddings={"x": -1, "y": 9.0}, mask_key="mask"
+  ) as it:
+    out = list(it)
+  assert len(out) == 2
+  np.testing.assert_array_equal(
+    np.asarray(out[1]["x"]), np.r_[scenarios.rows_for(0, 1, 5), [-1] * 3]
+  )
+  np.testing.assert_array_equal(np.asarray(out[1]["y"])[5:], np.full((3, 2), 9.0))
+  np.testing.assert_array_equal(np.asarray(out[1]["mask"]), np.arange(8) < 5)
+  np.testing.assert_array_equal(np.asarray(out[0]["mask"]), np.ones(8, bool))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("n", "d"), MULTI)
 def test_uneven_rows_without_paddings_raise_range(n, d):
