@@ -306,9 +306,12 @@ class _Producer:
     while True:
       reads = self._read_window()
       report = self._report(reads)
-      payloads = self._exchange.all_gather(window, report.to_json())
+      if isinstance(self._exchange, exchange_lib.LocalExchange):
+        reports = [report]  # Nothing to exchange: skip the JSON round trip.
+      else:
+        payloads = self._exchange.all_gather(window, report.to_json())
+        reports = [plan_lib.Report.from_json(p) for p in payloads]
       window += 1
-      reports = [plan_lib.Report.from_json(p) for p in payloads]
       self._learn_signature(reports)
       decision = plan_lib.decide(reports, self._options, position=self._position)
       for i, step in enumerate(decision.steps):
@@ -518,6 +521,8 @@ class _Producer:
       if pi in missing:
         read()
         continue
+      if j >= posted:
+        flush()  # Peers need our row for `j` now; reading ahead may block.
       now = time.monotonic()
       if room() and now - last_poll < max(POLL_MIN_S, 2 * rpc_s):
         read()  # Read ahead instead of asking the store again so soon.
