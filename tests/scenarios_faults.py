@@ -227,13 +227,18 @@ def run_kill(
 
   Process 0 (when it survives) lingers `linger_s` before returning: it hosts
   the coordination service, and a real job would not exit that fast, so the
-  other survivors get to report their own error first.
+  other survivors get to report their own error first. Every process starts
+  its backend and meets the others first, so that the kill lands mid-run and
+  not in a peer's start-up.
   """
   import jax
+  from jax._src import distributed
 
   import grain_jax_sync as gjs
 
   p = jax.process_index()
+  jax.devices()
+  distributed.global_state.client.wait_at_barrier("kill/start", 60_000)
   src = batch_source(p, sizes[p], kill_at=kill_at if p == victim else None)
   it = gjs.iter_jax_batches(
     src, batch_size=8, sync_timeout_s=sync_timeout_s, synchronize_lookahead=2, name="kill"

@@ -345,6 +345,11 @@ def test_killed_coordinator_survivors_raise_or_are_terminated_promptly():
     assert "Failed to send RPC to coordination service" in survivor.log
   else:
     assert survivor.exit_code == 0, survivor.log
+    assert survivor.error_type is None, (
+      survivor.error_type,
+      survivor.error_message,
+      survivor.traceback,
+    )
     out = survivor.value
     assert out["error_type"] == "RuntimeError", out
     assert "the jax.distributed key-value store failed while" in out["error"]
