@@ -41,3 +41,37 @@ def test_demo_command_prints_agreed_batches():
     "batch 2: global (16,) features bfloat16; this host: 0 real + 8 padded rows; global mask sum 1"
     in out
   )
+
+
+def test_doctor_reports_devices_and_extras(capsys):
+  from grain_jax_sync import __main__ as cli
+
+  assert cli.main(["doctor"]) == 0
+  out = capsys.readouterr().out
+  assert "processes 1 (this: 0), devices 8 (local 8)" in out
+  assert "grain: installed" in out and "key-value store client: no" in out
+
+
+@pytest.mark.multiprocess
+def test_simulate_command_runs_a_function_in_every_process():
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "grain_jax_sync",
+      "simulate",
+      "examples.train_masked:train",
+      "-n",
+      "2",
+      "-d",
+      "2",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=True,
+  ).stdout
+  lines = [line for line in out.splitlines() if line.startswith("process ")]
+  assert len(lines) == 2 and all(": ok; value={" in line for line in lines)
+  assert lines[0].split("value=")[1] == lines[1].split("value=")[1]
