@@ -11,13 +11,13 @@ from grain_jax_sync import testing
 def test_run_iter_two_processes_equal_batches_rows_in_process_order():
   sizes = [[8, 8], [8, 8]]
   outs = testing.values(
-      testing.run_processes(
-          scenarios.run_iter,
-          num_processes=2,
-          devices_per_process=4,
-          args=(sizes, {"batch_size": 8}),
-          timeout_s=120,
-      )
+    testing.run_processes(
+      scenarios.run_iter,
+      num_processes=2,
+      devices_per_process=4,
+      args=(sizes, {"batch_size": 8}),
+      timeout_s=120,
+    )
   )
   for out in outs:
     assert out["error"] is None
