@@ -40,13 +40,15 @@ READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_WINDOWS = 4
 # A batch that took this long to read is posted at once (a slow source); faster
 # reads are posted in chunks of up to `synchronize_lookahead` batches.
-FLUSH_AFTER_S = 0.002
+FLUSH_AFTER_S = 0.01
 # The agreement thread asks the store for news at most this often while it
 # still has batches to read.
 POLL_MIN_S = 0.002
 AGREE_THREAD = "grain_jax_sync-agree"
-# Decided batches queued between the agreement thread and the build thread.
-STAGE_BUFFER = 2
+READ_THREAD = "grain_jax_sync-read"
+# Decided runs of positions (each at most the read-ahead) queued between the
+# agreement thread and the build thread.
+STAGE_BUFFER = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +145,7 @@ class _Producer:
     self._layout: dict[str, Any] | None = None
     self._sent_config = False
     self._stage: prefetch_lib.Prefetcher[Any] | None = None  # The agreement thread.
+    self._reader: prefetch_lib.Prefetcher[Any] | None = None  # The read thread.
 
   # -- reading ---------------------------------------------------------------
 
@@ -355,25 +358,40 @@ class _Producer:
       )
       self._stage = stage
     try:
-      for read, step in stage:
-        if read is not None:
-          self._last_state = read.state
-        if step.action == plan_lib.Action.DROP:
-          logger.warning(
-            "grain_jax_sync: drop_last dropped a batch on every host (real"
-            " rows per process %s, batch_size %d)",
-            list(step.real_rows),
-            self._s.batch_size,
-          )
-          continue
-        value = self._build(read, step)
-        self._position += 1
-        yield _Item(value, self._last_state)
+      for decided in stage:
+        while decided:
+          read, step = decided.popleft()
+          if read is not None:
+            self._last_state = read.state
+          if step.action == plan_lib.Action.DROP:
+            logger.warning(
+              "grain_jax_sync: drop_last dropped a batch on every host (real"
+              " rows per process %s, batch_size %d)",
+              list(step.real_rows),
+              self._s.batch_size,
+            )
+            continue
+          value = self._build(read, step)
+          read = None  # Hold no host batch while the consumer holds this one.
+          self._position += 1
+          yield _Item(value, self._last_state)
     finally:
       if isinstance(stage, prefetch_lib.Prefetcher):
         stage.close()
+      if self._reader is not None:
+        self._reader.close()
 
-  def _agree_pipelined(self) -> Iterator[tuple[_Read | None, plan_lib.Step]]:
+  def _read_all(self) -> Iterator[_Read | None]:
+    """Source batches, then None once the stream ended or failed."""
+    while True:
+      read = self._read_one(track_empty=False)
+      yield read
+      if read is None:
+        return
+
+  def _agree_pipelined(
+    self,
+  ) -> Iterator[collections.deque[tuple[_Read | None, plan_lib.Step]]]:
     """Reads ahead, posts rows as read, decides positions as soon as all are in.
 
     Every process posts the row counts of the batches it reads in chunks
@@ -386,6 +404,11 @@ class _Producer:
     ex = self._exchange
     assert isinstance(ex, exchange_lib.KeyValueExchange)
     pi = self._pi
+    reader: Iterator[_Read | None] = self._read_all()
+    if self._s.prefetch > 0:
+      # Reading in its own thread overlaps a slow source with the exchange.
+      self._reader = prefetch_lib.Prefetcher(reader, buffer_size=1, name=READ_THREAD)
+      reader = self._reader
     led = ledger_lib.Ledger(self._pc)
     led.set_own(pi, signature=None, devices=self._local_devices, config=self._s.digest())
     pending: collections.deque[_Read] = collections.deque()
@@ -401,8 +424,10 @@ class _Producer:
     rpc_s = 0.001
     deadline: float | None = None
 
+    own_ended = False  # Set when the reader says the stream ended or failed.
+
     def own_end() -> bool:
-      return self._exhausted or self._error is not None
+      return own_ended
 
     def flush() -> None:
       nonlocal posted, end_posted, sent_signature, rpc_s
@@ -447,11 +472,12 @@ class _Producer:
           ex.release(below)
 
     def read() -> None:
-      nonlocal limit
+      nonlocal limit, own_ended
       t0 = time.monotonic()
       first = led.count(pi) == 0
-      r = self._read_one(track_empty=False)
+      r = next(reader)
       if r is None:
+        own_ended = True
         led.end(
           plan_lib.Report(
             process_index=pi,
@@ -493,22 +519,22 @@ class _Producer:
         reports = led.window_reports(j, size, with_config=j == 0)
         self._learn_signature(reports)
         decision = plan_lib.decide(reports, self._options, position=yielded)
+        decided: collections.deque[tuple[_Read | None, plan_lib.Step]] = collections.deque()
         for step in decision.steps:
-          own = pending.popleft() if j < led.count(pi) else None
+          decided.append((pending.popleft() if j < led.count(pi) else None, step))
+          j += 1
+          if step.action == plan_lib.Action.YIELD:
+            yielded += 1
+        led.forget(j)
+        if decided:
           # Never hand a position on (the hand-off may block on the consumer)
           # before this host's row for it is posted: a peer may need that row
           # to decide the batch that this host's training step is waiting for
           # in a collective with that peer. Rows read further ahead may wait
-          # for their chunk; no peer needs them to reach this position.
-          if j >= posted:
+          # for their chunk; no peer needs them to reach these positions.
+          if j > posted:
             flush()
-          j += 1
-          if step.action == plan_lib.Action.YIELD:
-            yielded += 1
-          yield own, step
-          if room():  # Keep reading while the build stage works.
-            read()
-        led.forget(j)
+          yield decided  # One hand-off per decided run; the builder empties it.
         if decision.end == plan_lib.End.CONTINUE:
           continue
         flush()
@@ -519,7 +545,17 @@ class _Producer:
         return
       missing = led.missing(j)
       if pi in missing:
+        # Read a chunk's worth while reads are quick, so that rows travel (and
+        # positions get decided and handed on) in runs rather than one by one.
+        t0 = time.monotonic()
         read()
+        while (
+          unposted
+          and room()
+          and len(unposted) < self._s.lookahead
+          and time.monotonic() - t0 < FLUSH_AFTER_S
+        ):
+          read()
         continue
       if j >= posted:
         flush()  # Peers need our row for `j` now; reading ahead may block.
@@ -561,6 +597,8 @@ class _Producer:
     self._exchange.close()
     if self._stage is not None:
       self._stage.close()
+    if self._reader is not None:
+      self._reader.close()
 
 
 class JaxBatchIterator(Iterator[Any]):
