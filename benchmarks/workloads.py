@@ -1,0 +1,357 @@
+"""Benchmark workloads; they run inside simulated hosts (`grain_jax_sync.testing`).
+
+Every function is module level so that `run_processes` can import it in each
+process, and returns plain numbers. Figures are turned into ratios by
+`benchmarks/run.py`; within one function the compared variants run
+interleaved, several times, and the median is kept, so that a noisy machine
+moves both sides alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from benchmarks import reference
+
+# -- helpers -----------------------------------------------------------------
+
+
+def images(rows: int, n: int, *, seed: int = 0) -> list[dict[str, np.ndarray]]:
+  """`n` CIFAR-like batches: uint8 (rows, 32, 32, 3) images and int32 labels."""
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "image": rng.integers(0, 255, (rows, 32, 32, 3), dtype=np.uint8),
+      "label": rng.integers(0, 10, (rows,), dtype=np.int32),
+    }
+    for _ in range(n)
+  ]
+
+
+def columns(rows: int, n: int, ncols: int) -> list[dict[str, np.ndarray]]:
+  base = np.arange(rows * 16, dtype=np.float32).reshape(rows, 16)
+  return [{f"c{c:02d}": base + c for c in range(ncols)} for _ in range(n)]
+
+
+def _block(tree: Any) -> None:
+  import jax
+
+  jax.block_until_ready(tree)
+
+
+def _timed(make_iter: Callable[[], Iterator[Any]], *, step_s: float = 0.0) -> tuple[float, int]:
+  import jax
+
+  from grain_jax_sync._src import exchange
+
+  client = exchange.distributed_client()
+  if jax.process_count() > 1 and client is not None:
+    _timed.count = getattr(_timed, "count", 0) + 1
+    client.wait_at_barrier(f"bench/start/{_timed.count}", 120_000)
+  start = time.perf_counter()
+  n = 0
+  it = make_iter()
+  for batch in it:
+    _block(batch)
+    if step_s:
+      time.sleep(step_s)
+    n += 1
+  elapsed = time.perf_counter() - start
+  close = getattr(it, "close", None)
+  if callable(close):
+    close()
+  return elapsed, n
+
+
+def _median_times(variants: dict[str, Callable[[], Iterator[Any]]], trials: int) -> dict[str, Any]:
+  times: dict[str, list[float]] = {k: [] for k in variants}
+  counts: dict[str, int] = {}
+  for _ in range(trials):
+    for k, make in variants.items():
+      t, n = _timed(make)
+      times[k].append(t)
+      counts[k] = n
+  return {k: {"s": statistics.median(v), "batches": counts[k]} for k, v in times.items()}
+
+
+def _bare(batches: list[dict[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
+  """The floor: one `make_array_from_process_local_data` call per batch, nothing else."""
+  import jax
+
+  from grain_jax_sync import default_sharding
+
+  sharding = default_sharding()
+  pc = jax.process_count()
+  for b in batches:
+    shapes = {k: (v.shape[0] * pc, *v.shape[1:]) for k, v in b.items()}
+    yield jax.make_array_from_process_local_data(sharding, b, shapes)
+
+
+# -- workloads ---------------------------------------------------------------
+
+
+def overhead(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any]:
+  """1 process: iter_jax_batches vs a bare make_array loop vs the reference."""
+  import grain_jax_sync as gjs
+
+  data = images(rows, n)
+  _timed(lambda: _bare(data))  # Warm-up (compiles nothing, but fills caches).
+  return _median_times(
+    {
+      "bare": lambda: _bare(data),
+      "ours": lambda: gjs.iter_jax_batches(data, batch_size=rows),
+      "ours_p0": lambda: gjs.iter_jax_batches(data, batch_size=rows, prefetch_batches=0),
+      "reference": lambda: reference.reference_sync_generator(data, False, batch_size=rows),
+    },
+    trials,
+  )
+
+
+def agreement(*, rows: int = 64, n: int = 400, trials: int = 3) -> dict[str, Any]:
+  """Synchronized vs unsynchronized throughput, default settings."""
+  import grain_jax_sync as gjs
+
+  data = images(rows, n)
+  ref = reference.reference_sync_generator
+  _timed(lambda: ref(data, False, batch_size=rows, synchronize_batches=True))  # Warm-up.
+  return _median_times(
+    {
+      "ours_sync": lambda: gjs.iter_jax_batches(data, batch_size=rows),
+      "ours_nosync": lambda: gjs.iter_jax_batches(data, batch_size=rows, synchronize_batches=False),
+      "ref_sync10": lambda: ref(data, False, batch_size=rows, synchronize_batches=True),
+      "ref_sync1": lambda: ref(
+        data, False, batch_size=rows, synchronize_batches=True, synchronize_lookahead=1
+      ),
+      "ref_nosync": lambda: ref(data, False, batch_size=rows),
+    },
+    trials,
+  )
+
+
+def _slow(data: list[Any], load_s: float) -> Iterator[Any]:
+  for b in data:
+    time.sleep(load_s)
+    yield b
+
+
+def overlap(*, n: int = 50, configs: tuple[tuple[float, float], ...] = ()) -> dict[str, Any]:
+  """wall / (n * max(step, load)) for a sleeping source and a sleeping step."""
+  import grain_jax_sync as gjs
+
+  configs = configs or ((0.02, 0.02), (0.04, 0.02), (0.02, 0.04))
+  data = images(64, n)
+  out = {}
+  for step_s, load_s in configs:
+    ideal = n * max(step_s, load_s)
+    t_ours, _ = _timed(
+      lambda: gjs.iter_jax_batches(_slow(data, load_s), batch_size=64),  # noqa: B023
+      step_s=step_s,
+    )
+    t_ref, _ = _timed(
+      lambda: reference.reference_sync_generator(  # noqa: B023
+        _slow(data, load_s),  # noqa: B023
+        False,
+        batch_size=64,
+        synchronize_batches=True,
+      ),
+      step_s=step_s,
+    )
+    out[f"S={step_s * 1e3:.0f}ms L={load_s * 1e3:.0f}ms"] = {
+      "ours": t_ours / ideal,
+      "reference": t_ref / ideal,
+    }
+  return out
+
+
+def grain_device_put(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any]:
+  """The same Grain pipeline through grain.experimental.device_put and ours."""
+  import grain
+  import jax
+
+  import grain_jax_sync as gjs
+
+  data = images(rows, 1)[0]
+
+  def pipeline() -> Any:
+    ds = grain.MapDataset.range(rows * n).map(
+      lambda i: {"image": data["image"][i % rows], "label": data["label"][i % rows]}
+    )
+    return ds.batch(rows, drop_remainder=True).to_iter_dataset()
+
+  sharding = gjs.default_sharding()
+  # Warm up both (Grain's first batch pays thread start-up).
+  for _ in zip(range(3), grain.experimental.device_put(pipeline(), sharding), strict=False):
+    pass
+  del jax
+  return _median_times(
+    {
+      "grain": lambda: iter(grain.experimental.device_put(pipeline(), sharding)),
+      "ours": lambda: gjs.iter_jax_batches(pipeline(), batch_size=rows),
+    },
+    trials,
+  )
+
+
+def dtype_bytes(*, rows: int = 256, n: int = 100, trials: int = 5) -> dict[str, Any]:
+  """float32 -> bfloat16: bytes handed to the transfer per batch, and time."""
+  import jax
+  import ml_dtypes
+
+  import grain_jax_sync as gjs
+
+  data = [{"x": np.ones((rows, 1024), np.float32)} for _ in range(n)]
+  sent = {"bytes": 0}
+  real = jax.make_array_from_process_local_data
+
+  def counting(sharding: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
+    sent["bytes"] += np.asarray(local).nbytes
+    return real(sharding, local, *args, **kwargs)
+
+  out: dict[str, Any] = {}
+  jax.make_array_from_process_local_data = counting
+  try:
+    for name, make in (
+      ("policy", lambda: gjs.iter_jax_batches(data, batch_size=rows, dtypes=ml_dtypes.bfloat16)),
+      (
+        "after",
+        lambda: reference.reference_sync_generator(
+          data, False, batch_size=rows, dtypes=ml_dtypes.bfloat16
+        ),
+      ),
+    ):
+      sent["bytes"] = 0
+      _, count = _timed(make)
+      out[f"{name}_bytes_per_batch"] = sent["bytes"] / count
+  finally:
+    jax.make_array_from_process_local_data = real
+  out.update(
+    _median_times(
+      {
+        "policy": lambda: gjs.iter_jax_batches(data, batch_size=rows, dtypes=ml_dtypes.bfloat16),
+        "after": lambda: reference.reference_sync_generator(
+          data, False, batch_size=rows, dtypes=ml_dtypes.bfloat16
+        ),
+      },
+      trials,
+    )
+  )
+  return out
+
+
+def per_batch(*, rows: int = 64, n: int = 300, trials: int = 3) -> dict[str, Any]:
+  """Per-batch cost, synchronized, default settings (for process scaling)."""
+  import grain_jax_sync as gjs
+
+  data = images(rows, n)
+  return _median_times(
+    {
+      "ours": lambda: gjs.iter_jax_batches(data, batch_size=rows),
+      "bare": lambda: _bare(data),
+    },
+    trials,
+  )
+
+
+def column_scaling(*, rows: int = 64, n: int = 100, trials: int = 3) -> dict[str, Any]:
+  """Per-batch cost vs a bare loop for 1 to 64 columns, 1 process."""
+  import grain_jax_sync as gjs
+
+  out = {}
+  for ncols in (1, 4, 16, 64):
+    data = columns(rows, n, ncols)
+    out[ncols] = _median_times(
+      {
+        "bare": lambda: _bare(data),  # noqa: B023
+        "ours": lambda: gjs.iter_jax_batches(data, batch_size=rows),  # noqa: B023
+      },
+      trials,
+    )
+  return out
+
+
+def _rss() -> int:
+  import psutil
+
+  return psutil.Process(os.getpid()).memory_info().rss
+
+
+def _peak_rss_growth(fn: Callable[[], None]) -> int:
+  gc.collect()
+  base = _rss()
+  peak = [base]
+  stop = threading.Event()
+
+  def sample() -> None:
+    while not stop.is_set():
+      peak[0] = max(peak[0], _rss())
+      time.sleep(0.002)
+
+  t = threading.Thread(target=sample, daemon=True)
+  t.start()
+  try:
+    fn()
+  finally:
+    stop.set()
+    t.join()
+  peak[0] = max(peak[0], _rss())
+  return peak[0] - base
+
+
+def memory(*, mb: int = 64, n: int = 24) -> dict[str, Any]:
+  """Peak RSS growth per host while streaming `n` batches of `mb` MB.
+
+  Measured twice per side: as is, and with `gc.collect()` after every step,
+  which frees batches that are only held by reference cycles (see the
+  closing note in benchmarks/RESULTS.md), so that the second figure is what
+  the iterator itself holds.
+  """
+  import grain_jax_sync as gjs
+
+  rows = 64
+  width = mb * (1 << 20) // (rows * 4)
+
+  def gen() -> Iterator[dict[str, np.ndarray]]:
+    for i in range(n):
+      yield {"x": np.full((rows, width), i, np.float32)}
+
+  def drain(make: Callable[[], Iterator[Any]], collect: bool) -> None:
+    it = make()
+    for batch in it:
+      _block(batch)
+      time.sleep(0.005)  # A short step, so that read-ahead has time to fill.
+      del batch
+      if collect:
+        gc.collect()
+    close = getattr(it, "close", None)
+    if callable(close):
+      close()
+
+  def ours() -> Iterator[Any]:
+    return gjs.iter_jax_batches(gen(), batch_size=rows)
+
+  def ref() -> Iterator[Any]:
+    return reference.reference_sync_generator(
+      gen(), False, batch_size=rows, synchronize_batches=True
+    )
+
+  out: dict[str, Any] = {"batch_bytes": rows * width * 4}
+  for collect in (True, False):
+    for name, make in (("ours", ours), ("reference", ref)):
+      gc.collect()
+      key = f"{name}_collected" if collect else name
+      out[key] = _peak_rss_growth(lambda: drain(make, collect))  # noqa: B023
+  return out
+
+
+def suite(names: list[str], kwargs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+  """Runs the named workloads in this process, in order."""
+  kwargs = kwargs or {}
+  return {name: globals()[name](**kwargs.get(name, {})) for name in names}
