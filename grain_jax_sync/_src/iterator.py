@@ -397,9 +397,11 @@ class _Producer:
     Every process posts the row counts of the batches it reads in chunks
     (`ledger.Chunk`), and decides with `plan.decide` every position for which
     each process's batch (or end of stream) is known, so no position waits for
-    a whole window. Between handing decided batches to the build stage it
-    keeps reading, up to `_read_ahead_limit` undecided batches, so that its
-    rows reach the peers before they need them.
+    a whole window. It reads in runs of up to `synchronize_lookahead` batches
+    while reads are quick, holds at most `_read_ahead_limit` undecided
+    batches, and hands each decided run to the build stage at once, after
+    posting its own rows for it. With `prefetch_batches > 0` the source is
+    read in its own thread.
     """
     ex = self._exchange
     assert isinstance(ex, exchange_lib.KeyValueExchange)

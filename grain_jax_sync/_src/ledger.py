@@ -4,8 +4,8 @@ In the pipelined exchange each process posts the row counts of the batches it
 has read as soon as it reads them (a `Chunk`: one or more consecutive
 positions), and every process decides position ``j`` with `plan.decide` once it
 knows, for every process, either the rows of its batch ``j`` or that its stream
-ended (or failed) before ``j``. `Ledger` keeps that knowledge and turns it into
-the one-position reports that `plan.decide` takes.
+ended (or failed) before ``j``. `Ledger` keeps that knowledge and turns each
+known run of positions into the window reports that `plan.decide` takes.
 
 Pure Python: no JAX, no I/O.
 """
@@ -66,9 +66,6 @@ class Ledger:
   def count(self, p: int) -> int:
     """Positions process `p` has reported rows for."""
     return self._base[p] + len(self._rows[p])
-
-  def ended(self, p: int) -> bool:
-    return self._end[p] is not None
 
   def ack(self, p: int) -> int:
     return self._ack[p]
@@ -153,30 +150,6 @@ class Ledger:
   def missing(self, position: int) -> list[int]:
     """Processes whose batch (or end) at `position` is not known yet."""
     return [p for p in range(self._n) if position >= self.count(p) and self._end[p] is None]
-
-  def reports_at(self, position: int, *, with_config: bool) -> list[plan_lib.Report] | None:
-    """One-position reports for `plan.decide`, or None while any is missing."""
-    out = []
-    for p in range(self._n):
-      if position < self.count(p):
-        rows: tuple[int, ...] = (self._rows[p][position - self._base[p]],)
-        exhausted, error = False, None
-      elif self._end[p] is not None:
-        rows, exhausted, error = (), self._end[p].exhausted, self._end[p].error
-      else:
-        return None
-      out.append(
-        plan_lib.Report(
-          process_index=p,
-          rows=rows,
-          exhausted=exhausted,
-          error=error,
-          signature=self._signature[p],
-          local_devices=self._devices[p],
-          config=self._config[p] if with_config else None,
-        )
-      )
-    return out
 
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""

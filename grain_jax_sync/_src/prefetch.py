@@ -84,10 +84,6 @@ class Prefetcher(Generic[T]):
       raise item.error.with_traceback(item.error.__traceback__)
     return item
 
-  def qsize(self) -> int:
-    """Items ready in the queue (approximate, as `queue.Queue.qsize`)."""
-    return self._queue.qsize()
-
   @property
   def thread(self) -> threading.Thread:
     return self._thread
