@@ -90,3 +90,22 @@ def test_signature_json_round_trip_and_diff():
   assert "columns only in the second: ['y']" in d
   assert "column 'x': dtype float32 vs int32" in d
   assert "column 'x': trailing shape (3,) vs (4,)" in d
+
+
+def test_validate_leaves_no_reference_cycle_holding_arrays():
+  import gc
+  import weakref
+
+  class Leaf(np.ndarray):
+    pass
+
+  x = np.zeros(4).view(Leaf)
+  ref = weakref.ref(x)
+  gc.disable()
+  try:
+    hb = batches.validate({"a": x, "b": (x, [x])}, process_index=0, batch_index=0)
+    rebuilt = batches.unflatten(hb.signature.spec, hb.leaves)
+    del hb, rebuilt, x
+    assert ref() is None  # Freed by reference counting alone.
+  finally:
+    gc.enable()

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 import importlib
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -70,31 +70,33 @@ def flatten(batch: Any) -> tuple[list[Any], list[str], TreeSpec]:
   """
   leaves: list[Any] = []
   names: list[str] = []
-
-  def walk(x: Any, prefix: str) -> TreeSpec:
-    if isinstance(x, Mapping):
-      try:
-        keys = sorted(x.keys(), key=_key_order)
-      except TypeError as e:
-        raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
-      return {"d": [[k, walk(x[k], _child_name(prefix, k))] for k in keys]}
-    if _is_namedtuple(x):
-      t = type(x)
-      return {
-        "t": [walk(v, _child_name(prefix, f)) for f, v in zip(t._fields, x)],
-        "nt": f"{t.__module__}:{t.__qualname__}",
-        "f": list(t._fields),
-      }
-    if isinstance(x, tuple):
-      return {"t": [walk(v, _child_name(prefix, i)) for i, v in enumerate(x)]}
-    if isinstance(x, list) and not _is_scalar_sequence(x):
-      return {"l": [walk(v, _child_name(prefix, i)) for i, v in enumerate(x)]}
-    leaves.append(x)
-    names.append(prefix or ROOT_NAME)
-    return LEAF
-
-  spec = walk(batch, "")
+  spec = _walk(batch, "", leaves, names)
   return leaves, names, spec
+
+
+def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
+  # Module-level rather than a closure: a self-referencing closure makes a
+  # reference cycle per batch that keeps its arrays alive until the next GC.
+  if isinstance(x, Mapping):
+    try:
+      keys = sorted(x.keys(), key=_key_order)
+    except TypeError as e:
+      raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
+    return {"d": [[k, _walk(x[k], _child_name(prefix, k), leaves, names)] for k in keys]}
+  if _is_namedtuple(x):
+    t = type(x)
+    return {
+      "t": [_walk(v, _child_name(prefix, f), leaves, names) for f, v in zip(t._fields, x)],
+      "nt": f"{t.__module__}:{t.__qualname__}",
+      "f": list(t._fields),
+    }
+  if isinstance(x, tuple):
+    return {"t": [_walk(v, _child_name(prefix, i), leaves, names) for i, v in enumerate(x)]}
+  if isinstance(x, list) and not _is_scalar_sequence(x):
+    return {"l": [_walk(v, _child_name(prefix, i), leaves, names) for i, v in enumerate(x)]}
+  leaves.append(x)
+  names.append(prefix or ROOT_NAME)
+  return LEAF
 
 
 def _namedtuple_type(path: str, fields: Sequence[str]) -> type:
@@ -110,22 +112,20 @@ def _namedtuple_type(path: str, fields: Sequence[str]) -> type:
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
   """Rebuilds a batch from `flatten`'s spec and a list of leaves."""
-  it = iter(leaves)
+  return _build(spec, iter(leaves))
 
-  def build(s: TreeSpec) -> Any:
-    if s == LEAF:
-      return next(it)
-    if "d" in s:
-      return {k: build(sub) for k, sub in s["d"]}
-    if "l" in s:
-      return [build(sub) for sub in s["l"]]
-    values = [build(sub) for sub in s["t"]]
-    if "nt" in s:
-      return _namedtuple_type(s["nt"], s["f"])(*values)
-    return tuple(values)
 
-  out = build(spec)
-  return out
+def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
+  if s == LEAF:
+    return next(it)
+  if "d" in s:
+    return {k: _build(sub, it) for k, sub in s["d"]}
+  if "l" in s:
+    return [_build(sub, it) for sub in s["l"]]
+  values = [_build(sub, it) for sub in s["t"]]
+  if "nt" in s:
+    return _namedtuple_type(s["nt"], s["f"])(*values)
+  return tuple(values)
 
 
 def is_dict_spec(spec: TreeSpec) -> bool:
