@@ -299,6 +299,22 @@ class _Producer:
       return tree
     return batches_lib.unflatten(sig.spec, out)
 
+  def _emit(self, read: _Read | None, step: plan_lib.Step) -> _Item | None:
+    """Applies one decided step: the built batch and its state, or None (drop)."""
+    if read is not None:
+      self._last_state = read.state
+    if step.action == plan_lib.Action.DROP:
+      logger.warning(
+        "grain_jax_sync: drop_last dropped a batch on every host (real"
+        " rows per process %s, batch_size %d)",
+        list(step.real_rows),
+        self._s.batch_size,
+      )
+      return None
+    value = self._build(read, step)
+    self._position += 1
+    return _Item(value, self._last_state)
+
   # -- the loop --------------------------------------------------------------
 
   def __iter__(self) -> Iterator[_Item]:
@@ -318,23 +334,12 @@ class _Producer:
       self._learn_signature(reports)
       decision = plan_lib.decide(reports, self._options, position=self._position)
       for i, step in enumerate(decision.steps):
-        read = reads[i] if i < len(reads) else None
-        if read is not None:
-          self._last_state = read.state
-        if step.action == plan_lib.Action.DROP:
-          logger.warning(
-            "grain_jax_sync: drop_last dropped a batch on every host (real"
-            " rows per process %s, batch_size %d)",
-            list(step.real_rows),
-            self._s.batch_size,
-          )
-          continue
-        value = self._build(read, step)
-        self._position += 1
-        yield _Item(value, self._last_state)
+        value = self._emit(reads[i] if i < len(reads) else None, step)
+        if value is not None:
+          yield value
       # Drop this window's batches before reading the next one, so that at
       # most one window is held (not two).
-      reads = read = value = None
+      reads = value = None
       if decision.end == plan_lib.End.CONTINUE:
         continue
       self._exchange.finish()
@@ -360,21 +365,9 @@ class _Producer:
     try:
       for decided in stage:
         while decided:
-          read, step = decided.popleft()
-          if read is not None:
-            self._last_state = read.state
-          if step.action == plan_lib.Action.DROP:
-            logger.warning(
-              "grain_jax_sync: drop_last dropped a batch on every host (real"
-              " rows per process %s, batch_size %d)",
-              list(step.real_rows),
-              self._s.batch_size,
-            )
-            continue
-          value = self._build(read, step)
-          read = None  # Hold no host batch while the consumer holds this one.
-          self._position += 1
-          yield _Item(value, self._last_state)
+          value = self._emit(*decided.popleft())
+          if value is not None:  # Holds no host batch while the consumer has it.
+            yield value
     finally:
       if isinstance(stage, prefetch_lib.Prefetcher):
         stage.close()
