@@ -183,13 +183,7 @@ class KeyValueExchange:
         raise Cancelled()
       remaining = deadline - time.monotonic()
       if remaining <= 0:
-        raise PeerTimeoutError(
-          f"{_processes(missing)} did not report window {window} within"
-          f" `sync_timeout_s`={self._timeout_s:g}s; {_pronoun(missing)} may"
-          " have died, hung in its source, or created its iterators in a"
-          " different order (pass the same `name=` on every process).",
-          missing,
-        )
+        raise self.timeout_error(missing, f"window {window}")
       wait_ms = max(1, min(self._poll_ms, int(remaining * 1000)))
       try:
         v = self._client.blocking_key_value_get(self._key(window, missing[0]), wait_ms)
