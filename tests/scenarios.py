@@ -159,3 +159,14 @@ def run_resume(sizes: list[list[int]], kwargs: dict[str, Any], k: int) -> dict[s
     it2.set_state(state)
     rest = consume(it2)
   return {"full": full, "first": first, "rest": rest, "state": state}
+
+
+def collective_all_gather(windows: int) -> list[list[str]]:
+  """The device fallback transport: payloads of different lengths per process."""
+  import jax
+
+  from grain_jax_sync._src import exchange
+
+  p = jax.process_index()
+  ex = exchange.CollectiveExchange(process_index=p, process_count=jax.process_count())
+  return [ex.all_gather(w, f"w{w}-p{p}-" + "x" * (p * 7 + w)) for w in range(windows)]
