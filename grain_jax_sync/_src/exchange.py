@@ -190,11 +190,7 @@ class KeyValueExchange:
         got[missing[0]] = v
       except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError.
         if not _is_deadline(e):
-          raise RuntimeError(
-            f"the jax.distributed key-value store failed while waiting for"
-            f" {_processes(missing)} (window {window}): {e}. If process 0"
-            " died, the coordination service went with it."
-          ) from e
+          raise _store_failed(e, f"waiting for {_processes(missing)} (window {window})") from e
     # Every peer has posted window `window`, so all have read `window - 1`.
     while len(self._own_keys) > 1:
       self._delete(self._own_keys.pop(0))
@@ -267,11 +263,7 @@ class KeyValueExchange:
       value = self._client.blocking_key_value_get(key, wait_ms)
     except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError.
       if not _is_deadline(e):
-        raise RuntimeError(
-          f"the jax.distributed key-value store failed while waiting for"
-          f" process {process}: {e}. If process 0 died, the coordination"
-          " service went with it."
-        ) from e
+        raise _store_failed(e, f"waiting for process {process}") from e
       return []
     self._inbox[process][self._next[process]] = value
     return self._drain()
