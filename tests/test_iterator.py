@@ -20,9 +20,9 @@ MULTI = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 180
 
 
-def run(fn, n, d, *args):
+def run(fn, n, d, *args, **kwargs):
   return testing.run_processes(
-    fn, num_processes=n, devices_per_process=d, args=args, timeout_s=TIMEOUT
+    fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
   )
 
 
@@ -177,16 +177,7 @@ def test_single_process_rows_not_divisible_raise():
 def test_drop_last_without_sync_drops_short_final_batch_two_hosts():
   sizes = [[8, 8, 5], [8, 8, 3]]
   kwargs = {"drop_last": True, "batch_size": 8, "synchronize_batches": False}
-  for out in testing.values(
-    testing.run_processes(
-      scenarios.run_iter,
-      num_processes=2,
-      devices_per_process=4,
-      args=(sizes, kwargs),
-      kwargs={"compat": True},
-      timeout_s=TIMEOUT,
-    )
-  ):
+  for out in testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs, compat=True)):
     assert out["error"] is None and len(out["batches"]) == 2
     np.testing.assert_array_equal(out["batches"][1]["x"], expected_x(sizes, [1, 1], 8, 0))
 
@@ -233,16 +224,7 @@ def test_empty_host_with_paddings_builds_dummies_from_peer_structure(n, d):
 def test_empty_host_compat_generator_synchronized():
   sizes = [[8], []]
   kwargs = {"drop_last": False, "batch_size": 8, "paddings": 0, "synchronize_batches": True}
-  outs = testing.values(
-    testing.run_processes(
-      scenarios.run_iter,
-      num_processes=2,
-      devices_per_process=4,
-      args=(sizes, kwargs),
-      kwargs={"compat": True},
-      timeout_s=TIMEOUT,
-    )
-  )
+  outs = testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs, compat=True))
   for out in outs:
     assert out["error"] is None and len(out["batches"]) == 1
     np.testing.assert_array_equal(out["batches"][0]["x"], expected_x(sizes, [0, None], 8, 0))
