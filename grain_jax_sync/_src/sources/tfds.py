@@ -19,6 +19,7 @@ TFDS, Grain and TensorFlow are imported only when this module is used.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -161,73 +162,76 @@ def tfds_pipeline(
     raise ValueError(f"`process_index` must be in [0, {process_count}), got {process_index}")
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  kwargs = {
-    "split": split,
-    "batch_size": int(batch_size),
-    "shuffle": bool(shuffle),
-    "seed": process_seed(seed, process_index),
-    "num_epochs": num_epochs,
-    "drop_remainder": bool(drop_remainder),
-    "map_fn": map_fn,
-    "drop_unsupported": drop_unsupported,
-    "data_dir": data_dir,
-    "download": download,
-    "builder_kwargs": dict(builder_kwargs or {}),
-    "process_index": int(process_index),
-    "process_count": int(process_count),
-  }
+  req = _Request(
+    name=name,
+    split=split,
+    batch_size=int(batch_size),
+    shuffle=bool(shuffle),
+    seed=process_seed(seed, process_index),
+    num_epochs=num_epochs,
+    drop_remainder=bool(drop_remainder),
+    map_fn=map_fn,
+    drop_unsupported=drop_unsupported,
+    data_dir=data_dir,
+    download=download,
+    builder_kwargs=dict(builder_kwargs or {}),
+    process_index=int(process_index),
+    process_count=int(process_count),
+  )
   if reader == "data_source":
-    return _grain_pipeline(tfds, name, read_options=read_options, **kwargs)
-  return _tf_pipeline(tfds, name, shuffle_buffer_size=shuffle_buffer_size, **kwargs)
+    return _grain_pipeline(tfds, req, read_options=read_options)
+  return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
 
 
-def _grain_pipeline(
-  tfds: Any,
-  name: str,
-  *,
-  split: str,
-  batch_size: int,
-  shuffle: bool,
-  seed: int,
-  num_epochs: int | None,
-  drop_remainder: bool,
-  map_fn: Callable[[Any], Any] | None,
-  drop_unsupported: bool,
-  data_dir: str | None,
-  download: bool,
-  builder_kwargs: dict[str, Any],
-  process_index: int,
-  process_count: int,
-  read_options: Any,
-) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """What both readers build: one process's share of a TFDS split."""
+
+  name: str
+  split: str
+  batch_size: int
+  shuffle: bool
+  seed: int
+  num_epochs: int | None
+  drop_remainder: bool
+  map_fn: Callable[[Any], Any] | None
+  drop_unsupported: bool
+  data_dir: str | None
+  download: bool
+  builder_kwargs: dict[str, Any]
+  process_index: int
+  process_count: int
+
+
+def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
   import grain  # pylint: disable=g-import-not-at-top
 
   try:
     source = tfds.data_source(
-      name,
-      split=split,
-      data_dir=data_dir,
-      download=download,
-      builder_kwargs=builder_kwargs or None,
+      r.name,
+      split=r.split,
+      data_dir=r.data_dir,
+      download=r.download,
+      builder_kwargs=r.builder_kwargs or None,
     )
   except Exception as e:  # noqa: BLE001 - re-raised with the fix.
     raise RuntimeError(
-      f"tfds.data_source({name!r}, split={split!r}) failed: {type(e).__name__}: {e}."
+      f"tfds.data_source({r.name!r}, split={r.split!r}) failed: {type(e).__name__}: {e}."
       " The data_source reader needs the dataset prepared in ArrayRecord format"
       " (`tfds build --file_format=array_record`), or use reader='tf_data'"
     ) from e
-  start, stop = shard_range(len(source), process_index, process_count)
+  start, stop = shard_range(len(source), r.process_index, r.process_count)
   ds = grain.MapDataset.source(source)[start:stop]
   logger.info(
     "grain_jax_sync: %s[%s] process %d/%d reads examples [%d, %d)",
-    name,
-    split,
-    process_index,
-    process_count,
+    r.name,
+    r.split,
+    r.process_index,
+    r.process_count,
     start,
     stop,
   )
-  if drop_unsupported:
+  if r.drop_unsupported:
     info = getattr(source, "dataset_info", None)
     features = getattr(info, "features", None)
     paths = _unsupported_features(features.get_tensor_info()) if features is not None else []
@@ -237,58 +241,40 @@ def _grain_pipeline(
         ", ".join("/".join(p) for p in paths),
       )
       ds = ds.map(_DropColumns(paths))
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
-  if num_epochs != 1:
-    ds = ds.repeat(num_epochs)
-  if map_fn is not None:
-    ds = ds.map(map_fn)
-  ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+  if r.shuffle:
+    ds = ds.shuffle(seed=r.seed)
+  if r.num_epochs != 1:
+    ds = ds.repeat(r.num_epochs)
+  if r.map_fn is not None:
+    ds = ds.map(r.map_fn)
+  ds = ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
   return ds.to_iter_dataset(read_options)
 
 
-def _tf_pipeline(
-  tfds: Any,
-  name: str,
-  *,
-  split: str,
-  batch_size: int,
-  shuffle: bool,
-  seed: int,
-  num_epochs: int | None,
-  drop_remainder: bool,
-  map_fn: Callable[[Any], Any] | None,
-  drop_unsupported: bool,
-  data_dir: str | None,
-  download: bool,
-  builder_kwargs: dict[str, Any],
-  process_index: int,
-  process_count: int,
-  shuffle_buffer_size: int,
-) -> Any:
+def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 
-  sub = split
-  if process_count > 1:
-    sub = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
+  sub = r.split
+  if r.process_count > 1:
+    sub = tfds.even_splits(r.split, n=r.process_count, drop_remainder=False)[r.process_index]
   ds = tfds.load(
-    name,
+    r.name,
     split=sub,
-    data_dir=data_dir,
-    download=download,
-    builder_kwargs=builder_kwargs or None,
-    shuffle_files=shuffle,
-    read_config=tfds.ReadConfig(shuffle_seed=seed),
+    data_dir=r.data_dir,
+    download=r.download,
+    builder_kwargs=r.builder_kwargs or None,
+    shuffle_files=r.shuffle,
+    read_config=tfds.ReadConfig(shuffle_seed=r.seed),
   )
-  if drop_unsupported:
+  if r.drop_unsupported:
     ds = tf_data.drop_unsupported_columns(ds)
-  if shuffle:
-    ds = ds.shuffle(shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
-  if num_epochs != 1:
-    ds = ds.repeat(num_epochs)
-  if map_fn is not None:
-    ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
-  ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+  if r.shuffle:
+    ds = ds.shuffle(shuffle_buffer_size, seed=r.seed, reshuffle_each_iteration=True)
+  if r.num_epochs != 1:
+    ds = ds.repeat(r.num_epochs)
+  if r.map_fn is not None:
+    ds = ds.map(r.map_fn, num_parallel_calls=tf.data.AUTOTUNE)
+  ds = ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
   return ds.prefetch(tf.data.AUTOTUNE)
