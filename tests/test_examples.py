@@ -11,6 +11,18 @@ from grain_jax_sync import testing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _cli(*args: str) -> str:
+  """Runs `python -m grain_jax_sync ARGS` from the repository root; its stdout."""
+  return subprocess.run(
+    [sys.executable, "-m", "grain_jax_sync", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=True,
+  ).stdout
+
+
 @pytest.mark.multiprocess
 def test_train_masked_example_converges_identically_on_every_host():
   sys.path.insert(0, ROOT)
@@ -28,14 +40,7 @@ def test_train_masked_example_converges_identically_on_every_host():
 
 @pytest.mark.multiprocess
 def test_demo_command_prints_agreed_batches():
-  out = subprocess.run(
-    [sys.executable, "-m", "grain_jax_sync", "demo"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=True,
-  ).stdout
+  out = _cli("demo")
   assert "every host yielded 3 batches; 27 of 27 records seen once each: True" in out
   assert (
     "batch 2: global (16,) features bfloat16; this host: 0 real + 8 padded rows; global mask sum 1"
@@ -54,24 +59,7 @@ def test_doctor_reports_devices_and_extras(capsys):
 
 @pytest.mark.multiprocess
 def test_simulate_command_runs_a_function_in_every_process():
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "grain_jax_sync",
-      "simulate",
-      "examples.train_masked:train",
-      "-n",
-      "2",
-      "-d",
-      "2",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=True,
-  ).stdout
+  out = _cli("simulate", "examples.train_masked:train", "-n", "2", "-d", "2")
   lines = [line for line in out.splitlines() if line.startswith("process ")]
   assert len(lines) == 2 and all(": ok; value={" in line for line in lines)
   assert lines[0].split("value=")[1] == lines[1].split("value=")[1]
