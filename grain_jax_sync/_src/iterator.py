@@ -710,7 +710,7 @@ class JaxBatchIterator(Iterator[Any]):
       "batches": self._position,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
-      "source": self._state,
+      "source": self._source.export_state(self._state),
     }
 
   def set_state(self, state: Mapping[str, Any]) -> None:

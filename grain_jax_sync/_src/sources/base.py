@@ -12,7 +12,14 @@ class SourceIterator:
   """A per-host batch iterator with optional exact resume.
 
   Subclasses implement `__next__` and, where the source can resume, set
-  `supports_state` and implement `get_state`/`set_state` with JSON values.
+  `supports_state` and implement `get_state`/`set_state`.
+
+  State contract: the pipeline calls `get_state()` in the reading thread right
+  after each `__next__`, and holds the value beside that batch until the
+  consumer receives it, so it must be a snapshot that later reads do not
+  change (it may be an opaque, cheap-to-take object). `export_state(value)` turns a
+  held snapshot into JSON when the user asks for the state; `set_state` takes
+  what `export_state` returned.
   """
 
   supports_state: bool = False
@@ -31,6 +38,10 @@ class SourceIterator:
       " sequence (list) of batches, or an iterator with get_state() and"
       " set_state()."
     )
+
+  def export_state(self, state: Any) -> Any:
+    """The JSON form of a snapshot taken by `get_state` (default: itself)."""
+    return state
 
   def set_state(self, state: Any) -> None:
     del state
