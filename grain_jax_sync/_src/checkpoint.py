@@ -10,6 +10,11 @@ with the `DataLoaderIterator` protocol (`get_state() -> bytes`,
 `grain_jax_sync.device_put` returns are `grain.DatasetIterator`s and need no
 adapter.
 
+The adapter exports the state inside `sources.base.exporting_to_files()`, so
+a source with a size limit on its JSON state (a tf.data iterator, whose
+state holds its shuffle buffer) writes it whole: base64 of TensorFlow's
+serialized iterator, in the same per-process file.
+
 Grain and Orbax are imported only when these helpers are called.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from grain_jax_sync._src.sources import base
 
 
 class _GrainStateAdapter:
@@ -26,7 +33,9 @@ class _GrainStateAdapter:
     self._it = iterator
 
   def get_state(self) -> bytes:
-    return json.dumps(self._it.get_state(), indent=2, sort_keys=True).encode("utf-8")
+    with base.exporting_to_files():
+      state = self._it.get_state()
+    return json.dumps(state, indent=2, sort_keys=True).encode("utf-8")
 
   def set_state(self, state: bytes) -> None:
     self._it.set_state(json.loads(state.decode("utf-8")))

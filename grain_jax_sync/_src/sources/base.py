@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,7 +21,8 @@ class SourceIterator:
   consumer receives it, so it must be a snapshot that later reads do not
   change (it may be an opaque, cheap-to-take object). `export_state(value)` turns a
   held snapshot into JSON when the user asks for the state; `set_state` takes
-  what `export_state` returned.
+  what `export_state` returned. Inside `exporting_to_files()` (Orbax),
+  `export_state` may return states larger than its JSON size limit.
   """
 
   supports_state: bool = False
@@ -49,6 +52,24 @@ class SourceIterator:
 
   def close(self) -> None:
     pass
+
+
+_TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
+
+
+@contextlib.contextmanager
+def exporting_to_files():
+  """Within it, `export_state` writes for a file (no JSON size limit)."""
+  token = _TO_FILES.set(True)
+  try:
+    yield
+  finally:
+    _TO_FILES.reset(token)
+
+
+def to_files() -> bool:
+  """Whether the state being exported goes to a file (see `exporting_to_files`)."""
+  return _TO_FILES.get()
 
 
 def encode_state(state: Any) -> Any:

@@ -7,17 +7,31 @@ they are found in `element_spec` before anything is read, and either raise a
 `ValueError` naming every such column or, with ``drop_unsupported=True``, are
 dropped from dict elements inside the pipeline (so they are never read into
 Python).
+
+Exact resume goes through TensorFlow's own iterator checkpointing (see
+`tf_data_state`): a snapshot after every batch by default, every N batches
+with ``state_every=N``, none with ``state_every=None``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources import tf_data_state as tf_state
 
 logger = logging.getLogger(__name__)
+
+# Snapshots slower than this are logged (once, at the third): at 10 ms per
+# batch the reading thread tops out near 100 batches/s. Measured (TF 2.21, 2
+# shared cores): 0.3-0.6 ms with `shuffle(40)` (single spikes to 3 ms under
+# load, hence the count), 10 ms with `shuffle(1_000)`, 65-200 ms with
+# `shuffle(10_000)`.
+_SLOW_SNAPSHOT_S = 0.01
+_SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
 
 def _walk(spec: Any, prefix: str, out: list[tuple[str, tuple[Any, ...], Any]], path: tuple):
@@ -128,27 +142,110 @@ def _to_numpy(t: Any) -> Any:
 
 
 class TfDataSource(base.SourceIterator):
-  """A `tf.data.Dataset` read as NumPy batches (no resume state)."""
+  """A `tf.data.Dataset` read as NumPy batches, resumable exactly.
 
-  def __init__(self, dataset: Any, *, drop_unsupported: bool = False):
+  After every `state_every`-th batch, `get_state` (called in the reading
+  thread) takes a snapshot of the iterator with TensorFlow's own iterator
+  checkpointing; `export_state` turns it into base64 only when asked.
+  """
+
+  def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+    if state_every is not None and (
+      isinstance(state_every, bool) or not isinstance(state_every, int) or state_every < 1
+    ):
+      raise ValueError(f"`state_every` must be a positive int or None, got {state_every!r}")
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
     self._map = tf.nest.map_structure
+    self._errors = tf.errors
+    self._every = state_every
+    self._policy = tf_state.external_state_policy(self._dataset)
+    self._reads = 0
+    self._broken: str | None = None  # Why this pipeline cannot be saved.
+    self._slow = 0  # Snapshots slower than _SLOW_SNAPSHOT_S so far.
+    self.supports_state = state_every is not None
     self.description = f"a tf.data.Dataset ({type(dataset).__name__})"
 
   def __next__(self) -> Any:
-    return self._map(_to_numpy, next(self._it))
+    batch = self._map(_to_numpy, next(self._it))
+    self._reads += 1
+    return batch
+
+  def get_state(self) -> Any:
+    """A snapshot after the last read; never raises once state is on."""
+    if self._every is None:
+      raise RuntimeError(
+        f"{self.description} was opened with `state_every=None`, so it takes"
+        " no snapshots and cannot be checkpointed; use"
+        " `from_tf_data(ds, state_every=1)` (the default) or a larger N"
+      )
+    reads = self._reads
+    if reads % self._every:
+      return tf_state.Snapshot(reads, error=self._not_here(reads))
+    if self._broken is not None:
+      return tf_state.Snapshot(reads, error=self._broken)
+    start = time.perf_counter()
+    try:
+      variant = tf_state.take(self._it, self._policy)
+    except self._errors.FailedPreconditionError as e:  # A stateful op: final.
+      self._broken = tf_state.cannot_checkpoint(e, self.description)
+      return tf_state.Snapshot(reads, error=self._broken)
+    except Exception as e:  # noqa: BLE001 - raised when the user asks.
+      return tf_state.Snapshot(reads, error=tf_state.cannot_checkpoint(e, self.description))
+    self._warn_if_slow(time.perf_counter() - start)
+    return tf_state.Snapshot(reads, variant)
+
+  def _not_here(self, reads: int) -> str:
+    return (
+      f"{self.description} takes a snapshot every {self._every} batches"
+      f" (`state_every={self._every}`), and the last batch received was batch"
+      f" {reads} read from it; call get_state() after a multiple of"
+      f" {self._every} batches, or use a smaller `state_every`"
+    )
+
+  def _warn_if_slow(self, seconds: float) -> None:
+    if seconds < _SLOW_SNAPSHOT_S:
+      return
+    self._slow += 1
+    if self._slow != _SLOW_SNAPSHOTS_BEFORE_WARNING:
+      return
+    logger.warning(
+      "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
+      " batches for exact resume; each element held in a shuffle or prefetch"
+      " buffer costs about 10 us). Pass `from_tf_data(ds, state_every=N)` to"
+      " take one every N batches, or `state_every=None` if you never call"
+      " get_state()",
+      self.description,
+      seconds * 1e3,
+      self._every,
+    )
+
+  def export_state(self, state: Any) -> Any:
+    limit = None if base.to_files() else tf_state.JSON_STATE_LIMIT_BYTES
+    if isinstance(state, dict):  # Already exported (restored by set_state).
+      tf_state.check_size(tf_state.exported_size(state), limit)
+      return state
+    return tf_state.export(state, limit=limit)
+
+  def set_state(self, state: Any) -> None:
+    if self._every is None:
+      self.get_state()  # Raises: state is off.
+    self._reads = tf_state.restore(self._it, state, self.description)
 
 
-def open_tf_data(source: Any, *, drop_unsupported: bool = False) -> base.SourceIterator | None:
+def open_tf_data(
+  source: Any, *, drop_unsupported: bool = False, state_every: int | None = 1
+) -> base.SourceIterator | None:
   """Adapts a tf.data.Dataset, or returns None to use the generic path.
 
   Args:
     source: Any TensorFlow object.
     drop_unsupported: Drop ragged, sparse and string dict columns instead of
       raising.
+    state_every: Take a resume snapshot after every this many batches
+      (None: never).
 
   Returns:
     A `TfDataSource` for a `tf.data.Dataset`, else None.
@@ -160,39 +257,57 @@ def open_tf_data(source: Any, *, drop_unsupported: bool = False) -> base.SourceI
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   if isinstance(source, tf.data.Dataset):
-    return TfDataSource(source, drop_unsupported=drop_unsupported)
+    return TfDataSource(source, drop_unsupported=drop_unsupported, state_every=state_every)
   return None
 
 
-def from_tf_data(dataset: Any, *, drop_unsupported: bool = False) -> base.SourceIterator:
+def from_tf_data(
+  dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1
+) -> base.SourceIterator:
   """Reads a `tf.data.Dataset` of batches, optionally dropping bad columns.
 
   `iter_jax_batches(ds)` already accepts a `tf.data.Dataset`; use this to
   drop the ragged, sparse and string columns of dict elements (for example a
-  TFDS ``"id"`` or ``"text"`` feature) instead of raising on them.
+  TFDS ``"id"`` or ``"text"`` feature) instead of raising on them, or to
+  choose how often a resume snapshot is taken.
+
+  Resume is exact: the state is TensorFlow's own serialized iterator (shuffle
+  buffers, RNG, prefetch), taken in the reading thread after each batch and
+  held beside it, so `get_state()` is the state after the last batch the
+  consumer received. A snapshot costs about 10 us per element held in the
+  pipeline's buffers (0.3 ms with `shuffle(40)`, 100 ms with
+  `shuffle(10_000)`); with `state_every=N` it is taken after batches N, 2N,
+  ... only, and `get_state()` works only there.
 
   Args:
     dataset: A `tf.data.Dataset` whose elements are batches (call `.batch(n)`
       first): tensors, or dicts/tuples of tensors, sharing the first dimension.
     drop_unsupported: Drop ragged, sparse and string (and other non-numeric)
       dict columns, logging a warning that names them, instead of raising.
+    state_every: Take a resume snapshot after every this many batches read
+      from `dataset` (1: every batch); None takes none (`get_state()`
+      raises).
 
   Returns:
     A one-pass source to pass to `iter_jax_batches` (or `jax_sync_generator`).
 
   Raises:
     ValueError: If `dataset` is not a `tf.data.Dataset`, or has bad columns
-      and `drop_unsupported` is False, or a bad column is not a dict entry.
+      and `drop_unsupported` is False, or a bad column is not a dict entry,
+      or `state_every` is not a positive int or None.
 
   Example:
 
     >>> ds = tfds.load("imdb_reviews", split="train").batch(32)
     >>> it = iter_jax_batches(from_tf_data(ds, drop_unsupported=True), batch_size=32)
+    >>> big = tfds.load("mnist", split="train").shuffle(100_000).batch(32)
+    >>> # A 100,000-element buffer: snapshot only at the steps you checkpoint.
+    >>> it = iter_jax_batches(from_tf_data(big, state_every=1000), batch_size=32)
   """
   module = type(dataset).__module__ or ""
   source = None
   if module.startswith("tensorflow"):
-    source = open_tf_data(dataset, drop_unsupported=drop_unsupported)
+    source = open_tf_data(dataset, drop_unsupported=drop_unsupported, state_every=state_every)
   if source is None:
     raise ValueError(f"`dataset` must be a tf.data.Dataset, got {type(dataset).__qualname__}")
   return source
