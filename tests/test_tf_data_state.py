@@ -1,0 +1,179 @@
+"""Exact resume of tf.data pipelines through TensorFlow's iterator checkpointing."""
+
+import json
+
+import numpy as np
+import pytest
+import scenarios_sources as ss
+import scenarios_tf_state as sts
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+from grain_jax_sync._src.sources import tf_data_state
+
+tf = pytest.importorskip("tensorflow")
+
+
+# -- 2 processes x 4 devices: every case in one run (TensorFlow imports slowly) --
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+  pytest.importorskip("tensorflow_datasets")
+  pytest.importorskip("orbax.checkpoint")
+  root = tmp_path_factory.mktemp("tf_state")
+  # 40 examples on real TFRecord files (TFDS's mock cannot be checkpointed).
+  ss.build_tiny_ids(str(root / "tfds"), 40, "tfrecord")
+  outs = testing.values(
+    testing.run_processes(
+      sts.resume_cases,
+      num_processes=2,
+      devices_per_process=4,
+      args=(str(root / "ckpt"), str(root / "tfds")),
+      timeout_s=420,
+    )
+  )
+  return outs
+
+
+def _real_ids(summary):
+  return sorted(i for ids, m in zip(summary["ids"], summary["mask"]) for i, ok in zip(ids, m) if ok)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("k", [3, 5])
+def test_tf_data_json_state_after_k_batches_resumes_shuffle_and_prefetch(cases, k):
+  # Host 0: 6 batches, host 1: 4 (then masked dummies). k=3 leaves both
+  # shuffle buffers partly consumed; k=5 is after host 1 ran out.
+  for out in cases:
+    got = out["json"][k]
+    assert got["resumed"] == got["full"]
+    assert got["lengths"] == [6, 6]
+    assert got["full"]["consistent"]
+    assert _real_ids(got["full"]) == list(range(sum(sts.SIZES)))
+    assert got["state_bytes"] < tf_data_state.JSON_STATE_LIMIT_BYTES
+  assert cases[0]["json"][k]["full"] == cases[1]["json"][k]["full"]
+  # Shuffled: not in id order.
+  assert cases[0]["json"][k]["full"]["ids"][0][:8] != list(range(8))
+
+
+@pytest.mark.multiprocess
+def test_tf_data_orbax_checkpoint_manager_resumes_one_file_per_process(cases):
+  for out in cases:
+    got = out["orbax"]
+    assert got["resumed"] == got["full"]
+    assert got["lengths"] == [6, 6]
+    assert [f for f in got["files"] if f.endswith(".json")] == [
+      "process_0-of-2.json",
+      "process_1-of-2.json",
+    ]
+  assert cases[0]["orbax"]["full"] == cases[1]["orbax"]["full"]
+
+
+@pytest.mark.multiprocess
+def test_tfds_pipeline_tf_data_reader_resumes(cases):
+  for out in cases:
+    got = out["tfds"]
+    assert got["resumed"] == got["full"]
+    assert got["lengths"][0] == got["lengths"][1] >= 10  # 2 epochs of 20 per host.
+    real = sorted(i for ids, m in got["full"] for i, ok in zip(ids, m) if ok)
+    assert real == sorted(list(range(40)) * 2)
+  assert cases[0]["tfds"] == cases[1]["tfds"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  ("name", "op"),
+  [("py_function", "EagerPyFunc"), ("from_generator", "PyFunc"), ("tfds_mock", "PyFunc")],
+)
+def test_tf_data_uncheckpointable_pipeline_raises_naming_the_op(cases, name, op):
+  for out in cases:
+    message = out["errors"][name]
+    assert message.startswith("RuntimeError: a tf.data.Dataset")
+    assert f"cannot be checkpointed: it contains the op {op!r}" in message
+    assert "ExternalStatePolicy.IGNORE" in message
+
+
+# -- one process, in this interpreter ---------------------------------------------
+
+
+def _pipeline(n=64, buffer=40):
+  ds = tf.data.Dataset.range(n).shuffle(buffer, seed=7).map(lambda i: {"id": i})
+  return ds.batch(8).prefetch(2)
+
+
+def _ids(it):
+  return [np.asarray(b["id"]).tolist() for b in it]
+
+
+def _resume(state, make, **kwargs):
+  with gjs.iter_jax_batches(make(), batch_size=8, **kwargs) as it:
+    it.set_state(json.loads(json.dumps(state)))
+    return _ids(it)
+
+
+def test_tf_data_state_every_n_is_taken_only_after_multiples_of_n():
+  full = _ids(gjs.iter_jax_batches(_pipeline(), batch_size=8))
+  with gjs.iter_jax_batches(gjs.from_tf_data(_pipeline(), state_every=2), batch_size=8) as it:
+    head = _ids([next(it)])
+    with pytest.raises(RuntimeError, match=r"snapshot every 2 batches.*batch 1 read from it"):
+      it.get_state()
+    head += _ids([next(it)])
+    state = it.get_state()
+  assert state["source"]["reads"] == 2
+  tail = _resume(state, lambda: gjs.from_tf_data(_pipeline(), state_every=2))
+  assert head + tail == full and len(full) == 8
+
+
+def test_tf_data_state_every_none_takes_no_snapshot_and_says_so():
+  with gjs.iter_jax_batches(gjs.from_tf_data(_pipeline(), state_every=None), batch_size=8) as it:
+    assert len(_ids(it)) == 8
+    with pytest.raises(RuntimeError, match=r"`state_every=None`.*cannot be checkpointed"):
+      it.get_state()
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_tf_data_state_every_must_be_positive_int_or_none(every):
+  with pytest.raises(ValueError, match=r"`state_every` must be a positive int or None"):
+    gjs.from_tf_data(_pipeline(), state_every=every)
+
+
+def test_tf_data_state_from_another_pipeline_is_refused():
+  with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
+    next(it)
+    state = it.get_state()
+  other = lambda: tf.data.Dataset.range(64).batch(8)  # noqa: E731
+  with pytest.raises(ValueError, match=r"saved tf.data state does not fit"):
+    _resume(state, other)
+
+
+def test_tf_data_state_after_set_state_is_the_restored_one():
+  with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+  with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
+    it.set_state(state)
+    assert it.get_state() == state
+
+
+def test_tf_data_state_over_json_limit_points_to_orbax_which_saves_it(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  # 6,000 buffered scalars: about 1.2 MB of serialized state.
+  make_big = lambda: tf.data.Dataset.range(8000).shuffle(6000, seed=1).batch(1000)  # noqa: E731
+  full = [np.asarray(b).tolist() for b in gjs.iter_jax_batches(make_big(), batch_size=1000)]
+  it = gjs.iter_jax_batches(make_big(), batch_size=1000)
+  head = [np.asarray(next(it)).tolist()]
+  with pytest.raises(RuntimeError, match=r"over the 1048576-byte limit.*checkpoint_save"):
+    it.get_state()
+  mngr = ocp.CheckpointManager(tmp_path)
+  mngr.save(1, args=ocp.args.Composite(data=gjs.checkpoint_save(it)))
+  mngr.wait_until_finished()
+  it.close()
+  fresh = gjs.iter_jax_batches(make_big(), batch_size=1000)
+  mngr.restore(1, args=ocp.args.Composite(data=gjs.checkpoint_restore(fresh)))
+  mngr.close()
+  tail = [np.asarray(b).tolist() for b in fresh]
+  fresh.close()
+  assert head + tail == full and len(full) == 8
+  saved = (tmp_path / "1" / "data" / "process_0-of-1.json").stat().st_size
+  assert saved > tf_data_state.JSON_STATE_LIMIT_BYTES
