@@ -147,6 +147,18 @@ def test_tf_data_state_from_another_pipeline_is_refused():
     _resume(state, other)
 
 
+def test_tf_data_corrupt_state_is_refused_before_tensorflow_sees_it():
+  # TensorFlow segfaults on some corrupt states; the checksum refuses them.
+  with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+  text = state["source"]["tf_data_iterator"]
+  bad = text[:-8] + ("A" if text[-8] != "A" else "B") + text[-7:]
+  state["source"]["tf_data_iterator"] = bad
+  with pytest.raises(ValueError, match=r"state for a tf.data.Dataset .* is corrupt: its \d+ bytes"):
+    _resume(state, _pipeline)
+
+
 def test_tf_data_state_after_set_state_is_the_restored_one():
   with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
     next(it)

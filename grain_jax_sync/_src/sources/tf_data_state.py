@@ -18,8 +18,10 @@ TensorFlow is imported only when these functions run.
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 import re
+import zlib
 from typing import Any
 
 # The JSON state (`JaxBatchIterator.get_state()`) holds at most this many bytes
@@ -29,7 +31,7 @@ from typing import Any
 # limit below TensorFlow's 2 GiB per serialized tensor.
 JSON_STATE_LIMIT_BYTES = 1 << 20
 
-KEY = "tf_data_iterator"  # The exported state: {KEY: base64, "reads": n}.
+KEY = "tf_data_iterator"  # Exported: {KEY: base64, "crc32": c, "reads": n}.
 
 _FIXES = {
   "EagerPyFunc": "a `tf.py_function`",
@@ -106,7 +108,7 @@ def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
     limit: Most bytes of serialized state allowed, or None (files).
 
   Returns:
-    ``{"tf_data_iterator": base64, "reads": n}``.
+    ``{"tf_data_iterator": base64, "crc32": checksum of the bytes, "reads": n}``.
 
   Raises:
     RuntimeError: If the snapshot holds an error, or its state is over `limit`.
@@ -115,7 +117,11 @@ def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
     raise RuntimeError(snapshot.error)
   data = to_bytes(snapshot.variant)
   check_size(len(data), limit)
-  return {KEY: base64.b64encode(data).decode("ascii"), "reads": snapshot.reads}
+  return {
+    KEY: base64.b64encode(data).decode("ascii"),
+    "crc32": zlib.crc32(data),
+    "reads": snapshot.reads,
+  }
 
 
 def check_size(size: int, limit: int | None) -> None:
@@ -138,20 +144,19 @@ def exported_size(state: dict[str, Any]) -> int:
 def restore(iterator: Any, state: Any, description: str) -> int:
   """Restores an exported state into `iterator`; returns its read count.
 
+  The bytes are checked against their CRC32 first: TensorFlow crashes the
+  process (segmentation fault) on some corrupt states instead of raising.
+
   Raises:
-    ValueError: If `state` is not an exported tf.data state, or does not fit
-      the pipeline of `iterator`.
+    ValueError: If `state` is not an exported tf.data state, is corrupt, or
+      does not fit the pipeline of `iterator`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tensorflow.python.ops import gen_dataset_ops  # pylint: disable=g-import-not-at-top
 
-  if not (isinstance(state, dict) and isinstance(state.get(KEY), str) and "reads" in state):
-    raise ValueError(
-      f"the state for {description} must be a dict with {KEY!r} (base64) and"
-      f" 'reads', as get_state() returns it, got {state!r:.200}"
-    )
+  data = _checked_bytes(state, description)
   try:
-    variant = tf.io.parse_tensor(base64.b64decode(state[KEY]), tf.variant)
+    variant = tf.io.parse_tensor(data, tf.variant)
     gen_dataset_ops.deserialize_iterator(
       iterator._iterator_resource,  # pylint: disable=protected-access
       variant,
@@ -163,3 +168,26 @@ def restore(iterator: Any, state: Any, description: str) -> int:
       " transformations and arguments) that saved it, on the same process"
     ) from e
   return int(state["reads"])
+
+
+def _checked_bytes(state: Any, description: str) -> bytes:
+  if not (
+    isinstance(state, dict)
+    and isinstance(state.get(KEY), str)
+    and isinstance(state.get("crc32"), int)
+    and isinstance(state.get("reads"), int)
+  ):
+    raise ValueError(
+      f"the state for {description} must be a dict with {KEY!r} (base64),"
+      f" 'crc32' and 'reads', as get_state() returns it, got {state!r:.200}"
+    )
+  try:
+    data = base64.b64decode(state[KEY], validate=True)
+  except binascii.Error as e:
+    raise ValueError(f"the saved tf.data state for {description} is not valid base64: {e}") from e
+  if zlib.crc32(data) != state["crc32"]:
+    raise ValueError(
+      f"the saved tf.data state for {description} is corrupt: its {len(data)}"
+      f" bytes have CRC32 {zlib.crc32(data)}, the state says {state['crc32']}"
+    )
+  return data
