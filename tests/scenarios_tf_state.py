@@ -168,7 +168,9 @@ def tfds_resume(data_dir: str, k: int) -> dict[str, Any]:
   it.close()
   fresh = gjs.iter_jax_batches(make(), **kwargs)
   fresh.set_state(state)
-  return tfds_streams(full, head + _drain(fresh))
+  out = tfds_streams(full, head + _drain(fresh))
+  out["state_bytes"] = len(json.dumps(state["source"]))
+  return out
 
 
 def resume_cases(directory: str, tfds_dir: str) -> dict[str, Any]:
