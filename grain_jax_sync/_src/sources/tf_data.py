@@ -16,6 +16,7 @@ with ``state_every=N``, none with ``state_every=None``.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -153,14 +154,17 @@ class TfDataSource(base.SourceIterator):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
     if state_every is not None and (
-      isinstance(state_every, bool) or not isinstance(state_every, int) or state_every < 1
+      isinstance(state_every, bool)
+      or not isinstance(state_every, numbers.Integral)
+      or state_every < 1
     ):
       raise ValueError(f"`state_every` must be a positive int or None, got {state_every!r}")
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
     self._map = tf.nest.map_structure
     self._errors = tf.errors
-    self._every = state_every
+    self._every = None if state_every is None else int(state_every)
+    self._exported: tuple[Any, dict[str, Any]] | None = None  # Last export.
     self._policy = tf_state.external_state_policy(self._dataset)
     self._reads = 0
     self._broken: str | None = None  # Why this pipeline cannot be saved.
@@ -213,8 +217,8 @@ class TfDataSource(base.SourceIterator):
       return
     logger.warning(
       "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
-      " batches for exact resume; each element held in a shuffle or prefetch"
-      " buffer costs about 10 us). Pass `from_tf_data(ds, state_every=N)` to"
+      " batches for exact resume; each slot of a shuffle buffer costs about"
+      " 10-20 us, used or not). Pass `from_tf_data(ds, state_every=N)` to"
       " take one every N batches, or `state_every=None` if you never call"
       " get_state()",
       self.description,
@@ -227,7 +231,12 @@ class TfDataSource(base.SourceIterator):
     if isinstance(state, dict):  # Already exported (restored by set_state).
       tf_state.check_size(tf_state.exported_size(state), limit)
       return state
-    return tf_state.export(state, limit=limit)
+    last = self._exported  # The same snapshot asked twice is encoded once.
+    if last is not None and last[0] is state:
+      return self.export_state(dict(last[1]))
+    exported = tf_state.export(state, limit=None)
+    self._exported = (state, exported)
+    return self.export_state(dict(exported))
 
   def set_state(self, state: Any) -> None:
     if self._every is None:
