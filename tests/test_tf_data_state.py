@@ -192,3 +192,18 @@ def test_tf_data_state_over_json_limit_points_to_orbax_which_saves_it(tmp_path):
   assert head + tail == full and len(full) == 8
   saved = (tmp_path / "1" / "data" / "process_0-of-1.json").stat().st_size
   assert saved > tf_data_state.JSON_STATE_LIMIT_BYTES
+
+
+def test_tf_data_slow_snapshots_warn_and_jax_sync_generator_takes_none(caplog):
+  # 10,000 shuffle slots: about 100 ms or more per snapshot, over the 10 ms
+  # warning threshold; the generator drop-in has no get_state(), so no cost.
+  make = lambda: tf.data.Dataset.range(10_400).shuffle(10_000, seed=1).batch(8)  # noqa: E731
+  warning = "snapshot of a tf.data.Dataset"
+  with caplog.at_level("WARNING"):
+    gen = gjs.jax_sync_generator(make(), drop_last=False, batch_size=8)
+    got = [np.asarray(next(gen)).tolist() for _ in range(5)]
+    gen.close()
+  assert warning not in caplog.text
+  with caplog.at_level("WARNING"), gjs.iter_jax_batches(make(), batch_size=8) as it:
+    assert [np.asarray(next(it)).tolist() for _ in range(5)] == got
+  assert warning in caplog.text and "state_every=N" in caplog.text

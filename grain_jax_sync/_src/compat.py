@@ -38,6 +38,11 @@ def jax_sync_generator(
   Yields:
     Batches of global `jax.Array`s with the input's structure.
   """
+  if (type(batch_iterable).__module__ or "").startswith("tensorflow"):
+    # A generator has no get_state(): take no tf.data resume snapshots.
+    from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
+
+    batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
   it = iterator_lib.iter_jax_batches(
     batch_iterable,
     batch_size=batch_size,
