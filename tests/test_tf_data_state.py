@@ -162,6 +162,21 @@ def test_tf_data_corrupt_state_is_refused_before_tensorflow_sees_it():
     _resume(state, _pipeline)
 
 
+def test_tf_data_external_state_policy_set_on_the_dataset_is_respected():
+  double = lambda x: tf.py_function(lambda y: y * 2, [x], tf.int64)  # noqa: E731
+  options = tf.data.Options()
+  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+  ds = tf.data.Dataset.range(32).map(double).batch(8).with_options(options)
+  with gjs.iter_jax_batches(ds, batch_size=8) as it:
+    assert np.asarray(next(it)).tolist() == list(range(0, 16, 2))
+    state = it.get_state()  # The user chose to save without the op's state.
+  assert state["source"]["reads"] == 1
+  with gjs.iter_jax_batches(ds, batch_size=8) as it:
+    it.set_state(state)
+    tail = [np.asarray(b).tolist() for b in it]
+  assert tail == [list(range(16 * i, 16 * i + 16, 2)) for i in (1, 2, 3)]
+
+
 def test_tf_data_state_after_set_state_is_the_restored_one():
   with gjs.iter_jax_batches(_pipeline(), batch_size=8) as it:
     next(it)

@@ -4,9 +4,10 @@ A snapshot is the output of TensorFlow's ``SerializeIterator`` op on the
 iterator's resource (what `tf.train.Checkpoint(iterator=it)` saves): a variant
 tensor holding the whole iterator state (shuffle buffers, RNG state, prefetch
 and parallel-map buffers, file positions). It is a value: later reads do not
-change it. Taking one costs about 10 microseconds per element held in the
-pipeline's buffers (measured on TF 2.21: 0.3 ms with `shuffle(40)`, 100 ms with
-`shuffle(10_000)` of scalars), so the source can take one every N batches.
+change it. Taking one costs about 10-20 microseconds per slot of a shuffle
+buffer, used or not, plus the elements held in other buffers (measured on TF
+2.21: 0.3 ms with `shuffle(40)`, 100-200 ms with `shuffle(10_000)`; see
+docs/sources.md), so the source can take one every N batches instead.
 
 The variant becomes bytes (``tf.io.serialize_tensor``, one call) and base64
 only when the user asks for the state. Restoring parses the bytes and runs
@@ -86,10 +87,11 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
   return (
     f"{description} cannot be checkpointed: {what}. Compute that step with"
     " TensorFlow ops (read files with TFRecordDataset or from_tensor_slices"
-    " instead of a Python generator), or use a Grain pipeline; or, accepting a"
-    " resume that is not exact for that op, set"
+    " instead of a Python generator), or use a Grain pipeline. Only if a"
+    " resume that is not exact is acceptable, set"
     " `options.experimental_external_state_policy ="
-    " tf.data.experimental.ExternalStatePolicy.IGNORE` on the dataset"
+    " tf.data.experimental.ExternalStatePolicy.IGNORE` on the dataset (the"
+    " op's own state is then not saved: a generator restarts from its start)"
   )
 
 
