@@ -38,7 +38,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ProcessOutcome", "run_processes", "values"]
+from grain_jax_sync._src import script_runner
+
+__all__ = ["ProcessOutcome", "run_processes", "run_script", "values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +241,52 @@ def run_processes(
       )
     )
   return outcomes
+
+
+def run_script(
+  path: str,
+  argv: Sequence[str] = (),
+  *,
+  num_processes: int,
+  devices_per_process: int = 1,
+  timeout_s: float = 120.0,
+  env: Mapping[str, str] | None = None,
+) -> list[ProcessOutcome]:
+  """Runs the Python file `path` as ``__main__`` in `num_processes` processes.
+
+  What ``python -m grain_jax_sync simulate path.py ARGS`` does: every process
+  runs the script with ``sys.argv == [path, *argv]`` after
+  ``jax.distributed.initialize`` has joined the processes, so a script that
+  calls ``jax.distributed.initialize()`` only when
+  ``jax.distributed.is_initialized()`` is False runs unchanged here and on a
+  real multi-host job.
+
+  Args:
+    path: A Python file.
+    argv: Its command-line arguments.
+    num_processes: How many processes (simulated hosts) to start.
+    devices_per_process: Forced CPU devices per process.
+    timeout_s: Wall-clock bound for the whole run, as in `run_processes`.
+    env: Extra environment variables for every process.
+
+  Returns:
+    One ``ProcessOutcome`` per process; its ``value`` is what the script
+    printed to stdout.
+
+  Raises:
+    TimeoutError: When the run does not finish within `timeout_s`.
+    ValueError: If `path` is not a file.
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"`path` must be a Python file, got {path!r}")
+  return run_processes(
+    script_runner.run_as_main,
+    num_processes=num_processes,
+    devices_per_process=devices_per_process,
+    args=(os.path.abspath(path), tuple(argv)),
+    timeout_s=timeout_s,
+    env=env,
+  )
 
 
 def values(outcomes: Sequence[ProcessOutcome]) -> list[Any]:
