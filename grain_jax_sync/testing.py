@@ -157,7 +157,7 @@ def run_processes(
   port = _free_port()
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
   procs: list[subprocess.Popen[bytes]] = []
-  paths = []
+  paths: list[tuple[str, str]] = []
   base_env = dict(os.environ)
   base_env.update(env or {})
   base_env["XLA_FLAGS"] = (
@@ -174,6 +174,7 @@ def run_processes(
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
       kw.update(per_process_kwargs[i])
+    result_path = os.path.join(workdir, f"result_{i}.pkl")
     job = {
       "fn": spec,
       "args": tuple(args),
@@ -183,13 +184,13 @@ def run_processes(
       "coordinator": f"127.0.0.1:{port}",
       "heartbeat_timeout_s": heartbeat_timeout_s,
       "exit_barrier_timeout_s": exit_barrier_timeout_s,
-      "result": os.path.join(workdir, f"result_{i}.pkl"),
+      "result": result_path,
     }
     job_path = os.path.join(workdir, f"job_{i}.pkl")
     with open(job_path, "wb") as f:
       pickle.dump(job, f)
     log_path = os.path.join(workdir, f"log_{i}.txt")
-    paths.append((job["result"], log_path))
+    paths.append((result_path, log_path))
     log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
     procs.append(
       subprocess.Popen(
@@ -369,7 +370,9 @@ def _worker(job_path: str) -> None:
     try:
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
-      distributed.global_state.client.wait_at_barrier(
+      client = distributed.global_state.client
+      assert client is not None
+      client.wait_at_barrier(
         "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
       )
       import jax  # pylint: disable=g-import-not-at-top

@@ -15,11 +15,14 @@ Grain is imported when `device_put` is first called, never by
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from grain_jax_sync._src import iterator as iterator_lib
+
+if TYPE_CHECKING:
+  import grain
 
 
 def _to_sharding(device: Any) -> jax.sharding.Sharding | None:
@@ -116,7 +119,7 @@ def device_put(
   synchronize_lookahead: int = 10,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
-) -> Any:
+) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array`s that every host agrees on.
 
   A drop-in for `grain.experimental.device_put` (same first arguments): swap

@@ -22,11 +22,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from grain_jax_sync._src.sources import base
+
+if TYPE_CHECKING:
+  import grain
+  import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ def tfds_pipeline(
   shuffle_buffer_size: int = 10_000,
   process_index: int | None = None,
   process_count: int | None = None,
-) -> Any:
+) -> grain.IterDataset | tf.data.Dataset:
   """Builds this process's batched pipeline over a TFDS split, in one call.
 
   Pass the result to `iter_jax_batches` (with `paddings` and `mask_key`, so
