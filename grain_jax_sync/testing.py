@@ -8,9 +8,9 @@ and the collectives are the real ones. A run that does not finish within
 ``timeout_s`` is killed and reported as a ``TimeoutError``, so a hang fails a
 test instead of stalling it.
 
-Example:
+A scenario is a module-level function, so that every process can import it
+(by module name, or by file path)::
 
-  # scenarios.py (importable by file path; module-level functions only)
   def scenario():
     import jax
     return jax.process_index(), jax.device_count()

@@ -120,14 +120,14 @@ def device_put(
   sync_timeout_s: float = 600.0,
   name: str | None = None,
 ) -> grain.IterDataset:
-  """Moves per-host batches to global `jax.Array`s that every host agrees on.
+  """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
   A drop-in for `grain.experimental.device_put` (same first arguments): swap
   the import and get agreement across hosts. Elements of `ds` must be this
   process's batches; the returned dataset's elements are global arrays whose
   leading dimension is ``rows * jax.process_count()``, built and agreed as by
   `iter_jax_batches` (padding, masks, `drop_last`, the same error on every
-  host). Its iterators are `grain.DatasetIterator`s with JSON
+  host). Its iterators are `grain.DatasetIterator` objects with JSON
   `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
   `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
   exactly.

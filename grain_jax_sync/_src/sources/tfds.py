@@ -124,7 +124,7 @@ def tfds_pipeline(
       Python function of NumPy dicts for ``"data_source"``, a traceable
       function of tensors for ``"tf_data"``).
     drop_unsupported: Drop string, ragged and other non-numeric features
-      (they cannot become `jax.Array`s) instead of failing on them.
+      (they cannot become `jax.Array` values) instead of failing on them.
     data_dir: TFDS data directory.
     download: Download and prepare the dataset if missing. Prefer preparing
       it once (``tfds build``) rather than on every host.
