@@ -69,6 +69,7 @@ class ProcessOutcome:
 
   @property
   def ok(self) -> bool:
+    """True when the scenario returned and the process exited with 0."""
     return self.error_type is None and self.exit_code == 0
 
 
