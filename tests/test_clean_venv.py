@@ -11,6 +11,7 @@ wheel and downloads the core dependencies, about 1.5 minutes): deselect with
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 
@@ -114,3 +115,31 @@ def test_each_entry_point_that_needs_an_extra_names_it(venv_python):
     "checkpoint_save ok",
     "checkpoint_restore ok",
   ], out
+
+
+def test_mypy_finds_the_installed_package_typed(venv_python, tmp_path):
+  """py.typed: mypy reads the installed wheel's annotations instead of Any."""
+  user = tmp_path / "user.py"
+  user.write_text(
+    "import numpy as np\n"
+    "import grain_jax_sync as gjs\n"
+    "from grain_jax_sync import testing\n"
+    "it = gjs.iter_jax_batches([np.zeros(8)], batch_size=8)\n"
+    "reveal_type(it)\n"
+    "reveal_type(it.get_state())\n"
+    "reveal_type(testing.run_processes(print, num_processes=1))\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-m", "mypy", "--python-executable", venv_python, "--no-incremental",
+     "--follow-imports=silent", str(user)],
+    cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")},
+  )  # fmt: skip
+  out = proc.stdout
+  assert "missing library stubs or py.typed marker" not in out, out
+  assert 'Revealed type is "grain_jax_sync._src.iterator.JaxBatchIterator"' in out, out
+  # mypy 1.x writes builtins.dict, 2.x dict.
+  assert re.search(r'Revealed type is "(builtins\.)?dict\[(builtins\.)?str, Any\]"', out), out
+  assert re.search(
+    r'Revealed type is "(builtins\.)?list\[grain_jax_sync\.testing\.ProcessOutcome\]"', out
+  ), out
