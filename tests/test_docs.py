@@ -147,3 +147,12 @@ def test_grain_sharding_note_matches_grain():
 
   assert read(0, False) == list(range(0, 9)) and read(1, False) == list(range(10, 19))
   assert read(0, True) == list(range(0, 9)) and read(1, True) == list(range(9, 18))
+
+
+def test_every_file_the_docs_name_under_examples_exists():
+  named = set()
+  for page in _pages():
+    with open(page, encoding="utf-8") as f:
+      named |= set(re.findall(r"examples/([a-z_]+\.py)", f.read()))
+  assert named, "the docs name no example"
+  assert not sorted(n for n in named if not os.path.isfile(os.path.join(ROOT, "examples", n)))
