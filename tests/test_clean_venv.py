@@ -52,7 +52,10 @@ def venv_python(tmp_path_factory) -> str:
   _run(sys.executable, "-m", "venv", str(tmp / "venv"), cwd=str(tmp))
   python = str(tmp / "venv" / "bin" / "python")
   pins = [f"{name}=={importlib.metadata.version(name)}" for name in CORE]
-  _run(python, "-m", "pip", "install", "-q", *pins, cwd=str(tmp))
+  try:
+    _run(python, "-m", "pip", "install", "-q", *pins, cwd=str(tmp))
+  except AssertionError as e:  # Third-party downloads only; our wheel must install.
+    pytest.skip(f"could not install {pins} from the package index: {str(e)[-500:]}")
   _run(python, "-m", "pip", "install", "-q", "--no-deps", str(wheel), cwd=str(tmp))
   return python
 
