@@ -5,19 +5,21 @@ Grain, no TensorFlow), `device_put` turns it into global `jax.Array` batches
 that every host agrees on (the host with the shorter shard gets a padded,
 masked batch), and Orbax saves the input position with the step.
 
-On every host of a multi-host job (the data prepared once with
-``tfds build mnist --file_format=array_record``):
-
-  python examples/tfds_train.py
-
 Offline, on TFDS's mock data, simulating two hosts with four CPU devices each:
 
-  GJS_TFDS_MOCK=1000 python -m grain_jax_sync simulate examples.tfds_train:train -n 2 -d 4
+  GJS_TFDS_MOCK=1000 python -m grain_jax_sync simulate examples/tfds_train.py --processes 2 --devices 4
+
+On a Cloud TPU VM pod, unchanged, on every worker (the data prepared once with
+``tfds build mnist --file_format=array_record``):
+
+  gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=all \\
+    --command="cd grain_jax_sync && python3 examples/tfds_train.py"
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import jax
@@ -25,6 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import grain_jax_sync as gjs
+
+
+def init_distributed() -> None:
+  """Joins the job's processes, unless `simulate` (or a test) already did."""
+  if jax.distributed.is_initialized():
+    return
+  try:
+    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
+  except ValueError as e:  # "coordinator_address should be defined"
+    print(f"not a multi-host job ({e}); running as a single process")
 
 
 @jax.jit
@@ -108,5 +120,5 @@ def train(
 
 
 if __name__ == "__main__":
-  jax.distributed.initialize()
-  print(jax.process_index(), train())
+  init_distributed()
+  print("result:", json.dumps(train(), sort_keys=True))

@@ -1,22 +1,40 @@
 """A masked training loop over uneven per-host shards.
 
-On a Cloud TPU VM or GPU cluster, run this file on every host:
+Host p holds 100 + 30p examples of y = 3x + 1, so the short host gets padded
+and masked dummy batches; the loss weighs only real rows (the mask), and every
+host ends with the same parameters.
 
-  python examples/train_masked.py
+On one machine, two simulated hosts with four CPU devices each:
 
-`jax.distributed.initialize()` finds the coordinator from the environment.
-Locally, simulate two hosts with four CPU devices each:
+  python -m grain_jax_sync simulate examples/train_masked.py --processes 2 --devices 4
 
-  python -m grain_jax_sync simulate examples.train_masked:train -n 2 -d 4
+On a Cloud TPU VM pod, unchanged, on every worker (on a GPU cluster, run it on
+every node; `jax.distributed.initialize()` finds SLURM or Open MPI itself):
+
+  gcloud compute tpus tpu-vm ssh $TPU_NAME --zone=$ZONE --worker=all \\
+    --command="cd grain_jax_sync && python3 examples/train_masked.py"
 """
 
 from __future__ import annotations
+
+import argparse
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import grain_jax_sync as gjs
+
+
+def init_distributed() -> None:
+  """Joins the job's processes, unless `simulate` (or a test) already did."""
+  if jax.distributed.is_initialized():
+    return
+  try:
+    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
+  except ValueError as e:  # "coordinator_address should be defined"
+    print(f"not a multi-host job ({e}); running as a single process")
 
 
 def host_shard(process: int, batch_size: int) -> list[dict[str, np.ndarray]]:
@@ -61,6 +79,14 @@ def train(epochs: int = 20, batch_size: int = 16) -> dict[str, float]:
   }
 
 
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--epochs", type=int, default=20)
+  parser.add_argument("--batch-size", type=int, default=16, help="examples per host per step")
+  args = parser.parse_args(argv)
+  init_distributed()
+  print("result:", json.dumps(train(args.epochs, args.batch_size), sort_keys=True))
+
+
 if __name__ == "__main__":
-  jax.distributed.initialize()
-  print(jax.process_index(), train())
+  main()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import json
 import platform
 import sys
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -76,14 +78,37 @@ def _doctor(args: argparse.Namespace) -> int:
   return 0
 
 
+def _parse_value(text: str) -> Any:
+  """A ``name=value`` argument's value: a Python literal, else the string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
 def _simulate(args: argparse.Namespace) -> int:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import script_runner  # pylint: disable=g-import-not-at-top
 
-  module, _, name = args.target.partition(":")
-  fn = getattr(importlib.import_module(module), name)
-  outcomes = testing.run_processes(
-    fn, num_processes=args.processes, devices_per_process=args.devices, timeout_s=args.timeout
-  )
+  topology = {"num_processes": args.processes, "devices_per_process": args.devices}
+  if args.target.endswith(".py"):
+    outcomes = testing.run_script(args.target, args.args, timeout_s=args.timeout, **topology)
+    for o in outcomes:
+      status = "ok" if o.ok else f"FAILED: {o.error_type}: {o.error_message}"
+      print(f"== process {o.process_index}: {status} ==")
+      text = o.value if o.ok else f"{o.traceback or ''}{o.log}"
+      if text:
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0 if all(o.ok for o in outcomes) else 1
+  kwargs = {}
+  for arg in args.args:
+    name, sep, value = arg.partition("=")
+    if not sep:
+      print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
+      return 2
+    kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
+  fn = script_runner.resolve_function(args.target)
+  outcomes = testing.run_processes(fn, kwargs=kwargs, timeout_s=args.timeout, **topology)
   for o in outcomes:
     status = "ok" if o.ok else f"{o.error_type}: {o.error_message}"
     print(f"process {o.process_index}: {status}; value={o.value!r}")
@@ -101,13 +126,27 @@ def main(argv: list[str] | None = None) -> int:
   demo.set_defaults(fn=_demo)
   doctor = sub.add_parser("doctor", help="what this machine offers")
   doctor.set_defaults(fn=_doctor)
-  sim = sub.add_parser("simulate", help="run module:function in N local processes")
-  sim.add_argument("target", help="module:function, importable in every process")
+  sim = sub.add_parser(
+    "simulate",
+    allow_abbrev=False,
+    help="run a script, or a function, in N local processes",
+    epilog="Arguments after the target that simulate does not know (or all after"
+    " `--`) go to the script as sys.argv[1:], or to the function as name=value"
+    " keyword arguments.",
+  )
+  sim.add_argument("target", help="file.py (run as __main__), file.py:function or module:function")
   sim.add_argument("--processes", "-n", type=int, default=2)
   sim.add_argument("--devices", "-d", type=int, default=4)
   sim.add_argument("--timeout", type=float, default=300.0)
   sim.set_defaults(fn=_simulate)
-  args = parser.parse_args(argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  passed: list[str] = []
+  if "--" in argv:  # Everything after `--` goes to the script unread.
+    argv, passed = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+  args, extra = parser.parse_known_args(argv)
+  if args.command != "simulate" and (extra or passed):
+    parser.error(f"unrecognized arguments: {' '.join(extra + passed)}")
+  args.args = extra + passed
   return args.fn(args)
 
 

@@ -8,9 +8,9 @@ and the collectives are the real ones. A run that does not finish within
 ``timeout_s`` is killed and reported as a ``TimeoutError``, so a hang fails a
 test instead of stalling it.
 
-Example:
+A scenario is a module-level function, so that every process can import it
+(by module name, or by file path)::
 
-  # scenarios.py (importable by file path; module-level functions only)
   def scenario():
     import jax
     return jax.process_index(), jax.device_count()
@@ -38,7 +38,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ProcessOutcome", "run_processes", "values"]
+from grain_jax_sync._src import script_runner
+
+__all__ = ["ProcessOutcome", "run_processes", "run_script", "values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,7 @@ class ProcessOutcome:
 
   @property
   def ok(self) -> bool:
+    """True when the scenario returned and the process exited with 0."""
     return self.error_type is None and self.exit_code == 0
 
 
@@ -155,7 +158,7 @@ def run_processes(
   port = _free_port()
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
   procs: list[subprocess.Popen[bytes]] = []
-  paths = []
+  paths: list[tuple[str, str]] = []
   base_env = dict(os.environ)
   base_env.update(env or {})
   base_env["XLA_FLAGS"] = (
@@ -172,6 +175,7 @@ def run_processes(
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
       kw.update(per_process_kwargs[i])
+    result_path = os.path.join(workdir, f"result_{i}.pkl")
     job = {
       "fn": spec,
       "args": tuple(args),
@@ -181,13 +185,13 @@ def run_processes(
       "coordinator": f"127.0.0.1:{port}",
       "heartbeat_timeout_s": heartbeat_timeout_s,
       "exit_barrier_timeout_s": exit_barrier_timeout_s,
-      "result": os.path.join(workdir, f"result_{i}.pkl"),
+      "result": result_path,
     }
     job_path = os.path.join(workdir, f"job_{i}.pkl")
     with open(job_path, "wb") as f:
       pickle.dump(job, f)
     log_path = os.path.join(workdir, f"log_{i}.txt")
-    paths.append((job["result"], log_path))
+    paths.append((result_path, log_path))
     log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
     procs.append(
       subprocess.Popen(
@@ -239,6 +243,52 @@ def run_processes(
       )
     )
   return outcomes
+
+
+def run_script(
+  path: str,
+  argv: Sequence[str] = (),
+  *,
+  num_processes: int,
+  devices_per_process: int = 1,
+  timeout_s: float = 120.0,
+  env: Mapping[str, str] | None = None,
+) -> list[ProcessOutcome]:
+  """Runs the Python file `path` as ``__main__`` in `num_processes` processes.
+
+  What ``python -m grain_jax_sync simulate path.py ARGS`` does: every process
+  runs the script with ``sys.argv == [path, *argv]`` after
+  ``jax.distributed.initialize`` has joined the processes, so a script that
+  calls ``jax.distributed.initialize()`` only when
+  ``jax.distributed.is_initialized()`` is False runs unchanged here and on a
+  real multi-host job.
+
+  Args:
+    path: A Python file.
+    argv: Its command-line arguments.
+    num_processes: How many processes (simulated hosts) to start.
+    devices_per_process: Forced CPU devices per process.
+    timeout_s: Wall-clock bound for the whole run, as in `run_processes`.
+    env: Extra environment variables for every process.
+
+  Returns:
+    One ``ProcessOutcome`` per process; its ``value`` is what the script
+    printed to stdout.
+
+  Raises:
+    TimeoutError: When the run does not finish within `timeout_s`.
+    ValueError: If `path` is not a file.
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"`path` must be a Python file, got {path!r}")
+  return run_processes(
+    script_runner.run_as_main,
+    num_processes=num_processes,
+    devices_per_process=devices_per_process,
+    args=(os.path.abspath(path), tuple(argv)),
+    timeout_s=timeout_s,
+    env=env,
+  )
 
 
 def values(outcomes: Sequence[ProcessOutcome]) -> list[Any]:
@@ -321,7 +371,9 @@ def _worker(job_path: str) -> None:
     try:
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
-      distributed.global_state.client.wait_at_barrier(
+      client = distributed.global_state.client
+      assert client is not None
+      client.wait_at_barrier(
         "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
       )
       import jax  # pylint: disable=g-import-not-at-top

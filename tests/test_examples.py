@@ -1,41 +1,123 @@
-"""The examples and the demo run as documented and produce the right numbers."""
+"""The examples, the README's example and the command-line tool run as documented.
 
+Each example runs as its header says, `python -m grain_jax_sync simulate
+examples/NAME.py --processes 2 --devices 4 ARGS`, at a small size; every host
+prints one ``result: {json}`` line, and the tests check its values.
+"""
+
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from grain_jax_sync import testing
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _cli(*args: str) -> str:
+def _cli(*args: str, timeout: float = 240) -> str:
   """Runs `python -m grain_jax_sync ARGS` from the repository root; its stdout."""
-  return subprocess.run(
+  proc = subprocess.run(
     [sys.executable, "-m", "grain_jax_sync", *args],
     cwd=ROOT,
     capture_output=True,
     text=True,
-    timeout=240,
-    check=True,
-  ).stdout
+    timeout=timeout,
+  )
+  assert proc.returncode == 0, (
+    f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  )
+  return proc.stdout
+
+
+def _simulate(script: str, *args: str, processes: int = 2, devices: int = 4) -> list[dict]:
+  """Runs a script under `simulate`; each process's ``result:`` line, in order."""
+  out = _cli(
+    "simulate", script, "--processes", str(processes), "--devices", str(devices), *args,
+    "--timeout", "200",
+  )  # fmt: skip
+  results = [
+    json.loads(line[len("result: ") :]) for line in out.splitlines() if line.startswith("result: ")
+  ]
+  assert len(results) == processes, out
+  return results
 
 
 @pytest.mark.multiprocess
 def test_train_masked_example_converges_identically_on_every_host():
-  sys.path.insert(0, ROOT)
-  from examples import train_masked
-
-  outs = testing.values(
-    testing.run_processes(train_masked.train, num_processes=2, devices_per_process=4, timeout_s=180)
-  )
+  outs = _simulate("examples/train_masked.py", "--epochs", "20")
   # Host 1 has 130 examples = 9 batches of 16; host 0 has 100 = 7: the short
   # host gets masked dummies, so both run 9 steps per epoch.
   assert outs[0] == outs[1]
   assert outs[0]["steps"] == 20 * 9
   assert abs(outs[0]["w"] - 3) < 0.05 and abs(outs[0]["b"] - 1) < 0.05
+
+
+@pytest.mark.multiprocess
+def test_flax_classifier_example_trains_on_every_mock_example_once():
+  outs = _simulate("examples/flax_classifier.py", "--mock-examples", "201", "--batch-size", "32")
+  # 201 mock examples: shards of 100 and 101, so 4 steps of 32 rows per host;
+  # the masked count is every example once.
+  assert outs[0] == outs[1]
+  assert outs[0]["steps"] == 4 and outs[0]["examples"] == 201
+  assert 0 <= outs[0]["train_accuracy"] <= 1 and outs[0]["loss"] > 0
+
+
+@pytest.mark.multiprocess
+def test_exact_eval_example_matches_the_single_process_count():
+  outs = _simulate("examples/exact_eval.py", "--examples", "301", "--batch-size", "16")
+  # Shares of 100 and 201 examples: host 0 runs out after 7 batches and yields
+  # dummies until host 1's 13th; every example is counted once.
+  assert [o["host_examples"] for o in outs] == [100, 201]
+  for o in outs:
+    assert o["exact"] is True
+    assert (o["examples"], o["id_sum"], o["batches"]) == (301, 301 * 300 // 2, 13)
+  assert outs[0]["correct"] == outs[1]["correct"]
+
+
+@pytest.mark.multiprocess
+def test_drop_ins_example_both_replacements_yield_the_same_global_batches():
+  outs = _simulate("examples/drop_ins.py", "--records", "40", "--batch-size", "16")
+  # 40 + 65 records: 5 batches of 16 per host (host 0 padded, then a dummy).
+  for o in outs:
+    assert o == {
+      "batches": 5,
+      "every_record_once": True,
+      "real_rows": 105,
+      "records": 105,
+      "same_batches": True,
+      "state_batches": 5,
+    }
+
+
+@pytest.mark.multiprocess
+def test_orbax_resume_example_resumed_stream_equals_the_uninterrupted_one(tmp_path):
+  outs = _simulate("examples/orbax_resume.py", "--checkpoint-dir", str(tmp_path / "ckpt"))
+  # 50 and 63 records in batches of 8: 8 global batches, saved after 3.
+  for o in outs:
+    assert o == {
+      "batches": 8,
+      "restored_step": 3,
+      "resumed_equals_uninterrupted": True,
+      "same_final_state": True,
+    }
+  files = sorted(os.listdir(tmp_path / "ckpt" / "3" / "data"))
+  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
+
+
+@pytest.mark.multiprocess
+def test_readme_example_runs_as_written_under_simulate(tmp_path):
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  code = re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S).group(1)
+  script = tmp_path / "example.py"
+  script.write_text(code)
+  out = _cli("simulate", str(script), "--processes", "2", "--devices", "4")
+  # Hosts hold 10 and 11 batches of 32 rows: 11 global batches, 672 real rows.
+  assert "host 0: 672 real rows in 11 batches" in out
+  assert "host 1: 672 real rows in 11 batches" in out
 
 
 @pytest.mark.multiprocess
@@ -58,8 +140,30 @@ def test_doctor_reports_devices_and_extras(capsys):
 
 
 @pytest.mark.multiprocess
-def test_simulate_command_runs_a_function_in_every_process():
-  out = _cli("simulate", "examples.train_masked:train", "-n", "2", "-d", "2")
+@pytest.mark.parametrize(
+  "target", ["examples.train_masked:train", "examples/train_masked.py:train"]
+)
+def test_simulate_runs_a_function_by_module_or_path_with_keyword_arguments(target):
+  out = _cli("simulate", target, "-n", "2", "-d", "2", "epochs=1", "--batch-size=16")
   lines = [line for line in out.splitlines() if line.startswith("process ")]
   assert len(lines) == 2 and all(": ok; value={" in line for line in lines)
   assert lines[0].split("value=")[1] == lines[1].split("value=")[1]
+  assert "'steps': 9" in lines[0]  # One epoch of 9 agreed batches.
+
+
+def test_simulate_passes_arguments_to_the_script_verbatim(tmp_path):
+  script = tmp_path / "echo.py"
+  script.write_text("import sys, jax\nprint('argv', sys.argv[1:], jax.process_count())\n")
+  out = _cli("simulate", str(script), "-n", "1", "-d", "1", "--steps", "3", "--", "-n", "5")
+  assert "argv ['--steps', '3', '-n', '5'] 1" in out
+
+
+def test_simulate_script_failure_exits_non_zero_with_the_error(tmp_path):
+  script = tmp_path / "fail.py"
+  script.write_text("raise SystemExit('bad input')\n")
+  proc = subprocess.run(
+    [sys.executable, "-m", "grain_jax_sync", "simulate", str(script), "-n", "1", "-d", "1"],
+    cwd=ROOT, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert proc.returncode == 1
+  assert "FAILED: builtins.RuntimeError" in proc.stdout and "'bad input'" in proc.stdout

@@ -21,7 +21,10 @@ Grain and Orbax are imported only when these helpers are called.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  import grain
 
 from grain_jax_sync._src.sources import base
 
@@ -74,7 +77,7 @@ def _grain_args() -> tuple[type, type]:
   return CheckpointSave, CheckpointRestore
 
 
-def checkpoint_save(iterator: Any) -> Any:
+def checkpoint_save(iterator: Any) -> grain.checkpoint.CheckpointSave:
   """Orbax save arguments for `iterator`, handled by Grain's handler.
 
   Args:
@@ -100,7 +103,7 @@ def checkpoint_save(iterator: Any) -> Any:
   return save(_item(iterator))
 
 
-def checkpoint_restore(iterator: Any) -> Any:
+def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
   """Orbax restore arguments that set `iterator`'s state in place.
 
   Args:

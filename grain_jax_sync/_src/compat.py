@@ -36,7 +36,7 @@ def jax_sync_generator(
     synchronize_lookahead: Batches per agreement window.
 
   Yields:
-    Batches of global `jax.Array`s with the input's structure.
+    Batches of global `jax.Array` values with the input's structure.
   """
   if (type(batch_iterable).__module__ or "").startswith("tensorflow"):
     # A generator has no get_state(): take no tf.data resume snapshots.

@@ -15,11 +15,14 @@ Grain is imported when `device_put` is first called, never by
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from grain_jax_sync._src import iterator as iterator_lib
+
+if TYPE_CHECKING:
+  import grain
 
 
 def _to_sharding(device: Any) -> jax.sharding.Sharding | None:
@@ -116,15 +119,15 @@ def device_put(
   synchronize_lookahead: int = 10,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
-) -> Any:
-  """Moves per-host batches to global `jax.Array`s that every host agrees on.
+) -> grain.IterDataset:
+  """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
   A drop-in for `grain.experimental.device_put` (same first arguments): swap
   the import and get agreement across hosts. Elements of `ds` must be this
   process's batches; the returned dataset's elements are global arrays whose
   leading dimension is ``rows * jax.process_count()``, built and agreed as by
   `iter_jax_batches` (padding, masks, `drop_last`, the same error on every
-  host). Its iterators are `grain.DatasetIterator`s with JSON
+  host). Its iterators are `grain.DatasetIterator` objects with JSON
   `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
   `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
   exactly.

@@ -609,8 +609,14 @@ class _Producer:
 class JaxBatchIterator(Iterator[Any]):
   """Iterates global `jax.Array` batches that every host agrees on.
 
-  Built by `iter_jax_batches`. Supports `get_state`/`set_state` for exact
-  resume, `close()` and use as a context manager.
+  Build it with `iter_jax_batches` (or get one from `device_put`'s and
+  `jax_sync_generator`'s pipelines): that function is the public constructor,
+  with keyword options checked and documented there. The class is exported
+  for type annotations and ``isinstance`` checks; its ``__init__`` takes an
+  internal settings object and may change between releases.
+
+  Supports `get_state`/`set_state` for exact resume, `close()` and use as a
+  context manager.
   """
 
   def __init__(

@@ -24,11 +24,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from grain_jax_sync._src.sources import base
+
+if TYPE_CHECKING:
+  import grain
+  import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ def tfds_pipeline(
   shuffle_buffer_size: int = 10_000,
   process_index: int | None = None,
   process_count: int | None = None,
-) -> Any:
+) -> grain.IterDataset | tf.data.Dataset:
   """Builds this process's batched pipeline over a TFDS split, in one call.
 
   Pass the result to `iter_jax_batches` (with `paddings` and `mask_key`, so
@@ -122,7 +126,7 @@ def tfds_pipeline(
       Python function of NumPy dicts for ``"data_source"``, a traceable
       function of tensors for ``"tf_data"``).
     drop_unsupported: Drop string, ragged and other non-numeric features
-      (they cannot become `jax.Array`s) instead of failing on them.
+      (they cannot become `jax.Array` values) instead of failing on them.
     data_dir: TFDS data directory.
     download: Download and prepare the dataset if missing. Prefer preparing
       it once (``tfds build``) rather than on every host.

@@ -1,0 +1,100 @@
+"""What `simulate` runs: a script as ``__main__``, or ``module:function``.
+
+The child side (`run_as_main`) runs inside a process of
+`grain_jax_sync.testing.run_processes`, after ``jax.distributed.initialize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class _Tee(io.TextIOBase):
+  """Writes to the process's stdout and keeps a copy."""
+
+  def __init__(self, stream: Any):
+    self._stream = stream
+    self.copy = io.StringIO()
+
+  def write(self, text: str) -> int:
+    self.copy.write(text)
+    return self._stream.write(text)
+
+  def flush(self) -> None:
+    self._stream.flush()
+
+
+def run_as_main(path: str, argv: Sequence[str]) -> str:
+  """Runs the file `path` as ``__main__`` with `argv`; returns what it printed.
+
+  Args:
+    path: An absolute path to a Python file.
+    argv: Its command-line arguments (``sys.argv[1:]``).
+
+  Returns:
+    Everything the script wrote to ``sys.stdout``.
+
+  Raises:
+    RuntimeError: If the script exits with a non-zero status.
+  """
+  tee = _Tee(sys.stdout)
+  old_argv = sys.argv
+  sys.argv = [path, *argv]
+  sys.path.insert(0, os.path.dirname(path))
+  try:
+    with contextlib.redirect_stdout(tee):
+      runpy.run_path(path, run_name="__main__")
+  except SystemExit as e:
+    if e.code not in (None, 0):
+      raise RuntimeError(f"{path} exited with status {e.code!r}") from e
+  finally:
+    sys.argv = old_argv
+  return tee.copy.getvalue()
+
+
+def resolve_function(target: str) -> Callable[..., Any]:
+  """Resolves ``module:function`` or ``path/to/file.py:function``.
+
+  A file is imported under a ``__gjs`` module name, so that
+  `grain_jax_sync.testing.run_processes` imports it by path in every process.
+
+  Args:
+    target: A dotted module name or a Python file, a colon, and the name of
+      a module-level function in it.
+
+  Returns:
+    The function.
+
+  Raises:
+    ValueError: If `target` is malformed or names nothing callable.
+  """
+  module, sep, name = target.rpartition(":")
+  if not sep or not module or not name:
+    raise ValueError(
+      f"`target` must be 'file.py', 'file.py:function' or 'module:function', got {target!r}"
+    )
+  if module.endswith(".py"):
+    if not os.path.isfile(module):
+      raise ValueError(f"`target` {target!r} names the file {module!r}, which does not exist")
+    path = os.path.abspath(module)
+    mod_name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    sys.path.insert(0, os.path.dirname(path))
+    spec.loader.exec_module(mod)
+  else:
+    mod = importlib.import_module(module)
+  fn = getattr(mod, name, None)
+  if not callable(fn):
+    raise ValueError(f"`target` {target!r}: {module} has no function {name!r}")
+  return fn

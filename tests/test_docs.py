@@ -1,0 +1,158 @@
+"""The documentation: the site builds without warnings and its code runs.
+
+Every ```python block in docs/*.md and README.md is one of:
+
+* run in one process: the page's blocks run in order as one script in a
+  fresh interpreter with 8 CPU devices (later blocks see earlier names);
+* first line ``# Runs under simulate``: run as its own script under
+  ``python -m grain_jax_sync simulate FILE --processes 2 --devices 4``;
+* first line ``# Needs ...`` (a multi-host job, your data, MaxText): shown,
+  not run; the line says what it needs and, where there is one, which
+  example runs the same thing.
+
+README's "Example" block is run under simulate by tests/test_examples.py.
+Fences without a language (or ``text``) are commands and output, not code.
+"""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import grain_jax_sync
+from grain_jax_sync import testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+SIMULATE = "# Runs under simulate"
+NEEDS = "# Needs "
+FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def _pages() -> list[str]:
+  names = sorted(f for f in os.listdir(DOCS) if f.endswith(".md"))
+  return [os.path.join(DOCS, f) for f in names] + [os.path.join(ROOT, "README.md")]
+
+
+def _blocks(path: str) -> list[str]:
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if path.endswith("README.md"):  # Its Example block runs in test_examples.py.
+    text = re.sub(r"## Example\n\n```python\n.*?```", "", text, count=1, flags=re.S)
+  return FENCE.findall(text)
+
+
+def _kind(block: str) -> str:
+  first = block.lstrip().splitlines()[0] if block.strip() else ""
+  if first.startswith(SIMULATE):
+    return "simulate"
+  if first.startswith(NEEDS):
+    return "needs"
+  return "run"
+
+
+PAGES = [p for p in _pages() if _blocks(p)]
+
+
+def test_every_python_block_parses():
+  for page in PAGES:
+    for block in _blocks(page):
+      ast.parse(block, filename=page)  # Even a snippet that is only shown.
+
+
+@pytest.mark.parametrize(
+  "page", [p for p in PAGES if any(_kind(b) == "run" for b in _blocks(p))], ids=os.path.basename
+)
+def test_page_python_blocks_run_in_one_process(page, tmp_path):
+  code = "\n\n".join(b for b in _blocks(page) if _kind(b) == "run")
+  script = tmp_path / "page.py"
+  script.write_text(code)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+  )  # fmt: skip
+  assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+SIM_BLOCKS = [
+  (os.path.basename(p), i, b)
+  for p in PAGES
+  for i, b in enumerate(_blocks(p))
+  if _kind(b) == "simulate"
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("page,index,block", SIM_BLOCKS, ids=[f"{p}-{i}" for p, i, _ in SIM_BLOCKS])
+def test_simulate_blocks_run_on_two_simulated_hosts(page, index, block, tmp_path):
+  script = tmp_path / f"block_{index}.py"
+  script.write_text(block)
+  outcomes = testing.run_script(str(script), num_processes=2, devices_per_process=4, timeout_s=180)
+  assert len(testing.values(outcomes)) == 2, page
+
+
+def test_sphinx_site_builds_without_warnings(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", DOCS, str(tmp_path)],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  for page in ("contents", "index", "api", "quickstart", "faq", "changelog"):
+    assert (tmp_path / f"{page}.html").is_file()
+
+
+def test_api_page_has_an_entry_for_every_public_name():
+  with open(os.path.join(DOCS, "api.md"), encoding="utf-8") as f:
+    api = f.read()
+  names = [f"grain_jax_sync.{n}" for n in grain_jax_sync.__all__]
+  names += [f"grain_jax_sync.testing.{n}" for n in testing.__all__]
+  missing = [n for n in names if not re.search(rf"\.\. auto\w+:: {re.escape(n)}\b", api)]
+  assert not missing
+
+
+def test_every_docs_page_is_in_a_toctree():
+  with open(os.path.join(DOCS, "contents.md"), encoding="utf-8") as f:
+    contents = f.read()
+  entries = set(re.findall(r"^(?:[^\n<]*<)?([\w-]+)>?$", contents, re.M))
+  pages = {f[:-3] for f in os.listdir(DOCS) if f.endswith(".md")} - {"contents"}
+  assert pages <= entries, pages - entries
+
+
+def test_docs_requirements_pin_the_same_versions_as_the_docs_extra():
+  with open(os.path.join(DOCS, "requirements.txt"), encoding="utf-8") as f:
+    pins = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    extra = tomllib.load(f)["project"]["optional-dependencies"]["docs"]
+  assert sorted(pins) == sorted(extra)
+
+
+def test_grain_sharding_note_matches_grain():
+  """docs/sources.md: what Grain's DataLoader sharding reads of 19 records."""
+  grain = pytest.importorskip("grain")
+
+  def read(index: int, drop_remainder: bool) -> list[int]:
+    shard = grain.sharding.ShardOptions(
+      shard_index=index, shard_count=2, drop_remainder=drop_remainder
+    )
+    sampler = grain.samplers.IndexSampler(
+      num_records=19, shard_options=shard, shuffle=False, num_epochs=1
+    )
+    loader = grain.DataLoader(data_source=list(range(19)), sampler=sampler, worker_count=0)
+    return [int(x) for x in loader]
+
+  assert read(0, False) == list(range(0, 9)) and read(1, False) == list(range(10, 19))
+  assert read(0, True) == list(range(0, 9)) and read(1, True) == list(range(9, 18))
+
+
+def test_every_file_the_docs_name_under_examples_exists():
+  named = set()
+  for page in _pages():
+    with open(page, encoding="utf-8") as f:
+      named |= set(re.findall(r"examples/([a-z_]+\.py)", f.read()))
+  assert named, "the docs name no example"
+  assert not sorted(n for n in named if not os.path.isfile(os.path.join(ROOT, "examples", n)))
