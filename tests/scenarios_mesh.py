@@ -123,6 +123,17 @@ def cases_2x4() -> dict[str, Any]:
   out["divisible_error"] = _error(
     lambda: gjs.iter_jax_batches([], batch_size=5, paddings=0, mesh=inside)
   )
+  # Process 0 holds data shards 0, 1, 2 and process 1 holds 1, 2, 3: no layout.
+  slots = [[0, 0], [0, 1], [0, 1], [1, 1]]
+  taken = [0, 0]
+
+  def pick(d: int, m: int) -> Any:
+    p = slots[d][m]
+    taken[p] += 1
+    return devs[p][taken[p] - 1]
+
+  overlapping = jax.sharding.Mesh(_grid((4, 2), pick), ("data", "model"))
+  out["uneven_error"] = _error(lambda: gjs.iter_jax_batches([], batch_size=8, mesh=overlapping))
   out["shapes"] = _shapes(inside, across, strided)
   return out
 

@@ -303,6 +303,13 @@ def test_2x4_up_front_checks_and_shape_helpers():
       "`batch_size` must be divisible by the 2 data shards that this process's 4"
       " local devices hold when `paddings` is given, got 5"
     )
+    assert out["uneven_error"].startswith("the sharding NamedSharding(")
+    assert out["uneven_error"].endswith(
+      " splits dimension 0 into 4 blocks that processes hold unevenly (processes [0]"
+      " hold [0, 1, 2]; processes [1] hold [1, 2, 3]); expected every process to hold"
+      " the same number of blocks, and any two processes the same blocks or none in"
+      " common. Order the mesh devices so that each process's devices form whole blocks"
+    )
     shapes = out["shapes"]
     assert {k: v["ours"] for k, v in shapes.items()} == {
       "inside": (16, 3),
