@@ -186,6 +186,14 @@ def test_shapes_rows_not_divisible_raise_with_the_numbers():
   assert gjs.local_to_global_shape((8,), _mesh()) == (8,)  # A mesh: rows over "data".
 
 
+def test_1x8_single_process_accepts_a_mesh_over_some_devices():
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  with gjs.iter_jax_batches(scenarios.make_batches(0, [8]), batch_size=8, mesh=mesh) as it:
+    (batch,) = list(it)
+  assert batch["x"].sharding.device_set == set(jax.devices()[:4])
+  np.testing.assert_array_equal(np.asarray(batch["x"]), scenarios.rows_for(0, 0, 8))
+
+
 def test_data_shard_info_single_process_is_one_shard():
   assert gjs.data_shard_info(_mesh()) == (0, 1)
   assert gjs.data_shard_info() == gjs.DataShardInfo(shard_index=0, shard_count=1)

@@ -135,7 +135,14 @@ def local_to_global_shape(
     >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
     (16, 3)
   """
-  s = _cut(_as_sharding(sharding, "sharding"), len(local_shape))
+  return _local_to_global(_as_sharding(sharding, "sharding"), tuple(local_shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_to_global(
+  sharding: jax.sharding.Sharding, local_shape: tuple[int, ...]
+) -> tuple[int, ...]:
+  s = _cut(sharding, len(local_shape))
   pi = jax.process_index()
   out = []
   for dim, size in enumerate(local_shape):
