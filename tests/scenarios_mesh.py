@@ -31,8 +31,12 @@ def _grid(shape: tuple[int, ...], pick: Any) -> np.ndarray:
   return out
 
 
-def _run(kwargs: dict[str, Any], sizes: list[int], *, extra: bool = True) -> dict[str, Any]:
-  """iter_jax_batches over this process's input shard; global rows and layout."""
+def _run(kwargs: dict[str, Any], sizes: list[int], *, by_process: bool = False) -> dict[str, Any]:
+  """iter_jax_batches over this process's input shard; global rows and layout.
+
+  With `by_process`, each process feeds rows of its own (wrong where
+  processes share a data shard).
+  """
   import jax
 
   import grain_jax_sync as gjs
@@ -41,7 +45,8 @@ def _run(kwargs: dict[str, Any], sizes: list[int], *, extra: bool = True) -> dic
     kwargs.get("mesh") if "mesh" in kwargs else kwargs.get("sharding"),
     data_axes=kwargs.get("data_axes"),
   )
-  data = scenarios.make_batches(info.shard_index, sizes, extra=extra)
+  shard = jax.process_index() if by_process else info.shard_index
+  data = scenarios.make_batches(shard, sizes)
   with gjs.iter_jax_batches(data, **kwargs) as it:
     out = scenarios.consume(it)
     out["spec"] = str(it.sharding.spec)
@@ -91,6 +96,7 @@ def cases_2x4() -> dict[str, Any]:
   out: dict[str, Any] = {
     "inside": _run({"batch_size": 8, "mesh": inside}, [8, 8]),
     "across": _run({**padded, "mesh": across}, [8, 5]),
+    "across_differ": _run({"batch_size": 8, "mesh": across}, [8], by_process=True),
     "strided": _run({"batch_size": 8, "mesh": strided, "data_axes": ("y", "x")}, [8]),
     "sharding": _run(
       {

@@ -256,6 +256,21 @@ def test_2x4_model_axis_across_processes_both_feed_the_same_rows():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.xfail(
+  strict=True,
+  reason="pending: sharding.rows_digest is not compared in the exchange yet;"
+  " today the array is built from different rows without an error",
+)
+def test_2x4_processes_sharing_a_data_shard_with_different_rows_raise_everywhere():
+  outs = _run_2x4()
+  for out in outs:
+    r = out["across_differ"]
+    assert r["error_type"] == "ValueError"
+    assert "processes [0, 1] hold the same data shards (input shard 0) and must feed" in r["error"]
+  assert len({out["across_differ"]["error"] for out in outs}) == 1
+
+
+@pytest.mark.multiprocess
 def test_2x4_non_contiguous_data_shards_interleave_the_processes_rows():
   # Rows over (y, x) of an (x=2, y=4) mesh whose x is the process: process p
   # holds data shards p, p + 2, p + 4, p + 6, two rows each.
