@@ -372,7 +372,8 @@ def data_shard_info(
 
   Processes that hold the same rows of the global batch (a model axis that
   spans processes) get the same `shard_index`, so that they load identical
-  rows: pass it to Grain (``grain.ShardOptions(*data_shard_info(mesh))``) or
+  rows: pass it to Grain
+  (``grain.sharding.ShardOptions(*data_shard_info(mesh))``) or
   to `tfds_pipeline(mesh=...)`, with the same seed on every process.
 
   Args:
