@@ -210,9 +210,11 @@ def _input_shard(
     raise ValueError(
       "pass `process_index`/`process_count`, or `mesh`/`data_axes`/`sharding`, not both"
     )
-  if by_mesh or (process_index is None and process_count is None and meshes.context_mesh()):
-    info = placement.data_shard_info(mesh if mesh is not None else sharding, data_axes=data_axes)
-    return info.shard_index, info.shard_count
+  if by_mesh or (
+    process_index is None and process_count is None and meshes.context_mesh() is not None
+  ):
+    p = placement.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+    return p.shard_index, p.shard_count
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   return process_index, process_count
