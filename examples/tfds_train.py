@@ -1,7 +1,8 @@
 """Train on a TFDS split from every host, with resumable, agreed batches.
 
 `tfds_pipeline` gives each host its own part of the split (ArrayRecord through
-Grain, no TensorFlow), `device_put` turns it into global `jax.Array` batches
+Grain, no TensorFlow; the part is the host's input shard of the mesh),
+`device_put` turns it into global `jax.Array` batches
 that every host agrees on (the host with the shorter shard gets a padded,
 masked batch), and Orbax saves the input position with the step.
 
@@ -86,13 +87,22 @@ def train(
     mock = tfds.testing.mock_data(
       num_examples=mock_examples, policy=tfds.testing.MockPolicy.USE_CODE
     )
+  # Any mesh over every device works the same: with a (data, model) mesh the
+  # rows are split over "data", and processes that share rows (a model axis
+  # across hosts) read the same examples because tfds_pipeline takes its shard
+  # from the mesh (gjs.data_shard_info).
+  mesh = gjs.default_mesh()
   with mock:
     ds = gjs.tfds_pipeline(
-      name, split=split, batch_size=batch_size, shuffle=True, seed=0, num_epochs=num_epochs
+      name,
+      split=split,
+      batch_size=batch_size,
+      shuffle=True,
+      seed=0,
+      num_epochs=num_epochs,
+      mesh=mesh,
     )
-    ds = gjs.device_put(
-      ds, gjs.default_sharding(), batch_size=batch_size, paddings=0, mask_key="mask"
-    )
+    ds = gjs.device_put(ds, mesh, batch_size=batch_size, paddings=0, mask_key="mask")
     it = iter(ds)
     params = {"w": jnp.zeros((28 * 28, 10)), "b": jnp.zeros((10,))}
     steps, examples, loss = 0, 0, float("nan")

@@ -4,20 +4,31 @@ from grain_jax_sync._src.checkpoint import checkpoint_restore, checkpoint_save
 from grain_jax_sync._src.compat import jax_sync_generator
 from grain_jax_sync._src.grain_dataset import device_put
 from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
-from grain_jax_sync._src.sharding import default_sharding
+from grain_jax_sync._src.meshes import default_mesh, default_sharding
+from grain_jax_sync._src.placement import (
+  DataShardInfo,
+  data_shard_info,
+  global_to_local_shape,
+  local_to_global_shape,
+)
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+  "DataShardInfo",
   "JaxBatchIterator",
   "checkpoint_restore",
   "checkpoint_save",
+  "data_shard_info",
+  "default_mesh",
   "default_sharding",
   "device_put",
   "from_tf_data",
+  "global_to_local_shape",
   "iter_jax_batches",
   "jax_sync_generator",
+  "local_to_global_shape",
   "tfds_pipeline",
 ]

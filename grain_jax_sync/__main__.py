@@ -74,7 +74,7 @@ def _doctor(args: argparse.Namespace) -> int:
   for mod in ("grain", "tensorflow", "tensorflow_datasets", "orbax.checkpoint", "ml_dtypes"):
     found = importlib.util.find_spec(mod.split(".")[0]) is not None
     print(f"  {mod}: {'installed' if found else 'not installed'}")
-  print(f"default sharding: {grain_jax_sync.default_sharding()}")
+  _print_mesh_choice()
   return 0
 
 
@@ -84,6 +84,20 @@ def _parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
+
+
+def _print_mesh_choice() -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from grain_jax_sync._src import meshes, placement  # pylint: disable=g-import-not-at-top
+
+  order, reason = meshes.default_device_order(jax.devices())
+  ids = [d.id for d in order]
+  shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
+  slices = sorted({getattr(d, "slice_index", None) for d in order} - {None})
+  print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
+  print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
+  print(f"batches go to: {placement.resolve_sharding().describe()}")
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -137,6 +137,12 @@ def test_doctor_reports_devices_and_extras(capsys):
   out = capsys.readouterr().out
   assert "processes 1 (this: 0), devices 8 (local 8)" in out
   assert "grain: installed" in out and "key-value store client: no" in out
+  assert (
+    "default mesh: 1-D 'data' axis over 8 devices; one slice: create_device_mesh"
+    " (topology-aware order)\n  device ids in mesh order: [0, 1, 2, 3, 4, 5, 6, 7];"
+    " slices: none reported\n" in out
+  )
+  assert "(from the default mesh): 8 data shards; process 0 feeds data shards" in out
 
 
 @pytest.mark.multiprocess

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import iterator as iterator_lib
+from grain_jax_sync._src import meshes
 
 
 def jax_sync_generator(
@@ -25,6 +26,8 @@ def jax_sync_generator(
   across hosts, lets a host with an empty shard build dummy batches from its
   peers' structure, raises a source failure on every host, and checks
   `batch_size` against the local device count before the first batch.
+  Batches land on the 1-D default mesh (`default_sharding()`), as in the
+  reference, even inside `jax.set_mesh`.
 
   Args:
     batch_iterable: Per-host batches: NumPy arrays or dicts of them.
@@ -51,6 +54,7 @@ def jax_sync_generator(
     dtypes=dtypes,
     synchronize_batches=synchronize_batches,
     synchronize_lookahead=synchronize_lookahead,
+    sharding=meshes.default_sharding(),
   )
   with it:
     yield from it

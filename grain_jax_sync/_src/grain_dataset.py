@@ -20,31 +20,41 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from grain_jax_sync._src import iterator as iterator_lib
+from grain_jax_sync._src import placement as placement_lib
 
 if TYPE_CHECKING:
   import grain
 
 
-def _to_sharding(device: Any) -> jax.sharding.Sharding | None:
-  """`device_put`'s `device` argument as one sharding for every leaf."""
-  if device is None or isinstance(device, jax.sharding.Sharding):
-    return device
-  if isinstance(device, jax.sharding.Mesh):
-    # As MaxText does: rows split over every mesh axis.
-    spec = jax.sharding.PartitionSpec(tuple(device.axis_names))
-    return jax.sharding.NamedSharding(device, spec)
+def _resolve(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> jax.sharding.Sharding:
+  """`device_put`'s `device` (or `mesh`/`data_axes`/`sharding`) as one sharding.
+
+  Resolved once, in the caller's thread, so that the mesh set by
+  `jax.set_mesh` around `device_put` is the one used.
+  """
   if isinstance(device, jax.Device):
     if jax.process_count() > 1:
       raise ValueError(
         f"`device` is the single device {device}, but there are"
         f" {jax.process_count()} processes; pass a sharding (or mesh) that"
-        " spans every process's devices, e.g. grain_jax_sync.default_sharding()"
+        " spans every process's devices, e.g. grain_jax_sync.default_mesh()"
       )
-    return jax.sharding.SingleDeviceSharding(device)
-  raise ValueError(
-    "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
-    f" jax.Device or None, got {type(device).__qualname__}: {device!r:.200}"
-  )
+    device = jax.sharding.SingleDeviceSharding(device)
+  if device is not None:
+    if mesh is not None or sharding is not None:
+      raise ValueError("pass `device`, or `mesh`/`sharding`, not both")
+    if isinstance(device, jax.sharding.Mesh):
+      mesh = device  # Rows over the data axes, replicated over the rest.
+    elif isinstance(device, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+      sharding = device
+    else:
+      raise ValueError(
+        "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
+        " PartitionSpec, a jax.Device or None, got"
+        f" {type(device).__qualname__}: {device!r:.200}"
+      )
+  placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+  return placement.sharding
 
 
 @functools.cache
@@ -117,6 +127,9 @@ def device_put(
   dtypes: Any = None,
   synchronize_batches: bool = True,
   synchronize_lookahead: int = 10,
+  mesh: jax.sharding.Mesh | None = None,
+  data_axes: str | tuple[str, ...] | None = None,
+  sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
 ) -> grain.IterDataset:
@@ -125,7 +138,8 @@ def device_put(
   A drop-in for `grain.experimental.device_put` (same first arguments): swap
   the import and get agreement across hosts. Elements of `ds` must be this
   process's batches; the returned dataset's elements are global arrays whose
-  leading dimension is ``rows * jax.process_count()``, built and agreed as by
+  leading dimension is rows x input shards (``rows * jax.process_count()``
+  unless processes share rows), built and agreed as by
   `iter_jax_batches` (padding, masks, `drop_last`, the same error on every
   host). Its iterators are `grain.DatasetIterator` objects with JSON
   `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
@@ -134,10 +148,11 @@ def device_put(
 
   Args:
     ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches.
-    device: Where the rows go: a `jax.sharding.Sharding` (rows along its
-      first dimension), a `jax.sharding.Mesh` (rows split over all of its
-      axes), a single `jax.Device` (one process only) or None for
-      `default_sharding()`.
+    device: Where the rows go: a `jax.sharding.Sharding`, a
+      `jax.sharding.Mesh` (rows split over its data axes, replicated over the
+      others: see `data_axes`), a `PartitionSpec`, a single `jax.Device` (one
+      process only) or None: `mesh`/`sharding`, else the mesh set by
+      `jax.set_mesh`, else `default_mesh()`.
     cpu_buffer_size: Batches Grain prefetches on the host (a thread).
     device_buffer_size: Global batches prepared ahead on the devices.
     batch_size: Rows per host batch that `paddings` fill to and `drop_last`
@@ -148,6 +163,10 @@ def device_put(
     dtypes: As in `iter_jax_batches`.
     synchronize_batches: As in `iter_jax_batches`.
     synchronize_lookahead: As in `iter_jax_batches`.
+    mesh: As in `iter_jax_batches` (instead of `device`).
+    data_axes: As in `iter_jax_batches`: the mesh axes the rows are split
+      over; default ``"data"`` if the mesh has it, else every axis.
+    sharding: As in `iter_jax_batches` (instead of `device`).
     sync_timeout_s: As in `iter_jax_batches`.
     name: As in `iter_jax_batches`.
 
@@ -160,7 +179,7 @@ def device_put(
   Example:
 
     >>> ds = grain.MapDataset.source(src)[lo:hi].shuffle(seed=1).batch(32)
-    >>> ds = device_put(ds.to_iter_dataset(), default_sharding(),
+    >>> ds = device_put(ds.to_iter_dataset(), default_mesh(),
     ...                 batch_size=32, paddings=0, mask_key="mask")
     >>> it = iter(ds)
     >>> batch = next(it); state = it.get_state()
@@ -196,7 +215,7 @@ def device_put(
     "synchronize_batches": synchronize_batches,
     "synchronize_lookahead": synchronize_lookahead,
     "prefetch_batches": device_buffer_size,
-    "sharding": _to_sharding(device),
+    "sharding": _resolve(device, mesh, data_axes, sharding),
     "sync_timeout_s": sync_timeout_s,
     "name": name,
   }

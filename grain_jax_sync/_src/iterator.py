@@ -24,6 +24,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import padding, sources
+from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import sharding as sharding_lib
@@ -120,7 +121,7 @@ class _Producer:
     settings: Settings,
     source: sources.SourceIterator,
     exchange: exchange_lib.Exchange,
-    sharding: jax.sharding.Sharding,
+    placement: placement_lib.BatchPlacement,
     *,
     local_devices: int,
     start_state: Any,
@@ -129,7 +130,7 @@ class _Producer:
     self._s = settings
     self._source = source
     self._exchange = exchange
-    self._sharding = sharding
+    self._placement = placement
     self._local_devices = local_devices
     self._pi = exchange.process_index
     self._pc = jax.process_count()
@@ -296,7 +297,7 @@ class _Producer:
       local.append(padding.mask(real, step.rows))
       device = [*device, None]
     # One call for every leaf: a single batched transfer in a single process.
-    out = sharding_lib.to_global_leaves(local, self._sharding, self._pc, device)
+    out = sharding_lib.to_global_leaves(local, self._placement, device)
     if self._s.mask_key is not None:
       mask = out.pop()
       tree = batches_lib.unflatten(sig.spec, out)
@@ -624,15 +625,16 @@ class JaxBatchIterator(Iterator[Any]):
     source: Any,
     *,
     settings: Settings,
-    sharding: jax.sharding.Sharding | None = None,
+    placement: placement_lib.BatchPlacement,
   ):
     self._settings = settings
-    self._sharding = sharding if sharding is not None else sharding_lib.default_sharding()
-    self._local_devices = sharding_lib.local_row_shards(self._sharding)
+    self._placement = placement
+    # Local rows split among the data shards this process holds.
+    self._local_devices = placement.local_shards
     if settings.paddings is not None and settings.batch_size % self._local_devices:
       raise ValueError(
-        f"`batch_size` must be divisible by the {self._local_devices} local"
-        f" devices when `paddings` is given, got {settings.batch_size}"
+        f"`batch_size` must be divisible by {placement.describe_local()}"
+        f" when `paddings` is given, got {settings.batch_size}"
       )
     self._source = sources.open_source(source)
     self._state = self._source.get_state() if self._source.supports_state else None
@@ -657,7 +659,7 @@ class JaxBatchIterator(Iterator[Any]):
       s,
       self._source,
       exchange,
-      self._sharding,
+      self._placement,
       local_devices=self._local_devices,
       start_state=self._state,
       start_position=self._position,
@@ -770,8 +772,13 @@ class JaxBatchIterator(Iterator[Any]):
 
   @property
   def sharding(self) -> jax.sharding.Sharding:
-    """The sharding of every yielded leaf."""
-    return self._sharding
+    """The sharding of every yielded leaf (its spec cut to the leaf's rank)."""
+    return self._placement.sharding
+
+  @property
+  def placement(self) -> placement_lib.BatchPlacement:
+    """Where the rows go: the data shards this process feeds, and with whom."""
+    return self._placement
 
 
 def _shutdown(parts: list[Any]) -> None:
@@ -797,7 +804,9 @@ def iter_jax_batches(
   synchronize_batches: bool = True,
   synchronize_lookahead: int = 10,
   prefetch_batches: int = 2,
-  sharding: jax.sharding.Sharding | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  data_axes: str | tuple[str, ...] | None = None,
+  sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
 ) -> JaxBatchIterator:
@@ -806,8 +815,11 @@ def iter_jax_batches(
   Each process passes its own shard of the data. For every batch, all
   processes agree (in windows of `synchronize_lookahead` batches) on whether
   there is one and how many rows it has, then each yields the same structure
-  of global arrays whose leading dimension is ``rows * jax.process_count()``,
-  sharded along the 1-D ``"data"`` mesh axis over all devices.
+  of global arrays, rows split over the data axes of the mesh (by default
+  the 1-D ``"data"`` mesh over every device) and replicated over its other
+  axes. The leading dimension is ``rows * shard_count``: processes that hold
+  the same data shards (a model axis across processes) feed identical rows
+  (see `data_shard_info`); otherwise it is ``rows * jax.process_count()``.
 
   Rules, identical on every process:
     * all sources ended: every process stops;
@@ -841,7 +853,14 @@ def iter_jax_batches(
       exchanges anything).
     synchronize_lookahead: Batches per agreement window.
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
-    sharding: Sharding of every leaf; default: `default_sharding()`.
+    mesh: The mesh the batch lands on, over every device of the job; rows
+      are split over `data_axes` and replicated over its other axes. Default:
+      the mesh set by `jax.set_mesh`, else `default_mesh()`.
+    data_axes: With a mesh: the axis (or tuple of axes) the rows are split
+      over; default ``"data"`` if the mesh has it, else every axis.
+    sharding: Instead of `mesh`: the sharding of every leaf (a spec longer
+      than a leaf's rank is cut), or a `PartitionSpec` applied to `mesh` (or
+      to the context or default mesh).
     sync_timeout_s: How long to wait for a peer's report before raising an
       error that names the missing processes.
     name: Names the exchange keys; needed only when processes do not create
@@ -886,4 +905,5 @@ def iter_jax_batches(
     sync_timeout_s=float(sync_timeout_s),
     name=name,
   )
-  return JaxBatchIterator(source, settings=settings, sharding=sharding)
+  placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+  return JaxBatchIterator(source, settings=settings, placement=placement)

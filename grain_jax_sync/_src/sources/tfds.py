@@ -12,9 +12,12 @@ Two readers:
   holds the shuffle buffer; see `from_tf_data(..., state_every=N)`).
 
 Shards are as even as possible and never drop an example: with ``n`` examples
-and ``P`` processes, process ``p`` reads ``[p*n//P, (p+1)*n//P)``. The shards
-(and so the batch counts) may differ by one example; `iter_jax_batches` with
-`paddings` (or `drop_last`) makes every host agree.
+and ``P`` input shards, shard ``p`` is ``[p*n//P, (p+1)*n//P)``. An input
+shard is a process, or with a mesh whose model axis spans processes, the
+processes that feed the same rows (`data_shard_info`): they read the same
+examples with the same seed. The shards (and so the batch counts) may differ
+by one example; `iter_jax_batches` with `paddings` (or `drop_last`) makes
+every host agree.
 
 TFDS, Grain and TensorFlow are imported only when this module is used.
 """
@@ -104,6 +107,9 @@ def tfds_pipeline(
   shuffle_buffer_size: int = 10_000,
   process_index: int | None = None,
   process_count: int | None = None,
+  mesh: Any = None,
+  data_axes: str | Sequence[str] | None = None,
+  sharding: Any = None,
 ) -> grain.IterDataset | tf.data.Dataset:
   """Builds this process's batched pipeline over a TFDS split, in one call.
 
@@ -135,8 +141,18 @@ def tfds_pipeline(
     shuffle_buffer_size: tf.data shuffle buffer for ``"tf_data"``, capped at
       this process's number of examples (TensorFlow saves every slot of it
       in each resume snapshot).
-    process_index: This process; default ``jax.process_index()``.
-    process_count: Processes; default ``jax.process_count()``.
+    process_index: The input shard this process reads; default: from the
+      mesh (see `mesh`), else ``jax.process_index()``.
+    process_count: Input shards; default: from the mesh, else
+      ``jax.process_count()``.
+    mesh: The mesh the batches will land on (as in `iter_jax_batches`): the
+      process reads input shard `data_shard_info(mesh).shard_index` of
+      `shard_count`, so processes that share rows (a model axis across
+      processes) read identical examples in the same order. Default: the
+      mesh set by `jax.set_mesh` if any, else one shard per process.
+    data_axes: With `mesh`: the axes the rows are split over.
+    sharding: Instead of `mesh`: the sharding (or PartitionSpec) the batches
+      will have.
 
   Returns:
     A `grain.IterDataset` (``"data_source"``) or `tf.data.Dataset`
@@ -161,11 +177,9 @@ def tfds_pipeline(
     raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
   if not 0 <= int(seed) < 2**32:
     raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
-  if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
+  process_index, process_count = _input_shard(
+    process_index, process_count, mesh=mesh, data_axes=data_axes, sharding=sharding
+  )
   if not 0 <= process_index < process_count:
     raise ValueError(f"`process_index` must be in [0, {process_count}), got {process_index}")
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -189,6 +203,29 @@ def tfds_pipeline(
   if reader == "data_source":
     return _grain_pipeline(tfds, req, read_options=read_options)
   return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
+
+
+def _input_shard(
+  process_index: int | None, process_count: int | None, *, mesh: Any, data_axes: Any, sharding: Any
+) -> tuple[int, int]:
+  """(index, count) of the input shard to read: explicit, from a mesh, or per process."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from grain_jax_sync._src import meshes, placement  # pylint: disable=g-import-not-at-top
+
+  by_mesh = mesh is not None or sharding is not None or data_axes is not None
+  if by_mesh and (process_index is not None or process_count is not None):
+    raise ValueError(
+      "pass `process_index`/`process_count`, or `mesh`/`data_axes`/`sharding`, not both"
+    )
+  if by_mesh or (
+    process_index is None and process_count is None and meshes.context_mesh() is not None
+  ):
+    p = placement.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+    return p.shard_index, p.shard_count
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  return process_index, process_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +268,7 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
   start, stop = shard_range(len(source), r.process_index, r.process_count)
   ds = grain.MapDataset.source(source)[start:stop]
   logger.info(
-    "grain_jax_sync: %s[%s] process %d/%d reads examples [%d, %d)",
+    "grain_jax_sync: %s[%s] input shard %d/%d reads examples [%d, %d)",
     r.name,
     r.split,
     r.process_index,
