@@ -113,6 +113,7 @@ def test_uneven_counts_without_options_raise_on_every_host(n, d):
   outs = testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8}))
   for out in outs:
     assert out["error_type"] == "ValueError"
+    assert out["error"].startswith("Uneven number of batches detected across JAX workers: ")
     assert "ran out of data at batch 1 while process 0 still has batches" in out["error"]
     assert len(out["batches"]) == 1
   assert len({o["error"] for o in outs}) == 1
@@ -154,6 +155,7 @@ def test_uneven_rows_without_paddings_raise_range(n, d):
   sizes = [[8]] + [[4]] * (n - 1)
   for out in testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8})):
     assert out["error_type"] == "ValueError"
+    assert out["error"].startswith("Uneven batch sizes detected across JAX workers at batch 0")
     assert "host batch sizes range from 4 to 8" in out["error"]
 
 
@@ -162,11 +164,18 @@ def test_rows_not_divisible_by_local_devices_raise_everywhere():
   outs = testing.values(run(scenarios.run_iter, 2, 4, [[6], [6]], {"batch_size": 8}))
   for out in outs:
     assert out["error_type"] == "ValueError"
-    assert "6 rows per host, not divisible by the 4 local devices" in out["error"]
+    assert out["error"].startswith(
+      "The local batch size (6) must be evenly divisible by the number of local JAX devices (4)"
+    )
+    assert "batch 0 has 6 rows per host, not divisible by the 4 local devices" in out["error"]
 
 
 def test_single_process_rows_not_divisible_raise():
-  with pytest.raises(ValueError, match="6 rows per host, not divisible by the 8 local devices"):
+  with pytest.raises(
+    ValueError,
+    match=r"^The local batch size \(6\) must be evenly divisible by the number of local JAX"
+    r" devices \(8\) of process 0: batch 0 has 6 rows per host",
+  ):
     list(gjs.iter_jax_batches(scenarios.make_batches(0, [6]), batch_size=8))
 
 
