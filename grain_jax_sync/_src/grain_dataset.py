@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
 
 
@@ -47,7 +48,7 @@ def _to_sharding(device: Any) -> jax.sharding.Sharding | None:
 @functools.cache
 def _classes() -> tuple[type, type]:
   """Builds the Grain subclasses on first use, so Grain loads lazily."""
-  import grain  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
 
   class SyncedDatasetIterator(grain.DatasetIterator):
     """Global `jax.Array` batches that every host agrees on.
@@ -162,8 +163,8 @@ def device_put(
     >>> it = iter(ds)
     >>> batch = next(it); state = it.get_state()
   """
-  import grain  # pylint: disable=g-import-not-at-top
-  from grain.experimental import ThreadPrefetchIterDataset  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
+  prefetch = extras.require("grain.experimental", needed_by="grain_jax_sync.device_put")
 
   if isinstance(ds, grain.MapDataset):
     ds = ds.to_iter_dataset()
@@ -200,6 +201,6 @@ def device_put(
   # Checks the arguments now rather than at the first `iter()`.
   iterator_lib.iter_jax_batches([], **kwargs).close()
   if cpu_buffer_size > 0:
-    ds = ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
+    ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = _classes()
   return synced(ds, kwargs)

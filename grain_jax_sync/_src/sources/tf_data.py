@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def _walk(spec: Any, prefix: str, out: list[tuple[str, tuple[Any, ...], Any]], p
 
 def _problem(spec: Any) -> str | None:
   """Why a leaf spec cannot become a dense numeric array, or None."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf = extras.require("tensorflow", needed_by="a tf.data source")
 
   if isinstance(spec, tf.RaggedTensorSpec):
     return "a ragged tensor"
@@ -131,7 +132,7 @@ class TfDataSource(base.SourceIterator):
   """A `tf.data.Dataset` read as NumPy batches (no resume state)."""
 
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf = extras.require("tensorflow", needed_by="a tf.data source")
 
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
@@ -157,7 +158,7 @@ def open_tf_data(source: Any, *, drop_unsupported: bool = False) -> base.SourceI
     ValueError: If the dataset has ragged, sparse or string columns (and
       `drop_unsupported` is False), naming each.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf = extras.require("tensorflow", needed_by="a tf.data source")
 
   if isinstance(source, tf.data.Dataset):
     return TfDataSource(source, drop_unsupported=drop_unsupported)
