@@ -391,3 +391,33 @@ def test_close_and_context_manager_leave_no_thread():
   assert set(threading.enumerate()) - before == set()
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
+
+
+# -- paddings without a mask ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "warnings"),
+  [
+    ({"paddings": 0}, 1),
+    ({"paddings": 0, "mask_key": None}, 0),
+    ({"paddings": 0, "mask_key": "mask"}, 0),
+    ({}, 0),
+  ],
+)
+def test_paddings_without_mask_key_warn_once_unless_none_is_passed(caplog, kwargs, warnings):
+  data = scenarios.make_batches(0, [8, 5] if kwargs else [8, 8])
+  with caplog.at_level("WARNING", logger="grain_jax_sync"):
+    with gjs.iter_jax_batches(data, batch_size=8, **kwargs) as it:
+      got = list(it)
+  assert caplog.text.count("indistinguishable from real rows") == warnings
+  assert [b["x"].shape for b in got] == [(8,), (8,)]
+
+
+def test_batch_size_none_keeps_sizes_and_is_required_with_paddings_or_drop_last():
+  data = scenarios.make_batches(0, [16, 8])
+  with gjs.iter_jax_batches(data, batch_size=None) as it:
+    assert [b["x"].shape for b in it] == [(16,), (8,)]
+  for kwargs in ({"paddings": 0}, {"drop_last": True}):
+    with pytest.raises(ValueError, match=r"`batch_size` is required with `paddings` or"):
+      gjs.iter_jax_batches(data, batch_size=None, **kwargs)
