@@ -112,3 +112,61 @@ def run_device_put_cases(n: int, batch: int, k: int) -> dict[str, Any]:
   except (ValueError, TypeError) as e:
     out["pytree_error"] = f"{type(e).__name__}: {e}"
   return out
+
+
+def run_maxtext_loop(train_n: int, eval_ns: list[int], directory: str) -> dict[str, Any]:
+  """MaxText's trainer, shaped: train, eval with reset(), checkpoint local_iterator, resume.
+
+  MaxText builds ``MultiHostDataLoadIterator(dataloader, global_mesh)``, calls
+  ``eval_data_iterator.reset()`` before every eval, and saves
+  ``data_iterator.local_iterator`` with Grain's checkpoint arguments.
+  """
+  import grain
+  import jax
+  import orbax.checkpoint as ocp
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "fsdp"))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
+
+  def train_iterator():
+    return gjs.iter_jax_batches(_grain_batches(p, train_n, 8), batch_size=8, sharding=sharding)
+
+  full_it = train_iterator()
+  full = [gather(b)["x"].tolist() for b in full_it]
+  full_it.close()
+
+  train_it = train_iterator()
+  eval_it = gjs.iter_jax_batches(
+    _grain_batches(p, eval_ns[p], 8), batch_size=8, paddings=0, mask_key="mask", sharding=sharding
+  )
+  trained, evals = [], []
+  for _ in range(2):  # Two rounds of: two train steps, then a full eval.
+    for _ in range(2):
+      trained.append(gather(next(train_it))["x"].tolist())
+    eval_it.reset()
+    evals.append([gather(b) for b in eval_it])
+  mngr = ocp.CheckpointManager(directory)
+  save = grain.checkpoint.CheckpointSave(train_it.local_iterator)
+  mngr.save(4, args=ocp.args.Composite(data=save))
+  mngr.wait_until_finished()
+  mngr.close()
+  train_it.close()
+  eval_it.close()
+
+  fresh = train_iterator()
+  mngr = ocp.CheckpointManager(directory)
+  restore = grain.checkpoint.CheckpointRestore(fresh.local_iterator)
+  mngr.restore(mngr.latest_step(), args=ocp.args.Composite(data=restore))
+  mngr.close()
+  rest = [gather(b)["x"].tolist() for b in fresh]
+  fresh.close()
+  return {
+    "full": full,
+    "trained": trained,
+    "rest": rest,
+    "eval_x": [[b["x"].tolist() for b in e] for e in evals],
+    "eval_mask": [[b["mask"].tolist() for b in e] for e in evals],
+  }

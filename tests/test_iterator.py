@@ -407,9 +407,11 @@ def test_close_and_context_manager_leave_no_thread():
 )
 def test_paddings_without_mask_key_warn_once_unless_none_is_passed(caplog, kwargs, warnings):
   data = scenarios.make_batches(0, [8, 5] if kwargs else [8, 8])
-  with caplog.at_level("WARNING", logger="grain_jax_sync"):
-    with gjs.iter_jax_batches(data, batch_size=8, **kwargs) as it:
-      got = list(it)
+  with (
+    caplog.at_level("WARNING", logger="grain_jax_sync"),
+    gjs.iter_jax_batches(data, batch_size=8, **kwargs) as it,
+  ):
+    got = list(it)
   assert caplog.text.count("indistinguishable from real rows") == warnings
   assert [b["x"].shape for b in got] == [(8,), (8,)]
 
