@@ -150,9 +150,14 @@ def test_decide_derived_full_size_is_the_same_on_every_host_and_pinned_by_the_ca
   # Process 1's short first batch is followed by another: an error naming both sizes.
   assert plans[0].end == End.RAISE and plans[0].batch_size == 8
   # A later window is judged by the pinned size, not by its own first position.
-  later = Options(batch_size=plans[0].batch_size, drop_last=True, pad=False)
+  later = plan_lib.pin(DERIVED_DROP, plans[0])
+  assert (later.batch_size, later.derived) == (8, True)
   p = plan_lib.decide([rep(0, [5], True), rep(1, [5], True)], later)
   assert [s.action for s in p.steps] == [Action.DROP]
+  assert plan_lib.pin(later, p) == later and plan_lib.pin(DROP, p) == DROP
+  # A pinned (derived) size stays a guess: a short batch that is not the last raises.
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 8, 8])], plan_lib.pin(DERIVED_PAD, plans[0]))
+  assert p.end == End.RAISE and "as `batch_size` was not given" in p.error.message
 
 
 @pytest.mark.parametrize(
@@ -239,3 +244,37 @@ def test_report_json_round_trip():
   assert Report.from_json(r.to_json()) == r
   r = rep(0, [8], more=True)
   assert Report.from_json(r.to_json()) == r and r.to_json() != rep(0, [8]).to_json()
+
+
+WAIT_DROP = Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True)
+
+
+def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], WAIT_DROP)
+  assert p.end == End.WAIT and p.waiting == (0,)
+  assert [s.action for s in p.steps] == [Action.YIELD]
+  # Once process 0 reports its end (or another batch), the position is decided.
+  p = plan_lib.decide([rep(0, [5], True), rep(1, [8], True)], WAIT_DROP, position=1)
+  assert [s.action for s in p.steps] == [Action.DROP] and p.end == End.STOP
+  p = plan_lib.decide([rep(0, [5, 8]), rep(1, [8, 8])], WAIT_DROP, position=1)
+  assert p.end == End.RAISE and "not the last batch of process 0" in p.error.message
+
+
+@pytest.mark.parametrize(
+  ("options", "waits"),
+  [
+    (Options(8, drop_last=False, pad=True, wait_for_last=True), False),  # Padded either way.
+    (Options(None, drop_last=False, pad=True, wait_for_last=True), True),
+    (Options(8, drop_last=True, pad=True, wait_for_last=True), True),
+    (Options(8, drop_last=True, pad=False), False),  # Not asked to wait: taken as last.
+  ],
+)
+def test_decide_waits_only_where_being_the_last_changes_the_outcome(options, waits):
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], options)
+  assert (p.end == End.WAIT) == waits
+  assert p.waiting == ((0,) if waits else ())
+
+
+def test_decide_raises_at_once_rather_than_waiting_when_a_short_batch_is_known_early():
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 4])], WAIT_DROP)
+  assert p.end == End.RAISE and "process 0, batch 1: 5 rows" in p.error.message

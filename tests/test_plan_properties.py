@@ -61,41 +61,45 @@ def simulate(
   fail: tuple[int, int] | None = None,
   peek: bool = False,
 ) -> Run:
-  """Plays the window protocol; `fail` = (host, batch) whose read raises."""
+  """Plays the window protocol; `fail` = (host, batch) whose read raises.
+
+  Each host holds the batches it read and that are not decided yet; after
+  `End.WAIT` they are reported again, and each waiting host reads one more.
+  """
   n = len(sizes)
   next_batch = [0] * n
   exhausted = [False] * n
-  failed = [False] * n
+  errors: list[plan_lib.ReportedError | None] = [None] * n
+  reads: list[list[int]] = [[] for _ in range(n)]  # Read, not decided yet.
+  waiting: tuple[int, ...] = ()
   position = 0
   run = Run([], [], End.CONTINUE, None)
   for window in range(1000):
-    reads: list[list[int]] = []
     reports = []
+    # Every live host reports the same positions; a waiting host needs one more.
+    want = max([lookahead] + [len(reads[h]) + (h in waiting) for h in range(n)])
     for h in range(n):
-      got: list[int] = []
-      error = None
-      while len(got) < lookahead and not exhausted[h] and not failed[h]:
+      while len(reads[h]) < want and not exhausted[h] and errors[h] is None:
         b = next_batch[h]
         if b == len(sizes[h]):
           exhausted[h] = True
           break
         if fail is not None and fail == (h, b):
-          failed[h] = True
-          error = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
+          errors[h] = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
           break
-        got.append(b)
+        reads[h].append(b)
         next_batch[h] += 1
-      reads.append(got)
+      more = next_batch[h] < len(sizes[h]) and fail != (h, next_batch[h])
       reports.append(
         Report(
           process_index=h,
-          rows=tuple(sizes[h][b] for b in got),
+          rows=tuple(sizes[h][b] for b in reads[h]),
           exhausted=exhausted[h],
-          error=error,
-          signature=SIG if (got or next_batch[h]) else None,
+          error=errors[h],
+          signature=SIG if next_batch[h] else None,
           local_devices=devices,
           config={"batch_size": options.batch_size} if window == 0 else None,
-          more=peek and got != [] and next_batch[h] < len(sizes[h]) and fail != (h, next_batch[h]),
+          more=peek and bool(reads[h]) and more,
         )
       )
     # Every host decides on its own deserialized copy of every report.
@@ -106,8 +110,7 @@ def simulate(
     ]
     assert all(p == plans[0] for p in plans), "hosts computed different plans"
     plan = plans[0]
-    if options.batch_size is None and plan.batch_size is not None:
-      options = dataclasses.replace(options, batch_size=plan.batch_size)  # Pinned.
+    options = plan_lib.pin(options, plan)
     for i, step in enumerate(plan.steps):
       per_host = [reads[h][i] if i < len(reads[h]) else None for h in range(n)]
       if step.action == Action.DROP:
@@ -128,6 +131,12 @@ def simulate(
         row.append((step.rows, b, leaf, padding.mask(real_rows, step.rows)))
       run.yields.append(row)
       position += 1
+    reads = [r[len(plan.steps) :] for r in reads]
+    waiting = plan.waiting
+    if plan.end == End.WAIT:
+      assert waiting and all(not exhausted[h] and errors[h] is None for h in waiting)
+      continue
+    assert not any(reads) or plan.end != End.CONTINUE  # Every read position decided.
     if plan.end != End.CONTINUE:
       run.end, run.error = plan.end, plan.error
       return run
@@ -199,11 +208,11 @@ def _drop_last_rule(sizes, batch_size, pad):
 
 
 @PROPERTY_SETTINGS
-@given(scenarios(), st.booleans())
-def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad):
+@given(scenarios(), st.booleans(), st.sampled_from(["peek", "wait", "both"]))
+def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad, know):
   sizes, batch_size, devices, lookahead = case
-  options = Options(batch_size=batch_size, drop_last=True, pad=pad)
-  run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=True)
+  options = Options(batch_size, drop_last=True, pad=pad, wait_for_last=know != "peek")
+  run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=know != "wait")
   kept, dropped, failing = _drop_last_rule(sizes, batch_size, pad)
   assert [row[0][1] for row in run.yields] == kept
   assert [per_host[0] for per_host in run.dropped] == dropped
@@ -252,7 +261,7 @@ def batched_sources(draw):
 @given(batched_sources(), st.sampled_from(["pad", "drop", "pad_drop"]))
 def test_without_batch_size_a_fixed_size_source_never_yields_zero_batches(case, mode):
   sizes, fixed, devices, lookahead, peek = case
-  options = Options(batch_size=None, drop_last="drop" in mode, pad="pad" in mode)
+  options = Options(None, drop_last="drop" in mode, pad="pad" in mode, wait_for_last=not peek)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=peek)
   full = max(s[0] for s in sizes)  # The largest host batch of the first position.
   assert run.end == End.STOP and run.error is None
@@ -277,7 +286,10 @@ def test_no_host_yields_more_than_the_longest_host_and_errors_are_shared(case, m
   sizes, batch_size, devices, lookahead = case
   derived = data.draw(st.booleans())
   options = Options(
-    batch_size=None if derived else batch_size, drop_last="drop" in mode, pad="pad" in mode
+    batch_size=None if derived else batch_size,
+    drop_last="drop" in mode,
+    pad="pad" in mode,
+    wait_for_last=data.draw(st.booleans()),
   )
   fail = None
   if data.draw(st.booleans()) and any(sizes):
@@ -346,3 +358,20 @@ def test_source_failure_yields_every_batch_before_it_then_raises_everywhere(case
   )
   assert len(run.yields) == k and not run.dropped
   assert [row[h][1] for row in run.yields] == list(range(k))
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.sampled_from(["pad", "drop", "pad_drop"]), st.booleans())
+def test_waiting_for_the_last_batch_decides_as_knowing_it(case, mode, derived):
+  """`wait_for_last` without `more` reaches the same outcome as `more` everywhere."""
+  sizes, batch_size, devices, lookahead = case
+  base = Options(None if derived else batch_size, drop_last="drop" in mode, pad="pad" in mode)
+  waited = simulate(
+    sizes, dataclasses.replace(base, wait_for_last=True), lookahead=lookahead, devices=devices
+  )
+  known = simulate(sizes, base, lookahead=lookahead, devices=devices, peek=True)
+  assert (waited.end, waited.error) == (known.end, known.error)
+  assert [[b for _, b, _, _ in row] for row in waited.yields] == [
+    [b for _, b, _, _ in row] for row in known.yields
+  ]
+  assert waited.dropped == known.dropped

@@ -128,6 +128,10 @@ class End(enum.StrEnum):
   CONTINUE = "continue"  # Read another window.
   STOP = "stop"  # The stream is over on every host.
   RAISE = "raise"  # Every host raises `Plan.error` after the steps.
+  # The next position holds a short batch that may or may not be its host's
+  # last (`Options.wait_for_last`): decide again from there once every process
+  # in `Plan.waiting` has reported one more batch or its end.
+  WAIT = "wait"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +145,15 @@ class Plan:
     batch_size: The full batch size the steps were judged by: the one given,
       or the one derived from the first position when `Options.batch_size` is
       None (None if no position was reached).
+    waiting: With `End.WAIT`, the processes whose next batch (or end) is
+      needed to decide the position after the steps.
   """
 
   steps: tuple[Step, ...]
   end: End
   error: ReportedError | None = None
   batch_size: int | None = None
+  waiting: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +166,31 @@ class Options:
       position decided (see `decide`).
     drop_last: Stop when a host runs out; drop a short last batch.
     pad: Pad short batches and fill missing ones with dummy batches.
+    wait_for_last: Where the outcome of a short batch depends on whether it
+      is its host's last and the reports do not say (it ends its host's
+      report, which is not marked `exhausted`, `error` or `more`), end the
+      plan with `End.WAIT` instead of taking it as the last.
+    derived: `batch_size` was derived from the first position (set by `pin`);
+      a derived size is a guess, so a short batch that is not its host's last
+      raises even with `pad`.
   """
 
   batch_size: int | None
   drop_last: bool
   pad: bool
+  wait_for_last: bool = False
+  derived: bool = False
+
+
+def pin(options: Options, plan: Plan) -> Options:
+  """The options for the next `decide` call: the derived batch size pinned.
+
+  Call it after every `decide` (and save the pinned size with the resume
+  state), so that later positions are judged by the first position's size.
+  """
+  if options.batch_size is None and plan.batch_size is not None:
+    return dataclasses.replace(options, batch_size=plan.batch_size, derived=True)
+  return options
 
 
 def _value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
@@ -243,10 +270,39 @@ def _is_last(report: Report, i: int) -> bool:
   return i == len(report.rows) - 1 and not report.more
 
 
+def _unknown_if_last(report: Report, i: int) -> bool:
+  """Whether the report does not say if `report.rows[i]` is its host's last."""
+  ended = report.exhausted or report.error is not None
+  return _is_last(report, i) and not ended
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wait:
+  processes: tuple[int, ...]
+
+
 def _full_name(derived: bool) -> str:
   if derived:
     return "the largest host batch of the first batch, as `batch_size` was not given"
   return "`batch_size`"
+
+
+def _short_error(
+  p: int, rows: int, full: int, derived: bool, index: int, sizes: str, uneven: bool
+) -> ReportedError:
+  """A short batch that is not its host's last, where it cannot be padded."""
+  prefix = f"{UNEVEN_SIZES}: " if uneven else ""
+  fix = (
+    "Pass `batch_size` (with `paddings`, short batches are then padded)"
+    if derived
+    else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
+  )
+  return _value_error(
+    f"{prefix}process {p}, batch {index}: {rows} rows, fewer than the full"
+    f" batch size {full} ({_full_name(derived)}), and it is not the last"
+    f" batch of process {p}; only a host's last batch may be short ({sizes})."
+    f" {fix}, or batch the source so that only its last batch is short"
+  )
 
 
 def _size_step(
@@ -257,7 +313,7 @@ def _size_step(
   full: int,
   derived: bool,
   index: int,
-) -> Step | ReportedError:
+) -> Step | ReportedError | _Wait:
   """The size rules for position `i`: yield (padded, passed through), drop or error.
 
   A batch of `full` rows is full. With `paddings` or `drop_last`, a batch larger
@@ -294,21 +350,15 @@ def _size_step(
     )
   short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < full]
   early = [(r, x) for r, x in short if not _is_last(r, i)]
-  if early and (derived or not options.pad):
+  unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
+  matters = options.drop_last or derived  # Else padded, last or not.
+  refused = early and (derived or not options.pad)
+  if unknown and matters and options.wait_for_last and not refused:
+    return _Wait(unknown)
+  if refused:
     r, x = early[0]
-    prefix = f"{UNEVEN_SIZES}: " if min(real) != max(real) else ""
-    fix = (
-      "Pass `batch_size` (with `paddings`, short batches are then padded)"
-      if derived
-      else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
-    )
-    return _value_error(
-      f"{prefix}process {r.process_index}, batch {index}: {x} rows, fewer"
-      f" than the full batch size {full} ({_full_name(derived)}), and it is"
-      f" not the last batch of process {r.process_index}; only a host's last"
-      f" batch may be short ({_sizes(reports, rows, has)}). {fix}, or batch"
-      " the source so that only its last batch is short"
-    )
+    sizes = _sizes(reports, rows, has)
+    return _short_error(r.process_index, x, full, derived, index, sizes, min(real) != max(real))
   if short and options.drop_last and not early:
     return Step(Action.DROP, 0, tuple(rows))
   return Step(Action.YIELD, full, tuple(rows))
@@ -336,7 +386,7 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
     options: The shared settings. With ``options.batch_size=None`` the full
       batch size is the largest host batch of the window's first position
       (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes it as `batch_size` from then on.
+      passes ``pin(options, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
 
   Returns:
@@ -347,7 +397,7 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
     return Plan((), End.RAISE, error)
 
   full = options.batch_size
-  derived = full is None
+  derived = full is None or options.derived
   window = max((len(r.rows) for r in reports), default=0)
   steps: list[Step] = []
 
@@ -373,6 +423,8 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
     step = _size_step(reports, i, options, full=full, derived=derived, index=index)
     if isinstance(step, ReportedError):
       return plan(End.RAISE, step)
+    if isinstance(step, _Wait):
+      return dataclasses.replace(plan(End.WAIT), waiting=step.processes)
     if step.action == Action.YIELD:
       error = _divisibility_error(reports, step.rows, index)
       if error is not None:
