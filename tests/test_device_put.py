@@ -264,3 +264,12 @@ def test_device_put_two_processes_grain_checkpoint_and_unbatched_elements():
   assert outs[0]["unbatched"]["error"] == outs[1]["unbatched"]["error"]
   full = outs[0]["full"]
   assert full[0] == [*range(8), *range(1000, 1008)]
+
+
+@pytest.mark.xfail(strict=True, reason="needs the new iterator")
+def test_device_put_without_batch_size_pads_to_the_first_batch():
+  ds = gjs.device_put(_batches(36).to_iter_dataset(), paddings=-1, mask_key="m")
+  got = list(iter(ds))
+  assert [b["x"].shape for b in got] == [(8,)] * 5
+  assert np.asarray(got[4]["x"]).tolist() == [32, 33, 34, 35, -1, -1, -1, -1]
+  assert np.asarray(got[4]["m"]).tolist() == [True] * 4 + [False] * 4

@@ -423,3 +423,47 @@ def test_batch_size_none_keeps_sizes_and_is_required_with_paddings_or_drop_last(
   for kwargs in ({"paddings": 0}, {"drop_last": True}):
     with pytest.raises(ValueError, match=r"`batch_size` is required with `paddings` or"):
       gjs.iter_jax_batches(data, batch_size=None, **kwargs)
+
+
+# -- with the new iterator: the full batch size derived, exact "last batch" -------------
+
+NEEDS_NEW_ITERATOR = pytest.mark.xfail(strict=True, reason="needs the new iterator")
+
+
+@NEEDS_NEW_ITERATOR
+def test_without_batch_size_paddings_pad_to_the_first_batch_and_resume_keeps_it():
+  data = scenarios.make_batches(0, [24, 24, 16])
+  kwargs = {"paddings": -1, "mask_key": "mask"}
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    got = list(it)
+  assert [b["x"].shape for b in got] == [(24,)] * 3
+  np.testing.assert_array_equal(np.asarray(got[2]["mask"]), np.arange(24) < 16)
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    next(it)
+    next(it)
+    state = it.get_state()
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    it.set_state(state)  # Resumed before the short batch: still judged by 24.
+    rest = list(it)
+  assert [b["x"].shape for b in rest] == [(24,)]
+  np.testing.assert_array_equal(np.asarray(rest[0]["mask"]), np.arange(24) < 16)
+
+
+@NEEDS_NEW_ITERATOR
+def test_without_batch_size_drop_last_drops_only_the_short_last_batch():
+  data = scenarios.make_batches(0, [24, 24, 16])
+  with gjs.iter_jax_batches(data, drop_last=True) as it:
+    assert [b["x"].shape for b in it] == [(24,), (24,)]
+
+
+@NEEDS_NEW_ITERATOR
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_drop_last_short_batch_that_is_not_the_last_raises_naming_both_sizes(prefetch):
+  data = scenarios.make_batches(0, [24, 16, 24])
+  with (
+    pytest.raises(
+      ValueError, match=r"process 0, batch 1: 16 rows, fewer than the full batch size 24"
+    ),
+    gjs.iter_jax_batches(data, batch_size=24, drop_last=True, prefetch_batches=prefetch) as it,
+  ):
+    list(it)
