@@ -231,7 +231,10 @@ def test_settings_disagreement_raises_on_every_host_before_any_batch(n, d, label
 def test_one_empty_shard_without_options_raises_on_every_host(n, d):
   outs = _case(n, d, "one_empty_plain")
   _assert_same_error_everywhere(
-    outs, "ValueError", f"uneven number of batches: process {n - 1} ran out of data at batch 0"
+    outs,
+    "ValueError",
+    f"Uneven number of batches detected across JAX workers: process {n - 1} ran out of data"
+    " at batch 0",
   )
 
 

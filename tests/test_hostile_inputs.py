@@ -43,9 +43,14 @@ INVALID = {
 # Errors that concern the whole batch rather than a column.
 BATCH_LEVEL = {
   "too_big_padded": [
-    "process 1, output batch 1: 16 rows, more than `batch_size`=8; expected at most `batch_size`"
+    "Uneven batch sizes detected across JAX workers at batch 1: process 1 has 16 rows, more"
+    " than the full batch size 8 (`batch_size`)",
+    "(process 0: 8, process 1: 16)",
   ],
-  "too_big": ["uneven batch sizes at batch 1", "(process 0: 8, process 1: 16)"],
+  "too_big": [
+    "Uneven batch sizes detected across JAX workers at batch 1: host batch sizes range",
+    "(process 0: 8, process 1: 16)",
+  ],
 }
 VALID_ONE_BATCH = ["non_contiguous", "negative_stride", "read_only", "big_endian", "fortran"]
 VALID_EVERY_HOST = sorted(scenarios_faults.EVERY_HOST_KINDS)

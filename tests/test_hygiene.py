@@ -55,7 +55,9 @@ def test_hygiene_cases_ended_as_intended():
   outs = _hygiene()
   for out in outs:
     assert out["drained_n"] == 12
-    assert out["error_message"].startswith("uneven number of batches: process 0 ran out")
+    assert out["error_message"].startswith(
+      "Uneven number of batches detected across JAX workers: process 0 ran out"
+    )
   assert [out["source_error_type"] for out in outs] == ["OSError", "RuntimeError"]
 
 

@@ -19,6 +19,7 @@ def rep(p, rows, exhausted=False, **kw):
 PAD = Options(batch_size=8, drop_last=False, pad=True)
 DROP = Options(batch_size=8, drop_last=True, pad=False)
 STRICT = Options(batch_size=8, drop_last=False, pad=False)
+PAD_DROP = Options(batch_size=8, drop_last=True, pad=True)
 
 
 def test_decide_full_windows_continue_yield_all():
@@ -50,14 +51,16 @@ def test_decide_uneven_counts_by_option(options, end, steps):
   assert [(s.action, s.rows, s.real_rows) for s in p.steps] == steps
   if end == End.RAISE:
     assert p.error.kind == ErrorKind.VALUE
-    assert (
-      "process 1 ran out of data at batch 1 while process 0 still has batches" in p.error.message
+    assert p.error.message.startswith(
+      "Uneven number of batches detected across JAX workers: process 1 ran out of data at"
+      " batch 1 while process 0 still has batches"
     )
 
 
 def test_decide_uneven_rows_strict_raises_with_range():
   p = plan_lib.decide([rep(0, [8]), rep(1, [4])], STRICT)
   assert p.end == End.RAISE
+  assert p.error.message.startswith("Uneven batch sizes detected across JAX workers at batch 0")
   assert "range from 4 to 8" in p.error.message and "process 1: 4" in p.error.message
 
 
@@ -67,26 +70,140 @@ def test_decide_uneven_rows_padded_to_batch_size():
   assert p.end == End.STOP
 
 
-def test_decide_drop_last_drops_short_position_everywhere():
+def test_decide_drop_last_drops_short_last_batch_everywhere():
   p = plan_lib.decide([rep(0, [8, 5], True), rep(1, [8, 8], True)], DROP)
   assert [s.action for s in p.steps] == [Action.YIELD, Action.DROP]
   assert p.end == End.STOP
 
 
-def test_decide_rows_above_batch_size_raise_when_padding():
-  p = plan_lib.decide([rep(0, [9]), rep(1, [8])], PAD)
-  assert (
-    p.end == End.RAISE
-    and "process 0, output batch 0: 9 rows, more than `batch_size`=8" in p.error.message
+@pytest.mark.parametrize("options", [PAD, DROP, PAD_DROP])
+def test_decide_larger_batches_on_every_host_pass_through(options):
+  p = plan_lib.decide([rep(0, [12, 8], True), rep(1, [12, 8], True)], options)
+  assert [(s.action, s.rows, s.real_rows) for s in p.steps] == [
+    (Action.YIELD, 12, (12, 12)),
+    (Action.YIELD, 8, (8, 8)),
+  ]
+  assert p.end == End.STOP
+
+
+@pytest.mark.parametrize("options", [PAD, DROP, PAD_DROP])
+def test_decide_larger_batch_on_one_host_raises_naming_both_sizes(options):
+  p = plan_lib.decide([rep(0, [9]), rep(1, [8])], options)
+  assert p.end == End.RAISE and p.error.kind == ErrorKind.VALUE
+  assert p.error.message.startswith(
+    "Uneven batch sizes detected across JAX workers at batch 0: process 0 has 9 rows, more"
+    " than the full batch size 8 (`batch_size`)"
   )
+  assert "(process 0: 9, process 1: 8)" in p.error.message
+
+
+def test_decide_larger_batch_with_a_dummy_batch_raises():
+  p = plan_lib.decide([rep(0, [8, 9], True), rep(1, [8], True)], PAD)
+  assert len(p.steps) == 1 and p.end == End.RAISE
+  assert "process 0 has 9 rows" in p.error.message and "process 1: none" in p.error.message
 
 
 def test_decide_not_divisible_by_local_devices_raises():
   p = plan_lib.decide([rep(0, [6], d=4), rep(1, [6], d=4)], STRICT)
-  assert (
-    p.end == End.RAISE
-    and "6 rows per host, not divisible by the 4 local devices" in p.error.message
+  assert p.end == End.RAISE
+  assert p.error.message.startswith(
+    "The local batch size (6) must be evenly divisible by the number of local JAX devices"
+    " (4) of process 0: batch 0 has 6 rows per host"
   )
+
+
+def test_decide_passed_through_batch_checked_for_divisibility():
+  p = plan_lib.decide([rep(0, [10], d=4), rep(1, [10], d=4)], PAD)
+  assert p.end == End.RAISE and "The local batch size (10) must be evenly" in p.error.message
+
+
+# -- the full batch size ---------------------------------------------------------------
+
+DERIVED_DROP = Options(batch_size=None, drop_last=True, pad=False)
+DERIVED_PAD = Options(batch_size=None, drop_last=False, pad=True)
+
+
+@pytest.mark.parametrize("options", [DERIVED_DROP, DERIVED_PAD, Options(None, False, False)])
+def test_decide_without_batch_size_yields_equal_batches_of_any_size(options):
+  p = plan_lib.decide([rep(0, [3, 3, 3], True), rep(1, [3, 3, 3], True)], options)
+  assert [(s.action, s.rows) for s in p.steps] == [(Action.YIELD, 3)] * 3
+  assert p.end == End.STOP and p.batch_size == 3
+
+
+def test_decide_derives_full_size_from_largest_host_batch_of_first_position():
+  # Process 0's first batch (4 rows) is short against process 1's 6 and not its last.
+  p = plan_lib.decide([rep(0, [4, 6, 6, 2], True), rep(1, [6, 6, 6], True)], DERIVED_PAD)
+  assert p.end == End.RAISE and p.batch_size == 6 and "4 rows, fewer than" in p.error.message
+  p = plan_lib.decide([rep(0, [6, 6, 2], True), rep(1, [6, 6, 6], True)], DERIVED_PAD)
+  assert p.batch_size == 6
+  assert [(s.rows, s.real_rows) for s in p.steps] == [(6, (6, 6)), (6, (6, 6)), (6, (2, 6))]
+  p = plan_lib.decide([rep(0, [6, 6, 2], True), rep(1, [6, 6, 6], True)], DERIVED_DROP)
+  assert [s.action for s in p.steps] == [Action.YIELD, Action.YIELD, Action.DROP]
+
+
+def test_decide_derived_full_size_is_the_same_on_every_host_and_pinned_by_the_caller():
+  wire = [rep(0, [8, 8]).to_json(), rep(1, [5, 8]).to_json()]
+  plans = [
+    plan_lib.decide([Report.from_json(w) for w in wire], DERIVED_PAD, position=0) for _ in range(2)
+  ]
+  assert plans[0] == plans[1]
+  # Process 1's short first batch is followed by another: an error naming both sizes.
+  assert plans[0].end == End.RAISE and plans[0].batch_size == 8
+  # A later window is judged by the pinned size, not by its own first position.
+  later = plan_lib.pin(DERIVED_DROP, plans[0])
+  assert (later.batch_size, later.derived) == (8, True)
+  p = plan_lib.decide([rep(0, [5], True), rep(1, [5], True)], later)
+  assert [s.action for s in p.steps] == [Action.DROP]
+  assert plan_lib.pin(later, p) == later and plan_lib.pin(DROP, p) == DROP
+  # A pinned (derived) size stays a guess: a short batch that is not the last raises.
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 8, 8])], plan_lib.pin(DERIVED_PAD, plans[0]))
+  assert p.end == End.RAISE and "as `batch_size` was not given" in p.error.message
+
+
+@pytest.mark.parametrize(
+  ("options", "how"),
+  [
+    (DROP, "(`batch_size`)"),
+    (Options(None, drop_last=True, pad=True), "as `batch_size` was not given"),
+    (DERIVED_PAD, "as `batch_size` was not given"),
+  ],
+)
+def test_decide_short_batch_that_is_not_the_last_raises_naming_both_sizes(options, how):
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 8, 8])], options)
+  assert [s.rows for s in p.steps] == [8] and p.end == End.RAISE
+  msg = p.error.message
+  assert msg.startswith(
+    "Uneven batch sizes detected across JAX workers: process 0, batch 1: 5 rows, fewer than"
+    " the full batch size 8"
+  )
+  assert how in msg and "not the last batch of process 0" in msg
+
+
+def test_decide_short_batch_on_every_host_that_is_not_the_last_raises_without_prefix():
+  p = plan_lib.decide([rep(0, [4, 8], True), rep(1, [4, 8], True)], DROP)
+  assert p.end == End.RAISE and p.error.message.startswith("process 0, batch 0: 4 rows, fewer")
+
+
+@pytest.mark.parametrize("options", [PAD, PAD_DROP])
+def test_decide_short_batch_with_given_batch_size_and_paddings_is_padded_anywhere(options):
+  p = plan_lib.decide([rep(0, [8, 5, 8, 3], True), rep(1, [8, 8, 8], True)], options)
+  want = [(Action.YIELD, 8, (8, 8)), (Action.YIELD, 8, (5, 8)), (Action.YIELD, 8, (8, 8))]
+  if options.drop_last:  # Stops where process 1 ran out.
+    assert [(s.action, s.rows, s.real_rows) for s in p.steps] == want
+  else:
+    assert [(s.action, s.rows, s.real_rows) for s in p.steps] == [
+      *want,
+      (Action.YIELD, 8, (3, 0)),
+    ]
+  assert p.end == End.STOP
+
+
+def test_decide_short_last_of_report_is_not_the_last_batch_when_more_follow():
+  reports = [rep(0, [8, 5], more=True), rep(1, [8, 8])]
+  p = plan_lib.decide(reports, DROP)
+  assert p.end == End.RAISE and "not the last batch of process 0" in p.error.message
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], DROP)  # Not known: taken as last.
+  assert [s.action for s in p.steps] == [Action.YIELD, Action.DROP] and p.end == End.CONTINUE
 
 
 def test_decide_single_process_short_final_batch_drop_last():
@@ -125,3 +242,39 @@ def test_report_json_round_trip():
   err = plan_lib.ReportedError(ErrorKind.VALUE, "bad", 1, 3, "ValueError")
   r = rep(1, [8, 4], True, error=err, config={"a": 1}, d=4)
   assert Report.from_json(r.to_json()) == r
+  r = rep(0, [8], more=True)
+  assert Report.from_json(r.to_json()) == r and r.to_json() != rep(0, [8]).to_json()
+
+
+WAIT_DROP = Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True)
+
+
+def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], WAIT_DROP)
+  assert p.end == End.WAIT and p.waiting == (0,)
+  assert [s.action for s in p.steps] == [Action.YIELD]
+  # Once process 0 reports its end (or another batch), the position is decided.
+  p = plan_lib.decide([rep(0, [5], True), rep(1, [8], True)], WAIT_DROP, position=1)
+  assert [s.action for s in p.steps] == [Action.DROP] and p.end == End.STOP
+  p = plan_lib.decide([rep(0, [5, 8]), rep(1, [8, 8])], WAIT_DROP, position=1)
+  assert p.end == End.RAISE and "not the last batch of process 0" in p.error.message
+
+
+@pytest.mark.parametrize(
+  ("options", "waits"),
+  [
+    (Options(8, drop_last=False, pad=True, wait_for_last=True), False),  # Padded either way.
+    (Options(None, drop_last=False, pad=True, wait_for_last=True), True),
+    (Options(8, drop_last=True, pad=True, wait_for_last=True), True),
+    (Options(8, drop_last=True, pad=False), False),  # Not asked to wait: taken as last.
+  ],
+)
+def test_decide_waits_only_where_being_the_last_changes_the_outcome(options, waits):
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], options)
+  assert (p.end == End.WAIT) == waits
+  assert p.waiting == ((0,) if waits else ())
+
+
+def test_decide_raises_at_once_rather_than_waiting_when_a_short_batch_is_known_early():
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 4])], WAIT_DROP)
+  assert p.end == End.RAISE and "process 0, batch 1: 5 rows" in p.error.message

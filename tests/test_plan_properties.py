@@ -8,7 +8,9 @@ on its row of the plan, building the padded leaf and the mask with the real
 every host; with padding and a mask every real row appears exactly once and
 every padded row is masked; with `drop_last` no padded row appears and exactly
 the documented batches are dropped; no host ever yields more batches than the
-longest host has.
+longest host has. With `Options.batch_size=None` the simulated producer pins
+the full size the first plan derived, as the iterator does; with `peek` every
+host also reports whether it holds another batch (`Report.more`).
 """
 
 from __future__ import annotations
@@ -57,41 +59,47 @@ def simulate(
   lookahead: int,
   devices: int = 1,
   fail: tuple[int, int] | None = None,
+  peek: bool = False,
 ) -> Run:
-  """Plays the window protocol; `fail` = (host, batch) whose read raises."""
+  """Plays the window protocol; `fail` = (host, batch) whose read raises.
+
+  Each host holds the batches it read and that are not decided yet; after
+  `End.WAIT` they are reported again, and each waiting host reads one more.
+  """
   n = len(sizes)
   next_batch = [0] * n
   exhausted = [False] * n
-  failed = [False] * n
+  errors: list[plan_lib.ReportedError | None] = [None] * n
+  reads: list[list[int]] = [[] for _ in range(n)]  # Read, not decided yet.
+  waiting: tuple[int, ...] = ()
   position = 0
   run = Run([], [], End.CONTINUE, None)
   for window in range(1000):
-    reads: list[list[int]] = []
     reports = []
+    # Every live host reports the same positions; a waiting host needs one more.
+    want = max([lookahead] + [len(reads[h]) + (h in waiting) for h in range(n)])
     for h in range(n):
-      got: list[int] = []
-      error = None
-      while len(got) < lookahead and not exhausted[h] and not failed[h]:
+      while len(reads[h]) < want and not exhausted[h] and errors[h] is None:
         b = next_batch[h]
         if b == len(sizes[h]):
           exhausted[h] = True
           break
         if fail is not None and fail == (h, b):
-          failed[h] = True
-          error = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
+          errors[h] = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
           break
-        got.append(b)
+        reads[h].append(b)
         next_batch[h] += 1
-      reads.append(got)
+      more = next_batch[h] < len(sizes[h]) and fail != (h, next_batch[h])
       reports.append(
         Report(
           process_index=h,
-          rows=tuple(sizes[h][b] for b in got),
+          rows=tuple(sizes[h][b] for b in reads[h]),
           exhausted=exhausted[h],
-          error=error,
-          signature=SIG if (got or next_batch[h]) else None,
+          error=errors[h],
+          signature=SIG if next_batch[h] else None,
           local_devices=devices,
           config={"batch_size": options.batch_size} if window == 0 else None,
+          more=peek and bool(reads[h]) and more,
         )
       )
     # Every host decides on its own deserialized copy of every report.
@@ -102,6 +110,7 @@ def simulate(
     ]
     assert all(p == plans[0] for p in plans), "hosts computed different plans"
     plan = plans[0]
+    options = plan_lib.pin(options, plan)
     for i, step in enumerate(plan.steps):
       per_host = [reads[h][i] if i < len(reads[h]) else None for h in range(n)]
       if step.action == Action.DROP:
@@ -122,6 +131,12 @@ def simulate(
         row.append((step.rows, b, leaf, padding.mask(real_rows, step.rows)))
       run.yields.append(row)
       position += 1
+    reads = [r[len(plan.steps) :] for r in reads]
+    waiting = plan.waiting
+    if plan.end == End.WAIT:
+      assert waiting and all(not exhausted[h] and errors[h] is None for h in waiting)
+      continue
+    assert not any(reads) or plan.end != End.CONTINUE  # Every read position decided.
     if plan.end != End.CONTINUE:
       run.end, run.error = plan.end, plan.error
       return run
@@ -171,24 +186,94 @@ def test_padding_with_mask_every_real_row_once_every_padded_row_masked(case):
     assert order == list(range(len(sizes[h])))
 
 
+def _drop_last_rule(sizes, batch_size, pad):
+  """The documented drop_last outcome: (kept, dropped) positions and the failing one.
+
+  Stop when any host runs out; a position whose short batches are all their
+  hosts' last is dropped; a short batch that is not its host's last is padded
+  with `paddings` (a given `batch_size`) and an error otherwise.
+  """
+  kept, dropped = [], []
+  for k in range(min((len(s) for s in sizes), default=0)):
+    short = [h for h, s in enumerate(sizes) if s[k] < batch_size]
+    if not short:
+      kept.append(k)
+    elif all(k == len(sizes[h]) - 1 for h in short):
+      dropped.append(k)
+    elif pad:
+      kept.append(k)
+    else:
+      return kept, dropped, k
+  return kept, dropped, None
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.booleans(), st.sampled_from(["peek", "wait", "both"]))
+def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad, know):
+  sizes, batch_size, devices, lookahead = case
+  options = Options(batch_size, drop_last=True, pad=pad, wait_for_last=know != "peek")
+  run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=know != "wait")
+  kept, dropped, failing = _drop_last_rule(sizes, batch_size, pad)
+  assert [row[0][1] for row in run.yields] == kept
+  assert [per_host[0] for per_host in run.dropped] == dropped
+  if failing is None:
+    assert run.end == End.STOP and run.error is None
+  else:
+    assert run.end == End.RAISE and run.error.kind == ErrorKind.VALUE
+    assert f"batch {len(kept)}: " in run.error.message
+    assert f"fewer than the full batch size {batch_size}" in run.error.message
+  for row in run.yields:
+    for h, (target, b, leaf, mask) in enumerate(row):
+      assert target == batch_size
+      n = sizes[h][b]
+      np.testing.assert_array_equal(leaf[:n], row_ids(h, b, n))
+      assert mask.sum() == n  # Padded rows (only with `paddings`) are masked.
+
+
 @PROPERTY_SETTINGS
 @given(scenarios(), st.booleans())
-def test_drop_last_yields_no_padded_row_and_drops_exactly_the_documented_batches(case, pad):
+def test_drop_last_without_peek_never_pads_without_paddings(case, pad):
   sizes, batch_size, devices, lookahead = case
   options = Options(batch_size=batch_size, drop_last=True, pad=pad)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices)
-  assert run.end == End.STOP and run.error is None
-  # The documented rule: stop when any host runs out; drop a position where
-  # any host's batch is shorter than `batch_size`.
-  shortest = min((len(s) for s in sizes), default=0)
-  kept = [k for k in range(shortest) if all(s[k] == batch_size for s in sizes)]
-  assert [row[0][1] for row in run.yields] == kept
+  # Without `more` a short batch at the end of a report counts as last: it may
+  # be dropped instead of raising, but is never yielded with padding it was not
+  # given, and the stream still stops at the shortest host.
+  assert len(run.yields) + len(run.dropped) <= min((len(s) for s in sizes), default=0)
   for row in run.yields:
-    for h, (target, b, leaf, mask) in enumerate(row):
-      assert target == batch_size and mask.all()  # No padded row.
-      np.testing.assert_array_equal(leaf, row_ids(h, b, batch_size))
-  dropped_positions = [per_host[0] for per_host in run.dropped]
-  assert dropped_positions == [k for k in range(shortest) if k not in kept][: len(run.dropped)]
+    assert {target for target, *_ in row} == {batch_size}
+    assert pad or all(mask.all() for *_, mask in row)
+
+
+@st.composite
+def batched_sources(draw):
+  """Per-host record counts batched by one fixed size: only last batches are short."""
+  devices = draw(st.sampled_from([1, 2]))
+  fixed = devices * draw(st.integers(1, 4))
+  n = draw(st.integers(1, 4))
+  # Record counts divisible by the devices, so that every batch size is.
+  counts = [devices * c for c in draw(st.lists(st.integers(1, 10), min_size=n, max_size=n))]
+  sizes = [[fixed] * (c // fixed) + ([c % fixed] if c % fixed else []) for c in counts]
+  return sizes, fixed, devices, draw(st.integers(1, 4)), draw(st.booleans())
+
+
+@PROPERTY_SETTINGS
+@given(batched_sources(), st.sampled_from(["pad", "drop", "pad_drop"]))
+def test_without_batch_size_a_fixed_size_source_never_yields_zero_batches(case, mode):
+  sizes, fixed, devices, lookahead, peek = case
+  options = Options(None, drop_last="drop" in mode, pad="pad" in mode, wait_for_last=not peek)
+  run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=peek)
+  full = max(s[0] for s in sizes)  # The largest host batch of the first position.
+  assert run.end == End.STOP and run.error is None
+  assert {target for row in run.yields for target, *_ in row} <= {full}
+  if options.drop_last:
+    shortest = min(len(s) for s in sizes)
+    want = [k for k in range(shortest) if all(s[k] == full for s in sizes)]
+    assert [row[0][1] for row in run.yields] == want
+    assert run.yields or any(s[0] < full for s in sizes)
+  else:
+    seen = [int(v) for row in run.yields for _, _, leaf, mask in row for v in leaf[mask]]
+    assert sorted(seen) == _all_real_rows(sizes)
 
 
 @PROPERTY_SETTINGS
@@ -199,12 +284,19 @@ def test_drop_last_yields_no_padded_row_and_drops_exactly_the_documented_batches
 )
 def test_no_host_yields_more_than_the_longest_host_and_errors_are_shared(case, mode, data):
   sizes, batch_size, devices, lookahead = case
-  options = Options(batch_size=batch_size, drop_last="drop" in mode, pad="pad" in mode)
+  derived = data.draw(st.booleans())
+  options = Options(
+    batch_size=None if derived else batch_size,
+    drop_last="drop" in mode,
+    pad="pad" in mode,
+    wait_for_last=data.draw(st.booleans()),
+  )
   fail = None
   if data.draw(st.booleans()) and any(sizes):
     h = data.draw(st.sampled_from([h for h, s in enumerate(sizes) if s]))
     fail = (h, data.draw(st.integers(0, len(sizes[h]) - 1)))
-  run = simulate(sizes, options, lookahead=lookahead, devices=devices, fail=fail)
+  peek = data.draw(st.booleans())
+  run = simulate(sizes, options, lookahead=lookahead, devices=devices, fail=fail, peek=peek)
   longest = max((len(s) for s in sizes), default=0)
   assert len(run.yields) + len(run.dropped) <= longest
   for row in run.yields:
@@ -239,7 +331,12 @@ def test_strict_mode_yields_only_equal_batches_or_raises_value_error(case):
       assert all(mask.all() for *_, mask in row)
   else:
     assert run.end == End.RAISE and run.error.kind == ErrorKind.VALUE
-    assert run.error.message.startswith(("uneven number of batches", "uneven batch sizes"))
+    assert run.error.message.startswith(
+      (
+        "Uneven number of batches detected across JAX workers",
+        "Uneven batch sizes detected across JAX workers",
+      )
+    )
 
 
 @PROPERTY_SETTINGS
@@ -261,3 +358,20 @@ def test_source_failure_yields_every_batch_before_it_then_raises_everywhere(case
   )
   assert len(run.yields) == k and not run.dropped
   assert [row[h][1] for row in run.yields] == list(range(k))
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.sampled_from(["pad", "drop", "pad_drop"]), st.booleans())
+def test_waiting_for_the_last_batch_decides_as_knowing_it(case, mode, derived):
+  """`wait_for_last` without `more` reaches the same outcome as `more` everywhere."""
+  sizes, batch_size, devices, lookahead = case
+  base = Options(None if derived else batch_size, drop_last="drop" in mode, pad="pad" in mode)
+  waited = simulate(
+    sizes, dataclasses.replace(base, wait_for_last=True), lookahead=lookahead, devices=devices
+  )
+  known = simulate(sizes, base, lookahead=lookahead, devices=devices, peek=True)
+  assert (waited.end, waited.error) == (known.end, known.error)
+  assert [[b for _, b, _, _ in row] for row in waited.yields] == [
+    [b for _, b, _, _ in row] for row in known.yields
+  ]
+  assert waited.dropped == known.dropped

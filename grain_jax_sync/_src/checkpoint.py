@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
   import grain
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 
@@ -48,7 +49,7 @@ class _GrainStateAdapter:
 
 
 def _item(iterator: Any) -> Any:
-  import grain  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="grain_jax_sync checkpointing (Orbax)", extra="orbax")
 
   if isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator)):
     return iterator
@@ -64,17 +65,20 @@ def _item(iterator: Any) -> Any:
 
 
 def _grain_args() -> tuple[type, type]:
-  try:
-    from grain.checkpoint import (  # pylint: disable=g-import-not-at-top
-      CheckpointRestore,
-      CheckpointSave,
+  ckpt = extras.require(
+    "grain.checkpoint", needed_by="grain_jax_sync checkpointing (Orbax)", extra="orbax"
+  )
+  save = getattr(ckpt, "CheckpointSave", None)
+  restore = getattr(ckpt, "CheckpointRestore", None)
+  if save is None or restore is None:
+    # Grain defines them only when orbax-checkpoint imports.
+    raise ImportError(
+      "grain_jax_sync checkpointing (Orbax) needs the optional dependency"
+      " 'orbax' (grain.checkpoint has no CheckpointSave without it). Install"
+      f" it with: {extras.install_command('orbax')}",
+      name="orbax",
     )
-  except ImportError as e:
-    raise RuntimeError(
-      "saving an iterator with Orbax needs grain and orbax-checkpoint:"
-      " pip install 'grain_jax_sync[orbax]'"
-    ) from e
-  return CheckpointSave, CheckpointRestore
+  return save, restore
 
 
 def checkpoint_save(iterator: Any) -> grain.checkpoint.CheckpointSave:
@@ -91,7 +95,7 @@ def checkpoint_save(iterator: Any) -> grain.checkpoint.CheckpointSave:
 
   Raises:
     ValueError: If `iterator` has no `get_state`/`set_state`.
-    RuntimeError: If Grain or Orbax is not installed.
+    ImportError: If Grain or Orbax is not installed (names the command).
 
   Example:
 
@@ -116,7 +120,7 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
 
   Raises:
     ValueError: If `iterator` has no `get_state`/`set_state`.
-    RuntimeError: If Grain or Orbax is not installed.
+    ImportError: If Grain or Orbax is not installed (names the command).
 
   Example:
 

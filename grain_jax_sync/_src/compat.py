@@ -1,4 +1,10 @@
-"""`jax_sync_generator`: the drop-in with the reference's signature."""
+"""`jax_sync_generator`: the drop-in with the reference's signature.
+
+The reference is Ray Data's ``ray.data.util.jax_util.jax_sync_generator``
+(the version with `batch_size`, `paddings` and `dtypes`). Where the reference
+works, this one yields the same batches and raises errors that start with the
+same phrases; docs/sources.md lists every difference and its reason.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +14,89 @@ from typing import Any
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import meshes
 
+REFERENCE_BATCH_SIZE = 256
+
+
+class _DefaultBatchSize(int):
+  """The reference's default `batch_size` (256), told apart from a passed 256."""
+
+  def __repr__(self) -> str:
+    return repr(int(self))
+
+
+_DEFAULT_BATCH_SIZE = _DefaultBatchSize(REFERENCE_BATCH_SIZE)
+
+
+def _full_batch_size(batch_size: Any, *, paddings: Any, drop_last: bool) -> int | None:
+  """The `batch_size` to pass to `iter_jax_batches`.
+
+  The reference uses `batch_size` only to pad to. Without `paddings`, a batch
+  size that was not passed must not make any batch "short": `None` where
+  `iter_jax_batches` takes it (no `drop_last`); with `drop_last`, 1 (no batch
+  is shorter, so every batch that every host has is yielded, as in the
+  reference) until `iter_jax_batches` derives the full size from the first
+  batch (then `None`; see docs/sources.md).
+  """
+  given = batch_size is not None and batch_size is not _DEFAULT_BATCH_SIZE
+  if given:
+    return int(batch_size)
+  if paddings is not None:
+    # The reference pads to its default; `None` needs the derived size.
+    return None if batch_size is None else REFERENCE_BATCH_SIZE
+  return 1 if drop_last else None
+
 
 def jax_sync_generator(
   batch_iterable: Iterable[Any],
   drop_last: bool,
-  batch_size: int = 256,
+  batch_size: int | None = _DEFAULT_BATCH_SIZE,
   paddings: Any = None,
   dtypes: Any = None,
   synchronize_batches: bool = False,
   synchronize_lookahead: int = 10,
+  *,
+  prefetch_batches: int = 0,
 ) -> Iterator[Any]:
   """Yields global `jax.Array` batches; Ray Data's signature and defaults.
 
   A thin wrapper over `iter_jax_batches` (no mask, synchronization off by
-  default as in the reference). Unlike the reference it drops a short final
-  batch under `drop_last` without synchronization, compares batch structure
-  across hosts, lets a host with an empty shard build dummy batches from its
-  peers' structure, raises a source failure on every host, and checks
-  `batch_size` against the local device count before the first batch.
+  default as in the reference). As in the reference, equal batches of any
+  size are yielded (under `drop_last` too), a batch larger than `batch_size`
+  passes through unpadded when every host has one of that size, and the
+  source is read lazily in the caller's thread (unless `prefetch_batches`
+  is set). Unlike the reference it drops a short last batch under
+  `drop_last` when `batch_size` is passed, compares batch structure across
+  hosts, lets a host with an empty shard build dummy batches from its peers'
+  structure, raises a source failure on every host, and checks `batch_size`
+  against the local device count before the first batch.
   Batches land on the 1-D default mesh (`default_sharding()`), as in the
   reference, even inside `jax.set_mesh`.
 
   Args:
     batch_iterable: Per-host batches: NumPy arrays or dicts of them.
-    drop_last: Drop short batches and stop at the shortest host.
-    batch_size: Per-host rows that padding fills to.
+    drop_last: Stop at the shortest host; drop a short last batch.
+    batch_size: Per-host rows that padding fills to (and, when passed, the
+      full size `drop_last` compares with). None: batches keep their size.
     paddings: Scalar or per-column padding values; None disables padding.
     dtypes: A dtype or per-column dtypes for the output arrays.
     synchronize_batches: Agree on batch counts and shapes across hosts.
     synchronize_lookahead: Batches per agreement window.
+    prefetch_batches: Batches prepared ahead in a background thread; 0 (the
+      default, as the reference) reads and converts in the caller's thread.
 
   Yields:
-    Batches of global `jax.Array` values with the input's structure.
+    Batches of global `jax.Array`s with the input's structure.
+
+  Raises:
+    ValueError: With the reference's opening phrases ("Uneven batch sizes
+      detected across JAX workers", "Uneven number of batches detected
+      across JAX workers", "... must be evenly divisible by the number of
+      local JAX devices") followed by the processes, batch and sizes.
+
+  Example:
+
+    >>> for batch in jax_sync_generator(ds.iter_batches(batch_size=32), drop_last=True):
+    ...   state = train_step(state, batch)
   """
   if (type(batch_iterable).__module__ or "").startswith("tensorflow"):
     # A generator has no get_state(): take no tf.data resume snapshots.
@@ -48,13 +105,15 @@ def jax_sync_generator(
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
   it = iterator_lib.iter_jax_batches(
     batch_iterable,
-    batch_size=batch_size,
+    batch_size=_full_batch_size(batch_size, paddings=paddings, drop_last=drop_last),
     drop_last=drop_last,
     paddings=paddings,
+    mask_key=None,  # The reference has no mask; `iter_jax_batches` has one.
     dtypes=dtypes,
     synchronize_batches=synchronize_batches,
     synchronize_lookahead=synchronize_lookahead,
     sharding=meshes.default_sharding(),
+    prefetch_batches=prefetch_batches,
   )
   with it:
     yield from it

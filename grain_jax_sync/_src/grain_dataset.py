@@ -14,16 +14,23 @@ Grain is imported when `device_put` is first called, never by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import placement as placement_lib
 
 if TYPE_CHECKING:
   import grain
+
+
+_ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec, jax.Device)
 
 
 def _resolve(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> jax.sharding.Sharding:
@@ -48,52 +55,197 @@ def _resolve(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> jax.shard
     elif isinstance(device, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
       sharding = device
     else:
-      raise ValueError(
-        "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
-        " PartitionSpec, a jax.Device or None, got"
-        f" {type(device).__qualname__}: {device!r:.200}"
-      )
+      raise _usage_error(device)
   placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
   return placement.sharding
+
+
+def _usage_error(device: Any) -> ValueError:
+  return ValueError(
+    "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
+    " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
+    f" got {type(device).__qualname__}: {device!r:.200}"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where `device_put` puts elements.
+
+  Attributes:
+    sharding: The one sharding of every leaf of a global batch, or None if
+      `device` is a pytree of different placements (one process only).
+    per_leaf: True if `device` is such a pytree.
+    element: What `jax.device_put` gets for an element placed as it is (an
+      unbatched element, or any element under a per-leaf pytree).
+  """
+
+  sharding: jax.sharding.Sharding | None
+  per_leaf: bool
+  element: Any
+
+
+def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placement:
+  """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread."""
+  if device is None or isinstance(device, _ONE_PLACEMENT):
+    one = _resolve(device, mesh, data_axes, sharding)
+    if isinstance(device, jax.sharding.Mesh):
+      # An unbatched element has no row dimension to split: replicate it.
+      element: Any = jax.sharding.NamedSharding(device, jax.sharding.PartitionSpec())
+    else:
+      element = device if isinstance(device, jax.Device) else one
+    return _Placement(one, False, element)
+  leaves = jax.tree_util.tree_leaves(device)
+  if not leaves or not all(isinstance(x, _ONE_PLACEMENT) for x in leaves):
+    raise _usage_error(device)
+  shardings = [_resolve(x, mesh, data_axes, sharding) for x in leaves]
+  if all(x == shardings[0] for x in shardings):
+    return _Placement(shardings[0], False, device)
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"`device` is a pytree of {len(set(shardings))} different shardings, but"
+      f" there are {jax.process_count()} processes; global batches need one"
+      " sharding for every leaf (rows split over every process's devices):"
+      " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
+    )
+  return _Placement(None, True, device)
+
+
+def _unbatched(element: Any) -> str | None:
+  """Why `element` is not a batch (a scalar leaf, unequal leading sizes), or None."""
+  leaves = jax.tree_util.tree_leaves(element)
+  if any(np.ndim(x) == 0 for x in leaves):
+    return "it has a scalar (0-d) leaf"
+  firsts = {np.shape(x)[0] for x in leaves}
+  if len(firsts) > 1:
+    return f"its leaves have different leading sizes {sorted(firsts)}"
+  return None
+
+
+def _normalize_state(state: Any) -> dict[str, Any]:
+  """Our state, or the state Grain's `device_put` iterator saved, as our state.
+
+  Grain's iterator saves its parent's state (e.g. ``{"next_index": 32}``):
+  the same dict as the source state inside ours, since both wrap the same
+  dataset iterator.
+  """
+  if isinstance(state, Mapping) and "version" in state and "source" in state:
+    return dict(state)
+  return {
+    "version": iterator_lib.STATE_VERSION,
+    "batches": 0,
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "source": state,
+  }
 
 
 @functools.cache
 def _classes() -> tuple[type, type]:
   """Builds the Grain subclasses on first use, so Grain loads lazily."""
-  import grain  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
 
   class SyncedDatasetIterator(grain.DatasetIterator):
     """Global `jax.Array` batches that every host agrees on.
 
     `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
-    `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged.
+    `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
+    `set_state` also takes the state Grain's own `device_put` iterator saved.
+    On one process, unbatched elements (and every element, when `device` is
+    a pytree of different shardings) are placed as `jax.device_put` places
+    them.
     """
 
     _MUTATES_ELEMENT_SPEC = True
 
-    def __init__(self, parent: Any, kwargs: dict[str, Any]):
+    def __init__(self, parent: Any, kwargs: dict[str, Any], placement: _Placement):
       super().__init__(parent)
-      self._jax = iterator_lib.iter_jax_batches(parent, **kwargs)
+      self._kwargs = kwargs
+      self._placement = placement
+      self._jax: iterator_lib.JaxBatchIterator | None = None
+      self._plain = False  # Elements placed one by one, as jax.device_put does.
+      self._first: list[Any] = []  # The element read to choose the mode.
+      self._restored: dict[str, Any] | None = None
+      self._count = 0
+
+    def _choose(self) -> None:
+      """Reads the first element to choose: global batches or plain placement."""
+      if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
+        self._start_batches()
+        return
+      before = self._parent.get_state()
+      try:
+        first = next(self._parent)
+      except StopIteration:
+        first = None
+      why = None if first is None else _unbatched(first)
+      if first is None or not (why or self._placement.per_leaf):
+        self._parent.set_state(before)  # The engine reads it again.
+        self._start_batches()
+        return
+      options = [k for k in ("paddings", "dtypes") if self._kwargs[k] is not None]
+      options += [k for k in ("mask_key", "drop_last") if self._kwargs[k]]
+      if options:
+        why = f"the first element is unbatched ({why})" if why else None
+        raise ValueError(
+          f"`{'`, `'.join(options)}` need global batches, but"
+          f" {why or '`device` is a pytree of different shardings'}, so"
+          " elements are placed one by one as jax.device_put places them."
+          " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
+        )
+      self._plain = True
+      self._first.append(first)
+
+    def _start_batches(self) -> None:
+      self._jax = iterator_lib.iter_jax_batches(self._parent, **self._kwargs)
+      if self._restored is not None:
+        self._jax.set_state(self._restored)
 
     def __next__(self) -> Any:
       self._assert_not_closed()
-      return next(self._jax)
+      if self._jax is None and not self._plain:
+        self._choose()
+      if self._jax is not None:
+        return next(self._jax)
+      element = self._first.pop() if self._first else next(self._parent)
+      self._count += 1
+      return jax.device_put(element, self._placement.element)
 
     def get_state(self) -> dict[str, Any]:
-      return self._jax.get_state()
+      if self._jax is not None:
+        return self._jax.get_state()
+      if self._first:  # Read to choose the mode, not yet returned.
+        raise RuntimeError("internal: state asked between choosing and returning")
+      return {
+        "version": iterator_lib.STATE_VERSION,
+        "batches": self._count,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "source": self._parent.get_state(),
+      }
 
-    def set_state(self, state: dict[str, Any]) -> None:
-      self._jax.set_state(state)
+    def set_state(self, state: Any) -> None:
+      state = _normalize_state(state)
+      if self._jax is not None:
+        self._jax.set_state(state)
+        return
+      self._first.clear()
+      self._parent.set_state(state["source"])
+      self._count = int(state["batches"])
+      self._restored = state
 
     def close(self) -> None:
       if self._closed:
         return
-      self._jax.close()  # Stops the pipeline thread, then closes `parent`.
+      if self._jax is not None:
+        self._jax.close()  # Stops the pipeline thread, then closes `parent`.
+      else:
+        self._parent.close()
       self._closed = True
 
     @property
-    def sharding(self) -> jax.sharding.Sharding:
-      return self._jax.sharding
+    def sharding(self) -> jax.sharding.Sharding | None:
+      return self._jax.sharding if self._jax is not None else self._placement.sharding
 
     def __str__(self) -> str:
       return "SyncedDatasetIterator"
@@ -101,12 +253,13 @@ def _classes() -> tuple[type, type]:
   class SyncedIterDataset(grain.IterDataset):
     """The dataset `device_put` returns; each `iter()` starts a fresh run."""
 
-    def __init__(self, parent: Any, kwargs: dict[str, Any]):
+    def __init__(self, parent: Any, kwargs: dict[str, Any], placement: _Placement):
       super().__init__(parent)
       self._kwargs = kwargs
+      self._placement = placement
 
     def __iter__(self) -> Any:
-      return SyncedDatasetIterator(self._parent.__iter__(), dict(self._kwargs))
+      return SyncedDatasetIterator(self._parent.__iter__(), dict(self._kwargs), self._placement)
 
     def __str__(self) -> str:
       return "grain_jax_sync.device_put"
@@ -123,7 +276,7 @@ def device_put(
   batch_size: int | None = None,
   drop_last: bool = False,
   paddings: Any = None,
-  mask_key: str | None = None,
+  mask_key: str | None = iterator_lib.UNSET,
   dtypes: Any = None,
   synchronize_batches: bool = True,
   synchronize_lookahead: int = 10,
@@ -136,7 +289,7 @@ def device_put(
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
   A drop-in for `grain.experimental.device_put` (same first arguments): swap
-  the import and get agreement across hosts. Elements of `ds` must be this
+  the import and get agreement across hosts. Elements of `ds` should be this
   process's batches; the returned dataset's elements are global arrays whose
   leading dimension is rows x input shards (``rows * jax.process_count()``
   unless processes share rows), built and agreed as by
@@ -144,15 +297,24 @@ def device_put(
   host). Its iterators are `grain.DatasetIterator` objects with JSON
   `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
   `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
-  exactly.
+  exactly; `set_state` also takes the state that Grain's own `device_put`
+  iterator saved, so a running job can switch.
+
+  On one process it accepts everything Grain's does: unbatched elements
+  (scalars, single records: a 0-d leaf, or leaves of different leading
+  sizes) and, under a pytree of different shardings, every element are
+  placed as `jax.device_put(element, device)` places them (no padding, mask
+  or agreement). On several processes elements must be batches.
 
   Args:
     ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches.
     device: Where the rows go: a `jax.sharding.Sharding`, a
       `jax.sharding.Mesh` (rows split over its data axes, replicated over the
-      others: see `data_axes`), a `PartitionSpec`, a single `jax.Device` (one
-      process only) or None: `mesh`/`sharding`, else the mesh set by
-      `jax.set_mesh`, else `default_mesh()`.
+      others: see `data_axes`; an unbatched element is replicated), a
+      `PartitionSpec`, a single `jax.Device` (one process only), a pytree of
+      shardings or devices as `jax.device_put` takes (one sharding for every
+      leaf on several processes), or None: `mesh`/`sharding`, else the mesh
+      set by `jax.set_mesh`, else `default_mesh()`.
     cpu_buffer_size: Batches Grain prefetches on the host (a thread).
     device_buffer_size: Global batches prepared ahead on the devices.
     batch_size: Rows per host batch that `paddings` fill to and `drop_last`
@@ -174,7 +336,8 @@ def device_put(
     A `grain.IterDataset` of global `jax.Array` batches.
 
   Raises:
-    ValueError: For bad arguments.
+    ValueError: For bad arguments; on the first element, if it is unbatched
+      and `paddings`, `mask_key`, `drop_last` or `dtypes` is given.
 
   Example:
 
@@ -184,8 +347,8 @@ def device_put(
     >>> it = iter(ds)
     >>> batch = next(it); state = it.get_state()
   """
-  import grain  # pylint: disable=g-import-not-at-top
-  from grain.experimental import ThreadPrefetchIterDataset  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
+  prefetch = extras.require("grain.experimental", needed_by="grain_jax_sync.device_put")
 
   if isinstance(ds, grain.MapDataset):
     ds = ds.to_iter_dataset()
@@ -199,13 +362,8 @@ def device_put(
   ):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"`{arg}` must be an int >= 0, got {value!r}")
-  if batch_size is None:
-    if paddings is not None or drop_last:
-      raise ValueError(
-        "`batch_size` is required with `paddings` or `drop_last`: the rows per"
-        " host batch to pad to or to compare with"
-      )
-    batch_size = 1  # Unused without padding or drop_last.
+  mask_key = iterator_lib.warn_if_unmasked(paddings, mask_key)
+  placement = _placement(device, mesh, data_axes, sharding)
   kwargs = {
     "batch_size": batch_size,
     "drop_last": drop_last,
@@ -215,13 +373,13 @@ def device_put(
     "synchronize_batches": synchronize_batches,
     "synchronize_lookahead": synchronize_lookahead,
     "prefetch_batches": device_buffer_size,
-    "sharding": _resolve(device, mesh, data_axes, sharding),
+    "sharding": placement.sharding,
     "sync_timeout_s": sync_timeout_s,
     "name": name,
   }
   # Checks the arguments now rather than at the first `iter()`.
   iterator_lib.iter_jax_batches([], **kwargs).close()
   if cpu_buffer_size > 0:
-    ds = ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
+    ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = _classes()
-  return synced(ds, kwargs)
+  return synced(ds, kwargs, placement)

@@ -61,7 +61,7 @@ STAGE_BUFFER = 1
 class Settings:
   """The iterator's options, validated."""
 
-  batch_size: int
+  batch_size: int | None
   drop_last: bool
   paddings: Any
   mask_key: str | None
@@ -793,13 +793,45 @@ def _shutdown(parts: list[Any]) -> None:
       close()
 
 
+class _Unset:
+  """The default of `mask_key`: not given (an explicit None silences the warning)."""
+
+  def __repr__(self) -> str:
+    return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+def warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
+  """Logs one warning if `paddings` is given and `mask_key` was left unset.
+
+  Args:
+    paddings: The `paddings` argument.
+    mask_key: The `mask_key` argument, `UNSET` if not given.
+
+  Returns:
+    `mask_key` with `UNSET` resolved to None.
+  """
+  if mask_key is UNSET:
+    if paddings is not None:
+      logger.warning(
+        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
+        " rows and dummy batches are indistinguishable from real rows (a loss"
+        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
+        " boolean mask column, or `mask_key=None` to silence this warning"
+      )
+    return None
+  return mask_key
+
+
 def iter_jax_batches(
   source: Any,
   *,
-  batch_size: int = 256,
+  batch_size: int | None = 256,
   drop_last: bool = False,
   paddings: Any = None,
-  mask_key: str | None = None,
+  mask_key: str | None = UNSET,
   dtypes: Any = None,
   synchronize_batches: bool = True,
   synchronize_lookahead: int = 10,
@@ -839,13 +871,17 @@ def iter_jax_batches(
       pytrees of them (dicts, lists, tuples), a Grain `DataLoader`,
       `IterDataset` or `MapDataset`, or a `tf.data.Dataset`.
     batch_size: Rows per process per batch that padding fills to and
-      `drop_last` compares with.
+      `drop_last` compares with; batches larger than it pass through when
+      every process has one of the same size. None (allowed without
+      `paddings` and `drop_last`): every batch keeps its size.
     drop_last: Stop when any process runs out; drop batches shorter than
       `batch_size`.
     paddings: Fill value for padded rows and dummy batches: a scalar or a dict
       of column name (or prefix) to scalar. None disables padding.
     mask_key: If set, dict batches get a boolean ``(rows,)`` column of that
-      name: True for real rows, False for padding and dummy batches.
+      name: True for real rows, False for padding and dummy batches. Left
+      unset with `paddings`, one warning is logged that padded rows look
+      real; pass None to silence it.
     dtypes: Output dtype: one dtype or a dict of column name to dtype.
       Narrowing casts run on the host before the transfer, widening casts on
       the device after it.
@@ -880,7 +916,16 @@ def iter_jax_batches(
     ...   for batch in it:
     ...     loss = step(batch["x"], batch["mask"])
   """
-  for arg, value in (("batch_size", batch_size), ("synchronize_lookahead", synchronize_lookahead)):
+  mask_key = warn_if_unmasked(paddings, mask_key)
+  if batch_size is None and (paddings is not None or drop_last):
+    raise ValueError(
+      "`batch_size` is required with `paddings` or `drop_last`: the rows per"
+      " host batch to pad to or to compare with"
+    )
+  sizes = [("synchronize_lookahead", synchronize_lookahead)]
+  if batch_size is not None:
+    sizes.append(("batch_size", batch_size))
+  for arg, value in sizes:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
   if (
@@ -894,7 +939,7 @@ def iter_jax_batches(
   if not sync_timeout_s > 0:
     raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
   settings = Settings(
-    batch_size=int(batch_size),
+    batch_size=None if batch_size is None else int(batch_size),
     drop_last=bool(drop_last),
     paddings=paddings,
     mask_key=mask_key,

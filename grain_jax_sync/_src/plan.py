@@ -53,6 +53,9 @@ class Report:
     signature: The host's batch structure, once it has seen a batch.
     local_devices: ``jax.local_device_count()`` on the host.
     config: The host's settings (first window only), compared across hosts.
+    more: True if the host holds at least one more batch after `rows` (it
+      read ahead). Without it the last of `rows` counts as the host's last
+      batch when a short batch is judged.
   """
 
   process_index: int
@@ -62,6 +65,7 @@ class Report:
   signature: dict[str, Any] | None = None
   local_devices: int = 1
   config: dict[str, Any] | None = None
+  more: bool = False
 
   def to_json(self) -> str:
     obj: dict[str, Any] = {
@@ -77,6 +81,8 @@ class Report:
       obj["s"] = self.signature
     if self.config is not None:
       obj["c"] = self.config
+    if self.more:
+      obj["m"] = True
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -94,6 +100,7 @@ class Report:
       signature=obj.get("s"),
       local_devices=obj["d"],
       config=obj.get("c"),
+      more=obj.get("m", False),
     )
 
 
@@ -121,22 +128,69 @@ class End(enum.StrEnum):
   CONTINUE = "continue"  # Read another window.
   STOP = "stop"  # The stream is over on every host.
   RAISE = "raise"  # Every host raises `Plan.error` after the steps.
+  # The next position holds a short batch that may or may not be its host's
+  # last (`Options.wait_for_last`): decide again from there once every process
+  # in `Plan.waiting` has reported one more batch or its end.
+  WAIT = "wait"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+  """What every host does with a window.
+
+  Attributes:
+    steps: One step per decided position, in order.
+    end: What happens after the steps.
+    error: The error every host raises when `end` is `End.RAISE`.
+    batch_size: The full batch size the steps were judged by: the one given,
+      or the one derived from the first position when `Options.batch_size` is
+      None (None if no position was reached).
+    waiting: With `End.WAIT`, the processes whose next batch (or end) is
+      needed to decide the position after the steps.
+  """
+
   steps: tuple[Step, ...]
   end: End
   error: ReportedError | None = None
+  batch_size: int | None = None
+  waiting: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """The settings that `decide` needs; identical on every host."""
+  """The settings that `decide` needs; identical on every host.
 
-  batch_size: int
+  Attributes:
+    batch_size: Rows of a full host batch: what `paddings` fill to and what
+      `drop_last` calls short. None: the largest host batch of the first
+      position decided (see `decide`).
+    drop_last: Stop when a host runs out; drop a short last batch.
+    pad: Pad short batches and fill missing ones with dummy batches.
+    wait_for_last: Where the outcome of a short batch depends on whether it
+      is its host's last and the reports do not say (it ends its host's
+      report, which is not marked `exhausted`, `error` or `more`), end the
+      plan with `End.WAIT` instead of taking it as the last.
+    derived: `batch_size` was derived from the first position (set by `pin`);
+      a derived size is a guess, so a short batch that is not its host's last
+      raises even with `pad`.
+  """
+
+  batch_size: int | None
   drop_last: bool
   pad: bool
+  wait_for_last: bool = False
+  derived: bool = False
+
+
+def pin(options: Options, plan: Plan) -> Options:
+  """The options for the next `decide` call: the derived batch size pinned.
+
+  Call it after every `decide` (and save the pinned size with the resume
+  state), so that later positions are judged by the first position's size.
+  """
+  if options.batch_size is None and plan.batch_size is not None:
+    return dataclasses.replace(options, batch_size=plan.batch_size, derived=True)
+  return options
 
 
 def _value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
@@ -184,12 +238,155 @@ def _fmt(processes: Sequence[int]) -> str:
   return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
 
 
+# The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
+# match on them, so every message of the same kind starts with them.
+UNEVEN_COUNT = "Uneven number of batches detected across JAX workers"
+UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
+NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
+
+
+def _uneven_count_error(
+  reports: Sequence[Report], has: Sequence[bool], index: int
+) -> ReportedError:
+  out = [r.process_index for r, h in zip(reports, has, strict=True) if not h]
+  left = [r.process_index for r, h in zip(reports, has, strict=True) if h]
+  return _value_error(
+    f"{UNEVEN_COUNT}: {_fmt(out)} ran out of data at batch {index} while"
+    f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
+    " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
+    " to fill the missing batches with masked dummy batches"
+  )
+
+
+def _sizes(reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool]) -> str:
+  return ", ".join(
+    f"process {r.process_index}: {x if h else 'none'}"
+    for r, x, h in zip(reports, rows, has, strict=True)
+  )
+
+
+def _is_last(report: Report, i: int) -> bool:
+  """Whether `report.rows[i]` is its host's last batch, as far as it is known."""
+  return i == len(report.rows) - 1 and not report.more
+
+
+def _unknown_if_last(report: Report, i: int) -> bool:
+  """Whether the report does not say if `report.rows[i]` is its host's last."""
+  ended = report.exhausted or report.error is not None
+  return _is_last(report, i) and not ended
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wait:
+  processes: tuple[int, ...]
+
+
+def _full_name(derived: bool) -> str:
+  if derived:
+    return "the largest host batch of the first batch, as `batch_size` was not given"
+  return "`batch_size`"
+
+
+def _short_error(
+  p: int, rows: int, full: int, derived: bool, index: int, sizes: str, uneven: bool
+) -> ReportedError:
+  """A short batch that is not its host's last, where it cannot be padded."""
+  prefix = f"{UNEVEN_SIZES}: " if uneven else ""
+  fix = (
+    "Pass `batch_size` (with `paddings`, short batches are then padded)"
+    if derived
+    else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
+  )
+  return _value_error(
+    f"{prefix}process {p}, batch {index}: {rows} rows, fewer than the full"
+    f" batch size {full} ({_full_name(derived)}), and it is not the last"
+    f" batch of process {p}; only a host's last batch may be short ({sizes})."
+    f" {fix}, or batch the source so that only its last batch is short"
+  )
+
+
+def _size_step(
+  reports: Sequence[Report],
+  i: int,
+  options: Options,
+  *,
+  full: int,
+  derived: bool,
+  index: int,
+) -> Step | ReportedError | _Wait:
+  """The size rules for position `i`: yield (padded, passed through), drop or error.
+
+  A batch of `full` rows is full. With `paddings` or `drop_last`, a batch larger
+  than `full` passes through unpadded when every host has a batch of exactly
+  that size (as in the reference), and is an error otherwise. A position whose
+  short batches are all their hosts' last is dropped (`drop_last`) or padded
+  (`paddings`). A short batch that is not its host's last raises, except that
+  `paddings` with a given `batch_size` pads it (as the reference does).
+  Without either option every host's batch must have the same size.
+  """
+  has = [i < len(r.rows) for r in reports]
+  rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
+  real = [x for x, h in zip(rows, has, strict=True) if h]
+  even = all(has) and min(real) == max(real)
+  if not (options.pad or options.drop_last):
+    if not even:
+      return _value_error(
+        f"{UNEVEN_SIZES} at batch {index}: host batch sizes range from"
+        f" {min(real)} to {max(real)} ({_sizes(reports, rows, has)}). Pass"
+        " `paddings` to pad every batch to the full batch size, or"
+        " `drop_last=True` to drop a short last batch"
+      )
+    return Step(Action.YIELD, real[0], tuple(rows))
+  if max(real) > full:
+    if even:  # Every host has the same larger batch: it passes through.
+      return Step(Action.YIELD, real[0], tuple(rows))
+    p, x = next((r.process_index, x) for r, x in zip(reports, rows, strict=True) if x > full)
+    return _value_error(
+      f"{UNEVEN_SIZES} at batch {index}: process {p} has {x} rows, more"
+      f" than the full batch size {full} ({_full_name(derived)}), and not"
+      f" every host has a batch of that size ({_sizes(reports, rows, has)})."
+      " Padding only fills batches up to the full size; batch every host's"
+      " source with the same batch size"
+    )
+  short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < full]
+  early = [(r, x) for r, x in short if not _is_last(r, i)]
+  unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
+  matters = options.drop_last or derived  # Else padded, last or not.
+  refused = early and (derived or not options.pad)
+  if unknown and matters and options.wait_for_last and not refused:
+    return _Wait(unknown)
+  if refused:
+    r, x = early[0]
+    sizes = _sizes(reports, rows, has)
+    return _short_error(r.process_index, x, full, derived, index, sizes, min(real) != max(real))
+  if short and options.drop_last and not early:
+    return Step(Action.DROP, 0, tuple(rows))
+  return Step(Action.YIELD, full, tuple(rows))
+
+
+def _divisibility_error(reports: Sequence[Report], target: int, index: int) -> ReportedError | None:
+  for r in reports:
+    if target % r.local_devices:
+      return _value_error(
+        f"The local batch size ({target}) {NOT_DIVISIBLE}"
+        f" ({r.local_devices}) of process {r.process_index}: batch {index}"
+        f" has {target} rows per host, not divisible by the"
+        f" {r.local_devices} local devices. Pass `paddings` with a divisible"
+        " `batch_size`, set `drop_last=True`, or batch by a multiple of the"
+        " local device count"
+      )
+  return None
+
+
 def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read.
 
   Args:
     reports: One report per process, in process order.
-    options: The shared settings.
+    options: The shared settings. With ``options.batch_size=None`` the full
+      batch size is the largest host batch of the window's first position
+      (the same on every host); `Plan.batch_size` returns it, and the caller
+      passes ``pin(options, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
 
   Returns:
@@ -199,86 +396,41 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
   if error is not None:
     return Plan((), End.RAISE, error)
 
+  full = options.batch_size
+  derived = full is None or options.derived
   window = max((len(r.rows) for r in reports), default=0)
   steps: list[Step] = []
+
+  def plan(end: End, error: ReportedError | None = None) -> Plan:
+    return Plan(tuple(steps), end, error, batch_size=full)
+
   for i in range(window + 1):
     failed = [r.error for r in reports if r.error is not None and len(r.rows) == i]
     if failed:
-      return Plan(tuple(steps), End.RAISE, failed[0])
+      return plan(End.RAISE, failed[0])
     has = [i < len(r.rows) for r in reports]
     if not any(has):
       # Every source ended (or every host read a full window: read another).
-      done = all(r.exhausted for r in reports)
-      return Plan(tuple(steps), End.STOP if done else End.CONTINUE)
+      return plan(End.STOP if all(r.exhausted for r in reports) else End.CONTINUE)
     index = position + len([s for s in steps if s.action == Action.YIELD])
     if not all(has):
       if options.drop_last:
-        return Plan(tuple(steps), End.STOP)
-      out = [r.process_index for r, h in zip(reports, has) if not h]
-      left = [r.process_index for r, h in zip(reports, has) if h]
+        return plan(End.STOP)
       if not options.pad:
-        return Plan(
-          tuple(steps),
-          End.RAISE,
-          _value_error(
-            f"uneven number of batches: {_fmt(out)} ran out of data at"
-            f" batch {index} while {_fmt(left)}"
-            f" {'still has' if len(left) == 1 else 'still have'} batches. Set"
-            " `drop_last=True` to stop at the shortest host, or pass"
-            " `paddings` to fill the missing batches with masked dummy"
-            " batches"
-          ),
-        )
-    rows = [r.rows[i] if h else 0 for r, h in zip(reports, has)]
-    real = [x for x, h in zip(rows, has) if h]
-    if options.pad or options.drop_last:
-      big = [(r.process_index, x) for r, x in zip(reports, rows) if x > options.batch_size]
-      if big:
-        p, x = big[0]
-        return Plan(
-          tuple(steps),
-          End.RAISE,
-          _value_error(
-            f"process {p}, output batch {index}: {x} rows, more than"
-            f" `batch_size`={options.batch_size}; expected at most"
-            " `batch_size` rows per host batch. Batch the source with the"
-            " same batch size"
-          ),
-        )
-    if options.drop_last and min(real) < options.batch_size:
-      steps.append(Step(Action.DROP, 0, tuple(rows)))
-      continue
-    if options.pad:
-      target = options.batch_size
-    else:
-      if min(real) != max(real):
-        sizes = ", ".join(f"process {r.process_index}: {x}" for r, x in zip(reports, rows))
-        return Plan(
-          tuple(steps),
-          End.RAISE,
-          _value_error(
-            f"uneven batch sizes at batch {index}: host batch sizes range"
-            f" from {min(real)} to {max(real)} ({sizes}). Pass `paddings`"
-            " to pad every batch to `batch_size`, or `drop_last=True` to"
-            " drop short batches"
-          ),
-        )
-      target = real[0]
-    for r in reports:
-      if target % r.local_devices:
-        return Plan(
-          tuple(steps),
-          End.RAISE,
-          _value_error(
-            f"batch {index} has {target} rows per host, not divisible by"
-            f" the {r.local_devices} local devices of process"
-            f" {r.process_index}. Pass `paddings` with a divisible"
-            " `batch_size`, set `drop_last=True`, or batch by a multiple"
-            " of the local device count"
-          ),
-        )
-    steps.append(Step(Action.YIELD, target, tuple(rows)))
-  return Plan(tuple(steps), End.CONTINUE)
+        return plan(End.RAISE, _uneven_count_error(reports, has, index))
+    if full is None:
+      full = max(r.rows[i] for r, h in zip(reports, has, strict=True) if h)
+    step = _size_step(reports, i, options, full=full, derived=derived, index=index)
+    if isinstance(step, ReportedError):
+      return plan(End.RAISE, step)
+    if isinstance(step, _Wait):
+      return dataclasses.replace(plan(End.WAIT), waiting=step.processes)
+    if step.action == Action.YIELD:
+      error = _divisibility_error(reports, step.rows, index)
+      if error is not None:
+        return plan(End.RAISE, error)
+    steps.append(step)
+  return plan(End.CONTINUE)
 
 
 def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 
@@ -96,7 +97,7 @@ def open_grain(source: Any) -> base.SourceIterator | None:
     A fresh `SourceIterator` positioned where `source` is (the start, for
     loaders and datasets), or None for other Grain objects.
   """
-  import grain  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="a Grain source")
 
   name = type(source).__qualname__
   if isinstance(source, grain.DataLoader):

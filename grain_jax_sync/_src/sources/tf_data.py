@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 from grain_jax_sync._src.sources import tf_data_state as tf_state
 
@@ -51,7 +52,7 @@ def _walk(spec: Any, prefix: str, out: list[tuple[str, tuple[Any, ...], Any]], p
 
 def _problem(spec: Any) -> str | None:
   """Why a leaf spec cannot become a dense numeric array, or None."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf = extras.require("tensorflow", needed_by="a tf.data source")
 
   if isinstance(spec, tf.RaggedTensorSpec):
     return "a ragged tensor"
@@ -151,7 +152,7 @@ class TfDataSource(base.SourceIterator):
   """
 
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf = extras.require("tensorflow", needed_by="a tf.data source")
 
     if state_every is not None and (
       isinstance(state_every, bool)
@@ -263,7 +264,7 @@ def open_tf_data(
     ValueError: If the dataset has ragged, sparse or string columns (and
       `drop_unsupported` is False), naming each.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf = extras.require("tensorflow", needed_by="a tf.data source")
 
   if isinstance(source, tf.data.Dataset):
     return TfDataSource(source, drop_unsupported=drop_unsupported, state_every=state_every)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def tfds_pipeline(
   )
   if not 0 <= process_index < process_count:
     raise ValueError(f"`process_index` must be in [0, {process_count}), got {process_index}")
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds = extras.require("tensorflow_datasets", needed_by="grain_jax_sync.tfds_pipeline")
 
   req = _Request(
     name=name,
@@ -249,7 +250,7 @@ class _Request:
 
 
 def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
-  import grain  # pylint: disable=g-import-not-at-top
+  grain = extras.require("grain", needed_by="tfds_pipeline(reader='data_source')", extra="tfds")
 
   try:
     source = tfds.data_source(
@@ -259,6 +260,12 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
       download=r.download,
       builder_kwargs=r.builder_kwargs or None,
     )
+  except ImportError as e:
+    raise ImportError(
+      f"tfds.data_source({r.name!r}) needs an optional dependency that could not be"
+      f" imported ({e}). Install it with: {extras.install_command('tfds')}",
+      name=e.name,
+    ) from e
   except Exception as e:  # noqa: BLE001 - re-raised with the fix.
     raise RuntimeError(
       f"tfds.data_source({r.name!r}, split={r.split!r}) failed: {type(e).__name__}: {e}."
@@ -297,7 +304,7 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
 
 
 def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf = extras.require("tensorflow", needed_by="tfds_pipeline(reader='tf_data')", extra="tfds")
 
   from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 

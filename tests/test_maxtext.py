@@ -1,0 +1,77 @@
+"""MaxText's MultiHostDataLoadIterator swapped for iter_jax_batches: reset() and local_iterator.
+
+MaxText's trainer calls ``eval_data_iterator.reset()`` before each eval and
+checkpoints ``data_iterator.local_iterator`` through Grain's handler. These
+tests run that loop unchanged.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+import pytest
+import scenarios_dropin
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+NEEDS_NEW_ITERATOR = pytest.mark.xfail(strict=True, reason="needs the new iterator")
+
+
+def _ds(n):
+  return grain.MapDataset.range(n).map(lambda i: {"x": np.int32(i)}).batch(8).to_iter_dataset()
+
+
+@NEEDS_NEW_ITERATOR
+def test_reset_restarts_the_stream_from_its_beginning():
+  it = gjs.iter_jax_batches(_ds(32), batch_size=8)
+  first = [np.asarray(next(it)["x"]).tolist() for _ in range(3)]
+  it.reset()
+  again = [np.asarray(b["x"]).tolist() for b in it]
+  it.close()
+  assert again[:3] == first and len(again) == 4
+
+
+@NEEDS_NEW_ITERATOR
+def test_reset_after_the_end_and_of_a_list_source():
+  data = [{"x": np.arange(8) + 8 * i} for i in range(2)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  assert len(list(it)) == 2
+  it.reset()
+  assert [np.asarray(b["x"]).tolist() for b in it] == [d["x"].tolist() for d in data]
+  it.close()
+
+
+@NEEDS_NEW_ITERATOR
+def test_local_iterator_state_is_the_state_after_the_last_consumed_batch():
+  it = gjs.iter_jax_batches(_ds(48), batch_size=8, prefetch_batches=3)
+  next(it)
+  next(it)
+  assert isinstance(it.local_iterator, grain.DatasetIterator)
+  assert it.local_iterator.get_state() == {"next_index": 2}  # Not the prefetched ones.
+  fresh = gjs.iter_jax_batches(_ds(48), batch_size=8)
+  fresh.local_iterator.set_state({"next_index": 2})
+  assert [np.asarray(b["x"])[0] for b in fresh] == [16, 24, 32, 40]
+  it.close()
+  fresh.close()
+
+
+@NEEDS_NEW_ITERATOR
+@pytest.mark.multiprocess
+def test_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes(tmp_path):
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_dropin.run_maxtext_loop,
+      num_processes=2,
+      devices_per_process=4,
+      args=(48, [24, 16], str(tmp_path / "ckpt")),
+      timeout_s=180,
+    )
+  )
+  for out in outs:
+    assert out["trained"] == out["full"][:4]
+    assert out["rest"] == out["full"][4:]  # Resumed from local_iterator's checkpoint.
+    assert out["eval_x"][0] == out["eval_x"][1]  # reset() restarted eval on every host.
+    assert out["eval_mask"][0] == out["eval_mask"][1] and len(out["eval_x"][0]) == 3
+    assert out["eval_mask"][0][2] == [True] * 8 + [False] * 8  # Process 1 ran out.
+  assert outs[0]["full"] == outs[1]["full"]
