@@ -93,7 +93,8 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
       # An unbatched element has no row dimension to split: replicate it.
       element: Any = jax.sharding.NamedSharding(device, jax.sharding.PartitionSpec())
     else:
-      element = device if isinstance(device, jax.Device) else one
+      # As `jax.device_put(element, device)` places it (None: the default device).
+      element = device if device is None or isinstance(device, jax.Device) else one
     return _Placement(one, False, element)
   leaves = jax.tree_util.tree_leaves(device)
   if not leaves or not all(isinstance(x, _ONE_PLACEMENT) for x in leaves):
