@@ -85,7 +85,7 @@ def jax_sync_generator(
       default, as the reference) reads and converts in the caller's thread.
 
   Yields:
-    Batches of global `jax.Array`s with the input's structure.
+    Batches of global `jax.Array` values with the input's structure.
 
   Raises:
     ValueError: With the reference's opening phrases ("Uneven batch sizes
