@@ -28,6 +28,17 @@ class ErrorKind(enum.StrEnum):
   # The source itself raised: the failing host re-raises its own exception,
   # the others raise RuntimeError naming the failing process.
   SOURCE = "source"
+  # A process closed (or dropped) its iterator: the others raise RuntimeError.
+  CLOSED = "closed"
+  # A live process did not report within `sync_timeout_s`: PeerTimeoutError.
+  TIMEOUT = "timeout"
+  # A process stopped its liveness beat (it died): PeerLostError.
+  LOST = "lost"
+
+
+# Endings that end the stream at once, whatever positions are still undecided
+# (rows a process posted beyond such an ending are void).
+ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +50,24 @@ class ReportedError:
   process_index: int
   batch_index: int
   type_name: str = "ValueError"
+  # Processes the ending is about (TIMEOUT and LOST: the awaited ones).
+  missing: tuple[int, ...] = ()
+
+  def to_json(self) -> list[Any]:
+    return [
+      self.kind.value,
+      self.message,
+      self.process_index,
+      self.batch_index,
+      self.type_name,
+      list(self.missing),
+    ]
+
+  @classmethod
+  def from_json(cls, obj: Sequence[Any]) -> ReportedError:
+    kind, message, pi, bi, tn, *rest = obj
+    missing = tuple(rest[0]) if rest else ()
+    return cls(ErrorKind(kind), message, pi, bi, tn, missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +82,8 @@ class Report:
     signature: The host's batch structure, once it has seen a batch.
     local_devices: ``jax.local_device_count()`` on the host.
     config: The host's settings (first window only), compared across hosts.
+    resume: The output batch the host resumes at (first window only),
+      compared across hosts.
   """
 
   process_index: int
@@ -62,6 +93,7 @@ class Report:
   signature: dict[str, Any] | None = None
   local_devices: int = 1
   config: dict[str, Any] | None = None
+  resume: int | None = None
 
   def to_json(self) -> str:
     obj: dict[str, Any] = {
@@ -71,21 +103,22 @@ class Report:
       "d": self.local_devices,
     }
     if self.error is not None:
-      e = self.error
-      obj["e"] = [e.kind.value, e.message, e.process_index, e.batch_index, e.type_name]
+      obj["e"] = self.error.to_json()
     if self.signature is not None:
       obj["s"] = self.signature
     if self.config is not None:
       obj["c"] = self.config
+    if self.resume is not None:
+      obj["b"] = self.resume
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
   def from_json(cls, text: str) -> Report:
-    obj = json.loads(text)
-    error = None
-    if "e" in obj:
-      kind, message, pi, bi, tn = obj["e"]
-      error = ReportedError(ErrorKind(kind), message, pi, bi, tn)
+    return cls.from_obj(json.loads(text))
+
+  @classmethod
+  def from_obj(cls, obj: Mapping[str, Any]) -> Report:
+    error = ReportedError.from_json(obj["e"]) if "e" in obj else None
     return cls(
       process_index=obj["p"],
       rows=tuple(obj["r"]),
@@ -94,6 +127,7 @@ class Report:
       signature=obj.get("s"),
       local_devices=obj["d"],
       config=obj.get("c"),
+      resume=obj.get("b"),
     )
 
 
@@ -160,6 +194,17 @@ def _config_error(reports: Sequence[Report]) -> ReportedError | None:
   return None
 
 
+def _resume_error(reports: Sequence[Report]) -> ReportedError | None:
+  resumes = [(r.process_index, r.resume) for r in reports if r.resume is not None]
+  if len({b for _, b in resumes}) < 2:
+    return None
+  where = ", ".join(f"process {p} at batch {b}" for p, b in resumes)
+  return _value_error(
+    f"the processes resume from different positions ({where}); every process"
+    " must restore its state from the same checkpoint step"
+  )
+
+
 def _signature_error(reports: Sequence[Report]) -> ReportedError | None:
   sigs = [(r.process_index, r.signature) for r in reports if r.signature is not None]
   if len(sigs) < 2:
@@ -184,7 +229,7 @@ def _fmt(processes: Sequence[int]) -> str:
   return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
 
 
-def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
+def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:  # noqa: C901 - size rules: being reshaped on the drop-ins branch
   """Decides what every host does with the window just read.
 
   Args:
@@ -195,7 +240,7 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
   Returns:
     The plan; identical on every host given identical reports.
   """
-  error = _config_error(reports) or _signature_error(reports)
+  error = _config_error(reports) or _resume_error(reports) or _signature_error(reports)
   if error is not None:
     return Plan((), End.RAISE, error)
 
