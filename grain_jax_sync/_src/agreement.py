@@ -77,7 +77,7 @@ def to_exception(
     return RuntimeError(error.message)
   return RuntimeError(
     f"{error.message} (process {error.process_index} raised"
-    f" {error.type_name}; process {process} stops too so that no host"
+    f" {error.type_name}; every other process stops too, so that no host"
     " waits forever)"
   )
 
