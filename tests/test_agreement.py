@@ -204,3 +204,52 @@ def test_decisions_are_o1_per_position_and_chunks_go_to_process_0_only():
   assert {out[p][0] for p in range(n)} == {"stop"}
   assert all(len(out[p][1]) == 30 for p in range(n))
   assert store.keys() == []
+
+
+def _run_some(n, store, hosts, runners):
+  out: dict = {}
+  threads = [
+    threading.Thread(target=_host, args=(p, n, store, hosts[p], 2, p, out)) for p in runners
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+  assert not any(t.is_alive() for t in threads)
+  return out
+
+
+def test_a_peer_on_another_protocol_version_gets_the_same_clear_error_everywhere():
+  # Process 1 runs a future version: its first chunk is not one this version reads.
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/s/1/0", '{"v": 99, "rows": "whatever"}')
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 3
+  out = _run_some(3, store, hosts, [0, 2])
+  want = (
+    "the processes run different versions of the grain_jax_sync agreement protocol"
+    " (process 0: 2, process 1: 99); every process must run the same version of the library"
+  )
+  for p in (0, 2):
+    assert out[p][0] == "raise"
+    assert type(out[p][2]) is ValueError and str(out[p][2]) == want
+
+
+def test_a_decision_from_another_protocol_version_raises_a_clear_error():
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/d/0", '{"v": 1, "steps": []}')
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 2
+  out = _run_some(2, store, hosts, [1])
+  assert out[1][0] == "raise" and type(out[1][2]) is ValueError
+  assert str(out[1][2]).startswith(
+    "the processes run different versions of the grain_jax_sync agreement protocol"
+    " (process 0: 1, process 1: 2)"
+  )
+
+
+def test_a_chunk_that_does_not_parse_raises_naming_the_process():
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/s/1/0", "not json")
+  hosts = [{"rows": [8], "ending": "exhausted", "at": 0}] * 2
+  out = _run_some(2, store, hosts, [0])
+  assert type(out[0][2]) is ValueError
+  assert str(out[0][2]).startswith("process 1 posted a report that is not JSON")

@@ -86,10 +86,11 @@ def _load(text: str, what: str) -> dict[str, Any]:
 
 def version_error(peer: int, version: Any, reader: int) -> str:
   """The message, the same on every host, for peers on another protocol version."""
+  versions = sorted({peer: version, reader: PROTOCOL_VERSION}.items())
+  shown = ", ".join(f"process {p}: {v!r}" for p, v in versions)
   return (
-    f"the processes run different versions of the grain_jax_sync agreement"
-    f" protocol (process {reader}: {PROTOCOL_VERSION}, process {peer}:"
-    f" {version!r}); every process must run the same version of the library"
+    "the processes run different versions of the grain_jax_sync agreement"
+    f" protocol ({shown}); every process must run the same version of the library"
   )
 
 

@@ -311,7 +311,7 @@ class Follower(Streamed):
     except ledger_lib.ProtocolError as e:
       self._ex.end()
       if e.version != ledger_lib.PROTOCOL_VERSION and e.version is not None:
-        raise ValueError(ledger_lib.version_error(self._p, ledger_lib.PROTOCOL_VERSION, 0)) from e
+        raise ValueError(ledger_lib.version_error(0, e.version, self._p)) from e
       raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
 
   def _next_decision(self) -> str | None:
