@@ -152,9 +152,9 @@ def exchange_roundtrip(chunks: int) -> dict[str, Any]:
       got.append((0, text))
   client.wait_at_barrier("test_roundtrip/read", 30_000)
   if p == 0:
-    ex.delete_decisions(range(chunks))
+    ex.delete_decisions(chunks)
   else:
-    ex.delete_chunks(range(chunks))
+    ex.delete_chunks(chunks)
   client.wait_at_barrier("test_roundtrip/released", 30_000)
   left_after_release = [k for k, _ in client.key_value_dir_get(ns + "/")]
   client.wait_at_barrier("test_roundtrip/looked", 30_000)

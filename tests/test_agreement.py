@@ -222,7 +222,7 @@ def _run_some(n, store, hosts, runners):
 def test_a_peer_on_another_protocol_version_gets_the_same_clear_error_everywhere():
   # Process 1 runs a future version: its first chunk is not one this version reads.
   store = MemoryStore()
-  store.key_value_set("grain_jax_sync/prop/s/1/0", '{"v": 99, "rows": "whatever"}')
+  store.key_value_set("grain_jax_sync/prop/s/1/0/0", '{"v": 99, "rows": "whatever"}')
   hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 3
   out = _run_some(3, store, hosts, [0, 2])
   want = (
@@ -236,7 +236,7 @@ def test_a_peer_on_another_protocol_version_gets_the_same_clear_error_everywhere
 
 def test_a_decision_from_another_protocol_version_raises_a_clear_error():
   store = MemoryStore()
-  store.key_value_set("grain_jax_sync/prop/d/0", '{"v": 1, "steps": []}')
+  store.key_value_set("grain_jax_sync/prop/d/0/0", '{"v": 1, "steps": []}')
   hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 2
   out = _run_some(2, store, hosts, [1])
   assert out[1][0] == "raise" and type(out[1][2]) is ValueError
@@ -248,7 +248,7 @@ def test_a_decision_from_another_protocol_version_raises_a_clear_error():
 
 def test_a_chunk_that_does_not_parse_raises_naming_the_process():
   store = MemoryStore()
-  store.key_value_set("grain_jax_sync/prop/s/1/0", "not json")
+  store.key_value_set("grain_jax_sync/prop/s/1/0/0", "not json")
   hosts = [{"rows": [8], "ending": "exhausted", "at": 0}] * 2
   out = _run_some(2, store, hosts, [0])
   assert type(out[0][2]) is ValueError

@@ -134,14 +134,16 @@ def test_make_exchange_single_process_is_local():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 3])
 def test_chunks_up_decisions_down_release_and_end_round_trip(n):
-  outs = run(scenarios_perf.exchange_roundtrip, 3, n=n, d=1)
+  # One full group of chunks and decisions: released with one delete each.
+  k = exchange.GROUP
+  outs = run(scenarios_perf.exchange_roundtrip, k, n=n, d=1)
   for p, o in enumerate(outs):
     if p == 0:  # The decider reads every chunk, in order per process.
-      for q in range(1, n):  # In order per process.
-        assert [v for r, v in o["got"] if r == q] == [f"{q}:{c}" for c in range(3)]
-      assert len(o["got"]) == 3 * (n - 1)
+      for q in range(1, n):
+        assert [v for r, v in o["got"] if r == q] == [f"{q}:{c}" for c in range(k)]
+      assert len(o["got"]) == k * (n - 1)
     else:  # Every other process reads every decision.
-      assert o["got"] == [(0, f"d{c}") for c in range(3)]
+      assert o["got"] == [(0, f"d{c}") for c in range(k)]
     assert o["left_after_release"] == []
     assert o["left_after_end"] == []
 

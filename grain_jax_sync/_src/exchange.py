@@ -8,10 +8,13 @@ Three transports:
   runs in a background thread ahead of the training step. Keys of one iterator
   live under one namespace ``ns``:
 
-  - ``{ns}/s/{p}/{seq}``: chunk `seq` of process p (p > 0): rows it read, its
-    ending. Only the decider (process 0) reads them, with one directory read.
-  - ``{ns}/d/{seq}``: decision `seq`, posted by process 0; every other process
-    reads each one once.
+  - ``{ns}/s/{p}/{seq // GROUP}/{seq}``: chunk `seq` of process p (p > 0):
+    rows it read, its ending. Only the decider (process 0) reads them, with
+    one directory read.
+  - ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0;
+    every other process reads each one once.
+
+  Both are deleted a group at a time once read.
   - ``{ns}/ended``: a counter every process increments exactly once after its
     last store call; the one that brings it to the process count deletes
     ``{ns}`` (and everything under it).
@@ -54,6 +57,10 @@ DEAD_AFTER_S = 8.0
 # A blocking store read waits at most this long before the waiter checks for
 # close(), its deadline and the awaited peer's beat.
 WAIT_SLICE_S = 0.25
+# Chunks and decisions are keyed in groups of this many and deleted a group at
+# a time (one store call instead of 16): on 2 busy cores each store call costs
+# 0.2-6 ms, and per-key deletes were a fifth of a process's store time.
+GROUP = 16
 
 
 class Cancelled(Exception):
@@ -155,6 +162,8 @@ class KeyValueExchange:
     self._ended = False
     self._chunks_posted = 0
     self._next = [0] * process_count  # Decider: next chunk seq per process.
+    self._chunks_deleted = 0  # Groups.
+    self._decisions_deleted = 0  # Groups.
     self.ops = 0  # Store calls made (for the scale benchmark).
 
   @property
@@ -194,15 +203,16 @@ class KeyValueExchange:
     if not final:
       self._check()
     seq = self._chunks_posted
-    key = f"{self._ns}/s/{self.process_index}/{seq}"
+    key = f"{self._ns}/s/{self.process_index}/{seq // GROUP}/{seq}"
     self._call(f"posting chunk {seq}", self._client.key_value_set, key, payload)
     self._chunks_posted += 1
     return seq
 
-  def delete_chunks(self, seqs: Sequence[int]) -> None:
-    """Deletes own chunks that the decider has read."""
-    for seq in seqs:
-      self._delete(f"{self._ns}/s/{self.process_index}/{seq}")
+  def delete_chunks(self, below: int) -> None:
+    """Deletes own chunks below `below` that the decider has read (whole groups)."""
+    while (self._chunks_deleted + 1) * GROUP <= below:
+      self._delete(f"{self._ns}/s/{self.process_index}/{self._chunks_deleted}")
+      self._chunks_deleted += 1
 
   def read_chunks(self) -> list[tuple[int, str]]:
     """New chunks of every peer, in order per process (one directory read)."""
@@ -211,9 +221,9 @@ class KeyValueExchange:
     entries = self._call("reading the peers' chunks", self._client.key_value_dir_get, prefix)
     found: dict[tuple[int, int], str] = {}
     for key, value in entries:
-      p_text, _, seq_text = key[len(prefix) :].partition("/")
+      parts = key[len(prefix) :].split("/")
       try:
-        found[(int(p_text), int(seq_text))] = value
+        found[(int(parts[0]), int(parts[-1]))] = value
       except ValueError:
         continue
     out = []
@@ -226,7 +236,8 @@ class KeyValueExchange:
   def wait_chunk(self, process: int) -> list[tuple[int, str]]:
     """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones."""
     self._check()
-    key = f"{self._ns}/s/{process}/{self._next[process]}"
+    seq = self._next[process]
+    key = f"{self._ns}/s/{process}/{seq // GROUP}/{seq}"
     if self._blocking_get(key, f"waiting for process {process}") is None:
       return []
     return self.read_chunks()
@@ -236,19 +247,21 @@ class KeyValueExchange:
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
       self._check()
-    key = f"{self._ns}/d/{seq}"
+    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
     self._call(f"posting decision {seq}", self._client.key_value_set, key, payload)
 
-  def delete_decisions(self, seqs: Sequence[int]) -> None:
-    for seq in seqs:
-      self._delete(f"{self._ns}/d/{seq}")
+  def delete_decisions(self, below: int) -> None:
+    """Deletes decisions below `below` (every process has read them), whole groups."""
+    while (self._decisions_deleted + 1) * GROUP <= below:
+      self._delete(f"{self._ns}/d/{self._decisions_deleted}")
+      self._decisions_deleted += 1
 
   def try_decision(self, seq: int) -> str | None:
     """Decision `seq` if it is posted, without waiting."""
     self._check()
     self.ops += 1
     try:
-      return self._client.key_value_try_get(f"{self._ns}/d/{seq}")
+      return self._client.key_value_try_get(f"{self._ns}/d/{seq // GROUP}/{seq}")
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       if _is_not_found(e):
         return None
@@ -257,7 +270,8 @@ class KeyValueExchange:
   def wait_decision(self, seq: int) -> str | None:
     """Decision `seq`, waiting up to `WAIT_SLICE_S` for it."""
     self._check()
-    return self._blocking_get(f"{self._ns}/d/{seq}", "waiting for process 0's decision")
+    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
+    return self._blocking_get(key, "waiting for process 0's decision")
 
   def _blocking_get(self, key: str, doing: str) -> str | None:
     self.ops += 1

@@ -184,7 +184,7 @@ class Decider(Streamed):
     missing = self._led.missing(self._j)
     own = self._p in missing
     if own or (self._own.room() and not self._poll_due()):
-      self._read()
+      self._read_run()
       return
     if self._absorb(self._timed(self._ex.read_chunks)):
       return
@@ -198,6 +198,20 @@ class Decider(Streamed):
       self._parse_error = self._timeout(peer)
     else:
       self._absorb(self._ex.wait_chunk(peer))
+
+  def _read_run(self) -> None:
+    """Reads up to a window's worth while reads are quick, so that positions
+    are decided (and decisions posted) in runs rather than one by one."""
+    t0 = time.monotonic()
+    self._read()
+    n = 1
+    while (
+      self._own.room()
+      and n < self._own.lookahead
+      and time.monotonic() - t0 < agreement.FLUSH_AFTER_S
+    ):
+      self._read()
+      n += 1
 
   def _read(self) -> None:
     item = self._own.read()
@@ -230,7 +244,7 @@ class Decider(Streamed):
     if items and self._n > 1:
       acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
       if acked > self._acked:
-        self._ex.delete_decisions(range(self._acked, acked))
+        self._ex.delete_decisions(acked)
         self._acked = acked
     return bool(items)
 
@@ -399,11 +413,11 @@ class Follower(Streamed):
 
   def _release(self) -> None:
     """Deletes own chunks the decider has read (a later position is decided)."""
-    done = []
+    read = None
     while self._chunks and self._chunks[0][1] < self._j:
-      done.append(self._chunks.popleft()[0])
-    if done:
-      self._ex.delete_chunks(done)
+      read = self._chunks.popleft()[0] + 1
+    if read is not None:
+      self._ex.delete_chunks(read)
 
   def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
     """Posts this host's ending (closed, or `error`) as its final chunk."""
