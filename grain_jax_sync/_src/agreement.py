@@ -31,6 +31,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import liveness
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -58,7 +59,7 @@ READ_THREAD = "grain_jax_sync-read"
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
-FOLLOWER_GRACE_S = exchange_lib.DEAD_AFTER_S + 2.0
+FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
 
 
 def to_exception(

@@ -18,6 +18,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 
@@ -37,7 +38,7 @@ class Streamed:
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
     threads: May move a slow source to its own thread.
-    liveness: Tells dead peers from slow ones (default: their beats).
+    live: Tells dead peers from slow ones (default: their beats).
   """
 
   def __init__(
@@ -51,7 +52,7 @@ class Streamed:
     timeout_s: float,
     position: int,
     threads: bool = True,
-    liveness: exchange_lib.Liveness | None = None,
+    live: liveness_lib.Liveness | None = None,
   ):
     self._ex = exchange
     self._options = options
@@ -60,7 +61,7 @@ class Streamed:
     self._n = exchange.process_count
     self._timeout_s = timeout_s
     self._own = agreement.OwnReads(reader, lookahead=lookahead, threads=threads)
-    self._live = liveness or exchange_lib.Liveness(exchange)
+    self._live = live or liveness_lib.Liveness(exchange)
     self._j = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
