@@ -135,7 +135,8 @@ class Decider(Streamed):
       self._p, signature=None, devices=who.devices, config=who.config, resume=who.resume
     )
     self._sent_signature = False
-    self._parse_error: plan_lib.ReportedError | None = None
+    # An ending found here (an unreadable chunk, a timed-out or lost peer).
+    self._abort: plan_lib.ReportedError | None = None
     self._acked = 0  # Decisions deleted below this.
 
   def __iter__(self) -> Iterator[build_lib.Run]:
@@ -157,7 +158,7 @@ class Decider(Streamed):
 
   def _plan(self) -> plan_lib.Plan | None:
     """The next plan, or None while the next position is not known for everyone."""
-    error = self._parse_error or self._led.abort
+    error = self._abort or self._led.abort
     if error is not None:
       return plan_lib.Plan((), End.RAISE, error)
     size = self._led.window(self._j)
@@ -194,9 +195,9 @@ class Decider(Streamed):
       return
     peer = missing[0]
     if self._live.dead(peer):
-      self._parse_error = self._lost(peer)
+      self._abort = self._lost(peer)
     elif self._waited_s() > self._timeout_s:
-      self._parse_error = self._timeout(peer)
+      self._abort = self._timeout(peer)
     else:
       self._absorb(self._ex.wait_chunk(peer))
 
@@ -240,7 +241,7 @@ class Decider(Streamed):
           message = (
             f"process {p} posted {e}; every process must run the same version of the library"
           )
-        self._parse_error = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
+        self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
         return True
     if items and self._n > 1:
       acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
