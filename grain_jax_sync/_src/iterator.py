@@ -137,15 +137,17 @@ def _post_unstarted_end(
   """Posts the ending of an iterator closed before its (re)start, if peers may wait."""
   if namespace is None:
     return
-  ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
-  if not isinstance(ex, exchange_lib.KeyValueExchange):
-    return
-  kind = streamed.Decider if ex.process_index == 0 else streamed.Follower
-  who = agreement.Identity(process=ex.process_index, devices=1, config=None, resume=position)
-  stage = kind(iter(()), ex, settings.options(), who, lookahead=1, timeout_s=1.0, position=position)
   try:
+    ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
+    if not isinstance(ex, exchange_lib.KeyValueExchange):
+      return
+    kind = streamed.Decider if ex.process_index == 0 else streamed.Follower
+    who = agreement.Identity(process=ex.process_index, devices=1, config=None, resume=position)
+    stage = kind(
+      iter(()), ex, settings.options(), who, lookahead=1, timeout_s=1.0, position=position
+    )
     stage.close(position, error)
-  except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+  except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
 
@@ -299,9 +301,9 @@ class JaxBatchIterator(Iterator[Any]):
     self._position = batches
 
   def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
+    """Stops the running stages; the next start (or close) reports `error`, if any."""
     self._life.error = error
     self._life.stop()
-    self._life.error = error
     self._start_error = exc
     self._life.unstarted = (self._next_namespace(), self._position)
     self._exhausted = False
