@@ -278,3 +278,27 @@ def run_many(count: int) -> dict[str, Any]:
   client.wait_at_barrier("many/looked", 60_000)
   threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
   return {"keys": keys, "ended": ended, "threads": threads}
+
+
+def run_collective_fallback() -> dict[str, Any]:
+  """Iterates with no key-value client: the collective fallback, in the caller's thread."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  client = distributed.global_state.client
+  distributed.global_state.client = None  # As without jax.distributed's store.
+  try:
+    data = scenarios.make_batches(p, [[8, 8, 4], [8, 8]][p])
+    it = gjs.iter_jax_batches(data, batch_size=8, paddings=0, mask_key="mask")
+    first = next(it)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax")]
+    out = scenarios.consume(it)
+    out["batches"].insert(0, scenarios.gather(first))
+    it.close()
+  finally:
+    distributed.global_state.client = client
+  out["threads_while_iterating"] = threads
+  return out

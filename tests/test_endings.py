@@ -9,6 +9,7 @@ that a host that closed or died cannot hang a peer in a gather).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import scenarios
 import scenarios_endings
@@ -230,3 +231,19 @@ def test_sixty_iterators_broken_off_early_leave_no_key_on_any_host():
     assert out["keys"] == []
     assert out["threads"] == []
     assert sum(out["ended"].values()) == 60
+
+
+@pytest.mark.multiprocess
+def test_collective_fallback_runs_in_the_callers_thread_and_agrees():
+  for out in testing.values(_run(scenarios_endings.run_collective_fallback)):
+    assert out["threads_while_iterating"] == []  # No collective from a background thread.
+    assert out["error"] is None and len(out["batches"]) == 3
+    for b, batch in enumerate(out["batches"]):
+      real = [8, 8, 4][b], [8, 8, 0][b]
+      want = np.concatenate(
+        [np.r_[scenarios.rows_for(p, b, real[p]), np.zeros(8 - real[p])] for p in range(2)]
+      )
+      np.testing.assert_array_equal(batch["x"], want)
+      np.testing.assert_array_equal(
+        batch["mask"], np.r_[np.arange(8) < real[0], np.arange(8) < real[1]]
+      )
