@@ -144,8 +144,8 @@ def lockstep(
     if exchange.process_count == 1:
       reports = [report]  # Nothing to exchange: skip the JSON round trip.
     else:
-      payloads = exchange.all_gather(w, report.to_json())
-      reports = [plan_lib.Report.from_json(p) for p in payloads]
+      chunk = ledger_lib.Chunk(start=0, ack=w, report=report)
+      reports = _parse_all(exchange.all_gather(w, chunk.to_json()))
       if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
         signature = batches_lib.Signature.from_json(found)
     decision = plan_lib.decide(reports, options, position=position)
@@ -162,6 +162,26 @@ def lockstep(
     if decision.end == plan_lib.End.RAISE:
       assert decision.error is not None
       raise to_exception(decision.error, who.process, end)
+
+
+def _parse_all(payloads: list[str]) -> list[plan_lib.Report]:
+  """Every process's report, or the same ValueError on every host."""
+  versions: dict[int, Any] = {}
+  reports = []
+  for p, text in enumerate(payloads):
+    try:
+      reports.append(ledger_lib.Chunk.from_json(text).report)
+    except ledger_lib.ProtocolError as e:
+      versions[p] = e.version
+  if versions:
+    shown = ", ".join(
+      f"process {p}: {versions.get(p, ledger_lib.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
+    )
+    raise ValueError(
+      "the processes run different versions of the grain_jax_sync agreement"
+      f" protocol ({shown}); every process must run the same version of the library"
+    )
+  return reports
 
 
 # -- this host's reads, for the streamed form --------------------------------------
