@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memory_store import MemoryStore
 
-from grain_jax_sync._src import agreement, exchange, plan, reader, sources, streamed
+from grain_jax_sync._src import agreement, exchange, follower, plan, reader, sources, streamed
 
 OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
@@ -68,7 +68,7 @@ def _host(p, n, store, spec, lookahead, seed, out):
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = streamed.Decider if p == 0 else streamed.Follower
+  kind = streamed.Decider if p == 0 else follower.Follower
   stage = kind(
     read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0, threads=False
   )

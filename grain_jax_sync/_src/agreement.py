@@ -5,7 +5,8 @@ Two forms, one decision (`plan.decide`):
 * `lockstep`: every process reads a window, the reports are all-gathered and
   every process decides the same plan. One process (no exchange) and the
   collective fallback (which runs in the caller's thread) use it.
-* `Streamed`: the key-value store. Every process other than 0 posts its rows
+* Streamed (`streamed.Decider` on process 0, `follower.Follower` on the
+  others): the key-value store. Every process other than 0 posts its rows
   (and its ending) in chunks as it reads; process 0, the decider, reads every
   chunk, decides each position as soon as every process's row (or ending) for
   it is known and posts the decision; every process, process 0 included, acts
