@@ -105,7 +105,7 @@ def _tail(path: str, limit: int = 4000) -> str:
   return data[-limit:].decode("utf-8", "replace")
 
 
-def run_processes(
+def run_processes(  # noqa: C901 - argument checks, then one linear run
   fn: Callable[..., Any],
   *,
   num_processes: int,

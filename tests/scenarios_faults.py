@@ -133,7 +133,7 @@ def _mutation(spec: Any, p: int) -> Any:
   return (index, _MUTATIONS[name])
 
 
-def _hostile_leaf(kind: str, n: int) -> Any:
+def _hostile_leaf(kind: str, n: int) -> Any:  # noqa: C901 - a table of kinds
   """A bad (or unusual but valid) `y` column with `n` rows."""
   base = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
   if kind == "string":
@@ -322,6 +322,18 @@ def run_conservation(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- hygiene ---------------------------------------------------------------------
 
 
+# The per-process liveness beat keys (one per process, not per iterator; they
+# go at interpreter exit).
+BEATS = "grain_jax_sync/beat/"
+
+
+def iterator_keys(client: Any) -> list[str]:
+  """Every key the library holds in the store, less the per-process beats."""
+  return sorted(
+    k for k, _ in client.key_value_dir_get("grain_jax_sync/") if not k.startswith(BEATS)
+  )
+
+
 def _leftovers(tag: str) -> dict[str, Any]:
   """Threads, child processes and exchange keys left after a case.
 
@@ -338,7 +350,7 @@ def _leftovers(tag: str) -> dict[str, Any]:
   out = {
     "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")),
     "children": [c.pid for c in psutil.Process().children(recursive=True)],
-    "keys": sorted(k for k, _ in client.key_value_dir_get("grain_jax_sync/")),
+    "keys": iterator_keys(client),
   }
   # Nobody starts the next case before every process has looked.
   client.wait_at_barrier(f"hygiene/{tag}/looked", 60_000)

@@ -17,6 +17,7 @@ import numpy as np
 import scenarios
 
 THREAD_PREFIX = "grain_jax_sync"
+BEATS = "grain_jax_sync/beat/"  # Per-process liveness keys, not per iterator.
 
 
 def library_threads() -> list[str]:
@@ -121,37 +122,49 @@ def source_error(kwargs: dict[str, Any], *, fail_process: int = 0, at: int = 3) 
 
 
 def exchange_roundtrip(chunks: int) -> dict[str, Any]:
-  """Posts `chunks` chunks per process through KeyValueExchange and reads all."""
+  """Chunks up to process 0 and decisions back down through KeyValueExchange."""
   import jax
 
   from grain_jax_sync._src import exchange
 
   client = exchange.distributed_client()
   p, n = jax.process_index(), jax.process_count()
-  ex = exchange.KeyValueExchange(
-    client, "grain_jax_sync/test_roundtrip", process_index=p, process_count=n, timeout_s=30
-  )
-  for c in range(chunks):
-    ex.post(f"{p}:{c}")
+  ns = "grain_jax_sync/test_roundtrip"
+  ex = exchange.KeyValueExchange(client, ns, process_index=p, process_count=n)
   got: list[tuple[int, str]] = []
   deadline = time.monotonic() + 30
-  while len(got) < (n - 1) * chunks and time.monotonic() < deadline:
-    new = ex.poll()
-    if not new:
-      missing = [q for q in range(n) if q != p and sum(1 for g in got if g[0] == q) < chunks]
-      new = ex.wait(missing[0], 1.0)
-    got.extend(new)
+  if p == 0:
+    while len(got) < (n - 1) * chunks and time.monotonic() < deadline:
+      new = ex.read_chunks()
+      if not new:
+        missing = [q for q in range(1, n) if sum(1 for g in got if g[0] == q) < chunks]
+        new = ex.wait_chunk(missing[0])
+      got.extend(new)
+    for c in range(chunks):
+      ex.post_decision(c, f"d{c}")
+  else:
+    for c in range(chunks):
+      ex.post_chunk(f"{p}:{c}")
+    for c in range(chunks):
+      text = None
+      while text is None and time.monotonic() < deadline:
+        text = ex.wait_decision(c)
+      got.append((0, text))
   client.wait_at_barrier("test_roundtrip/read", 30_000)
-  ex.release(chunks)  # Every peer has read every chunk.
+  if p == 0:
+    ex.delete_decisions(chunks)
+  else:
+    ex.delete_chunks(chunks)
   client.wait_at_barrier("test_roundtrip/released", 30_000)
-  left_after_release = len(client.key_value_dir_get("grain_jax_sync/test_roundtrip/"))
-  ex.finish()
+  left_after_release = [k for k, _ in client.key_value_dir_get(ns + "/")]
+  client.wait_at_barrier("test_roundtrip/looked", 30_000)
+  ex.end()
   client.wait_at_barrier("test_roundtrip/finished", 30_000)
-  left_after_finish = len(client.key_value_dir_get("grain_jax_sync/test_roundtrip/"))
+  left_after_end = [k for k, _ in client.key_value_dir_get(ns + "/")]
   return {
     "got": got,
     "left_after_release": left_after_release,
-    "left_after_finish": left_after_finish,
+    "left_after_end": left_after_end,
   }
 
 
@@ -173,7 +186,8 @@ def keys_after_iteration(sizes: list[list[int]], kwargs: dict[str, Any]) -> dict
   it.close()
   client = exchange.distributed_client()
   client.wait_at_barrier("keys_after_iteration", 30_000)
-  return {"batches": n, "error": error, "left": client.key_value_dir_get("grain_jax_sync/")}
+  left = [k for k, _ in client.key_value_dir_get("grain_jax_sync/") if not k.startswith(BEATS)]
+  return {"batches": n, "error": error, "left": left}
 
 
 def peer_never_comes(timeout_s: float) -> dict[str, Any]:

@@ -84,11 +84,6 @@ def test_core_wheel_imports_and_iterates_without_any_extra(venv_python):
   )
 
 
-@pytest.mark.xfail(
-  reason="the named-extra ImportErrors are implemented on the drop-ins branch;"
-  " remove this mark when it is merged",
-  strict=False,
-)
 def test_each_entry_point_that_needs_an_extra_names_it(venv_python):
   out = _check(
     venv_python,

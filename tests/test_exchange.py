@@ -123,7 +123,7 @@ def test_ack_is_the_largest_seen():
 
 
 def test_make_exchange_single_process_is_local():
-  ex = exchange.make_exchange(synchronize=True, name=None, timeout_s=1.0)
+  ex = exchange.make_exchange(synchronize=True, namespace=None)
   assert isinstance(ex, exchange.LocalExchange)
   assert ex.all_gather(0, "a") == ["a"]
 
@@ -133,16 +133,19 @@ def test_make_exchange_single_process_is_local():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 3])
-def test_post_poll_wait_release_finish_round_trip(n):
-  outs = run(scenarios_perf.exchange_roundtrip, 3, n=n, d=1)
+def test_chunks_up_decisions_down_release_and_end_round_trip(n):
+  # One full group of chunks and decisions: released with one delete each.
+  k = exchange.GROUP
+  outs = run(scenarios_perf.exchange_roundtrip, k, n=n, d=1)
   for p, o in enumerate(outs):
-    want = [(q, f"{q}:{c}") for q in range(n) if q != p for c in range(3)]
-    assert sorted(o["got"]) == sorted(want)
-    # In order per process.
-    for q in range(n):
-      assert [v for r, v in o["got"] if r == q] == [f"{q}:{c}" for c in range(3) if q != p]
-    assert o["left_after_release"] == 0
-    assert o["left_after_finish"] == 0
+    if p == 0:  # The decider reads every chunk, in order per process.
+      for q in range(1, n):
+        assert [v for r, v in o["got"] if r == q] == [f"{q}:{c}" for c in range(k)]
+      assert len(o["got"]) == k * (n - 1)
+    else:  # Every other process reads every decision.
+      assert o["got"] == [(0, f"d{c}") for c in range(k)]
+    assert o["left_after_release"] == []
+    assert o["left_after_end"] == []
 
 
 @pytest.mark.multiprocess

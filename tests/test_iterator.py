@@ -57,7 +57,7 @@ def test_equal_batches_rows_in_process_order(n, d):
 def test_single_process_takes_the_no_exchange_fast_path():
   from grain_jax_sync._src import exchange
 
-  ex = exchange.make_exchange(synchronize=True, name=None, timeout_s=1.0)
+  ex = exchange.make_exchange(synchronize=True, namespace=None)
   assert isinstance(ex, exchange.LocalExchange)
   assert ex.all_gather(0, "report") == ["report"]
 

@@ -19,6 +19,10 @@ from typing import Any
 
 from grain_jax_sync._src import plan as plan_lib
 
+# Carried in every chunk and decision; hosts on another version raise the same
+# clear error instead of misreading each other. 1 was the windowed protocol.
+PROTOCOL_VERSION = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
@@ -38,12 +42,56 @@ class Chunk:
   report: plan_lib.Report
 
   def to_json(self) -> str:
-    return json.dumps({"s": self.start, "a": self.ack, "R": self.report.to_json()})
+    return json.dumps(
+      {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack, "R": self.report.to_json()}
+    )
 
   @classmethod
   def from_json(cls, text: str) -> Chunk:
+    """Parses a chunk.
+
+    Raises:
+      ProtocolError: If it comes from another protocol version or does not parse.
+    """
+    obj = _load(text, "report")
+    try:
+      return cls(start=obj["s"], ack=obj["a"], report=plan_lib.Report.from_json(obj["R"]))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
+
+
+class ProtocolError(ValueError):
+  """A message from a peer that this version cannot read.
+
+  Attributes:
+    version: The peer's protocol version, where it could be read.
+  """
+
+  def __init__(self, message: str, version: Any = None):
+    super().__init__(message)
+    self.version = version
+
+
+def _load(text: str, what: str) -> dict[str, Any]:
+  """A message's JSON object, checked for this protocol version."""
+  try:
     obj = json.loads(text)
-    return cls(start=obj["s"], ack=obj["a"], report=plan_lib.Report.from_json(obj["R"]))
+  except ValueError as e:
+    raise ProtocolError(f"a {what} that is not JSON ({e})") from e
+  version = obj.get("v") if isinstance(obj, dict) else None
+  if version != PROTOCOL_VERSION:
+    raise ProtocolError(f"a {what} of protocol version {version!r}", version)
+  return obj
+
+
+def version_error(peer: int, version: Any, reader: int) -> str:
+  """The message, the same on every host, for peers on another protocol version."""
+  versions = sorted({peer: version, reader: PROTOCOL_VERSION}.items())
+  shown = ", ".join(f"process {p}: {v!r}" for p, v in versions)
+  return (
+    "the processes run different versions of the grain_jax_sync agreement"
+    f" protocol ({shown}); every process must run the same version of the library"
+  )
 
 
 class Ledger:
@@ -61,7 +109,10 @@ class Ledger:
     self._signature: list[dict[str, Any] | None] = [None] * process_count
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
+    self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
+    # The first closed / timed-out ending reported (ends the stream at once).
+    self.abort: plan_lib.ReportedError | None = None
 
   def count(self, p: int) -> int:
     """Positions process `p` has reported rows for."""
@@ -78,6 +129,9 @@ class Ledger:
     """
     r = chunk.report
     p = r.process_index
+    if r.error is not None and r.error.kind in plan_lib.ABORTS:
+      self.abort = self.abort or r.error
+      return
     if chunk.start != self.count(p) or self._end[p] is not None:
       raise RuntimeError(
         f"internal: process {p} posted positions from {chunk.start}, expected"
@@ -90,6 +144,8 @@ class Ledger:
       self._signature[p] = r.signature
     if r.config is not None:
       self._config[p] = r.config
+    if r.resume is not None:
+      self._resume[p] = r.resume
     self._devices[p] = r.local_devices
     self._ack[p] = max(self._ack[p], chunk.ack)
 
@@ -104,12 +160,22 @@ class Ledger:
     if report.signature is not None:
       self._signature[p] = report.signature
 
-  def set_own(self, p: int, *, signature: dict[str, Any] | None, devices: int, config: Any) -> None:
-    """Records a process's structure, device count and settings."""
+  def set_own(
+    self,
+    p: int,
+    *,
+    signature: dict[str, Any] | None,
+    devices: int,
+    config: Any,
+    resume: int | None = None,
+  ) -> None:
+    """Records a process's structure, device count, settings and resume position."""
     if signature is not None:
       self._signature[p] = signature
     self._devices[p] = devices
     self._config[p] = config
+    if resume is not None:
+      self._resume[p] = resume
 
   def window(self, position: int) -> int:
     """How many positions from `position` on are known for every process.
@@ -143,6 +209,7 @@ class Ledger:
           signature=self._signature[p],
           local_devices=self._devices[p],
           config=self._config[p] if with_config else None,
+          resume=self._resume[p] if with_config else None,
         )
       )
     return out
@@ -158,3 +225,65 @@ class Ledger:
       while self._base[p] < position and rows:
         rows.popleft()
         self._base[p] += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What process 0 decided for a run of positions; every process reads it.
+
+  O(1) per position: (action, rows) per position, run-length encoded, not the
+  per-process rows.
+
+  Attributes:
+    start: The first position decided.
+    steps: The decided positions, in order.
+    end: Whether the stream goes on, stops or raises after them.
+    error: The error every host raises (with `End.RAISE`).
+    signature: The agreed batch structure, sent once (in the first decision
+      that knows it).
+  """
+
+  start: int
+  steps: tuple[plan_lib.Step, ...]
+  end: plan_lib.End
+  error: plan_lib.ReportedError | None = None
+  signature: dict[str, Any] | None = None
+
+  def to_json(self) -> str:
+    runs: list[list[Any]] = []
+    for s in self.steps:
+      if runs and runs[-1][0] == s.action.value and runs[-1][1] == s.rows:
+        runs[-1][2] += 1
+      else:
+        runs.append([s.action.value, s.rows, 1])
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
+    if self.error is not None:
+      obj["x"] = self.error.to_json()
+    if self.signature is not None:
+      obj["g"] = self.signature
+    return json.dumps(obj, separators=(",", ":"))
+
+  @classmethod
+  def from_json(cls, text: str) -> Decision:
+    """Parses a decision.
+
+    Raises:
+      ProtocolError: If it comes from another protocol version or does not parse.
+    """
+    obj = _load(text, "decision")
+    try:
+      steps = tuple(
+        plan_lib.Step(plan_lib.Action(a), rows, ()) for a, rows, n in obj["st"] for _ in range(n)
+      )
+      error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
+      return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
+
+
+def signature_of(reports: Any) -> dict[str, Any] | None:
+  """The first structure any report carries."""
+  for r in reports:
+    if r.signature is not None:
+      return r.signature
+  return None

@@ -28,6 +28,17 @@ class ErrorKind(enum.StrEnum):
   # The source itself raised: the failing host re-raises its own exception,
   # the others raise RuntimeError naming the failing process.
   SOURCE = "source"
+  # A process closed (or dropped) its iterator: the others raise RuntimeError.
+  CLOSED = "closed"
+  # A live process did not report within `sync_timeout_s`: PeerTimeoutError.
+  TIMEOUT = "timeout"
+  # A process stopped its liveness beat (it died): PeerLostError.
+  LOST = "lost"
+
+
+# Endings that end the stream at once, whatever positions are still undecided
+# (rows a process posted beyond such an ending are void).
+ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +50,24 @@ class ReportedError:
   process_index: int
   batch_index: int
   type_name: str = "ValueError"
+  # Processes the ending is about (TIMEOUT and LOST: the awaited ones).
+  missing: tuple[int, ...] = ()
+
+  def to_json(self) -> list[Any]:
+    return [
+      self.kind.value,
+      self.message,
+      self.process_index,
+      self.batch_index,
+      self.type_name,
+      list(self.missing),
+    ]
+
+  @classmethod
+  def from_json(cls, obj: Sequence[Any]) -> ReportedError:
+    kind, message, pi, bi, tn, *rest = obj
+    missing = tuple(rest[0]) if rest else ()
+    return cls(ErrorKind(kind), message, pi, bi, tn, missing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +85,8 @@ class Report:
     more: True if the host holds at least one more batch after `rows` (it
       read ahead). Without it the last of `rows` counts as the host's last
       batch when a short batch is judged.
+    resume: The output batch the host resumes at (first window only),
+      compared across hosts.
   """
 
   process_index: int
@@ -66,6 +97,7 @@ class Report:
   local_devices: int = 1
   config: dict[str, Any] | None = None
   more: bool = False
+  resume: int | None = None
 
   def to_json(self) -> str:
     obj: dict[str, Any] = {
@@ -75,23 +107,24 @@ class Report:
       "d": self.local_devices,
     }
     if self.error is not None:
-      e = self.error
-      obj["e"] = [e.kind.value, e.message, e.process_index, e.batch_index, e.type_name]
+      obj["e"] = self.error.to_json()
     if self.signature is not None:
       obj["s"] = self.signature
     if self.config is not None:
       obj["c"] = self.config
     if self.more:
       obj["m"] = True
+    if self.resume is not None:
+      obj["b"] = self.resume
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
   def from_json(cls, text: str) -> Report:
-    obj = json.loads(text)
-    error = None
-    if "e" in obj:
-      kind, message, pi, bi, tn = obj["e"]
-      error = ReportedError(ErrorKind(kind), message, pi, bi, tn)
+    return cls.from_obj(json.loads(text))
+
+  @classmethod
+  def from_obj(cls, obj: Mapping[str, Any]) -> Report:
+    error = ReportedError.from_json(obj["e"]) if "e" in obj else None
     return cls(
       process_index=obj["p"],
       rows=tuple(obj["r"]),
@@ -101,6 +134,7 @@ class Report:
       local_devices=obj["d"],
       config=obj.get("c"),
       more=obj.get("m", False),
+      resume=obj.get("b"),
     )
 
 
@@ -212,6 +246,17 @@ def _config_error(reports: Sequence[Report]) -> ReportedError | None:
         " the same arguments"
       )
   return None
+
+
+def _resume_error(reports: Sequence[Report]) -> ReportedError | None:
+  resumes = [(r.process_index, r.resume) for r in reports if r.resume is not None]
+  if len({b for _, b in resumes}) < 2:
+    return None
+  where = ", ".join(f"process {p} at batch {b}" for p, b in resumes)
+  return _value_error(
+    f"the processes resume from different positions ({where}); every process"
+    " must restore its state from the same checkpoint step"
+  )
 
 
 def _signature_error(reports: Sequence[Report]) -> ReportedError | None:
@@ -378,7 +423,7 @@ def _divisibility_error(reports: Sequence[Report], target: int, index: int) -> R
   return None
 
 
-def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
+def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:  # noqa: C901 - one rule per branch, in order
   """Decides what every host does with the window just read.
 
   Args:
@@ -392,7 +437,7 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
   Returns:
     The plan; identical on every host given identical reports.
   """
-  error = _config_error(reports) or _signature_error(reports)
+  error = _config_error(reports) or _resume_error(reports) or _signature_error(reports)
   if error is not None:
     return Plan((), End.RAISE, error)
 

@@ -1,0 +1,239 @@
+"""The agreement protocol: this host's reads + the exchange -> decided runs.
+
+Two forms, one decision (`plan.decide`):
+
+* `lockstep`: every process reads a window, the reports are all-gathered and
+  every process decides the same plan. One process (no exchange) and the
+  collective fallback (which runs in the caller's thread) use it.
+* Streamed (`streamed.Decider` on process 0, `follower.Follower` on the
+  others): the key-value store. Every process other than 0 posts its rows
+  (and its ending) in chunks as it reads; process 0, the decider, reads every
+  chunk, decides each position as soon as every process's row (or ending) for
+  it is known and posts the decision; every process, process 0 included, acts
+  on the same decisions, so every host yields the same batches and ends the
+  same way, with the same message.
+
+Endings. Every ending is a report with a position: exhausted and failed
+(from the reader, at the position of the failed read) are decided in order
+with the rows; closed (posted by `Streamed.close`), timed out and lost (found
+by the decider while it waits) end the stream at once. A process posts its
+ending before it raises or stops, and yields only decided positions.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import build as build_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import liveness
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
+from grain_jax_sync._src import reader as reader_lib
+
+logger = logging.getLogger(__name__)
+
+ErrorKind = plan_lib.ErrorKind
+
+# Undecided batches a process holds: max(1, min(READ_AHEAD_WINDOWS * lookahead,
+# READ_AHEAD_BYTES // bytes of the first batch)); see docs/performance.md.
+READ_AHEAD_BYTES = 64 << 20
+READ_AHEAD_WINDOWS = 4
+# A batch that took this long to read is posted at once (a slow source); faster
+# reads are posted in chunks of up to `synchronize_lookahead` batches.
+FLUSH_AFTER_S = 0.01
+# A process asks the store for news at most this often while it still has
+# batches to read (or twice the last store call's time, if longer).
+POLL_MIN_S = 0.002
+# The source moves to its own thread once a read takes this long on average: a
+# slow source then overlaps with the exchange, and a fast one is not charged a
+# thread hand-off per batch (measured on 2 cores: agreement throughput 0.5-0.6
+# of unsynchronized with the thread from the start, 0.6-0.9 without it).
+READ_THREAD_AFTER_S = 0.002
+READ_THREAD = "grain_jax_sync-read"
+# A process other than 0 waits this much longer than `sync_timeout_s` for a
+# decision before it gives up on its own, so that process 0, which waits on the
+# slow peer itself, names it first (the same message on every host).
+FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
+
+
+def to_exception(
+  error: plan_lib.ReportedError, process: int, own: reader_lib.End | None
+) -> BaseException:
+  """The exception this host raises for an agreed error."""
+  if own is not None and own.exception is not None and own.error == error:
+    return own.exception  # This host's own failure: its own exception.
+  if error.kind == ErrorKind.VALUE:
+    return ValueError(error.message)
+  if error.kind == ErrorKind.TIMEOUT:
+    return exchange_lib.PeerTimeoutError(error.message, error.missing)
+  if error.kind == ErrorKind.LOST:
+    return exchange_lib.PeerLostError(error.message, error.missing)
+  if error.kind == ErrorKind.CLOSED:
+    return RuntimeError(error.message)
+  return RuntimeError(
+    f"{error.message} (process {error.process_index} raised"
+    f" {error.type_name}; every other process stops too, so that no host"
+    " waits forever)"
+  )
+
+
+def read_ahead_limit(read: reader_lib.Read, lookahead: int) -> int:
+  """Undecided batches a process may hold: a few windows, capped by bytes."""
+  nbytes = sum(leaf.nbytes for leaf in read.batch.leaves)
+  return max(1, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, nbytes)))
+
+
+class Identity:
+  """What a process says about itself in its first report."""
+
+  def __init__(self, *, process: int, devices: int, config: Any, resume: int):
+    self.process = process
+    self.devices = devices
+    self.config = config
+    self.resume = resume
+
+
+def make_report(
+  who: Identity, rows: tuple[int, ...], end: reader_lib.End | None, sig: Any, first: bool
+) -> plan_lib.Report:
+  return plan_lib.Report(
+    process_index=who.process,
+    rows=rows,
+    exhausted=end is not None and end.exhausted,
+    error=None if end is None else end.error,
+    signature=sig,
+    local_devices=who.devices,
+    config=who.config if first else None,
+    resume=who.resume if first else None,
+  )
+
+
+# -- lockstep ----------------------------------------------------------------------
+
+
+def lockstep(
+  reader: Iterator[reader_lib.Read | reader_lib.End],
+  exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
+  options: plan_lib.Options,
+  who: Identity,
+  *,
+  window: int,
+  position: int,
+) -> Iterator[build_lib.Run]:
+  """Reads a window, all-gathers the reports, decides; in the calling thread."""
+  signature: batches_lib.Signature | None = None
+  end: reader_lib.End | None = None
+  for w in range(1 << 62):
+    reads: list[reader_lib.Read] = []
+    while end is None and len(reads) < window:
+      item = next(reader)
+      if isinstance(item, reader_lib.End):
+        end = item
+      else:
+        reads.append(item)
+    if signature is None and reads:
+      signature = reads[0].batch.signature
+    sig = None if signature is None else signature.to_json()
+    report = make_report(who, tuple(r.batch.rows for r in reads), end, sig, w == 0)
+    if exchange.process_count == 1:
+      reports = [report]  # Nothing to exchange: skip the JSON round trip.
+    else:
+      chunk = ledger_lib.Chunk(start=0, ack=w, report=report)
+      reports = _parse_all(exchange.all_gather(w, chunk.to_json()))
+      if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
+        signature = batches_lib.Signature.from_json(found)
+    decision = plan_lib.decide(reports, options, position=position)
+    steps = tuple(
+      (reads[i] if i < len(reads) else None, step) for i, step in enumerate(decision.steps)
+    )
+    position += sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
+    reads = []
+    if steps:
+      yield build_lib.Run(steps, signature)
+    steps = ()
+    if decision.end == plan_lib.End.STOP:
+      return
+    if decision.end == plan_lib.End.RAISE:
+      assert decision.error is not None
+      raise to_exception(decision.error, who.process, end)
+
+
+def _parse_all(payloads: list[str]) -> list[plan_lib.Report]:
+  """Every process's report, or the same ValueError on every host."""
+  versions: dict[int, Any] = {}
+  reports = []
+  for p, text in enumerate(payloads):
+    try:
+      reports.append(ledger_lib.Chunk.from_json(text).report)
+    except ledger_lib.ProtocolError as e:
+      versions[p] = e.version
+  if versions:
+    shown = ", ".join(
+      f"process {p}: {versions.get(p, ledger_lib.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
+    )
+    raise ValueError(
+      "the processes run different versions of the grain_jax_sync agreement"
+      f" protocol ({shown}); every process must run the same version of the library"
+    )
+  return reports
+
+
+# -- this host's reads, for the streamed form --------------------------------------
+
+
+class OwnReads:
+  """This host's undecided reads, read inline while quick, in a thread once slow."""
+
+  def __init__(
+    self, reader: Iterator[reader_lib.Read | reader_lib.End], *, lookahead: int, threads: bool
+  ):
+    self._reader = reader
+    self._threads = threads
+    self._thread: prefetch_lib.Prefetcher[Any] | None = None
+    self._read_s = 0.0  # Moving average of a read's time while inline.
+    self.lookahead = lookahead
+    self.limit = lookahead
+    self.pending: collections.deque[reader_lib.Read] = collections.deque()
+    self.count = 0  # Positions read.
+    self.end: reader_lib.End | None = None
+    self.signature: batches_lib.Signature | None = None
+    self.last_read_s = 0.0
+
+  def room(self) -> bool:
+    return self.end is None and len(self.pending) < self.limit
+
+  def read(self) -> reader_lib.Read | reader_lib.End:
+    t0 = time.monotonic()
+    item = next(self._reader)
+    self.last_read_s = time.monotonic() - t0
+    if self._thread is None and self._threads:
+      self._read_s = 0.8 * self._read_s + 0.2 * self.last_read_s
+      if self._read_s >= READ_THREAD_AFTER_S and not isinstance(item, reader_lib.End):
+        # A slow source: read it in its own thread from now on, so that it
+        # overlaps with the exchange.
+        self._thread = prefetch_lib.Prefetcher(self._reader, buffer_size=1, name=READ_THREAD)
+        self._reader = self._thread
+    if isinstance(item, reader_lib.End):
+      self.end = item
+      return item
+    if self.count == 0:
+      self.limit = read_ahead_limit(item, self.lookahead)
+      self.signature = item.batch.signature
+    self.pending.append(item)
+    self.count += 1
+    return item
+
+  def take(self, start: int, n: int) -> list[reader_lib.Read | None]:
+    """This host's reads for positions ``[start, start + n)`` (None past its end)."""
+    return [self.pending.popleft() if start + i < self.count else None for i in range(n)]
+
+  def close(self) -> None:
+    if self._thread is not None:
+      self._thread.close()

@@ -1,0 +1,143 @@
+"""The build stage: decided runs -> global batches (pad, dummy, mask, cast, transfer).
+
+`Layout` is computed once from the agreed structure (the same on every host);
+`Builder` applies each decided step to this host's read (or to no read: a
+dummy batch) and makes the global arrays with one
+`sharding.to_global_leaves` call per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import padding
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import sharding as sharding_lib
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
+class Run:
+  """Positions decided together, handed from the agreement to the builder.
+
+  Attributes:
+    steps: Per position, this host's read (None: a dummy) and the decision.
+    signature: The agreed batch structure (None while no host has a batch).
+  """
+
+  steps: tuple[tuple[reader_lib.Read | None, plan_lib.Step], ...]
+  signature: batches_lib.Signature | None
+
+
+@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
+class Item:
+  """One output batch and the source state after it."""
+
+  value: Any
+  state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Per-leaf host dtypes, device dtypes and pad values; the same on every host."""
+
+  host: list[np.dtype]
+  device: list[np.dtype | None]
+  pads: list[np.ndarray] | None
+
+  @classmethod
+  def of(cls, sig: batches_lib.Signature, *, dtypes: Any, paddings: Any, mask_key: Any) -> Layout:
+    want = padding.per_leaf(dtypes, sig, what="dtypes")
+    try:
+      host, device = sharding_lib.split_casts(sig.np_dtypes(), want)
+    except TypeError as e:
+      raise ValueError(f"`dtypes` has a value that is not a dtype: {e}") from e
+    pads = None
+    if paddings is not None:
+      values = padding.per_leaf(paddings, sig, what="paddings")
+      pads = padding.check_pad_values(values, host, sig.names)
+    if mask_key is not None:
+      if not batches_lib.is_dict_spec(sig.spec):
+        raise ValueError(
+          f"`mask_key`={mask_key!r} needs dict batches, but the batches are"
+          f" structured as {sig.spec!r}; use dict batches or mask_key=None"
+        )
+      if mask_key in batches_lib.spec_keys(sig.spec):
+        raise ValueError(
+          f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
+        )
+    return cls(host, device, pads)
+
+
+class Builder:
+  """Turns decided runs into `Item`s (global batches with their state).
+
+  Args:
+    settings: The iterator's settings (`paddings`, `dtypes`, `mask_key`,
+      `batch_size`).
+    placement: Where the rows go (`placement.BatchPlacement`).
+    start_state: The source state before the first read.
+  """
+
+  def __init__(self, settings: Any, placement: Any, start_state: Any):
+    self._s = settings
+    self._placement = placement
+    self._state = start_state
+    self._layout: Layout | None = None
+
+  def __call__(self, runs: Iterable[Run]) -> Iterator[Item]:
+    for run in runs:
+      for read, step in run.steps:
+        if read is not None:
+          self._state = read.state
+        if step.action == plan_lib.Action.DROP:
+          logger.warning(
+            "grain_jax_sync: drop_last dropped a batch on every host (this"
+            " host's real rows %d, batch_size %d)",
+            0 if read is None else read.batch.rows,
+            self._s.batch_size,
+          )
+          continue
+        assert run.signature is not None
+        yield Item(self.build(read, step, run.signature), self._state)
+
+  def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
+    """One global batch: this host's rows (or a dummy), padded and masked."""
+    if self._layout is None:
+      self._layout = Layout.of(
+        sig, dtypes=self._s.dtypes, paddings=self._s.paddings, mask_key=self._s.mask_key
+      )
+    layout = self._layout
+    leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+    pads = layout.pads
+    local = [
+      padding.fill_leaf(
+        leaf,
+        target=step.rows,
+        shape=sig.shapes[k],
+        dtype=layout.host[k],
+        pad=None if pads is None else pads[k],
+      )
+      for k, leaf in enumerate(leaves_in)
+    ]
+    device = layout.device
+    mask_key = self._s.mask_key
+    if mask_key is not None:
+      local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
+      device = [*device, None]
+    # The one seam where local rows become global arrays.
+    out = sharding_lib.to_global_leaves(local, self._placement, device)
+    if mask_key is not None:
+      mask = out.pop()
+      tree = batches_lib.unflatten(sig.spec, out)
+      tree[mask_key] = mask
+      return tree
+    return batches_lib.unflatten(sig.spec, out)

@@ -1,0 +1,166 @@
+"""The streamed agreement on a process other than 0: post rows, follow decisions.
+
+A `Follower` posts its rows (and its ending) in chunks as it reads, reads
+process 0's decisions in order, and hands each decided run on. It never
+decides anything itself: when process 0 is dead (no beat) it raises naming
+it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
+(`agreement.FOLLOWER_GRACE_S`) it posts a timed-out ending and raises it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+from grain_jax_sync._src import agreement
+from grain_jax_sync._src import build as build_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src.streamed import End, ErrorKind, Streamed
+
+
+class Follower(Streamed):
+  """A process other than 0: posts its rows, acts on process 0's decisions."""
+
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    self._posted = 0  # Own positions posted.
+    self._unposted: list[int] = []
+    self._end_posted = False
+    self._sent_first = False
+    self._sent_signature = False
+    self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
+    self._gave_up: plan_lib.ReportedError | None = None
+
+  def __iter__(self) -> Iterator[build_lib.Run]:
+    while True:
+      text = self._next_decision()
+      if text is None:
+        continue
+      decision = self._parse(text)
+      self._seq += 1
+      run = self._apply(decision)
+      self._release()
+      if decision.end != End.CONTINUE:
+        self._ex.end()
+      elif run is not None:
+        self._flush()  # Peers may need rows read ahead to reach these positions.
+      if run is not None:
+        yield run
+      if decision.end != End.CONTINUE:
+        self._finish(decision)
+        return
+
+  def _parse(self, text: str) -> ledger_lib.Decision:
+    try:
+      return ledger_lib.Decision.from_json(text)
+    except ledger_lib.ProtocolError as e:
+      self._ex.end()
+      if e.version != ledger_lib.PROTOCOL_VERSION and e.version is not None:
+        raise ValueError(ledger_lib.version_error(0, e.version, self._p)) from e
+      raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
+
+  def _next_decision(self) -> str | None:
+    """A decision if one is posted; else reads ahead, posts, or waits a slice."""
+    if not self._own.room() or self._poll_due():
+      text = self._timed(self._ex.try_decision, self._seq)
+      if text is not None:
+        return text
+    if self._own.room():
+      self._read()
+      return None
+    self._flush()
+    return self._wait()
+
+  def _wait(self) -> str | None:
+    if self._live.dead(0):
+      self._ex.end()
+      raise exchange_lib.PeerLostError(
+        f"process 0 is lost: its liveness beat stopped for"
+        f" {self._live.dead_after_s:g}s while process {self._p} waited for"
+        f" its decision on batch {self._yielded}; process 0 hosts the"
+        " coordination service, so the job must be restarted",
+        (0,),
+      )
+    waited = self._waited_s()
+    limit = self._timeout_s + agreement.FOLLOWER_GRACE_S
+    if self._gave_up is None and waited > limit:
+      # Process 0 should have named the slow peer by now: report it ourselves.
+      self._gave_up = self._timeout_error()
+      self._post(final=True, error=self._gave_up)
+    elif self._gave_up is not None and waited > limit + agreement.FOLLOWER_GRACE_S:
+      self._ex.end()
+      raise agreement.to_exception(self._gave_up, self._p, None)
+    return self._ex.wait_decision(self._seq)
+
+  def _timeout_error(self) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.TIMEOUT,
+      f"process {self._p} got no decision on batch {self._yielded} from"
+      f" process 0 within `sync_timeout_s`={self._timeout_s:g}s (+"
+      f" {agreement.FOLLOWER_GRACE_S:g}s); process 0 is alive but its"
+      " agreement thread is stuck (in its source?)",
+      self._p,
+      self._yielded,
+      "PeerTimeoutError",
+      (0,),
+    )
+
+  def _read(self) -> None:
+    item = self._own.read()
+    if isinstance(item, reader_lib.End):
+      self._flush()
+      return
+    self._unposted.append(item.batch.rows)
+    if (
+      self._own.last_read_s >= agreement.FLUSH_AFTER_S
+      or len(self._unposted) >= self._own.lookahead
+      or len(self._unposted) * 2 >= self._own.limit
+    ):
+      self._flush()
+
+  def _flush(self) -> None:
+    final = self._own.end is not None and not self._end_posted
+    if self._unposted or final:
+      self._post(final=False, error=None)
+
+  def _post(self, *, final: bool, error: plan_lib.ReportedError | None) -> None:
+    """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
+    end = self._own.end if not self._end_posted else None
+    sig = None
+    if not self._sent_signature and self._own.signature is not None:
+      sig = self._own.signature.to_json()
+      self._sent_signature = True
+    report = agreement.make_report(self._who, tuple(self._unposted), end, sig, not self._sent_first)
+    if error is not None:
+      report = plan_lib.Report(process_index=self._p, error=error, local_devices=self._who.devices)
+    chunk = ledger_lib.Chunk(start=self._posted, ack=self._seq, report=report)
+    seq = self._ex.post_chunk(chunk.to_json(), final=final)
+    self._sent_first = True
+    if report.rows:
+      self._chunks.append((seq, self._posted))
+    self._posted += len(report.rows)
+    self._unposted.clear()
+    self._end_posted = self._end_posted or end is not None or error is not None
+
+  def _release(self) -> None:
+    """Deletes own chunks the decider has read (a later position is decided)."""
+    read = None
+    while self._chunks and self._chunks[0][1] < self._j:
+      read = self._chunks.popleft()[0] + 1
+    if read is not None:
+      self._ex.delete_chunks(read)
+
+  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+    """Posts this host's ending (closed, or `error`) as its final chunk."""
+    if self._ex.ended:
+      return
+    try:
+      if not self._end_posted or error is None:
+        self._unposted.clear()
+        self._post(final=True, error=error or self._closed_error(at_batch))
+    finally:
+      self._ex.end()

@@ -1,0 +1,119 @@
+"""Liveness: tell a dead peer from a slow one, through the key-value store.
+
+One beat thread per process (not per iterator) overwrites
+``grain_jax_sync/beat/{p}`` every `BEAT_S`. A process that waits for a peer
+reads that peer's beat (at most once per `BEAT_S`): unchanged for
+`DEAD_AFTER_S` means dead; a peer that never beat has not started yet (late,
+not dead).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from grain_jax_sync._src import exchange as exchange_lib
+
+logger = logging.getLogger(__name__)
+
+# Liveness. A beat every second costs one small store write per process per
+# second. Eight missed beats in a row mean dead: a live process misses that
+# many only if its interpreter is frozen (SIGSTOP, swapping) for 8 s, which a
+# busy training loop does not do (the beat thread runs whenever the GIL is
+# free). Worst case to name a killed process: DEAD_AFTER_S after the first
+# read of its last beat, which lags the death by up to 2 * BEAT_S (the beat
+# period plus the read period), plus one decision hop: about 10 s, inside the
+# 15 s promise and well before JAX's 100 s heartbeat.
+BEAT_S = 1.0
+DEAD_AFTER_S = 8.0
+
+
+class Beat:
+  """The process's liveness beat: a daemon thread overwriting one key.
+
+  One per (client, process), not per iterator: `Beat.ensure` starts it on
+  first use and it lives until interpreter exit (named ``gjs-beat-{p}``, not
+  ``grain_jax_sync-*``, so that per-iterator thread checks do not count it).
+  The key is deleted by `stop()`, which runs at interpreter exit.
+  """
+
+  _lock = threading.Lock()
+  _running: dict[tuple[int, int], Beat] = {}
+
+  def __init__(self, client: Any, process: int):
+    self._client = client
+    self._key = exchange_lib.beat_key(process)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name=f"gjs-beat-{process}", daemon=True)
+    self._thread.start()
+
+  @classmethod
+  def ensure(cls, client: Any, process: int) -> Beat:
+    with cls._lock:
+      beat = cls._running.get((id(client), process))
+      if beat is None:
+        beat = cls._running[(id(client), process)] = cls(client, process)
+        if len(cls._running) == 1:
+          atexit.register(cls.stop_all)
+      return beat
+
+  def _run(self) -> None:
+    for n in itertools.count():
+      try:
+        self._client.key_value_set(self._key, str(n), True)
+      except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
+        logger.debug("grain_jax_sync: beat failed: %s", e)
+      if self._stop.wait(BEAT_S):
+        return
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=2 * BEAT_S)
+    try:
+      self._client.key_value_delete(self._key)
+    except Exception:  # noqa: BLE001 - best effort at exit.
+      pass
+
+  @classmethod
+  def stop_all(cls) -> None:
+    with cls._lock:
+      beats = list(cls._running.values())
+      cls._running.clear()
+    for beat in beats:
+      beat.stop()
+
+
+class Liveness:
+  """Tells a dead peer (beat unchanged for `DEAD_AFTER_S`) from a slow one.
+
+  Checks at most once per `BEAT_S` per peer, and only while waiting.
+  """
+
+  def __init__(self, exchange: exchange_lib.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
+    self._ex = exchange
+    self._dead_after_s = dead_after_s
+    self._seen: dict[int, tuple[str | None, float]] = {}
+    self._checked: dict[int, float] = {}
+
+  def silent_s(self, process: int) -> float:
+    """Seconds `process`'s beat has not changed (0 if it never beat: a late start)."""
+    now = time.monotonic()
+    if now - self._checked.get(process, -1e9) >= BEAT_S:
+      self._checked[process] = now
+      beat = self._ex.beat_of(process)
+      last = self._seen.get(process)
+      if last is None or last[0] != beat:
+        self._seen[process] = (beat, now)
+    beat, since = self._seen[process]
+    return 0.0 if beat is None else now - since
+
+  def dead(self, process: int) -> bool:
+    return self.silent_s(process) >= self._dead_after_s
+
+  @property
+  def dead_after_s(self) -> float:
+    return self._dead_after_s

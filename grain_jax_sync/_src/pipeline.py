@@ -1,0 +1,168 @@
+"""The stages of one (re)start, composed in one place and closed in reverse order.
+
+```
+source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> Prefetcher -> user
+```
+
+`Pipeline` builds the stages in the order of the diagram, starting every
+thread here; `close()` stops them from the user's end back to the source, then
+posts this host's ending if the stream is still open. `Lifetime` is what the
+iterator's finalizer closes: it holds no reference to the iterator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from grain_jax_sync._src import agreement, follower, reader, streamed
+from grain_jax_sync._src import build as build_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
+from grain_jax_sync._src import settings as settings_lib
+
+logger = logging.getLogger(__name__)
+
+Settings = settings_lib.Settings
+AGREE_THREAD = "grain_jax_sync-agree"
+# Decided runs of positions (each at most the read-ahead) queued between the
+# agreement thread and the build thread.
+STAGE_BUFFER = 1
+
+
+class Pipeline:
+  """The stages of one (re)start; closes them in reverse order, once.
+
+  Args:
+    it: What the stages need from the iterator (read here, not kept).
+    exchange: This start's exchange.
+    start_error: A malformed-state error to end with before reading.
+  """
+
+  def __init__(self, it: Any, exchange: Any, start_error: BaseException | None):
+    s = it._settings  # noqa: SLF001 - the iterator composes its own pipeline.
+    pc = jax.process_count()
+    self._position = it._position  # noqa: SLF001
+    self.delivered = 0
+    self._agreement: streamed.Streamed | None = None
+    self._stages: list[prefetch_lib.Prefetcher[Any]] = []
+    read = reader.Reader(
+      it._source,  # noqa: SLF001
+      process_index=exchange.process_index,
+      check_int32=not jax.config.jax_enable_x64,
+      start_error=start_error,
+    )
+    who = agreement.Identity(
+      process=exchange.process_index,
+      devices=it._local_devices,  # noqa: SLF001
+      config=s.digest(),
+      resume=self._position,
+    )
+    inline = isinstance(exchange, exchange_lib.CollectiveExchange)  # Never in a thread.
+    runs: Iterator[build_lib.Run]
+    if isinstance(exchange, exchange_lib.KeyValueExchange):
+      kind = streamed.Decider if exchange.process_index == 0 else follower.Follower
+      self._agreement = kind(
+        read,
+        exchange,
+        s.options(),
+        who,
+        lookahead=s.lookahead,
+        timeout_s=s.sync_timeout_s,
+        position=self._position,
+        threads=s.prefetch > 0,
+      )
+      runs = iter(self._agreement)
+      if s.prefetch > 0:
+        runs = self._thread(runs, STAGE_BUFFER, AGREE_THREAD)
+    else:
+      window = s.lookahead if pc > 1 else 1
+      runs = agreement.lockstep(
+        read, exchange, s.options(), who, window=window, position=self._position
+      )
+    builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
+    items: Iterator[build_lib.Item] = builder(runs)
+    if s.prefetch > 0 and not inline:
+      items = self._thread(items, s.prefetch, "grain_jax_sync-prefetch")
+    self._items = items
+    self._closed = False
+
+  def _thread(self, it: Iterator[Any], size: int, name: str) -> prefetch_lib.Prefetcher[Any]:
+    cancel = self._agreement.close_stage if self._agreement is not None else None
+    stage = prefetch_lib.Prefetcher(it, buffer_size=size, on_close=cancel, name=name)
+    self._stages.insert(0, stage)  # Closed from the user's end back to the source.
+    return stage
+
+  def __next__(self) -> build_lib.Item:
+    item = next(self._items)
+    self.delivered += 1
+    return item
+
+  def close(self, error: plan_lib.ReportedError | None = None) -> None:
+    """Stops every stage, then posts this host's ending if the stream is still open."""
+    if self._closed:
+      return
+    self._closed = True
+    if self._agreement is not None:
+      self._agreement.close_stage()
+    for stage in self._stages:
+      stage.close()
+    if not self._stages:
+      close = getattr(self._items, "close", None)
+      if callable(close):
+        close()
+    if self._agreement is None:
+      return
+    self._agreement.release()
+    if any(stage.thread.is_alive() for stage in self._stages):
+      logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
+      return
+    try:
+      self._agreement.close(self._position + self.delivered, error)
+    except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+      logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+
+
+def post_unstarted_end(
+  settings: Settings, namespace: str | None, position: int, error: plan_lib.ReportedError | None
+) -> None:
+  """Posts the ending of an iterator closed before its (re)start, if peers may wait."""
+  if namespace is None:
+    return
+  try:
+    ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
+    if not isinstance(ex, exchange_lib.KeyValueExchange):
+      return
+    kind = streamed.Decider if ex.process_index == 0 else follower.Follower
+    who = agreement.Identity(process=ex.process_index, devices=1, config=None, resume=position)
+    stage = kind(
+      iter(()), ex, settings.options(), who, lookahead=1, timeout_s=1.0, position=position
+    )
+    stage.close(position, error)
+  except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
+    logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+
+
+class Lifetime:
+  """What must happen when the iterator goes away; holds no reference to it."""
+
+  def __init__(self, settings: Settings):
+    self.settings = settings
+    self.pipeline: Pipeline | None = None
+    self.unstarted: tuple[str | None, int] | None = None  # (namespace, position)
+    self.error: plan_lib.ReportedError | None = None
+
+  def stop(self) -> None:
+    pipeline, self.pipeline = self.pipeline, None
+    if pipeline is not None:
+      pipeline.close(self.error)
+
+  def close(self) -> None:
+    self.stop()
+    unstarted, self.unstarted = self.unstarted, None
+    if unstarted is not None:
+      post_unstarted_end(self.settings, unstarted[0], unstarted[1], self.error)

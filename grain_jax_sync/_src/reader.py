@@ -1,0 +1,191 @@
+"""The reader stage: source -> `Read(batch, state)` ... then one `End`.
+
+Everything that can fail on this host alone happens here, before the batch's
+row count is posted to any peer: `next()`, validation (which converts every
+leaf with `np.asarray`, so a leaf whose `__array__` raises fails here), the
+64-bit integer range check and `source.get_state()`. Any exception, of any
+type (KeyboardInterrupt and SystemExit raised by the source too), becomes the
+`End` value with its type name and message, at the position of the read that
+failed. So every local failure sits at a position whose row was never posted,
+and every host can agree on it.
+
+Pure NumPy; no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import sources
+
+_INT_RANGE = {
+  np.dtype(np.int64): (np.iinfo(np.int32).min, np.iinfo(np.int32).max, "int32"),
+  np.dtype(np.uint64): (0, np.iinfo(np.uint32).max, "uint32"),
+}
+
+
+@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
+class Read:
+  """One validated non-empty batch and the source state right after it."""
+
+  batch: batches_lib.HostBatch
+  state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+  """How this host's stream ended.
+
+  Attributes:
+    position: Non-empty batches read before the end (the ended position).
+    error: None when the source was exhausted; else what failed, reported.
+    exception: The local exception (re-raised on this host only).
+  """
+
+  position: int
+  error: plan_lib.ReportedError | None = None
+  exception: BaseException | None = None
+
+  @property
+  def exhausted(self) -> bool:
+    return self.error is None
+
+
+def failed(
+  process: int,
+  position: int,
+  batch_index: int,
+  e: BaseException,
+  doing: str,
+  *,
+  data: bool = False,
+) -> End:
+  """The `End` for exception `e`.
+
+  With `data`, a ValueError is bad data or settings: every host raises the
+  same ValueError. Anything else is a failure of this host: it re-raises its
+  own exception, the others a RuntimeError naming it.
+  """
+  if data and isinstance(e, ValueError):
+    error = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(e), process, batch_index)
+  else:
+    error = plan_lib.ReportedError(
+      plan_lib.ErrorKind.SOURCE,
+      f"process {process} failed while {doing}: {type(e).__qualname__}: {e}",
+      process,
+      batch_index,
+      type(e).__qualname__,
+    )
+  return End(position, error, e)
+
+
+class Reader:
+  """Iterates `Read`s from the source, then one `End`, then stops.
+
+  Args:
+    source: The per-host source.
+    process_index: This process (for messages).
+    check_int32: Refuse int64/uint64 values outside the int32/uint32 range
+      (JAX holds 64-bit integers as 32-bit ones while x64 is off).
+    start_error: An error to end with before reading (a malformed state).
+  """
+
+  def __init__(
+    self,
+    source: sources.SourceIterator,
+    *,
+    process_index: int,
+    check_int32: bool,
+    start_error: BaseException | None = None,
+  ):
+    self._source = source
+    self._p = process_index
+    self._check_int32 = check_int32
+    self._position = 0  # Non-empty batches read.
+    self._index = 0  # Source batches read (for messages).
+    self._signature: batches_lib.Signature | None = None
+    self._done = False
+    self._start_error = start_error
+
+  def __iter__(self) -> Reader:
+    return self
+
+  def __next__(self) -> Read | End:
+    if self._done:
+      raise StopIteration
+    if self._start_error is not None:
+      self._done = True
+      return failed(self._p, 0, 0, self._start_error, "restoring its state", data=True)
+    while True:
+      item = self._read()
+      if item is None:
+        continue  # An empty batch: skipped.
+      if isinstance(item, End):
+        self._done = True
+      return item
+
+  def _read(self) -> Read | End | None:
+    index = self._index
+    try:
+      raw = next(self._source)
+    except StopIteration:
+      return End(self._position)
+    except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
+      return failed(self._p, self._position, index, e, f"reading batch {index} from its source")
+    self._index += 1
+    try:
+      hb = self._validate(raw, index)
+    except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
+      return failed(self._p, self._position, index, e, f"converting batch {index}", data=True)
+    try:
+      state = self._source.get_state() if self._source.supports_state else None
+    except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
+      return failed(
+        self._p, self._position, index, e, f"taking the source state after batch {index}"
+      )
+    if hb.rows == 0:
+      return None
+    self._position += 1
+    return Read(hb, state)
+
+  def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
+    hb = batches_lib.validate(raw, process_index=self._p, batch_index=index)
+    if not hb.rows:
+      return hb
+    if self._signature is None:
+      self._signature = hb.signature
+    elif hb.signature != self._signature:
+      diffs = batches_lib.diff(self._signature, hb.signature)
+      raise ValueError(
+        f"{batches_lib.where(self._p, index)}: the batch structure"
+        f" changed mid-stream ({'; '.join(diffs)}; earlier batches had"
+        f" [{self._signature.describe()}]); expected every batch to"
+        " have the same columns, dtypes and trailing shapes"
+      )
+    if self._check_int32:
+      check_int_range(hb, self._p, index)
+    return hb
+
+
+def check_int_range(hb: batches_lib.HostBatch, process: int, index: int) -> None:
+  """Raises if a 64-bit integer leaf holds a value its 32-bit form would wrap."""
+  for leaf, name in zip(hb.leaves, hb.signature.names, strict=True):
+    bounds = _INT_RANGE.get(leaf.dtype)
+    if bounds is None or leaf.size == 0:
+      continue
+    lo, hi, kind = bounds
+    low, high = leaf.min(), leaf.max()
+    if low < lo or high > hi:
+      bad = low if low < lo else high
+      raise ValueError(
+        f"{batches_lib.where(process, index, name)}: value {int(bad)} does not"
+        f" fit {kind}, the dtype JAX holds {leaf.dtype} values in while x64 is"
+        " off (it would wrap silently); enable x64"
+        " (jax.config.update('jax_enable_x64', True)) or bring the values"
+        f" into the {kind} range"
+      )

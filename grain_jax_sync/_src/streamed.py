@@ -1,0 +1,288 @@
+"""The streamed agreement over the key-value store: one decider, O(processes).
+
+Process 0 (`Decider`, here) reads every peer's chunks with one directory
+read, decides with `plan.decide` and posts each decision once; every other
+process (`follower.Follower`) posts its chunks and reads the decisions. See `agreement` for the
+endings and `exchange` for the keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from grain_jax_sync._src import agreement
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import build as build_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import liveness as liveness_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reader as reader_lib
+
+ErrorKind = plan_lib.ErrorKind
+End = plan_lib.End
+
+
+class Streamed:
+  """What the decider and the followers share: own reads, the runs, the ending.
+
+  Args:
+    reader: This host's reader.
+    exchange: The key-value exchange of this iterator.
+    options: The settings `plan.decide` needs.
+    who: This process's identity (devices, settings digest, resume position).
+    lookahead: `synchronize_lookahead`.
+    timeout_s: `sync_timeout_s`.
+    position: Output batches before the first one (the resume position).
+    threads: May move a slow source to its own thread.
+    live: Tells dead peers from slow ones (default: their beats).
+  """
+
+  def __init__(
+    self,
+    reader: Iterator[reader_lib.Read | reader_lib.End],
+    exchange: exchange_lib.KeyValueExchange,
+    options: plan_lib.Options,
+    who: agreement.Identity,
+    *,
+    lookahead: int,
+    timeout_s: float,
+    position: int,
+    threads: bool = True,
+    live: liveness_lib.Liveness | None = None,
+  ):
+    self._ex = exchange
+    self._options = options
+    self._who = who
+    self._p = exchange.process_index
+    self._n = exchange.process_count
+    self._timeout_s = timeout_s
+    self._own = agreement.OwnReads(reader, lookahead=lookahead, threads=threads)
+    self._live = live or liveness_lib.Liveness(exchange)
+    self._j = 0  # Positions decided.
+    self._yielded = position  # Output batches decided (for messages).
+    self._seq = 0  # Decisions posted (decider) or consumed (follower).
+    self._signature: batches_lib.Signature | None = None
+    self._rpc_s = 0.001
+    self._last_poll = -1.0
+    self._waiting_since: float | None = None
+
+  def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
+    """This host's reads for a decision, as a run for the builder."""
+    if self._signature is None:
+      if self._own.signature is not None:
+        self._signature = self._own.signature
+      elif decision.signature is not None:
+        self._signature = batches_lib.Signature.from_json(decision.signature)
+    reads = self._own.take(self._j, len(decision.steps))
+    self._j += len(decision.steps)
+    self._yielded += sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
+    self._waiting_since = None
+    if not decision.steps:
+      return None
+    return build_lib.Run(tuple(zip(reads, decision.steps, strict=True)), self._signature)
+
+  def _finish(self, decision: ledger_lib.Decision) -> None:
+    """After the final decision's run: stop, or raise the agreed error."""
+    if decision.end == End.RAISE:
+      assert decision.error is not None
+      raise agreement.to_exception(decision.error, self._p, self._own.end)
+
+  def _poll_due(self) -> bool:
+    return time.monotonic() - self._last_poll >= max(agreement.POLL_MIN_S, 2 * self._rpc_s)
+
+  def _timed(self, fn: Any, *args: Any) -> Any:
+    t0 = time.monotonic()
+    out = fn(*args)
+    self._last_poll = time.monotonic()
+    self._rpc_s = 0.8 * self._rpc_s + 0.2 * (self._last_poll - t0)
+    return out
+
+  def _waited_s(self) -> float:
+    now = time.monotonic()
+    if self._waiting_since is None:
+      self._waiting_since = now
+    return now - self._waiting_since
+
+  def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.CLOSED,
+      f"process {self._p} closed its iterator at batch {at_batch}",
+      self._p,
+      at_batch,
+      "closed",
+    )
+
+  def close_stage(self) -> None:
+    """Stops waits and the read thread (from the closing thread)."""
+    self._ex.cancel()
+
+  def release(self) -> None:
+    self._own.close()
+
+
+class Decider(Streamed):
+  """Process 0: reads every chunk, decides, posts the decisions."""
+
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    self._led = ledger_lib.Ledger(self._n)
+    who = self._who
+    self._led.set_own(
+      self._p, signature=None, devices=who.devices, config=who.config, resume=who.resume
+    )
+    self._sent_signature = False
+    # An ending found here (an unreadable chunk, a timed-out or lost peer).
+    self._abort: plan_lib.ReportedError | None = None
+    self._acked = 0  # Decisions deleted below this.
+
+  def __iter__(self) -> Iterator[build_lib.Run]:
+    while True:
+      plan = self._plan()
+      if plan is None:
+        self._advance()
+        continue
+      decision = self._post(plan)
+      run = self._apply(decision)
+      self._led.forget(self._j)
+      if decision.end != End.CONTINUE:
+        self._ex.end()
+      if run is not None:
+        yield run
+      if decision.end != End.CONTINUE:
+        self._finish(decision)
+        return
+
+  def _plan(self) -> plan_lib.Plan | None:
+    """The next plan, or None while the next position is not known for everyone."""
+    error = self._abort or self._led.abort
+    if error is not None:
+      return plan_lib.Plan((), End.RAISE, error)
+    size = self._led.window(self._j)
+    if size == 0:
+      return None
+    reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
+    return plan_lib.decide(reports, self._options, position=self._yielded)
+
+  def _post(self, plan: plan_lib.Plan) -> ledger_lib.Decision:
+    sig = None
+    if not self._sent_signature and plan.steps:
+      sig = self._led_signature()
+      self._sent_signature = sig is not None
+    decision = ledger_lib.Decision(self._j, plan.steps, plan.end, plan.error, sig)
+    self._ex.post_decision(self._seq, decision.to_json())
+    self._seq += 1
+    return decision
+
+  def _led_signature(self) -> dict[str, Any] | None:
+    reports = self._led.window_reports(self._j, 0, with_config=False)
+    return ledger_lib.signature_of(reports)
+
+  def _advance(self) -> None:
+    """Reads this host's next batch, or gathers the peers' chunks, or waits."""
+    missing = self._led.missing(self._j)
+    own = self._p in missing
+    if own or (self._own.room() and not self._poll_due()):
+      self._read_run()
+      return
+    if self._absorb(self._timed(self._ex.read_chunks)):
+      return
+    if self._own.room():
+      self._read()
+      return
+    peer = missing[0]
+    if self._live.dead(peer):
+      self._abort = self._lost(peer)
+    elif self._waited_s() > self._timeout_s:
+      self._abort = self._timeout(peer)
+    else:
+      self._absorb(self._ex.wait_chunk(peer))
+
+  def _read_run(self) -> None:
+    """Reads up to a window's worth while reads are quick, so that positions
+    are decided (and decisions posted) in runs rather than one by one."""
+    t0 = time.monotonic()
+    self._read()
+    n = 1
+    while (
+      self._own.room()
+      and n < self._own.lookahead
+      and time.monotonic() - t0 < agreement.FLUSH_AFTER_S
+    ):
+      self._read()
+      n += 1
+
+  def _read(self) -> None:
+    item = self._own.read()
+    if isinstance(item, reader_lib.End):
+      sig = None if self._own.signature is None else self._own.signature.to_json()
+      self._led.end(agreement.make_report(self._who, (), item, sig, False))
+      return
+    if self._own.count == 1:
+      self._led.set_own(
+        self._p,
+        signature=item.batch.signature.to_json(),
+        devices=self._who.devices,
+        config=self._who.config,
+        resume=self._who.resume,
+      )
+    self._led.add_rows(self._p, item.batch.rows)
+
+  def _absorb(self, items: list[tuple[int, str]]) -> bool:
+    for p, text in items:
+      try:
+        self._led.add(ledger_lib.Chunk.from_json(text))
+      except ledger_lib.ProtocolError as e:
+        message = ledger_lib.version_error(p, e.version, self._p)
+        if e.version == ledger_lib.PROTOCOL_VERSION or e.version is None:
+          message = (
+            f"process {p} posted {e}; every process must run the same version of the library"
+          )
+        self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
+        return True
+    if items and self._n > 1:
+      acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
+      if acked > self._acked:
+        self._ex.delete_decisions(acked)
+        self._acked = acked
+    return bool(items)
+
+  def _timeout(self, peer: int) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.TIMEOUT,
+      f"process {peer} did not report batch {self._yielded} (position"
+      f" {self._j}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
+      " or only just silent (its liveness beat is recent), so it may have"
+      " died just now, hung in its source, paused its training loop for"
+      " longer than `sync_timeout_s`, or created its iterators in a different"
+      " order (pass the same `name=` on every process)",
+      peer,
+      self._yielded,
+      "PeerTimeoutError",
+      (peer,),
+    )
+
+  def _lost(self, peer: int) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.LOST,
+      f"process {peer} is lost: its liveness beat stopped for"
+      f" {self._live.dead_after_s:g}s while the other processes waited for"
+      f" its batch {self._yielded} (position {self._j}); it died (killed,"
+      " out of memory, crashed) or froze",
+      peer,
+      self._yielded,
+      "PeerLostError",
+      (peer,),
+    )
+
+  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+    """Posts this host's ending (closed, or `error`) as the final decision."""
+    if self._ex.ended:
+      return
+    final = ledger_lib.Decision(self._j, (), End.RAISE, error or self._closed_error(at_batch))
+    try:
+      self._ex.post_decision(self._seq, final.to_json(), final=True)
+    finally:
+      self._ex.end()

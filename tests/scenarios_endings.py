@@ -1,0 +1,304 @@
+"""Scenarios for the endings tests (run inside simulated hosts).
+
+Every case runs without collectives in the test itself (a host that closes or
+dies must not leave a peer inside a gather): each host records the rows of its
+own shards of each batch (`local_x`), which the test compares with what it fed.
+The last process is the faulty one ("victim").
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import scenarios
+import scenarios_faults
+
+KW = {"batch_size": 8, "synchronize_lookahead": 2}
+CLOSE_LENGTH = 40
+LATE_LENGTH = 40  # Longer than the read-ahead, so that a pause makes peers wait.
+
+
+def local_x(batch: Any) -> list[int]:
+  """This host's rows of column `x`, in global row order."""
+  shards = sorted(batch["x"].addressable_shards, key=lambda s: s.index[0].start or 0)
+  seen, out = set(), []
+  for s in shards:
+    if s.index[0].start in seen:
+      continue
+    seen.add(s.index[0].start)
+    out.extend(np.asarray(s.data).tolist())
+  return out
+
+
+def drain(it: Any, *, limit: int | None = None, pause: tuple[int, float] | None = None) -> dict:
+  """Drains `it` locally; any exception type (BaseException too) is recorded."""
+  out: dict[str, Any] = {"n": 0, "rows": [], "error": None, "error_type": None}
+  start = time.monotonic()
+  try:
+    for batch in it:
+      out["n"] += 1
+      out["rows"].append(local_x(batch))
+      if pause is not None and out["n"] == pause[0]:
+        time.sleep(pause[1])
+      if limit is not None and out["n"] >= limit:
+        break
+  except BaseException as e:  # noqa: BLE001 - returned to the test.
+    out["error"] = str(e)
+    out["error_type"] = type(e).__name__
+  out["elapsed_s"] = time.monotonic() - start
+  return out
+
+
+class _CudaLike:
+  """A leaf whose `__array__` raises TypeError, like a CUDA tensor."""
+
+  shape = (8,)
+
+  def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+    raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
+class StatefulSource:
+  """Batches with get_state/set_state; get_state raises OSError after batch `fail_at`."""
+
+  def __init__(self, batches: list[Any], fail_at: int | None = None):
+    self._batches = batches
+    self._i = 0
+    self._fail_at = fail_at
+
+  def __iter__(self) -> StatefulSource:
+    return self
+
+  def __next__(self) -> Any:
+    if self._i >= len(self._batches):
+      raise StopIteration
+    self._i += 1
+    return self._batches[self._i - 1]
+
+  def get_state(self) -> dict[str, int]:
+    if self._fail_at is not None and self._i == self._fail_at + 1:
+      raise OSError("state file vanished")
+    return {"i": self._i}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._i = int(state["i"])
+
+
+def _raising(batches: list[Any], at: int, exc: BaseException) -> Iterator[Any]:
+  for b, batch in enumerate(batches):
+    if b == at:
+      raise exc
+    yield batch
+
+
+def _source(kind: str, p: int, victim: bool) -> Any:
+  # A close must land mid-stream: longer than the read-ahead (4 x lookahead).
+  batches = scenarios.make_batches(p, [8] * (CLOSE_LENGTH if kind.startswith("close") else 6))
+  if kind == "int64":  # Every host has int64 ids; the victim's batch 1 does not fit int32.
+    batches = [{"x": b["x"].astype(np.int64), "y": b["y"]} for b in batches]
+    if victim:
+      batches[1]["x"] = batches[1]["x"] + 2**40
+  if not victim:
+    return StatefulSource(batches)
+  if kind == "type_error":
+    batches[1] = {"x": batches[1]["x"], "y": _CudaLike()}
+  elif kind == "keyboard_interrupt":
+    return _raising(batches, 1, KeyboardInterrupt("interrupted in the source"))
+  elif kind == "system_exit":
+    return _raising(batches, 1, SystemExit("the source gave up"))
+  return StatefulSource(batches, fail_at=2 if kind == "get_state_oserror" else None)
+
+
+def _state(it: Any, kind: str, victim: bool, p: int) -> Any:
+  """The state each host restores for the resume cases."""
+  state = it.get_state()
+  state["batches"], state["source"] = 3, {"i": 3}
+  if not victim:
+    return state
+  if kind == "resume_positions":
+    state["batches"], state["source"] = 5, {"i": 5}
+  elif kind == "state_settings":
+    state["settings"] = {**state["settings"], "batch_size": 4}
+  elif kind == "state_missing_field":
+    del state["batches"]
+  elif kind == "state_bad_type":
+    state["batches"] = "three"
+  elif kind == "state_unknown_version":
+    state["version"] = 99
+  elif kind == "state_bad_source":
+    state["source"] = {}
+  return state
+
+
+def run_case(c: int, kind: str) -> dict[str, Any]:
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p, n = jax.process_index(), jax.process_count()
+  victim = p == n - 1
+  it = gjs.iter_jax_batches(_source(kind, p, victim), name=f"end{c}", **KW)
+  start = time.monotonic()
+  out: dict[str, Any] = {"n": 0, "rows": [], "error": None, "error_type": None}
+  if kind.startswith(("resume", "state")):
+    try:
+      it.set_state(_state(it, kind, victim, p))
+    except ValueError as e:
+      out.update(error=str(e), error_type="ValueError", local=True)
+      it.close()
+      out["elapsed_s"] = time.monotonic() - start
+      return out
+  if victim and kind == "close_before":
+    it.close()
+    return {**out, "elapsed_s": 0.0}
+  if victim and kind in ("close_mid", "close_drop"):
+    out = drain(it, limit=2)
+    if kind == "close_mid":
+      it.close()
+    else:
+      del it
+      gc.collect()
+    return out
+  out = drain(it)
+  it.close()
+  return out
+
+
+def run_endings(kinds: list[str]) -> list[dict[str, Any]]:
+  """Runs every ending case in turn in this set of processes."""
+  return [run_case(c, kind) for c, kind in enumerate(kinds)]
+
+
+# -- late, paused and dead hosts ---------------------------------------------------
+
+
+def _stop_me_for(seconds: float) -> None:
+  """SIGSTOPs this process now and SIGCONTs it `seconds` later (from a shell)."""
+  pid = os.getpid()
+  subprocess.Popen(
+    ["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"],
+    start_new_session=True,
+  )
+  time.sleep(seconds + 0.5)  # Stopped here, from the shell's first command on.
+
+
+def _stopping(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
+  for b, batch in enumerate(batches):
+    if b == at:
+      _stop_me_for(seconds)
+    yield batch
+
+
+def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[str, Any]:
+  """The last process is late: stopped (SIGSTOP) in its source, or pausing its loop."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p, n = jax.process_index(), jax.process_count()
+  victim = p == n - 1
+  batches = scenarios.make_batches(p, [8] * LATE_LENGTH)
+  src = _stopping(batches, 2, seconds) if victim and case == "sigstop" else batches
+  kw = dict(KW)
+  if sync_timeout_s is not None:
+    kw["sync_timeout_s"] = sync_timeout_s
+  it = gjs.iter_jax_batches(src, name=f"late_{case}", **kw)
+  pause = (1, seconds) if victim and case == "pause" else None
+  out = drain(it, pause=pause)
+  it.close()
+  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
+  return out
+
+
+def run_kill_default(victim: int) -> dict[str, Any]:
+  """Process `victim` SIGKILLs itself at its batch 2; default settings everywhere."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  jax.devices()
+  distributed.global_state.client.wait_at_barrier("killdef/start", 60_000)
+  src = scenarios_faults.batch_source(p, [8] * 6, kill_at=2 if p == victim else None)
+  it = gjs.iter_jax_batches(src, batch_size=8, name="killdef")
+  out = drain(it)
+  start = time.monotonic()
+  it.close()
+  out["close_s"] = time.monotonic() - start
+  if p == 0:
+    time.sleep(3.0)  # Process 0 hosts the store: let the others finish first.
+  return out
+
+
+# -- many iterators broken off ------------------------------------------------------
+
+
+def run_many(count: int) -> dict[str, Any]:
+  """`count` iterators per process, each broken off early in one of five ways."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  client = distributed.global_state.client
+  ways = ["close", "drop", "before", "with", "error"]
+  ended = {w: 0 for w in ways}
+  for i in range(count):
+    way = ways[i % len(ways)]
+    data = scenarios.make_batches(p, [8] * 20)
+    if way == "error" and p == 0:
+      data[1] = {"x": data[1]["x"], "y": None}  # Bad data: agreed error.
+    it = gjs.iter_jax_batches(data, name=f"many{i}", **KW)
+    take = 1 + (i + p) % 3  # Hosts break off at different batches.
+    if way == "with":
+      with it:
+        drain(it, limit=take)
+    elif way == "drop":
+      drain(it, limit=take)
+      del it
+      gc.collect()
+    elif way == "before":
+      it.close()
+    else:
+      drain(it, limit=take if way == "close" else None)
+      it.close()
+    ended[way] += 1
+  gc.collect()
+  client.wait_at_barrier("many/closed", 60_000)
+  keys = scenarios_faults.iterator_keys(client)
+  client.wait_at_barrier("many/looked", 60_000)
+  threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
+  return {"keys": keys, "ended": ended, "threads": threads}
+
+
+def run_collective_fallback() -> dict[str, Any]:
+  """Iterates with no key-value client: the collective fallback, in the caller's thread."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  client = distributed.global_state.client
+  distributed.global_state.client = None  # As without jax.distributed's store.
+  try:
+    data = scenarios.make_batches(p, [[8, 8, 4], [8, 8]][p])
+    it = gjs.iter_jax_batches(data, batch_size=8, paddings=0, mask_key="mask")
+    first = next(it)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax")]
+    out = scenarios.consume(it)
+    out["batches"].insert(0, scenarios.gather(first))
+    it.close()
+  finally:
+    distributed.global_state.client = client
+  out["threads_while_iterating"] = threads
+  return out

@@ -1,0 +1,255 @@
+"""The streamed agreement, driven for 2 to 6 simulated processes over random schedules.
+
+Each simulated process is a thread running the real protocol code (`Reader`,
+`Decider` / `Follower`, `KeyValueExchange`, `Ledger`, `plan.decide`, the
+liveness beat) over one shared in-memory store (`memory_store.MemoryStore`,
+the client's methods). Hypothesis draws the per-process batches (row counts,
+empty batches), the window (`synchronize_lookahead`), random read delays, and
+endings on random processes at random positions: exhausted, failed (the source
+raises), closed (the consumer stops after k batches and closes) and timed out
+(a process stalls in its source beyond `sync_timeout_s`). Options: `paddings`
+(so the promise is exact: with no error every real row once, dummies where a
+process ran out).
+
+Properties:
+* every process that did not close ends the same way: all stop, or all raise
+  the same message (the failing process re-raises its own exception);
+* every process yields the same decided positions (a closing one a prefix);
+* every real row is yielded at most once, in source order, and exactly once
+  when the stream stopped without error or close;
+* the streamed decisions equal `plan.decide` applied to the whole reports
+  (window by window is the same, position by position), and with an abort
+  (close, timeout) they are a prefix of it;
+* nothing is left in the store once every process ended.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from memory_store import MemoryStore
+
+from grain_jax_sync._src import agreement, exchange, follower, plan, reader, sources, streamed
+
+OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
+TIMEOUT_S = 0.4
+STALL_S = 1.2
+EXAMPLES = 40
+
+
+class _Closed(Exception):
+  pass
+
+
+def _ids(p, b, n):
+  return 100_000 * p + 100 * b + np.arange(n, dtype=np.int32)
+
+
+def _source(p, spec, seed):
+  rng = random.Random(seed)
+  for b, n in enumerate(spec["rows"]):
+    if rng.random() < 0.3:
+      time.sleep(rng.random() * 0.003)
+    if spec["ending"] == "failed" and b == spec["at"]:
+      raise OSError(f"disk on fire at batch {b}")
+    if spec["ending"] == "timeout" and b == spec["at"]:
+      time.sleep(STALL_S)
+    yield {"x": _ids(p, b, n)}
+
+
+def _host(p, n, store, spec, lookahead, seed, out):
+  read = reader.Reader(
+    sources.open_source(_source(p, spec, seed)), process_index=p, check_int32=False
+  )
+  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
+  who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
+  kind = streamed.Decider if p == 0 else follower.Follower
+  stage = kind(
+    read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0, threads=False
+  )
+  record, yielded = [], 0
+  runs = iter(stage)
+  try:
+    for run in runs:
+      for r, step in run.steps:
+        ids = None if r is None else np.asarray(r.batch.leaves[0]).tolist()
+        record.append((step.action.value, step.rows, ids))
+        yielded += step.action == plan.Action.YIELD
+        if spec["ending"] == "closed" and yielded >= spec["at"]:
+          raise _Closed()
+    out[p] = ("stop", record, None)
+  except _Closed:
+    runs.close()
+    stage.close(yielded)
+    out[p] = ("closed", record, None)
+  except BaseException as e:  # noqa: BLE001 - compared by the test.
+    out[p] = ("raise", record, e)
+
+
+@st.composite
+def schedules(draw):
+  n = draw(st.integers(2, 6))
+  hosts = []
+  for p in range(n):
+    rows = draw(st.lists(st.integers(0, 8), max_size=7))
+    ending = draw(
+      st.sampled_from(["exhausted"] * 6 + ["failed", "closed"] + (["timeout"] if p else []))
+    )
+    at = (
+      draw(st.integers(0, max(0, len(rows) - 1))) if ending != "closed" else draw(st.integers(1, 4))
+    )
+    if ending in ("failed", "timeout") and not rows:
+      ending = "exhausted"
+    hosts.append({"rows": rows, "ending": ending, "at": at})
+  timeouts = [p for p, h in enumerate(hosts) if h["ending"] == "timeout"]
+  for p in timeouts[1:]:  # At most one stalled process per schedule (each costs a second).
+    hosts[p]["ending"] = "exhausted"
+  return n, hosts, draw(st.integers(1, 4)), draw(st.integers(0, 2**16))
+
+
+def _expected(n, hosts):
+  """`plan.decide` over every process's whole report (what a windowed exchange decides)."""
+  reports = []
+  for p, h in enumerate(hosts):
+    stop = h["at"] if h["ending"] in ("failed", "timeout") else len(h["rows"])
+    if h["ending"] == "timeout":
+      stop = len(h["rows"])  # A stalled process still has all its rows.
+    rows = tuple(x for x in h["rows"][:stop] if x)
+    error = None
+    if h["ending"] == "failed":
+      position = len(rows)
+      e = OSError(f"disk on fire at batch {h['at']}")
+      end = reader.failed(p, position, h["at"], e, f"reading batch {h['at']} from its source")
+      error = end.error
+    reports.append(plan.Report(process_index=p, rows=rows, exhausted=error is None, error=error))
+  return plan.decide(reports, OPTIONS)
+
+
+def _run(n, hosts, lookahead, seed):
+  store = MemoryStore()
+  out: dict = {}
+  threads = [
+    threading.Thread(target=_host, args=(p, n, store, hosts[p], lookahead, seed + p, out))
+    for p in range(n)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not any(t.is_alive() for t in threads), "a simulated process hangs"
+  return store, out
+
+
+def _real_ids(record):
+  return [i for _, _, ids in record if ids is not None for i in ids]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules())
+def test_every_process_ends_the_same_way_and_rows_are_conserved(schedule):
+  n, hosts, lookahead, seed = schedule
+  store, out = _run(n, hosts, lookahead, seed)
+  assert store.keys() == []  # Nothing left behind.
+  ended = [p for p in range(n) if out[p][0] != "closed"]
+  outcomes = {out[p][0] for p in ended}
+  assert len(outcomes) <= 1, {p: out[p][0] for p in range(n)}
+  messages = set()
+  for p in ended:
+    e = out[p][2]
+    if isinstance(e, OSError):  # The failing process: its own exception.
+      assert hosts[p]["ending"] == "failed"
+    elif e is not None:
+      messages.add(str(e))
+  assert len(messages) <= 1, messages
+  # Every process acts on the same positions (a closing one on a prefix).
+  longest = max((out[p][1] for p in range(n)), key=len)
+  steps = [(a, rows) for a, rows, _ in longest]
+  for p in range(n):
+    mine = [(a, rows) for a, rows, _ in out[p][1]]
+    assert mine == steps[: len(mine)]
+    if out[p][0] != "closed":
+      assert len(mine) == len(steps)
+  # Real rows: at most once, in source order; exactly once without error or close.
+  for p in range(n):
+    got = _real_ids(out[p][1])
+    fed = [i for b, x in enumerate(hosts[p]["rows"]) for i in _ids(p, b, x).tolist()]
+    assert got == fed[: len(got)]
+    if outcomes == {"stop"} and all(out[q][0] != "closed" for q in range(n)):
+      assert got == fed
+  # The streamed decisions are `plan.decide`'s.
+  want = _expected(n, hosts)
+  want_steps = [(s.action.value, s.rows) for s in want.steps]
+  aborted = any(out[p][0] == "closed" for p in range(n)) or any(
+    isinstance(out[p][2], exchange.PeerTimeoutError) for p in ended
+  )
+  if aborted:
+    assert steps == want_steps[: len(steps)]
+  else:
+    assert steps == want_steps
+    assert outcomes == ({"stop"} if want.end == plan.End.STOP else {"raise"})
+    if want.error is not None and want.error.kind == plan.ErrorKind.VALUE:
+      assert messages == {want.error.message}
+
+
+def test_decisions_are_o1_per_position_and_chunks_go_to_process_0_only():
+  # 4 processes x 30 batches: the store holds no per-process decision data.
+  n = 4
+  hosts = [{"rows": [8] * 30, "ending": "exhausted", "at": 0} for _ in range(n)]
+  store, out = _run(n, hosts, 10, 0)
+  assert {out[p][0] for p in range(n)} == {"stop"}
+  assert all(len(out[p][1]) == 30 for p in range(n))
+  assert store.keys() == []
+
+
+def _run_some(n, store, hosts, runners):
+  out: dict = {}
+  threads = [
+    threading.Thread(target=_host, args=(p, n, store, hosts[p], 2, p, out)) for p in runners
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+  assert not any(t.is_alive() for t in threads)
+  return out
+
+
+def test_a_peer_on_another_protocol_version_gets_the_same_clear_error_everywhere():
+  # Process 1 runs a future version: its first chunk is not one this version reads.
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/s/1/0/0", '{"v": 99, "rows": "whatever"}')
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 3
+  out = _run_some(3, store, hosts, [0, 2])
+  want = (
+    "the processes run different versions of the grain_jax_sync agreement protocol"
+    " (process 0: 2, process 1: 99); every process must run the same version of the library"
+  )
+  for p in (0, 2):
+    assert out[p][0] == "raise"
+    assert type(out[p][2]) is ValueError and str(out[p][2]) == want
+
+
+def test_a_decision_from_another_protocol_version_raises_a_clear_error():
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/d/0/0", '{"v": 1, "steps": []}')
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 2
+  out = _run_some(2, store, hosts, [1])
+  assert out[1][0] == "raise" and type(out[1][2]) is ValueError
+  assert str(out[1][2]).startswith(
+    "the processes run different versions of the grain_jax_sync agreement protocol"
+    " (process 0: 1, process 1: 2)"
+  )
+
+
+def test_a_chunk_that_does_not_parse_raises_naming_the_process():
+  store = MemoryStore()
+  store.key_value_set("grain_jax_sync/prop/s/1/0/0", "not json")
+  hosts = [{"rows": [8], "ending": "exhausted", "at": 0}] * 2
+  out = _run_some(2, store, hosts, [0])
+  assert type(out[0][2]) is ValueError
+  assert str(out[0][2]).startswith("process 1 posted a report that is not JSON")

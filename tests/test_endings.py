@@ -1,0 +1,249 @@
+"""Every ending is agreed: real processes, default settings unless the case is about one.
+
+The last process is the faulty one ("victim"). One run of N processes executes
+every error, close and resume case in turn (`scenarios_endings.run_endings`);
+late, dead and paused hosts and the 60 broken-off iterators have runs of their
+own. Each host checks the rows of its own shards (no collective in the test, so
+that a host that closed or died cannot hang a peer in a gather).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scenarios
+import scenarios_endings
+
+from grain_jax_sync import testing
+
+TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
+TIMEOUT = 180
+BOUND_S = 15.0  # Every case ends on every host within this, with default settings.
+KINDS = [
+  "type_error",
+  "get_state_oserror",
+  "keyboard_interrupt",
+  "system_exit",
+  "int64",
+  "close_before",
+  "close_mid",
+  "close_drop",
+  "resume_positions",
+  "state_settings",
+  "state_missing_field",
+  "state_bad_type",
+  "state_unknown_version",
+  "state_bad_source",
+]
+_RUNS: dict = {}
+
+
+def _endings(n, d):
+  if (n, d) not in _RUNS:
+    try:
+      outs = testing.values(
+        testing.run_processes(
+          scenarios_endings.run_endings,
+          num_processes=n,
+          devices_per_process=d,
+          args=(KINDS,),
+          timeout_s=TIMEOUT,
+        )
+      )
+      _RUNS[(n, d)] = {k: [outs[p][i] for p in range(n)] for i, k in enumerate(KINDS)}
+    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
+      _RUNS[(n, d)] = e
+  if isinstance(_RUNS[(n, d)], Exception):
+    raise _RUNS[(n, d)]
+  return _RUNS[(n, d)]
+
+
+def _check_rows(p, out, first=0):
+  for b, rows in enumerate(out["rows"]):
+    assert rows == scenarios.rows_for(p, first + b, 8).tolist(), (p, b)
+
+
+def _case(n, d, kind):
+  outs = _endings(n, d)[kind]
+  for p, out in enumerate(outs):
+    assert out["elapsed_s"] < BOUND_S, (kind, p, out["elapsed_s"])
+    _check_rows(p, out, first=3 if kind.startswith(("resume", "state")) else 0)
+  return outs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("kind", "at", "victim_type", "cause"),
+  [
+    ("type_error", 1, "TypeError", "failed while converting batch 1: TypeError: can't convert"),
+    (
+      "get_state_oserror",
+      2,
+      "OSError",
+      "failed while taking the source state after batch 2: OSError: state file vanished",
+    ),
+    (
+      "keyboard_interrupt",
+      1,
+      "KeyboardInterrupt",
+      "failed while reading batch 1 from its source: KeyboardInterrupt: interrupted",
+    ),
+    (
+      "system_exit",
+      1,
+      "SystemExit",
+      "failed while reading batch 1 from its source: SystemExit: the source gave up",
+    ),
+  ],
+)
+def test_any_error_type_on_one_host_ends_every_host(n, d, kind, at, victim_type, cause):
+  outs = _case(n, d, kind)
+  v = n - 1
+  assert outs[v]["error_type"] == victim_type  # Its own exception, re-raised.
+  peer_messages = {out["error"] for out in outs[:v]}
+  assert len(peer_messages) == 1  # Word for word the same on every peer.
+  for out in outs:
+    assert out["n"] == at  # The batches before the failure, on every host.
+  for out in outs[:v]:
+    assert out["error_type"] == "RuntimeError"
+    assert f"process {v} {cause}" in out["error"]
+    assert f"process {v} raised {victim_type}" in out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_int64_out_of_int32_range_raises_on_every_host_naming_the_value(n, d):
+  outs = _case(n, d, "int64")
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 1
+    assert (
+      f"process {n - 1}, batch 1, column 'x': value {2**40 + 1000 * (n - 1) + 17}" in (out["error"])
+    )
+    assert "does not fit int32" in out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(("kind", "at"), [("close_before", 0), ("close_mid", 2), ("close_drop", 2)])
+def test_closing_host_ends_every_peer_naming_it(n, d, kind, at):
+  outs = _case(n, d, kind)
+  v = n - 1
+  assert outs[v]["error"] is None and outs[v]["n"] == at
+  assert len({out["error"] for out in outs[:v]}) == 1
+  for out in outs[:v]:
+    assert out["error_type"] == "RuntimeError"
+    assert out["error"] == f"process {v} closed its iterator at batch {at}"
+    # Peers yield what was decided before the close reached process 0.
+    assert at <= out["n"] < scenarios_endings.CLOSE_LENGTH
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_different_resume_positions_raise_on_every_host_before_any_batch(n, d):
+  outs = _case(n, d, "resume_positions")
+  where = ", ".join(f"process {p} at batch {5 if p == n - 1 else 3}" for p in range(n))
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 0
+    assert out["error"].startswith(f"the processes resume from different positions ({where})")
+  assert len({out["error"] for out in outs}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("kind", "needle"),
+  [
+    ("state_settings", "`state` was saved by an iterator with other settings (batch_size: 4 vs 8"),
+    ("state_missing_field", "`state` has no 'batches' field"),
+    ("state_bad_type", "`state['batches']` must be an int >= 0, got 'three'"),
+    ("state_unknown_version", "`state['version']` is 99"),
+    ("state_bad_source", "`state['source']` is not a state of"),
+  ],
+)
+def test_bad_state_on_one_host_raises_the_same_value_error_on_every_host(n, d, kind, needle):
+  outs = _case(n, d, kind)
+  v = n - 1
+  assert outs[v].get("local")  # Raised by set_state itself, before any source call.
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 0
+    assert out["error"].startswith(f"process {v}: {needle}")
+
+
+# -- late, paused, dead --------------------------------------------------------------
+
+
+def _run(fn, *args, n=2, d=4, **kwargs):
+  return testing.run_processes(
+    fn, num_processes=n, devices_per_process=d, args=args, timeout_s=TIMEOUT, **kwargs
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["sigstop", "pause"])
+def test_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout(case):
+  # 4 s late with `sync_timeout_s`=2: under the 8 s dead-after, so slow, not lost.
+  outs = testing.values(_run(scenarios_endings.run_late, case, 4.0, 2.0))
+  assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
+  for p, out in enumerate(outs):
+    assert out["error_type"] == "PeerTimeoutError", out
+    assert "process 1 did not report batch" in out["error"]
+    assert "`sync_timeout_s`=2s" in out["error"]
+    assert out["threads"] == []
+    _check_rows(p, out)
+  assert outs[0]["elapsed_s"] < 2.0 + 5.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_killed_host_with_default_settings_is_named_within_15_s(n, d):
+  victim = 1
+  outcomes = _run(scenarios_endings.run_kill_default, victim, n=n, d=d, exit_barrier_timeout_s=0)
+  assert outcomes[victim].exit_code == -9
+  for o in outcomes:
+    if o.process_index == victim:
+      continue
+    assert o.exit_code == 0, o.log
+    out = o.value
+    assert out["error_type"] == "PeerLostError", out
+    assert out["error"].startswith(f"process {victim} is lost: its liveness beat stopped for 8s")
+    assert out["elapsed_s"] < 15.0, out["elapsed_s"]
+    assert out["close_s"] < 5
+    _check_rows(o.process_index, out)
+
+
+@pytest.mark.multiprocess
+def test_a_25_s_pause_in_one_hosts_loop_ends_normally_everywhere():
+  outs = testing.values(_run(scenarios_endings.run_late, "pause", 25.0, None))
+  for p, out in enumerate(outs):
+    assert out["error"] is None, out["error"]
+    assert out["n"] == scenarios_endings.LATE_LENGTH
+    _check_rows(p, out)
+  assert outs[1]["elapsed_s"] >= 25.0
+
+
+@pytest.mark.multiprocess
+def test_sixty_iterators_broken_off_early_leave_no_key_on_any_host():
+  outs = testing.values(_run(scenarios_endings.run_many, 60))
+  for out in outs:
+    assert out["keys"] == []
+    assert out["threads"] == []
+    assert sum(out["ended"].values()) == 60
+
+
+@pytest.mark.multiprocess
+def test_collective_fallback_runs_in_the_callers_thread_and_agrees():
+  for out in testing.values(_run(scenarios_endings.run_collective_fallback)):
+    assert out["threads_while_iterating"] == []  # No collective from a background thread.
+    assert out["error"] is None and len(out["batches"]) == 3
+    for b, batch in enumerate(out["batches"]):
+      real = [8, 8, 4][b], [8, 8, 0][b]
+      want = np.concatenate(
+        [np.r_[scenarios.rows_for(p, b, real[p]), np.zeros(8 - real[p])] for p in range(2)]
+      )
+      np.testing.assert_array_equal(batch["x"], want)
+      np.testing.assert_array_equal(
+        batch["mask"], np.r_[np.arange(8) < real[0], np.arange(8) < real[1]]
+      )
