@@ -28,7 +28,6 @@ REFERENCE = [
   ("synchronize_batches", False),
   ("synchronize_lookahead", 10),
 ]
-NEEDS_NEW_ITERATOR = pytest.mark.xfail(strict=True, reason="needs the new iterator")
 
 
 def x_of(batches):
@@ -124,13 +123,11 @@ def test_compat_does_not_warn_about_the_mask_it_cannot_have(caplog):
 # -- with the new iterator (full batch size derived from the first batch) ----------------
 
 
-@NEEDS_NEW_ITERATOR
 def test_compat_default_batch_size_drops_only_a_short_last_batch_under_drop_last():
   data = scenarios.make_batches(0, [24, 24, 16])
   assert len(list(gjs.jax_sync_generator(data, drop_last=True))) == 2
 
 
-@NEEDS_NEW_ITERATOR
 @pytest.mark.parametrize("batch_size", ["default", None])
 def test_compat_paddings_without_batch_size_pad_to_the_first_batch(batch_size):
   data = scenarios.make_batches(0, [24, 16])

@@ -90,11 +90,6 @@ def test_device_put_accepts_a_mesh_and_a_mapdataset():
   assert [np.asarray(b["x"]).tolist() for b in got] == [list(range(8)), list(range(8, 16))]
 
 
-def test_device_put_needs_batch_size_with_paddings():
-  with pytest.raises(ValueError, match=r"`batch_size` is required with `paddings` or `drop_last`"):
-    gjs.device_put(_batches().to_iter_dataset(), paddings=0)
-
-
 def test_device_put_checks_iter_jax_batches_arguments_up_front():
   with pytest.raises(ValueError, match=r"`batch_size` must be divisible by the 8 local devices"):
     gjs.device_put(_batches().to_iter_dataset(), batch_size=6, paddings=0)
@@ -266,7 +261,6 @@ def test_device_put_two_processes_grain_checkpoint_and_unbatched_elements():
   assert full[0] == [*range(8), *range(1000, 1008)]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the new iterator")
 def test_device_put_without_batch_size_pads_to_the_first_batch():
   ds = gjs.device_put(_batches(36).to_iter_dataset(), paddings=-1, mask_key="m")
   got = list(iter(ds))

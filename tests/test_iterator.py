@@ -416,21 +416,23 @@ def test_paddings_without_mask_key_warn_once_unless_none_is_passed(caplog, kwarg
   assert [b["x"].shape for b in got] == [(8,), (8,)]
 
 
-def test_batch_size_none_keeps_sizes_and_is_required_with_paddings_or_drop_last():
+@pytest.mark.parametrize(
+  ("kwargs", "shapes"),
+  [
+    ({}, [(16,), (8,)]),
+    ({"paddings": 0, "mask_key": None}, [(16,), (16,)]),
+    ({"drop_last": True}, [(16,)]),
+  ],
+)
+def test_batch_size_left_unset_is_the_first_batch_size_with_paddings_or_drop_last(kwargs, shapes):
   data = scenarios.make_batches(0, [16, 8])
-  with gjs.iter_jax_batches(data, batch_size=None) as it:
-    assert [b["x"].shape for b in it] == [(16,), (8,)]
-  for kwargs in ({"paddings": 0}, {"drop_last": True}):
-    with pytest.raises(ValueError, match=r"`batch_size` is required with `paddings` or"):
-      gjs.iter_jax_batches(data, batch_size=None, **kwargs)
+  with gjs.iter_jax_batches(data, **kwargs) as it:
+    assert [b["x"].shape for b in it] == shapes
 
 
-# -- with the new iterator: the full batch size derived, exact "last batch" -------------
-
-NEEDS_NEW_ITERATOR = pytest.mark.xfail(strict=True, reason="needs the new iterator")
+# -- the full batch size derived, exact "last batch" -------------------------------------
 
 
-@NEEDS_NEW_ITERATOR
 def test_without_batch_size_paddings_pad_to_the_first_batch_and_resume_keeps_it():
   data = scenarios.make_batches(0, [24, 24, 16])
   kwargs = {"paddings": -1, "mask_key": "mask"}
@@ -449,14 +451,12 @@ def test_without_batch_size_paddings_pad_to_the_first_batch_and_resume_keeps_it(
   np.testing.assert_array_equal(np.asarray(rest[0]["mask"]), np.arange(24) < 16)
 
 
-@NEEDS_NEW_ITERATOR
 def test_without_batch_size_drop_last_drops_only_the_short_last_batch():
   data = scenarios.make_batches(0, [24, 24, 16])
   with gjs.iter_jax_batches(data, drop_last=True) as it:
     assert [b["x"].shape for b in it] == [(24,), (24,)]
 
 
-@NEEDS_NEW_ITERATOR
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_drop_last_short_batch_that_is_not_the_last_raises_naming_both_sizes(prefetch):
   data = scenarios.make_batches(0, [24, 16, 24])

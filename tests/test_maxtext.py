@@ -15,14 +15,11 @@ import scenarios_dropin
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 
-NEEDS_NEW_ITERATOR = pytest.mark.xfail(strict=True, reason="needs the new iterator")
-
 
 def _ds(n):
   return grain.MapDataset.range(n).map(lambda i: {"x": np.int32(i)}).batch(8).to_iter_dataset()
 
 
-@NEEDS_NEW_ITERATOR
 def test_reset_restarts_the_stream_from_its_beginning():
   it = gjs.iter_jax_batches(_ds(32), batch_size=8)
   first = [np.asarray(next(it)["x"]).tolist() for _ in range(3)]
@@ -32,7 +29,6 @@ def test_reset_restarts_the_stream_from_its_beginning():
   assert again[:3] == first and len(again) == 4
 
 
-@NEEDS_NEW_ITERATOR
 def test_reset_after_the_end_and_of_a_list_source():
   data = [{"x": np.arange(8) + 8 * i} for i in range(2)]
   it = gjs.iter_jax_batches(data, batch_size=8)
@@ -42,7 +38,6 @@ def test_reset_after_the_end_and_of_a_list_source():
   it.close()
 
 
-@NEEDS_NEW_ITERATOR
 def test_local_iterator_state_is_the_state_after_the_last_consumed_batch():
   it = gjs.iter_jax_batches(_ds(48), batch_size=8, prefetch_batches=3)
   next(it)
@@ -56,7 +51,6 @@ def test_local_iterator_state_is_the_state_after_the_last_consumed_batch():
   fresh.close()
 
 
-@NEEDS_NEW_ITERATOR
 @pytest.mark.multiprocess
 def test_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes(tmp_path):
   outs = testing.values(

@@ -85,9 +85,13 @@ def to_exception(
 
 
 def read_ahead_limit(read: reader_lib.Read, lookahead: int) -> int:
-  """Undecided batches a process may hold: a few windows, capped by bytes."""
+  """Undecided batches a process may hold: a few windows, capped by bytes.
+
+  At least 2: a short batch is decided only once its host's next batch (or
+  end) is known (`plan.Options.wait_for_last`).
+  """
   nbytes = sum(leaf.nbytes for leaf in read.batch.leaves)
-  return max(1, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, nbytes)))
+  return max(2, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, nbytes)))
 
 
 class Identity:
@@ -127,12 +131,18 @@ def lockstep(
   window: int,
   position: int,
 ) -> Iterator[build_lib.Run]:
-  """Reads a window, all-gathers the reports, decides; in the calling thread."""
+  """Reads a window, all-gathers the reports, decides; in the calling thread.
+
+  On `End.WAIT` the undecided reads are kept and every process reads at least
+  one more batch (or its end) before the next decision, which starts at the
+  first undecided position.
+  """
   signature: batches_lib.Signature | None = None
   end: reader_lib.End | None = None
+  reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
   for w in range(1 << 62):
-    reads: list[reader_lib.Read] = []
-    while end is None and len(reads) < window:
+    need = max(window, len(reads) + 1)
+    while end is None and len(reads) < need:
       item = next(reader)
       if isinstance(item, reader_lib.End):
         end = item
@@ -150,13 +160,15 @@ def lockstep(
       if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
         signature = batches_lib.Signature.from_json(found)
     decision = plan_lib.decide(reports, options, position=position)
+    options = plan_lib.pin(options, decision)
+    n = len(decision.steps)
     steps = tuple(
       (reads[i] if i < len(reads) else None, step) for i, step in enumerate(decision.steps)
     )
     position += sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
-    reads = []
+    reads = reads[n:] if decision.end == plan_lib.End.WAIT else []
     if steps:
-      yield build_lib.Run(steps, signature)
+      yield build_lib.Run(steps, signature, options.batch_size)
     steps = ()
     if decision.end == plan_lib.End.STOP:
       return

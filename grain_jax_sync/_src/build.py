@@ -31,18 +31,22 @@ class Run:
   Attributes:
     steps: Per position, this host's read (None: a dummy) and the decision.
     signature: The agreed batch structure (None while no host has a batch).
+    batch_size: The full batch size the steps were judged by (given, or
+      derived from the first position); None if not known yet.
   """
 
   steps: tuple[tuple[reader_lib.Read | None, plan_lib.Step], ...]
   signature: batches_lib.Signature | None
+  batch_size: int | None = None
 
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Item:
-  """One output batch and the source state after it."""
+  """One output batch, the source state after it and the full batch size."""
 
   value: Any
   state: Any
+  batch_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +105,13 @@ class Builder:
         if step.action == plan_lib.Action.DROP:
           logger.warning(
             "grain_jax_sync: drop_last dropped a batch on every host (this"
-            " host's real rows %d, batch_size %d)",
+            " host's real rows %d, full batch size %s)",
             0 if read is None else read.batch.rows,
-            self._s.batch_size,
+            run.batch_size,
           )
           continue
         assert run.signature is not None
-        yield Item(self.build(read, step, run.signature), self._state)
+        yield Item(self.build(read, step, run.signature), self._state, run.batch_size)
 
   def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""

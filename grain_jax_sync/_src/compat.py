@@ -27,23 +27,16 @@ class _DefaultBatchSize(int):
 _DEFAULT_BATCH_SIZE = _DefaultBatchSize(REFERENCE_BATCH_SIZE)
 
 
-def _full_batch_size(batch_size: Any, *, paddings: Any, drop_last: bool) -> int | None:
+def _full_batch_size(batch_size: Any) -> int | None:
   """The `batch_size` to pass to `iter_jax_batches`.
 
-  The reference uses `batch_size` only to pad to. Without `paddings`, a batch
-  size that was not passed must not make any batch "short": `None` where
-  `iter_jax_batches` takes it (no `drop_last`); with `drop_last`, 1 (no batch
-  is shorter, so every batch that every host has is yielded, as in the
-  reference) until `iter_jax_batches` derives the full size from the first
-  batch (then `None`; see docs/sources.md).
+  Passed: that size. Not passed (the reference's default 256) or None: None,
+  so `iter_jax_batches` takes the largest host batch of the first position
+  (the reference pads to 256 and so multiplies the compute of smaller
+  batches; see docs/sources.md).
   """
   given = batch_size is not None and batch_size is not _DEFAULT_BATCH_SIZE
-  if given:
-    return int(batch_size)
-  if paddings is not None:
-    # The reference pads to its default; `None` needs the derived size.
-    return None if batch_size is None else REFERENCE_BATCH_SIZE
-  return 1 if drop_last else None
+  return int(batch_size) if given else None
 
 
 def jax_sync_generator(
@@ -65,7 +58,9 @@ def jax_sync_generator(
   passes through unpadded when every host has one of that size, and the
   source is read lazily in the caller's thread (unless `prefetch_batches`
   is set). Unlike the reference it drops a short last batch under
-  `drop_last` when `batch_size` is passed, compares batch structure across
+  `drop_last`, pads to the first batch's size when `batch_size` is not
+  passed (the reference pads to 256), raises naming both sizes for a short
+  batch that is not its host's last, compares batch structure across
   hosts, lets a host with an empty shard build dummy batches from its peers'
   structure, raises a source failure on every host, and checks `batch_size`
   against the local device count before the first batch.
@@ -75,8 +70,9 @@ def jax_sync_generator(
   Args:
     batch_iterable: Per-host batches: NumPy arrays or dicts of them.
     drop_last: Stop at the shortest host; drop a short last batch.
-    batch_size: Per-host rows that padding fills to (and, when passed, the
-      full size `drop_last` compares with). None: batches keep their size.
+    batch_size: Per-host rows that padding fills to and `drop_last`
+      compares with. Not passed, or None: the largest host batch of the
+      first batch, agreed across hosts; batches of equal size keep it.
     paddings: Scalar or per-column padding values; None disables padding.
     dtypes: A dtype or per-column dtypes for the output arrays.
     synchronize_batches: Agree on batch counts and shapes across hosts.
@@ -105,7 +101,7 @@ def jax_sync_generator(
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
   it = iterator_lib.iter_jax_batches(
     batch_iterable,
-    batch_size=_full_batch_size(batch_size, paddings=paddings, drop_last=drop_last),
+    batch_size=_full_batch_size(batch_size),
     drop_last=drop_last,
     paddings=paddings,
     mask_key=None,  # The reference has no mask; `iter_jax_batches` has one.

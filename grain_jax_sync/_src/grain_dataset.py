@@ -133,7 +133,7 @@ def _normalize_state(state: Any) -> dict[str, Any]:
   if isinstance(state, Mapping) and "version" in state and "source" in state:
     return dict(state)
   return {
-    "version": iterator_lib.STATE_VERSION,
+    "version": 1,  # Carries no settings digest to compare.
     "batches": 0,
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
@@ -318,8 +318,9 @@ def device_put(
       set by `jax.set_mesh`, else `default_mesh()`.
     cpu_buffer_size: Batches Grain prefetches on the host (a thread).
     device_buffer_size: Global batches prepared ahead on the devices.
-    batch_size: Rows per host batch that `paddings` fill to and `drop_last`
-      compares with; required when either is used.
+    batch_size: As in `iter_jax_batches`: rows per host batch that
+      `paddings` fill to and `drop_last` compares with; default: the largest
+      host batch of the first position, agreed across hosts.
     drop_last: As in `iter_jax_batches`.
     paddings: As in `iter_jax_batches`.
     mask_key: As in `iter_jax_batches`.

@@ -61,8 +61,12 @@ class JaxBatchIterator(Iterator[Any]):
         f"`batch_size` must be divisible by {placement.describe_local()}"
         f" when `paddings` is given, got {settings.batch_size}"
       )
+    self._origin = source  # Reopened by reset().
     self._source = sources.open_source(source)
     self._state = self._source.get_state() if self._source.supports_state else None
+    self._initial = self._state
+    # Without `batch_size`: the full size derived from the first position.
+    self._pinned: int | None = None
     self._position = 0
     self._closed = False
     self._exhausted = False
@@ -106,6 +110,7 @@ class JaxBatchIterator(Iterator[Any]):
       self._life.stop()
       raise
     self._state = item.state
+    self._pinned = item.batch_size if self._settings.batch_size is None else None
     self._position += 1
     return item.value
 
@@ -123,7 +128,7 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
-    return {
+    state = {
       "version": STATE_VERSION,
       "batches": self._position,
       "process_index": jax.process_index(),
@@ -131,6 +136,9 @@ class JaxBatchIterator(Iterator[Any]):
       "settings": self._settings.digest(),
       "source": self._source.export_state(self._state),
     }
+    if self._pinned is not None:
+      state["batch_size"] = self._pinned  # Derived: later batches are judged by it.
+    return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     """Resumes after the batch that `state` was taken at.
@@ -153,12 +161,8 @@ class JaxBatchIterator(Iterator[Any]):
       batches, source_state = settings_lib.check_state(
         state, settings=self._settings, process_index=p, process_count=jax.process_count()
       )
-      try:
-        self._source.set_state(source_state)
-      except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
-          f"`state['source']` is not a state of {self._source.description}: {type(e).__name__}: {e}"
-        ) from e
+      pinned = settings_lib.pinned_batch_size(state)
+      self._set_source_state(source_state)
     except ValueError as e:
       error = ValueError(f"process {p}: {e}")
       self._restart(plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(error), p, 0), error)
@@ -166,6 +170,71 @@ class JaxBatchIterator(Iterator[Any]):
     self._restart(None, None)
     self._state = source_state
     self._position = batches
+    self._pinned = None if self._settings.batch_size is not None else pinned
+
+  def _set_source_state(self, source_state: Any) -> None:
+    try:
+      self._source.set_state(source_state)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(
+        f"`state['source']` is not a state of {self._source.description}: {type(e).__name__}: {e}"
+      ) from e
+
+  def reset(self) -> None:
+    """Restarts the stream from the source's beginning, on every host.
+
+    Every process calls it at the same point (as MaxText's trainer calls
+    ``eval_iterator.reset()`` before each eval). A process still iterating
+    the stream this one left raises a RuntimeError naming this process. The
+    source is reopened if it is re-iterable (a sequence, a Grain dataset or
+    DataLoader, a `tf.data.Dataset`), else restored to its first state.
+
+    Raises:
+      RuntimeError: If the iterator is closed, or the source can be read
+        only once (a generator without get_state()/set_state()).
+    """
+    if self._closed:
+      raise RuntimeError("the iterator is closed")
+    p = jax.process_index()
+    at = self._position
+    self._life.error = plan_lib.ReportedError(
+      plan_lib.ErrorKind.CLOSED, f"process {p} reset its iterator at batch {at}", p, at, "reset"
+    )
+    self._life.stop()  # Tells a peer still in this stream (it raises naming this process).
+    self._life.error = None
+    self._source = sources.reopen(self._origin, self._source, self._initial)
+    self._state = self._source.get_state() if self._source.supports_state else None
+    self._initial = self._state
+    self._position = 0
+    self._pinned = None
+    self._restart(None, None)
+
+  # -- the source's own iterator (MaxText checkpoints it) ----------------------
+
+  @property
+  def local_iterator(self) -> Any:
+    """The source's own iterator type (Grain sources), as seen through this one.
+
+    Its ``get_state()`` is the source state after the last batch this
+    consumer received (not the read-ahead), its ``set_state()`` restarts this
+    iterator from such a state, so Grain's checkpoint handler saves and
+    restores it as MaxText's trainer does. A `grain.DatasetIterator` for
+    Grain datasets, a `DataLoaderIterator`-like object (JSON bytes) for a
+    `grain.DataLoader`; None for other sources.
+    """
+    return self._source.local_iterator(self)
+
+  def local_state(self) -> Any:
+    """The source's JSON state after the last batch received (`local_iterator`)."""
+    if not self._source.supports_state:
+      self._source.get_state()  # Raises with the source's description.
+    return self._source.export_state(self._state)
+
+  def restore_local(self, source_state: Any) -> None:
+    """Restarts from a `local_state()` (`local_iterator.set_state`)."""
+    self._set_source_state(source_state)
+    self._restart(None, None)
+    self._state = source_state
 
   def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
     """Stops the running stages; the next start (or close) reports `error`, if any."""
@@ -238,7 +307,7 @@ def warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
 def iter_jax_batches(
   source: Any,
   *,
-  batch_size: int | None = 256,
+  batch_size: int | None = None,
   drop_last: bool = False,
   paddings: Any = None,
   mask_key: str | None = UNSET,
@@ -282,8 +351,11 @@ def iter_jax_batches(
       `IterDataset` or `MapDataset`, or a `tf.data.Dataset`.
     batch_size: Rows per process per batch that padding fills to and
       `drop_last` compares with; batches larger than it pass through when
-      every process has one of the same size. None (allowed without
-      `paddings` and `drop_last`): every batch keeps its size.
+      every process has one of the same size. None (the default): the
+      largest host batch of the first position, agreed across processes
+      (and saved with the state); a short batch that is not its host's last
+      then raises naming both sizes. Without `paddings` and `drop_last`
+      every batch keeps its size (host batches must be equal).
     drop_last: Stop when any process runs out; drop batches shorter than
       `batch_size`.
     paddings: Fill value for padded rows and dummy batches: a scalar or a dict
@@ -329,11 +401,6 @@ def iter_jax_batches(
     ...     loss = step(batch["x"], batch["mask"])
   """
   mask_key = warn_if_unmasked(paddings, mask_key)
-  if batch_size is None and (paddings is not None or drop_last):
-    raise ValueError(
-      "`batch_size` is required with `paddings` or `drop_last`: the rows per"
-      " host batch to pad to or to compare with"
-    )
   sizes = [("synchronize_lookahead", synchronize_lookahead)]
   if batch_size is not None:
     sizes.append(("batch_size", batch_size))

@@ -121,6 +121,10 @@ class Ledger:
   def ack(self, p: int) -> int:
     return self._ack[p]
 
+  def ended(self, p: int) -> bool:
+    """Whether process `p`'s stream ended (exhausted or failed)."""
+    return self._end[p] is not None
+
   def add(self, chunk: Chunk) -> None:
     """Records one chunk; chunks of a process must arrive in order.
 
@@ -191,7 +195,8 @@ class Ledger:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.
 
     A process whose stream ends inside the window reports its remaining rows
-    and its end (exhausted or error), exactly like a windowed exchange.
+    and its end (exhausted or error), exactly like a windowed exchange; one
+    that has reported rows past the window says so (`Report.more`).
     """
     out = []
     for p in range(self._n):
@@ -210,6 +215,7 @@ class Ledger:
           local_devices=self._devices[p],
           config=self._config[p] if with_config else None,
           resume=self._resume[p] if with_config else None,
+          more=self.count(p) > stop,
         )
       )
     return out
@@ -241,6 +247,8 @@ class Decision:
     error: The error every host raises (with `End.RAISE`).
     signature: The agreed batch structure, sent once (in the first decision
       that knows it).
+    batch_size: The full batch size the steps were judged by (given, or
+      derived from the first position: every host saves it with its state).
   """
 
   start: int
@@ -248,6 +256,7 @@ class Decision:
   end: plan_lib.End
   error: plan_lib.ReportedError | None = None
   signature: dict[str, Any] | None = None
+  batch_size: int | None = None
 
   def to_json(self) -> str:
     runs: list[list[Any]] = []
@@ -261,6 +270,8 @@ class Decision:
       obj["x"] = self.error.to_json()
     if self.signature is not None:
       obj["g"] = self.signature
+    if self.batch_size is not None:
+      obj["b"] = self.batch_size
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -276,7 +287,7 @@ class Decision:
         plan_lib.Step(plan_lib.Action(a), rows, ()) for a, rows, n in obj["st"] for _ in range(n)
       )
       error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
-      return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"))
+      return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"), obj.get("b"))
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
 

@@ -62,6 +62,7 @@ class Pipeline:
       config=s.digest(),
       resume=self._position,
     )
+    options = s.options(pinned=it._pinned)  # noqa: SLF001
     inline = isinstance(exchange, exchange_lib.CollectiveExchange)  # Never in a thread.
     runs: Iterator[build_lib.Run]
     if isinstance(exchange, exchange_lib.KeyValueExchange):
@@ -69,7 +70,7 @@ class Pipeline:
       self._agreement = kind(
         read,
         exchange,
-        s.options(),
+        options,
         who,
         lookahead=s.lookahead,
         timeout_s=s.sync_timeout_s,
@@ -82,7 +83,7 @@ class Pipeline:
     else:
       window = s.lookahead if pc > 1 else 1
       runs = agreement.lockstep(
-        read, exchange, s.options(), who, window=window, position=self._position
+        read, exchange, options, who, window=window, position=self._position
       )
     builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
     items: Iterator[build_lib.Item] = builder(runs)

@@ -22,7 +22,7 @@ _READABLE_VERSIONS = (1, 2)
 class Settings:
   """The iterator's options, validated."""
 
-  batch_size: int
+  batch_size: int | None
   drop_last: bool
   paddings: Any
   mask_key: str | None
@@ -46,9 +46,20 @@ class Settings:
       }
     )
 
-  def options(self) -> plan_lib.Options:
+  def options(self, pinned: int | None = None) -> plan_lib.Options:
+    """The options `plan.decide` takes.
+
+    Args:
+      pinned: Without `batch_size`: the full batch size derived from the
+        first position (see `plan.pin`), once known (restored with a state).
+    """
+    derived = self.batch_size is None and pinned is not None
     return plan_lib.Options(
-      batch_size=self.batch_size, drop_last=self.drop_last, pad=self.paddings is not None
+      batch_size=pinned if self.batch_size is None else self.batch_size,
+      drop_last=self.drop_last,
+      pad=self.paddings is not None,
+      wait_for_last=True,
+      derived=derived,
     )
 
 
@@ -76,6 +87,13 @@ def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"`state[{key!r}]` must be an int >= {minimum}, got {value!r:.100}")
   return int(value)
+
+
+def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
+  """The derived full batch size saved with `state` (optional key), or None."""
+  if "batch_size" not in state:
+    return None
+  return _int_field(state, "batch_size", minimum=1)
 
 
 def check_state(

@@ -82,7 +82,8 @@ class Streamed:
     self._waiting_since = None
     if not decision.steps:
       return None
-    return build_lib.Run(tuple(zip(reads, decision.steps, strict=True)), self._signature)
+    steps = tuple(zip(reads, decision.steps, strict=True))
+    return build_lib.Run(steps, self._signature, decision.batch_size)
 
   def _finish(self, decision: ledger_lib.Decision) -> None:
     """After the final decision's run: stop, or raise the agreed error."""
@@ -137,10 +138,18 @@ class Decider(Streamed):
     # An ending found here (an unreadable chunk, a timed-out or lost peer).
     self._abort: plan_lib.ReportedError | None = None
     self._acked = 0  # Decisions deleted below this.
+    # After `End.WAIT`: the processes whose next batch (or end) is awaited,
+    # with the positions they had reported then.
+    self._wait: dict[int, int] | None = None
 
   def __iter__(self) -> Iterator[build_lib.Run]:
     while True:
       plan = self._plan()
+      if plan is not None and plan.end == End.WAIT:
+        self._wait = {p: self._led.count(p) for p in plan.waiting}
+        plan = plan_lib.Plan(plan.steps, End.CONTINUE, batch_size=plan.batch_size)
+        if not plan.steps:
+          plan = None
       if plan is None:
         self._advance()
         continue
@@ -160,18 +169,34 @@ class Decider(Streamed):
     error = self._abort or self._led.abort
     if error is not None:
       return plan_lib.Plan((), End.RAISE, error)
+    if self._wait is not None:
+      if self._needed():
+        return None  # Deciding again before a waited process has news would spin.
+      self._wait = None
     size = self._led.window(self._j)
     if size == 0:
       return None
     reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
-    return plan_lib.decide(reports, self._options, position=self._yielded)
+    plan = plan_lib.decide(reports, self._options, position=self._yielded)
+    self._options = plan_lib.pin(self._options, plan)
+    return plan
+
+  def _needed(self) -> list[int]:
+    """The processes whose next batch (or end) the next decision waits for."""
+    if self._wait is None:
+      return self._led.missing(self._j)
+    return [
+      p for p, count in self._wait.items() if self._led.count(p) <= count and not self._led.ended(p)
+    ]
 
   def _post(self, plan: plan_lib.Plan) -> ledger_lib.Decision:
     sig = None
     if not self._sent_signature and plan.steps:
       sig = self._led_signature()
       self._sent_signature = sig is not None
-    decision = ledger_lib.Decision(self._j, plan.steps, plan.end, plan.error, sig)
+    decision = ledger_lib.Decision(
+      self._j, plan.steps, plan.end, plan.error, sig, self._options.batch_size
+    )
     self._ex.post_decision(self._seq, decision.to_json())
     self._seq += 1
     return decision
@@ -182,7 +207,7 @@ class Decider(Streamed):
 
   def _advance(self) -> None:
     """Reads this host's next batch, or gathers the peers' chunks, or waits."""
-    missing = self._led.missing(self._j)
+    missing = self._needed()
     own = self._p in missing
     if own or (self._own.room() and not self._poll_due()):
       self._read_run()

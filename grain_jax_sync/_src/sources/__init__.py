@@ -6,6 +6,7 @@ core works without either installed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src.sources.base import SourceIterator
@@ -40,4 +41,35 @@ def open_source(source: Any) -> SourceIterator:
   return open_iterable(source)
 
 
-__all__ = ["SourceIterator", "open_source"]
+def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator:
+  """A source iterator at the start of `source` again (for `reset()`).
+
+  Args:
+    source: What the iterator was built from.
+    current: Its source iterator now (closed if a fresh one is opened).
+    initial: `current`'s state before its first read (None if it has none).
+
+  Returns:
+    A fresh iterator over a re-iterable `source` (a sequence, a Grain
+    dataset or loader, a `tf.data.Dataset`, any iterable that is not itself
+    an iterator), else `current` restored to `initial`.
+
+  Raises:
+    RuntimeError: If `source` can be read only once and cannot restore its
+      start (a generator, an iterator without get_state()/set_state()).
+  """
+  if not isinstance(source, (SourceIterator, Iterator)):
+    current.close()
+    return open_source(source)
+  if current.supports_state and initial is not None:
+    current.set_state(initial)
+    return current
+  raise RuntimeError(
+    f"`reset()` cannot restart {current.description}: it can be read only once"
+    " and cannot restore its start (no get_state()/set_state()); pass a"
+    " re-iterable source (a list, a Grain dataset or DataLoader, a"
+    " tf.data.Dataset) or an iterator with get_state()/set_state()"
+  )
+
+
+__all__ = ["SourceIterator", "open_source", "reopen"]

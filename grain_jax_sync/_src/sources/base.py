@@ -53,6 +53,16 @@ class SourceIterator:
   def close(self) -> None:
     pass
 
+  def local_iterator(self, owner: Any) -> Any:
+    """The source's own iterator type, as seen through `owner`, or None.
+
+    Args:
+      owner: Has ``local_state()`` (the source state after the last batch the
+        consumer received) and ``restore_local(state)`` (restarts from it).
+    """
+    del owner
+    return None
+
 
 _TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
 

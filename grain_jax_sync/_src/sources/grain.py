@@ -15,6 +15,7 @@ validation, on every host, with a message that says how to batch them.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -50,6 +51,9 @@ class GrainIteratorSource(base.SourceIterator):
     if callable(close):
       close()
 
+  def local_iterator(self, owner: Any) -> Any:
+    return _local_iterator_class()(owner)
+
 
 class GrainLoaderSource(base.SourceIterator):
   """A `grain.DataLoader` iterator; its JSON-bytes state is kept as a dict."""
@@ -84,6 +88,83 @@ class GrainLoaderSource(base.SourceIterator):
       close = getattr(getattr(self._it, "_iterator", None), "close", None)
     if callable(close):
       close()
+
+  def local_iterator(self, owner: Any) -> Any:
+    return LocalLoaderIterator(owner)
+
+
+_NOT_ITERABLE = (
+  "`local_iterator` is for checkpointing (get_state/set_state); iterate the JaxBatchIterator itself"
+)
+
+
+@functools.cache
+def _local_iterator_class() -> type:
+  """A `grain.DatasetIterator` subclass, built on first use (Grain loads lazily)."""
+  grain = extras.require("grain", needed_by="a Grain source")
+
+  class LocalIterator(grain.DatasetIterator):
+    """The source's `DatasetIterator`, as seen through the agreed stream.
+
+    `get_state()` is the source state after the last batch the consumer
+    received (not after the batches read ahead); `set_state()` restarts the
+    stream from a state, so Grain's checkpoint handler (MaxText's
+    ``iterator.local_iterator``) saves and restores it unchanged.
+    """
+
+    def __init__(self, owner: Any):
+      super().__init__()
+      self._owner = owner
+
+    def __next__(self) -> Any:
+      raise TypeError(_NOT_ITERABLE)
+
+    def get_state(self) -> dict[str, Any]:
+      return self._owner.local_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+      self._owner.restore_local(state)
+
+    def start_prefetch(self) -> None:
+      """Nothing to start: the stream starts on the next batch."""
+
+    def __str__(self) -> str:
+      return "grain_jax_sync.LocalIterator"
+
+  return LocalIterator
+
+
+class LocalLoaderIterator:
+  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream.
+
+  Args:
+    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
+  """
+
+  def __init__(self, owner: Any):
+    self._owner = owner
+
+  def __iter__(self) -> LocalLoaderIterator:
+    return self
+
+  def __next__(self) -> Any:
+    raise TypeError(_NOT_ITERABLE)
+
+  def get_state(self) -> bytes:
+    state = base.decode_state(self._owner.local_state())
+    if isinstance(state, (bytes, bytearray)):
+      return bytes(state)
+    return json.dumps(state, indent=4).encode("utf-8")
+
+  def set_state(self, state: bytes) -> None:
+    try:
+      loaded = json.loads(state.decode("utf-8") if isinstance(state, (bytes, bytearray)) else state)
+    except (ValueError, AttributeError):
+      loaded = base.encode_state(state)
+    self._owner.restore_local(loaded)
+
+  def start_prefetch(self) -> None:
+    """Nothing to start: the stream starts on the next batch."""
 
 
 def open_grain(source: Any) -> base.SourceIterator | None:
