@@ -170,3 +170,54 @@ def run_maxtext_loop(train_n: int, eval_ns: list[int], directory: str) -> dict[s
     "eval_x": [[b["x"].tolist() for b in e] for e in evals],
     "eval_mask": [[b["mask"].tolist() for b in e] for e in evals],
   }
+
+
+def run_size_cases(prefetch: int) -> dict[str, Any]:
+  """The derived full batch size and the exact last batch, synchronized (streamed form)."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  kw = {"prefetch_batches": prefetch, "synchronize_lookahead": 2}
+  out: dict[str, Any] = {}
+  # Process 0's 16-row batch is not its last: judged only once its next batch is known.
+  early = make_batches(p, [[24, 16, 24], [24, 24, 24]][p])
+  out["short_not_last"] = consume(gjs.iter_jax_batches(early, batch_size=24, drop_last=True, **kw))
+  last = make_batches(p, [[24, 24, 16], [24, 24, 24]][p])
+  out["derived_pad"] = consume(gjs.iter_jax_batches(last, paddings=-1, mask_key="mask", **kw))
+  out["derived_drop"] = consume(gjs.iter_jax_batches(last, drop_last=True, **kw))
+  both = make_batches(p, [24, 24, 16])
+  with gjs.iter_jax_batches(both, paddings=-1, mask_key="mask", **kw) as it:
+    next(it)
+    next(it)
+    state = it.get_state()
+  with gjs.iter_jax_batches(both, paddings=-1, mask_key="mask", **kw) as it:
+    it.set_state(state)  # Resumed before the short batch: still judged by 24.
+    out["resumed"] = consume(it)
+  out["state_batch_size"] = state.get("batch_size")
+  return out
+
+
+def run_reset_peer(resetter: int, prefetch: int) -> dict[str, Any]:
+  """Process `resetter` resets after one batch; its peer, still iterating, raises naming it."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = make_batches(p, [8] * 60)
+  it = gjs.iter_jax_batches(data, synchronize_lookahead=2, prefetch_batches=prefetch)
+  next(it)
+  if p == resetter:
+    it.reset()
+    it.close()
+    return {"reset": True}
+  out: dict[str, Any] = {"batches": 1, "error": None, "error_type": None}
+  try:
+    for _ in it:  # No collective here: the resetter is gone.
+      out["batches"] += 1
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out["error"], out["error_type"] = str(e), type(e).__name__
+  it.close()
+  return out

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 import scenarios
+import scenarios_dropin
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -467,3 +468,49 @@ def test_drop_last_short_batch_that_is_not_the_last_raises_naming_both_sizes(pre
     gjs.iter_jax_batches(data, batch_size=24, drop_last=True, prefetch_batches=prefetch) as it,
   ):
     list(it)
+
+
+_SIZES: dict = {}
+
+
+def _size_outs(prefetch):
+  if prefetch not in _SIZES:
+    _SIZES[prefetch] = testing.values(
+      testing.run_processes(
+        scenarios_dropin.run_size_cases,
+        num_processes=2,
+        devices_per_process=4,
+        args=(prefetch,),
+        timeout_s=180,
+      )
+    )
+  return _SIZES[prefetch]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(prefetch):
+  outs = _size_outs(prefetch)
+  for out in outs:
+    res = out["short_not_last"]
+    assert res["error_type"] == "ValueError"
+    assert "process 0, batch 1: 16 rows, fewer than the full batch size 24" in res["error"]
+    assert len(res["batches"]) == 1
+  assert outs[0]["short_not_last"]["error"] == outs[1]["short_not_last"]["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(prefetch):
+  for out in _size_outs(prefetch):
+    pad = out["derived_pad"]
+    assert pad["error"] is None and [len(b["x"]) for b in pad["batches"]] == [48] * 3
+    mask = pad["batches"][2]["mask"].tolist()
+    assert mask == [True] * 16 + [False] * 8 + [True] * 24
+    assert pad["batches"][2]["x"].tolist()[:24] == [*scenarios.rows_for(0, 2, 16), *[-1] * 8]
+    drop = out["derived_drop"]
+    assert drop["error"] is None and [len(b["x"]) for b in drop["batches"]] == [48, 48]
+    assert out["state_batch_size"] == 24
+    rest = out["resumed"]
+    assert rest["error"] is None and [len(b["x"]) for b in rest["batches"]] == [48]
+    assert rest["batches"][0]["mask"].tolist() == ([True] * 16 + [False] * 8) * 2

@@ -7,6 +7,8 @@ tests run that loop unchanged.
 
 from __future__ import annotations
 
+import json
+
 import grain
 import numpy as np
 import pytest
@@ -69,3 +71,81 @@ def test_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes(tmp_
     assert out["eval_mask"][0] == out["eval_mask"][1] and len(out["eval_x"][0]) == 3
     assert out["eval_mask"][0][2] == [True] * 8 + [False] * 8  # Process 1 ran out.
   assert outs[0]["full"] == outs[1]["full"]
+
+
+def test_reset_of_a_generator_source_raises_a_clear_error():
+  it = gjs.iter_jax_batches((b for b in [{"x": np.arange(8)}]), batch_size=8)
+  next(it)
+  with pytest.raises(
+    RuntimeError, match=r"`reset\(\)` cannot restart an iterator of type generator"
+  ):
+    it.reset()
+  it.close()
+
+
+def test_reset_of_a_resumable_iterator_restores_its_first_state():
+  source = iter(_ds(32))  # A grain DatasetIterator: one-shot, but with get_state/set_state.
+  source.set_state({"next_index": 1})
+  it = gjs.iter_jax_batches(source, batch_size=8)
+  assert [np.asarray(b["x"])[0] for b in it] == [8, 16, 24]
+  it.reset()
+  assert [np.asarray(b["x"])[0] for b in it] == [8, 16, 24]
+  it.close()
+
+
+def test_reset_after_set_state_restarts_from_the_beginning():
+  it = gjs.iter_jax_batches(_ds(32), batch_size=8)
+  next(it)
+  state = it.get_state()
+  it.close()
+  it = gjs.iter_jax_batches(_ds(32), batch_size=8)
+  it.set_state(state)
+  it.reset()
+  assert [np.asarray(b["x"])[0] for b in it] == [0, 8, 16, 24]
+  assert it.get_state()["batches"] == 4
+  it.close()
+
+
+def test_local_iterator_of_a_data_loader_saves_json_bytes_and_resumes():
+  def loader():
+    source = grain.sources.RangeDataSource(0, 48, 1)
+    sampler = grain.samplers.IndexSampler(48, shuffle=False, num_epochs=1, seed=0)
+    ops = [grain.transforms.Batch(8)]
+    return grain.DataLoader(data_source=source, sampler=sampler, operations=ops, worker_count=0)
+
+  it = gjs.iter_jax_batches(loader(), batch_size=8, prefetch_batches=3)
+  next(it)
+  next(it)
+  saved = it.local_iterator.get_state()
+  assert isinstance(saved, bytes) and json.loads(saved)["last_seen_indices"] == {"0": 15}
+  it.close()
+  fresh = gjs.iter_jax_batches(loader(), batch_size=8)
+  fresh.local_iterator.set_state(saved)
+  assert [np.asarray(b)[0] for b in fresh] == [16, 24, 32, 40]
+  fresh.close()
+
+
+def test_local_iterator_is_none_for_a_list_and_not_iterable_for_grain():
+  assert gjs.iter_jax_batches([{"x": np.arange(8)}]).local_iterator is None
+  it = gjs.iter_jax_batches(_ds(16), batch_size=8)
+  with pytest.raises(TypeError, match=r"iterate the JaxBatchIterator itself"):
+    next(it.local_iterator)
+  it.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resetter", [0, 1])
+def test_reset_while_a_peer_iterates_raises_on_the_peer_naming_the_process(resetter):
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_dropin.run_reset_peer,
+      num_processes=2,
+      devices_per_process=4,
+      args=(resetter, 2),
+      timeout_s=120,
+    )
+  )
+  peer = outs[1 - resetter]
+  assert peer["error_type"] == "RuntimeError"
+  assert f"process {resetter} reset its iterator at batch 1" in peer["error"]
+  assert outs[resetter] == {"reset": True}

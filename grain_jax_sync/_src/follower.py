@@ -159,7 +159,7 @@ class Follower(Streamed):
     if self._ex.ended:
       return
     try:
-      if not self._end_posted or error is None:
+      if not self._end_posted or error is None or error.kind in plan_lib.ABORTS:
         self._unposted.clear()
         self._post(final=True, error=error or self._closed_error(at_batch))
     finally:

@@ -272,36 +272,9 @@ class JaxBatchIterator(Iterator[Any]):
     return self._placement
 
 
-class _Unset:
-  """The default of `mask_key`: not given (an explicit None silences the warning)."""
-
-  def __repr__(self) -> str:
-    return "UNSET"
-
-
-UNSET: Any = _Unset()
-
-
-def warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
-  """Logs one warning if `paddings` is given and `mask_key` was left unset.
-
-  Args:
-    paddings: The `paddings` argument.
-    mask_key: The `mask_key` argument, `UNSET` if not given.
-
-  Returns:
-    `mask_key` with `UNSET` resolved to None.
-  """
-  if mask_key is UNSET:
-    if paddings is not None:
-      logger.warning(
-        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
-        " rows and dummy batches are indistinguishable from real rows (a loss"
-        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
-        " boolean mask column, or `mask_key=None` to silence this warning"
-      )
-    return None
-  return mask_key
+# The default of `mask_key` (not given) and its warning live with the settings.
+UNSET: Any = settings_lib.UNSET
+warn_if_unmasked = settings_lib.warn_if_unmasked
 
 
 def iter_jax_batches(

@@ -6,12 +6,15 @@ Pure Python and NumPy; no JAX.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from grain_jax_sync._src import plan as plan_lib
+
+logger = logging.getLogger(__name__)
 
 # 2 adds "settings" (the digest) to the state; 1 is still read.
 STATE_VERSION = 2
@@ -61,6 +64,38 @@ class Settings:
       wait_for_last=True,
       derived=derived,
     )
+
+
+class _Unset:
+  """The default of `mask_key`: not given (an explicit None silences the warning)."""
+
+  def __repr__(self) -> str:
+    return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+def warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
+  """Logs one warning if `paddings` is given and `mask_key` was left unset.
+
+  Args:
+    paddings: The `paddings` argument.
+    mask_key: The `mask_key` argument, `UNSET` if not given.
+
+  Returns:
+    `mask_key` with `UNSET` resolved to None.
+  """
+  if mask_key is UNSET:
+    if paddings is not None:
+      logger.warning(
+        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
+        " rows and dummy batches are indistinguishable from real rows (a loss"
+        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
+        " boolean mask column, or `mask_key=None` to silence this warning"
+      )
+    return None
+  return mask_key
 
 
 def _describe(x: Any) -> Any:
