@@ -37,6 +37,8 @@ def run_compat_cases(sizes_by_case: dict[str, list[list[int]]]) -> dict[str, Any
   """Ray-style calls of `jax_sync_generator` on this process's shard."""
   import jax
 
+  from grain_jax_sync import jax_sync_generator as gjs_compat
+
   p = jax.process_index()
   out: dict[str, Any] = {}
 
@@ -62,6 +64,12 @@ def run_compat_cases(sizes_by_case: dict[str, list[list[int]]]) -> dict[str, Any
   result["read_threads"] = sorted(set(src.reads))
   result["caller_thread"] = threading.get_ident()
   out["lazy_sync"] = result
+  src = ThreadRecordingSource(data("equal"))
+  gen = gjs_compat(src, drop_last=False)
+  reads_per_yield = []
+  for _ in gen:  # No collective: each host reads alone.
+    reads_per_yield.append(len(src.reads))
+  out["lazy_unsync"] = {"reads": reads_per_yield, "threads": sorted(set(src.reads))}
   return out
 
 
@@ -182,8 +190,13 @@ def run_size_cases(prefetch: int) -> dict[str, Any]:
   kw = {"prefetch_batches": prefetch, "synchronize_lookahead": 2}
   out: dict[str, Any] = {}
   # Process 0's 16-row batch is not its last: judged only once its next batch is known.
-  early = make_batches(p, [[24, 16, 24], [24, 24, 24]][p])
-  out["short_not_last"] = consume(gjs.iter_jax_batches(early, batch_size=24, drop_last=True, **kw))
+  for q in (0, 1):
+    sizes = [[24, 24, 24], [24, 24, 24]]
+    sizes[q] = [24, 16, 24]
+    early = make_batches(p, sizes[p])
+    out[f"short_not_last/{q}"] = consume(
+      gjs.iter_jax_batches(early, batch_size=24, drop_last=True, **kw)
+    )
   last = make_batches(p, [[24, 24, 16], [24, 24, 24]][p])
   out["derived_pad"] = consume(gjs.iter_jax_batches(last, paddings=-1, mask_key="mask", **kw))
   out["derived_drop"] = consume(gjs.iter_jax_batches(last, drop_last=True, **kw))

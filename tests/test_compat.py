@@ -223,3 +223,10 @@ def test_compat_two_processes_synchronized_reads_in_the_callers_thread():
     res = out["lazy_sync"]
     assert res["error"] is None and len(res["batches"]) == 3
     assert res["read_threads"] == [res["caller_thread"]]
+
+
+@pytest.mark.multiprocess
+def test_compat_two_processes_unsynchronized_read_one_batch_per_yield():
+  for out in _outs():
+    res = out["lazy_unsync"]
+    assert res["reads"] == [1, 2, 3] and len(res["threads"]) == 1

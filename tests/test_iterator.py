@@ -488,15 +488,17 @@ def _size_outs(prefetch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("short", [0, 1])
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(prefetch):
+def test_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(prefetch, short):
   outs = _size_outs(prefetch)
+  case = f"short_not_last/{short}"
   for out in outs:
-    res = out["short_not_last"]
+    res = out[case]
     assert res["error_type"] == "ValueError"
-    assert "process 0, batch 1: 16 rows, fewer than the full batch size 24" in res["error"]
+    assert f"process {short}, batch 1: 16 rows, fewer than the full batch size 24" in res["error"]
     assert len(res["batches"]) == 1
-  assert outs[0]["short_not_last"]["error"] == outs[1]["short_not_last"]["error"]
+  assert outs[0][case]["error"] == outs[1][case]["error"]
 
 
 @pytest.mark.multiprocess

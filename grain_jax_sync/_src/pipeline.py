@@ -45,7 +45,6 @@ class Pipeline:
 
   def __init__(self, it: Any, exchange: Any, start_error: BaseException | None):
     s = it._settings  # noqa: SLF001 - the iterator composes its own pipeline.
-    pc = jax.process_count()
     self._position = it._position  # noqa: SLF001
     self.delivered = 0
     self._agreement: streamed.Streamed | None = None
@@ -81,7 +80,8 @@ class Pipeline:
       if s.prefetch > 0:
         runs = self._thread(runs, STAGE_BUFFER, AGREE_THREAD)
     else:
-      window = s.lookahead if pc > 1 else 1
+      # Unsynchronized, each process decides alone: one read per batch (lazy).
+      window = s.lookahead if exchange.process_count > 1 else 1
       runs = agreement.lockstep(
         read, exchange, options, who, window=window, position=self._position
       )
