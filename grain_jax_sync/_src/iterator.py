@@ -164,13 +164,18 @@ class JaxBatchIterator(Iterator[Any]):
       pinned = settings_lib.pinned_batch_size(state)
       self._set_source_state(source_state)
     except ValueError as e:
-      error = ValueError(f"process {p}: {e}")
-      self._restart(plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(error), p, 0), error)
-      raise error from e
+      raise self._refused(e) from e
     self._restart(None, None)
     self._state = source_state
     self._position = batches
     self._pinned = None if self._settings.batch_size is not None else pinned
+
+  def _refused(self, e: ValueError) -> ValueError:
+    """Makes a refused state this host's ending (its peers raise it too)."""
+    p = jax.process_index()
+    error = ValueError(f"process {p}: {e}")
+    self._restart(plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(error), p, 0), error)
+    return error
 
   def _set_source_state(self, source_state: Any) -> None:
     try:
@@ -231,8 +236,15 @@ class JaxBatchIterator(Iterator[Any]):
     return self._source.export_state(self._state)
 
   def restore_local(self, source_state: Any) -> None:
-    """Restarts from a `local_state()` (`local_iterator.set_state`)."""
-    self._set_source_state(source_state)
+    """Restarts from a `local_state()` (`local_iterator.set_state`).
+
+    Raises:
+      ValueError: If the source refuses the state (on the peers too).
+    """
+    try:
+      self._set_source_state(source_state)
+    except ValueError as e:
+      raise self._refused(e) from e
     self._restart(None, None)
     self._state = source_state
 
