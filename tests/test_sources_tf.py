@@ -124,3 +124,12 @@ def test_import_and_plain_iterable_work_without_tensorflow_grain_or_tfds():
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.strip() == "ok []"
+
+
+def test_tf_data_reset_reopens_the_dataset_from_its_start(tf):
+  ds = tf.data.Dataset.range(32).batch(8).map(lambda x: {"x": x})
+  it = gjs.iter_jax_batches(ds, batch_size=8)
+  first = [np.asarray(next(it)["x"])[0] for _ in range(2)]
+  it.reset()
+  assert [np.asarray(b["x"])[0] for b in it] == [0, 8, 16, 24] and first == [0, 8]
+  it.close()
