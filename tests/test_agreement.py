@@ -62,7 +62,7 @@ def _source(p, spec, seed):
     yield {"x": _ids(p, b, n)}
 
 
-def _host(p, n, store, spec, lookahead, seed, out):
+def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
   read = reader.Reader(
     sources.open_source(_source(p, spec, seed)), process_index=p, check_int32=False
   )
@@ -70,7 +70,7 @@ def _host(p, n, store, spec, lookahead, seed, out):
   who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   kind = streamed.Decider if p == 0 else follower.Follower
   stage = kind(
-    read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0, threads=False
+    read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0, threads=False
   )
   record, yielded = [], 0
   runs = iter(stage)
@@ -112,7 +112,7 @@ def schedules(draw):
   return n, hosts, draw(st.integers(1, 4)), draw(st.integers(0, 2**16))
 
 
-def _expected(n, hosts):
+def _expected(n, hosts, options=OPTIONS):
   """`plan.decide` over every process's whole report (what a windowed exchange decides)."""
   reports = []
   for p, h in enumerate(hosts):
@@ -127,14 +127,14 @@ def _expected(n, hosts):
       end = reader.failed(p, position, h["at"], e, f"reading batch {h['at']} from its source")
       error = end.error
     reports.append(plan.Report(process_index=p, rows=rows, exhausted=error is None, error=error))
-  return plan.decide(reports, OPTIONS)
+  return plan.decide(reports, options)
 
 
-def _run(n, hosts, lookahead, seed):
+def _run(n, hosts, lookahead, seed, options=OPTIONS):
   store = MemoryStore()
   out: dict = {}
   threads = [
-    threading.Thread(target=_host, args=(p, n, store, hosts[p], lookahead, seed + p, out))
+    threading.Thread(target=_host, args=(p, n, store, hosts[p], lookahead, seed + p, out, options))
     for p in range(n)
   ]
   for t in threads:
@@ -152,8 +152,28 @@ def _real_ids(record):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
 def test_every_process_ends_the_same_way_and_rows_are_conserved(schedule):
+  _check_schedule(schedule, OPTIONS)
+
+
+# Where a short batch's fate depends on whether it is its host's last: the
+# decider waits for that host's next batch (or end), never guesses.
+WAITING = [
+  plan.Options(batch_size=None, drop_last=False, pad=True, wait_for_last=True),
+  plan.Options(batch_size=None, drop_last=True, pad=False, wait_for_last=True),
+  plan.Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True),
+  plan.Options(batch_size=8, drop_last=True, pad=True, wait_for_last=True),
+]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules(), st.sampled_from(WAITING))
+def test_waiting_for_the_last_batch_decides_as_if_every_end_were_known(schedule, options):
+  _check_schedule(schedule, options)
+
+
+def _check_schedule(schedule, options):  # noqa: C901 - one property per block
   n, hosts, lookahead, seed = schedule
-  store, out = _run(n, hosts, lookahead, seed)
+  store, out = _run(n, hosts, lookahead, seed, options)
   assert store.keys() == []  # Nothing left behind.
   ended = [p for p in range(n) if out[p][0] != "closed"]
   outcomes = {out[p][0] for p in ended}
@@ -179,10 +199,11 @@ def test_every_process_ends_the_same_way_and_rows_are_conserved(schedule):
     got = _real_ids(out[p][1])
     fed = [i for b, x in enumerate(hosts[p]["rows"]) for i in _ids(p, b, x).tolist()]
     assert got == fed[: len(got)]
-    if outcomes == {"stop"} and all(out[q][0] != "closed" for q in range(n)):
+    stopped = outcomes == {"stop"} and all(out[q][0] != "closed" for q in range(n))
+    if stopped and not options.drop_last:  # `drop_last` stops at the shortest host.
       assert got == fed
   # The streamed decisions are `plan.decide`'s.
-  want = _expected(n, hosts)
+  want = _expected(n, hosts, options)
   want_steps = [(s.action.value, s.rows) for s in want.steps]
   aborted = any(out[p][0] == "closed" for p in range(n)) or any(
     isinstance(out[p][2], exchange.PeerTimeoutError) for p in ended

@@ -203,7 +203,9 @@ class Ledger:
       base = self._base[p]
       stop = min(self.count(p), position + size)
       rows = tuple(self._rows[p][i - base] for i in range(position, stop))
-      ended = self._end[p] is not None and self.count(p) < position + size
+      # An end right after the window's last row counts too: that row is then
+      # known to be the process's last (`Options.wait_for_last`).
+      ended = self._end[p] is not None and self.count(p) <= position + size
       end = self._end[p] if ended else None
       out.append(
         plan_lib.Report(

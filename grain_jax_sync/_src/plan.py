@@ -398,7 +398,10 @@ def _size_step(
   unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
   matters = options.drop_last or derived  # Else padded, last or not.
   refused = early and (derived or not options.pad)
-  if unknown and matters and options.wait_for_last and not refused:
+  # Wait where the outcome, or the process the error names (the first one
+  # whose short batch is not its last), is not known yet.
+  named = early[0][0].process_index if early else None
+  if unknown and matters and options.wait_for_last and (not refused or unknown[0] < named):
     return _Wait(unknown)
   if refused:
     r, x = early[0]
