@@ -24,6 +24,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import settings as settings_lib
+from grain_jax_sync._src import sharding as sharding_lib
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class Pipeline:
   def __init__(self, it: Any, exchange: Any, start_error: BaseException | None):
     s = it._settings  # noqa: SLF001 - the iterator composes its own pipeline.
     pc = jax.process_count()
+    # Rows shared across processes are compared wherever reports are exchanged.
+    local = isinstance(exchange, exchange_lib.LocalExchange)
+    shares = it._placement.shares_rows and not local  # noqa: SLF001
     self._position = it._position  # noqa: SLF001
     self.delivered = 0
     self._agreement: streamed.Streamed | None = None
@@ -55,12 +59,14 @@ class Pipeline:
       process_index=exchange.process_index,
       check_int32=not jax.config.jax_enable_x64,
       start_error=start_error,
+      digest=sharding_lib.rows_digest if shares else None,
     )
     who = agreement.Identity(
       process=exchange.process_index,
       devices=it._local_devices,  # noqa: SLF001
       config=s.digest(),
       resume=self._position,
+      groups=it._placement.groups if shares else (),  # noqa: SLF001
     )
     inline = isinstance(exchange, exchange_lib.CollectiveExchange)  # Never in a thread.
     runs: Iterator[build_lib.Run]
