@@ -25,6 +25,7 @@ from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sharding as sharding_lib
+from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Pipeline:
         read, exchange, s.options(), who, window=window, position=self._position
       )
     builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
+    self._counted = (read, exchange, builder)  # Each counts its own time (`times`).
     items: Iterator[build_lib.Item] = builder(runs)
     if s.prefetch > 0 and not inline:
       items = self._thread(items, s.prefetch, "grain_jax_sync-prefetch")
@@ -107,6 +109,15 @@ class Pipeline:
     item = next(self._items)
     self.delivered += 1
     return item
+
+  def times(self) -> stats_lib.Times:
+    """The stages' time so far (each written by its own thread only)."""
+    read, exchange, builder = self._counted
+    return stats_lib.Times(read.source_s, exchange.busy_s, builder.transfer_s)
+
+  def trailing_drops(self) -> int:
+    """Positions dropped after the last item; exact once the stream ended."""
+    return self._counted[2].dropped
 
   def close(self, error: plan_lib.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open."""
@@ -161,11 +172,18 @@ class Lifetime:
     self.pipeline: Pipeline | None = None
     self.unstarted: tuple[str | None, int] | None = None  # (namespace, position)
     self.error: plan_lib.ReportedError | None = None
+    self.finished = stats_lib.Times()  # Of the pipelines stopped so far.
 
   def stop(self) -> None:
     pipeline, self.pipeline = self.pipeline, None
     if pipeline is not None:
       pipeline.close(self.error)
+      self.finished += pipeline.times()
+
+  def times(self) -> stats_lib.Times:
+    """The stages' time over every (re)start."""
+    running = self.pipeline
+    return self.finished if running is None else self.finished + running.times()
 
   def close(self) -> None:
     self.stop()
