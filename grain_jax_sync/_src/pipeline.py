@@ -58,7 +58,7 @@ class Pipeline:
     read = reader.Reader(
       it._source,  # noqa: SLF001
       process_index=exchange.process_index,
-      check_int32=not jax.config.jax_enable_x64,
+      check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start_error,
       digest=sharding_lib.rows_digest if shares else None,
     )

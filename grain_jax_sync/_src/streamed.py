@@ -122,6 +122,10 @@ class Streamed:
   def release(self) -> None:
     self._own.close()
 
+  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+    """Posts this host's ending (`Decider` and `Follower` each post their own)."""
+    raise NotImplementedError
+
 
 class Decider(Streamed):
   """Process 0: reads every chunk, decides, posts the decisions."""
