@@ -41,6 +41,7 @@ from grain_jax_sync._src import (
   ledger,
   plan,
   reader,
+  sharding,
   sources,
   streamed,
 )
@@ -317,3 +318,66 @@ def test_digests_travel_in_chunks_and_the_ledger_keeps_them_per_position():
   plain = ledger.Ledger(1)
   plain.add_rows(0, 8, "a")
   assert plain.window_reports(0, 1, with_config=False)[0].digests == ()
+
+
+def _shared_host(p, n, store, data, groups, lookahead, out):
+  read = reader.Reader(
+    sources.open_source(iter(data)),
+    process_index=p,
+    check_int32=False,
+    digest=sharding.rows_digest,
+  )
+  ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
+  who = agreement.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
+  kind = streamed.Decider if p == 0 else follower.Follower
+  stage = kind(
+    read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0, threads=False
+  )
+  record = []
+  try:
+    for run in stage:
+      record += [None if r is None else r.batch.leaves[0].tolist() for r, _ in run.steps]
+    out[p] = (record, None)
+  except BaseException as e:  # noqa: BLE001 - compared by the test.
+    out[p] = (record, e)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+  n=st.integers(2, 5),
+  batches=st.integers(1, 6),
+  lookahead=st.integers(1, 4),
+  differ=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 5))),
+)
+def test_shared_rows_are_compared_in_the_streamed_agreement(n, batches, lookahead, differ):
+  # Processes 2k and 2k + 1 share an input shard and load its rows; one process
+  # may load other rows from batch `at` on.
+  groups = tuple(tuple(range(s, min(s + 2, n))) for s in range(0, n, 2))
+  bad, at = differ if differ is not None else (None, batches)
+  if bad is not None and (bad >= n or len(groups[bad // 2]) < 2 or at >= batches):
+    bad, at = None, batches  # Nobody shares its rows, or it differs past its end.
+  data = []
+  for p in range(n):
+    shard = p // 2
+    data.append(
+      [{"x": _ids(shard + (100 if p == bad and b >= at else 0), b, 8)} for b in range(batches)]
+    )
+  store, out = MemoryStore(), {}
+  threads = [
+    threading.Thread(target=_shared_host, args=(p, n, store, data[p], groups, lookahead, out))
+    for p in range(n)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not any(t.is_alive() for t in threads), "a simulated process hangs"
+  for p in range(n):
+    record, error = out[p]
+    assert record == [d["x"].tolist() for d in data[p][:at]]  # Every batch before `at`.
+    if bad is None:
+      assert error is None
+    else:
+      assert isinstance(error, ValueError)
+      assert str(error).startswith(f"batch {at}: processes {list(groups[bad // 2])} hold")
+  assert len({str(out[p][1]) for p in range(n)}) == 1
