@@ -407,7 +407,7 @@ def _size_step(
   refused = early and (derived or not options.pad)
   # Wait where the outcome, or the process the error names (the first one
   # whose short batch is not its last), is not known yet.
-  named = early[0][0].process_index if early else None
+  named = early[0][0].process_index if early else -1
   if unknown and matters and options.wait_for_last and (not refused or unknown[0] < named):
     return _Wait(unknown)
   if refused:

@@ -101,7 +101,8 @@ _NOT_ITERABLE = (
 @functools.cache
 def _local_iterator_class() -> type:
   """A `grain.DatasetIterator` subclass, built on first use (Grain loads lazily)."""
-  grain = extras.require("grain", needed_by="a Grain source")
+  # Any: Grain's class is a base here, and Grain ships no type information.
+  grain: Any = extras.require("grain", needed_by="a Grain source")
 
   class LocalIterator(grain.DatasetIterator):
     """The source's `DatasetIterator`, as seen through the agreed stream.
