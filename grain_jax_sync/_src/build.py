@@ -96,18 +96,31 @@ class Builder:
   def __call__(self, runs: Iterable[Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
-        if read is not None:
-          self._state = read.state
-        if step.action == plan_lib.Action.DROP:
-          logger.warning(
-            "grain_jax_sync: drop_last dropped a batch on every host (this"
-            " host's real rows %d, batch_size %d)",
-            0 if read is None else read.batch.rows,
-            self._s.batch_size,
-          )
-          continue
-        assert run.signature is not None
-        yield Item(self.build(read, step, run.signature), self._state)
+        item = self.step(read, step, run.signature)
+        if item is not None:
+          yield item
+
+  def step(
+    self, read: reader_lib.Read | None, step: plan_lib.Step, sig: batches_lib.Signature | None
+  ) -> Item | None:
+    """One decided position: its `Item`, or None where it is dropped.
+
+    Positions must be given in order (the state after each is tracked here);
+    `prefetch.BuildStage` calls it from the build thread or the consumer,
+    under one lock.
+    """
+    if read is not None:
+      self._state = read.state
+    if step.action == plan_lib.Action.DROP:
+      logger.warning(
+        "grain_jax_sync: drop_last dropped a batch on every host (this"
+        " host's real rows %d, batch_size %d)",
+        0 if read is None else read.batch.rows,
+        self._s.batch_size,
+      )
+      return None
+    assert sig is not None
+    return Item(self.build(read, step, sig), self._state)
 
   def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
