@@ -9,24 +9,103 @@ import importlib.util
 import json
 import platform
 import sys
+import tempfile
+import threading
 from typing import Any
 
+# How often the demo's progress bar polls the hosts' batch counts.
+_PROGRESS_POLL_S = 0.1
 
-def _demo(args: argparse.Namespace) -> int:
+
+class _Progress:
+  """A tqdm bar on stderr, or plain-text lines where tqdm is not installed."""
+
+  def __init__(self, total: int, desc: str):
+    self._done = 0
+    self._total = total
+    self._desc = desc
+    try:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      self._bar = None
+    else:
+      self._bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
+
+  def update(self, done: int) -> None:
+    if done <= self._done:
+      return
+    if self._bar is not None:
+      self._bar.update(done - self._done)
+    else:
+      print(f"{self._desc}: {done}/{self._total}", file=sys.stderr, flush=True)
+    self._done = done
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+
+
+def _run_with_progress(args: argparse.Namespace) -> list[Any]:
+  """Runs the demo hosts, showing their batches (summed over hosts) as they go."""
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
+  result: dict[str, Any] = {}
+
+  def run(progress_dir: str) -> None:
+    try:
+      result["outcomes"] = testing.run_processes(
+        demo.demo_host,
+        num_processes=args.processes,
+        devices_per_process=args.devices,
+        kwargs={"batch_size": args.batch_size, "progress_dir": progress_dir},
+        timeout_s=args.timeout,
+      )
+    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread.
+      result["error"] = e
+
+  total = args.processes * demo.expected_batches(args.processes, args.batch_size)
+  bar = _Progress(total, "batches (all hosts)")
+  with tempfile.TemporaryDirectory() as progress_dir:
+    thread = threading.Thread(target=run, args=(progress_dir,), daemon=True)
+    thread.start()
+    while thread.is_alive():
+      thread.join(_PROGRESS_POLL_S)
+      bar.update(demo.read_progress(progress_dir, args.processes))
+    bar.close()
+  if "error" in result:
+    raise result["error"]
+  return result["outcomes"]
+
+
+def _print_stats(outcomes: list[Any]) -> None:
+  """`JaxBatchIterator.stats()` of every host, as a table."""
+  from grain_jax_sync._src import stats  # pylint: disable=g-import-not-at-top
+
+  rows = []
+  for o in outcomes:
+    found = [r["stats"] for r in o.value if "stats" in r] if o.ok else []
+    if found:
+      rows.append((o.process_index, found[0]))
+  if not rows:
+    return
+  table = [["host", *stats.FIELDS]]
+  for p, s in rows:
+    cells = [f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k]) for k in stats.FIELDS]
+    table.append([str(p), *cells])
+  widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+  print("\nstats() per host (seconds are each stage's own time):")
+  for row in table:
+    print("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def _demo(args: argparse.Namespace) -> int:
   print(
     f"grain_jax_sync demo: {args.processes} local processes x {args.devices}"
-    f" CPU devices, batch_size={args.batch_size}; host p holds 10 + 7p records"
+    f" CPU devices, batch_size={args.batch_size}; host p holds 10 + 7p records",
+    flush=True,
   )
-  outcomes = testing.run_processes(
-    demo.demo_host,
-    num_processes=args.processes,
-    devices_per_process=args.devices,
-    kwargs={"batch_size": args.batch_size},
-    timeout_s=args.timeout,
-  )
+  outcomes = _run_with_progress(args)
   failed = False
   for o in outcomes:
     print(f"\n== host {o.process_index} ==")
@@ -35,6 +114,8 @@ def _demo(args: argparse.Namespace) -> int:
       print(f"FAILED: {o.error_type}: {o.error_message}\n{o.log[-2000:]}")
       continue
     for row in o.value:
+      if "stats" in row:
+        continue
       if "state" in row:
         print(f"  resume state after the last batch: {json.dumps(row['state'])}")
         continue
@@ -53,6 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
       f" {len(seen)} of {total} records seen once each:"
       f" {len(seen) == total == len(set(seen))}"
     )
+  _print_stats(outcomes)
   return 1 if failed else 0
 
 
@@ -94,7 +176,7 @@ def _print_mesh_choice() -> None:
   order, reason = meshes.default_device_order(jax.devices())
   ids = [d.id for d in order]
   shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
-  slices = sorted({getattr(d, "slice_index", None) for d in order} - {None})
+  slices = sorted({s for d in order if (s := getattr(d, "slice_index", None)) is not None})
   print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
   print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
   print(f"batches go to: {placement.resolve_sharding().describe()}")

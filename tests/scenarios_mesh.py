@@ -31,11 +31,17 @@ def _grid(shape: tuple[int, ...], pick: Any) -> np.ndarray:
   return out
 
 
-def _run(kwargs: dict[str, Any], sizes: list[int], *, by_process: bool = False) -> dict[str, Any]:
+def _run(
+  kwargs: dict[str, Any],
+  sizes: list[int],
+  *,
+  by_process: bool = False,
+  differ_from: int | None = None,
+) -> dict[str, Any]:
   """iter_jax_batches over this process's input shard; global rows and layout.
 
   With `by_process`, each process feeds rows of its own (wrong where
-  processes share a data shard).
+  processes share a data shard); with `differ_from`, from that batch on.
   """
   import jax
 
@@ -47,6 +53,8 @@ def _run(kwargs: dict[str, Any], sizes: list[int], *, by_process: bool = False) 
   )
   shard = jax.process_index() if by_process else info.shard_index
   data = scenarios.make_batches(shard, sizes)
+  if differ_from is not None:
+    data[differ_from:] = scenarios.make_batches(jax.process_index(), sizes)[differ_from:]
   with gjs.iter_jax_batches(data, **kwargs) as it:
     out = scenarios.consume(it)
     out["spec"] = str(it.sharding.spec)
@@ -55,6 +63,18 @@ def _run(kwargs: dict[str, Any], sizes: list[int], *, by_process: bool = False) 
   out["info"] = tuple(info)
   out["process"] = jax.process_index()
   return out
+
+
+def _without_store(fn: Any) -> Any:
+  """Runs `fn` with no key-value client: the collective fallback (lockstep)."""
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  distributed.global_state.client = None
+  try:
+    return fn()
+  finally:
+    distributed.global_state.client = client
 
 
 def _error(fn: Any) -> str | None:
@@ -96,7 +116,12 @@ def cases_2x4() -> dict[str, Any]:
   out: dict[str, Any] = {
     "inside": _run({"batch_size": 8, "mesh": inside}, [8, 8]),
     "across": _run({**padded, "mesh": across}, [8, 5]),
-    "across_differ": _run({"batch_size": 8, "mesh": across}, [8], by_process=True),
+    "across_differ": _run({"batch_size": 8, "mesh": across}, [8, 8], by_process=True),
+    # The same through the collective fallback (lockstep, no key-value store);
+    # the first batch agrees (both load shard 0), the second differs.
+    "across_differ_lockstep": _without_store(
+      lambda: _run({"batch_size": 8, "mesh": across}, [8, 8], differ_from=1)
+    ),
     "strided": _run({"batch_size": 8, "mesh": strided, "data_axes": ("y", "x")}, [8]),
     "sharding": _run(
       {

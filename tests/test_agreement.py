@@ -34,7 +34,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memory_store import MemoryStore
 
-from grain_jax_sync._src import agreement, exchange, follower, plan, reader, sources, streamed
+from grain_jax_sync._src import (
+  agreement,
+  exchange,
+  follower,
+  ledger,
+  plan,
+  reader,
+  sharding,
+  sources,
+  streamed,
+)
 
 OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
@@ -253,3 +263,121 @@ def test_a_chunk_that_does_not_parse_raises_naming_the_process():
   out = _run_some(2, store, hosts, [0])
   assert type(out[0][2]) is ValueError
   assert str(out[0][2]).startswith("process 1 posted a report that is not JSON")
+
+
+# -- processes that share rows: digests beside the decision ----------------------
+
+
+def _shared_reports(digests_1: tuple[str, ...]) -> list[plan.Report]:
+  rows = (8, 8, 8)
+  return [
+    plan.Report(process_index=0, rows=rows, exhausted=True, digests=("a", "b", "c")),
+    plan.Report(process_index=1, rows=rows, exhausted=True, digests=digests_1),
+    plan.Report(process_index=2, rows=rows, exhausted=True, digests=("x", "y", "z")),
+  ]
+
+
+def test_shared_rows_that_agree_decide_as_plan_decide():
+  reports = _shared_reports(("a", "b", "c"))
+  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
+  assert got == plan.decide(reports, OPTIONS, position=4)
+  assert got.end == plan.End.STOP and len(got.steps) == 3
+
+
+def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
+  reports = _shared_reports(("a", "b", "C"))
+  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
+  assert len(got.steps) == 2 and got.end == plan.End.RAISE
+  assert got.error is not None and got.error.kind == plan.ErrorKind.VALUE
+  assert got.error.message.startswith(
+    "batch 6: processes [0, 1] hold the same data shards (input shard 0) and must feed"
+  )
+  assert "process 0: c, process 1: C" in got.error.message
+  # Without groups (no shared rows) the digests are not looked at.
+  assert agreement.decide(reports, OPTIONS, groups=(), position=4).end == plan.End.STOP
+
+
+def test_a_process_with_a_dummy_batch_is_not_compared():
+  reports = _shared_reports(("a",))
+  reports[1] = plan.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
+  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  assert got.end == plan.End.STOP and [s.real_rows[1] for s in got.steps] == [8, 0, 0]
+
+
+def test_digests_travel_in_chunks_and_the_ledger_keeps_them_per_position():
+  led = ledger.Ledger(2, digests=True)
+  led.add_rows(0, 8, "a")
+  led.add_rows(0, 8, "b")
+  sent = plan.Report(process_index=1, rows=(8, 8), digests=("a", "c"))
+  led.add(ledger.Chunk.from_json(ledger.Chunk(start=0, ack=0, report=sent).to_json()))
+  reports = led.window_reports(0, led.window(0), with_config=False)
+  assert [r.digests for r in reports] == [("a", "b"), ("a", "c")]
+  led.forget(1)
+  assert [r.digests for r in led.window_reports(1, 1, with_config=False)] == [("b",), ("c",)]
+  # Without digests kept (rows not shared), reports carry none.
+  plain = ledger.Ledger(1)
+  plain.add_rows(0, 8, "a")
+  assert plain.window_reports(0, 1, with_config=False)[0].digests == ()
+
+
+def _shared_host(p, n, store, data, groups, lookahead, out):
+  read = reader.Reader(
+    sources.open_source(iter(data)),
+    process_index=p,
+    check_int32=False,
+    digest=sharding.rows_digest,
+  )
+  ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
+  who = agreement.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
+  kind = streamed.Decider if p == 0 else follower.Follower
+  stage = kind(
+    read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0, threads=False
+  )
+  record = []
+  try:
+    for run in stage:
+      record += [None if r is None else r.batch.leaves[0].tolist() for r, _ in run.steps]
+    out[p] = (record, None)
+  except BaseException as e:  # noqa: BLE001 - compared by the test.
+    out[p] = (record, e)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+  n=st.integers(2, 5),
+  batches=st.integers(1, 6),
+  lookahead=st.integers(1, 4),
+  differ=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 5))),
+)
+def test_shared_rows_are_compared_in_the_streamed_agreement(n, batches, lookahead, differ):
+  # Processes 2k and 2k + 1 share an input shard and load its rows; one process
+  # may load other rows from batch `at` on.
+  groups = tuple(tuple(range(s, min(s + 2, n))) for s in range(0, n, 2))
+  bad, at = differ if differ is not None else (None, batches)
+  if bad is not None and (bad >= n or len(groups[bad // 2]) < 2 or at >= batches):
+    bad, at = None, batches  # Nobody shares its rows, or it differs past its end.
+  data = []
+  for p in range(n):
+    shard = p // 2
+    data.append(
+      [{"x": _ids(shard + (100 if p == bad and b >= at else 0), b, 8)} for b in range(batches)]
+    )
+  store, out = MemoryStore(), {}
+  threads = [
+    threading.Thread(target=_shared_host, args=(p, n, store, data[p], groups, lookahead, out))
+    for p in range(n)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not any(t.is_alive() for t in threads), "a simulated process hangs"
+  for p in range(n):
+    record, error = out[p]
+    assert record == [d["x"].tolist() for d in data[p][:at]]  # Every batch before `at`.
+    if bad is None:
+      assert error is None
+    else:
+      assert isinstance(error, ValueError)
+      assert str(error).startswith(f"batch {at}: processes {list(groups[bad // 2])} hold")
+  assert len({str(out[p][1]) for p in range(n)}) == 1

@@ -128,6 +128,24 @@ def test_demo_command_prints_agreed_batches():
     "batch 2: global (16,) features bfloat16; this host: 0 real + 8 padded rows; global mask sum 1"
     in out
   )
+  # stats() per host: host 0 has 10 records (8 + 2, then a dummy), host 1 has 17 (8 + 8 + 1).
+  table = out.split("stats() per host", 1)[1].splitlines()[1:4]
+  assert table[0].split()[:6] == [
+    "host", "batches", "real_rows", "padded_rows", "dummy_batches", "dropped_batches"
+  ]  # fmt: skip
+  assert table[1].split()[:6] == ["0", "3", "10", "14", "1", "0"]
+  assert table[2].split()[:6] == ["1", "3", "17", "7", "0", "0"]
+
+
+def test_demo_progress_is_plain_text_without_tqdm(monkeypatch, capsys):
+  from grain_jax_sync import __main__ as cli
+
+  monkeypatch.setitem(sys.modules, "tqdm", None)  # As if tqdm were not installed.
+  bar = cli._Progress(6, "batches (all hosts)")
+  for done in (0, 2, 2, 6):
+    bar.update(done)
+  bar.close()
+  assert capsys.readouterr().err == "batches (all hosts): 2/6\nbatches (all hosts): 6/6\n"
 
 
 def test_doctor_reports_devices_and_extras(capsys):

@@ -256,11 +256,6 @@ def test_2x4_model_axis_across_processes_both_feed_the_same_rows():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(
-  strict=True,
-  reason="pending: sharding.rows_digest is not compared in the exchange yet;"
-  " today the array is built from different rows without an error",
-)
 def test_2x4_processes_sharing_a_data_shard_with_different_rows_raise_everywhere():
   outs = _run_2x4()
   for out in outs:
@@ -268,6 +263,20 @@ def test_2x4_processes_sharing_a_data_shard_with_different_rows_raise_everywhere
     assert r["error_type"] == "ValueError"
     assert "processes [0, 1] hold the same data shards (input shard 0) and must feed" in r["error"]
   assert len({out["across_differ"]["error"] for out in outs}) == 1
+  assert all(out["across_differ"]["batches"] == [] for out in outs)  # Raised before batch 0.
+
+
+@pytest.mark.multiprocess
+def test_2x4_shared_rows_that_differ_later_raise_everywhere_in_lockstep():
+  # The collective fallback: batch 0 agrees and is yielded, batch 1 differs.
+  outs = _run_2x4()
+  for out in outs:
+    r = out["across_differ_lockstep"]
+    assert r["error_type"] == "ValueError"
+    assert r["error"].startswith("batch 1: processes [0, 1] hold the same data shards")
+    assert len(r["batches"]) == 1
+    np.testing.assert_array_equal(r["batches"][0]["x"], scenarios.rows_for(0, 0, 8))
+  assert len({out["across_differ_lockstep"]["error"] for out in outs}) == 1
 
 
 @pytest.mark.multiprocess

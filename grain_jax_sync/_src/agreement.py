@@ -23,6 +23,7 @@ ending before it raises or stops, and yields only decided positions.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from grain_jax_sync._src import liveness
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import sharding as sharding_lib
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +93,36 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int) -> int:
 
 
 class Identity:
-  """What a process says about itself in its first report."""
+  """What a process says about itself in its first report.
 
-  def __init__(self, *, process: int, devices: int, config: Any, resume: int):
+  `groups` (the same on every process) is `BatchPlacement.groups` where
+  processes share rows, else empty: then each report carries its rows'
+  digests and `decide` compares them.
+  """
+
+  def __init__(
+    self,
+    *,
+    process: int,
+    devices: int,
+    config: Any,
+    resume: int,
+    groups: tuple[tuple[int, ...], ...] = (),
+  ):
     self.process = process
     self.devices = devices
     self.config = config
     self.resume = resume
+    self.groups = groups
 
 
 def make_report(
-  who: Identity, rows: tuple[int, ...], end: reader_lib.End | None, sig: Any, first: bool
+  who: Identity,
+  rows: tuple[int, ...],
+  end: reader_lib.End | None,
+  sig: Any,
+  first: bool,
+  digests: tuple[str | None, ...] = (),
 ) -> plan_lib.Report:
   return plan_lib.Report(
     process_index=who.process,
@@ -112,7 +133,37 @@ def make_report(
     local_devices=who.devices,
     config=who.config if first else None,
     resume=who.resume if first else None,
+    digests=digests,
   )
+
+
+def decide(
+  reports: list[plan_lib.Report],
+  options: plan_lib.Options,
+  *,
+  groups: tuple[tuple[int, ...], ...],
+  position: int,
+) -> plan_lib.Plan:
+  """`plan.decide`, then, where processes share rows, the digest check.
+
+  The first yielded position whose rows differ within a group of processes
+  that share a data shard ends the plan: the steps before it stand, and every
+  host raises the same ValueError (`sharding.shared_rows_error`).
+  """
+  plan = plan_lib.decide(reports, options, position=position)
+  if not groups:
+    return plan
+  index = position
+  for i, step in enumerate(plan.steps):
+    if step.action != plan_lib.Action.YIELD:
+      continue
+    digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
+    message = sharding_lib.shared_rows_error(digests, groups, index)
+    if message is not None:
+      error = plan_lib.ReportedError(ErrorKind.VALUE, message, -1, index)
+      return dataclasses.replace(plan, steps=plan.steps[:i], end=plan_lib.End.RAISE, error=error)
+    index += 1
+  return plan
 
 
 # -- lockstep ----------------------------------------------------------------------
@@ -141,7 +192,8 @@ def lockstep(
     if signature is None and reads:
       signature = reads[0].batch.signature
     sig = None if signature is None else signature.to_json()
-    report = make_report(who, tuple(r.batch.rows for r in reads), end, sig, w == 0)
+    digests = tuple(r.digest for r in reads) if who.groups else ()
+    report = make_report(who, tuple(r.batch.rows for r in reads), end, sig, w == 0, digests)
     if exchange.process_count == 1:
       reports = [report]  # Nothing to exchange: skip the JSON round trip.
     else:
@@ -149,7 +201,7 @@ def lockstep(
       reports = _parse_all(exchange.all_gather(w, chunk.to_json()))
       if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
         signature = batches_lib.Signature.from_json(found)
-    decision = plan_lib.decide(reports, options, position=position)
+    decision = decide(reports, options, groups=who.groups, position=position)
     steps = tuple(
       (reads[i] if i < len(reads) else None, step) for i, step in enumerate(decision.steps)
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,10 +40,21 @@ class Run:
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Item:
-  """One output batch and the source state after it."""
+  """One output batch and the source state after it.
+
+  Attributes:
+    value: The global batch.
+    state: The source state after it.
+    real: This host's real rows in it (0: a dummy batch).
+    rows: This host's rows in it, padding included.
+    dropped: Positions dropped on every host since the previous item.
+  """
 
   value: Any
   state: Any
+  real: int = 0
+  rows: int = 0
+  dropped: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +97,11 @@ class Builder:
       `batch_size`).
     placement: Where the rows go (`placement.BatchPlacement`).
     start_state: The source state before the first read.
+
+  Attributes:
+    transfer_s: Seconds spent building global batches.
+    dropped: Positions dropped since the last item (counted in the next item;
+      read at the end of the stream for drops after the last one).
   """
 
   def __init__(self, settings: Any, placement: Any, start_state: Any):
@@ -92,6 +109,8 @@ class Builder:
     self._placement = placement
     self._state = start_state
     self._layout: Layout | None = None
+    self.transfer_s = 0.0
+    self.dropped = 0
 
   def __call__(self, runs: Iterable[Run]) -> Iterator[Item]:
     for run in runs:
@@ -118,9 +137,15 @@ class Builder:
         0 if read is None else read.batch.rows,
         self._s.batch_size,
       )
+      self.dropped += 1
       return None
     assert sig is not None
-    return Item(self.build(read, step, sig), self._state)
+    t0 = time.monotonic()
+    value = self.build(read, step, sig)
+    self.transfer_s += time.monotonic() - t0
+    real = 0 if read is None else read.batch.rows
+    dropped, self.dropped = self.dropped, 0
+    return Item(value, self._state, real, step.rows, dropped)
 
   def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""

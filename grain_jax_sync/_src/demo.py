@@ -8,6 +8,8 @@ and every host sees the same number of identically shaped global arrays.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import numpy as np
@@ -24,8 +26,36 @@ def host_records(process: int, batch_size: int) -> list[dict[str, np.ndarray]]:
   ]
 
 
-def demo_host(batch_size: int = 8) -> list[dict[str, Any]]:
-  """Runs in every simulated host; returns one line of facts per batch."""
+def expected_batches(processes: int, batch_size: int) -> int:
+  """Global batches every host yields: the longest host's batch count."""
+  return max(math.ceil((10 + 7 * p) / batch_size) for p in range(processes))
+
+
+def _report_progress(progress_dir: str | None, process: int, batches: int) -> None:
+  """Writes this host's batch count where the command-line tool polls it."""
+  if progress_dir is None:
+    return
+  path = os.path.join(progress_dir, str(process))
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(str(batches))
+  os.replace(path + ".tmp", path)
+
+
+def read_progress(progress_dir: str, processes: int) -> int:
+  """Batches yielded so far, summed over the hosts (what `_report_progress` wrote)."""
+  done = 0
+  for p in range(processes):
+    try:
+      with open(os.path.join(progress_dir, str(p)), encoding="utf-8") as f:
+        done += int(f.read() or 0)
+    except (FileNotFoundError, ValueError):
+      continue
+  return done
+
+
+def demo_host(batch_size: int = 8, progress_dir: str | None = None) -> list[dict[str, Any]]:
+  """Runs in every simulated host; returns one line of facts per batch, then
+  the resume state and the iterator's `stats()`."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
@@ -57,5 +87,7 @@ def demo_host(batch_size: int = 8) -> list[dict[str, Any]]:
           "real_ids": sorted(int(x) for x in ids[mask]),
         }
       )
+      _report_progress(progress_dir, p, i + 1)
     rows.append({"state": it.get_state()})
+    rows.append({"stats": it.stats()})
   return rows

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,8 @@ class PeerLostError(RuntimeError):
 
 class LocalExchange:
   """No communication: each process decides alone."""
+
+  busy_s = 0.0  # Nothing is exchanged.
 
   def __init__(self, process_index: int = 0):
     self.process_index = process_index
@@ -153,6 +156,7 @@ class KeyValueExchange:
     self._chunks_deleted = 0  # Groups.
     self._decisions_deleted = 0  # Groups.
     self.ops = 0  # Store calls made (for the scale benchmark).
+    self.busy_s = 0.0  # Seconds in store calls and waits (`stats()`'s exchange_s).
 
   @property
   def namespace(self) -> str:
@@ -164,17 +168,23 @@ class KeyValueExchange:
 
   def _call(self, doing: str, fn: Any, *args: Any) -> Any:
     self.ops += 1
+    t0 = time.monotonic()
     try:
       return fn(*args)
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       raise store_failed(e, doing) from e
+    finally:
+      self.busy_s += time.monotonic() - t0
 
   def _delete(self, key: str) -> None:
     self.ops += 1
+    t0 = time.monotonic()
     try:
       self._client.key_value_delete(key)
     except Exception as e:  # noqa: BLE001 - best effort.
       logger.debug("could not delete %s: %s", key, e)
+    finally:
+      self.busy_s += time.monotonic() - t0
 
   def _check(self) -> None:
     if self._cancel.is_set():
@@ -248,12 +258,15 @@ class KeyValueExchange:
     """Decision `seq` if it is posted, without waiting."""
     self._check()
     self.ops += 1
+    t0 = time.monotonic()
     try:
       return self._client.key_value_try_get(f"{self._ns}/d/{seq // GROUP}/{seq}")
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       if _is_not_found(e):
         return None
       raise store_failed(e, f"reading decision {seq}") from e
+    finally:
+      self.busy_s += time.monotonic() - t0
 
   def wait_decision(self, seq: int) -> str | None:
     """Decision `seq`, waiting up to `WAIT_SLICE_S` for it."""
@@ -263,22 +276,28 @@ class KeyValueExchange:
 
   def _blocking_get(self, key: str, doing: str) -> str | None:
     self.ops += 1
+    t0 = time.monotonic()
     try:
       return self._client.blocking_key_value_get(key, int(WAIT_SLICE_S * 1000))
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       if _is_deadline(e) or _is_not_found(e):
         return None
       raise store_failed(e, doing) from e
+    finally:
+      self.busy_s += time.monotonic() - t0
 
   # -- liveness ----------------------------------------------------------------
 
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
     self.ops += 1
+    t0 = time.monotonic()
     try:
       return self._client.key_value_try_get(beat_key(process))
     except Exception:  # noqa: BLE001 - not beating yet, or the store is gone.
       return None
+    finally:
+      self.busy_s += time.monotonic() - t0
 
   # -- the end -----------------------------------------------------------------
 
@@ -322,8 +341,16 @@ class CollectiveExchange:
   def __init__(self, *, process_index: int, process_count: int):
     self.process_index = process_index
     self.process_count = process_count
+    self.busy_s = 0.0  # Seconds in the all-gathers (`stats()`'s exchange_s).
 
   def all_gather(self, window: int, payload: str) -> list[str]:
+    t0 = time.monotonic()
+    try:
+      return self._all_gather(window, payload)
+    finally:
+      self.busy_s += time.monotonic() - t0
+
+  def _all_gather(self, window: int, payload: str) -> list[str]:
     del window
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

@@ -29,6 +29,7 @@ class Follower(Streamed):
     super().__init__(*args, **kwargs)
     self._posted = 0  # Own positions posted.
     self._unposted: list[int] = []
+    self._digests: list[str | None] = []  # Parallel to `_unposted` where rows are shared.
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
@@ -115,6 +116,8 @@ class Follower(Streamed):
       self._flush()
       return
     self._unposted.append(item.batch.rows)
+    if self._who.groups:
+      self._digests.append(item.digest)
     if (
       self._own.last_read_s >= agreement.FLUSH_AFTER_S
       or len(self._unposted) >= self._own.lookahead
@@ -134,7 +137,9 @@ class Follower(Streamed):
     if not self._sent_signature and self._own.signature is not None:
       sig = self._own.signature.to_json()
       self._sent_signature = True
-    report = agreement.make_report(self._who, tuple(self._unposted), end, sig, not self._sent_first)
+    report = agreement.make_report(
+      self._who, tuple(self._unposted), end, sig, not self._sent_first, tuple(self._digests)
+    )
     if error is not None:
       report = plan_lib.Report(process_index=self._p, error=error, local_devices=self._who.devices)
     chunk = ledger_lib.Chunk(start=self._posted, ack=self._seq, report=report)
@@ -144,6 +149,7 @@ class Follower(Streamed):
       self._chunks.append((seq, self._posted))
     self._posted += len(report.rows)
     self._unposted.clear()
+    self._digests.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
 
   def _release(self) -> None:
@@ -161,6 +167,7 @@ class Follower(Streamed):
     try:
       if not self._end_posted or error is None:
         self._unposted.clear()
+        self._digests.clear()
         self._post(final=True, error=error or self._closed_error(at_batch))
     finally:
       self._ex.end()

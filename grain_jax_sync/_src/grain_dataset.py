@@ -145,7 +145,8 @@ def _normalize_state(state: Any) -> dict[str, Any]:
 @functools.cache
 def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (lazy Grain import)
   """Builds the Grain subclasses on first use, so Grain loads lazily."""
-  grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
+  # Any: Grain's classes are bases here, and Grain ships no type information.
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.device_put")
 
   class SyncedDatasetIterator(grain.DatasetIterator):
     """Global `jax.Array` batches that every host agrees on.
@@ -159,6 +160,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
     """
 
     _MUTATES_ELEMENT_SPEC = True
+    _closed: bool  # Set by Grain's DatasetIterator.__init__.
 
     def __init__(self, parent: Any, kwargs: dict[str, Any], placement: _Placement):
       super().__init__(parent)

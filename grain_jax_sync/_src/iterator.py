@@ -8,6 +8,7 @@ is the state after the last batch they received.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sources
+from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class JaxBatchIterator(Iterator[Any]):
     if settings.synchronize and jax.process_count() > 1:
       self._namespace = exchange_lib.new_namespace(settings.name)
     self._start_error: BaseException | None = None
+    self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings)
     self._life.unstarted = (self._next_namespace(), 0)
     self._finalizer = weakref.finalize(self, self._life.close)
@@ -96,18 +99,48 @@ class JaxBatchIterator(Iterator[Any]):
       raise RuntimeError("the iterator is closed")
     if self._exhausted:
       raise StopIteration
+    t0 = time.monotonic()
     if self._life.pipeline is None:
       self._start()
-    assert self._life.pipeline is not None
+    pipeline = self._life.pipeline
+    assert pipeline is not None
     try:
-      item = next(self._life.pipeline)
+      item = next(pipeline)
     except BaseException:
+      self._delivered.wait_s += time.monotonic() - t0
+      self._delivered.dropped_batches += pipeline.trailing_drops()
       self._exhausted = True
       self._life.stop()
       raise
+    self._delivered.wait_s += time.monotonic() - t0
+    self._delivered.add(item.real, item.rows, item.dropped)
     self._state = item.state
     self._position += 1
     return item.value
+
+  def stats(self) -> dict[str, int | float]:
+    """What the input pipeline did on this host so far.
+
+    Counts are of the batches this consumer received (never of batches
+    still prefetched), over the iterator's life, across `set_state`. Times
+    are seconds of each stage's own thread, so with prefetching they overlap
+    each other and the training step; ``wait_s`` is the part the consumer
+    did not hide.
+
+    Returns:
+      A dict: ``batches`` received; this host's ``real_rows`` and
+      ``padded_rows`` in them (padding of short batches and every row of
+      its dummy batches: the rows the mask marks False); ``dummy_batches``
+      (this host had no data of its own); ``dropped_batches`` (dropped on
+      every host by `drop_last`, up to the last batch received, or to the
+      end once iteration ended); and seconds: ``wait_s`` waiting in
+      ``next()``, ``source_s`` in the source's ``next()`` and
+      ``get_state()``, ``exchange_s`` in key-value store calls and waits
+      (or the collective fallback's all-gathers; 0 in one process),
+      ``transfer_s`` building global arrays (padding, mask, host casts,
+      ``make_array_from_process_local_data``).
+    """
+    return stats_lib.snapshot(self._delivered, self._life.times())
 
   # -- state -------------------------------------------------------------------
 

@@ -99,11 +99,17 @@ class Ledger:
 
   Args:
     process_count: How many processes report.
+    digests: Keep each position's row digest (processes share rows), for
+      the window reports.
   """
 
-  def __init__(self, process_count: int):
+  def __init__(self, process_count: int, *, digests: bool = False):
     self._n = process_count
     self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
+    # Parallel to `_rows` where digests are kept (None: a process sent none).
+    self._digests: list[collections.deque[str | None]] | None = None
+    if digests:
+      self._digests = [collections.deque() for _ in range(process_count)]
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[plan_lib.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
@@ -138,6 +144,9 @@ class Ledger:
         f" {self.count(p)} (ended: {self._end[p] is not None})"
       )
     self._rows[p].extend(r.rows)
+    if self._digests is not None:
+      got = r.digests[: len(r.rows)]
+      self._digests[p].extend((*got, *[None] * (len(r.rows) - len(got))))
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
@@ -149,9 +158,11 @@ class Ledger:
     self._devices[p] = r.local_devices
     self._ack[p] = max(self._ack[p], chunk.ack)
 
-  def add_rows(self, p: int, rows: int) -> None:
+  def add_rows(self, p: int, rows: int, digest: str | None = None) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
     self._rows[p].append(rows)
+    if self._digests is not None:
+      self._digests[p].append(digest)
 
   def end(self, report: plan_lib.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
@@ -198,6 +209,9 @@ class Ledger:
       base = self._base[p]
       stop = min(self.count(p), position + size)
       rows = tuple(self._rows[p][i - base] for i in range(position, stop))
+      digests: tuple[str | None, ...] = ()
+      if self._digests is not None:
+        digests = tuple(self._digests[p][i - base] for i in range(position, stop))
       ended = self._end[p] is not None and self.count(p) < position + size
       end = self._end[p] if ended else None
       out.append(
@@ -210,6 +224,7 @@ class Ledger:
           local_devices=self._devices[p],
           config=self._config[p] if with_config else None,
           resume=self._resume[p] if with_config else None,
+          digests=digests,
         )
       )
     return out
@@ -224,6 +239,8 @@ class Ledger:
       rows = self._rows[p]
       while self._base[p] < position and rows:
         rows.popleft()
+        if self._digests is not None:
+          self._digests[p].popleft()
         self._base[p] += 1
 
 

@@ -24,6 +24,8 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import settings as settings_lib
+from grain_jax_sync._src import sharding as sharding_lib
+from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,9 @@ class Pipeline:
   def __init__(self, it: Any, exchange: Any, start_error: BaseException | None):
     s = it._settings  # noqa: SLF001 - the iterator composes its own pipeline.
     pc = jax.process_count()
+    # Rows shared across processes are compared wherever reports are exchanged.
+    local = isinstance(exchange, exchange_lib.LocalExchange)
+    shares = it._placement.shares_rows and not local  # noqa: SLF001
     self._position = it._position  # noqa: SLF001
     self._lookahead = s.lookahead
     self.delivered = 0
@@ -55,14 +60,16 @@ class Pipeline:
     read = reader.Reader(
       it._source,  # noqa: SLF001
       process_index=exchange.process_index,
-      check_int32=not jax.config.jax_enable_x64,
+      check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start_error,
+      digest=sharding_lib.rows_digest if shares else None,
     )
     who = agreement.Identity(
       process=exchange.process_index,
       devices=it._local_devices,  # noqa: SLF001
       config=s.digest(),
       resume=self._position,
+      groups=it._placement.groups if shares else (),  # noqa: SLF001
     )
     inline = isinstance(exchange, exchange_lib.CollectiveExchange)  # Never in a thread.
     runs: Iterator[build_lib.Run]
@@ -87,6 +94,7 @@ class Pipeline:
         read, exchange, s.options(), who, window=window, position=self._position
       )
     builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
+    self._counted = (read, exchange, builder)  # Each counts its own time (`times`).
     items: Iterator[build_lib.Item]
     if s.prefetch > 0 and not inline:
       # The consumer builds a decided position itself when nothing is built
@@ -127,6 +135,15 @@ class Pipeline:
     item = next(self._items)
     self.delivered += 1
     return item
+
+  def times(self) -> stats_lib.Times:
+    """The stages' time so far (each written by its own thread only)."""
+    read, exchange, builder = self._counted
+    return stats_lib.Times(read.source_s, exchange.busy_s, builder.transfer_s)
+
+  def trailing_drops(self) -> int:
+    """Positions dropped after the last item; exact once the stream ended."""
+    return self._counted[2].dropped
 
   def close(self, error: plan_lib.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open."""
@@ -181,11 +198,18 @@ class Lifetime:
     self.pipeline: Pipeline | None = None
     self.unstarted: tuple[str | None, int] | None = None  # (namespace, position)
     self.error: plan_lib.ReportedError | None = None
+    self.finished = stats_lib.Times()  # Of the pipelines stopped so far.
 
   def stop(self) -> None:
     pipeline, self.pipeline = self.pipeline, None
     if pipeline is not None:
       pipeline.close(self.error)
+      self.finished += pipeline.times()
+
+  def times(self) -> stats_lib.Times:
+    """The stages' time over every (re)start."""
+    running = self.pipeline
+    return self.finished if running is None else self.finished + running.times()
 
   def close(self) -> None:
     self.stop()

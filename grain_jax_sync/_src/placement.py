@@ -63,7 +63,9 @@ def _dim_layout(sharding: jax.sharding.Sharding, dim: int, ndim: int) -> _DimLay
   block_of = {s: k for k, s in enumerate(starts)}
   held: dict[int, set[int]] = collections.defaultdict(set)
   for device, idx in index_map.items():
-    held[device.process_index].add(block_of[_start(idx[dim])])
+    # jaxlib's Device stub does not declare `process_index`.
+    process: int = device.process_index  # type: ignore[attr-defined]
+    held[process].add(block_of[_start(idx[dim])])
   owners: dict[frozenset[int], list[int]] = collections.defaultdict(list)
   for p in sorted(held):
     owners[frozenset(held[p])].append(p)

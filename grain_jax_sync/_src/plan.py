@@ -87,6 +87,9 @@ class Report:
       batch when a short batch is judged.
     resume: The output batch the host resumes at (first window only),
       compared across hosts.
+    digests: Where processes share rows: a digest of the rows of each batch
+      in `rows` (`sharding.rows_digest`), compared beside `decide`
+      (`agreement.decide`); empty otherwise.
   """
 
   process_index: int
@@ -98,6 +101,7 @@ class Report:
   config: dict[str, Any] | None = None
   more: bool = False
   resume: int | None = None
+  digests: tuple[str | None, ...] = ()
 
   def to_json(self) -> str:
     obj: dict[str, Any] = {
@@ -116,6 +120,8 @@ class Report:
       obj["m"] = True
     if self.resume is not None:
       obj["b"] = self.resume
+    if self.digests:
+      obj["h"] = list(self.digests)
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -135,6 +141,7 @@ class Report:
       config=obj.get("c"),
       more=obj.get("m", False),
       resume=obj.get("b"),
+      digests=tuple(obj.get("h", ())),
     )
 
 

@@ -15,6 +15,8 @@ Pure NumPy; no JAX.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,10 +33,17 @@ _INT_RANGE = {
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Read:
-  """One validated non-empty batch and the source state right after it."""
+  """One validated non-empty batch and the source state right after it.
+
+  Attributes:
+    batch: The batch.
+    state: The source state right after it.
+    digest: `sharding.rows_digest` of its rows, where processes share rows.
+  """
 
   batch: batches_lib.HostBatch
   state: Any
+  digest: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +102,12 @@ class Reader:
     check_int32: Refuse int64/uint64 values outside the int32/uint32 range
       (JAX holds 64-bit integers as 32-bit ones while x64 is off).
     start_error: An error to end with before reading (a malformed state).
+    digest: Where processes share rows: the digest of a batch's leaves
+      (`sharding.rows_digest`), computed here, in the reading thread.
+
+  Attributes:
+    source_s: Seconds spent in the source's ``next()`` and ``get_state()``
+      (written by the reading thread only).
   """
 
   def __init__(
@@ -102,8 +117,11 @@ class Reader:
     process_index: int,
     check_int32: bool,
     start_error: BaseException | None = None,
+    digest: Callable[[Sequence[np.ndarray]], str] | None = None,
   ):
     self._source = source
+    self._digest = digest
+    self.source_s = 0.0
     self._p = process_index
     self._check_int32 = check_int32
     self._position = 0  # Non-empty batches read.
@@ -131,27 +149,34 @@ class Reader:
 
   def _read(self) -> Read | End | None:
     index = self._index
+    t0 = time.monotonic()
     try:
       raw = next(self._source)
     except StopIteration:
       return End(self._position)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
       return failed(self._p, self._position, index, e, f"reading batch {index} from its source")
+    finally:
+      self.source_s += time.monotonic() - t0
     self._index += 1
     try:
       hb = self._validate(raw, index)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
       return failed(self._p, self._position, index, e, f"converting batch {index}", data=True)
+    t0 = time.monotonic()
     try:
       state = self._source.get_state() if self._source.supports_state else None
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
       return failed(
         self._p, self._position, index, e, f"taking the source state after batch {index}"
       )
+    finally:
+      self.source_s += time.monotonic() - t0
     if hb.rows == 0:
       return None
     self._position += 1
-    return Read(hb, state)
+    digest = None if self._digest is None else self._digest(hb.leaves)
+    return Read(hb, state, digest)
 
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
     hb = batches_lib.validate(

@@ -22,7 +22,7 @@ _READABLE_VERSIONS = (1, 2)
 class Settings:
   """The iterator's options, validated."""
 
-  batch_size: int
+  batch_size: int | None
   drop_last: bool
   paddings: Any
   mask_key: str | None
@@ -119,11 +119,13 @@ def check_state(
     saved = state.get("settings")
     if not isinstance(saved, Mapping):
       raise ValueError(f"`state['settings']` must be a dict, got {saved!r:.100}")
-    now = settings.digest()
-    if dict(saved) != now:
-      keys = sorted(set(saved) | set(now))
+    current = settings.digest()
+    if dict(saved) != current:
+      keys = sorted(set(saved) | set(current))
       diffs = [
-        f"{k}: {saved.get(k)!r} vs {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)
+        f"{k}: {saved.get(k)!r} vs {current.get(k)!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
       ]
       raise ValueError(
         f"`state` was saved by an iterator with other settings ({'; '.join(diffs)},"

@@ -122,13 +122,17 @@ class Streamed:
   def release(self) -> None:
     self._own.close()
 
+  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+    """Posts this host's ending (`Decider` and `Follower` each post their own)."""
+    raise NotImplementedError
+
 
 class Decider(Streamed):
   """Process 0: reads every chunk, decides, posts the decisions."""
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
-    self._led = ledger_lib.Ledger(self._n)
+    self._led = ledger_lib.Ledger(self._n, digests=bool(self._who.groups))
     who = self._who
     self._led.set_own(
       self._p, signature=None, devices=who.devices, config=who.config, resume=who.resume
@@ -164,7 +168,7 @@ class Decider(Streamed):
     if size == 0:
       return None
     reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
-    return plan_lib.decide(reports, self._options, position=self._yielded)
+    return agreement.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
 
   def _post(self, plan: plan_lib.Plan) -> ledger_lib.Decision:
     sig = None
@@ -228,7 +232,7 @@ class Decider(Streamed):
         config=self._who.config,
         resume=self._who.resume,
       )
-    self._led.add_rows(self._p, item.batch.rows)
+    self._led.add_rows(self._p, item.batch.rows, item.digest)
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
     for p, text in items:

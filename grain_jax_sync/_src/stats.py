@@ -1,0 +1,91 @@
+"""What the input pipeline did: counts and times, per stage, for `JaxBatchIterator.stats()`.
+
+Each stage counts its own figures and is the only thread that writes them:
+
+* the reader: ``source_s``, its time in the source's ``next()`` and
+  ``get_state()`` (`reader.Reader.source_s`);
+* the exchange: ``exchange_s``, its time in store calls and waits (or in the
+  collective all-gather) (``busy_s`` of each exchange);
+* the builder: ``transfer_s``, its time building global arrays; and, per
+  output batch, this host's real and padded rows and the batches dropped
+  before it, which travel with the batch (`build.Item`) to the consumer;
+* the consumer (`Delivered`, in the user's thread): what it received, and
+  ``wait_s``, its time waiting in ``__next__``.
+
+So the counts are those of the batches the user received, never of batches
+still prefetched, and no lock is taken on the hot path (the times are plain
+floats written by one thread and read by `stats()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# The keys of `JaxBatchIterator.stats()`, in the order `demo` shows them.
+FIELDS = (
+  "batches",
+  "real_rows",
+  "padded_rows",
+  "dummy_batches",
+  "dropped_batches",
+  "wait_s",
+  "source_s",
+  "exchange_s",
+  "transfer_s",
+)
+
+
+@dataclasses.dataclass(slots=True)
+class Times:
+  """Seconds spent by the stages of one or more (re)starts."""
+
+  source_s: float = 0.0
+  exchange_s: float = 0.0
+  transfer_s: float = 0.0
+
+  def __add__(self, other: Times) -> Times:
+    return Times(
+      self.source_s + other.source_s,
+      self.exchange_s + other.exchange_s,
+      self.transfer_s + other.transfer_s,
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class Delivered:
+  """What the consumer received; written by the consumer's thread only.
+
+  Attributes:
+    batches: Global batches received.
+    real_rows: This host's real rows in them.
+    padded_rows: This host's padding rows in them: rows added to short
+      batches, and every row of its dummy batches (the rows a mask marks
+      False).
+    dummy_batches: Batches in which this host had no batch of its own.
+    dropped_batches: Positions dropped on every host (`drop_last`) up to the
+      last batch received, or to the end of the stream once it ended.
+    wait_s: Seconds the consumer waited in ``__next__`` for a batch.
+  """
+
+  batches: int = 0
+  real_rows: int = 0
+  padded_rows: int = 0
+  dummy_batches: int = 0
+  dropped_batches: int = 0
+  wait_s: float = 0.0
+
+  def add(self, real: int, rows: int, dropped: int) -> None:
+    """Counts one received batch: `real` of its `rows` local rows were real."""
+    self.batches += 1
+    self.real_rows += real
+    self.padded_rows += rows - real
+    self.dummy_batches += real == 0
+    self.dropped_batches += dropped
+
+
+def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
+  """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
+  out: dict[str, Any] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
+  out.update(dataclasses.asdict(times))
+  return {k: out[k] for k in FIELDS}

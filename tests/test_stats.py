@@ -1,0 +1,141 @@
+"""`JaxBatchIterator.stats()`: exact counts across 2 real processes and in one.
+
+Counts are checked against the counts the agreement rules give for known
+per-process sizes (uneven hosts, padding, dummy batches, drops); times by
+what must hold whatever the machine's speed (a slow source's sleeps are in
+`source_s`; without prefetching every stage's time nests in `wait_s`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import scenarios_stats
+
+from grain_jax_sync import testing
+from grain_jax_sync._src import stats
+
+COUNTS = ("batches", "real_rows", "padded_rows", "dummy_batches", "dropped_batches")
+# Per case, per process: batches, real rows, padded rows, dummy batches, dropped batches.
+TWO_PROCESSES = {
+  # Positions: (8, 8) -> 8; (8, 3 last) -> padded to 8; (5 last, none) -> padded, dummy.
+  "padded": [(3, 21, 3, 0, 0), (3, 11, 13, 1, 0)],
+  "padded_no_prefetch": [(3, 21, 3, 0, 0), (3, 11, 13, 1, 0)],
+  "padded_window_1": [(3, 21, 3, 0, 0), (3, 11, 13, 1, 0)],
+  # (8, 8), (8, 8), (5 last, 8) -> dropped, then process 0 has none -> stop.
+  "dropped": [(2, 16, 0, 0, 1), (2, 16, 0, 0, 1)],
+  "even": [(2, 16, 0, 0, 0), (2, 16, 0, 0, 0)],
+}
+ONE_PROCESS = {
+  "padded": (3, 21, 3, 0, 0),
+  "padded_no_prefetch": (3, 21, 3, 0, 0),
+  "padded_window_1": (3, 21, 3, 0, 0),
+  "dropped": (2, 16, 0, 0, 1),
+  "even": (2, 16, 0, 0, 0),
+}
+_RUNS: dict[str, list[dict]] = {}
+
+
+def _two():
+  if "two" not in _RUNS:
+    _RUNS["two"] = testing.values(
+      testing.run_processes(
+        scenarios_stats.run_all, num_processes=2, devices_per_process=2, timeout_s=180
+      )
+    )
+  return _RUNS["two"]
+
+
+def _one():
+  if "one" not in _RUNS:
+    _RUNS["one"] = [scenarios_stats.run_all()]
+  return _RUNS["one"]
+
+
+def _counts(s: dict) -> tuple[int, ...]:
+  return tuple(s[k] for k in COUNTS)
+
+
+def _check_times(s: dict) -> None:
+  assert list(s) == list(stats.FIELDS)
+  for k in ("wait_s", "source_s", "exchange_s", "transfer_s"):
+    assert isinstance(s[k], float) and s[k] >= 0.0, (k, s)
+  assert s["transfer_s"] > 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(TWO_PROCESSES))
+def test_stats_counts_are_exact_across_two_processes(case):
+  outs = _two()
+  for p, out in enumerate(outs):
+    r = out[case]
+    assert _counts(r["stats"]) == TWO_PROCESSES[case][p], (p, r)
+    assert r["yielded"] == r["stats"]["batches"]
+    _check_times(r["stats"])
+    assert r["stats"]["exchange_s"] > 0.0  # Two processes exchange through the store.
+
+
+@pytest.mark.parametrize("case", sorted(ONE_PROCESS))
+def test_stats_counts_are_exact_in_one_process(case):
+  r = _one()[0][case]
+  assert _counts(r["stats"]) == ONE_PROCESS[case]
+  assert r["yielded"] == r["stats"]["batches"]
+  _check_times(r["stats"])
+  assert r["stats"]["exchange_s"] == 0.0  # Nothing to exchange.
+
+
+def _check_mid_stream(r: dict, last_rows: int) -> None:
+  # Prefetching ran ahead, but only the batch received is counted.
+  assert _counts(r["first"]) == (1, 8, 0, 0, 0)
+  assert r["rest"] == 5
+  assert _counts(r["end"]) == (6, 40 + last_rows, 8 - last_rows, 0, 0)
+
+
+def _check_slow(r: dict) -> None:
+  s = r["stats"]
+  assert r["yielded"] == 4
+  assert s["source_s"] >= 4 * scenarios_stats.SLOW_READ_S  # The sleeps, at least.
+  # Without prefetching the consumer's thread reads and builds: both nest in wait_s.
+  assert s["wait_s"] >= s["source_s"] + s["transfer_s"]
+  assert s["wait_s"] <= r["loop_s"]
+
+
+def _check_resumed(r: dict) -> None:
+  assert _counts(r["before"]) == (0, 0, 0, 0, 0)
+  # Batch 1 twice (received, then restored from before it), then 2 and 3 (5 rows).
+  assert r["yielded"] == 4
+  assert _counts(r["stats"]) == (4, 29, 3, 0, 0)
+
+
+@pytest.mark.multiprocess
+def test_stats_count_received_batches_not_prefetched_ones_across_two_processes():
+  for out in _two():
+    _check_mid_stream(out["mid_stream"], 6)
+    _check_slow(out["slow"])
+    assert out["slow"]["stats"]["exchange_s"] > 0.0
+    _check_resumed(out["resumed"])
+
+
+def test_stats_count_received_batches_not_prefetched_ones_in_one_process():
+  out = _one()[0]
+  _check_mid_stream(out["mid_stream"], 6)
+  _check_slow(out["slow"])
+  _check_resumed(out["resumed"])
+
+
+def test_delivered_counts_padding_and_dummies():
+  d = stats.Delivered()
+  d.add(8, 8, 0)
+  d.add(5, 8, 0)
+  d.add(0, 8, 2)
+  got = stats.snapshot(d, stats.Times(1.0, 2.0, 3.0))
+  assert got == {
+    "batches": 3,
+    "real_rows": 13,
+    "padded_rows": 11,
+    "dummy_batches": 1,
+    "dropped_batches": 2,
+    "wait_s": 0.0,
+    "source_s": 1.0,
+    "exchange_s": 2.0,
+    "transfer_s": 3.0,
+  }
