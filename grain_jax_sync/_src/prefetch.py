@@ -257,6 +257,8 @@ class BuildStage(Generic[T]):
       elif self._stop.is_set():
         self._done = True
         raise StopIteration
+      elif not self._thread.is_alive():  # Never without an ending; a hang must fail.
+        item = _Raised(RuntimeError("internal: the build thread ended without an ending"))
       else:
         self._waiting = True
         self._cond.wait(_WAKE_S)
