@@ -115,6 +115,34 @@ def overhead(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any
   )
 
 
+def prefetch_sizes(
+  *, sizes_mb: tuple[float, ...] = (0.8, 8.0, 32.0), n: int = 40, trials: int = 3
+) -> dict[str, Any]:
+  """1 process, no training step: default prefetch vs inline (`prefetch_batches=0`).
+
+  uint8 batches of 256 rows and about `sizes_mb` MB each; 4 distinct batches
+  cycled to `n`, so that the source holds little memory.
+  """
+  import grain_jax_sync as gjs
+
+  rows = 256
+  out = {}
+  for mb in sizes_mb:
+    width = int(mb * 1e6) // rows
+    rng = np.random.default_rng(0)
+    distinct = [{"x": rng.integers(0, 255, (rows, width), dtype=np.uint8)} for _ in range(4)]
+    data = [distinct[i % 4] for i in range(n)]
+    _timed(lambda: gjs.iter_jax_batches(data, batch_size=rows))  # noqa: B023 - warm-up.
+    out[f"{mb:g} MB"] = _median_times(
+      {
+        "prefetch": lambda: gjs.iter_jax_batches(data, batch_size=rows),  # noqa: B023
+        "inline": lambda: gjs.iter_jax_batches(data, batch_size=rows, prefetch_batches=0),  # noqa: B023
+      },
+      trials,
+    )
+  return out
+
+
 def agreement(*, rows: int = 64, n: int = 400, trials: int = 3) -> dict[str, Any]:
   """Synchronized vs unsynchronized throughput, default settings."""
   import grain_jax_sync as gjs

@@ -71,13 +71,17 @@ def consume_all(
 
 
 def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-  """Takes 2 of 20 batches, then closes or drops the iterator."""
+  """Takes 2 of 400 batches, then closes or drops the iterator.
+
+  400, so that the stage threads are still up (blocked on full buffers) when
+  it stops: the agreement reads and decides up to a few windows ahead.
+  """
   import jax
 
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  data = scenarios.make_batches(p, [8] * 20)
+  data = scenarios.make_batches(p, [8] * 400)
   it = gjs.iter_jax_batches(slow(data, 0.001), **kwargs)
   next(it)
   next(it)

@@ -173,6 +173,80 @@ def test_prefetcher_rejects_zero_buffer():
     prefetch.Prefetcher(iter([]), buffer_size=0)
 
 
+# -- the build stage (work stealing) ---------------------------------------------
+
+
+class _Run:
+  def __init__(self, steps):
+    self.steps = steps
+    self.signature = "sig"
+
+
+def _stage_runs(n, run_len=3, *, fail_at=None):
+  """Decided runs of positions 0..n-1; None marks a dropped position (every 5th)."""
+  pos = 0
+  while pos < n:
+    steps = []
+    for p in range(pos, min(n, pos + run_len)):
+      steps.append((p, "drop" if p % 5 == 4 else "yield"))
+    pos += len(steps)
+    yield _Run(steps)
+  if fail_at is not None:
+    raise KeyError(f"upstream failed after {n}")
+
+
+def _stage_build(built_by, fail_at=None):
+  def build(read, step, sig):
+    assert sig == "sig"
+    if read == fail_at:
+      raise ValueError(f"build failed at {read}")
+    built_by.append((read, threading.current_thread().name))
+    time.sleep(0.001)  # A build that takes some time.
+    return None if step == "drop" else read
+
+  return build
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.02])
+def test_build_stage_order_is_exact_whoever_builds(step_s):
+  built_by = []
+  stage = prefetch.BuildStage(
+    _stage_runs(30), _stage_build(built_by), buffer_size=2, name="builder"
+  )
+  got = []
+  for item in stage:
+    got.append(item)
+    time.sleep(step_s)
+  stage.close()
+  want = [p for p in range(30) if p % 5 != 4]
+  assert got == want
+  assert [p for p, _ in built_by] == list(range(30))  # Each position built once, in order.
+  by_thread = sum(1 for _, name in built_by if name == "builder")
+  if step_s:  # A training step to hide behind: the thread builds ahead.
+    assert by_thread >= 20
+  else:  # Nothing to hide: the consumer builds (steals) nearly every batch.
+    assert by_thread <= 10
+  assert not stage.thread.is_alive()
+
+
+@pytest.mark.parametrize("failing", ["build", "upstream"])
+def test_build_stage_raises_after_the_batches_before_the_error(failing):
+  built_by = []
+  runs = _stage_runs(12, fail_at=12 if failing == "upstream" else None)
+  fail_at = 7 if failing == "build" else None
+  stage = prefetch.BuildStage(runs, _stage_build(built_by, fail_at), buffer_size=2)
+  got = []
+  error = ValueError if failing == "build" else KeyError
+  with pytest.raises(error, match="failed"):
+    for item in stage:
+      got.append(item)
+  stage.close()
+  end = 7 if failing == "build" else 12
+  assert got == [p for p in range(end) if p % 5 != 4]
+  assert next(stage, "done") == "done"
+  assert not stage.thread.is_alive()
+
+
 # -- several processes ----------------------------------------------------------
 
 

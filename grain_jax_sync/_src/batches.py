@@ -248,6 +248,15 @@ class Signature:
       shapes=tuple(tuple(int(d) for d in a.shape[1:]) for a in leaves),
     )
 
+  def matches(self, leaves: Sequence[np.ndarray], names: Sequence[str], spec: TreeSpec) -> bool:
+    """Whether `Signature.of(leaves, names, spec)` would equal this one (cheaper)."""
+    if len(leaves) != len(self.names) or spec != self.spec or tuple(names) != self.names:
+      return False
+    for a, d, s in zip(leaves, self.dtypes, self.shapes):
+      if a.shape[1:] != s or a.dtype.name != d:
+        return False
+    return True
+
   def to_json(self) -> dict[str, Any]:
     return {
       "spec": self.spec,
@@ -315,13 +324,17 @@ class HostBatch:
   signature: Signature
 
 
-def validate(batch: Any, *, process_index: int, batch_index: int) -> HostBatch:
+def validate(
+  batch: Any, *, process_index: int, batch_index: int, expected: Signature | None = None
+) -> HostBatch:
   """Flattens and checks one source batch.
 
   Args:
     batch: What the source yielded.
     process_index: This process, for error messages.
     batch_index: The source batch's index on this host, for error messages.
+    expected: The structure of the earlier batches: a batch that matches it
+      gets that very `Signature` (no new one is built per batch).
 
   Returns:
     The validated batch (``rows == 0`` for an empty batch).
@@ -334,4 +347,6 @@ def validate(batch: Any, *, process_index: int, batch_index: int) -> HostBatch:
     to_leaf_array(x, context=where(process_index, batch_index, n)) for x, n in zip(raw, names)
   ]
   rows = row_count(leaves, names, context=where(process_index, batch_index))
+  if expected is not None and expected.matches(leaves, names, spec):
+    return HostBatch(leaves=leaves, rows=rows, signature=expected)
   return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec))

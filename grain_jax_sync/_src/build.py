@@ -120,24 +120,44 @@ class Builder:
   def __call__(self, runs: Iterable[Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
-        if read is not None:
-          self._state = read.state
-        if step.action == plan_lib.Action.DROP:
-          logger.warning(
-            "grain_jax_sync: drop_last dropped a batch on every host (this"
-            " host's real rows %d, full batch size %s)",
-            0 if read is None else read.batch.rows,
-            run.batch_size,
-          )
-          self.dropped += 1
-          continue
-        assert run.signature is not None
-        t0 = time.monotonic()
-        value = self.build(read, step, run.signature)
-        self.transfer_s += time.monotonic() - t0
-        real = 0 if read is None else read.batch.rows
-        dropped, self.dropped = self.dropped, 0
-        yield Item(value, self._state, real, step.rows, dropped, run.batch_size)
+        item = self.step(read, step, run.signature, run.batch_size)
+        if item is not None:
+          yield item
+
+  def step(
+    self,
+    read: reader_lib.Read | None,
+    step: plan_lib.Step,
+    sig: batches_lib.Signature | None,
+    batch_size: int | None = None,
+  ) -> Item | None:
+    """One decided position: its `Item`, or None where it is dropped.
+
+    `batch_size` is the run's full batch size (`Run.batch_size`), carried on
+    to the item.
+
+    Positions must be given in order (the state after each is tracked here);
+    `prefetch.BuildStage` calls it from the build thread or the consumer,
+    under one lock.
+    """
+    if read is not None:
+      self._state = read.state
+    if step.action == plan_lib.Action.DROP:
+      logger.warning(
+        "grain_jax_sync: drop_last dropped a batch on every host (this"
+        " host's real rows %d, full batch size %s)",
+        0 if read is None else read.batch.rows,
+        batch_size,
+      )
+      self.dropped += 1
+      return None
+    assert sig is not None
+    t0 = time.monotonic()
+    value = self.build(read, step, sig)
+    self.transfer_s += time.monotonic() - t0
+    real = 0 if read is None else read.batch.rows
+    dropped, self.dropped = self.dropped, 0
+    return Item(value, self._state, real, step.rows, dropped, batch_size)
 
   def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 Settings = settings_lib.Settings
 AGREE_THREAD = "grain_jax_sync-agree"
+BUILD_THREAD = "grain_jax_sync-prefetch"
 # Decided runs of positions (each at most the read-ahead) queued between the
 # agreement thread and the build thread.
 STAGE_BUFFER = 1
@@ -51,9 +52,10 @@ class Pipeline:
     local = isinstance(exchange, exchange_lib.LocalExchange)
     shares = it._placement.shares_rows and not local  # noqa: SLF001
     self._position = it._position  # noqa: SLF001
+    self._lookahead = s.lookahead
     self.delivered = 0
     self._agreement: streamed.Streamed | None = None
-    self._stages: list[prefetch_lib.Prefetcher[Any]] = []
+    self._stages: list[prefetch_lib.Prefetcher[Any] | prefetch_lib.BuildStage[Any]] = []
     read = reader.Reader(
       it._source,  # noqa: SLF001
       process_index=exchange.process_index,
@@ -94,15 +96,39 @@ class Pipeline:
       )
     builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
     self._counted = (read, exchange, builder)  # Each counts its own time (`times`).
-    items: Iterator[build_lib.Item] = builder(runs)
+    items: Iterator[build_lib.Item]
     if s.prefetch > 0 and not inline:
-      items = self._thread(items, s.prefetch, "grain_jax_sync-prefetch")
+      # The consumer builds a decided position itself when nothing is built
+      # yet (see `prefetch.BuildStage`); reads and exchange waits stay in threads.
+      items = prefetch_lib.BuildStage(
+        runs,
+        builder.step,
+        buffer_size=s.prefetch,
+        read_ahead=self._read_ahead,
+        on_close=self._cancel(),
+        name=BUILD_THREAD,
+      )
+      self._stages.insert(0, items)
+    else:
+      items = builder(runs)
     self._items = items
     self._closed = False
 
+  def _read_ahead(self, read: reader.Read) -> int:
+    # Decided positions the build stage may hold unbuilt, bounded like the
+    # agreement's read-ahead. In one process its thread reads the source in
+    # bursts of that many (one wake-up per burst, not per batch); with the
+    # agreement thread, it takes each decided run at once, so that the
+    # agreement never blocks on a full hand-off queue and keeps its exchange
+    # moving (2 processes x 4 devices: 0.49-0.61 ms per synchronized batch
+    # instead of 0.76-0.77 with room for one position).
+    return agreement.read_ahead_limit(read, self._lookahead)
+
+  def _cancel(self) -> Any:
+    return self._agreement.close_stage if self._agreement is not None else None
+
   def _thread(self, it: Iterator[Any], size: int, name: str) -> prefetch_lib.Prefetcher[Any]:
-    cancel = self._agreement.close_stage if self._agreement is not None else None
-    stage = prefetch_lib.Prefetcher(it, buffer_size=size, on_close=cancel, name=name)
+    stage = prefetch_lib.Prefetcher(it, buffer_size=size, on_close=self._cancel(), name=name)
     self._stages.insert(0, stage)  # Closed from the user's end back to the source.
     return stage
 

@@ -179,12 +179,14 @@ class Reader:
     return Read(hb, state, digest)
 
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
-    hb = batches_lib.validate(raw, process_index=self._p, batch_index=index)
+    hb = batches_lib.validate(
+      raw, process_index=self._p, batch_index=index, expected=self._signature
+    )
     if not hb.rows:
       return hb
     if self._signature is None:
       self._signature = hb.signature
-    elif hb.signature != self._signature:
+    elif hb.signature is not self._signature:
       diffs = batches_lib.diff(self._signature, hb.signature)
       raise ValueError(
         f"{batches_lib.where(self._p, index)}: the batch structure"
