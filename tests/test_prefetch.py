@@ -180,6 +180,7 @@ class _Run:
   def __init__(self, steps):
     self.steps = steps
     self.signature = "sig"
+    self.batch_size = 8
 
 
 def _stage_runs(n, run_len=3, *, fail_at=None):
@@ -196,8 +197,8 @@ def _stage_runs(n, run_len=3, *, fail_at=None):
 
 
 def _stage_build(built_by, fail_at=None):
-  def build(read, step, sig):
-    assert sig == "sig"
+  def build(read, step, sig, batch_size):
+    assert sig == "sig" and batch_size == 8
     if read == fail_at:
       raise ValueError(f"build failed at {read}")
     built_by.append((read, threading.current_thread().name))
