@@ -2,6 +2,7 @@
 
 from grain_jax_sync._src.checkpoint import checkpoint_restore, checkpoint_save
 from grain_jax_sync._src.compat import jax_sync_generator
+from grain_jax_sync._src.exchange import PeerLostError, PeerTimeoutError
 from grain_jax_sync._src.grain_dataset import device_put
 from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
 from grain_jax_sync._src.meshes import default_mesh, default_sharding
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
   "DataShardInfo",
   "JaxBatchIterator",
+  "PeerLostError",
+  "PeerTimeoutError",
   "checkpoint_restore",
   "checkpoint_save",
   "data_shard_info",
