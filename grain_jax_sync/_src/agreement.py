@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 ErrorKind = plan_lib.ErrorKind
 
-# Undecided batches a process holds: max(1, min(READ_AHEAD_WINDOWS * lookahead,
+# Undecided batches a process holds: max(2, min(READ_AHEAD_WINDOWS * lookahead,
 # READ_AHEAD_BYTES // bytes of the first batch)); see docs/performance.md.
 READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_WINDOWS = 4

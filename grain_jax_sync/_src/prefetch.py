@@ -51,6 +51,15 @@ class _Raised:
     self.error = error
 
 
+def _unwrap(item: Any) -> Any:
+  """A queue item as the consumer sees it: the value, the end, or the error."""
+  if item is _END:
+    raise StopIteration
+  if isinstance(item, _Raised):
+    raise item.error.with_traceback(item.error.__traceback__)
+  return item
+
+
 class Prefetcher(Generic[T]):
   """Runs `producer` in a daemon thread, `buffer_size` items ahead.
 
@@ -95,13 +104,9 @@ class Prefetcher(Generic[T]):
         if self._stop.is_set():  # Closed from another thread.
           self._done = True
           raise StopIteration from None
-    if item is _END:
+    if item is _END or isinstance(item, _Raised):
       self._done = True
-      raise StopIteration
-    if isinstance(item, _Raised):
-      self._done = True
-      raise item.error.with_traceback(item.error.__traceback__)
-    return item
+    return _unwrap(item)
 
   @property
   def thread(self) -> threading.Thread:
@@ -237,13 +242,9 @@ class BuildStage(Generic[T]):
       finally:
         self._in_next = False
         self._left_at = time.perf_counter()
-    if item is _END:
+    if item is _END or isinstance(item, _Raised):
       self._done = True
-      raise StopIteration
-    if isinstance(item, _Raised):
-      self._done = True
-      raise item.error.with_traceback(item.error.__traceback__)
-    return item
+    return _unwrap(item)
 
   def _take(self) -> Any:
     """The next built item, stolen (built here) if only decided; under the lock."""
