@@ -109,3 +109,65 @@ def test_validate_leaves_no_reference_cycle_holding_arrays():
     assert ref() is None  # Freed by reference counting alone.
   finally:
     gc.enable()
+
+
+def _same_as_validate(first, later):
+  """`Matcher.match(later)`, checked against `validate(later)` where it matches."""
+  sig = batches.validate(first, process_index=0, batch_index=0).signature
+  matcher = batches.Matcher.compile(first, sig)
+  assert matcher is not None
+  got = matcher.match(later)
+  if got is not None:
+    want = batches.validate(later, process_index=0, batch_index=1, expected=sig)
+    assert got.signature is want.signature is sig
+    assert got.rows == want.rows
+    assert len(got.leaves) == len(want.leaves)
+    for a, b in zip(got.leaves, want.leaves, strict=True):
+      assert a is b
+  return got
+
+
+_F4 = np.zeros((4, 3), np.float32)
+_I4 = np.arange(4, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+  ("first", "later"),
+  [
+    ({"x": _F4, "y": _I4}, {"y": _I4[:2], "x": _F4[:2]}),
+    ({"a": {"b": _F4, "c": (_I4, [_I4])}}, {"a": {"c": (_I4, [_I4]), "b": _F4}}),
+    (Point(_F4, _I4), Point(_F4, _I4)),
+    (_F4, _F4[:1]),
+    ({"x": _F4}, {"x": _F4[:0]}),
+  ],
+)
+def test_matcher_takes_batches_of_the_same_structure_as_validate_would(first, later):
+  assert _same_as_validate(first, later) is not None
+
+
+@pytest.mark.parametrize(
+  "later",
+  [
+    {"x": _F4},  # A missing key.
+    {"x": _F4, "y": _I4, "z": _I4},  # An extra key.
+    {"x": _F4, "z": _I4},  # Another key.
+    {"x": _F4.astype(np.float64), "y": _I4},  # Another dtype.
+    {"x": _F4.astype(">f4"), "y": _I4},  # Big-endian: validate makes a native copy.
+    {"x": np.zeros((4, 2), np.float32), "y": _I4},  # Another trailing shape.
+    {"x": np.zeros((4, 3, 1), np.float32), "y": _I4},  # Another rank.
+    {"x": _F4, "y": _I4[:3]},  # Different row counts.
+    {"x": _F4, "y": np.int32(3)},  # A 0-d leaf.
+    {"x": _F4, "y": [0, 1, 2, 3]},  # A list of numbers (one leaf, converted).
+    {"x": _F4, "y": None},
+    collections.OrderedDict(x=_F4, y=_I4),  # Another container type.
+    (_F4, _I4),
+  ],
+)
+def test_matcher_leaves_every_other_batch_to_validate(later):
+  assert _same_as_validate({"x": _F4, "y": _I4}, later) is None
+
+
+def test_matcher_tells_a_namedtuple_from_a_tuple_and_checks_nested_lengths():
+  assert _same_as_validate(Point(_F4, _I4), (_F4, _I4)) is None
+  assert _same_as_validate({"a": [_F4, _F4]}, {"a": [_F4]}) is None
+  assert _same_as_validate({"a": [_F4, _F4]}, {"a": [_F4, _F4, _F4]}) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -86,13 +87,16 @@ def test_compat_not_divisible_message_starts_like_the_reference():
 class _CountingSource:
   """Counts reads and records their threads."""
 
-  def __init__(self, batches):
+  def __init__(self, batches, wait_s=0.0):
     self.batches = batches
     self.reads = []
+    self.wait_s = wait_s
 
   def __iter__(self):
     for b in self.batches:
       self.reads.append(threading.get_ident())
+      if self.wait_s:
+        time.sleep(self.wait_s)  # A source that waits on I/O.
       yield b
 
 
@@ -107,10 +111,12 @@ def test_compat_reads_lazily_in_the_callers_thread():
   gen.close()
 
 
-def test_compat_prefetch_batches_reads_in_a_background_thread():
-  src = _CountingSource(scenarios.make_batches(0, [8] * 5))
+def test_compat_prefetch_batches_reads_a_waiting_source_in_a_background_thread():
+  src = _CountingSource(scenarios.make_batches(0, [8] * 6), wait_s=0.005)
   got = list(gjs.jax_sync_generator(src, drop_last=False, prefetch_batches=2))
-  assert len(got) == 5 and threading.get_ident() not in set(src.reads)
+  assert len(got) == 6
+  # The first read shows that the source waits; every later one is in the thread.
+  assert threading.get_ident() not in set(src.reads[1:])
 
 
 def test_compat_does_not_warn_about_the_mask_it_cannot_have(caplog):

@@ -208,17 +208,22 @@ def _stage_build(built_by, fail_at=None):
   return build
 
 
-@pytest.mark.parametrize("step_s", [0.0, 0.02])
-def test_build_stage_order_is_exact_whoever_builds(step_s):
-  built_by = []
-  stage = prefetch.BuildStage(
-    _stage_runs(30), _stage_build(built_by), buffer_size=2, name="builder"
-  )
+def _drain_stage(runs, build, step_s, inline_fetch):
+  """A build stage named "builder" drained with a step of `step_s`, then closed."""
+  stage = prefetch.BuildStage(runs, build, buffer_size=2, name="builder", inline_fetch=inline_fetch)
   got = []
   for item in stage:
     got.append(item)
     time.sleep(step_s)
   stage.close()
+  return stage, got
+
+
+@pytest.mark.parametrize("inline_fetch", [False, True])
+@pytest.mark.parametrize("step_s", [0.0, 0.02])
+def test_build_stage_order_is_exact_whoever_builds(step_s, inline_fetch):
+  built_by = []
+  stage, got = _drain_stage(_stage_runs(30), _stage_build(built_by), step_s, inline_fetch)
   want = [p for p in range(30) if p % 5 != 4]
   assert got == want
   assert [p for p, _ in built_by] == list(range(30))  # Each position built once, in order.
@@ -230,12 +235,15 @@ def test_build_stage_order_is_exact_whoever_builds(step_s):
   assert not stage.thread.is_alive()
 
 
+@pytest.mark.parametrize("inline_fetch", [False, True])
 @pytest.mark.parametrize("failing", ["build", "upstream"])
-def test_build_stage_raises_after_the_batches_before_the_error(failing):
+def test_build_stage_raises_after_the_batches_before_the_error(failing, inline_fetch):
   built_by = []
   runs = _stage_runs(12, fail_at=12 if failing == "upstream" else None)
   fail_at = 7 if failing == "build" else None
-  stage = prefetch.BuildStage(runs, _stage_build(built_by, fail_at), buffer_size=2)
+  stage = prefetch.BuildStage(
+    runs, _stage_build(built_by, fail_at), buffer_size=2, inline_fetch=inline_fetch
+  )
   got = []
   error = ValueError if failing == "build" else KeyError
   with pytest.raises(error, match="failed"):
@@ -246,6 +254,59 @@ def test_build_stage_raises_after_the_batches_before_the_error(failing):
   assert got == [p for p in range(end) if p % 5 != 4]
   assert next(stage, "done") == "done"
   assert not stage.thread.is_alive()
+
+
+def _fetched_by(fetched_by, n, read_s):
+  """Runs of one position; records which thread advanced them."""
+  for p in range(n):
+    fetched_by.append(threading.current_thread().name)
+    if read_s:
+      time.sleep(read_s)  # A source that waits (I/O).
+    yield _Run([(p, "yield")])
+
+
+@pytest.mark.parametrize(
+  ("inline_fetch", "read_s", "step_s", "consumer_fetches"),
+  [
+    (True, 0.0, 0.0, "nearly all"),  # Quick reads, nothing to hide them behind.
+    (True, 0.003, 0.0, "few"),  # A slow source: read in the thread.
+    (True, 0.0, 0.01, "few"),  # A training step to hide the reads behind.
+    (False, 0.0, 0.0, "none"),  # Several processes: never in the consumer.
+  ],
+)
+def test_build_stage_fetches_in_the_consumer_only_quick_runs_with_nothing_to_hide(
+  inline_fetch, read_s, step_s, consumer_fetches
+):
+  fetched_by = []
+  runs = _fetched_by(fetched_by, 40, read_s)
+  stage, got = _drain_stage(runs, lambda read, step, sig, size: read, step_s, inline_fetch)
+  assert got == list(range(40))
+  in_consumer = sum(1 for name in fetched_by if name != "builder")
+  assert len(fetched_by) == 40
+  if consumer_fetches == "nearly all":
+    assert in_consumer >= 30
+  elif consumer_fetches == "few":
+    assert in_consumer <= 10
+  else:
+    assert in_consumer == 0
+  assert not stage.thread.is_alive()
+
+
+def test_build_stage_closed_before_its_first_batch_closes_its_runs():
+  closed = []
+
+  def runs():
+    try:
+      yield _Run([(0, "yield")])
+    finally:
+      closed.append(True)
+
+  gen = runs()
+  stage = prefetch.BuildStage(gen, lambda *a: a[0], buffer_size=2)
+  next(gen)  # Started, so that closing it runs its `finally`.
+  stage.close()
+  assert closed == [True]
+  assert next(stage, "done") == "done"
 
 
 # -- several processes ----------------------------------------------------------

@@ -350,3 +350,106 @@ def validate(
   if expected is not None and expected.matches(leaves, names, spec):
     return HostBatch(leaves=leaves, rows=rows, signature=expected)
   return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec))
+
+
+class Matcher:
+  """Takes batches of one known structure without `validate`'s full walk.
+
+  Compiled from a batch that `validate` accepted and its signature: the exact
+  container types and keys, and per leaf the dtype, rank and trailing shape.
+  `match` returns the `HostBatch` of a batch with those containers whose
+  leaves are plain native-order ndarrays of those dtypes and trailing shapes
+  sharing one row count, and None for anything else, which then goes through
+  `validate` (and its errors). A match is what `validate` would return, with
+  the same `Signature` object.
+
+  Measured (`docs/performance.md`): 2 to 3 us for a dict of two image
+  columns where `validate` takes 26 us; about 0.3 us per further column.
+  """
+
+  def __init__(self, signature: Signature, tree: Any):
+    self.signature = signature
+    self._tree = tree
+    self._checks = [
+      (dt, len(shape) + 1, shape)
+      for dt, shape in zip(signature.np_dtypes(), signature.shapes, strict=True)
+    ]
+    # A dict of leaves only (the common case): its keys, in leaf order.
+    self._flat: tuple[Any, ...] | None = None
+    if tree[0] == "d" and all(sub == _LEAF_NODE for sub in tree[3]):
+      self._flat = tree[2]
+      self._flat_type = tree[1]
+
+  @classmethod
+  def compile(cls, batch: Any, signature: Signature) -> Matcher | None:
+    """The matcher for batches shaped like `batch`, or None if it has none."""
+    try:
+      return cls(signature, _compile(batch, signature.spec))
+    except (KeyError, TypeError, ValueError, IndexError):
+      return None
+
+  def match(self, batch: Any) -> HostBatch | None:
+    """The validated batch, or None where `validate` must look at it."""
+    leaves: list[Any]
+    if self._flat is not None:
+      if type(batch) is not self._flat_type or len(batch) != len(self._flat):
+        return None
+      try:
+        leaves = [batch[k] for k in self._flat]
+      except (KeyError, TypeError):
+        return None
+    else:
+      leaves = []
+      if not _take(self._tree, batch, leaves):
+        return None
+    rows = -1
+    for a, (dtype, ndim, trailing) in zip(leaves, self._checks, strict=True):
+      if type(a) is not np.ndarray or a.dtype != dtype:
+        return None
+      shape = a.shape
+      if len(shape) != ndim or shape[1:] != trailing:
+        return None
+      if rows < 0:
+        rows = shape[0]
+      elif shape[0] != rows:
+        return None
+    return HostBatch(leaves=leaves, rows=max(rows, 0), signature=self.signature)
+
+
+# A compiled tree node: (LEAF,) or (kind, exact container type, keys or length,
+# child nodes); kind "d" (mapping, keys in leaf order) or "s" (sequence).
+_LEAF_NODE = (LEAF,)
+
+
+def _compile(x: Any, spec: TreeSpec) -> tuple[Any, ...]:
+  if spec == LEAF:
+    return _LEAF_NODE
+  if "d" in spec:
+    keys = tuple(k for k, _ in spec["d"])
+    if len(x) != len(keys):
+      raise ValueError("keys")
+    return ("d", type(x), keys, tuple(_compile(x[k], sub) for k, sub in spec["d"]))
+  subs = spec["t"] if "t" in spec else spec["l"]
+  if len(x) != len(subs):
+    raise ValueError("length")
+  return ("s", type(x), len(subs), tuple(_compile(v, sub) for v, sub in zip(x, subs)))
+
+
+def _take(node: tuple[Any, ...], x: Any, out: list[Any]) -> bool:
+  """Appends the leaves of `x` to `out`; False if `x` is not shaped like `node`."""
+  if node is _LEAF_NODE:
+    out.append(x)
+    return True
+  kind, t, keys, subs = node
+  if type(x) is not t:
+    return False
+  if kind == "d":
+    if len(x) != len(keys):
+      return False
+    try:
+      return all(_take(sub, x[k], out) for k, sub in zip(keys, subs))
+    except (KeyError, TypeError):
+      return False
+  if len(x) != keys:
+    return False
+  return all(_take(sub, v, out) for v, sub in zip(x, subs))

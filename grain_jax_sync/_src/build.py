@@ -69,6 +69,10 @@ class Layout:
   host: list[np.dtype]
   device: list[np.dtype | None]
   pads: list[np.ndarray] | None
+  # No host cast: a batch with the decided row count is transferred as read.
+  as_read: bool = False
+  # A dict of leaves only: its keys in leaf order (rebuilt with one `zip`).
+  keys: tuple[Any, ...] | None = None
 
   @classmethod
   def of(cls, sig: batches_lib.Signature, *, dtypes: Any, paddings: Any, mask_key: Any) -> Layout:
@@ -91,7 +95,13 @@ class Layout:
         raise ValueError(
           f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
         )
-    return cls(host, device, pads)
+    as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
+    keys = None
+    if batches_lib.is_dict_spec(sig.spec) and all(
+      sub == batches_lib.LEAF for _, sub in sig.spec["d"]
+    ):
+      keys = tuple(batches_lib.spec_keys(sig.spec))
+    return cls(host, device, pads, as_read, keys)
 
 
 class Builder:
@@ -114,6 +124,8 @@ class Builder:
     self._placement = placement
     self._state = start_state
     self._layout: Layout | None = None
+    # Per row count: every leaf's (and the mask's) sharding and global shape.
+    self._targets: dict[int, sharding_lib.Targets] = {}
     self.transfer_s = 0.0
     self.dropped = 0
 
@@ -166,28 +178,37 @@ class Builder:
         sig, dtypes=self._s.dtypes, paddings=self._s.paddings, mask_key=self._s.mask_key
       )
     layout = self._layout
-    leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
-    pads = layout.pads
-    local = [
-      padding.fill_leaf(
-        leaf,
-        target=step.rows,
-        shape=sig.shapes[k],
-        dtype=layout.host[k],
-        pad=None if pads is None else pads[k],
-      )
-      for k, leaf in enumerate(leaves_in)
-    ]
+    if read is not None and read.batch.rows == step.rows and layout.as_read:
+      local = list(read.batch.leaves)
+    else:
+      leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+      pads = layout.pads
+      local = [
+        padding.fill_leaf(
+          leaf,
+          target=step.rows,
+          shape=sig.shapes[k],
+          dtype=layout.host[k],
+          pad=None if pads is None else pads[k],
+        )
+        for k, leaf in enumerate(leaves_in)
+      ]
     device = layout.device
     mask_key = self._s.mask_key
     if mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
       device = [*device, None]
+    targets = self._targets.get(step.rows)
+    if targets is None:
+      targets = sharding_lib.global_targets([x.shape for x in local], self._placement)
+      self._targets[step.rows] = targets
     # The one seam where local rows become global arrays.
-    out = sharding_lib.to_global_leaves(local, self._placement, device)
-    if mask_key is not None:
-      mask = out.pop()
+    out = sharding_lib.to_global_leaves(local, self._placement, device, targets=targets)
+    mask = out.pop() if mask_key is not None else None
+    if layout.keys is not None:
+      tree = dict(zip(layout.keys, out, strict=True))
+    else:
       tree = batches_lib.unflatten(sig.spec, out)
+    if mask_key is not None:
       tree[mask_key] = mask
-      return tree
-    return batches_lib.unflatten(sig.spec, out)
+    return tree

@@ -107,6 +107,7 @@ class Pipeline:
         read_ahead=self._read_ahead,
         on_close=self._cancel(),
         name=BUILD_THREAD,
+        inline_fetch=self._agreement is None,  # Lockstep: no exchange wait.
       )
       self._stages.insert(0, items)
     else:

@@ -29,6 +29,7 @@ _INT_RANGE = {
   np.dtype(np.int64): (np.iinfo(np.int32).min, np.iinfo(np.int32).max, "int32"),
   np.dtype(np.uint64): (0, np.iinfo(np.uint32).max, "uint32"),
 }
+_WIDE = frozenset(d.name for d in _INT_RANGE)
 
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
@@ -127,6 +128,10 @@ class Reader:
     self._position = 0  # Non-empty batches read.
     self._index = 0  # Source batches read (for messages).
     self._signature: batches_lib.Signature | None = None
+    # Compiled from the first batch: later batches of its structure skip the
+    # full walk (`batches.Matcher`); `_wide`: it has 64-bit integer leaves to range-check.
+    self._matcher: batches_lib.Matcher | None = None
+    self._wide = False
     self._done = False
     self._start_error = start_error
 
@@ -179,6 +184,11 @@ class Reader:
     return Read(hb, state, digest)
 
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
+    hb = None if self._matcher is None else self._matcher.match(raw)
+    if hb is not None:
+      if self._wide and hb.rows:
+        check_int_range(hb, self._p, index)
+      return hb
     hb = batches_lib.validate(
       raw, process_index=self._p, batch_index=index, expected=self._signature
     )
@@ -186,6 +196,8 @@ class Reader:
       return hb
     if self._signature is None:
       self._signature = hb.signature
+      self._matcher = batches_lib.Matcher.compile(raw, hb.signature)
+      self._wide = self._check_int32 and any(d in _WIDE for d in hb.signature.dtypes)
     elif hb.signature is not self._signature:
       diffs = batches_lib.diff(self._signature, hb.signature)
       raise ValueError(
@@ -194,7 +206,7 @@ class Reader:
         f" [{self._signature.describe()}]); expected every batch to"
         " have the same columns, dtypes and trailing shapes"
       )
-    if self._check_int32:
+    if self._wide:
       check_int_range(hb, self._p, index)
     return hb
 

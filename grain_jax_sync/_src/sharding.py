@@ -123,10 +123,25 @@ def split_casts(
   return host, device
 
 
+Targets = tuple[list[jax.sharding.Sharding], list[tuple[int, ...]]]
+
+
+def global_targets(
+  local_shapes: Sequence[Sequence[int]], placement: placement_lib.BatchPlacement
+) -> Targets:
+  """Per leaf, its sharding and global shape, given its local shape."""
+  return (
+    [placement.sharding_for(len(s)) for s in local_shapes],
+    [placement.global_shape(s) for s in local_shapes],
+  )
+
+
 def to_global_leaves(
   leaves: Sequence[np.ndarray],
   placement: placement_lib.BatchPlacement,
   device_dtypes: Sequence[np.dtype | None] | None = None,
+  *,
+  targets: Targets | None = None,
 ) -> list[jax.Array]:
   """Makes the global arrays of one batch from this process's leaves.
 
@@ -141,12 +156,13 @@ def to_global_leaves(
     leaves: Process-local arrays, rows first.
     placement: Where the rows go (`resolve_sharding`).
     device_dtypes: Per leaf, the dtype to cast to on the device, or None.
+    targets: `global_targets` of the leaves' shapes, if the caller keeps it
+      (a batch of the same shapes as an earlier one).
 
   Returns:
     The global arrays, in leaf order.
   """
-  shardings = [placement.sharding_for(x.ndim) for x in leaves]
-  shapes = [placement.global_shape(x.shape) for x in leaves]
+  shardings, shapes = targets or global_targets([x.shape for x in leaves], placement)
   out = list(jax.make_array_from_process_local_data(shardings, list(leaves), shapes))
   if device_dtypes is not None:
     for k, dtype in enumerate(device_dtypes):
