@@ -98,7 +98,7 @@ def _bare(batches: list[dict[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
 # -- workloads ---------------------------------------------------------------
 
 
-def overhead(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any]:
+def overhead(*, rows: int = 256, n: int = 300, trials: int = 9) -> dict[str, Any]:
   """1 process: iter_jax_batches vs a bare make_array loop vs the reference."""
   import grain_jax_sync as gjs
 
@@ -116,12 +116,14 @@ def overhead(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any
 
 
 def prefetch_sizes(
-  *, sizes_mb: tuple[float, ...] = (0.8, 8.0, 32.0), n: int = 40, trials: int = 3
+  *, sizes_mb: tuple[float, ...] = (0.8, 8.0, 32.0), n: int = 40, trials: int = 7
 ) -> dict[str, Any]:
   """1 process, no training step: default prefetch vs inline (`prefetch_batches=0`).
 
   uint8 batches of 256 rows and about `sizes_mb` MB each; 4 distinct batches
-  cycled to `n`, so that the source holds little memory.
+  cycled to at least `n` and to about 160 MB per trial (200 batches at 0.8 MB:
+  a trial of 40 small batches lasts 20 ms, where one scheduler hiccup moves
+  the figure by 10%), so that the source holds little memory.
   """
   import grain_jax_sync as gjs
 
@@ -131,7 +133,7 @@ def prefetch_sizes(
     width = int(mb * 1e6) // rows
     rng = np.random.default_rng(0)
     distinct = [{"x": rng.integers(0, 255, (rows, width), dtype=np.uint8)} for _ in range(4)]
-    data = [distinct[i % 4] for i in range(n)]
+    data = [distinct[i % 4] for i in range(max(n, int(160 / mb)))]
     _timed(lambda: gjs.iter_jax_batches(data, batch_size=rows))  # noqa: B023 - warm-up.
     out[f"{mb:g} MB"] = _median_times(
       {
@@ -143,7 +145,7 @@ def prefetch_sizes(
   return out
 
 
-def agreement(*, rows: int = 64, n: int = 400, trials: int = 3) -> dict[str, Any]:
+def agreement(*, rows: int = 64, n: int = 400, trials: int = 5) -> dict[str, Any]:
   """Synchronized vs unsynchronized throughput, default settings."""
   import grain_jax_sync as gjs
 
@@ -199,7 +201,7 @@ def overlap(*, n: int = 50, configs: tuple[tuple[float, float], ...] = ()) -> di
   return out
 
 
-def grain_device_put(*, rows: int = 256, n: int = 200, trials: int = 5) -> dict[str, Any]:
+def grain_device_put(*, rows: int = 256, n: int = 200, trials: int = 7) -> dict[str, Any]:
   """The same Grain pipeline through grain.experimental.device_put and ours."""
   import grain
   import jax
@@ -288,7 +290,7 @@ def per_batch(*, rows: int = 64, n: int = 300, trials: int = 3) -> dict[str, Any
   )
 
 
-def column_scaling(*, rows: int = 64, n: int = 100, trials: int = 3) -> dict[str, Any]:
+def column_scaling(*, rows: int = 64, n: int = 100, trials: int = 5) -> dict[str, Any]:
   """Per-batch cost vs a bare loop for 1 to 64 columns, 1 process."""
   import grain_jax_sync as gjs
 
