@@ -95,7 +95,7 @@ class Follower(Streamed):
     elif self._gave_up is not None and waited > limit + agreement.FOLLOWER_GRACE_S:
       self._ex.end()
       raise agreement.to_exception(self._gave_up, self._p, None)
-    return self._ex.wait_decision(self._seq)
+    return self._blocking(self._ex.wait_decision, self._seq)
 
   def _timeout_error(self) -> plan_lib.ReportedError:
     return plan_lib.ReportedError(
