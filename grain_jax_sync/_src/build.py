@@ -149,7 +149,7 @@ class Builder:
     to the item.
 
     Positions must be given in order (the state after each is tracked here);
-    `prefetch.BuildStage` calls it from the build thread or the consumer,
+    `build_stage.BuildStage` calls it from the build thread or the consumer,
     under one lock.
     """
     if read is not None:

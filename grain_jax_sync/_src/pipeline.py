@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from grain_jax_sync._src import agreement, follower, reader, streamed
+from grain_jax_sync._src import agreement, build_stage, follower, reader, streamed
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import plan as plan_lib
@@ -55,7 +55,7 @@ class Pipeline:
     self._lookahead = s.lookahead
     self.delivered = 0
     self._agreement: streamed.Streamed | None = None
-    self._stages: list[prefetch_lib.Prefetcher[Any] | prefetch_lib.BuildStage[Any]] = []
+    self._stages: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
     read = reader.Reader(
       it._source,  # noqa: SLF001
       process_index=exchange.process_index,
@@ -99,8 +99,8 @@ class Pipeline:
     items: Iterator[build_lib.Item]
     if s.prefetch > 0 and not inline:
       # The consumer builds a decided position itself when nothing is built
-      # yet (see `prefetch.BuildStage`); reads and exchange waits stay in threads.
-      items = prefetch_lib.BuildStage(
+      # yet (see `build_stage.BuildStage`); reads and exchange waits stay in threads.
+      items = build_stage.BuildStage(
         runs,
         builder.step,
         buffer_size=s.prefetch,

@@ -1,0 +1,367 @@
+"""The build stage: decided runs -> built items, shared by a thread and the consumer.
+
+A thread builds ahead while the consumer is in its training step; a consumer
+that finds nothing built builds for itself ("work stealing"), and, where no
+exchange is waited on, reads quick sources itself while it has nothing to
+hide them behind. Order and state are exact whoever builds or reads.
+`pipeline.Pipeline` composes it; the tuning numbers below were measured on
+the 2-core machine of `benchmarks/RESULTS.md` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from grain_jax_sync._src import prefetch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The build thread builds ahead only while the consumer is away from
+# `__next__` (in its training step) for longer than AWAY_BUILDS builds take,
+# now and on average (moving averages with weight BUILD_S_WEIGHT; a build is
+# taken to cost BUILD_S_START until one is timed). A consumer that comes
+# straight back (no step to hide behind) builds every batch itself: no
+# hand-off, and every buffer is allocated and freed by one thread. Measured on
+# 2 cores, 1 process x 8 devices, no step: with the thread building whenever
+# it had a decided position, the consumer waited for the thread's build in 42%
+# of its calls (1.5 ms each) at 0.8 MB batches (0.61 of the bare loop); with a
+# grace of one build (no average), 32 MB batches still went to the thread
+# during the consumer's wait for the transfer and took 13x the page faults and
+# 1.35x the CPU time of inline (allocations alternating between threads).
+BUILD_S_WEIGHT = 0.2
+BUILD_S_START = 0.001
+AWAY_BUILDS = 2.0
+# Where the stage may fetch decided runs in the consumer (`inline_fetch`: one
+# process, no exchange to wait on), a consumer with nothing pending fetches
+# the next run itself while a fetch is quick Python (moving averages per
+# position: CPU time under INLINE_FETCH_S, time waiting (I/O, another
+# process) under INLINE_WAIT_S), its builds are short (under INLINE_BUILD_S)
+# and the consumer spends under AWAY_FETCH_S away from `__next__` on average:
+# then the thread could only run the same Python under the GIL, plus a
+# hand-off (measured: 28 us of thread CPU per 0.8 MB batch against about
+# 10 us inline; prefetch / inline throughput 0.82-0.87 with the thread's
+# reads, 0.94-0.96 with the consumer's). A long build spends its time in
+# copies that release the GIL, so the thread's reads run beside it (8 MB
+# batches: 0.99-1.01 with the thread's reads, 0.93-0.99 with the
+# consumer's). A source that waits or computes longer, or a consumer with a
+# training step to hide reads behind, is read in the thread.
+INLINE_FETCH_S = 0.0002
+INLINE_WAIT_S = 0.00002
+INLINE_BUILD_S = 0.001
+AWAY_FETCH_S = 0.001
+# The thread reads on without handing over while each run came within
+# BURST_RUN_S and the burst is younger than BURST_S (one lock and wake-up per
+# burst, not per position). After handing positions to a waiting consumer it
+# waits up to HANDOVER_S for the consumer to take one, so that the consumer
+# gets the GIL before the next burst (a thread that reads on keeps it for up
+# to the interpreter's switch interval, 5 ms).
+BURST_RUN_S = 0.0002
+BURST_S = 0.001
+HANDOVER_S = 0.002
+
+
+class BuildStage(Generic[T]):
+  """The build stage: a thread builds ahead; a consumer with nothing ready builds itself.
+
+  The thread pulls decided runs from `runs` and turns their positions into
+  items with `build`, at most `buffer_size` positions ahead of the consumer.
+  A consumer that finds no built item but a decided position builds that
+  position itself ("work stealing"): with nothing to hide (no training step)
+  the consumer runs at inline speed instead of waiting for a hand-off from
+  the thread; with a slow step the thread fills the buffer. Builds run one at
+  a time, oldest position first, so the order of items and states is exact.
+
+  Runs are fetched by the thread, except with `inline_fetch` (one process:
+  no exchange to wait on), where a consumer with nothing pending fetches a
+  quick run itself while it has no step to hide the fetch behind (see
+  `INLINE_FETCH_S`). Either way one fetch runs at a time.
+
+  Args:
+    runs: Decided runs (`build.Run`).
+    build: ``(read, step, signature, batch_size) -> item or None`` (None: a
+      dropped position); called in position order, one at a time.
+    buffer_size: Positions built ahead of the consumer (>= 1).
+    read_ahead: Given the first decided read, how many decided positions the
+      thread may hold unbuilt (at least `buffer_size`): reads in bursts, so
+      that a consumer that builds for itself rarely waits for the thread.
+    on_close: Called by `close()` before joining (to cancel an exchange wait).
+    name: The thread's name.
+    inline_fetch: Whether the consumer may fetch runs itself.
+  """
+
+  def __init__(
+    self,
+    runs: Iterator[Any],
+    build: Callable[[Any, Any, Any, Any], T | None],
+    *,
+    buffer_size: int,
+    read_ahead: Callable[[Any], int] | None = None,
+    on_close: Callable[[], None] | None = None,
+    name: str = "grain_jax_sync-prefetch",
+    inline_fetch: bool = False,
+  ):
+    if buffer_size < 1:
+      raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
+    self._runs = runs
+    self._build = build
+    self._size = buffer_size
+    self._read_ahead = read_ahead
+    self._ahead = buffer_size  # Decided positions held unbuilt, at most.
+    self._inline_fetch = inline_fetch
+    self._cond = threading.Condition(threading.Lock())
+    # Decided positions (read, step, signature, size) not built yet, then the
+    # end marker or the error once the runs ended; built items (or the end
+    # marker, or the error) after them.
+    self._pending: collections.deque[Any] = collections.deque()
+    self._ready: collections.deque[Any] = collections.deque()
+    self._upstream_done = False
+    self._waiting = False  # The consumer waits for a position.
+    self._building = False  # A position is being built (outside the lock).
+    self._fetching = False  # A run is being fetched (outside the lock).
+    self._handing = False  # The thread waits for the consumer to take a position.
+    self._in_next = False  # The consumer is in `__next__`.
+    self._left_at = time.perf_counter()  # When it last left `__next__`.
+    self._build_s = BUILD_S_START  # Moving average of a build's time.
+    # Moving averages per fetched position: CPU time, and time spent waiting.
+    self._fetch_s = 0.0
+    self._wait_s = 0.0
+    self._away_avg = 0.0  # Moving average of the consumer's time away (its step).
+    self._stop = threading.Event()
+    self._on_close = on_close
+    self._done = False
+    # Started by the first `__next__`, which then waits for the first
+    # position: a thread started earlier reads a burst while holding the GIL
+    # that the consumer needs to finish its own set-up (+1.5 ms to the first
+    # batch, measured at 0.8 MB batches).
+    self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+  @property
+  def thread(self) -> threading.Thread:
+    return self._thread
+
+  def __iter__(self) -> BuildStage[T]:
+    return self
+
+  def __next__(self) -> T:
+    if self._done:
+      raise StopIteration
+    if self._thread.ident is None:
+      self._waiting = True  # The first position is handed over alone.
+      self._left_at = time.perf_counter()  # Set-up before it is not a step.
+      self._thread.start()
+    with self._cond:
+      self._in_next = True
+      self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
+      try:
+        item = self._take()
+      finally:
+        self._in_next = False
+        self._left_at = time.perf_counter()
+    if item is prefetch.END or isinstance(item, prefetch.Raised):
+      self._done = True
+    return prefetch.unwrap(item)
+
+  def _fetches_inline(self) -> bool:
+    """Whether the consumer fetches quick runs itself (nothing to hide them behind)."""
+    return (
+      self._inline_fetch
+      and self._fetch_s < INLINE_FETCH_S
+      and self._wait_s < INLINE_WAIT_S
+      and self._build_s < INLINE_BUILD_S
+      and self._away_avg < AWAY_FETCH_S
+    )
+
+  def _take(self) -> Any:
+    """The next built item, stolen (built here) if only decided; under the lock."""
+    while True:
+      if self._ready:
+        item = self._ready.popleft()
+      elif self._pending and not self._building:
+        item = self._process(self._pending.popleft())
+        if item is None:
+          continue  # A dropped position.
+      elif self._stop.is_set():
+        self._done = True
+        raise StopIteration
+      elif not self._thread.is_alive():  # Never without an ending; a hang must fail.
+        item = prefetch.Raised(RuntimeError("internal: the build thread ended without an ending"))
+      elif (
+        not self._pending
+        and not self._fetching
+        and not self._upstream_done
+        and (self._fetches_inline())
+      ):
+        self._fetch(burst=False)
+        continue
+      else:  # Nothing decided yet, or the thread is building the next position.
+        self._waiting = True
+        self._cond.wait(prefetch.WAKE_S)
+        self._waiting = False
+        continue
+      if self._handing or (len(self._pending) <= self._ahead // 2 and not self._fetches_inline()):
+        # The thread waits for this take (`_fetch`), or there is room for a
+        # burst of reads.
+        self._cond.notify_all()
+      return item
+
+  def _process(self, work: Any) -> Any:
+    """A position's item (None: dropped), or the terminal marker.
+
+    Called under the lock; builds with the lock released (so that the thread
+    can hand over decided positions meanwhile), marked by `_building`, so
+    that positions are built one at a time, in order.
+    """
+    if work is prefetch.END or isinstance(work, prefetch.Raised):
+      return work
+    self._building = True
+    self._cond.release()
+    t0 = time.perf_counter()
+    item: Any
+    try:
+      item = self._build(*work)
+    except BaseException as e:  # noqa: BLE001 - raised in the consumer, in order.
+      item = prefetch.Raised(e)
+    finally:
+      self._cond.acquire()
+      self._building = False
+    if isinstance(item, prefetch.Raised):
+      self._pending.clear()
+      self._upstream_done = True  # Nothing after an error is built.
+      return item
+    self._build_s += BUILD_S_WEIGHT * (time.perf_counter() - t0 - self._build_s)
+    return item
+
+  def _away_s(self) -> float:
+    """How long the consumer has been away from `__next__` (0 while in it)."""
+    return 0.0 if self._in_next else time.perf_counter() - self._left_at
+
+  def _room(self) -> bool:
+    return len(self._pending) < self._ahead
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        with self._cond:
+          if self._pending and len(self._ready) < self._size and not self._building:
+            # Build ahead only while the consumer is away longer than a build
+            # takes (a training step); a consumer that comes straight back
+            # builds its batch itself, with no hand-off.
+            away = self._away_s()
+            grace = AWAY_BUILDS * self._build_s
+            if away >= grace and self._away_avg >= grace:
+              item = self._process(self._pending.popleft())
+              if item is not None and not self._stop.is_set():
+                self._ready.append(item)
+              self._cond.notify_all()
+              continue
+            if self._upstream_done or not self._room():
+              stepping = away and self._away_avg >= grace  # Wake when it is worth building.
+              self._cond.wait(grace - away if stepping else prefetch.WAKE_S)
+              continue
+          elif self._upstream_done and not self._pending and not self._building:
+            return
+          elif self._upstream_done or not self._room():
+            self._cond.wait(prefetch.WAKE_S)
+            continue
+          if self._fetching or self._fetches_inline():
+            self._cond.wait(prefetch.WAKE_S)  # The consumer fetches (or is fetching).
+            continue
+          self._fetch(burst=True)
+    finally:
+      self._run_close()
+
+  def _run_close(self) -> None:
+    if inspect.isgenerator(self._runs):
+      try:
+        self._runs.close()
+      except Exception:  # noqa: BLE001
+        logger.debug("producer close failed", exc_info=True)
+
+  def _fetch(self, *, burst: bool) -> None:
+    """Decided runs, fetched with the lock released, handed over together; under the lock.
+
+    With `burst` (the thread), reads on while each run came quickly (within
+    `BURST_RUN_S`), the burst is younger than `BURST_S`, there is room and
+    the consumer is not waiting: one hand-off per burst, not per position.
+    """
+    self._fetching = True
+    want = self._ahead - len(self._pending)
+    self._cond.release()
+    work: list[Any] = []
+    try:
+      start = t0 = time.perf_counter()
+      cpu0 = time.thread_time()
+      while True:
+        try:
+          run = next(self._runs)
+        except StopIteration:
+          work.append(prefetch.END)
+          break
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
+          work.append(prefetch.Raised(e))
+          break
+        sig, size = run.signature, run.batch_size
+        work.extend((read, step, sig, size) for read, step in run.steps)
+        if self._read_ahead is not None and work[0][0] is not None:
+          self._ahead = max(self._size, self._read_ahead(work[0][0]))
+          want = self._ahead - len(self._pending)
+          self._read_ahead = None
+        now, cpu = time.perf_counter(), time.thread_time()
+        n = max(1, len(run.steps))
+        self._fetch_s += BUILD_S_WEIGHT * ((cpu - cpu0) / n - self._fetch_s)
+        self._wait_s += BUILD_S_WEIGHT * (max(0.0, now - t0 - (cpu - cpu0)) / n - self._wait_s)
+        cpu0 = cpu
+        if (
+          not burst
+          or len(work) >= want
+          or self._waiting
+          or now - t0 > BURST_RUN_S
+          or now - start > BURST_S
+          or self._stop.is_set()
+        ):
+          break
+        t0 = now
+    finally:
+      self._cond.acquire()
+      self._fetching = False
+    if self._stop.is_set() or self._upstream_done:
+      return
+    self._pending.extend(work)
+    self._upstream_done = work[-1] is prefetch.END or isinstance(work[-1], prefetch.Raised)
+    if not burst:
+      return  # The consumer fetched for itself.
+    self._cond.notify_all()
+    if self._waiting:
+      # Let the waiting consumer take the GIL before the next burst.
+      self._handing = True
+      self._cond.wait(HANDOVER_S)
+      self._handing = False
+
+  def close(self) -> None:
+    """Stops and joins the thread; idempotent."""
+    self._done = True
+    self._stop.set()
+    if self._on_close is not None:
+      self._on_close()
+    with self._cond:
+      self._ready.clear()
+      self._pending.clear()
+      self._cond.notify_all()
+    if self._thread.ident is None:
+      self._run_close()  # Never started: close the runs here.
+      return
+    self._thread.join(timeout=prefetch.JOIN_TIMEOUT_S)
+    if self._thread.is_alive():
+      logger.warning(
+        "grain_jax_sync: the prefetch thread is still blocked (in the"
+        " source?) after %.0fs; leaving it as a daemon thread",
+        prefetch.JOIN_TIMEOUT_S,
+      )

@@ -1,0 +1,150 @@
+"""The build stage: order, errors and who builds or reads, whoever does it.
+
+Behaviour only; speed lives in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from grain_jax_sync._src import build_stage
+
+# -- the build stage (work stealing) --------------------------------------------
+
+
+class _Run:
+  def __init__(self, steps):
+    self.steps = steps
+    self.signature = "sig"
+    self.batch_size = 8
+
+
+def _stage_runs(n, run_len=3, *, fail_at=None):
+  """Decided runs of positions 0..n-1; None marks a dropped position (every 5th)."""
+  pos = 0
+  while pos < n:
+    steps = []
+    for p in range(pos, min(n, pos + run_len)):
+      steps.append((p, "drop" if p % 5 == 4 else "yield"))
+    pos += len(steps)
+    yield _Run(steps)
+  if fail_at is not None:
+    raise KeyError(f"upstream failed after {n}")
+
+
+def _stage_build(built_by, fail_at=None):
+  def build(read, step, sig, batch_size):
+    assert sig == "sig" and batch_size == 8
+    if read == fail_at:
+      raise ValueError(f"build failed at {read}")
+    built_by.append((read, threading.current_thread().name))
+    time.sleep(0.001)  # A build that takes some time.
+    return None if step == "drop" else read
+
+  return build
+
+
+def _drain_stage(runs, build, step_s, inline_fetch):
+  """A build stage named "builder" drained with a step of `step_s`, then closed."""
+  stage = build_stage.BuildStage(
+    runs, build, buffer_size=2, name="builder", inline_fetch=inline_fetch
+  )
+  got = []
+  for item in stage:
+    got.append(item)
+    time.sleep(step_s)
+  stage.close()
+  return stage, got
+
+
+@pytest.mark.parametrize("inline_fetch", [False, True])
+@pytest.mark.parametrize("step_s", [0.0, 0.02])
+def test_build_stage_order_is_exact_whoever_builds(step_s, inline_fetch):
+  built_by = []
+  stage, got = _drain_stage(_stage_runs(30), _stage_build(built_by), step_s, inline_fetch)
+  want = [p for p in range(30) if p % 5 != 4]
+  assert got == want
+  assert [p for p, _ in built_by] == list(range(30))  # Each position built once, in order.
+  by_thread = sum(1 for _, name in built_by if name == "builder")
+  if step_s:  # A training step to hide behind: the thread builds ahead.
+    assert by_thread >= 20
+  else:  # Nothing to hide: the consumer builds (steals) nearly every batch.
+    assert by_thread <= 10
+  assert not stage.thread.is_alive()
+
+
+@pytest.mark.parametrize("inline_fetch", [False, True])
+@pytest.mark.parametrize("failing", ["build", "upstream"])
+def test_build_stage_raises_after_the_batches_before_the_error(failing, inline_fetch):
+  built_by = []
+  runs = _stage_runs(12, fail_at=12 if failing == "upstream" else None)
+  fail_at = 7 if failing == "build" else None
+  stage = build_stage.BuildStage(
+    runs, _stage_build(built_by, fail_at), buffer_size=2, inline_fetch=inline_fetch
+  )
+  got = []
+  error = ValueError if failing == "build" else KeyError
+  with pytest.raises(error, match="failed"):
+    for item in stage:
+      got.append(item)
+  stage.close()
+  end = 7 if failing == "build" else 12
+  assert got == [p for p in range(end) if p % 5 != 4]
+  assert next(stage, "done") == "done"
+  assert not stage.thread.is_alive()
+
+
+def _fetched_by(fetched_by, n, read_s):
+  """Runs of one position; records which thread advanced them."""
+  for p in range(n):
+    fetched_by.append(threading.current_thread().name)
+    if read_s:
+      time.sleep(read_s)  # A source that waits (I/O).
+    yield _Run([(p, "yield")])
+
+
+@pytest.mark.parametrize(
+  ("inline_fetch", "read_s", "step_s", "consumer_fetches"),
+  [
+    (True, 0.0, 0.0, "nearly all"),  # Quick reads, nothing to hide them behind.
+    (True, 0.003, 0.0, "few"),  # A slow source: read in the thread.
+    (True, 0.0, 0.01, "few"),  # A training step to hide the reads behind.
+    (False, 0.0, 0.0, "none"),  # Several processes: never in the consumer.
+  ],
+)
+def test_build_stage_fetches_in_the_consumer_only_quick_runs_with_nothing_to_hide(
+  inline_fetch, read_s, step_s, consumer_fetches
+):
+  fetched_by = []
+  runs = _fetched_by(fetched_by, 40, read_s)
+  stage, got = _drain_stage(runs, lambda read, step, sig, size: read, step_s, inline_fetch)
+  assert got == list(range(40))
+  in_consumer = sum(1 for name in fetched_by if name != "builder")
+  assert len(fetched_by) == 40
+  if consumer_fetches == "nearly all":
+    assert in_consumer >= 30
+  elif consumer_fetches == "few":
+    assert in_consumer <= 10
+  else:
+    assert in_consumer == 0
+  assert not stage.thread.is_alive()
+
+
+def test_build_stage_closed_before_its_first_batch_closes_its_runs():
+  closed = []
+
+  def runs():
+    try:
+      yield _Run([(0, "yield")])
+    finally:
+      closed.append(True)
+
+  gen = runs()
+  stage = build_stage.BuildStage(gen, lambda *a: a[0], buffer_size=2)
+  next(gen)  # Started, so that closing it runs its `finally`.
+  stage.close()
+  assert closed == [True]
+  assert next(stage, "done") == "done"
