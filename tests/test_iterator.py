@@ -470,6 +470,28 @@ def test_drop_last_short_batch_that_is_not_the_last_raises_naming_both_sizes(pre
     list(it)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_single_process_decisions_reused_for_repeated_sizes_keep_positions_and_masks(prefetch):
+  # One process reuses the decision for a window of the same sizes; an error
+  # must still name its own batch, and every padded batch its own mask.
+  data = scenarios.make_batches(0, [8] * 12 + [4, 8])
+  with (
+    pytest.raises(ValueError, match=r"process 0, batch 12: 4 rows, fewer than the full"),
+    gjs.iter_jax_batches(data, batch_size=8, drop_last=True, prefetch_batches=prefetch) as it,
+  ):
+    list(it)
+  data = scenarios.make_batches(0, [8, 4, 8, 4, 8, 4])
+  kw = {"batch_size": 8, "paddings": -1, "mask_key": "m", "prefetch_batches": prefetch}
+  with gjs.iter_jax_batches(data, **kw) as it:
+    got = [(np.asarray(b["x"]), np.asarray(b["m"])) for b in it]
+  assert len(got) == len(data)
+  for (x, m), batch in zip(got, data, strict=True):
+    n = len(batch["x"])
+    np.testing.assert_array_equal(x[:n], batch["x"])
+    assert (x[n:] == -1).all()
+    np.testing.assert_array_equal(m, np.arange(8) < n)
+
+
 _SIZES: dict = {}
 
 
