@@ -217,6 +217,30 @@ def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[st
   return out
 
 
+def _hanging(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
+  for b, batch in enumerate(batches):
+    if b == at:
+      time.sleep(seconds)  # Alive (its liveness beat goes on), but stuck in its source.
+    yield batch
+
+
+def run_stuck_decider(seconds: float, sync_timeout_s: float) -> dict[str, Any]:
+  """Process 0 (the decider) hangs in its source at batch 2 for `seconds`."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  batches = scenarios.make_batches(p, [8] * LATE_LENGTH)
+  src = _hanging(batches, 2, seconds) if p == 0 else batches
+  kw = dict(KW, sync_timeout_s=sync_timeout_s)
+  it = gjs.iter_jax_batches(src, name="stuck_decider", **kw)
+  out = drain(it)
+  it.close()
+  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
+  return out
+
+
 def run_kill_default(victim: int) -> dict[str, Any]:
   """Process `victim` SIGKILLs itself at its batch 2; default settings everywhere."""
   import jax

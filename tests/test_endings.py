@@ -15,6 +15,7 @@ import scenarios
 import scenarios_endings
 
 from grain_jax_sync import testing
+from grain_jax_sync._src import agreement
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 180
@@ -194,6 +195,27 @@ def test_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout(cas
     assert out["threads"] == []
     _check_rows(p, out)
   assert outs[0]["elapsed_s"] < 2.0 + 5.0
+
+
+@pytest.mark.multiprocess
+def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout():
+  # Process 0 is alive (its beat goes on) but its agreement thread hangs in its
+  # source for 26 s; with `sync_timeout_s`=1 the follower posts a timed-out
+  # ending after 1 + FOLLOWER_GRACE_S and raises it one grace later; process 0
+  # raises the same error once its source returns.
+  grace = agreement.FOLLOWER_GRACE_S
+  outs = testing.values(_run(scenarios_endings.run_stuck_decider, 2 * grace + 6, 1.0))
+  assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
+  # Positions 0 and 1 are decided before the hang, or not, as the decider's
+  # first poll finds process 1's chunk or not; every host got the same ones.
+  n = outs[0]["n"]
+  assert n in (0, 2) and outs[1]["n"] == n, outs
+  for p, out in enumerate(outs):
+    assert out["error_type"] == "PeerTimeoutError", out
+    assert f"process 1 got no decision on batch {n} from process 0" in out["error"], out
+    assert out["threads"] == []
+    _check_rows(p, out)
+  assert 1.0 + 2 * grace - 1 < outs[1]["elapsed_s"] < 1.0 + 2 * grace + 5.0, outs[1]
 
 
 @pytest.mark.multiprocess
