@@ -132,6 +132,13 @@ def is_dict_spec(spec: TreeSpec) -> bool:
   return isinstance(spec, dict) and "d" in spec
 
 
+def flat_dict_keys(spec: TreeSpec) -> tuple[Any, ...] | None:
+  """The keys, in leaf order, of a dict of leaves only; None for any other tree."""
+  if not is_dict_spec(spec) or any(sub != LEAF for _, sub in spec["d"]):
+    return None
+  return tuple(k for k, _ in spec["d"])
+
+
 def spec_keys(spec: TreeSpec) -> list[Any]:
   return [k for k, _ in spec["d"]] if is_dict_spec(spec) else []
 
@@ -375,10 +382,8 @@ class Matcher:
       for dt, shape in zip(signature.np_dtypes(), signature.shapes, strict=True)
     ]
     # A dict of leaves only (the common case): its keys, in leaf order.
-    self._flat: tuple[Any, ...] | None = None
-    if tree[0] == "d" and all(sub == _LEAF_NODE for sub in tree[3]):
-      self._flat = tree[2]
-      self._flat_type = tree[1]
+    self._flat = flat_dict_keys(signature.spec)
+    self._flat_type = tree[1] if self._flat is not None else None
 
   @classmethod
   def compile(cls, batch: Any, signature: Signature) -> Matcher | None:

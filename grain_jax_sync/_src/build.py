@@ -96,12 +96,7 @@ class Layout:
           f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
         )
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
-    keys = None
-    if batches_lib.is_dict_spec(sig.spec) and all(
-      sub == batches_lib.LEAF for _, sub in sig.spec["d"]
-    ):
-      keys = tuple(batches_lib.spec_keys(sig.spec))
-    return cls(host, device, pads, as_read, keys)
+    return cls(host, device, pads, as_read, batches_lib.flat_dict_keys(sig.spec))
 
 
 class Builder:

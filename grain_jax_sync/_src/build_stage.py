@@ -165,7 +165,7 @@ class BuildStage(Generic[T]):
       finally:
         self._in_next = False
         self._left_at = time.perf_counter()
-    if item is prefetch.END or isinstance(item, prefetch.Raised):
+    if prefetch.is_final(item):
       self._done = True
     return prefetch.unwrap(item)
 
@@ -197,7 +197,7 @@ class BuildStage(Generic[T]):
         not self._pending
         and not self._fetching
         and not self._upstream_done
-        and (self._fetches_inline())
+        and self._fetches_inline()
       ):
         self._fetch(burst=False)
         continue
@@ -219,7 +219,7 @@ class BuildStage(Generic[T]):
     can hand over decided positions meanwhile), marked by `_building`, so
     that positions are built one at a time, in order.
     """
-    if work is prefetch.END or isinstance(work, prefetch.Raised):
+    if prefetch.is_final(work):
       return work
     self._building = True
     self._cond.release()
@@ -335,7 +335,7 @@ class BuildStage(Generic[T]):
     if self._stop.is_set() or self._upstream_done:
       return
     self._pending.extend(work)
-    self._upstream_done = work[-1] is prefetch.END or isinstance(work[-1], prefetch.Raised)
+    self._upstream_done = prefetch.is_final(work[-1])
     if not burst:
       return  # The consumer fetched for itself.
     self._cond.notify_all()

@@ -99,7 +99,8 @@ class Pipeline:
     items: Iterator[build_lib.Item]
     if s.prefetch > 0 and not inline:
       # The consumer builds a decided position itself when nothing is built
-      # yet (see `build_stage.BuildStage`); reads and exchange waits stay in threads.
+      # yet (see `build_stage.BuildStage`); exchange waits stay in threads, and
+      # reads too, except quick ones in one process with no step to hide them.
       items = build_stage.BuildStage(
         runs,
         builder.step,

@@ -34,6 +34,11 @@ class Raised:
     self.error = error
 
 
+def is_final(item: Any) -> bool:
+  """Whether a queue item ends the stream (the end, or an error)."""
+  return item is END or isinstance(item, Raised)
+
+
 def unwrap(item: Any) -> Any:
   """A queue item as the consumer sees it: the value, the end, or the error."""
   if item is END:
@@ -87,7 +92,7 @@ class Prefetcher(Generic[T]):
         if self._stop.is_set():  # Closed from another thread.
           self._done = True
           raise StopIteration from None
-    if item is END or isinstance(item, Raised):
+    if is_final(item):
       self._done = True
     return unwrap(item)
 
