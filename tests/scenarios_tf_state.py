@@ -59,8 +59,8 @@ def _streams(full: list[Any], resumed: list[Any], state: Any) -> dict[str, Any]:
   }
 
 
-def json_resume(make: Any, k: int, kwargs: dict[str, Any]) -> dict[str, Any]:
-  """Uninterrupted run vs. k batches, get_state as JSON, set_state in a new pipeline."""
+def _json_resumed(make: Any, k: int, kwargs: dict[str, Any]) -> tuple[list, list, Any]:
+  """(uninterrupted run, k batches + the rest after a JSON get_state/set_state, the state)."""
   import grain_jax_sync as gjs
 
   full = _drain(gjs.iter_jax_batches(make(), **kwargs))
@@ -70,7 +70,12 @@ def json_resume(make: Any, k: int, kwargs: dict[str, Any]) -> dict[str, Any]:
   it.close()
   fresh = gjs.iter_jax_batches(make(), **kwargs)
   fresh.set_state(state)
-  return _streams(full, head + _drain(fresh), state)
+  return full, head + _drain(fresh), state
+
+
+def json_resume(make: Any, k: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Uninterrupted run vs. k batches, get_state as JSON, set_state in a new pipeline."""
+  return _streams(*_json_resumed(make, k, kwargs))
 
 
 def orbax_resume(make: Any, k: int, kwargs: dict[str, Any], directory: str) -> dict[str, Any]:
@@ -157,18 +162,10 @@ def tfds_streams(full: list[Any], resumed: list[Any]) -> dict[str, Any]:
 
 def tfds_resume(data_dir: str, k: int) -> dict[str, Any]:
   """tfds_pipeline(reader="tf_data") over prepared files: JSON resume after k."""
-  import grain_jax_sync as gjs
-
   make = tfds_pipeline_maker(data_dir)
   kwargs = {"batch_size": 4, "paddings": 0, "mask_key": "mask"}
-  full = _drain(gjs.iter_jax_batches(make(), **kwargs))
-  it = gjs.iter_jax_batches(make(), **kwargs)
-  head = _head(it, k)
-  state = json.loads(json.dumps(it.get_state()))
-  it.close()
-  fresh = gjs.iter_jax_batches(make(), **kwargs)
-  fresh.set_state(state)
-  out = tfds_streams(full, head + _drain(fresh))
+  full, resumed, state = _json_resumed(make, k, kwargs)
+  out = tfds_streams(full, resumed)
   out["state_bytes"] = len(json.dumps(state["source"]))
   return out
 

@@ -140,18 +140,20 @@ def _expected(n, hosts, options=OPTIONS):
   return plan.decide(reports, options)
 
 
-def _run(n, hosts, lookahead, seed, options=OPTIONS):
-  store = MemoryStore()
-  out: dict = {}
-  threads = [
-    threading.Thread(target=_host, args=(p, n, store, hosts[p], lookahead, seed + p, out, options))
-    for p in range(n)
-  ]
+def _in_threads(n, args_of):
+  """Runs `target(*args)` for each process p, `(target, args) = args_of(p)`; fails on a hang."""
+  threads = [threading.Thread(target=args_of(p)[0], args=args_of(p)[1]) for p in range(n)]
   for t in threads:
     t.start()
   for t in threads:
     t.join(timeout=60)
   assert not any(t.is_alive() for t in threads), "a simulated process hangs"
+
+
+def _run(n, hosts, lookahead, seed, options=OPTIONS):
+  store = MemoryStore()
+  out: dict = {}
+  _in_threads(n, lambda p: (_host, (p, n, store, hosts[p], lookahead, seed + p, out, options)))
   return store, out
 
 
@@ -384,15 +386,7 @@ def test_shared_rows_are_compared_in_the_streamed_agreement(n, batches, lookahea
       [{"x": _ids(shard + (100 if p == bad and b >= at else 0), b, 8)} for b in range(batches)]
     )
   store, out = MemoryStore(), {}
-  threads = [
-    threading.Thread(target=_shared_host, args=(p, n, store, data[p], groups, lookahead, out))
-    for p in range(n)
-  ]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=60)
-  assert not any(t.is_alive() for t in threads), "a simulated process hangs"
+  _in_threads(n, lambda p: (_shared_host, (p, n, store, data[p], groups, lookahead, out)))
   for p in range(n):
     record, error = out[p]
     assert record == [d["x"].tolist() for d in data[p][:at]]  # Every batch before `at`.
