@@ -21,8 +21,10 @@ import scenarios
 import scenarios_faults
 
 KW = {"batch_size": 8, "synchronize_lookahead": 2}
-CLOSE_LENGTH = 40
-LATE_LENGTH = 40  # Longer than the read-ahead, so that a pause makes peers wait.
+CLOSE_LENGTH = 160  # Longer than the closing host reads ahead and holds decided.
+# Longer than what the paused host reads ahead and holds decided (its agreement
+# read-ahead and its build stage's), so that a pause makes peers wait.
+LATE_LENGTH = 160
 
 
 def local_x(batch: Any) -> list[int]:
@@ -99,7 +101,7 @@ def _raising(batches: list[Any], at: int, exc: BaseException) -> Iterator[Any]:
 
 
 def _source(kind: str, p: int, victim: bool) -> Any:
-  # A close must land mid-stream: longer than the read-ahead (4 x lookahead).
+  # A close must land mid-stream: longer than the read-ahead (16 x lookahead).
   batches = scenarios.make_batches(p, [8] * (CLOSE_LENGTH if kind.startswith("close") else 6))
   if kind == "int64":  # Every host has int64 ids; the victim's batch 1 does not fit int32.
     batches = [{"x": b["x"].astype(np.int64), "y": b["y"]} for b in batches]

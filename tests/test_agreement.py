@@ -63,7 +63,9 @@ def _ids(p, b, n):
 def _source(p, spec, seed):
   rng = random.Random(seed)
   for b, n in enumerate(spec["rows"]):
-    if rng.random() < 0.3:
+    if "read_s" in spec:
+      time.sleep(spec["read_s"])  # Every read takes this long.
+    elif rng.random() < 0.3:
       time.sleep(rng.random() * 0.003)
     if spec["ending"] == "failed" and b == spec["at"]:
       raise OSError(f"disk on fire at batch {b}")
@@ -237,6 +239,52 @@ def test_decisions_are_o1_per_position_and_chunks_go_to_process_0_only():
   assert {out[p][0] for p in range(n)} == {"stop"}
   assert all(len(out[p][1]) == 30 for p in range(n))
   assert store.keys() == []
+
+
+class _Recording(MemoryStore):
+  """Keeps every chunk and decision written, in order."""
+
+  def __init__(self):
+    super().__init__()
+    self.chunks: list[ledger.Chunk] = []
+    self.decisions: list[ledger.Decision] = []
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if "/s/" in key:
+      self.chunks.append(ledger.Chunk.from_json(value))
+    elif "/d/" in key:
+      self.decisions.append(ledger.Decision.from_json(value))
+    super().key_value_set(key, value, allow_overwrite)
+
+
+def _run_recorded(hosts, lookahead):
+  store = _Recording()
+  out: dict = {}
+  _in_threads(len(hosts), lambda p: (_host, (p, len(hosts), store, hosts[p], lookahead, p, out)))
+  assert {out[p][0] for p in range(len(hosts))} == {"stop"}
+  assert [len(out[p][1]) for p in range(len(hosts))] == [len(h["rows"]) for h in hosts]
+  return store
+
+
+def test_a_quick_source_is_posted_and_decided_in_runs_of_up_to_half_the_read_ahead():
+  # Lookahead 4: the read-ahead is 16 windows (64 batches), a chunk at most 32.
+  limit = agreement.READ_AHEAD_WINDOWS * 4
+  hosts = [{"rows": [8] * 300, "ending": "exhausted", "at": 0, "read_s": 0.0}] * 2
+  store = _run_recorded(hosts, 4)
+  sizes = [len(c.report.rows) for c in store.chunks if c.report.rows]
+  assert sum(sizes) == 300 and max(sizes) <= limit // 2, sizes
+  assert max(sizes) > 4, sizes  # Not one window at a time.
+  decided = [len(d.steps) for d in store.decisions if d.steps]
+  assert sum(decided) == 300
+  # One window per decision would be 75 of them (the protocol before this change).
+  assert len(decided) <= 300 // 8, decided
+
+
+def test_a_slow_source_is_posted_row_by_row_and_decided_as_it_comes():
+  # Each read takes longer than `FLUSH_AFTER_S`: every row is posted at once.
+  hosts = [{"rows": [8] * 6, "ending": "exhausted", "at": 0, "read_s": 0.012}] * 2
+  store = _run_recorded(hosts, 4)
+  assert [len(c.report.rows) for c in store.chunks if c.report.rows] == [1] * 6
 
 
 def _run_some(n, store, hosts, runners):

@@ -76,7 +76,7 @@ def jax_sync_generator(
     paddings: Scalar or per-column padding values; None disables padding.
     dtypes: A dtype or per-column dtypes for the output arrays.
     synchronize_batches: Agree on batch counts and shapes across hosts.
-    synchronize_lookahead: Batches per agreement window.
+    synchronize_lookahead: Batches per agreement window (as in `iter_jax_batches`).
     prefetch_batches: Batches prepared ahead in a background thread; 0 (the
       default, as the reference) reads and converts in the caller's thread.
 

@@ -10,6 +10,7 @@ it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ class Follower(Streamed):
     self._sent_signature = False
     self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
     self._gave_up: plan_lib.ReportedError | None = None
+    self._held_since = 0.0  # When the oldest unposted row was read.
 
   def __iter__(self) -> Iterator[build_lib.Run]:
     while True:
@@ -47,7 +49,7 @@ class Follower(Streamed):
       self._release()
       if decision.end != End.CONTINUE:
         self._ex.end()
-      elif run is not None:
+      elif run is not None and self._held_s() >= agreement.FLUSH_AFTER_S:
         self._flush()  # Peers may need rows read ahead to reach these positions.
       if run is not None:
         yield run
@@ -115,15 +117,21 @@ class Follower(Streamed):
     if isinstance(item, reader_lib.End):
       self._flush()
       return
+    if not self._unposted:
+      self._held_since = time.monotonic() - self._own.last_read_s
     self._unposted.append(item.batch.rows)
     if self._who.groups:
       self._digests.append(item.digest)
     if (
       self._own.last_read_s >= agreement.FLUSH_AFTER_S
-      or len(self._unposted) >= self._own.lookahead
+      or (len(self._unposted) >= self._own.lookahead and self._held_s() >= agreement.FLUSH_AFTER_S)
       or len(self._unposted) * 2 >= self._own.limit
     ):
       self._flush()
+
+  def _held_s(self) -> float:
+    """How long the oldest unposted row has waited (0 if none)."""
+    return time.monotonic() - self._held_since if self._unposted else 0.0
 
   def _flush(self) -> None:
     final = self._own.end is not None and not self._end_posted

@@ -169,6 +169,9 @@ class Decider(Streamed):
       if plan is None:
         self._advance()
         continue
+      if plan.end == End.CONTINUE and self._news_stale():
+        self._absorb(self._timed(self._ex.read_chunks))
+        continue  # Decide again with what the peers posted meanwhile.
       decision = self._post(plan)
       run = self._apply(decision)
       self._led.forget(self._j)
@@ -196,6 +199,18 @@ class Decider(Streamed):
     plan = agreement.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
     self._options = plan_lib.pin(self._options, plan)
     return plan
+
+  def _news_stale(self) -> bool:
+    """Whether the peers' chunks were last read too long ago to decide on.
+
+    A follower that got no decision for `sync_timeout_s` plus a grace posts a
+    timed-out ending and raises it one grace later. A decision posted later
+    than one grace after the decider's last read of the chunks (after a long
+    read of its own source, say) could reach a follower that has already
+    raised; so the decider reads the chunks again first, and finds the
+    ending if there is one.
+    """
+    return time.monotonic() - self._last_poll >= agreement.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
     """The processes whose next batch (or end) the next decision waits for."""
@@ -242,18 +257,18 @@ class Decider(Streamed):
       self._absorb(self._blocking(self._ex.wait_chunk, peer))
 
   def _read_run(self) -> None:
-    """Reads up to a window's worth while reads are quick, so that positions
-    are decided (and decisions posted) in runs rather than one by one."""
+    """Reads, while reads are quick, a window's worth or up to the furthest
+    position a peer has posted, so that positions are decided (and decisions
+    posted) in runs as long as the peers' chunks rather than one by one."""
     t0 = time.monotonic()
     self._read()
-    n = 1
+    want = max(self._own.lookahead, max(self._led.count(p) for p in range(self._n)) - self._j)
     while (
       self._own.room()
-      and n < self._own.lookahead
+      and self._own.count - self._j < want
       and time.monotonic() - t0 < agreement.FLUSH_AFTER_S
     ):
       self._read()
-      n += 1
 
   def _read(self) -> None:
     item = self._own.read()
