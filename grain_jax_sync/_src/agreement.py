@@ -53,8 +53,8 @@ READ_AHEAD_BYTES = 64 << 20
 READ_AHEAD_WINDOWS = 16
 # A batch that took this long to read is posted at once (a slow source). Rows
 # read faster are posted once a window (`synchronize_lookahead` rows) is held and
-# its oldest row has waited this long, or half the read-ahead is held, or the
-# process has nothing else to do.
+# its oldest row has waited this long (the first window at once), or half the
+# read-ahead is held, or the process has nothing else to do.
 FLUSH_AFTER_S = 0.01
 # A process asks the store for news at most this often while it still has
 # batches to read (or twice the last store call's time, if longer).

@@ -124,7 +124,10 @@ class Follower(Streamed):
       self._digests.append(item.digest)
     if (
       self._own.last_read_s >= agreement.FLUSH_AFTER_S
-      or (len(self._unposted) >= self._own.lookahead and self._held_s() >= agreement.FLUSH_AFTER_S)
+      or (
+        len(self._unposted) >= self._own.lookahead
+        and (not self._sent_first or self._held_s() >= agreement.FLUSH_AFTER_S)
+      )
       or len(self._unposted) * 2 >= self._own.limit
     ):
       self._flush()

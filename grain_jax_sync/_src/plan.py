@@ -376,6 +376,8 @@ def _size_step(
   `paddings` with a given `batch_size` pads it (as the reference does).
   Without either option every host's batch must have the same size.
   """
+  if all(i < len(r.rows) and r.rows[i] == full for r in reports):
+    return Step(Action.YIELD, full, (full,) * len(reports))  # Every batch full: the rules agree.
   has = [i < len(r.rows) for r in reports]
   rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
   real = [x for x, h in zip(rows, has, strict=True) if h]
@@ -455,6 +457,8 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
   derived = full is None or options.derived
   window = max((len(r.rows) for r in reports), default=0)
   steps: list[Step] = []
+  index = position  # Output batches before position i (for messages), kept as it goes.
+  divisible: set[int] = set()  # Row counts every process's devices divide.
 
   def plan(end: End, error: ReportedError | None = None) -> Plan:
     return Plan(tuple(steps), end, error, batch_size=full)
@@ -467,7 +471,6 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
     if not any(has):
       # Every source ended (or every host read a full window: read another).
       return plan(End.STOP if all(r.exhausted for r in reports) else End.CONTINUE)
-    index = position + len([s for s in steps if s.action == Action.YIELD])
     if not all(has):
       if options.drop_last:
         return plan(End.STOP)
@@ -480,11 +483,13 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
       return plan(End.RAISE, step)
     if isinstance(step, _Wait):
       return dataclasses.replace(plan(End.WAIT), waiting=step.processes)
-    if step.action == Action.YIELD:
+    if step.action == Action.YIELD and step.rows not in divisible:
       error = _divisibility_error(reports, step.rows, index)
       if error is not None:
         return plan(End.RAISE, error)
+      divisible.add(step.rows)
     steps.append(step)
+    index += step.action == Action.YIELD
   return plan(End.CONTINUE)
 
 
