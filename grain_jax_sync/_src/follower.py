@@ -67,8 +67,14 @@ class Follower(Streamed):
       raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
 
   def _next_decision(self) -> str | None:
-    """A decision if one is posted; else reads ahead, posts, or waits a slice."""
-    if not self._own.room() or self._poll_due():
+    """A decision if one is posted; else reads ahead, posts, or waits a slice.
+
+    While it can read on, it polls only when a position it posted is
+    undecided; an ending that process 0 posts meanwhile is found at the next
+    post (a window, at most half the read-ahead, or a slow read away) or once
+    the read-ahead is full.
+    """
+    if not self._own.room() or (self._poll_due() and self._posted > self._j):
       text = self._timed(self._ex.try_decision, self._seq)
       if text is not None:
         return text
