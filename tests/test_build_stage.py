@@ -148,3 +148,42 @@ def test_build_stage_closed_before_its_first_batch_closes_its_runs():
   stage.close()
   assert closed == [True]
   assert next(stage, "done") == "done"
+
+
+class _Batch:
+  """A built item that can be watched for release."""
+
+  def __init__(self, position):
+    self.position = position
+
+
+@pytest.mark.parametrize("inline_fetch", [False, True])
+def test_a_dropped_item_lives_until_the_next_one_is_built_then_close_releases_the_last(
+  inline_fetch,
+):
+  import gc
+  import weakref
+
+  built: list[weakref.ref] = []
+  alive_at_build: list[list[int]] = []
+
+  def build(read, step, sig, batch_size):
+    alive_at_build.append([r().position for r in built if r() is not None])
+    item = _Batch(read)
+    built.append(weakref.ref(item))
+    return item
+
+  runs = iter([_Run([(p, "yield") for p in range(4)])])
+  stage = build_stage.BuildStage(
+    runs, build, buffer_size=1, name="builder", inline_fetch=inline_fetch
+  )
+  got = [next(stage).position for _ in range(4)]  # Each dropped at once, as `step(next(it))`.
+  gc.collect()
+  assert got == [0, 1, 2, 3]
+  # While position p is built, the item handed out last (p - 1) is still alive,
+  # as in the inline path's generator; nothing older is.
+  assert alive_at_build == [[], [0], [1], [2]]
+  assert [r() is not None for r in built] == [False, False, False, True]
+  stage.close()
+  gc.collect()
+  assert all(r() is None for r in built)
