@@ -53,9 +53,11 @@ def test_window_is_what_every_process_has_reported():
   led.add(chunk(2, 0, [8, 8]))
   assert led.window(0) == 1
   assert led.missing(1) == [1]
+  assert led.furthest() == 3  # Process 0's three rows.
   led.add(chunk(1, 1, [8, 8, 8]))
   assert led.window(0) == 2
   assert led.window(2) == 0
+  assert led.furthest() == 4  # Process 1's rows at positions 0 to 3.
 
 
 def test_window_reports_end_of_stream_inside_window():

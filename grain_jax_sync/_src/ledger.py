@@ -192,6 +192,10 @@ class Ledger:
     if resume is not None:
       self._resume[p] = resume
 
+  def furthest(self) -> int:
+    """Positions the furthest-reported process has reported rows for."""
+    return max(self.count(p) for p in range(self._n))
+
   def window(self, position: int) -> int:
     """How many positions from `position` on are known for every process.
 
@@ -200,7 +204,7 @@ class Ledger:
     live = [self.count(p) - position for p in range(self._n) if self._end[p] is None]
     if live:
       return max(0, min(live))
-    return max(self.count(p) for p in range(self._n)) - position + 1
+    return self.furthest() - position + 1
 
   def window_reports(self, position: int, size: int, *, with_config: bool) -> list[plan_lib.Report]:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.

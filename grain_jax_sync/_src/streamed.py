@@ -262,7 +262,7 @@ class Decider(Streamed):
     posted) in runs as long as the peers' chunks rather than one by one."""
     t0 = time.monotonic()
     self._read()
-    want = max(self._own.lookahead, max(self._led.count(p) for p in range(self._n)) - self._j)
+    want = max(self._own.lookahead, self._led.furthest() - self._j)
     while (
       self._own.room()
       and self._own.count - self._j < want
