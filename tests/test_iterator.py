@@ -8,6 +8,7 @@ jax.distributed with gloo). Every check reads the rows of the global arrays.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -362,6 +363,54 @@ def test_state_reflects_consumed_batches_not_prefetched(prefetch):
   assert len(rest) == 4
   for a, b in zip(rest, again):
     np.testing.assert_array_equal(a, b)
+
+
+class _GatedSource:
+  """Batches with get_state/set_state; the read of batch `gate_at` waits for `gate`."""
+
+  def __init__(self, data, gate_at):
+    self._data, self._gate_at, self._i = data, gate_at, 0
+    self.gate, self.waiting = threading.Event(), threading.Event()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._i == self._gate_at and not self.gate.is_set():
+      self.waiting.set()
+      assert self.gate.wait(30), "the gate never opened"
+    if self._i >= len(self._data):
+      raise StopIteration
+    self._i += 1
+    return self._data[self._i - 1]
+
+  def get_state(self):
+    return {"i": self._i}
+
+  def set_state(self, state):
+    self._i = state["i"]
+
+
+def test_set_state_while_the_build_thread_reads_loses_no_batch():
+  # A consumer with a step: the build thread reads ahead, and is inside the
+  # source (batch 3) when `set_state` moves the source back to batch 1. The
+  # stages stop before the source moves, so the read in flight cannot take
+  # batch 1 from the restarted stream.
+  data = scenarios.make_batches(0, [8] * 6)
+  src = _GatedSource(data, gate_at=3)
+  with gjs.iter_jax_batches(src, batch_size=8, prefetch_batches=2) as it:
+    next(it)
+    state = it.get_state()
+    for _ in range(2):
+      time.sleep(0.05)  # A training step: reads move to the build thread.
+      next(it)
+    assert src.waiting.wait(30)
+    threading.Timer(0.3, src.gate.set).start()
+    it.set_state(state)
+    rest = [np.asarray(b["x"]) for b in it]
+  assert len(rest) == 5
+  for got, want in zip(rest, data[1:], strict=True):
+    np.testing.assert_array_equal(got, want["x"])
 
 
 def test_get_state_on_generator_source_raises_clearly():

@@ -211,12 +211,20 @@ class JaxBatchIterator(Iterator[Any]):
     return error
 
   def _set_source_state(self, source_state: Any) -> None:
+    """Moves the source, once no stage thread reads it (the callers restart after)."""
+    if not self._source.supports_state:
+      self._source.set_state(source_state)  # Raises; the running stream goes on.
+      return
+    self._life.halt()
     try:
       self._source.set_state(source_state)
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(
         f"`state['source']` is not a state of {self._source.description}: {type(e).__name__}: {e}"
       ) from e
+    except Exception as e:
+      self._restart(None, e)  # Halted: the next start raises it, on every host.
+      raise
 
   def reset(self) -> None:
     """Restarts the stream from the source's beginning, on every host.

@@ -114,6 +114,7 @@ class Pipeline:
     else:
       items = builder(runs)
     self._items = items
+    self._halted = False
     self._closed = False
 
   def _read_ahead(self, read: reader.Read) -> int:
@@ -148,11 +149,11 @@ class Pipeline:
     """Positions dropped after the last item; exact once the stream ended."""
     return self._counted[2].dropped
 
-  def close(self, error: plan_lib.ReportedError | None = None) -> None:
-    """Stops every stage, then posts this host's ending if the stream is still open."""
-    if self._closed:
+  def halt(self) -> None:
+    """Stops every stage (no thread reads the source after it); posts nothing. Once."""
+    if self._halted:
       return
-    self._closed = True
+    self._halted = True
     if self._agreement is not None:
       self._agreement.close_stage()
     for stage in self._stages:
@@ -161,9 +162,17 @@ class Pipeline:
       close = getattr(self._items, "close", None)
       if callable(close):
         close()
+    if self._agreement is not None:
+      self._agreement.release()
+
+  def close(self, error: plan_lib.ReportedError | None = None) -> None:
+    """Stops every stage, then posts this host's ending if the stream is still open."""
+    if self._closed:
+      return
+    self._closed = True
+    self.halt()
     if self._agreement is None:
       return
-    self._agreement.release()
     if any(stage.thread.is_alive() for stage in self._stages):
       logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
       return
@@ -202,6 +211,14 @@ class Lifetime:
     self.unstarted: tuple[str | None, int] | None = None  # (namespace, position)
     self.error: plan_lib.ReportedError | None = None
     self.finished = stats_lib.Times()  # Of the pipelines stopped so far.
+
+  def halt(self) -> None:
+    """Stops the running stages' threads, so that the source may be repositioned.
+
+    The ending is posted by the `stop()` that follows, with `error` as set then.
+    """
+    if self.pipeline is not None:
+      self.pipeline.halt()
 
   def stop(self) -> None:
     pipeline, self.pipeline = self.pipeline, None
