@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_dropin
+import scenarios_endings
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -365,30 +366,19 @@ def test_state_reflects_consumed_batches_not_prefetched(prefetch):
     np.testing.assert_array_equal(a, b)
 
 
-class _GatedSource:
-  """Batches with get_state/set_state; the read of batch `gate_at` waits for `gate`."""
+class _GatedSource(scenarios_endings.StatefulSource):
+  """A `StatefulSource` whose read of batch `gate_at` waits for `gate`."""
 
   def __init__(self, data, gate_at):
-    self._data, self._gate_at, self._i = data, gate_at, 0
+    super().__init__(data)
+    self._gate_at = gate_at
     self.gate, self.waiting = threading.Event(), threading.Event()
-
-  def __iter__(self):
-    return self
 
   def __next__(self):
     if self._i == self._gate_at and not self.gate.is_set():
       self.waiting.set()
       assert self.gate.wait(30), "the gate never opened"
-    if self._i >= len(self._data):
-      raise StopIteration
-    self._i += 1
-    return self._data[self._i - 1]
-
-  def get_state(self):
-    return {"i": self._i}
-
-  def set_state(self, state):
-    self._i = state["i"]
+    return super().__next__()
 
 
 def test_set_state_while_the_build_thread_reads_loses_no_batch():
