@@ -70,23 +70,36 @@ def consume_all(
   return out
 
 
-def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-  """Takes 2 of 400 batches, then closes or drops the iterator.
+def _endless(process: int, delay_s: float) -> Iterator[Any]:
+  """Batches of 8 rows, one every `delay_s`, without end."""
+  b = 0
+  while True:
+    time.sleep(delay_s)
+    yield {"x": scenarios.rows_for(process, b, 8).astype(np.int32)}
+    b += 1
 
-  400, so that the stage threads are still up (blocked on full buffers) when
-  it stops: the agreement reads and decides up to a few windows ahead.
+
+def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Takes 2 batches of an endless source, then closes or drops the iterator.
+
+  Endless, so that the stage threads are still up (blocked on full buffers)
+  when it stops: the agreement and build stages together hold up to a few
+  hundred batches read ahead, and a finite source could be read to its end.
   """
   import jax
 
   import grain_jax_sync as gjs
+  from grain_jax_sync._src import exchange
 
   p = jax.process_index()
-  data = scenarios.make_batches(p, [8] * 400)
-  it = gjs.iter_jax_batches(slow(data, 0.001), **kwargs)
+  it = gjs.iter_jax_batches(_endless(p, 0.001), **kwargs)
   next(it)
   next(it)
   time.sleep(0.2)  # The threads are up and blocked on a full queue.
   during = library_threads()
+  # A peer's close ends this host's stream (and its agreement thread): every
+  # process looks before any closes.
+  exchange.distributed_client().wait_at_barrier(f"half_way/{mode}/looked", 30_000)
   if mode == "close":
     it.close()
   else:
