@@ -134,6 +134,16 @@ def cases_2x4() -> dict[str, Any]:
       {"batch_size": 8, "mesh": across, "sharding": jax.sharding.PartitionSpec("data")}, [8]
     ),
   }
+  # Each process builds its own mesh: the same devices in another order, or
+  # the rows over other axes of the same mesh.
+  mine = inside if jax.process_index() == 0 else across
+  out["mesh_order_differs"] = _run({"batch_size": 8, "mesh": mine}, [8, 8])
+  out["mesh_order_differs_lockstep"] = _without_store(
+    lambda: _run({"batch_size": 8, "mesh": mine}, [8, 8])
+  )
+  out["inside_not_divisible"] = _run({"batch_size": 8, "mesh": inside}, [8, 5])
+  axes = "data" if jax.process_index() == 0 else ("data", "model")
+  out["data_axes_differ"] = _run({"batch_size": 8, "mesh": inside, "data_axes": axes}, [8, 8])
   with jax.set_mesh(across):
     out["context_info"] = tuple(gjs.data_shard_info())
     out["context"] = _run({"batch_size": 8}, [8])

@@ -221,6 +221,7 @@ def test_settings_disagreement_raises_on_every_host_before_any_batch(n, d, label
     outs, "ValueError", f"processes 0 and {n - 1} were given different settings", needle
   )
   assert all(out["n"] == 0 for out in outs)
+  assert not any("the same devices in the same order" in out["error"] for out in outs)
 
 
 # -- empty shards ------------------------------------------------------------------

@@ -170,7 +170,7 @@ def test_rows_not_divisible_by_local_devices_raise_everywhere():
     assert out["error"].startswith(
       "The local batch size (6) must be evenly divisible by the number of local JAX devices (4)"
     )
-    assert "batch 0 has 6 rows per host, not divisible by the 4 local devices" in out["error"]
+    assert "batch 0 has 6 rows per host, not divisible by process 0's 4 data shards" in out["error"]
 
 
 def test_single_process_rows_not_divisible_raise():

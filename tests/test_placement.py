@@ -214,6 +214,24 @@ def test_tfds_pipeline_takes_its_shard_from_the_mesh():
       gjs.tfds_pipeline("mnist", split="train", batch_size=8, mesh=_mesh(), process_count=2)
 
 
+def test_fingerprint_tells_meshes_apart_by_shape_spec_and_device_order():
+  def fp(mesh, spec=None):
+    spec = PartitionSpec("data") if spec is None else spec
+    return placement.placement_for(NamedSharding(mesh, spec), "test").fingerprint()
+
+  base = fp(_mesh())
+  assert base == fp(_mesh())  # Built twice the same way.
+  assert base["sharding"] == "mesh {'data': 4, 'model': 2}, spec ('data',)"
+  reordered = fp(Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model")))
+  assert reordered["sharding"] == base["sharding"]
+  assert reordered["sharding_device_order"] != base["sharding_device_order"]
+  assert reordered["sharding_device_order"].startswith("8 devices, digest ")
+  assert fp(_mesh((2, 4)))["sharding"] == "mesh {'data': 2, 'model': 4}, spec ('data',)"
+  assert fp(_mesh(), PartitionSpec(("data", "model")))["sharding"].endswith(
+    "spec (('data', 'model'),)"
+  )
+
+
 def test_placement_groups_from_a_uniform_sharding_of_fake_processes():
   # The pure layout over a real 8-device sharding: one process here, so one group.
   lay = placement._dim_layout(NamedSharding(_mesh(), PartitionSpec("data")), 0, 1)
@@ -277,6 +295,44 @@ def test_2x4_shared_rows_that_differ_later_raise_everywhere_in_lockstep():
     assert len(r["batches"]) == 1
     np.testing.assert_array_equal(r["batches"][0]["x"], scenarios.rows_for(0, 0, 8))
   assert len({out["across_differ_lockstep"]["error"] for out in outs}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  ("case", "key"),
+  [
+    ("mesh_order_differs", "sharding_device_order: '8 devices, digest "),
+    ("mesh_order_differs_lockstep", "sharding_device_order: '8 devices, digest "),
+    (
+      "data_axes_differ",
+      "sharding: \"mesh {'data': 4, 'model': 2}, spec ('data',)\" vs"
+      " \"mesh {'data': 4, 'model': 2}, spec (('data', 'model'),)\"",
+    ),
+  ],
+)
+def test_2x4_processes_with_different_meshes_raise_the_same_error_before_any_batch(case, key):
+  # Without the check, process 1 got two batches and process 0 timed out in
+  # the transfer after 30 s (gloo), with inconsistent arrays in between.
+  outs = _run_2x4()
+  for out in outs:
+    r = out[case]
+    assert r["error_type"] == "ValueError" and r["batches"] == []
+    assert r["error"].startswith("processes 0 and 1 were given different settings (")
+    assert key in r["error"]
+    assert "and the same mesh: the same devices in the same order" in r["error"]
+  assert len({out[case]["error"] for out in outs}) == 1
+
+
+@pytest.mark.multiprocess
+def test_2x4_rows_not_divisible_by_the_data_shards_name_the_shards_not_the_devices():
+  # 4 local devices hold 2 data shards: 5 rows fail on the shards' count.
+  for out in _run_2x4():
+    r = out["inside_not_divisible"]
+    assert r["error_type"] == "ValueError" and len(r["batches"]) == 1
+    assert r["error"].startswith(
+      "The local batch size (5) must be evenly divisible by the number of local JAX devices (2)"
+    )
+    assert "batch 1 has 5 rows per host, not divisible by process 0's 2 data shards" in r["error"]
 
 
 @pytest.mark.multiprocess

@@ -66,7 +66,9 @@ class Pipeline:
     who = agreement.Identity(
       process=exchange.process_index,
       devices=it._local_devices,  # noqa: SLF001
-      config=s.digest(),
+      # The settings, and the sharding (not saved in a state: a resumed job
+      # may run on another mesh, but its processes must share one).
+      config={**s.digest(), **it._placement.fingerprint()},  # noqa: SLF001
       resume=self._position,
       groups=it._placement.groups if shares else (),  # noqa: SLF001
     )

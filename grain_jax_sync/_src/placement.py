@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -251,6 +252,26 @@ class BatchPlacement:
       return f"the {devices} local devices"
     return f"the {self.local_shards} data shards that this process's {devices} local devices hold"
 
+  def fingerprint(self) -> dict[str, str]:
+    """What every process's sharding must share, for the first report.
+
+    The mesh's axes and shape, the spec, and a digest of the global device
+    order (two meshes of the same shape over the same devices in another
+    order place rows differently, and `make_array_from_process_local_data`
+    checks neither: the job hangs in the transfer or computes on mixed rows).
+    """
+    s = self.sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+      mesh = s.mesh
+      what = f"mesh {dict(mesh.shape)}, spec {tuple(s.spec)}"
+      order = [d.id for d in mesh.devices.flat]
+    else:
+      what = type(s).__name__
+      order = [d.id for d in getattr(s, "_device_assignment", sorted(s.device_set, key=_id))]
+    text = ",".join(map(str, order))
+    digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
+    return {"sharding": what, "sharding_device_order": f"{len(order)} devices, digest {digest}"}
+
   def describe(self) -> str:
     """One line: the sharding, its data shards and this process's share."""
     return (
@@ -261,6 +282,10 @@ class BatchPlacement:
         f", shared with processes {list(self.groups[self.shard_index])}" if self.shares_rows else ""
       )
     )
+
+
+def _id(device: Any) -> int:
+  return device.id
 
 
 def _check_covers(sharding: jax.sharding.Sharding, what: str) -> None:

@@ -80,7 +80,9 @@ class Report:
     exhausted: True if the source ended after those batches.
     error: Set if reading or validating the batch after `rows` failed.
     signature: The host's batch structure, once it has seen a batch.
-    local_devices: ``jax.local_device_count()`` on the host.
+    local_devices: The data shards the host's local devices hold (its local
+      rows divide among them): ``jax.local_device_count()`` unless a model
+      axis replicates rows.
     config: The host's settings (first window only), compared across hosts.
     more: True if the host holds at least one more batch after `rows` (it
       read ahead). Without it the last of `rows` counts as the host's last
@@ -246,11 +248,20 @@ def _config_error(reports: Sequence[Report]) -> ReportedError | None:
   for p, c in configs[1:]:
     if c != c0:
       keys = sorted(set(c0) | set(c))
-      diffs = [f"{k}: {c0.get(k)!r} vs {c.get(k)!r}" for k in keys if c0.get(k) != c.get(k)]
+      differ = [k for k in keys if c0.get(k) != c.get(k)]
+      diffs = [f"{k}: {c0.get(k)!r} vs {c.get(k)!r}" for k in differ]
+      mesh = any(k.startswith("sharding") for k in differ)
       return _value_error(
         f"processes {p0} and {p} were given different settings"
         f" ({'; '.join(diffs)}); every process must build the iterator with"
         " the same arguments"
+        + (
+          ", and the same mesh: the same devices in the same order (build it"
+          " from jax.devices() in the same way everywhere, e.g."
+          " grain_jax_sync.default_mesh())"
+          if mesh
+          else ""
+        )
       )
   return None
 
@@ -427,10 +438,11 @@ def _divisibility_error(reports: Sequence[Report], target: int, index: int) -> R
       return _value_error(
         f"The local batch size ({target}) {NOT_DIVISIBLE}"
         f" ({r.local_devices}) of process {r.process_index}: batch {index}"
-        f" has {target} rows per host, not divisible by the"
-        f" {r.local_devices} local devices. Pass `paddings` with a divisible"
-        " `batch_size`, set `drop_last=True`, or batch by a multiple of the"
-        " local device count"
+        f" has {target} rows per host, not divisible by process"
+        f" {r.process_index}'s {r.local_devices} data shards (one per local"
+        " device, fewer where a model axis replicates rows). Pass `paddings`"
+        " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
+        " multiple of that count"
       )
   return None
 
