@@ -328,3 +328,37 @@ def run_collective_fallback() -> dict[str, Any]:
     distributed.global_state.client = client
   out["threads_while_iterating"] = threads
   return out
+
+
+def run_collective_reset_peer(resetter: int) -> dict[str, Any]:
+  """Collective fallback: `resetter` resets after one batch and iterates on; so does its peer.
+
+  Batches are counted, not gathered: a gather is a collective, and the two
+  processes call the exchange's all-gathers at different batches here.
+  """
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  jax.devices()  # The backend joins the job before the client is hidden.
+  client = distributed.global_state.client
+  distributed.global_state.client = None
+  out: dict[str, Any] = {"batches": 1, "error": None, "error_type": None}
+  try:
+    data = scenarios.make_batches(p, [8] * 12)
+    it = gjs.iter_jax_batches(data, batch_size=8, synchronize_lookahead=2)
+    next(it)
+    if p == resetter:
+      it.reset()
+      out["batches"] = 0
+    try:
+      for _ in it:
+        out["batches"] += 1
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      out["error"], out["error_type"] = str(e), type(e).__name__
+    it.close()
+  finally:
+    distributed.global_state.client = client
+  return out

@@ -269,3 +269,22 @@ def test_collective_fallback_runs_in_the_callers_thread_and_agrees():
       np.testing.assert_array_equal(
         batch["mask"], np.r_[np.arange(8) < real[0], np.arange(8) < real[1]]
       )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resetter", [0, 1])
+def test_collective_fallback_reset_on_one_host_raises_the_same_error_on_both(resetter):
+  # Nothing carries the resetter's ending to its peer here: its first window
+  # of the new stream meets the peer's second window. Without the check both
+  # went on, pairing batch 0 of one process with batch 2 of the other.
+  outs = testing.values(_run(scenarios_endings.run_collective_reset_peer, resetter))
+  assert len({o["error"] for o in outs}) == 1, outs
+  where = ", ".join(
+    f"process {p} at batch {b}" for p, b in sorted([(resetter, 0), (1 - resetter, 2)])
+  )
+  for o in outs:
+    assert o["error_type"] == "RuntimeError"
+    assert f"different batches of the stream ({where})" in o["error"]
+    assert f"process {resetter} restarted the stream (reset()" in o["error"]
+  assert outs[resetter]["batches"] == 0  # Nothing from the new stream.
+  assert outs[1 - resetter]["batches"] == 2  # Its first window: batches 0 and 1.

@@ -225,8 +225,10 @@ def lockstep(
       if exchange.process_count == 1:
         reports = [report]  # Nothing to exchange: skip the JSON round trip.
       else:
-        chunk = ledger_lib.Chunk(start=0, ack=w, report=report)
-        reports = _parse_all(exchange.all_gather(w, chunk.to_json()))
+        chunk = ledger_lib.Chunk(start=position, ack=w, report=report)
+        chunks = _parse_all(exchange.all_gather(w, chunk.to_json()))
+        _check_in_step(chunks)
+        reports = [c.report for c in chunks]
         if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
           signature = batches_lib.Signature.from_json(found)
       decision = decide(reports, options, groups=who.groups, position=position)
@@ -250,13 +252,13 @@ def lockstep(
       raise to_exception(decision.error, who.process, end)
 
 
-def _parse_all(payloads: list[str]) -> list[plan_lib.Report]:
-  """Every process's report, or the same ValueError on every host."""
+def _parse_all(payloads: list[str]) -> list[ledger_lib.Chunk]:
+  """Every process's chunk, or the same ValueError on every host."""
   versions: dict[int, Any] = {}
-  reports = []
+  chunks = []
   for p, text in enumerate(payloads):
     try:
-      reports.append(ledger_lib.Chunk.from_json(text).report)
+      chunks.append(ledger_lib.Chunk.from_json(text))
     except ledger_lib.ProtocolError as e:
       versions[p] = e.version
   if versions:
@@ -267,7 +269,35 @@ def _parse_all(payloads: list[str]) -> list[plan_lib.Report]:
       "the processes run different versions of the grain_jax_sync agreement"
       f" protocol ({shown}); every process must run the same version of the library"
     )
-  return reports
+  return chunks
+
+
+def _check_in_step(chunks: list[ledger_lib.Chunk]) -> None:
+  """Under the collective exchange, every window must start at the same batch.
+
+  A process that restarted its stream (`reset()`, `set_state()` or a new
+  iterator) while its peers kept iterating has nothing to post its ending
+  to: its next all-gather meets the peers' next window, and without this
+  check the processes would pair different batches into one global array.
+  Raises the same RuntimeError on every host. Different starts in every
+  process's first window are `plan.decide`'s resume error.
+  """
+  starts = {c.report.process_index: c.start for c in chunks}
+  if len(set(starts.values())) < 2:
+    return
+  fresh = [c.report.process_index for c in chunks if c.report.config is not None]
+  if len(fresh) == len(chunks):
+    return
+  where = ", ".join(f"process {p} at batch {b}" for p, b in sorted(starts.items()))
+  restarted = f"processes {fresh} restarted" if len(fresh) > 1 else f"process {fresh[0]} restarted"
+  raise RuntimeError(
+    f"the processes are at different batches of the stream ({where}):"
+    f" {restarted} the stream (reset(), set_state() or a new iterator) while"
+    " the others kept iterating. Without the key-value store (the collective"
+    " exchange) every process must reset or restore at the same point"
+    if fresh
+    else f"the processes are at different batches of the stream ({where})"
+  )
 
 
 # -- this host's reads, for the streamed form --------------------------------------
