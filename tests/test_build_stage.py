@@ -187,3 +187,93 @@ def test_a_dropped_item_lives_until_the_next_one_is_built_then_close_releases_th
   stage.close()
   gc.collect()
   assert all(r() is None for r in built)
+
+
+def _mixed_runs(fetched_by, n, *, fail_upstream=False, block=None):
+  """Quick runs of one position, every 7th run of three; every 5th position dropped.
+
+  With `block` (a dict: "from", "blocked", "release"): the first read of a
+  position >= from by a thread other than the build thread ("builder") sets
+  `blocked`, records the position as "at" and waits for `release`.
+  """
+  p = 0
+  while p < n:
+    name = threading.current_thread().name
+    fetched_by.append(name)
+    if block is not None and p >= block["from"] and name != "builder" and "at" not in block:
+      block["at"] = p
+      block["blocked"].set()
+      block["release"].wait(10)
+    size = 3 if p % 7 == 6 else 1
+    yield _Run([(q, "drop" if q % 5 == 4 else "yield") for q in range(p, min(n, p + size))])
+    p += size
+  if fail_upstream:
+    raise KeyError(f"upstream failed after {n}")
+
+
+@pytest.mark.parametrize("failing", [None, "build", "upstream"])
+def test_build_stage_consumer_fetches_and_builds_quick_runs_itself_in_order(failing):
+  # Quick runs and builds, no step: the consumer fetches and builds each run
+  # itself in one go (`_direct`); runs of several positions, dropped
+  # positions and errors keep their order.
+  fetched_by, built_by = [], []
+
+  def build(read, step, sig, batch_size):
+    assert sig == "sig" and batch_size == 8
+    if failing == "build" and read == 40:
+      raise ValueError("build failed at 40")
+    built_by.append(threading.current_thread().name)
+    return None if step == "drop" else read
+
+  runs = _mixed_runs(fetched_by, 60, fail_upstream=failing == "upstream")
+  stage = build_stage.BuildStage(runs, build, buffer_size=2, name="builder", inline_fetch=True)
+  got = []
+  if failing is None:
+    got = list(stage)
+  else:
+    with pytest.raises(ValueError if failing == "build" else KeyError, match="failed"):
+      for item in stage:
+        got.append(item)
+  stage.close()
+  end = 40 if failing == "build" else 60
+  assert got == [p for p in range(end) if p % 5 != 4]
+  # Most in the consumer (the thread takes the first run, and any stretch
+  # where a read or build looked slow).
+  assert sum(1 for name in fetched_by if name != "builder") >= len(fetched_by) // 2
+  assert sum(1 for name in built_by if name != "builder") >= len(built_by) // 2
+  assert next(stage, "done") == "done"
+  assert not stage.thread.is_alive()
+
+
+def test_build_stage_closed_from_another_thread_while_the_consumer_reads():
+  # The consumer is inside a blocking read of its own (its inline fetch);
+  # close() from another thread returns at once, and the consumer's next()
+  # ends when the read returns, without the run it read.
+  # From 26: a one-position run after a yielded one (25), so that the
+  # consumer reads it in `_direct`, not after a dropped position in `_take`.
+  block = {"from": 26, "blocked": threading.Event(), "release": threading.Event()}
+  runs = _mixed_runs([], 60, block=block)
+  stage = build_stage.BuildStage(
+    runs,
+    lambda read, step, sig, size: None if step == "drop" else read,
+    buffer_size=2,
+    name="builder",
+    inline_fetch=True,
+  )
+  got = []
+  consumer = threading.Thread(target=lambda: got.extend(stage), name="consumer")
+  consumer.start()
+  assert block["blocked"].wait(10)  # The consumer reads a position >= 26 itself.
+  t0 = time.monotonic()
+  closer = threading.Thread(target=stage.close)
+  closer.start()
+  closer.join(5)
+  closed_s = time.monotonic() - t0
+  block["release"].set()
+  consumer.join(10)
+  assert not closer.is_alive() and closed_s < 2
+  assert not consumer.is_alive()
+  # Every position before the blocked read, in order; not the run it read.
+  assert got == [p for p in range(block["at"]) if p % 5 != 4]
+  assert next(stage, "done") == "done"
+  assert not stage.thread.is_alive()
