@@ -257,9 +257,10 @@ class BuildStage(Generic[T]):
       self._note_read_ahead(steps[0][0])
     if len(steps) != 1:
       return run, _UNBUILT
+    read, step = steps[0]
     t0 = time.perf_counter()
     try:
-      item = self._build(*steps[0], run.signature, run.batch_size)
+      item = self._build(read, step, run.signature, run.batch_size)
     except BaseException as e:  # noqa: BLE001 - raised in the consumer, in order.
       return run, prefetch.Raised(e)
     self._build_s += BUILD_S_WEIGHT * (time.perf_counter() - t0 - self._build_s)
