@@ -277,3 +277,34 @@ def test_build_stage_closed_from_another_thread_while_the_consumer_reads():
   assert got == [p for p in range(block["at"]) if p % 5 != 4]
   assert next(stage, "done") == "done"
   assert not stage.thread.is_alive()
+
+
+@pytest.mark.parametrize(("batch_bytes", "consumer_fetches"), [(4096, "most"), (8 << 20, "few")])
+def test_build_stage_long_builds_of_few_bytes_still_fetch_in_the_consumer(
+  batch_bytes, consumer_fetches
+):
+  # 2 ms builds, over INLINE_BUILD_S: moving 4 KB each (2 MB/s, Python-bound
+  # leaves) the consumer still fetches itself; moving 8 MB (4 GB/s, copies
+  # that release the GIL) the thread reads beside them.
+  fetched_by = []
+
+  def build(read, step, sig, size):
+    time.sleep(0.002)
+    return read
+
+  stage = build_stage.BuildStage(
+    _fetched_by(fetched_by, 40, 0.0),
+    build,
+    buffer_size=2,
+    name="builder",
+    inline_fetch=True,
+    read_bytes=lambda read: batch_bytes,
+  )
+  got = list(stage)
+  stage.close()
+  assert got == list(range(40))
+  in_consumer = sum(1 for name in fetched_by if name != "builder")
+  if consumer_fetches == "most":
+    assert in_consumer >= 30
+  else:
+    assert in_consumer <= 10

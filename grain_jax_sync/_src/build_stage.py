@@ -56,6 +56,12 @@ AWAY_BUILDS = 2.0
 # training step to hide reads behind, is read in the thread.
 INLINE_FETCH_S = 0.0002
 INLINE_WAIT_S = 0.00002
+# A longer build still counts as short where it moves under SLOW_BUILD_BPS
+# bytes per second (given `read_bytes`): a build of many small leaves is
+# Python under the GIL, not copies, so the thread's reads cannot run beside
+# it. 64 float32 columns of (64, 16): 256 KB in about 10 ms (25 MB/s), with
+# the thread's reads 0.93 of inline; 8 MB batches: 5 GB/s.
+SLOW_BUILD_BPS = 200e6
 # The consumer times one fetch in INLINE_FETCH_SAMPLE (the thread every one):
 # its CPU clock is a system call (about 1 us, twice per fetch), which was a
 # fifth of the stage's own cost per item (10.2 us, no JAX: 50,000 items).
@@ -104,6 +110,8 @@ class BuildStage(Generic[T]):
     read_ahead: Given the first decided read, how many decided positions the
       thread may hold unbuilt (at least `buffer_size`): reads in bursts, so
       that a consumer that builds for itself rarely waits for the thread.
+    read_bytes: Given the first decided read, a batch's bytes (see
+      `SLOW_BUILD_BPS`).
     on_close: Called by `close()` before joining (to cancel an exchange wait).
     name: The thread's name.
     inline_fetch: Whether the consumer may fetch runs itself.
@@ -116,6 +124,7 @@ class BuildStage(Generic[T]):
     *,
     buffer_size: int,
     read_ahead: Callable[[Any], int] | None = None,
+    read_bytes: Callable[[Any], int] | None = None,
     on_close: Callable[[], None] | None = None,
     name: str = "grain_jax_sync-prefetch",
     inline_fetch: bool = False,
@@ -126,6 +135,8 @@ class BuildStage(Generic[T]):
     self._build = build
     self._size = buffer_size
     self._read_ahead = read_ahead
+    self._read_bytes = read_bytes
+    self._bytes = float("inf")  # A batch's bytes (`read_bytes` of the first read).
     self._ahead = buffer_size  # Decided positions held unbuilt, at most.
     self._inline_fetch = inline_fetch
     self._cond = threading.Condition(threading.Lock())
@@ -208,7 +219,7 @@ class BuildStage(Generic[T]):
       self._inline_fetch
       and self._fetch_s < INLINE_FETCH_S
       and self._wait_s < INLINE_WAIT_S
-      and self._build_s < INLINE_BUILD_S
+      and (self._build_s < INLINE_BUILD_S or self._bytes < SLOW_BUILD_BPS * self._build_s)
       and self._away_avg < AWAY_FETCH_S
     )
 
@@ -275,10 +286,13 @@ class BuildStage(Generic[T]):
     return run, item
 
   def _note_read_ahead(self, read: Any) -> None:
-    """Sizes the positions held unbuilt from the first decided read (once)."""
+    """Sizes the positions held unbuilt, and a batch's bytes, from the first decided read."""
     if self._read_ahead is not None and read is not None:
       self._ahead = max(self._size, self._read_ahead(read))
       self._read_ahead = None
+    if self._read_bytes is not None and read is not None:
+      self._bytes = self._read_bytes(read)
+      self._read_bytes = None
 
   def _time_fetch(self, t0: float, cpu0: float, positions: int) -> tuple[float, float]:
     """Updates the fetch averages (CPU and waiting, per position); returns (now, CPU now)."""
@@ -421,7 +435,7 @@ class BuildStage(Generic[T]):
           break
         sig, size = run.signature, run.batch_size
         work.extend((read, step, sig, size) for read, step in run.steps)
-        if self._read_ahead is not None and work[0][0] is not None:
+        if (self._read_ahead or self._read_bytes) is not None and work[0][0] is not None:
           self._note_read_ahead(work[0][0])
           want = self._ahead - len(self._pending)
         if not timed:

@@ -108,6 +108,7 @@ class Pipeline:
         builder.step,
         buffer_size=s.prefetch,
         read_ahead=self._read_ahead,
+        read_bytes=_read_bytes,
         on_close=self._cancel(),
         name=BUILD_THREAD,
         inline_fetch=self._agreement is None,  # Lockstep: no exchange wait.
@@ -182,6 +183,10 @@ class Pipeline:
       self._agreement.close(self._position + self.delivered, error)
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+
+
+def _read_bytes(read: reader.Read) -> int:
+  return sum(leaf.nbytes for leaf in read.batch.leaves)
 
 
 def post_unstarted_end(
