@@ -100,8 +100,7 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int) -> int:
   At least 2: a short batch is decided only once its host's next batch (or
   end) is known (`plan.Options.wait_for_last`).
   """
-  nbytes = sum(leaf.nbytes for leaf in read.batch.leaves)
-  return max(2, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, nbytes)))
+  return max(2, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes)))
 
 
 class Identity:
@@ -227,7 +226,7 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
       decision, yields = known
     else:
       decision, signature = _decide_window(
-        reads, end, signature, who, exchange, options, w=w, position=position
+        reads, rows, end, signature, who, exchange, options, w=w, position=position
       )
       yields = sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
       if key is not None and decision.error is None:
@@ -268,6 +267,7 @@ def _read(
 
 def _decide_window(
   reads: list[reader_lib.Read],
+  rows: tuple[int, ...],
   end: reader_lib.End | None,
   signature: batches_lib.Signature | None,
   who: Identity,
@@ -283,7 +283,6 @@ def _decide_window(
     The decision, and the agreed signature (learnt from a peer's report
     where this process has read no batch yet).
   """
-  rows = tuple(r.batch.rows for r in reads)
   sig = None if signature is None else signature.to_json()
   digests = tuple(r.digest for r in reads) if who.groups else ()
   report = make_report(who, rows, end, sig, w == 0, digests)

@@ -330,6 +330,11 @@ class HostBatch:
   rows: int
   signature: Signature
 
+  @property
+  def nbytes(self) -> int:
+    """The bytes of every leaf."""
+    return sum(leaf.nbytes for leaf in self.leaves)
+
 
 def validate(
   batch: Any, *, process_index: int, batch_index: int, expected: Signature | None = None

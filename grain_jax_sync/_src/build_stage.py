@@ -23,7 +23,7 @@ from grain_jax_sync._src import prefetch
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_UNBUILT = object()  # `_fetch_build`: a run whose positions go to `_pending`.
+_UNBUILT = object()  # `_fetch_build`: a run of several positions, for `_pending`.
 
 # The build thread builds ahead only while the consumer is away from
 # `__next__` (in its training step) for longer than AWAY_BUILDS builds take,
@@ -186,19 +186,7 @@ class BuildStage(Generic[T]):
       self._in_next = True
       self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
       try:
-        if (
-          not self._ready
-          and not self._pending
-          and not self._building
-          and not self._fetching
-          and not self._upstream_done
-          and self._build_s < DIRECT_BUILD_S
-          and self._fetches_inline()
-          and not self._stop.is_set()
-        ):
-          item = self._direct()
-        else:
-          item = self._take()
+        item = self._take()
       finally:
         self._in_next = False
         self._left_at = time.perf_counter()
@@ -224,14 +212,20 @@ class BuildStage(Generic[T]):
     )
 
   def _direct(self) -> Any:
-    """Fetches one run and builds its first position in one go; see `_take`.
+    """Fetches one run and builds its first position in one go; under the lock.
 
-    The consumer's path with nothing pending while it fetches inline (no
-    step, a quick source): one release of the lock around the fetch and the
-    build, with the thread kept out by `_fetching` and `_building`, instead
-    of `_take`'s fetch, hand-over and build, each with its own release and
-    bookkeeping. Measured in the consumer's loop at 0.8 MB batches (no
-    step): the stage's own time per batch went from about 28 us to 14 us.
+    `_take`'s path for a consumer that fetches inline with nothing pending
+    (no step, a quick source, short builds): one release of the lock around
+    the fetch and the build, with the thread kept out by `_fetching` and
+    `_building`, instead of a fetch, a hand-over and a build, each with its
+    own release and bookkeeping. Measured in the consumer's loop at 0.8 MB
+    batches (no step): the stage's own time per batch went from about 28 us
+    to 14 us.
+
+    Returns:
+      The item or the terminal marker; None where `_take` must look again
+      (a dropped position, a run of several positions now in `_pending`, or
+      a close from another thread meanwhile).
     """
     self._fetches += 1
     timed = self._fetches % INLINE_FETCH_SAMPLE == 0
@@ -242,19 +236,17 @@ class BuildStage(Generic[T]):
     finally:
       self._cond.acquire()
       self._fetching = self._building = False
-    if self._stop.is_set():  # Closed from another thread meanwhile.
-      self._done = True
-      raise StopIteration
+    if self._stop.is_set():  # Closed from another thread meanwhile: dropped.
+      return None
     if prefetch.is_final(run):
       self._upstream_done = True
       return run
-    if item is _UNBUILT:  # Several positions: queued, then taken in order.
+    if item is _UNBUILT:
       self._pending.extend((read, step, run.signature, run.batch_size) for read, step in run.steps)
-      return self._take()
+      return None
     if isinstance(item, prefetch.Raised):
       self._upstream_done = True  # Nothing after an error is built.
-      return item
-    return self._take() if item is None else item  # None: a dropped position.
+    return item
 
   def _fetch_build(self, timed: bool) -> tuple[Any, Any]:
     """Outside the lock: the next run (or its end), and the item of its only position.
@@ -273,19 +265,23 @@ class BuildStage(Generic[T]):
     if timed:
       self._time_fetch(t0, cpu0, len(steps))
     if steps:
-      self._note_read_ahead(steps[0][0])
+      self._note_first_read(steps[0][0])
     if len(steps) != 1:
       return run, _UNBUILT
     read, step = steps[0]
+    return run, self._timed_build(read, step, run.signature, run.batch_size)
+
+  def _timed_build(self, read: Any, step: Any, sig: Any, size: Any) -> Any:
+    """One build (its item, None, or its error as `Raised`); times it. Outside the lock."""
     t0 = time.perf_counter()
     try:
-      item = self._build(read, step, run.signature, run.batch_size)
+      item = self._build(read, step, sig, size)
     except BaseException as e:  # noqa: BLE001 - raised in the consumer, in order.
-      return run, prefetch.Raised(e)
+      return prefetch.Raised(e)
     self._build_s += BUILD_S_WEIGHT * (time.perf_counter() - t0 - self._build_s)
-    return run, item
+    return item
 
-  def _note_read_ahead(self, read: Any) -> None:
+  def _note_first_read(self, read: Any) -> None:
     """Sizes the positions held unbuilt, and a batch's bytes, from the first decided read."""
     if self._read_ahead is not None and read is not None:
       self._ahead = max(self._size, self._read_ahead(read))
@@ -320,8 +316,12 @@ class BuildStage(Generic[T]):
         and not self._upstream_done
         and self._fetches_inline()
       ):
-        self._fetch(burst=False)
-        continue
+        if self._building or self._build_s >= DIRECT_BUILD_S:
+          self._fetch(burst=False)
+          continue
+        item = self._direct()
+        if item is None:
+          continue  # Dropped, queued (a run of several positions) or closed meanwhile.
       elif not self._thread.is_alive():  # Never without an ending; a hang must fail.
         item = prefetch.Raised(RuntimeError("internal: the build thread ended without an ending"))
       else:  # Nothing decided yet, or the thread is building the next position.
@@ -346,20 +346,14 @@ class BuildStage(Generic[T]):
       return work
     self._building = True
     self._cond.release()
-    t0 = time.perf_counter()
-    item: Any
     try:
-      item = self._build(*work)
-    except BaseException as e:  # noqa: BLE001 - raised in the consumer, in order.
-      item = prefetch.Raised(e)
+      item = self._timed_build(*work)
     finally:
       self._cond.acquire()
       self._building = False
     if isinstance(item, prefetch.Raised):
       self._pending.clear()
       self._upstream_done = True  # Nothing after an error is built.
-      return item
-    self._build_s += BUILD_S_WEIGHT * (time.perf_counter() - t0 - self._build_s)
     return item
 
   def _away_s(self) -> float:
@@ -435,8 +429,8 @@ class BuildStage(Generic[T]):
           break
         sig, size = run.signature, run.batch_size
         work.extend((read, step, sig, size) for read, step in run.steps)
-        if (self._read_ahead or self._read_bytes) is not None and work[0][0] is not None:
-          self._note_read_ahead(work[0][0])
+        if self._read_ahead is not None or self._read_bytes is not None:
+          self._note_first_read(work[0][0])
           want = self._ahead - len(self._pending)
         if not timed:
           break

@@ -186,7 +186,7 @@ class Pipeline:
 
 
 def _read_bytes(read: reader.Read) -> int:
-  return sum(leaf.nbytes for leaf in read.batch.leaves)
+  return read.batch.nbytes
 
 
 def post_unstarted_end(
