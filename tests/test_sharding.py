@@ -76,3 +76,31 @@ def test_shared_rows_error_names_the_processes_and_the_batch():
     " as the shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
   )
   assert sharding.shared_rows_error(["a", "b"], [(0,), (1,)], 0) is None  # No sharing.
+
+
+@pytest.mark.parametrize(
+  "spec", [("data",), ("data", None), (("data", "model"),), (None,)], ids=str
+)
+def test_to_global_leaves_in_one_process_equals_make_array_from_process_local_data(spec):
+  # One process puts the batch with `jax.device_put`, which is what
+  # `make_array_from_process_local_data` does there: same values, shapes,
+  # shardings and per-device rows, for any spec over a 2-D mesh.
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from grain_jax_sync._src import placement as placement_lib
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  place = placement_lib.placement_for(NamedSharding(mesh, PartitionSpec(*spec)), "test")
+  assert place.single_process
+  leaves = [*_batch(rows=16), np.arange(16 * 5, dtype=np.float32).reshape(16, 5)]
+  ours = sharding.to_global_leaves(leaves, place)
+  shardings, shapes = sharding.global_targets([x.shape for x in leaves], place)
+  want = jax.make_array_from_process_local_data(shardings, leaves, shapes)
+  for got, ref, host in zip(ours, want, leaves, strict=True):
+    assert got.shape == ref.shape == host.shape
+    assert got.sharding == ref.sharding
+    np.testing.assert_array_equal(np.asarray(got), host)
+    for a, b in zip(got.addressable_shards, ref.addressable_shards, strict=True):
+      assert a.device == b.device and a.index == b.index
+      np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))

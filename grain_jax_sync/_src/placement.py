@@ -237,6 +237,11 @@ class BatchPlacement:
     """Whether some processes feed identical rows (the same on every host)."""
     return any(len(g) > 1 for g in self.groups)
 
+  @functools.cached_property
+  def single_process(self) -> bool:
+    """Whether this is the only process (global shapes are local shapes)."""
+    return jax.process_count() == 1
+
   def sharding_for(self, ndim: int) -> jax.sharding.Sharding:
     """The sharding of a leaf of rank `ndim`."""
     return _cut(self.sharding, ndim)
