@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ">= 1.05",
   )
   db = o["dtype_bytes"]
+  if not db["policy_bytes_per_batch"]:
+    raise RuntimeError(
+      "dtype_bytes counted no bytes: the transfer is called where it does not look"
+    )
   add(
     "dtype policy: bytes handed to the transfer per batch (f32 -> bf16)",
     "1 proc x 8 dev, 256 x 1024 float32",

@@ -251,14 +251,23 @@ def dtype_bytes(*, rows: int = 256, n: int = 100, trials: int = 5) -> dict[str, 
 
   data = [{"x": np.ones((rows, 1024), np.float32)} for _ in range(n)]
   sent = {"bytes": 0}
-  real = jax.make_array_from_process_local_data
+  # The two ways a host batch reaches the devices: one process's build puts
+  # it with `jax.device_put` (what `make_array_from_process_local_data` does
+  # there, which calls JAX's own `device_put`, not this attribute).
+  real_make, real_put = jax.make_array_from_process_local_data, jax.device_put
 
-  def counting(sharding: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
-    sent["bytes"] += np.asarray(local).nbytes
-    return real(sharding, local, *args, **kwargs)
+  def counted(real: Callable[..., Any], local: Any) -> Callable[..., Any]:
+    sent["bytes"] += sum(np.asarray(x).nbytes for x in jax.tree.leaves(local))
+    return real
+
+  def counting_make(sharding: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
+    return counted(real_make, local)(sharding, local, *args, **kwargs)
+
+  def counting_put(local: Any, *args: Any, **kwargs: Any) -> Any:
+    return counted(real_put, local)(local, *args, **kwargs)
 
   out: dict[str, Any] = {}
-  jax.make_array_from_process_local_data = counting
+  jax.make_array_from_process_local_data, jax.device_put = counting_make, counting_put
   try:
     for name, make in (
       ("policy", lambda: gjs.iter_jax_batches(data, batch_size=rows, dtypes=ml_dtypes.bfloat16)),
@@ -273,7 +282,7 @@ def dtype_bytes(*, rows: int = 256, n: int = 100, trials: int = 5) -> dict[str, 
       _, count = _timed(make)
       out[f"{name}_bytes_per_batch"] = sent["bytes"] / count
   finally:
-    jax.make_array_from_process_local_data = real
+    jax.make_array_from_process_local_data, jax.device_put = real_make, real_put
   out.update(
     _median_times(
       {
