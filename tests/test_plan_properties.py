@@ -375,3 +375,54 @@ def test_waiting_for_the_last_batch_decides_as_knowing_it(case, mode, derived):
     [b for _, b, _, _ in row] for row in known.yields
   ]
   assert waited.dropped == known.dropped
+
+
+@st.composite
+def window_reports(draw):
+  """(reports, options, position): one window, mostly full batches, any ending."""
+  devices = draw(st.sampled_from([1, 2, 4]))
+  full = devices * draw(st.integers(1, 3))
+  n = draw(st.integers(1, 4))
+  sizes = st.one_of(st.just(full), st.integers(1, full + 2))  # Full half the time.
+  reports = []
+  for h in range(n):
+    rows = tuple(draw(st.lists(sizes, max_size=12)))
+    error = None
+    if draw(st.integers(0, 4)) == 0:
+      error = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, len(rows), "OSError")
+    reports.append(
+      Report(
+        process_index=h,
+        rows=rows,
+        exhausted=error is None and draw(st.booleans()),
+        error=error,
+        signature=SIG,
+        local_devices=draw(st.sampled_from([devices, devices, 3])),
+        config={"batch_size": full},
+        more=draw(st.booleans()),
+      )
+    )
+  pad, drop_last = draw(st.sampled_from([(False, False), (True, False), (False, True)]))
+  batch_size = draw(st.sampled_from([full, None]))
+  options = Options(
+    batch_size=batch_size,
+    pad=pad,
+    drop_last=drop_last,
+    wait_for_last=draw(st.booleans()),
+    derived=batch_size is not None and draw(st.booleans()),
+  )
+  return reports, options, draw(st.integers(0, 50))
+
+
+@PROPERTY_SETTINGS
+@given(window_reports())
+def test_runs_of_full_batches_are_decided_as_position_by_position(case):
+  # `decide` takes a run of positions where every host's batch is full in one
+  # go (`_full_run`); the plan must be the one the per-position rules give.
+  from unittest import mock
+
+  reports, options, position = case
+  quick = plan_lib.decide(reports, options, position=position)
+  with mock.patch.object(plan_lib, "_full_run", return_value=0):
+    slow = plan_lib.decide(reports, options, position=position)
+  assert quick == slow

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 from typing import Any
 
@@ -306,8 +307,11 @@ class Decision:
     """
     obj = _load(text, "decision")
     try:
-      steps = tuple(
-        plan_lib.Step(plan_lib.Action(a), rows, ()) for a, rows, n in obj["st"] for _ in range(n)
+      steps = tuple(  # One shared (frozen) step per run of equal positions.
+        itertools.chain.from_iterable(
+          itertools.repeat(plan_lib.Step(plan_lib.Action(a), rows, ()), n)
+          for a, rows, n in obj["st"]
+        )
       )
       error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
       return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"), obj.get("b"))

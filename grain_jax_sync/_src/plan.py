@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -475,7 +476,20 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
   def plan(end: End, error: ReportedError | None = None) -> Plan:
     return Plan(tuple(steps), end, error, batch_size=full)
 
-  for i in range(window + 1):
+  i = 0
+  while i <= window:
+    if full is not None and (run := _full_run(reports, i, full)):
+      # Every host's batch is full at positions [i, i + run): one shared
+      # step each, as `_size_step` would decide them one by one.
+      if full not in divisible:
+        error = _divisibility_error(reports, full, index)
+        if error is not None:
+          return plan(End.RAISE, error)
+        divisible.add(full)
+      steps.extend(itertools.repeat(Step(Action.YIELD, full, (full,) * len(reports)), run))
+      index += run
+      i += run
+      continue
     failed = [r.error for r in reports if r.error is not None and len(r.rows) == i]
     if failed:
       return plan(End.RAISE, failed[0])
@@ -502,7 +516,29 @@ def decide(reports: Sequence[Report], options: Options, *, position: int = 0) ->
       divisible.add(step.rows)
     steps.append(step)
     index += step.action == Action.YIELD
+    i += 1
   return plan(End.CONTINUE)
+
+
+def _full_run(reports: Sequence[Report], i: int, full: int) -> int:
+  """How many positions from `i` on hold a batch of `full` rows on every host.
+
+  A quick stream's common case, compared a slice at a time instead of
+  position by position (no error can sit there: a report's error follows
+  its last row).
+  """
+  n = min(len(r.rows) for r in reports) - i
+  if n <= 0:
+    return 0
+  want = (full,) * n
+  for r in reports:
+    got = r.rows[i : i + n]
+    if got != want:
+      n = next((k for k, x in enumerate(got) if x != full), n)
+      if not n:
+        return 0
+      want = want[:n]
+  return n
 
 
 def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:
