@@ -111,6 +111,19 @@ def test_compat_reads_lazily_in_the_callers_thread():
   gen.close()
 
 
+def test_one_process_reads_one_batch_per_yield_when_batch_sizes_change():
+  # Padded short batches mid-stream: a batch of a size not decided before is
+  # still read alone, not with the next one (the one-process fast path).
+  src = _CountingSource(scenarios.make_batches(0, [8, 8, 6, 8, 6, 6, 8]))
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=0, prefetch_batches=0)
+  for k in range(1, 8):
+    batch = next(it)
+    assert len(src.reads) == k
+    assert batch["x"].shape[0] == 8
+  with pytest.raises(StopIteration):
+    next(it)
+
+
 def test_compat_prefetch_batches_reads_a_waiting_source_in_a_background_thread():
   src = _CountingSource(scenarios.make_batches(0, [8] * 6), wait_s=0.005)
   got = list(gjs.jax_sync_generator(src, drop_last=False, prefetch_batches=2))

@@ -206,6 +206,7 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
   # (about 4 of the 8 us the window costs per batch).
   quick: dict[int, tuple[plan_lib.Step, int]] | None = {} if alone and window == 1 else None
   for w in range(1 << 62):
+    need = max(window, len(reads) + 1)  # Counted before a quick read, which it includes.
     if quick and not reads and end is None:
       end = _read(reader, reads, 1)
       hit = quick.get(reads[0].batch.rows) if end is None else None
@@ -214,7 +215,7 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
         yield build_lib.Run(((reads.pop(), hit[0]),), signature, options.batch_size)
         continue
     if end is None:
-      end = _read(reader, reads, max(window, len(reads) + 1))
+      end = _read(reader, reads, need)
     if signature is None and reads:
       signature = reads[0].batch.signature
     rows = tuple(r.batch.rows for r in reads)
