@@ -243,8 +243,8 @@ def run_stuck_decider(seconds: float, sync_timeout_s: float) -> dict[str, Any]:
   return out
 
 
-def run_kill_default(victim: int) -> dict[str, Any]:
-  """Process `victim` SIGKILLs itself at its batch 2; default settings everywhere."""
+def run_kill_default(victim: int, kill_at: int = 2) -> dict[str, Any]:
+  """Process `victim` SIGKILLs itself at its batch `kill_at`; default settings everywhere."""
   import jax
   from jax._src import distributed
 
@@ -253,7 +253,7 @@ def run_kill_default(victim: int) -> dict[str, Any]:
   p = jax.process_index()
   jax.devices()
   distributed.global_state.client.wait_at_barrier("killdef/start", 60_000)
-  src = scenarios_faults.batch_source(p, [8] * 6, kill_at=2 if p == victim else None)
+  src = scenarios_faults.batch_source(p, [8] * 6, kill_at=kill_at if p == victim else None)
   it = gjs.iter_jax_batches(src, batch_size=8, name="killdef")
   out = drain(it)
   start = time.monotonic()

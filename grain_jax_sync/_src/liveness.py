@@ -3,8 +3,9 @@
 One beat thread per process (not per iterator) overwrites
 ``grain_jax_sync/beat/{p}`` every `BEAT_S`. A process that waits for a peer
 reads that peer's beat (at most once per `BEAT_S`): unchanged for
-`DEAD_AFTER_S` means dead; a peer that never beat has not started yet (late,
-not dead).
+`DEAD_AFTER_S` means dead; a peer that never beat has not built an iterator
+yet (late, not dead). The first beat is written before `Beat.ensure` returns,
+so a process that built an iterator has always beat.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Beat:
     self._client = client
     self._key = exchange_lib.beat_key(process)
     self._stop = threading.Event()
+    # The first beat is written here, in the caller's thread, before any
+    # iterator of this process exists: a process killed right after building
+    # its iterator (before the thread's first write) would otherwise never
+    # have beat, and peers would wait for it as a slow start, not name it.
+    self._beat(0)
     self._thread = threading.Thread(target=self._run, name=f"gjs-beat-{process}", daemon=True)
     self._thread.start()
 
@@ -61,14 +67,17 @@ class Beat:
           atexit.register(cls.stop_all)
       return beat
 
+  def _beat(self, n: int) -> None:
+    try:
+      self._client.key_value_set(self._key, str(n), True)
+    except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
+      logger.debug("grain_jax_sync: beat failed: %s", e)
+
   def _run(self) -> None:
-    for n in itertools.count():
-      try:
-        self._client.key_value_set(self._key, str(n), True)
-      except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
-        logger.debug("grain_jax_sync: beat failed: %s", e)
+    for n in itertools.count(1):
       if self._stop.wait(BEAT_S):
         return
+      self._beat(n)
 
   def stop(self) -> None:
     self._stop.set()

@@ -1,0 +1,83 @@
+"""The liveness beat and the dead/slow verdict, over the in-memory store.
+
+The multi-process endings (a killed host named within 15 s) are in
+test_endings.py; these pin the two rules they rest on: a process that built
+its exchange has beat, and a beat that stops is dead after `DEAD_AFTER_S`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from memory_store import MemoryStore
+
+from grain_jax_sync._src import exchange, liveness
+
+
+class _OnlyCallerWrites(MemoryStore):
+  """Holds every write from a thread other than `caller` until `release`."""
+
+  def __init__(self, caller: threading.Thread) -> None:
+    super().__init__()
+    self._caller = caller
+    self.release = threading.Event()
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if threading.current_thread() is not self._caller:
+      self.release.wait()
+    super().key_value_set(key, value, allow_overwrite)
+
+
+def test_the_first_beat_is_written_before_the_beat_starts_its_thread():
+  # A process killed right after building its iterator, before the beat
+  # thread's first write, must still have beat, or peers wait for it as a
+  # slow start. With every write from other threads held, the key is there.
+  store = _OnlyCallerWrites(threading.current_thread())
+  beat = liveness.Beat(store, 3)
+  try:
+    assert store.key_value_try_get(exchange.beat_key(3)) == "0"
+  finally:
+    store.release.set()
+    beat.stop()
+  assert store.key_value_dir_get(exchange.beat_key(3)) == []  # Deleted on stop.
+
+
+def test_the_beat_goes_on_until_stopped():
+  store = MemoryStore()
+  beat = liveness.Beat(store, 0)
+  try:
+    deadline = time.monotonic() + 10 * liveness.BEAT_S
+    while store.key_value_try_get(exchange.beat_key(0)) in ("0", "1"):
+      assert time.monotonic() < deadline, "the beat did not advance"
+      time.sleep(0.05)
+    assert int(store.key_value_try_get(exchange.beat_key(0))) >= 2
+  finally:
+    beat.stop()
+  assert not beat._thread.is_alive()
+
+
+def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool]]:
+  ex = exchange.KeyValueExchange(store, "t", process_index=0, process_count=2)
+  live = liveness.Liveness(ex, dead_after_s=dead_after_s)
+  out = []
+  start = time.monotonic()
+  while time.monotonic() - start < dead_after_s + 2 * liveness.BEAT_S + 0.5:
+    out.append((time.monotonic() - start, live.dead(1)))
+    time.sleep(0.1)
+  return out
+
+
+def test_a_peer_whose_beat_stops_is_dead_after_dead_after_s_and_not_before():
+  store = MemoryStore()
+  store.key_value_set(exchange.beat_key(1), "5", True)  # Beat once, then silent.
+  verdicts = _verdicts(store, dead_after_s=1.5)
+  assert not [t for t, dead in verdicts if dead and t < 1.5]
+  # Named at most one read period after the threshold.
+  assert [dead for t, dead in verdicts if t >= 1.5 + liveness.BEAT_S + 0.2]
+  assert all(dead for t, dead in verdicts if t >= 1.5 + liveness.BEAT_S + 0.2)
+
+
+def test_a_peer_that_never_beat_is_late_not_dead():
+  verdicts = _verdicts(MemoryStore(), dead_after_s=1.5)
+  assert verdicts and not any(dead for _, dead in verdicts)
