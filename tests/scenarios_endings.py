@@ -101,7 +101,7 @@ def _raising(batches: list[Any], at: int, exc: BaseException) -> Iterator[Any]:
 
 
 def _source(kind: str, p: int, victim: bool) -> Any:
-  # A close must land mid-stream: longer than the read-ahead (16 x lookahead).
+  # A close must land mid-stream: longer than the read-ahead (32 x lookahead).
   batches = scenarios.make_batches(p, [8] * (CLOSE_LENGTH if kind.startswith("close") else 6))
   if kind == "int64":  # Every host has int64 ids; the victim's batch 1 does not fit int32.
     batches = [{"x": b["x"].astype(np.int64), "y": b["y"]} for b in batches]

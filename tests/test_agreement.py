@@ -267,7 +267,7 @@ def _run_recorded(hosts, lookahead):
 
 
 def test_a_quick_source_is_posted_and_decided_in_runs_of_up_to_half_the_read_ahead():
-  # Lookahead 4: the read-ahead is 16 windows (64 batches), a chunk at most 32.
+  # Lookahead 4: the read-ahead is 32 windows (128 batches), a chunk at most 64.
   limit = agreement.READ_AHEAD_WINDOWS * 4
   hosts = [{"rows": [8] * 300, "ending": "exhausted", "at": 0, "read_s": 0.0}] * 2
   store = _run_recorded(hosts, 4)

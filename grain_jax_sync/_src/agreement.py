@@ -44,13 +44,16 @@ logger = logging.getLogger(__name__)
 ErrorKind = plan_lib.ErrorKind
 
 # Undecided batches a process holds: max(2, min(READ_AHEAD_WINDOWS * lookahead,
-# READ_AHEAD_BYTES // bytes of the first batch)); see docs/performance.md. 16
-# windows, so that a quick source is posted (and decided) in chunks of up to 8
-# windows: a store call costs about 0.3 ms of CPU at the client and as much at
-# the service, and 2 x 4 synchronized throughput went from 0.46-0.79 to
-# 0.78-0.95 of unsynchronized with 4 windows -> 16 (8: 0.62-0.94, 32: no gain).
+# READ_AHEAD_BYTES // bytes of the first batch)); see docs/performance.md. 32
+# windows, so that a quick source is posted (and decided) in chunks of up to
+# 16 windows: a store call costs about 0.3 ms of CPU at the client and as much
+# at the service, and each return from one waits for the GIL (up to the 5 ms
+# switch interval beside a busy consumer). 2 x 4 synchronized throughput went
+# from 0.46-0.79 to 0.78-0.95 of unsynchronized with 4 windows -> 16, and from
+# 0.86-0.89 to 0.89-0.91 with 16 -> 32 (12 rotated trials, 64-row batches of
+# 0.1 ms; 64 and 128 windows: the same as 32, both capped by the 64 MiB).
 READ_AHEAD_BYTES = 64 << 20
-READ_AHEAD_WINDOWS = 16
+READ_AHEAD_WINDOWS = 32
 # A batch that took this long to read is posted at once (a slow source). Rows
 # read faster are posted once a window (`synchronize_lookahead` rows) is held and
 # its oldest row has waited this long (the first window at once), or half the

@@ -398,7 +398,7 @@ def iter_jax_batches(
     synchronize_lookahead: Batches per agreement window: a process posts its
       rows once it holds a window (at once after a read slower than 10 ms;
       in bigger chunks, up to 8 windows, while reads are quicker), and reads
-      up to 16 windows ahead (at most 64 MiB).
+      up to 32 windows ahead (at most 64 MiB).
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
     mesh: The mesh the batch lands on, over every device of the job; rows
       are split over `data_axes` and replicated over its other axes. Default:
