@@ -308,3 +308,31 @@ def test_build_stage_long_builds_of_few_bytes_still_fetch_in_the_consumer(
     assert in_consumer >= 30
   else:
     assert in_consumer <= 10
+
+
+def test_a_consumer_that_stops_fetching_inline_wakes_the_thread(monkeypatch):
+  # The thread parks (for `WAKE_S`) while the consumer fetches quick runs
+  # itself. When the consumer's averages move (here its first training step)
+  # it waits for the thread instead, and must wake it: before, it slept out
+  # the thread's whole wait (50 ms at each such turn; here it would be 60 s).
+  monkeypatch.setattr(build_stage.prefetch, "WAKE_S", 60.0)
+  fetched_by = []
+  stage = build_stage.BuildStage(
+    _fetched_by(fetched_by, 30, 0.0),
+    lambda read, step, sig, size: read,
+    buffer_size=2,
+    name="builder",
+    inline_fetch=True,
+  )
+  got = [next(stage) for _ in range(15)]
+  assert not stage._waiting  # Not left set by the first call, which waits for the thread.
+  assert fetched_by[-5:] == ["MainThread"] * 5  # Fetching inline, the thread parked.
+  time.sleep(0.05)  # A step: the consumer no longer fetches for itself.
+  start = time.monotonic()
+  got.append(next(stage))
+  assert time.monotonic() - start < 10.0
+  assert fetched_by[15] == "builder"
+  got.extend(stage)
+  stage.close()
+  assert got == list(range(30))
+  assert not stage.thread.is_alive()
