@@ -72,12 +72,20 @@ def _timed(make_iter: Callable[[], Iterator[Any]], *, step_s: float = 0.0) -> tu
 
 
 def _median_times(variants: dict[str, Callable[[], Iterator[Any]]], trials: int) -> dict[str, Any]:
+  """Median time per variant; trial t starts at variant t (mod their count).
+
+  Rotated, so that no variant always runs first (after the previous
+  workload's garbage, or right after the peers' barrier) or always after
+  the same one.
+  """
   times: dict[str, list[float]] = {k: [] for k in variants}
   counts: dict[str, int] = {}
-  for _ in range(trials):
-    for k, make in variants.items():
-      t, n = _timed(make)
-      times[k].append(t)
+  keys = list(variants)
+  for trial in range(trials):
+    first = trial % len(keys)
+    for k in keys[first:] + keys[:first]:
+      elapsed, n = _timed(variants[k])
+      times[k].append(elapsed)
       counts[k] = n
   return {k: {"s": statistics.median(v), "batches": counts[k]} for k, v in times.items()}
 
