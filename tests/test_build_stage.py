@@ -336,3 +336,61 @@ def test_a_consumer_that_stops_fetching_inline_wakes_the_thread(monkeypatch):
   stage.close()
   assert got == list(range(30))
   assert not stage.thread.is_alive()
+
+
+@pytest.mark.parametrize("ending", ["end", "build_error", "upstream_error", "close"])
+def test_a_consumer_alone_keeps_order_and_ends_as_the_locked_path_does(ending):
+  # 300 quick runs of one position (a run of three and a dropped position now
+  # and then), no step: after the first runs the consumer fetches and builds
+  # alone (`_solo_next`, no lock) and the thread stays parked. Whatever ends
+  # the stream, the items are those before the ending, in order, each built
+  # once, and nothing after it.
+  fetched_by, built_by = [], []
+  block = None
+  if ending == "close":
+    block = {"from": 250, "blocked": threading.Event(), "release": threading.Event()}
+
+  def build(read, step, sig, batch_size):
+    if ending == "build_error" and read == 250:
+      raise ValueError("build failed at 250")
+    built_by.append((read, threading.current_thread().name))
+    return None if step == "drop" else read
+
+  runs = _mixed_runs(fetched_by, 300, fail_upstream=ending == "upstream_error", block=block)
+  stage = build_stage.BuildStage(runs, build, buffer_size=2, name="builder", inline_fetch=True)
+  got, raised, solo_seen = [], [], []
+
+  def consume():
+    try:
+      for item in stage:
+        got.append(item)
+        solo_seen.append(stage._solo)
+    except (ValueError, KeyError) as e:
+      raised.append(e)
+
+  consumer = threading.Thread(target=consume, name="consumer")
+  consumer.start()
+  if block is not None:
+    assert block["blocked"].wait(10)
+    stage.close()  # From this thread, while the consumer reads position 250 alone.
+    block["release"].set()
+  consumer.join(20)
+  assert not consumer.is_alive()
+  stage.close()
+  end = 250 if ending in ("build_error", "close") else 300
+  assert got == [p for p in range(end) if p % 5 != 4]
+  # Each built once, in order; a close drops the position read meanwhile.
+  built = [p for p, _ in built_by]
+  assert built == list(range(end + 1 if ending == "close" else end))
+  # Alone except after a dropped position or a run of three (back under the
+  # lock, then alone again from the next quick run on).
+  assert sum(solo_seen[100:]) >= len(solo_seen[100:]) // 3
+  assert all(name == "consumer" for name in fetched_by[100:])  # The thread stayed out.
+  if ending == "build_error":
+    assert [str(e) for e in raised] == ["build failed at 250"]
+  elif ending == "upstream_error":
+    assert [type(e) for e in raised] == [KeyError]
+  else:
+    assert raised == []
+  assert next(stage, "done") == "done"
+  assert not stage.thread.is_alive()
