@@ -219,9 +219,10 @@ def run_reset_peer(resetter: int, prefetch: int) -> dict[str, Any]:
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  # Longer than the resetter reads ahead and holds decided (32 windows each in
-  # its agreement and its build stage), so that the reset lands mid-stream.
-  data = make_batches(p, [8] * 200)
+  # Longer than the resetter reads ahead and holds decided (about 4 x 32
+  # windows + 2: its agreement, its queue and its build stage), so that the
+  # reset lands mid-stream.
+  data = make_batches(p, [8] * 400)
   it = gjs.iter_jax_batches(data, synchronize_lookahead=2, prefetch_batches=prefetch)
   next(it)
   if p == resetter:

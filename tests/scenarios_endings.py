@@ -21,10 +21,13 @@ import scenarios
 import scenarios_faults
 
 KW = {"batch_size": 8, "synchronize_lookahead": 2}
-CLOSE_LENGTH = 160  # Longer than the closing host reads ahead and holds decided.
-# Longer than what the paused host reads ahead and holds decided (its agreement
-# read-ahead and its build stage's), so that a pause makes peers wait.
-LATE_LENGTH = 160
+# A host reads ahead and holds decided at most about 4 R + 2 batches (R =
+# `agreement.READ_AHEAD_WINDOWS` x lookahead = 64 here: its undecided reads, a
+# run held by the agreement thread and one queued, the build stage's decided
+# positions, its ready items; see docs/performance.md, Memory). Longer than
+# that, so that a close lands mid-stream and a pause makes peers wait.
+CLOSE_LENGTH = 400
+LATE_LENGTH = 400
 
 
 def local_x(batch: Any) -> list[int]:
@@ -101,7 +104,7 @@ def _raising(batches: list[Any], at: int, exc: BaseException) -> Iterator[Any]:
 
 
 def _source(kind: str, p: int, victim: bool) -> Any:
-  # A close must land mid-stream: longer than the read-ahead (32 x lookahead).
+  # A close must land mid-stream: longer than the read-ahead (`CLOSE_LENGTH`).
   batches = scenarios.make_batches(p, [8] * (CLOSE_LENGTH if kind.startswith("close") else 6))
   if kind == "int64":  # Every host has int64 ids; the victim's batch 1 does not fit int32.
     batches = [{"x": b["x"].astype(np.int64), "y": b["y"]} for b in batches]
