@@ -397,7 +397,7 @@ def iter_jax_batches(
       exchanges anything).
     synchronize_lookahead: Batches per agreement window: a process posts its
       rows once it holds a window (at once after a read slower than 10 ms;
-      in bigger chunks, up to 8 windows, while reads are quicker), and reads
+      in bigger chunks, up to 16 windows, while reads are quicker), and reads
       up to 32 windows ahead (at most 64 MiB).
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
     mesh: The mesh the batch lands on, over every device of the job; rows
