@@ -90,6 +90,8 @@ def test_no_thread_left_after_an_exception(prefetch):
 def test_no_thread_left_after_garbage_collection():
   it = gjs.iter_jax_batches(scenarios.make_batches(0, [8] * 20), batch_size=8, prefetch_batches=2)
   next(it)
+  time.sleep(0.05)  # A step: the build thread starts (not before it is needed).
+  next(it)
   assert len(_our_threads()) >= 1
   del it
   gc.collect()

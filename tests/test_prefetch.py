@@ -113,6 +113,8 @@ def test_close_leaves_no_thread_single_process():
   data = scenarios.make_batches(0, [8] * 50)
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   next(it)
+  time.sleep(0.05)  # A step: the build thread starts (not before it is needed).
+  next(it)
   time.sleep(0.05)
   assert scenarios_perf.library_threads()  # Blocked on a full queue.
   it.close()
@@ -124,6 +126,8 @@ def test_close_leaves_no_thread_single_process():
 def test_dropped_iterator_leaves_no_thread_single_process():
   data = scenarios.make_batches(0, [8] * 50)
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  next(it)
+  time.sleep(0.05)  # A step: the build thread starts.
   next(it)
   time.sleep(0.05)
   assert scenarios_perf.library_threads()

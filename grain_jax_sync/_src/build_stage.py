@@ -163,10 +163,14 @@ class BuildStage(Generic[T]):
     self._on_close = on_close
     self._done = False
     self._solo = False  # The consumer fetches and builds alone (`_solo_next`).
+    self._first = True  # No `__next__` yet.
     # Started by the first `__next__`, which then waits for the first
     # position: a thread started earlier reads a burst while holding the GIL
     # that the consumer needs to finish its own set-up (+1.5 ms to the first
-    # batch, measured at 0.8 MB batches).
+    # batch, measured at 0.8 MB batches). With `inline_fetch` the consumer
+    # reads the first batch itself and the thread starts when first needed
+    # (`_wake`): a consumer that reads and builds every batch never starts it
+    # (starting it and handing the first batch over cost about 0.35 ms).
     self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
   @property
@@ -181,10 +185,12 @@ class BuildStage(Generic[T]):
       raise StopIteration
     if self._solo:
       return self._solo_next()
-    if self._thread.ident is None:
-      self._waiting = True  # The first position is handed over alone.
+    if self._first:
+      self._first = False
       self._left_at = time.perf_counter()  # Set-up before it is not a step.
-      self._thread.start()
+      if not self._inline_fetch:
+        self._waiting = True  # The first position is handed over alone.
+        self._thread.start()
     with self._cond:
       self._in_next = True
       self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
@@ -212,7 +218,14 @@ class BuildStage(Generic[T]):
     return prefetch.unwrap(item)
 
   def _fetches_inline(self) -> bool:
-    """Whether the consumer fetches quick runs itself (nothing to hide them behind)."""
+    """Whether the consumer fetches quick runs itself (nothing to hide them behind).
+
+    The first fetch is the consumer's: it waits for the first batch either
+    way, and the fetch is timed, so that a slow source moves to the thread
+    from the second read on.
+    """
+    if self._inline_fetch and self._fetches == 0:
+      return True
     return (
       self._inline_fetch
       and self._fetch_s < INLINE_FETCH_S
@@ -238,7 +251,7 @@ class BuildStage(Generic[T]):
       a close from another thread meanwhile).
     """
     self._fetches += 1
-    timed = self._fetches % INLINE_FETCH_SAMPLE == 0
+    timed = self._fetches % INLINE_FETCH_SAMPLE == 1
     self._fetching = self._building = True
     self._cond.release()
     try:
@@ -287,7 +300,7 @@ class BuildStage(Generic[T]):
     item: Any = _UNBUILT
     if self._solo_ok():
       self._fetches += 1
-      run, item = self._fetch_build(self._fetches % INLINE_FETCH_SAMPLE == 0)
+      run, item = self._fetch_build(self._fetches % INLINE_FETCH_SAMPLE == 1)
       if (
         item is not None
         and item is not _UNBUILT
@@ -398,7 +411,8 @@ class BuildStage(Generic[T]):
         item = self._direct()
         if item is None:
           continue  # Dropped, queued (a run of several positions) or closed meanwhile.
-      elif not self._thread.is_alive():  # Never without an ending; a hang must fail.
+      elif self._thread.ident is not None and not self._thread.is_alive():
+        # Never without an ending; a hang must fail.
         item = prefetch.Raised(RuntimeError("internal: the build thread ended without an ending"))
       else:  # Nothing decided yet, or the thread is building the next position.
         if not self._fetching:
@@ -406,7 +420,7 @@ class BuildStage(Generic[T]):
           # fetched inline until its averages moved (longer builds, a step):
           # wake it to fetch. Without this the consumer slept out the thread's
           # wait (50 ms) at each such turn (32 MB batches: 0.43-0.64 of inline).
-          self._cond.notify_all()
+          self._wake()
         self._waiting = True
         self._cond.wait(prefetch.WAKE_S)
         self._waiting = False
@@ -414,8 +428,14 @@ class BuildStage(Generic[T]):
       if self._handing or (len(self._pending) <= self._ahead // 2 and not self._fetches_inline()):
         # The thread waits for this take (`_fetch`), or there is room for a
         # burst of reads.
-        self._cond.notify_all()
+        self._wake()
       return item
+
+  def _wake(self) -> None:
+    """Wakes the thread, starting it the first time; under the lock."""
+    if self._thread.ident is None and not self._stop.is_set():
+      self._thread.start()
+    self._cond.notify_all()
 
   def _process(self, work: Any) -> Any:
     """A position's item (None: dropped), or the terminal marker.
@@ -494,7 +514,7 @@ class BuildStage(Generic[T]):
     self._fetching = True
     want = self._ahead - len(self._pending)
     self._fetches += 1
-    timed = burst or self._fetches % INLINE_FETCH_SAMPLE == 0
+    timed = burst or self._fetches % INLINE_FETCH_SAMPLE == 1
     self._cond.release()
     work: list[Any] = []
     try:
