@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _UNBUILT = object()  # `_fetch_build`: a run of several positions, for `_pending`.
 
+
+def _is_item(x: Any) -> bool:
+  """Whether `x` is a built item (not a dropped position, a run to queue, an end or an error)."""
+  return x is not None and x is not _UNBUILT and not prefetch.is_final(x)
+
+
 # The build thread builds ahead only while the consumer is away from
 # `__next__` (in its training step) for longer than AWAY_BUILDS builds take,
 # now and on average (moving averages with weight BUILD_S_WEIGHT; a build is
@@ -191,11 +197,19 @@ class BuildStage(Generic[T]):
       if not self._inline_fetch:
         self._waiting = True  # The first position is handed over alone.
         self._thread.start()
+    self._note_away()
+    return self._deliver(self._take_locked())
+
+  def _note_away(self) -> None:
+    """Folds the consumer's time away from `__next__` (its step) into the average."""
+    self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
+
+  def _take_locked(self) -> Any:
+    """`_take` under the lock, with the consumer marked in `__next__`."""
     with self._cond:
       self._in_next = True
-      self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
       try:
-        item = self._take()
+        return self._take()
       finally:
         # Also after the first call, which sets it before `_take`: a stale
         # flag made the thread cut every burst short and wait `HANDOVER_S`
@@ -203,7 +217,6 @@ class BuildStage(Generic[T]):
         self._waiting = False
         self._in_next = False
         self._left_at = time.perf_counter()
-    return self._deliver(item)
 
   def _deliver(self, item: Any) -> T:
     if prefetch.is_final(item):
@@ -250,8 +263,7 @@ class BuildStage(Generic[T]):
       (a dropped position, a run of several positions now in `_pending`, or
       a close from another thread meanwhile).
     """
-    self._fetches += 1
-    timed = self._fetches % INLINE_FETCH_SAMPLE == 1
+    timed = self._count_fetch()
     self._fetching = self._building = True
     self._cond.release()
     try:
@@ -260,12 +272,7 @@ class BuildStage(Generic[T]):
       self._cond.acquire()
       self._fetching = self._building = False
     item = self._after_direct(run, item)
-    if (
-      item is not None
-      and not prefetch.is_final(item)
-      and not isinstance(item, prefetch.Raised)
-      and self._solo_ok()
-    ):
+    if _is_item(item) and self._solo_ok():
       # Go on alone (`_solo_next`), the thread kept out as during the fetch.
       self._solo = self._fetching = self._building = True
     return item
@@ -273,16 +280,10 @@ class BuildStage(Generic[T]):
   def _solo_ok(self) -> bool:
     """Whether the consumer goes on fetching and building alone (`_solo_next`).
 
-    `_fetches_inline` with a build under `DIRECT_BUILD_S` (so under
-    `INLINE_BUILD_S`), written out: it runs once per batch.
+    `_direct`'s conditions: the consumer fetches inline, and builds are
+    short enough to build in the same go.
     """
-    return (
-      self._build_s < DIRECT_BUILD_S
-      and self._fetch_s < INLINE_FETCH_S
-      and self._wait_s < INLINE_WAIT_S
-      and self._away_avg < AWAY_FETCH_S
-      and not self._stop.is_set()
-    )
+    return self._build_s < DIRECT_BUILD_S and self._fetches_inline() and not self._stop.is_set()
 
   def _solo_next(self) -> T:
     """`__next__` while the consumer alone fetches and builds: no lock, no hand-off.
@@ -294,35 +295,28 @@ class BuildStage(Generic[T]):
     dropped position, a run of several positions, the end, an error, a
     close), or conditions that no longer hold, go back under the lock.
     """
-    now = time.perf_counter()
-    self._away_avg += BUILD_S_WEIGHT * (now - self._left_at - self._away_avg)
+    self._note_away()
     run: Any = None
     item: Any = _UNBUILT
     if self._solo_ok():
-      self._fetches += 1
-      run, item = self._fetch_build(self._fetches % INLINE_FETCH_SAMPLE == 1)
-      if (
-        item is not None
-        and item is not _UNBUILT
-        and not isinstance(item, prefetch.Raised)
-        and not self._stop.is_set()
-      ):
+      run, item = self._fetch_build(self._count_fetch())
+      if _is_item(item) and not self._stop.is_set():
         self._left_at = time.perf_counter()
         self._delivered = item  # See `_deliver`.
         return item
     with self._cond:
       self._solo = self._fetching = self._building = False
       self._cond.notify_all()  # The thread may fetch again.
-      self._in_next = True
-      try:
-        if run is not None:
-          item = self._after_direct(run, item)
-        if item is None or item is _UNBUILT:
-          item = self._take()
-      finally:
-        self._in_next = False
-        self._left_at = time.perf_counter()
+      if run is not None:
+        item = self._after_direct(run, item)
+    if item is None or item is _UNBUILT:
+      item = self._take_locked()
     return self._deliver(item)
+
+  def _count_fetch(self) -> bool:
+    """Counts a fetch; whether to time it (the first, then one in `INLINE_FETCH_SAMPLE`)."""
+    self._fetches += 1
+    return self._fetches % INLINE_FETCH_SAMPLE == 1
 
   def _after_direct(self, run: Any, item: Any) -> Any:
     """`_direct`'s outcome under the lock: the item, or None where `_take` looks again."""
@@ -513,8 +507,7 @@ class BuildStage(Generic[T]):
     """
     self._fetching = True
     want = self._ahead - len(self._pending)
-    self._fetches += 1
-    timed = burst or self._fetches % INLINE_FETCH_SAMPLE == 1
+    timed = self._count_fetch() or burst
     self._cond.release()
     work: list[Any] = []
     try:
