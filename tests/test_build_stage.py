@@ -394,3 +394,108 @@ def test_a_consumer_alone_keeps_order_and_ends_as_the_locked_path_does(ending):
     assert raised == []
   assert next(stage, "done") == "done"
   assert not stage.thread.is_alive()
+
+
+class _InFlight:
+  """An item whose arrays are "ready" (transferred) only at `ready_at`."""
+
+  def __init__(self, read, ready_at):
+    self.read = read
+    self.ready_at = ready_at
+
+  def wait(self):
+    time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+
+
+def _in_flight_build(built_by, build_s, transfer_s):
+  def build(read, step, sig, size):
+    built_by.append(threading.current_thread().name)
+    time.sleep(build_s)  # The build returns before its transfer ends.
+    return None if step == "drop" else _InFlight(read, time.perf_counter() + transfer_s)
+
+  return build
+
+
+@pytest.mark.parametrize(
+  ("step_s", "thread_builds"),
+  [
+    (0.0, "few"),  # Waiting for the transfer only: nothing to build beside.
+    (0.03, "most"),  # A step after the transfer: build ahead.
+  ],
+)
+def test_time_spent_waiting_for_the_transfer_is_not_a_step(step_s, thread_builds):
+  # A build returns before its transfer ends; a consumer that then waits for
+  # the transfer (`block_until_ready`) is away from `__next__` for longer
+  # than `AWAY_BUILDS` builds take, yet has no step to build beside: the
+  # thread's build would only compete with the transfer for the cores (32 MB
+  # batches: 0.80-0.86 of inline). Time away counts from when the item was
+  # ready, seen by the thread through `wait_ready`.
+  built_by = []
+  stage = build_stage.BuildStage(
+    _stage_runs(30, run_len=30),
+    _in_flight_build(built_by, build_s=0.002, transfer_s=0.006),
+    buffer_size=2,
+    name="builder",
+    wait_ready=_InFlight.wait,
+  )
+  got = []
+  for item in stage:
+    item.wait()  # The consumer's `block_until_ready`.
+    got.append(item.read)
+    time.sleep(step_s)
+  stage.close()
+  assert got == [p for p in range(30) if p % 5 != 4]
+  by_thread = built_by.count("builder")
+  assert len(built_by) == 30
+  if thread_builds == "few":
+    assert by_thread <= 5, built_by
+  else:
+    assert by_thread >= 20, built_by
+
+
+def test_a_wait_ready_that_raises_counts_as_ready():
+  # A donated (deleted) array raises in `block_until_ready`: nothing to wait
+  # for, so the thread goes on building ahead beside the step.
+  built_by = []
+
+  def deleted(item):
+    raise RuntimeError("Array has been deleted")
+
+  stage = build_stage.BuildStage(
+    _stage_runs(20, run_len=20),
+    _in_flight_build(built_by, build_s=0.002, transfer_s=0.0),
+    buffer_size=2,
+    name="builder",
+    wait_ready=deleted,
+  )
+  got = []
+  for item in stage:
+    got.append(item.read)
+    time.sleep(0.03)
+  stage.close()
+  assert got == [p for p in range(20) if p % 5 != 4]
+  assert built_by.count("builder") >= 14, built_by
+
+
+def test_a_thread_with_a_full_buffer_is_woken_when_the_consumer_takes(monkeypatch):
+  # With a step, the thread fills the buffer and parks; the consumer taking
+  # an item must wake it to build the next. Before, it slept out `WAKE_S`
+  # (50 ms; 60 s here) and the consumer built every batch after the first
+  # buffer itself, each time in the step's path.
+  monkeypatch.setattr(build_stage.prefetch, "WAKE_S", 60.0)
+  built_by = []
+  stage = build_stage.BuildStage(
+    _stage_runs(30, run_len=30),
+    _stage_build(built_by),
+    buffer_size=2,
+    name="builder",
+  )
+  got = []
+  start = time.monotonic()
+  for item in stage:
+    got.append(item)
+    time.sleep(0.01)
+  stage.close()
+  assert got == [p for p in range(30) if p % 5 != 4]
+  assert time.monotonic() - start < 30.0
+  assert sum(1 for _, name in built_by if name == "builder") >= 25, built_by

@@ -46,6 +46,14 @@ def _is_item(x: Any) -> bool:
 BUILD_S_WEIGHT = 0.2
 BUILD_S_START = 0.001
 AWAY_BUILDS = 2.0
+# Time away counts from when the consumer's last item was ready (given
+# `wait_ready`), not from when it left: a build returns before its transfer
+# ends, and a consumer that waits for that transfer (`block_until_ready`,
+# or a step that needs the batch) is not in a step the thread can build
+# beside. Measured at 32 MB batches, no step (a build returns after 1.06 ms,
+# its transfer ends 1.07 ms later): timed from the consumer's leaving, the
+# thread built 1-10 of 40 batches beside the transfer and the loop ran at
+# 0.80-0.86 of inline (both cores copying, twice the page faults).
 # Where the stage may fetch decided runs in the consumer (`inline_fetch`: one
 # process, no exchange to wait on), a consumer with nothing pending fetches
 # the next run itself while a fetch is quick Python (moving averages per
@@ -87,6 +95,9 @@ DIRECT_BUILD_S = 0.0005
 # waits up to HANDOVER_S for the consumer to take one, so that the consumer
 # gets the GIL before the next burst (a thread that reads on keeps it for up
 # to the interpreter's switch interval, 5 ms).
+# While the consumer steps (away longer than AWAY_BUILDS builds on average),
+# a thread with nothing to build yet checks again at most every STEP_POLL_S.
+STEP_POLL_S = 0.0002
 BURST_RUN_S = 0.0002
 BURST_S = 0.001
 HANDOVER_S = 0.002
@@ -119,6 +130,9 @@ class BuildStage(Generic[T]):
     read_bytes: Given the first decided read, a batch's bytes (see
       `SLOW_BUILD_BPS`).
     on_close: Called by `close()` before joining (to cancel an exchange wait).
+    wait_ready: Blocks until an item's arrays are ready (see `AWAY_BUILDS`);
+      called by the thread, outside the lock; errors (a donated, deleted
+      array) count as ready.
     name: The thread's name.
     inline_fetch: Whether the consumer may fetch runs itself.
   """
@@ -132,6 +146,7 @@ class BuildStage(Generic[T]):
     read_ahead: Callable[[Any], int] | None = None,
     read_bytes: Callable[[Any], int] | None = None,
     on_close: Callable[[], None] | None = None,
+    wait_ready: Callable[[T], Any] | None = None,
     name: str = "grain_jax_sync-prefetch",
     inline_fetch: bool = False,
   ):
@@ -166,6 +181,12 @@ class BuildStage(Generic[T]):
     self._away_avg = 0.0  # Moving average of the consumer's time away (its step).
     self._stop = threading.Event()
     self._delivered: Any = None  # The last item handed out (see `__next__`).
+    self._wait_ready = wait_ready
+    # Items handed out so far; the count when the thread last saw the last
+    # one ready (a count, not the item, which it would keep alive), and when.
+    self._handed = 0
+    self._seen = -1
+    self._ready_at = 0.0
     self._on_close = on_close
     self._done = False
     self._solo = False  # The consumer fetches and builds alone (`_solo_next`).
@@ -228,6 +249,7 @@ class BuildStage(Generic[T]):
     # faulted back in (18 page faults and about 60 us of system time per
     # 0.8 MB batch; none with this).
     self._delivered = item
+    self._handed += 1
     return prefetch.unwrap(item)
 
   def _fetches_inline(self) -> bool:
@@ -303,6 +325,7 @@ class BuildStage(Generic[T]):
       if _is_item(item) and not self._stop.is_set():
         self._left_at = time.perf_counter()
         self._delivered = item  # See `_deliver`.
+        self._handed += 1
         return item
     with self._cond:
       self._solo = self._fetching = self._building = False
@@ -383,11 +406,13 @@ class BuildStage(Generic[T]):
 
   def _take(self) -> Any:
     """The next built item, stolen (built here) if only decided; under the lock."""
+    stole = False
     while True:
       if self._ready:
-        item = self._ready.popleft()
+        item = self._pop_ready()
       elif self._pending and not self._building:
         item = self._process(self._pending.popleft())
+        stole = True
         if item is None:
           continue  # A dropped position.
       elif self._stop.is_set():
@@ -419,11 +444,28 @@ class BuildStage(Generic[T]):
         self._cond.wait(prefetch.WAKE_S)
         self._waiting = False
         continue
-      if self._handing or (len(self._pending) <= self._ahead // 2 and not self._fetches_inline()):
-        # The thread waits for this take (`_fetch`), or there is room for a
-        # burst of reads.
-        self._wake()
+      self._wake_after_take(stole)
       return item
+
+  def _pop_ready(self) -> Any:
+    """The oldest built item; wakes a thread that waits for room to build."""
+    if len(self._ready) == self._size and self._pending:
+      self._cond.notify_all()
+    return self._ready.popleft()
+
+  def _wake_after_take(self, stole: bool) -> None:
+    """Wakes the thread where a take leaves it work; under the lock.
+
+    The thread waits for this take (`_fetch`), there is room for a burst of
+    reads, or the consumer built (`stole`) a batch in a step's time: the
+    thread may be parked from before the steps began.
+    """
+    if (
+      self._handing
+      or (len(self._pending) <= self._ahead // 2 and not self._fetches_inline())
+      or (stole and self._away_avg >= AWAY_BUILDS * self._build_s)
+    ):
+      self._wake()
 
   def _wake(self) -> None:
     """Wakes the thread, starting it the first time; under the lock."""
@@ -453,8 +495,36 @@ class BuildStage(Generic[T]):
     return item
 
   def _away_s(self) -> float:
-    """How long the consumer has been away from `__next__` (0 while in it)."""
-    return 0.0 if self._in_next else time.perf_counter() - self._left_at
+    """How long the consumer has been away from `__next__` (0 while in it).
+
+    Counted from when its last item was ready where the thread saw that
+    (`AWAY_BUILDS`).
+    """
+    if self._in_next:
+      return 0.0
+    since = self._left_at
+    if self._seen == self._handed:
+      since = max(since, self._ready_at)
+    return time.perf_counter() - since
+
+  def _see_ready(self) -> bool:
+    """Waits (lock released) until the consumer's last item is ready; under the lock.
+
+    Returns whether it waited: False where there is nothing to wait for.
+    """
+    item, handed = self._delivered, self._handed
+    if self._wait_ready is None or self._seen == handed or not _is_item(item):
+      return False
+    self._cond.release()
+    try:
+      self._wait_ready(prefetch.unwrap(item))
+    except Exception:  # noqa: BLE001 - e.g. a donated array: nothing to wait for.
+      logger.debug("waiting for a delivered item failed", exc_info=True)
+    finally:
+      del item  # Not kept alive by this frame.
+      self._cond.acquire()
+    self._seen, self._ready_at = handed, time.perf_counter()
+    return True
 
   def _room(self) -> bool:
     return len(self._pending) < self._ahead
@@ -463,21 +533,29 @@ class BuildStage(Generic[T]):
     try:
       while not self._stop.is_set():
         with self._cond:
+          until = prefetch.WAKE_S  # How long to park where there is nothing to do.
           if self._pending and len(self._ready) < self._size and not self._building:
             # Build ahead only while the consumer is away longer than a build
             # takes (a training step); a consumer that comes straight back
             # builds its batch itself, with no hand-off.
             away = self._away_s()
             grace = AWAY_BUILDS * self._build_s
-            if away >= grace and self._away_avg >= grace:
-              item = self._process(self._pending.popleft())
-              if item is not None and not self._stop.is_set():
-                self._ready.append(item)
-              self._cond.notify_all()
-              continue
+            stepping = self._away_avg >= grace
+            if stepping and away:
+              if self._see_ready():
+                continue  # Away counts from then on.
+              if away >= grace:
+                item = self._process(self._pending.popleft())
+                if item is not None and not self._stop.is_set():
+                  self._ready.append(item)
+                self._cond.notify_all()
+                continue
+            if stepping:
+              # Wake when it is worth building (at most every STEP_POLL_S
+              # while the consumer is in `__next__`).
+              until = max(grace - away, STEP_POLL_S)
             if self._upstream_done or not self._room():
-              stepping = away and self._away_avg >= grace  # Wake when it is worth building.
-              self._cond.wait(grace - away if stepping else prefetch.WAKE_S)
+              self._cond.wait(until)
               continue
           elif self._upstream_done and not self._pending and not self._building:
             return
@@ -485,7 +563,7 @@ class BuildStage(Generic[T]):
             self._cond.wait(prefetch.WAKE_S)
             continue
           if self._fetching or self._fetches_inline():
-            self._cond.wait(prefetch.WAKE_S)  # The consumer fetches (or is fetching).
+            self._cond.wait(until)  # The consumer fetches (or is fetching).
             continue
           self._fetch(burst=True)
     finally:

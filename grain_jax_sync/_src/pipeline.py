@@ -110,6 +110,7 @@ class Pipeline:
         read_ahead=self._read_ahead,
         read_bytes=_read_bytes,
         on_close=self._cancel(),
+        wait_ready=_wait_ready,
         name=BUILD_THREAD,
         inline_fetch=self._agreement is None,  # Lockstep: no exchange wait.
       )
@@ -187,6 +188,10 @@ class Pipeline:
 
 def _read_bytes(read: reader.Read) -> int:
   return read.batch.nbytes
+
+
+def _wait_ready(item: build_lib.Item) -> None:
+  jax.block_until_ready(item.value)
 
 
 def post_unstarted_end(
