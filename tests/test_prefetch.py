@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 
+import jax
 import numpy as np
 import pytest
 import scenarios
@@ -17,7 +18,7 @@ import scenarios_perf
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
-from grain_jax_sync._src import prefetch
+from grain_jax_sync._src import pipeline, prefetch
 
 TIMEOUT = 180
 
@@ -254,3 +255,37 @@ def test_source_exception_reraised_with_traceback_two_processes(prefetch_batches
   assert "process 1" in p0["message"] and "KeyError" in p0["message"]
   assert p0["got"] == p1["got"] == 3
   assert p0["threads"] == p1["threads"] == []
+
+
+def test_batches_deleted_by_the_consumer_do_not_stop_the_thread():
+  # A training step that donates its batch deletes the arrays, which the
+  # build thread may be waiting on (`wait_ready`, to time the consumer's
+  # step from the transfer's end): that wait must count as done, and the
+  # stream go on whole.
+  data = [{"x": np.full((16, 4), i, np.float32)} for i in range(30)]
+  it = gjs.iter_jax_batches(data, batch_size=16)
+  got = []
+  for batch in it:
+    got.append(float(np.asarray(batch["x"])[0, 0]))
+    for leaf in jax.tree_util.tree_leaves(batch):
+      leaf.delete()
+    time.sleep(0.005)  # A step: the thread builds ahead.
+  it.close()
+  assert got == [float(i) for i in range(30)]
+  wait_for_no_threads()
+  assert not scenarios_perf.library_threads()
+
+
+def test_the_thread_waits_for_transfers_only_where_they_are_host_copies():
+  # On CPU devices a transfer is a copy by the host's cores (waiting for it
+  # is not a step to build beside); on an accelerator it is a DMA.
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  assert pipeline._host_copies(cpu)
+
+  class _Accelerator:
+    platform = "tpu"
+
+  class _OnAccelerator:
+    device_set = frozenset({_Accelerator()})
+
+  assert not pipeline._host_copies(_OnAccelerator())

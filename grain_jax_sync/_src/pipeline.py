@@ -110,7 +110,7 @@ class Pipeline:
         read_ahead=self._read_ahead,
         read_bytes=_read_bytes,
         on_close=self._cancel(),
-        wait_ready=_wait_ready,
+        wait_ready=_wait_ready if _host_copies(it._placement.sharding) else None,  # noqa: SLF001
         name=BUILD_THREAD,
         inline_fetch=self._agreement is None,  # Lockstep: no exchange wait.
       )
@@ -192,6 +192,17 @@ def _read_bytes(read: reader.Read) -> int:
 
 def _wait_ready(item: build_lib.Item) -> None:
   jax.block_until_ready(item.value)
+
+
+def _host_copies(sharding: jax.sharding.Sharding) -> bool:
+  """Whether a transfer to `sharding`'s devices is a copy by this host's cores.
+
+  On CPU devices it is (XLA's copies use every core), so time spent waiting
+  for it is not a step to build beside (`build_stage.AWAY_BUILDS`). On an
+  accelerator it is a DMA that leaves the host free: building the next batch
+  beside it starts that batch's transfer sooner.
+  """
+  return all(getattr(d, "platform", None) == "cpu" for d in sharding.device_set)
 
 
 def post_unstarted_end(
