@@ -89,15 +89,15 @@ AWAY_FETCH_S = 0.001
 # them): 8 MB batches (builds of 1-1.5 ms, near INLINE_BUILD_S) went from
 # 0.84-1.0 of inline to 0.44-0.87 with no such bound.
 DIRECT_BUILD_S = 0.0005
+# While the consumer steps (away longer than AWAY_BUILDS builds on average),
+# a thread with nothing to build yet checks again at most every STEP_POLL_S.
+STEP_POLL_S = 0.0002
 # The thread reads on without handing over while each run came within
 # BURST_RUN_S and the burst is younger than BURST_S (one lock and wake-up per
 # burst, not per position). After handing positions to a waiting consumer it
 # waits up to HANDOVER_S for the consumer to take one, so that the consumer
 # gets the GIL before the next burst (a thread that reads on keeps it for up
 # to the interpreter's switch interval, 5 ms).
-# While the consumer steps (away longer than AWAY_BUILDS builds on average),
-# a thread with nothing to build yet checks again at most every STEP_POLL_S.
-STEP_POLL_S = 0.0002
 BURST_RUN_S = 0.0002
 BURST_S = 0.001
 HANDOVER_S = 0.002
