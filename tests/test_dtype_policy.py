@@ -98,3 +98,90 @@ def test_values_equal_whether_cast_on_host_or_on_device_two_processes():
       for k in DTYPES:
         assert a[k].dtype == b[k].dtype
         np.testing.assert_array_equal(a[k], b[k])
+
+
+# -- values out of a dtype's range ---------------------------------------------
+
+OUT_OF_RANGE = np.array([-300.0, -129.0, -0.7, 127.9, 200.0, 3e9, np.nan, np.inf, -np.inf])
+
+
+@pytest.mark.parametrize(
+  ("src", "want"),
+  [
+    (src, want)
+    for src in (np.float64, np.float32, np.float16, BF16)
+    for want in (np.int8, np.uint8, np.int16, np.int32, np.uint32)
+    if np.dtype(want).itemsize <= np.dtype(src).itemsize  # Narrowing: on the host.
+  ],
+)
+def test_a_host_cast_converts_out_of_range_floats_as_the_device_does(src, want):
+  # NumPy's float -> int of an out-of-range value or NaN is undefined (int8
+  # of -300.0 gave -44); XLA saturates and makes NaN 0. Narrowing casts run
+  # on the host, so they must give what `jax.Array.astype` gives.
+  import jax.numpy as jnp
+
+  with np.errstate(over="ignore"):
+    leaf = OUT_OF_RANGE.astype(src)
+  host, device = sharding.split_casts([leaf.dtype], [want])
+  assert device == [None]  # Narrower or equal: cast on the host.
+  sent = padding.fill_leaf(leaf, target=9, shape=(), dtype=host[0], pad=None)
+  want_values = np.asarray(jnp.asarray(leaf).astype(want))
+  np.testing.assert_array_equal(sent, want_values)
+
+
+def test_iterated_narrowing_casts_equal_jax_astype():
+  data = [{"x": OUT_OF_RANGE[:8], "y": OUT_OF_RANGE[:8].astype(np.float32)}]
+  dtypes = {"x": np.int8, "y": np.uint8}
+  with gjs.iter_jax_batches(data, batch_size=8, dtypes=dtypes) as it:
+    (got,) = list(it)
+  with gjs.iter_jax_batches(data, batch_size=8) as it:
+    (raw,) = list(it)
+  assert got["x"].tolist() == [-128, -128, 0, 127, 127, 127, 0, 127]
+  assert got["y"].tolist() == [0, 0, 0, 127, 200, 255, 0, 255]
+  for k, dtype in dtypes.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(raw[k].astype(dtype)))
+
+
+@pytest.mark.parametrize(
+  ("column", "pad", "dtypes", "want"),
+  [
+    (np.uint8, -1, None, "it would become 255"),
+    (np.uint8, 300, None, "it would become 44"),
+    (np.int64, 2**40, None, "int32: it would become 0"),  # x64 off: int64 travels as int32.
+    (np.int32, 0.5, None, "it would become 0"),
+    (np.bool_, 2, None, "it would become True"),
+    (np.float16, 1e6, None, "it would become inf"),
+    (np.float32, -1, np.uint8, "it would become 255"),  # Narrowed to uint8 on the host.
+  ],
+)
+def test_a_padding_value_that_does_not_fit_its_column_raises_naming_it(column, pad, dtypes, want):
+  data = [{"label": np.ones((8,), column)}, {"label": np.ones((5,), column)}]
+  kw = {} if dtypes is None else {"dtypes": {"label": dtypes}}
+  with pytest.raises(
+    ValueError, match=rf"`paddings` value .* for column 'label' does not fit .*{want}"
+  ):
+    list(gjs.iter_jax_batches(data, batch_size=8, paddings={"label": pad}, mask_key="mask", **kw))
+
+
+@pytest.mark.parametrize(
+  ("column", "pad", "dtypes", "pad_out"),
+  [
+    (np.float32, 0.1, None, np.float32(0.1)),  # Rounds: fine for a float.
+    (np.float32, np.nan, None, np.nan),
+    (np.int32, True, None, 1),
+    (np.uint8, -1, np.float32, -1.0),  # Widened: cast on the host so that -1 survives.
+    (np.uint8, 7, np.float32, 7.0),  # Fits uint8: widened on the device.
+  ],
+)
+def test_padding_values_that_fit_their_column(column, pad, dtypes, pad_out):
+  data = [{"label": np.full((8,), 3, column)}, {"label": np.full((5,), 3, column)}]
+  kw = {} if dtypes is None else {"dtypes": {"label": dtypes}}
+  with gjs.iter_jax_batches(
+    data, batch_size=8, paddings={"label": pad}, mask_key="mask", **kw
+  ) as it:
+    first, last = list(it)
+  want_dtype = np.dtype(dtypes or column)
+  assert last["label"].dtype == want_dtype
+  np.testing.assert_array_equal(np.asarray(last["label"])[:5], np.full(5, 3, want_dtype))
+  np.testing.assert_array_equal(np.asarray(last["label"])[5:], np.full(3, pad_out, want_dtype))
+  assert np.asarray(last["mask"]).tolist() == [True] * 5 + [False] * 3

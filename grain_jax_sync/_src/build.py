@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
@@ -84,7 +85,16 @@ class Layout:
     pads = None
     if paddings is not None:
       values = padding.per_leaf(paddings, sig, what="paddings")
-      pads = padding.check_pad_values(values, host, sig.names)
+      for k, (pad, grown) in enumerate(zip(values, device, strict=True)):
+        if grown is not None and pad is not None and not padding.fits(pad, host[k]):
+          # A widening cast whose padding value the source dtype cannot hold
+          # (-1 for uint8 labels cast to float32): cast on the host instead.
+          host[k], device[k] = grown, None
+      # Checked against the dtype that lands on the device (x64 off: int64
+      # travels as int32), so that a padding value is never wrapped.
+      landed = [np.dtype(jax.dtypes.canonicalize_dtype(h)) for h in host]
+      pads = padding.check_pad_values(values, landed, sig.names)
+      pads = [np.asarray(p, h) for p, h in zip(pads, host, strict=True)]
     if mask_key is not None:
       if not batches_lib.is_dict_spec(sig.spec):
         raise ValueError(

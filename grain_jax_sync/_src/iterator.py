@@ -385,14 +385,18 @@ def iter_jax_batches(
     drop_last: Stop when any process runs out; drop batches shorter than
       `batch_size`.
     paddings: Fill value for padded rows and dummy batches: a scalar or a dict
-      of column name (or prefix) to scalar. None disables padding.
+      of column name (or prefix) to scalar. None disables padding. A value
+      must be one of its column's output dtype (as it lands on the device:
+      int64 is int32 with x64 off): -1 for uint8, 0.5 for an integer or
+      1e6 for float16 raise a `ValueError` naming the column.
     mask_key: If set, dict batches get a boolean ``(rows,)`` column of that
       name: True for real rows, False for padding and dummy batches. Left
       unset with `paddings`, one warning is logged that padded rows look
       real; pass None to silence it.
     dtypes: Output dtype: one dtype or a dict of column name to dtype.
       Narrowing casts run on the host before the transfer, widening casts on
-      the device after it.
+      the device after it; either way the values are `jax.Array.astype`'s
+      (float to integer saturates, NaN becomes 0; integer to integer wraps).
     synchronize_batches: Agree across processes (a single process never
       exchanges anything).
     synchronize_lookahead: Batches per agreement window: a process posts its

@@ -85,12 +85,70 @@ def check_pad_values(
       arr = np.asarray(pad)
       if arr.ndim != 0:
         raise ValueError(f"expected a scalar, got shape {arr.shape}")
-      out.append(np.asarray(arr.astype(dtype, casting="unsafe")))
-    except (TypeError, ValueError) as e:
+      with np.errstate(over="ignore", invalid="ignore"):
+        value = np.asarray(arr.astype(dtype, casting="unsafe"))
+      if not _same_value(arr, value):
+        raise ValueError(f"it would become {value.item()!r}")
+    except (TypeError, ValueError, OverflowError) as e:
       raise ValueError(
         f"`paddings` value {pad!r} for column {name!r} does not fit dtype {dtype}: {e}"
       ) from e
+    out.append(value)
   return out
+
+
+def fits(pad: Any, dtype: np.dtype) -> bool:
+  """Whether the padding value `pad` is a value of `dtype` (see `_same_value`)."""
+  try:
+    arr = np.asarray(pad)
+    with np.errstate(over="ignore", invalid="ignore"):
+      value = np.asarray(arr.astype(dtype, casting="unsafe"))
+    return arr.ndim == 0 and _same_value(arr, value)
+  except (TypeError, ValueError, OverflowError):
+    return False
+
+
+def _same_value(pad: np.ndarray, value: np.ndarray) -> bool:
+  """Whether `value` (a padding value cast to its column's dtype) still is `pad`.
+
+  Integer and bool columns take exactly representable values only (-1 is not
+  a uint8, 0.5 not an int32, 2**40 not an int32); float columns any value that
+  stays finite (0.1 rounds in float32, 1e40 would become inf).
+  """
+  if value.dtype.kind in "iub":
+    return bool(value.item() == pad.item())
+  if value.dtype.kind == "c" or pad.dtype.kind not in "iufb":
+    return True
+  return bool(np.isfinite(value.astype(np.float64)) or not np.isfinite(pad.astype(np.float64)))
+
+
+def _is_float(dtype: np.dtype) -> bool:
+  """NumPy floats and ml_dtypes' (bfloat16, float8_*: kind 'V')."""
+  return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat")))
+
+
+def cast_into(out: np.ndarray, x: np.ndarray) -> None:
+  """Writes `x` into `out`, converting values as XLA does (`jax.Array.astype`).
+
+  NumPy's float to integer conversion of an out-of-range value or NaN is
+  undefined (int8 of -300.0 gives -44 here); XLA saturates and makes NaN 0.
+  So a host cast and a device cast give the same values. Integer to integer
+  wraps in both.
+  """
+  if out.dtype.kind not in "iu" or not _is_float(x.dtype):
+    out[...] = x
+    return
+  with np.errstate(over="ignore", invalid="ignore"):  # Mended below.
+    out[...] = x
+  info = np.iinfo(out.dtype)
+  wide = x.astype(np.float64) if x.dtype.kind == "V" else x
+  high = wide >= float(info.max) + 1.0  # A power of two: exact in every float.
+  low = wide < float(info.min)
+  nan = np.isnan(wide)
+  if high.any() or low.any() or nan.any():
+    out[high] = info.max
+    out[low] = info.min
+    out[nan] = 0
 
 
 def fill_leaf(
@@ -121,7 +179,7 @@ def fill_leaf(
     raise ValueError("internal: padding needed without a padding value")
   buf = np.empty((target, *shape), dtype)
   if leaf is not None and rows:
-    buf[:rows] = leaf
+    cast_into(buf[:rows], leaf)
   if rows < target:
     buf[rows:] = pad
   return buf
