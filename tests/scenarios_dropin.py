@@ -111,6 +111,16 @@ def run_device_put_cases(n: int, batch: int, k: int) -> dict[str, Any]:
   out["resumed"] = [gather(b)["x"].tolist() for b in ours]
   out["state_after"] = ours.get_state()["source"]
   ours.close()
+  # None on several processes: global batches on the default mesh, as unset.
+  none_it = iter(gjs.device_put(_grain_batches(p, n, batch), None))
+  out["none"] = [gather(b)["x"].tolist() for b in none_it]
+  out["none_default"] = none_it.sharding.is_equivalent_to(gjs.default_sharding(), 2)
+  none_it.close()
+  try:  # A None leaf beside the default sharding: one placement, no error.
+    gjs.device_put(_grain_batches(p, n, batch), {"x": sharding, "y": None})
+    out["none_leaf"] = None
+  except ValueError as e:
+    out["none_leaf"] = str(e)
 
   unbatched = grain.MapDataset.range(8).map(lambda i: {"x": np.int32(i)}).to_iter_dataset()
   out["unbatched"] = consume(iter(gjs.device_put(unbatched, sharding)))

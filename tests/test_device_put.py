@@ -178,6 +178,34 @@ def test_device_put_pytree_of_one_sharding_builds_agreed_global_batches():
   assert got[0]["m"].sharding == sharding
 
 
+def test_device_put_none_places_batches_as_grains_on_the_default_device():
+  # `device=None` is `jax.device_put`'s default device, uncommitted: batches
+  # of 2 rows on 8 devices work, as with Grain; left unset, the default mesh.
+  ds = grain.MapDataset.range(8).map(lambda i: {"x": np.full((3,), i, np.int32)}).batch(2)
+  want, got = _grain_and_ours(ds.to_iter_dataset(), None)
+  _assert_same_placement(want, got)
+  assert not got[0]["x"].committed and got[0]["x"].devices() == {jax.devices()[0]}
+  assert [np.asarray(b["x"])[:, 0].tolist() for b in got] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  unset = next(iter(gjs.device_put(_batches(16).to_iter_dataset())))
+  assert unset["x"].sharding.is_equivalent_to(gjs.default_sharding(), 1)
+
+
+def test_device_put_pytree_with_none_leaves_placed_as_grains():
+  sharding = gjs.default_sharding()
+  ds = grain.MapDataset.range(16).map(lambda i: (np.int32(i), np.float32(i))).batch(8)
+  want, got = _grain_and_ours(ds.to_iter_dataset(), (sharding, None))
+  _assert_same_placement(want, got)
+  assert got[0][0].sharding == sharding and got[0][1].devices() == {jax.devices()[0]}
+
+
+def test_device_put_none_refuses_batch_options_naming_why():
+  it = iter(gjs.device_put(_batches(16).to_iter_dataset(), None, batch_size=8, paddings=0))
+  with pytest.raises(ValueError, match=r"`paddings` need global batches, but `device` is None"):
+    next(it)
+  with pytest.raises(ValueError, match=r"pass `device`, or `mesh`/`sharding`/`data_axes`"):
+    gjs.device_put(_batches(16).to_iter_dataset(), None, mesh=gjs.default_mesh())
+
+
 def test_device_put_unbatched_elements_refuse_batch_options_naming_them():
   ds = _records().to_iter_dataset()
   it = iter(gjs.device_put(ds, jax.devices()[0], batch_size=8, paddings=0, mask_key="m"))
@@ -256,6 +284,9 @@ def test_device_put_two_processes_grain_checkpoint_and_unbatched_elements():
     assert "0-d leaf" in out["unbatched"]["error"]
     assert "Batch the elements first" in out["unbatched"]["error"]
     assert out["pytree_error"].startswith("ValueError: `device` is a pytree of 2 different")
+    assert out["none"] == out["full"]
+    assert out["none_default"]
+    assert out["none_leaf"] is None
   assert outs[0]["unbatched"]["error"] == outs[1]["unbatched"]["error"]
   full = outs[0]["full"]
   assert full[0] == [*range(8), *range(1000, 1008)]

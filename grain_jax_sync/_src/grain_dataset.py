@@ -86,7 +86,24 @@ class _Placement:
 
 
 def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placement:
-  """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread."""
+  """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread.
+
+  `device` left unset means `mesh`/`sharding`, else the `jax.set_mesh` mesh,
+  else `default_mesh()`. None, or None inside a pytree, means what it means
+  to `jax.device_put` (the default device) on one process, so that Grain's
+  calls place as Grain does; on several processes, where a global batch
+  spans every host's devices, it is taken as unset.
+  """
+  multi = jax.process_count() > 1
+  if device is None and not multi:
+    if mesh is not None or sharding is not None or data_axes is not None:
+      raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
+    return _Placement(None, True, None)  # As `jax.device_put(element, None)`.
+  if device is iterator_lib.UNSET or device is None:
+    device = None
+  elif not multi and any(x is None for x in _leaves_and_nones(device)):
+    # A pytree with the default device for some leaves: placed as it is.
+    return _Placement(None, True, device)
   if device is None or isinstance(device, _ONE_PLACEMENT):
     one = _resolve(device, mesh, data_axes, sharding)
     if isinstance(device, jax.sharding.Mesh):
@@ -96,8 +113,8 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
       # As `jax.device_put(element, device)` places it (None: the default device).
       element = device if device is None or isinstance(device, jax.Device) else one
     return _Placement(one, False, element)
-  leaves = jax.tree_util.tree_leaves(device)
-  if not leaves or not all(isinstance(x, _ONE_PLACEMENT) for x in leaves):
+  leaves = _leaves_and_nones(device)
+  if not leaves or not all(x is None or isinstance(x, _ONE_PLACEMENT) for x in leaves):
     raise _usage_error(device)
   shardings = [_resolve(x, mesh, data_axes, sharding) for x in leaves]
   if all(x == shardings[0] for x in shardings):
@@ -110,6 +127,17 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
       " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
     )
   return _Placement(None, True, device)
+
+
+def _why_plain(device: Any) -> str:
+  if device is None:
+    return "`device` is None (the default device, as for jax.device_put)"
+  return "`device` is a pytree of different placements"
+
+
+def _leaves_and_nones(tree: Any) -> list[Any]:
+  """`tree`'s leaves, None included (`jax.tree_util` drops None as an empty node)."""
+  return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
 
 
 def _unbatched(element: Any) -> str | None:
@@ -193,7 +221,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
         why = f"the first element is unbatched ({why})" if why else None
         raise ValueError(
           f"`{'`, `'.join(options)}` need global batches, but"
-          f" {why or '`device` is a pytree of different shardings'}, so"
+          f" {why or _why_plain(self._placement.element)}, so"
           " elements are placed one by one as jax.device_put places them."
           " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
         )
@@ -273,7 +301,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
 
 def device_put(
   ds: Any,
-  device: Any = None,
+  device: Any = iterator_lib.UNSET,
   *,
   cpu_buffer_size: int = 4,
   device_buffer_size: int = 2,
@@ -317,8 +345,12 @@ def device_put(
       others: see `data_axes`; an unbatched element is replicated), a
       `PartitionSpec`, a single `jax.Device` (one process only), a pytree of
       shardings or devices as `jax.device_put` takes (one sharding for every
-      leaf on several processes), or None: `mesh`/`sharding`, else the mesh
-      set by `jax.set_mesh`, else `default_mesh()`.
+      leaf on several processes), or None. Left unset: `mesh`/`sharding`,
+      else the mesh set by `jax.set_mesh`, else `default_mesh()`. None (or
+      None leaves of a pytree) on one process places as Grain's call does,
+      `jax.device_put(element, None)`: the default device, element by
+      element (no padding, mask or agreement options); on several
+      processes None is taken as unset (a global batch spans every host).
     cpu_buffer_size: Batches Grain prefetches on the host (a thread).
     device_buffer_size: Global batches prepared ahead on the devices.
     batch_size: As in `iter_jax_batches`: rows per host batch that
