@@ -53,6 +53,15 @@ def test_validate_big_endian_becomes_native_and_bfloat16_is_numeric():
   assert hb.signature.dtypes[1] == "bfloat16"
 
 
+def test_none_is_an_empty_node_as_in_jax():
+  hb = batches.validate({"x": np.arange(3), "n": None}, process_index=0, batch_index=0)
+  assert hb.signature.names == ("x",) and hb.rows == 3
+  rebuilt = batches.unflatten(hb.signature.spec, hb.leaves)
+  assert rebuilt["n"] is None and rebuilt["x"].tolist() == [0, 1, 2]
+  with pytest.raises(ValueError, match=r"process 1, batch 5: the batch is None; expected an"):
+    batches.validate(None, process_index=1, batch_index=5)
+
+
 def test_validate_list_of_numbers_is_one_leaf():
   hb = batches.validate({"x": [1, 2, 3]}, process_index=0, batch_index=0)
   assert hb.rows == 3 and hb.leaves[0].tolist() == [1, 2, 3]
@@ -65,7 +74,6 @@ def test_validate_list_of_numbers_is_one_leaf():
     ({"o": np.array([object(), 1], dtype=object)}, r"column 'o': an object array"),
     ({"r": np.zeros(2, dtype=[("a", "i4")])}, r"column 'r': a structured array"),
     ({"z": np.float32(1.0)}, r"column 'z': 0-d leaf"),
-    ({"n": None}, r"column 'n': leaf is None"),
     (
       {"a": np.zeros(3), "b": np.zeros(2)},
       r"process 1, batch 5: leaves have different leading sizes \('a': 3, 'b': 2\)",

@@ -34,7 +34,8 @@ INVALID = {
   ],
   "zero_d": ["column 'y': 0-d leaf (a scalar of dtype float32)", "expected an array whose first"],
   "python_scalar": ["column 'y': 0-d leaf (a scalar of dtype float64)"],
-  "none": ["column 'y': leaf is None; expected a NumPy array with a leading row dimension"],
+  # None is an empty node (as in JAX): the column is gone from this batch.
+  "none": ["the batch structure changed mid-stream (columns only in the first: ['y']"],
   "ragged_list": [
     "column 'y': cannot convert a list to one array",
     "expected a rectangular array of numbers",

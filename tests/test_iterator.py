@@ -577,3 +577,49 @@ def test_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(prefetc
     rest = out["resumed"]
     assert rest["error"] is None and [len(b["x"]) for b in rest["batches"]] == [48]
     assert rest["batches"][0]["mask"].tolist() == ([True] * 16 + [False] * 8) * 2
+
+
+# -- batches that are registered pytree nodes ---------------------------------------
+
+
+def test_a_registered_dataclass_batch_keeps_its_type_static_fields_and_none_leaves():
+  import scenarios_pytree
+
+  data = scenarios_pytree.make(0, [8, 8, 5], tag="eval")
+  with gjs.iter_jax_batches(data, batch_size=8, paddings={"x": -1, "extra": 0}) as it:
+    got = list(it)
+  assert [type(b) for b in got] == [scenarios_pytree.Batch] * 3
+  assert all(b.tag == "eval" and b.extra["none"] is None for b in got)
+  assert np.asarray(got[2].x).tolist() == [20, 21, 22, 23, 24, -1, -1, -1]
+  np.testing.assert_array_equal(np.asarray(got[1].extra["y"])[:, 1], -np.arange(10, 18))
+  assert np.asarray(got[2].extra["y"])[5:].tolist() == [[0, 0]] * 3
+
+
+def test_a_registered_dataclass_batch_names_its_columns_in_errors():
+  import scenarios_pytree
+
+  data = scenarios_pytree.make(0, [8, 8])
+  data[1].extra["y"] = data[1].extra["y"].astype(np.float64)
+  with pytest.raises(ValueError, match=r"batch 1.*column 'extra/y'.*float32"):
+    list(gjs.iter_jax_batches(data, batch_size=8))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_registered_dataclass_batches_and_an_empty_host():
+  import scenarios_pytree
+
+  sizes = [[8, 8], []]  # Process 1 builds dummy Batches from process 0's structure.
+  kwargs = {"batch_size": 8, "paddings": 0}
+  outs = testing.values(run(scenarios_pytree.run, 2, 4, sizes, kwargs, ["train", "train"]))
+  for out in outs:
+    assert out["error"] is None, out["error"]
+    assert out["types"] == ["Batch", "Batch"] and out["tags"] == ["train", "train"]
+    for b, batch in enumerate(out["batches"]):
+      assert batch["x"].tolist() == [10 * b + r for r in range(8)] + [0] * 8
+      assert batch["y"].shape == (16, 2) and batch["none"] is None
+  # A static field that differs between hosts is a different structure: the
+  # same error on every host.
+  outs = testing.values(run(scenarios_pytree.run, 2, 4, [[8], [8]], kwargs, ["train", "eval"]))
+  assert outs[0]["error"] == outs[1]["error"] and "structure" in outs[0]["error"]
+  assert "Batch[('train',)]" in outs[0]["error"] and "Batch[('eval',)]" in outs[0]["error"]
+  assert "'p':" not in outs[0]["error"]  # Named by the node, not by its pickled treedef.

@@ -1,31 +1,41 @@
 """What a batch is: leaves, row count, structure signature, validation.
 
-A batch is a NumPy array or a pytree of them built from dicts, lists, tuples
-and namedtuples. Every leaf shares the leading (row) dimension. The structure
-signature (tree shape, per-leaf dtype and trailing shape) is what hosts compare
-to make sure they build the same global arrays; it is JSON so that it can travel
-in the exchange and let a host with no data of its own build dummy batches.
+A batch is a NumPy array or a pytree of them: dicts, lists, tuples and
+namedtuples, None (an empty node, as in JAX), and any other node registered
+with `jax.tree_util` (a `jax.tree_util.register_dataclass` or
+`flax.struct.dataclass` batch). Every leaf shares the leading (row)
+dimension. The structure signature (tree shape, per-leaf dtype and trailing
+shape) is what hosts compare to make sure they build the same global arrays;
+it is JSON so that it can travel in the exchange and let a host with no data
+of its own build dummy batches.
 
-Pure NumPy; no JAX.
+NumPy only, except for registered nodes, which JAX flattens.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
+import functools
 import importlib
 import numbers
+import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-# A JSON encoding of a tree's containers. "*" is a leaf; {"d": [[key, sub]...]}
-# a dict with keys in sorted order; {"l": [...]} a list; {"t": [...]} a tuple;
-# {"t": [...], "nt": "module:QualName", "f": [fields]} a namedtuple.
+# A JSON encoding of a tree's containers. "*" is a leaf; "~" None (no leaf);
+# {"d": [[key, sub]...]} a dict with keys in sorted order; {"l": [...]} a
+# list; {"t": [...]} a tuple; {"t": [...], "nt": "module:QualName", "f":
+# [fields]} a namedtuple; {"o": "module:QualName", "a": str(node), "c":
+# [[name, sub]...], "p": node} a node registered with `jax.tree_util`, "p"
+# its one-level `PyTreeDef` pickled (base64), which rebuilds it.
 TreeSpec = Any
 LEAF = "*"
+NONE = "~"
 ROOT_NAME = "<batch>"
 
 _NUMERIC_KINDS = frozenset("biufc")
@@ -94,9 +104,43 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
     return {"t": [_walk(v, _child_name(prefix, i), leaves, names) for i, v in enumerate(x)]}
   if isinstance(x, list) and not _is_scalar_sequence(x):
     return {"l": [_walk(v, _child_name(prefix, i), leaves, names) for i, v in enumerate(x)]}
+  if x is None:
+    return NONE
+  node = _registered_node(x)
+  if node is not None:
+    children, treedef = node
+    return {
+      "o": f"{type(x).__module__}:{type(x).__qualname__}",
+      "a": str(treedef),
+      "c": [[k, _walk(v, _child_name(prefix, k), leaves, names)] for k, v in children],
+      "p": base64.b64encode(pickle.dumps(treedef)).decode("ascii"),
+    }
   leaves.append(x)
   names.append(prefix or ROOT_NAME)
   return LEAF
+
+
+def _registered_node(x: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+  """A node registered with `jax.tree_util`: its (name, child) pairs and one-level treedef.
+
+  None for leaves: arrays, anything with ``__array__``, numbers, strings.
+  """
+  if isinstance(x, (np.ndarray, np.generic, numbers.Number, str, bytes, list)) or hasattr(
+    x, "__array__"
+  ):
+    return None
+  import jax  # Only for objects that no container above takes.
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+  if jax.tree_util.treedef_is_leaf(treedef):
+    return None
+  return [(jax.tree_util.keystr(path, simple=True, separator="/"), v) for path, v in flat], treedef
+
+
+@functools.lru_cache(maxsize=64)
+def _treedef(blob: str) -> Any:
+  """A pickled one-level `PyTreeDef` (a spec's "p"), loaded once per structure."""
+  return pickle.loads(base64.b64decode(blob))  # noqa: S301 - a spec of this job's own hosts.
 
 
 def _namedtuple_type(path: str, fields: Sequence[str]) -> type:
@@ -118,6 +162,10 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
 def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
   if s == LEAF:
     return next(it)
+  if s == NONE:
+    return None
+  if "o" in s:
+    return _treedef(s["p"]).unflatten([_build(sub, it) for _, sub in s["c"]])
   if "d" in s:
     return {k: _build(sub, it) for k, sub in s["d"]}
   if "l" in s:
@@ -312,8 +360,17 @@ def diff(a: Signature, b: Signature) -> list[str]:
       if sa != sb:
         out.append(f"column {n!r}: trailing shape {tuple(sa)} vs {tuple(sb)}")
   if not out and a.spec != b.spec:
-    out.append(f"tree structure {a.spec!r} vs {b.spec!r}")
+    out.append(f"tree structure {_readable(a.spec)!r} vs {_readable(b.spec)!r}")
   return out
+
+
+def _readable(spec: TreeSpec) -> TreeSpec:
+  """`spec` without registered nodes' pickled treedefs (their "a" names them)."""
+  if isinstance(spec, dict):
+    return {k: _readable(v) for k, v in spec.items() if k != "p"}
+  if isinstance(spec, list):
+    return [_readable(v) for v in spec]
+  return spec
 
 
 @dataclasses.dataclass
@@ -355,6 +412,11 @@ def validate(
     ValueError: Naming the process, batch and column of any bad leaf.
   """
   raw, names, spec = flatten(batch)
+  if spec == NONE:
+    raise ValueError(
+      f"{where(process_index, batch_index)}: the batch is None; expected an array"
+      " or a pytree of arrays"
+    )
   leaves = [
     to_leaf_array(x, context=where(process_index, batch_index, n)) for x, n in zip(raw, names)
   ]
@@ -429,11 +491,16 @@ class Matcher:
 # A compiled tree node: (LEAF,) or (kind, exact container type, keys or length,
 # child nodes); kind "d" (mapping, keys in leaf order) or "s" (sequence).
 _LEAF_NODE = (LEAF,)
+_NONE_NODE = (NONE,)
 
 
 def _compile(x: Any, spec: TreeSpec) -> tuple[Any, ...]:
   if spec == LEAF:
     return _LEAF_NODE
+  if spec == NONE:
+    return _NONE_NODE
+  if "o" in spec:
+    raise ValueError("a registered node: batches go through `validate`")
   if "d" in spec:
     keys = tuple(k for k, _ in spec["d"])
     if len(x) != len(keys):
@@ -450,6 +517,8 @@ def _take(node: tuple[Any, ...], x: Any, out: list[Any]) -> bool:
   if node is _LEAF_NODE:
     out.append(x)
     return True
+  if node is _NONE_NODE:
+    return x is None
   kind, t, keys, subs = node
   if type(x) is not t:
     return False
