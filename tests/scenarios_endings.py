@@ -365,3 +365,31 @@ def run_collective_reset_peer(resetter: int) -> dict[str, Any]:
   finally:
     distributed.global_state.client = client
   return out
+
+
+def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
+  """A new iterator each epoch under one `name=`; process 1's steps are slow.
+
+  Epoch e has 3 + e batches of value 100 * e + b on every host.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  out = []
+  for e in range(epochs):
+    data = [{"x": np.full(8, 100 * e + b, np.int32)} for b in range(3 + e)]
+    it = gjs.iter_jax_batches(data, batch_size=8, name="train", prefetch_batches=0)
+    got: list[int] = []
+    error = None
+    try:
+      for batch in it:
+        got.append(int(np.asarray(batch["x"].addressable_shards[0].data)[0]))
+        if p == 1:
+          time.sleep(slow_s)
+    except Exception as ex:  # noqa: BLE001 - returned to the test.
+      error = f"{type(ex).__name__}: {ex}"
+    it.close()
+    out.append((e, got, error))
+  return out

@@ -299,3 +299,21 @@ def test_collective_fallback_reset_on_one_host_raises_the_same_error_on_both(res
     assert f"process {resetter} restarted the stream (reset()" in o["error"]
   assert outs[resetter]["batches"] == 0  # Nothing from the new stream.
   assert outs[1 - resetter]["batches"] == 2  # Its first window: batches 0 and 1.
+
+
+@pytest.mark.multiprocess
+def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
+  # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
+  # which a slow host may still be ending (before: spurious "ran out of data"
+  # errors, ALREADY_EXISTS from the store, or a hang).
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_endings.run_named_epochs,
+      num_processes=2,
+      devices_per_process=2,
+      args=(4, 0.15),
+      timeout_s=TIMEOUT,
+    )
+  )
+  for out in outs:
+    assert out == [(e, [100 * e + b for b in range(3 + e)], None) for e in range(4)]

@@ -31,6 +31,7 @@ Liveness (which peer is dead, which is slow) is in `liveness.py`.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 KEY_ROOT = "grain_jax_sync"
 _instances = itertools.count()
+_named: collections.Counter[str] = collections.Counter()
 
 # A blocking store read waits at most this long before the waiter checks for
 # close(), its deadline and the awaited peer's beat.
@@ -108,9 +110,16 @@ def new_namespace(name: str | None = None) -> str:
 
   Every process creates its iterators in the same order, so a per-process
   counter names them consistently. Pass `name` where that does not hold (an
-  iterator created on some processes only).
+  iterator created on some processes only): then the iterators of that name
+  are counted, so every process must create the same number of them.
   """
-  return f"{KEY_ROOT}/{name if name is not None else next(_instances)}"
+  if name is None:
+    return f"{KEY_ROOT}/{next(_instances)}"
+  # The n-th iterator of that name: a new one per epoch under the same name
+  # must not read the keys of the last (a host still ending it, or its
+  # decider still posting).
+  _named[name] += 1
+  return f"{KEY_ROOT}/{name}/{_named[name]}"
 
 
 def _is_deadline(e: Exception) -> bool:

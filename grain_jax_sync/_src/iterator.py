@@ -417,7 +417,8 @@ def iter_jax_batches(
       every process raises `PeerTimeoutError` naming it. A dead peer (no beat
       for 8 s) is named within about 10 s whatever this is.
     name: Names the exchange keys; needed only when processes do not create
-      their iterators in the same order.
+      their iterators in the same order. Iterators of one name are counted
+      (a new one each epoch is fine): every process creates as many.
 
   Returns:
     A `JaxBatchIterator`.
