@@ -55,10 +55,17 @@ def drain(it: Any, *, limit: int | None = None, pause: tuple[int, float] | None 
       if limit is not None and out["n"] >= limit:
         break
   except BaseException as e:  # noqa: BLE001 - returned to the test.
-    out["error"] = str(e)
+    out["error"] = "<unprintable>" if isinstance(e, Unprintable) else str(e)
     out["error_type"] = type(e).__name__
   out["elapsed_s"] = time.monotonic() - start
   return out
+
+
+class Unprintable(Exception):  # noqa: N818 - named for what it does.
+  """A source exception whose `__str__` itself raises."""
+
+  def __str__(self) -> str:
+    raise RuntimeError("__str__ exploded")
 
 
 class _CudaLike:
@@ -118,6 +125,8 @@ def _source(kind: str, p: int, victim: bool) -> Any:
     return _raising(batches, 1, KeyboardInterrupt("interrupted in the source"))
   elif kind == "system_exit":
     return _raising(batches, 1, SystemExit("the source gave up"))
+  elif kind == "unprintable":
+    return _raising(batches, 1, Unprintable())
   return StatefulSource(batches, fail_at=2 if kind == "get_state_oserror" else None)
 
 

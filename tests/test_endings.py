@@ -25,6 +25,7 @@ KINDS = [
   "get_state_oserror",
   "keyboard_interrupt",
   "system_exit",
+  "unprintable",
   "int64",
   "close_before",
   "close_mid",
@@ -95,6 +96,13 @@ def _case(n, d, kind):
       1,
       "SystemExit",
       "failed while reading batch 1 from its source: SystemExit: the source gave up",
+    ),
+    (
+      "unprintable",
+      1,
+      "Unprintable",
+      "failed while reading batch 1 from its source: Unprintable: <str() of the exception"
+      " raised RuntimeError>",
     ),
   ],
 )

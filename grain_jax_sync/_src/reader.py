@@ -66,6 +66,15 @@ class End:
     return self.error is None
 
 
+def _text(e: BaseException) -> str:
+  """`str(e)`, or a stand-in where the exception's own `__str__` fails."""
+  try:
+    text = str(e)
+  except Exception as inner:  # noqa: BLE001 - the ending must still be posted.
+    return f"<str() of the exception raised {type(inner).__qualname__}>"
+  return text
+
+
 def failed(
   process: int,
   position: int,
@@ -82,11 +91,11 @@ def failed(
   own exception, the others a RuntimeError naming it.
   """
   if data and isinstance(e, ValueError):
-    error = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(e), process, batch_index)
+    error = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, _text(e), process, batch_index)
   else:
     error = plan_lib.ReportedError(
       plan_lib.ErrorKind.SOURCE,
-      f"process {process} failed while {doing}: {type(e).__qualname__}: {e}",
+      f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
       process,
       batch_index,
       type(e).__qualname__,
