@@ -170,7 +170,17 @@ def _hostile_leaf(kind: str, n: int) -> Any:  # noqa: C901 - a table of kinds
     return base.astype(">f4")
   if kind == "fortran":
     return np.asfortranarray(base)
+  if kind == "masked":  # Would fail at the transfer, on this host alone.
+    return np.ma.masked_array(base, mask=base > 3)
+  if kind == "longdouble":
+    return base.astype(np.longdouble)
+  if kind == "subclass":  # An ndarray subclass: taken as a plain view.
+    return base.view(_Subclass)
   raise ValueError(kind)
+
+
+class _Subclass(np.ndarray):
+  """An ndarray subclass with nothing of its own (as np.memmap views are)."""
 
 
 EVERY_HOST_KINDS = frozenset({"bool", "list_of_lists"})

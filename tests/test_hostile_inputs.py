@@ -36,6 +36,8 @@ INVALID = {
   "python_scalar": ["column 'y': 0-d leaf (a scalar of dtype float64)"],
   # None is an empty node (as in JAX): the column is gone from this batch.
   "none": ["the batch structure changed mid-stream (columns only in the first: ['y']"],
+  "masked": ["column 'y': a NumPy masked array; expected a plain array", "`arr.filled(value)`"],
+  "longdouble": ["column 'y': a float128 array; JAX has no float128 type: cast it first"],
   "ragged_list": [
     "column 'y': cannot convert a list to one array",
     "expected a rectangular array of numbers",
@@ -53,7 +55,14 @@ BATCH_LEVEL = {
     "(process 0: 8, process 1: 16)",
   ],
 }
-VALID_ONE_BATCH = ["non_contiguous", "negative_stride", "read_only", "big_endian", "fortran"]
+VALID_ONE_BATCH = [
+  "non_contiguous",
+  "negative_stride",
+  "read_only",
+  "big_endian",
+  "fortran",
+  "subclass",
+]
 VALID_EVERY_HOST = sorted(scenarios_faults.EVERY_HOST_KINDS)
 KINDS = [*INVALID, *BATCH_LEVEL, *VALID_ONE_BATCH, *VALID_EVERY_HOST]
 

@@ -199,7 +199,8 @@ def where(process_index: int, batch_index: int, name: str | None = None) -> str:
 
 def _dtype_ok(dtype: np.dtype) -> bool:
   if dtype.kind in _NUMERIC_KINDS:
-    return True
+    # Not float128 / complex256 (`np.longdouble`), which JAX has no type for.
+    return dtype.itemsize <= (16 if dtype.kind == "c" else 8)
   # ml_dtypes types (bfloat16, float8_*, int4) have kind 'V' but are numeric.
   return dtype.fields is None and isinstance(getattr(ml_dtypes, dtype.name, None), type)
 
@@ -228,7 +229,13 @@ def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
       f"{context}: leaf is a Python {type(x).__name__}; expected a numeric"
       " array (strings cannot become jax.Arrays: tokenize or drop the column)"
     )
-  if not isinstance(x, np.ndarray):
+  if isinstance(x, np.ma.MaskedArray):
+    raise ValueError(
+      f"{context}: a NumPy masked array; expected a plain array (JAX drops"
+      " the mask): fill it first (`arr.filled(value)`), and pass the mask as"
+      " a column of its own if the model needs it"
+    )
+  if type(x) is not np.ndarray:  # Subclasses too (np.matrix, np.memmap): a plain view.
     try:
       x = np.asarray(x)
     except ValueError as e:
@@ -237,6 +244,11 @@ def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
         " expected a rectangular array of numbers"
       ) from e
   dtype = x.dtype
+  if not _dtype_ok(dtype) and dtype.kind in "fc":
+    raise ValueError(
+      f"{context}: a {dtype} array; JAX has no {dtype} type: cast it first"
+      f" (e.g. to {'float64' if dtype.kind == 'f' else 'complex128'})"
+    )
   if not _dtype_ok(dtype):
     what = {
       "U": "a string",
