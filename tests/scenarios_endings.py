@@ -61,6 +61,13 @@ def drain(it: Any, *, limit: int | None = None, pause: tuple[int, float] | None 
   return out
 
 
+class _Unopenable:
+  """A source whose `iter()` fails: the iterator fails while it is built."""
+
+  def __iter__(self) -> Iterator[Any]:
+    raise OSError("cannot open the shard")
+
+
 class Unprintable(Exception):  # noqa: N818 - named for what it does.
   """A source exception whose `__str__` itself raises."""
 
@@ -127,6 +134,8 @@ def _source(kind: str, p: int, victim: bool) -> Any:
     return _raising(batches, 1, SystemExit("the source gave up"))
   elif kind == "unprintable":
     return _raising(batches, 1, Unprintable())
+  elif kind == "open_fails":
+    return _Unopenable()
   return StatefulSource(batches, fail_at=2 if kind == "get_state_oserror" else None)
 
 
@@ -158,9 +167,12 @@ def run_case(c: int, kind: str) -> dict[str, Any]:
 
   p, n = jax.process_index(), jax.process_count()
   victim = p == n - 1
-  it = gjs.iter_jax_batches(_source(kind, p, victim), name=f"end{c}", **KW)
   start = time.monotonic()
   out: dict[str, Any] = {"n": 0, "rows": [], "error": None, "error_type": None}
+  try:
+    it = gjs.iter_jax_batches(_source(kind, p, victim), name=f"end{c}", **KW)
+  except OSError as e:  # "open_fails": this host's iterator was never built.
+    return {**out, "error": str(e), "error_type": type(e).__name__, "elapsed_s": 0.0}
   if kind.startswith(("resume", "state")):
     try:
       it.set_state(_state(it, kind, victim, p))

@@ -26,6 +26,7 @@ KINDS = [
   "keyboard_interrupt",
   "system_exit",
   "unprintable",
+  "open_fails",
   "int64",
   "close_before",
   "close_mid",
@@ -96,6 +97,12 @@ def _case(n, d, kind):
       1,
       "SystemExit",
       "failed while reading batch 1 from its source: SystemExit: the source gave up",
+    ),
+    (
+      "open_fails",
+      0,
+      "OSError",
+      "failed while opening its source: OSError: cannot open the shard",
     ),
     (
       "unprintable",

@@ -20,6 +20,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import pipeline as pipeline_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sources
 from grain_jax_sync._src import stats as stats_lib
@@ -64,8 +65,20 @@ class JaxBatchIterator(Iterator[Any]):
         f" when `paddings` is given, got {settings.batch_size}"
       )
     self._origin = source  # Reopened by reset().
-    self._source = sources.open_source(source)
-    self._state = self._source.get_state() if self._source.supports_state else None
+    # Named at construction, so that a process that never iterates still
+    # counts this iterator (and can tell its peers it closed or failed).
+    self._namespace = None
+    if settings.synchronize and jax.process_count() > 1:
+      self._namespace = exchange_lib.new_namespace(settings.name)
+    try:
+      self._source = sources.open_source(source)
+      self._state = self._source.get_state() if self._source.supports_state else None
+    except BaseException as e:
+      # Peers would wait `sync_timeout_s` for a host that never reports.
+      end = reader_lib.failed(jax.process_index(), 0, 0, e, "opening its source")
+      first = None if self._namespace is None else f"{self._namespace}/1"
+      pipeline_lib.post_unstarted_end(settings, first, 0, end.error)
+      raise
     self._initial = self._state
     # Without `batch_size`: the full size derived from the first position.
     self._pinned: int | None = None
@@ -73,11 +86,6 @@ class JaxBatchIterator(Iterator[Any]):
     self._closed = False
     self._exhausted = False
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
-    # Named at construction, so that a process that never iterates still
-    # counts this iterator (and can tell its peers it closed).
-    self._namespace = None
-    if settings.synchronize and jax.process_count() > 1:
-      self._namespace = exchange_lib.new_namespace(settings.name)
     self._start_error: BaseException | None = None
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings)
