@@ -308,7 +308,13 @@ class JaxBatchIterator(Iterator[Any]):
   # -- lifetime ----------------------------------------------------------------
 
   def close(self) -> None:
-    """Stops the stages, tells the peers, releases the source; idempotent."""
+    """Stops the stages, tells the peers, releases the source; idempotent.
+
+    Peers end with "process p closed its iterator at batch i" after the
+    batches already decided. Called from another thread while the consumer
+    waits in `next()`, that call ends the iteration (`StopIteration`); any
+    later `next()` raises `RuntimeError` (closed).
+    """
     if self._closed:
       return
     self._closed = True
