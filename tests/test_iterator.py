@@ -623,3 +623,39 @@ def test_two_processes_registered_dataclass_batches_and_an_empty_host():
   assert outs[0]["error"] == outs[1]["error"] and "structure" in outs[0]["error"]
   assert "Batch[('train',)]" in outs[0]["error"] and "Batch[('eval',)]" in outs[0]["error"]
   assert "'p':" not in outs[0]["error"]  # Named by the node, not by its pickled treedef.
+
+
+class _StateTurnsOpaque:
+  """An iterator whose state is JSON for its first 2 batches, then an object."""
+
+  def __init__(self, n):
+    self._i, self._n = 0, n
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._i >= self._n:
+      raise StopIteration
+    self._i += 1
+    return {"x": np.full(8, self._i, np.int32)}
+
+  def get_state(self):
+    return {"i": self._i} if self._i < 2 else {"i": object()}
+
+  def set_state(self, state):
+    self._i = state["i"]
+
+
+def test_a_state_that_stops_being_json_raises_when_asked_for_naming_the_source():
+  # Only the first state is checked while iterating; later ones are checked
+  # when a checkpoint asks for them, not each batch.
+  it = gjs.iter_jax_batches(_StateTurnsOpaque(4), batch_size=8, prefetch_batches=0)
+  next(it)
+  assert it.get_state()["source"] == {"i": 1}
+  assert [int(np.asarray(b["x"])[0]) for b in it] == [2, 3, 4]
+  with pytest.raises(
+    RuntimeError, match=r"the state of an iterator of type _StateTurnsOpaque is not"
+  ):
+    it.get_state()
+  it.close()

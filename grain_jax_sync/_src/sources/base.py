@@ -43,7 +43,12 @@ class SourceIterator:
     )
 
   def export_state(self, state: Any) -> Any:
-    """The JSON form of a snapshot taken by `get_state` (default: itself)."""
+    """The JSON form of a snapshot taken by `get_state` (default: itself, checked).
+
+    Checked each time it is asked for (a checkpoint), not each batch: a
+    source whose first state was JSON may return one that is not later.
+    """
+    check_json(state, self.description)
     return state
 
   def set_state(self, state: Any) -> None:
