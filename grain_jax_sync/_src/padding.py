@@ -82,30 +82,33 @@ def check_pad_values(
         " every column or a dict that covers each one"
       )
     try:
-      arr = np.asarray(pad)
-      if arr.ndim != 0:
-        raise ValueError(f"expected a scalar, got shape {arr.shape}")
-      with np.errstate(over="ignore", invalid="ignore"):
-        value = np.asarray(arr.astype(dtype, casting="unsafe"))
-      if not _same_value(arr, value):
-        raise ValueError(f"it would become {value.item()!r}")
+      out.append(_pad_value(pad, dtype))
     except (TypeError, ValueError, OverflowError) as e:
       raise ValueError(
         f"`paddings` value {pad!r} for column {name!r} does not fit dtype {dtype}: {e}"
       ) from e
-    out.append(value)
   return out
 
 
 def fits(pad: Any, dtype: np.dtype) -> bool:
   """Whether the padding value `pad` is a value of `dtype` (see `_same_value`)."""
   try:
-    arr = np.asarray(pad)
-    with np.errstate(over="ignore", invalid="ignore"):
-      value = np.asarray(arr.astype(dtype, casting="unsafe"))
-    return arr.ndim == 0 and _same_value(arr, value)
+    _pad_value(pad, dtype)
   except (TypeError, ValueError, OverflowError):
     return False
+  return True
+
+
+def _pad_value(pad: Any, dtype: np.dtype) -> np.ndarray:
+  """`pad` as a 0-d array of `dtype`; raises where it is not a value of it."""
+  arr = np.asarray(pad)
+  if arr.ndim != 0:
+    raise ValueError(f"expected a scalar, got shape {arr.shape}")
+  with np.errstate(over="ignore", invalid="ignore"):
+    value = np.asarray(arr.astype(dtype, casting="unsafe"))
+  if not _same_value(arr, value):
+    raise ValueError(f"it would become {value.item()!r}")
+  return value
 
 
 def _same_value(pad: np.ndarray, value: np.ndarray) -> bool:
