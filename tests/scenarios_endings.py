@@ -388,6 +388,43 @@ def run_collective_reset_peer(resetter: int) -> dict[str, Any]:
   return out
 
 
+def run_restart_alone(restarter: int, how: str, length: int) -> dict[str, Any]:
+  """`restarter` alone restarts mid-stream (after batch 3); its peer iterates on, then closes.
+
+  `how`: "set_state" (to the state after batch 1) or "reset". Batch b holds
+  rows ``8 * b`` to ``8 * b + 7`` on every host. Each host records the first
+  row of its shard of every batch after the restart, its ending, when it
+  ended, and (after a barrier) the keys left in the store.
+  """
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = [{"x": np.arange(8 * b, 8 * b + 8, dtype=np.int32)} for b in range(length)]
+  it = gjs.iter_jax_batches(data, batch_size=8, sync_timeout_s=60)
+  out: dict[str, Any] = {"firsts": [], "error": None, "error_type": None}
+  start = time.monotonic()
+  try:
+    for n, batch in enumerate(it, 1):
+      out["firsts"].append(local_x(batch)[0])
+      if p == restarter and n == 1:
+        state = it.get_state()
+      if p == restarter and n == 3:
+        it.set_state(state) if how == "set_state" else it.reset()
+        out["firsts"].append("restarted")
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out["error"], out["error_type"] = str(e), type(e).__name__
+  out["elapsed_s"] = time.monotonic() - start
+  it.close()
+  client = distributed.global_state.client
+  client.wait_at_barrier("restart_alone/closed", 60_000)
+  out["keys"] = scenarios_faults.iterator_keys(client)
+  client.wait_at_barrier("restart_alone/looked", 60_000)
+  return out
+
+
 def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
   """A new iterator each epoch under one `name=`; process 1's steps are slow.
 

@@ -25,6 +25,7 @@ Properties:
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -444,3 +445,16 @@ def test_shared_rows_are_compared_in_the_streamed_agreement(n, batches, lookahea
       assert isinstance(error, ValueError)
       assert str(error).startswith(f"batch {at}: processes {list(groups[bad // 2])} hold")
   assert len({str(out[p][1]) for p in range(n)}) == 1
+
+
+def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
+  note = json.dumps(["ns/1", "process 1 closed its iterator at batch 40"])
+  # Closed in this stream without posting its ending (a stage thread of its blocked).
+  assert agreement.closed_peer_message(note, "ns/1") == "process 1 closed its iterator at batch 40"
+  # Closed in an earlier stream: it never started this one.
+  assert agreement.closed_peer_message(note, "ns/2") == (
+    "process 1 closed its iterator at batch 40, without starting the stream that"
+    " other processes restarted (reset(), set_state()): every process must restart"
+    " it at the same point"
+  )
+  assert agreement.closed_peer_message("not json", "ns/2").startswith("not json, without starting")

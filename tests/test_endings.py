@@ -317,6 +317,41 @@ def test_collective_fallback_reset_on_one_host_raises_the_same_error_on_both(res
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  ("restarter", "how", "length"),
+  [(1, "set_state", 40), (0, "set_state", 40), (0, "set_state", 2000), (1, "reset", 2000)],
+)
+def test_a_host_that_restarts_alone_and_its_peer_end_promptly_naming_it(restarter, how, length):
+  # 40 batches may all be decided before the restart (the peer ends
+  # normally, then closes); of 2,000 only the read-ahead can be, so the peer
+  # meets the restart.
+  # Either way the restarter, waiting in the next stream, ends as soon as
+  # the peer closes instead of restarting (not `sync_timeout_s`=60 s later).
+  outs = testing.values(_run(scenarios_endings.run_restart_alone, restarter, how, length))
+  peer, alone = outs[1 - restarter], outs[restarter]
+  did = "restored a state (set_state())" if how == "set_state" else "reset its iterator"
+  n = len(peer["firsts"])
+  assert peer["firsts"] == [8 * b for b in range(n)]  # Batch b: its rows 8b to 8b + 7.
+  if peer["error"] is None:
+    assert length == 40 and n == 40  # Decided before the restart.
+  else:
+    assert 3 <= n <= length, n
+    assert peer["error_type"] == "RuntimeError"
+    assert peer["error"] == f"process {restarter} {did} at batch 3"
+  # Its first three batches, then nothing from the new stream.
+  assert alone["firsts"] == [0, 8, 16, "restarted"]
+  assert alone["error_type"] == "RuntimeError"
+  assert alone["error"] == (
+    f"process {1 - restarter} closed its iterator at batch {n}, without starting the"
+    " stream that other processes restarted (reset(), set_state()): every process"
+    " must restart it at the same point"
+  )
+  for out in outs:
+    assert out["elapsed_s"] < BOUND_S, out
+    assert out["keys"] == []  # Both streams counted out and deleted.
+
+
+@pytest.mark.multiprocess
 def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
   # which a slow host may still be ending (before: spurious "ran out of data"

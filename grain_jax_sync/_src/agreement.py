@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -94,6 +95,25 @@ def to_exception(
     f"{error.message} (process {error.process_index} raised"
     f" {error.type_name}; every other process stops too, so that no host"
     " waits forever)"
+  )
+
+
+def closed_peer_message(note: str, namespace: str) -> str:
+  """The error for a peer found closed (`exchange.register_close`) while waited for here.
+
+  A peer that closed in this stream could not post its ending (a stage
+  thread of its was still blocked); one that closed in an earlier stream
+  never started this one, which other processes restarted.
+  """
+  try:
+    stream, message = json.loads(note)
+  except (TypeError, ValueError):
+    stream, message = None, str(note)
+  if stream == namespace:
+    return str(message)
+  return (
+    f"{message}, without starting the stream that other processes restarted"
+    " (reset(), set_state()): every process must restart it at the same point"
   )
 
 

@@ -19,6 +19,17 @@ Three transports:
     last store call; the one that brings it to the process count deletes
     ``{ns}`` (and everything under it).
 
+  Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
+  Under ``base``, once per iterator and process, at `close()`:
+
+  - ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
+    the stream it was in and "process p closed its iterator at batch b". A
+    peer that waits for p reads it (once a second, like the beat) and ends
+    instead of timing out: in a stream that p never started (a restart made
+    on some processes only), or where p could not post its ending.
+  - ``{base}/closed_count``: the process that brings it to the process count
+    deletes ``{base}``.
+
   Per decided window that is O(processes) store work in all: one chunk write
   and one decision read per process, one directory read of O(processes)
   chunks and one decision write at process 0.
@@ -297,6 +308,17 @@ class KeyValueExchange:
 
   # -- liveness ----------------------------------------------------------------
 
+  def closed_note(self, process: int) -> str | None:
+    """What `process` wrote when it closed this iterator (`register_close`), or None."""
+    self.ops += 1
+    t0 = time.monotonic()
+    try:
+      return self._client.key_value_try_get(closed_key(self._ns.rsplit("/", 1)[0], process))
+    except Exception:  # noqa: BLE001 - not closed (not found), or the store is gone.
+      return None
+    finally:
+      self.busy_s += time.monotonic() - t0
+
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
     self.ops += 1
@@ -331,6 +353,31 @@ class KeyValueExchange:
       return
     if ended == self.process_count:
       self._delete(self._ns)
+
+
+def closed_key(base: str, process: int) -> str:
+  """The key `process` writes when it closes the iterator of key prefix `base`."""
+  return f"{base}/closed/{process}"
+
+
+def register_close(base: str, note: str) -> None:
+  """Records that this process closed the iterator of key prefix `base`; best effort.
+
+  The last of the processes to close it deletes ``{base}``: keys of streams
+  that some processes never ended (a restart made on some processes only)
+  go with it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  client = distributed_client()
+  if client is None or jax.process_count() == 1:
+    return
+  try:
+    client.key_value_set(closed_key(base, jax.process_index()), note)
+    if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
+      client.key_value_delete(base)
+  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
+    logger.debug("grain_jax_sync: could not record the close of %s: %s", base, e)
 
 
 def beat_key(process: int) -> str:

@@ -94,6 +94,13 @@ class Follower(Streamed):
         " coordination service, so the job must be restarted",
         (0,),
       )
+    note = self._live.closed(0)
+    if note is not None:
+      text = self._timed(self._ex.try_decision, self._seq)  # Its ending here, if any.
+      if text is not None:
+        return text
+      self._ex.end()
+      raise RuntimeError(agreement.closed_peer_message(note, self._ex.namespace))
     waited = self._waited_s()
     limit = self._timeout_s + agreement.FOLLOWER_GRACE_S
     if self._gave_up is None and waited > limit:

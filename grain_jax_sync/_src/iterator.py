@@ -88,7 +88,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
     self._start_error: BaseException | None = None
     self._delivered = stats_lib.Delivered()
-    self._life = pipeline_lib.Lifetime(settings)
+    self._life = pipeline_lib.Lifetime(settings, self._namespace)
     self._life.unstarted = (self._next_namespace(), 0)
     self._finalizer = weakref.finalize(self, self._life.close)
 
@@ -206,10 +206,20 @@ class JaxBatchIterator(Iterator[Any]):
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
+    self._leave("restored a state (set_state())")
     self._restart(None, None)
     self._state = source_state
     self._position = batches
     self._pinned = None if self._settings.batch_size is not None else pinned
+
+  def _leave(self, how: str) -> None:
+    """Ends the running stream here: a peer still in it raises naming this process."""
+    p, at = jax.process_index(), self._position
+    self._life.error = plan_lib.ReportedError(
+      plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
+    )
+    self._life.stop()
+    self._life.error = None
 
   def _refused(self, e: ValueError) -> ValueError:
     """Makes a refused state this host's ending (its peers raise it too)."""
@@ -249,13 +259,7 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if self._closed:
       raise RuntimeError("the iterator is closed")
-    p = jax.process_index()
-    at = self._position
-    self._life.error = plan_lib.ReportedError(
-      plan_lib.ErrorKind.CLOSED, f"process {p} reset its iterator at batch {at}", p, at, "reset"
-    )
-    self._life.stop()  # Tells a peer still in this stream (it raises naming this process).
-    self._life.error = None
+    self._leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
     self._state = self._source.get_state() if self._source.supports_state else None
     self._initial = self._state
@@ -294,6 +298,7 @@ class JaxBatchIterator(Iterator[Any]):
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
+    self._leave("restored a state (local_iterator.set_state())")
     self._restart(None, None)
     self._state = source_state
 

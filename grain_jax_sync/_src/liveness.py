@@ -107,6 +107,8 @@ class Liveness:
     self._dead_after_s = dead_after_s
     self._seen: dict[int, tuple[str | None, float]] = {}
     self._checked: dict[int, float] = {}
+    self._closed_checked: dict[int, float] = {}
+    self._closed: dict[int, str | None] = {}
 
   def silent_s(self, process: int) -> float:
     """Seconds `process`'s beat has not changed (0 if it never beat: a late start)."""
@@ -122,6 +124,19 @@ class Liveness:
 
   def dead(self, process: int) -> bool:
     return self.silent_s(process) >= self._dead_after_s
+
+  def closed(self, process: int) -> str | None:
+    """What `process` wrote when it closed the iterator, or None (read once per `BEAT_S`).
+
+    A peer that closed the iterator posted its ending to the stream it was
+    in first; finding this instead while waiting for it means that it never
+    started this stream.
+    """
+    now = time.monotonic()
+    if now - self._closed_checked.get(process, -1e9) >= BEAT_S:
+      self._closed_checked[process] = now
+      self._closed[process] = self._ex.closed_note(process)
+    return self._closed.get(process)
 
   @property
   def dead_after_s(self) -> float:

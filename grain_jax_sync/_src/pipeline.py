@@ -12,6 +12,7 @@ iterator's finalizer closes: it holds no reference to the iterator.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +53,7 @@ class Pipeline:
     local = isinstance(exchange, exchange_lib.LocalExchange)
     shares = it._placement.shares_rows and not local  # noqa: SLF001
     self._position = it._position  # noqa: SLF001
+    self.namespace = getattr(exchange, "namespace", None)  # Its stream's keys (key-value store).
     self._lookahead = s.lookahead
     self.delivered = 0
     self._agreement: streamed.Streamed | None = None
@@ -149,6 +151,11 @@ class Pipeline:
     read, exchange, builder = self._counted
     return stats_lib.Times(read.source_s, exchange.busy_s, builder.transfer_s)
 
+  @property
+  def at(self) -> int:
+    """This host's position: output batches before the next one."""
+    return self._position + self.delivered
+
   def trailing_drops(self) -> int:
     """Positions dropped after the last item; exact once the stream ended."""
     return self._counted[2].dropped
@@ -228,10 +235,13 @@ def post_unstarted_end(
 class Lifetime:
   """What must happen when the iterator goes away; holds no reference to it."""
 
-  def __init__(self, settings: Settings):
+  def __init__(self, settings: Settings, namespace: str | None = None):
     self.settings = settings
+    self.namespace = namespace  # The iterator's key prefix (None: no exchange).
     self.pipeline: Pipeline | None = None
     self.unstarted: tuple[str | None, int] | None = None  # (namespace, position)
+    self.at = 0  # Position when the last pipeline stopped,
+    self.stream: str | None = None  # and its stream's key prefix.
     self.error: plan_lib.ReportedError | None = None
     self.finished = stats_lib.Times()  # Of the pipelines stopped so far.
 
@@ -248,6 +258,7 @@ class Lifetime:
     if pipeline is not None:
       pipeline.close(self.error)
       self.finished += pipeline.times()
+      self.at, self.stream = pipeline.at, pipeline.namespace
 
   def times(self) -> stats_lib.Times:
     """The stages' time over every (re)start."""
@@ -255,7 +266,12 @@ class Lifetime:
     return self.finished if running is None else self.finished + running.times()
 
   def close(self) -> None:
+    """Posts this host's ending to the running or next stream, then records the close."""
     self.stop()
     unstarted, self.unstarted = self.unstarted, None
     if unstarted is not None:
       post_unstarted_end(self.settings, unstarted[0], unstarted[1], self.error)
+    if self.namespace is not None and self.settings.synchronize:
+      stream, at = (self.stream, self.at) if unstarted is None else unstarted
+      message = f"process {jax.process_index()} closed its iterator at batch {at}"
+      exchange_lib.register_close(self.namespace, json.dumps([stream, message]))

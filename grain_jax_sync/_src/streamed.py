@@ -251,6 +251,13 @@ class Decider(Streamed):
     peer = missing[0]
     if self._live.dead(peer):
       self._abort = self._lost(peer)
+    elif (note := self._live.closed(peer)) is not None:
+      self._absorb(self._timed(self._ex.read_chunks))  # Its ending here, if it posted one.
+      if self._abort is None and peer in self._needed():
+        message = agreement.closed_peer_message(note, self._ex.namespace)
+        self._abort = plan_lib.ReportedError(
+          ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
+        )
     elif self._waited_s() > self._timeout_s:
       self._abort = self._timeout(peer)
     else:
