@@ -458,3 +458,37 @@ def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
     " it at the same point"
   )
   assert agreement.closed_peer_message("not json", "ns/2").startswith("not json, without starting")
+
+
+def _timed_reads(delays_s):
+  def source():
+    for b, delay in enumerate(delays_s):
+      time.sleep(delay)
+      yield {"x": _ids(0, b, 8)}
+
+  own = agreement.OwnReads(
+    reader.Reader(sources.open_source(source()), process_index=0, check_int32=False),
+    lookahead=2,
+    threads=True,
+  )
+  started = []
+  try:
+    for b in range(len(delays_s)):
+      item = own.read()
+      np.testing.assert_array_equal(item.batch.leaves[0], _ids(0, b, 8))
+      started.append(own._thread is not None)
+  finally:
+    own.close()
+  return started
+
+
+def test_one_slow_read_leaves_a_quick_source_in_the_agreement_thread():
+  # A garbage collection inside one read once moved a quick source to its
+  # own thread for good (a hand-off per batch from then on).
+  assert not any(_timed_reads([0.0] * 5 + [0.05] + [0.0] * 5 + [0.05, 0.0, 0.05] + [0.0] * 4))
+
+
+def test_a_slow_source_moves_to_its_own_thread_after_three_slow_reads_of_five():
+  slow = 2 * agreement.READ_THREAD_AFTER_S
+  assert _timed_reads([slow] * 6) == [False, False, False, False, True, True]
+  assert _timed_reads([0.0, 0.0, slow, slow, slow, 0.0]) == [False] * 4 + [True, True]

@@ -65,11 +65,15 @@ FLUSH_AFTER_S = 0.01
 # other than 0 only while a position it posted is undecided (else its next post
 # comes first: 0.024 instead of 0.038 decision reads per batch at 2 x 4).
 POLL_MIN_S = 0.002
-# The source moves to its own thread once a read takes this long on average: a
-# slow source then overlaps with the exchange, and a fast one is not charged a
-# thread hand-off per batch (measured on 2 cores: agreement throughput 0.5-0.6
-# of unsynchronized with the thread from the start, 0.6-0.9 without it).
+# The source moves to its own thread once most of the last READ_THREAD_READS
+# reads (the median) took this long: a slow source then overlaps with the
+# exchange, and a fast one is not charged a thread hand-off per batch
+# (measured on 2 cores: agreement throughput 0.5-0.6 of unsynchronized with
+# the thread from the start, 0.6-0.9 without it). The median, not a mean: a
+# garbage collection inside one read (40 ms of CPU, 2 x 4 with 0.1 ms batches)
+# moved a quick source to the thread for good in about one iterator in three.
 READ_THREAD_AFTER_S = 0.002
+READ_THREAD_READS = 5
 READ_THREAD = "grain_jax_sync-read"
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
 # decision before it gives up on its own, so that process 0, which waits on the
@@ -389,7 +393,7 @@ class OwnReads:
     self._reader = reader
     self._threads = threads
     self._thread: prefetch_lib.Prefetcher[Any] | None = None
-    self._read_s = 0.0  # Moving average of a read's time while inline.
+    self._recent: collections.deque[float] = collections.deque(maxlen=READ_THREAD_READS)
     self.lookahead = lookahead
     self.limit = lookahead
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
@@ -406,8 +410,12 @@ class OwnReads:
     item = next(self._reader)
     self.last_read_s = time.monotonic() - t0
     if self._thread is None and self._threads:
-      self._read_s = 0.8 * self._read_s + 0.2 * self.last_read_s
-      if self._read_s >= READ_THREAD_AFTER_S and not isinstance(item, reader_lib.End):
+      self._recent.append(self.last_read_s)
+      if (
+        len(self._recent) == READ_THREAD_READS
+        and sorted(self._recent)[READ_THREAD_READS // 2] >= READ_THREAD_AFTER_S
+        and not isinstance(item, reader_lib.End)
+      ):
         # A slow source: read it in its own thread from now on, so that it
         # overlaps with the exchange.
         self._thread = prefetch_lib.Prefetcher(self._reader, buffer_size=1, name=READ_THREAD)
