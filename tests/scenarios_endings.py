@@ -28,6 +28,7 @@ KW = {"batch_size": 8, "synchronize_lookahead": 2}
 # that, so that a close lands mid-stream and a pause makes peers wait.
 CLOSE_LENGTH = 400
 LATE_LENGTH = 400
+SIBLING_LENGTH = 2000  # Beyond the read-ahead: process 1 needs process 0's `b` to go on.
 
 
 def local_x(batch: Any) -> list[int]:
@@ -422,6 +423,57 @@ def run_restart_alone(restarter: int, how: str, length: int) -> dict[str, Any]:
   client.wait_at_barrier("restart_alone/closed", 60_000)
   out["keys"] = scenarios_faults.iterator_keys(client)
   client.wait_at_barrier("restart_alone/looked", 60_000)
+  return out
+
+
+def _fail_at_1_on(p: int, failing: int) -> Iterator[Any]:
+  yield {"x": np.arange(8, dtype=np.int32)}
+  if p == failing:
+    raise KeyError("boom")
+  yield {"x": np.arange(8, 16, dtype=np.int32)}
+
+
+def _round(p: int, *, keep: bool) -> tuple[str, int, Any]:
+  """Takes a batch of `b`, then iterates `a` to its agreed error; keeps `b` only if asked."""
+  import grain_jax_sync as gjs
+
+  a = gjs.iter_jax_batches(_fail_at_1_on(p, 0), batch_size=8, sync_timeout_s=30)
+  data = [{"x": np.arange(8 * i, 8 * i + 8, dtype=np.int32)} for i in range(SIBLING_LENGTH)]
+  b = gjs.iter_jax_batches(data, batch_size=8, sync_timeout_s=30)
+  first = local_x(next(b))[0]
+  try:
+    for _ in a:
+      pass
+    error = "no error"
+  except (KeyError, RuntimeError) as e:
+    error = f"{type(e).__name__}: {e}"
+  return error, first, (b if keep else None)
+
+
+def run_sibling_after_error() -> dict[str, Any]:
+  """Process 0 drops iterator `b` (one batch in) with the frame that caught `a`'s ending.
+
+  `a` ends with process 0's own source error, which process 0 re-raises: its
+  reader holds it, and its traceback held the reader's frames.
+
+  Garbage collection is off (as between two of its runs): `b` must close
+  when that frame returns, so that process 1, iterating `b` on, ends at once.
+  """
+  import jax
+  from jax._src import distributed
+
+  p = jax.process_index()
+  gc.disable()
+  try:
+    a_error, first, b = _round(p, keep=p == 1)
+    out: dict[str, Any] = {"a_error": a_error, "first": first}
+    if b is not None:
+      out.update(drain(b))
+      b.close()
+    # Process 0 stays here, collecting nothing, until process 1 is done with `b`.
+    distributed.global_state.client.wait_at_barrier("sibling/drained", 120_000)
+  finally:
+    gc.enable()
   return out
 
 

@@ -352,6 +352,26 @@ def test_a_host_that_restarts_alone_and_its_peer_end_promptly_naming_it(restarte
 
 
 @pytest.mark.multiprocess
+def test_an_iterator_dropped_with_the_frame_that_caught_an_ending_ends_its_peer():
+  outs = testing.values(_run(scenarios_endings.run_sibling_after_error))
+  assert [o["first"] for o in outs] == [0, 0]
+  assert outs[0]["a_error"] == "KeyError: 'boom'"
+  assert outs[1]["a_error"] == (
+    "RuntimeError: process 0 failed while reading batch 1 from its source: KeyError: 'boom'"
+    " (process 0 raised KeyError; every other process stops too, so that no host waits"
+    " forever)"
+  )
+  peer = outs[1]
+  assert peer["error_type"] == "RuntimeError"
+  assert peer["error"] == "process 0 closed its iterator at batch 1"
+  # The batches decided before the close, in order, then the error: at once,
+  # not `sync_timeout_s`=30 s later.
+  assert peer["rows"] == [list(range(8 * i, 8 * i + 8)) for i in range(1, peer["n"] + 1)]
+  assert peer["n"] < scenarios_endings.SIBLING_LENGTH - 1
+  assert peer["elapsed_s"] < BOUND_S
+
+
+@pytest.mark.multiprocess
 def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
   # which a slow host may still be ending (before: spurious "ran out of data"

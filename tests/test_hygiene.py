@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import psutil
@@ -85,6 +86,44 @@ def test_no_thread_left_after_an_exception(prefetch):
   assert _our_threads() == []  # Even before close().
   it.close()
   assert _our_threads() == []
+
+
+def _raise_from(kind):
+  def source():
+    yield from scenarios.make_batches(0, [8, 8])
+    if kind == "source":
+      raise KeyError("boom")
+    yield {"x": np.zeros(8), "y": "text"}
+
+  return source()
+
+
+def _catch_in_a_frame(kind, prefetch):
+  """One iterator raises in this frame; another (started) stays in it."""
+  failing = gjs.iter_jax_batches(_raise_from(kind), batch_size=8, prefetch_batches=prefetch)
+  sibling = gjs.iter_jax_batches(scenarios.make_batches(0, [8] * 9), prefetch_batches=prefetch)
+  next(sibling)
+  try:
+    for _ in failing:
+      pass
+  except (KeyError, ValueError) as e:
+    assert "boom" in str(e) or "column 'y'" in str(e)
+  return weakref.ref(failing), weakref.ref(sibling)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("kind", ["source", "bad_data"])
+def test_iterators_in_a_frame_that_caught_an_ending_go_with_the_frame(kind, prefetch):
+  # The ending's traceback held the library's frames, whose locals held the
+  # ending: a cycle that kept the catching frame, and the iterators in it,
+  # alive until a garbage collection (a peer waited for the sibling).
+  gc.disable()
+  try:
+    failing, sibling = _catch_in_a_frame(kind, prefetch)
+    assert failing() is None and sibling() is None  # Closed by their finalizers.
+  finally:
+    gc.enable()
+  assert _wait_for(lambda: _our_threads() == [])
 
 
 def test_no_thread_left_after_garbage_collection():

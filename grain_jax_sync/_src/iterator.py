@@ -7,8 +7,12 @@ is the state after the last batch they received.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
+import types
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -123,6 +127,8 @@ class JaxBatchIterator(Iterator[Any]):
       self._delivered.dropped_batches += pipeline.trailing_drops()
       self._exhausted = True
       self._life.stop()
+      del pipeline  # Holds the ending (see `_clear_library_frames`).
+      _clear_library_frames(sys.exc_info()[1])
       raise
     self._delivered.wait_s += time.monotonic() - t0
     self._delivered.add(item.real, item.rows, item.dropped)
@@ -347,6 +353,35 @@ class JaxBatchIterator(Iterator[Any]):
 # The default of `mask_key` (not given) and its warning live with the settings.
 UNSET: Any = settings_lib.UNSET
 warn_if_unmasked = settings_lib.warn_if_unmasked
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _clear_library_frames(error: BaseException | None) -> None:
+  """Clears the locals of this library's finished frames in `error`'s tracebacks.
+
+  An ending raised to the consumer went through frames (the reader's, the
+  agreement's, the build stage's) whose locals hold objects that hold the
+  exception itself: a cycle from the exception through its traceback, which
+  kept it alive until a garbage collection, and with it the consumer's frame
+  and every iterator in it. A peer then waited for such an iterator, one
+  the process had dropped, up to `sync_timeout_s`. File names and line
+  numbers are kept; frames still running (this one) are skipped.
+  """
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    tb = error.__traceback__
+    while tb is not None:
+      frame: types.FrameType | None = tb.tb_frame
+      # A frame that caught the error also holds its callers (`f_back`).
+      while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        with contextlib.suppress(RuntimeError):  # Still running.
+          frame.clear()
+        frame = frame.f_back
+      tb = tb.tb_next
+    error = error.__cause__ or error.__context__
 
 
 def iter_jax_batches(
