@@ -369,11 +369,32 @@ def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   assert agreement.decide(reports, OPTIONS, groups=(), position=4).end == plan.End.STOP
 
 
-def test_a_process_with_a_dummy_batch_is_not_compared():
+def test_a_group_of_dummy_batches_is_not_compared():
+  # Process 2, alone in its group, reads 3 batches; the pair (0, 1) one each.
+  reports = _shared_reports(("a",))
+  for p in (0, 1):
+    reports[p] = plan.Report(process_index=p, rows=(8,), exhausted=True, digests=("a",))
+  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  assert got.end == plan.End.STOP
+  assert [(s.real_rows[0], s.real_rows[1], s.real_rows[2]) for s in got.steps] == [
+    (8, 8, 8),
+    (0, 0, 8),
+    (0, 0, 8),
+  ]
+
+
+def test_a_dummy_batch_beside_its_replicas_rows_raises_naming_both():
+  # Process 1 ran out; process 0, which holds the same shards, did not: the
+  # plan stands up to batch 0 and every host raises the same error.
   reports = _shared_reports(("a",))
   reports[1] = plan.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
   got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
-  assert got.end == plan.End.STOP and [s.real_rows[1] for s in got.steps] == [8, 0, 0]
+  assert got.end == plan.End.RAISE and len(got.steps) == 1
+  assert got.error.kind == plan.ErrorKind.VALUE
+  assert got.error.message.startswith(
+    "batch 1: processes [0, 1] hold the same data shards (input shard 0) and must feed"
+    " identical rows, but process 1 had no batch 1 (its source ended) while process 0 had one"
+  )
 
 
 def test_digests_travel_in_chunks_and_the_ledger_keeps_them_per_position():

@@ -76,6 +76,19 @@ def shared_rows_error(
   """
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}
+    ended = [p for p in procs if digests[p] is None]
+    if fed and ended:
+      # A dummy batch on one replica and real rows on another would make a
+      # global array whose copies differ from process to process.
+      return (
+        f"batch {batch_index}: processes {list(procs)} hold the same data shards"
+        f" (input shard {shard}) and must feed identical rows, but"
+        f" {_processes(ended)} had no batch {batch_index} (its source ended) while"
+        f" {_processes(list(fed))} had one. Processes that share data shards must"
+        " feed the same number of batches: load the data with"
+        " grain_jax_sync.data_shard_info(mesh) as the shard (tfds_pipeline(mesh=...)"
+        " does) and the same seed on every process"
+      )
     if len(set(fed.values())) > 1:
       detail = ", ".join(f"process {p}: {d}" for p, d in fed.items())
       return (
@@ -86,6 +99,10 @@ def shared_rows_error(
         " does) and the same seed on every process"
       )
   return None
+
+
+def _processes(ps: Sequence[int]) -> str:
+  return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"
 
 
 def split_casts(
