@@ -122,6 +122,13 @@ def cases_2x4() -> dict[str, Any]:
     "across_differ_lockstep": _without_store(
       lambda: _run({"batch_size": 8, "mesh": across}, [8, 8], differ_from=1)
     ),
+    # Both load shard 0, but process 1 has a batch more: a dummy on one
+    # replica and rows on the other must raise, not make a global array
+    # whose copies differ (with the key-value store, then in lockstep).
+    "across_one_ends": _run({**padded, "mesh": across}, [8, 8] + [5] * jax.process_index()),
+    "across_one_ends_lockstep": _without_store(
+      lambda: _run({**padded, "mesh": across}, [8, 8] + [5] * jax.process_index())
+    ),
     "strided": _run({"batch_size": 8, "mesh": strided, "data_axes": ("y", "x")}, [8]),
     "sharding": _run(
       {
@@ -175,6 +182,18 @@ def cases_2x4() -> dict[str, Any]:
 
   overlapping = jax.sharding.Mesh(_grid((4, 2), pick), ("data", "model"))
   out["uneven_error"] = _error(lambda: gjs.iter_jax_batches([], batch_size=8, mesh=overlapping))
+  # Columns over "model", which spans the processes: each would hold half.
+  cols = jax.sharding.NamedSharding(across, jax.sharding.PartitionSpec("data", "model"))
+  out["cols_across_error"] = _error(lambda: gjs.iter_jax_batches([], sharding=cols))
+  # Columns split unevenly (process 0 holds 0, 1, 2 and process 1 holds 1, 2, 3),
+  # found when the iterator is built, not at the first batch.
+  taken[:] = [0, 0]
+  odd = jax.sharding.Mesh(_grid((1, 4, 2), lambda _, d, m: pick(d, m)), ("data", "cols", "r"))
+  out["cols_uneven_error"] = _error(
+    lambda: gjs.iter_jax_batches(
+      [], sharding=jax.sharding.NamedSharding(odd, jax.sharding.PartitionSpec("data", "cols"))
+    )
+  )
   out["shapes"] = _shapes(inside, across, strided)
   return out
 

@@ -298,6 +298,28 @@ def test_2x4_shared_rows_that_differ_later_raise_everywhere_in_lockstep():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["across_one_ends", "across_one_ends_lockstep"])
+def test_2x4_shared_rows_where_one_replica_ran_out_raise_everywhere(case):
+  # Padding would give process 0 a dummy batch 2 and process 1 its rows:
+  # copies of one global array that differ from host to host, silently.
+  outs = _run_2x4()
+  for out in outs:
+    r = out[case]
+    assert r["error_type"] == "ValueError"
+    assert r["error"] == (
+      "batch 2: processes [0, 1] hold the same data shards (input shard 0) and must"
+      " feed identical rows, but process 0 had no batch 2 (its source ended) while"
+      " process 1 had one. Processes that share data shards must feed the same"
+      " number of batches: load the data with grain_jax_sync.data_shard_info(mesh)"
+      " as the shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
+    )
+    assert len(r["batches"]) == 2  # The batches both replicas fed.
+    for b, batch in enumerate(r["batches"]):
+      np.testing.assert_array_equal(batch["x"], scenarios.rows_for(0, b, 8))
+      assert batch["mask"].all()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
   ("case", "key"),
   [
@@ -394,6 +416,19 @@ def test_2x4_up_front_checks_and_shape_helpers():
     assert out["uneven_error"].startswith("the sharding NamedSharding(")
     assert out["uneven_error"].endswith(
       " splits dimension 0 into 4 blocks that processes hold unevenly (processes [0]"
+      " hold [0, 1, 2]; processes [1] hold [1, 2, 3]); expected every process to hold"
+      " the same number of blocks, and any two processes the same blocks or none in"
+      " common. Order the mesh devices so that each process's devices form whole blocks"
+    )
+    assert out["cols_across_error"] == (
+      "the `sharding` argument splits dimension 1 into 2 blocks across processes"
+      " (processes [0] hold [0]; processes [1] hold [1]; spec P('data',"
+      " 'model')); expected the dimensions after the rows whole on every process:"
+      " batches are fed whole by each process. Split them over axes within a"
+      " process, or replicate them"
+    )
+    assert out["cols_uneven_error"].endswith(
+      " splits dimension 1 into 4 blocks that processes hold unevenly (processes [0]"
       " hold [0, 1, 2]; processes [1] hold [1, 2, 3]); expected every process to hold"
       " the same number of blocks, and any two processes the same blocks or none in"
       " common. Order the mesh devices so that each process's devices form whole blocks"

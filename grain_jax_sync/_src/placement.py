@@ -310,9 +310,38 @@ def _check_covers(sharding: jax.sharding.Sharding, what: str) -> None:
     )
 
 
+def _check_trailing_whole(sharding: jax.sharding.Sharding, what: str) -> None:
+  """Every process must hold every block of each dimension after the rows.
+
+  Processes that hold different blocks of a trailing dimension hold the same
+  rows (the axis that splits it spans processes): their rows would be
+  compared as replicas, which they are not, and a process that fed its whole
+  columns would see them repeated in the global array.
+  """
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return
+  ndim = len(sharding.spec)
+  for dim in range(1, ndim):
+    if sharding.spec[dim] is None:
+      continue
+    lay = _dim_layout(sharding, dim, ndim)  # Raises where processes hold blocks unevenly.
+    if len(lay.groups) > 1:
+      held = "; ".join(
+        f"processes {list(ps)} hold {list(b)}"
+        for ps, b in list(zip(lay.groups, lay.group_blocks, strict=True))[:4]
+      )
+      raise ValueError(
+        f"{what} splits dimension {dim} into {lay.num_blocks} blocks across"
+        f" processes ({held}; spec {sharding.spec}); expected the dimensions after"
+        " the rows whole on every process: batches are fed whole by each process."
+        " Split them over axes within a process, or replicate them"
+      )
+
+
 def placement_for(sharding: jax.sharding.Sharding, chosen_by: str) -> BatchPlacement:
   """The `BatchPlacement` of a sharding, checked for this job."""
   _check_covers(sharding, chosen_by)
+  _check_trailing_whole(sharding, chosen_by)
   lay = _dim_layout(_cut(sharding, 1), 0, 1)
   group = lay.group_of(jax.process_index())
   placement = BatchPlacement(
