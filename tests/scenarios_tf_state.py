@@ -39,6 +39,13 @@ def shuffled_pipeline() -> Any:
   return ds.batch(BATCH).prefetch(2)
 
 
+def every_5() -> Any:
+  """`shuffled_pipeline` with a snapshot every 5 batches: host 1 runs out after read 4."""
+  import grain_jax_sync as gjs
+
+  return gjs.from_tf_data(shuffled_pipeline(), state_every=5)
+
+
 def _drain(it: Any) -> list[Any]:
   out = [ss.gather(b) for b in it]
   it.close()
@@ -179,6 +186,8 @@ def resume_cases(directory: str, tfds_dir: str) -> dict[str, Any]:
   """
   return {
     "json": {k: json_resume(shuffled_pipeline, k, KWARGS) for k in (3, 5)},
+    # At batch 5 host 1 is on dummies after read 4, between two snapshots.
+    "every_5": json_resume(every_5, 5, KWARGS),
     "orbax": orbax_resume(shuffled_pipeline, 3, KWARGS, directory),
     "errors": uncheckpointable_errors(),
     "tfds": tfds_resume(tfds_dir, 3),

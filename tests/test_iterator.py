@@ -7,6 +7,7 @@ jax.distributed with gloo). Every check reads the rows of the global arrays.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -659,3 +660,65 @@ def test_a_state_that_stops_being_json_raises_when_asked_for_naming_the_source()
   ):
     it.get_state()
   it.close()
+
+
+class _LiveState:
+  """An iterator whose get_state() returns its own dict, which reads then change."""
+
+  def __init__(self, n=40):
+    self._state = {"next": 0, "seen": []}
+    self._n = n
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    i = self._state["next"]
+    if i >= self._n:
+      raise StopIteration
+    self._state["next"] = i + 1
+    self._state["seen"].append(i)
+    return {"x": np.full((8,), i, np.int32)}
+
+  def get_state(self):
+    return self._state
+
+  def set_state(self, state):
+    self._state = {"next": state["next"], "seen": list(state["seen"])}
+
+
+def _grain_live_state():
+  import grain
+
+  class LiveGrain(grain.DatasetIterator):
+    def __init__(self):
+      super().__init__()
+      self._inner = _LiveState()
+
+    def __next__(self):
+      return next(self._inner)
+
+    def get_state(self):
+      return self._inner.get_state()
+
+    def set_state(self, state):
+      self._inner.set_state(state)
+
+  return LiveGrain()
+
+
+@pytest.mark.parametrize("make", [_LiveState, _grain_live_state], ids=["iterator", "grain"])
+def test_a_live_state_dict_is_copied_so_the_read_ahead_does_not_leak_into_it(make):
+  # The build thread reads ahead while the consumer steps: the state kept
+  # beside each batch must be that batch's, not the iterator's latest.
+  it = gjs.iter_jax_batches(make(), batch_size=8, prefetch_batches=2)
+  for _ in range(3):
+    next(it)
+    time.sleep(0.1)
+  state = json.loads(json.dumps(it.get_state()))
+  it.close()
+  assert state["batches"] == 3 and state["source"] == {"next": 3, "seen": [0, 1, 2]}
+  resumed = gjs.iter_jax_batches(make(), batch_size=8)
+  resumed.set_state(state)
+  assert [int(np.asarray(b["x"])[0]) for b in resumed] == list(range(3, 40))
+  resumed.close()

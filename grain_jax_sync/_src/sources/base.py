@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import contextvars
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -88,10 +89,31 @@ def to_files() -> bool:
 
 
 def encode_state(state: Any) -> Any:
-  """Makes a source state JSON-serialisable (bytes -> base64)."""
+  """A copy of a source state, JSON-serialisable (bytes -> base64).
+
+  A copy: an iterator may return its own live dict from `get_state()`, which
+  its next reads change. The reader keeps each batch's state until the
+  consumer takes that batch, so a live dict became the read-ahead's state and
+  a resume skipped the batches read ahead.
+  """
   if isinstance(state, (bytes, bytearray)):
     return {"__bytes_b64__": base64.b64encode(bytes(state)).decode("ascii")}
-  return state
+  return _copy(state)
+
+
+_ATOMS = (str, int, float, bool, type(None), bytes)
+
+
+def _copy(x: Any) -> Any:
+  """A deep copy of JSON-like values, quick for dicts, lists and scalars."""
+  t = type(x)
+  if t is dict:
+    return {k: v if type(v) in _ATOMS else _copy(v) for k, v in x.items()}
+  if t is list:
+    return [v if type(v) in _ATOMS else _copy(v) for v in x]
+  if t in _ATOMS:
+    return x
+  return copy.deepcopy(x)
 
 
 def decode_state(state: Any) -> Any:

@@ -37,14 +37,14 @@ class GrainIteratorSource(base.SourceIterator):
     return next(self._it)
 
   def get_state(self) -> Any:
-    state = self._it.get_state()
+    state = base.encode_state(self._it.get_state())  # A copy, never the live state.
     if not self._checked:
       base.check_json(state, self.description)
       self._checked = True
     return state
 
   def set_state(self, state: Any) -> None:
-    self._it.set_state(state)
+    self._it.set_state(base.decode_state(state))
 
   def close(self) -> None:
     close = getattr(self._it, "close", None)

@@ -168,13 +168,20 @@ class TfDataSource(base.SourceIterator):
     self._exported: tuple[Any, dict[str, Any]] | None = None  # Last export.
     self._policy = tf_state.external_state_policy(self._dataset)
     self._reads = 0
+    self._ended = False  # The dataset raised StopIteration (after `_reads` batches).
+    self._end: tf_state.Snapshot | None = None  # Taken after the end (`_at_end`).
     self._broken: str | None = None  # Why this pipeline cannot be saved.
     self._slow = 0  # Snapshots slower than _SLOW_SNAPSHOT_S so far.
     self.supports_state = state_every is not None
     self.description = f"a tf.data.Dataset ({type(dataset).__name__})"
 
   def __next__(self) -> Any:
-    batch = self._map(_to_numpy, next(self._it))
+    try:
+      element = next(self._it)
+    except StopIteration:
+      self._ended = True  # The reader thread reads no more: see `export_state`.
+      raise
+    batch = self._map(_to_numpy, element)
     self._reads += 1
     return batch
 
@@ -188,7 +195,7 @@ class TfDataSource(base.SourceIterator):
       )
     reads = self._reads
     if reads % self._every:
-      return tf_state.Snapshot(reads, error=self._not_here(reads))
+      return tf_state.Snapshot(reads, error=self._not_here(reads), between=True)
     if self._broken is not None:
       return tf_state.Snapshot(reads, error=self._broken)
     start = time.perf_counter()
@@ -235,14 +242,35 @@ class TfDataSource(base.SourceIterator):
     last = self._exported  # The same snapshot asked twice is encoded once.
     if last is not None and last[0] is state:
       return self.export_state(dict(last[1]))
-    exported = tf_state.export(state, limit=None)
+    exported = tf_state.export(self._at_end(state), limit=None)
     self._exported = (state, exported)
     return self.export_state(dict(exported))
+
+  def _at_end(self, snapshot: Any) -> Any:
+    """The snapshot, or one taken now if the dataset ended right after it.
+
+    A host whose dataset ran out between two `state_every` steps went on
+    with dummy batches carrying its last read's state, which had no
+    snapshot: `get_state()` raised on that host alone at every later step.
+    After the end nothing reads the iterator, so its state (exhausted after
+    the same reads) is taken here, in the caller's thread.
+    """
+    if not (snapshot.between and self._ended and snapshot.reads == self._reads):
+      return snapshot
+    if self._end is None:
+      try:
+        self._end = tf_state.Snapshot(self._reads, tf_state.take(self._it, self._policy))
+      except Exception as e:  # noqa: BLE001 - raised by `export`, as any refusal.
+        self._end = tf_state.Snapshot(
+          self._reads, error=tf_state.cannot_checkpoint(e, self.description)
+        )
+    return self._end
 
   def set_state(self, state: Any) -> None:
     if self._every is None:
       self.get_state()  # Raises: state is off.
     self._reads = tf_state.restore(self._it, state, self.description)
+    self._ended, self._end = False, None
 
 
 def open_tf_data(

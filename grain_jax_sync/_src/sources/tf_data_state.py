@@ -48,11 +48,13 @@ class Snapshot:
     reads: Batches read from the dataset when the snapshot was taken.
     variant: The ``SerializeIterator`` output (a variant `EagerTensor`).
     error: Why no state exists at this batch (raised by `export`).
+    between: No snapshot was due after this batch (`state_every`).
   """
 
   reads: int
   variant: Any = None
   error: str | None = None
+  between: bool = False
 
 
 def external_state_policy(dataset: Any) -> int:
