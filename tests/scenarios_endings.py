@@ -477,6 +477,43 @@ def run_sibling_after_error() -> dict[str, Any]:
   return out
 
 
+def run_refused_state_kept_open() -> dict[str, Any]:
+  """Process 1's `set_state` refuses a state; it keeps the iterator open, neither iterating nor closing.
+
+  Its peer must end at once with the same error, not `sync_timeout_s` later.
+  """
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = scenarios.make_batches(p, [8] * 6)
+  with gjs.iter_jax_batches(data, batch_size=8) as first:
+    next(first)
+    next(first)
+    state = first.get_state()
+  if p == 1:
+    state["batches"] = "three"
+  it = gjs.iter_jax_batches(data, batch_size=8, sync_timeout_s=60)
+  out: dict[str, Any] = {"refused": None}
+  try:
+    it.set_state(state)
+  except ValueError as e:
+    out["refused"] = str(e)
+  if p == 1:
+    try:
+      next(it)  # The refusal is this host's ending: raised again.
+    except ValueError as e:
+      out["next_error"] = str(e)
+  else:
+    out.update(drain(it))
+  client = distributed.global_state.client
+  client.wait_at_barrier("refused/done", 120_000)  # Process 1 holds `it` open till here.
+  it.close()
+  return out
+
+
 def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
   """A new iterator each epoch under one `name=`; process 1's steps are slow.
 

@@ -372,6 +372,19 @@ def test_an_iterator_dropped_with_the_frame_that_caught_an_ending_ends_its_peer(
 
 
 @pytest.mark.multiprocess
+def test_a_refused_state_on_a_host_that_keeps_its_iterator_open_ends_its_peer_at_once():
+  # Posted when set_state refuses it, not when the host iterates or closes:
+  # a host that lets the error propagate keeps the iterator in its traceback.
+  outs = testing.values(_run(scenarios_endings.run_refused_state_kept_open))
+  message = "process 1: `state['batches']` must be an int >= 0, got 'three'"
+  assert outs[1]["refused"] == message and outs[1]["next_error"] == message
+  peer = outs[0]
+  assert peer["refused"] is None
+  assert peer["error_type"] == "ValueError" and peer["error"] == message
+  assert peer["n"] == 0 and peer["elapsed_s"] < BOUND_S
+
+
+@pytest.mark.multiprocess
 def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
   # which a slow host may still be ending (before: spurious "ran out of data"

@@ -91,6 +91,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._exhausted = False
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
     self._start_error: BaseException | None = None
+    self._refusal: str | None = None  # A refused state's error (`_refused`).
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings, self._namespace)
     self._life.unstarted = (self._next_namespace(), 0)
@@ -113,6 +114,8 @@ class JaxBatchIterator(Iterator[Any]):
   def __next__(self) -> Any:
     if self._closed:
       raise RuntimeError("the iterator is closed")
+    if self._refusal is not None:
+      raise ValueError(self._refusal)
     if self._exhausted:
       raise StopIteration
     t0 = time.monotonic()
@@ -199,8 +202,9 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       ValueError: If the state is malformed (naming the field), from another
         version, process or process count, or saved with other settings. The
-        source is not touched, and the error reaches the peers too (as this
-        process's ending, when it iterates or closes).
+        source is not touched, and the error is this process's ending: its
+        peers raise it too, at once, and so does `next()` here until a
+        `set_state` or `reset` succeeds.
       RuntimeError: If the source cannot resume.
     """
     p = jax.process_index()
@@ -228,10 +232,24 @@ class JaxBatchIterator(Iterator[Any]):
     self._life.error = None
 
   def _refused(self, e: ValueError) -> ValueError:
-    """Makes a refused state this host's ending (its peers raise it too)."""
+    """Makes a refused state this host's ending (its peers raise it too).
+
+    Posted at once, to the running stream or to the one it would have
+    started, not when this host next iterates or closes: a host that lets the
+    error propagate keeps the iterator alive in its traceback, and its peers
+    waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
+    `next()` raises the same error.
+    """
     p = jax.process_index()
     error = ValueError(f"process {p}: {e}")
+    running = self._life.pipeline is not None  # Its stream gets the ending (`stop`).
     self._restart(plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(error), p, 0), error)
+    if not running:
+      # The peers wait in the stream this host would have started: end it
+      # there now; a later restart takes the stream after it, as theirs do.
+      self._life.post_unstarted()
+      self._generation += 1
+    self._refusal = str(error)
     return error
 
   def _set_source_state(self, source_state: Any) -> None:
@@ -313,6 +331,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._life.error = error
     self._life.stop()
     self._start_error = exc
+    self._refusal = None
     self._life.unstarted = (self._next_namespace(), self._position)
     self._exhausted = False
 

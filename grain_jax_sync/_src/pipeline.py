@@ -265,12 +265,17 @@ class Lifetime:
     running = self.pipeline
     return self.finished if running is None else self.finished + running.times()
 
-  def close(self) -> None:
-    """Posts this host's ending to the running or next stream, then records the close."""
-    self.stop()
+  def post_unstarted(self) -> None:
+    """Posts `error` (or closed) as this host's ending of the stream not started yet."""
     unstarted, self.unstarted = self.unstarted, None
     if unstarted is not None:
       post_unstarted_end(self.settings, unstarted[0], unstarted[1], self.error)
+
+  def close(self) -> None:
+    """Posts this host's ending to the running or next stream, then records the close."""
+    self.stop()
+    unstarted = self.unstarted
+    self.post_unstarted()
     if self.namespace is not None and self.settings.synchronize:
       stream, at = (self.stream, self.at) if unstarted is None else unstarted
       message = f"process {jax.process_index()} closed its iterator at batch {at}"
