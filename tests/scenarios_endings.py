@@ -514,6 +514,35 @@ def run_refused_state_kept_open() -> dict[str, Any]:
   return out
 
 
+def run_two_threads(length: int) -> dict[str, Any]:
+  """Two threads per process share one iterator from its first `next()`."""
+  import grain_jax_sync as gjs
+
+  data = [{"x": np.arange(8 * b, 8 * b + 8, dtype=np.int32)} for b in range(length)]
+  it = gjs.iter_jax_batches(data, batch_size=8, sync_timeout_s=30)
+  got: list[list[int]] = [[], []]
+  errors: list[str] = []
+  start = threading.Barrier(2)
+
+  def worker(k: int) -> None:
+    start.wait()
+    try:
+      for batch in it:
+        got[k].append(local_x(batch)[0] // 8)
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      errors.append(f"{type(e).__name__}: {e}")
+
+  threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  it.close()
+  time.sleep(0.5)
+  left = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
+  return {"got": got, "errors": errors, "threads": left}
+
+
 def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
   """A new iterator each epoch under one `name=`; process 1's steps are slow.
 

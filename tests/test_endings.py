@@ -385,6 +385,16 @@ def test_a_refused_state_on_a_host_that_keeps_its_iterator_open_ends_its_peer_at
 
 
 @pytest.mark.multiprocess
+def test_two_threads_sharing_one_iterator_from_its_first_batch_get_every_batch_once():
+  # Both threads used to start the stream: two pipelines, two streams for
+  # the peer (one taken for a restart), batch counts that differed between
+  # hosts with no error, and a build thread left after close().
+  for out in testing.values(_run(scenarios_endings.run_two_threads, 300)):
+    assert out["errors"] == [] and out["threads"] == []
+    assert sorted(out["got"][0] + out["got"][1]) == list(range(300))
+
+
+@pytest.mark.multiprocess
 def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
   # which a slow host may still be ending (before: spurious "ran out of data"

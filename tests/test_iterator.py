@@ -722,3 +722,72 @@ def test_a_live_state_dict_is_copied_so_the_read_ahead_does_not_leak_into_it(mak
   resumed.set_state(state)
   assert [int(np.asarray(b["x"])[0]) for b in resumed] == list(range(3, 40))
   resumed.close()
+
+
+def _take_all_from_two_threads(it):
+  """Two threads share one iterator from its first `next()`; their batches' first rows."""
+  got = [[], []]
+  errors = []
+  start = threading.Barrier(2)
+
+  def worker(k):
+    start.wait()
+    try:
+      for b in it:
+        got[k].append(int(np.asarray(b["x"])[0]))
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      errors.append(repr(e))
+
+  threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  return got, errors
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_two_threads_share_one_iterator_from_its_first_batch(prefetch):
+  # Unserialized, both threads started the stream (prefetch 2: two
+  # pipelines) or ran the source generator at once (0: "generator already
+  # executing", then a silent early end for the other thread).
+  data = (({"x": np.full(8, b, np.int32)}) for b in range(2000))
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+  got, errors = _take_all_from_two_threads(it)
+  it.close()
+  assert errors == []
+  assert sorted(got[0] + got[1]) == list(range(2000))
+  assert got[0] == sorted(got[0]) and got[1] == sorted(got[1])
+
+
+def test_close_from_another_thread_during_a_generator_read_closes_the_generator():
+  finalized = threading.Event()
+
+  def source():
+    try:
+      for b in range(100):
+        time.sleep(0.3 if b == 3 else 0.0)
+        yield {"x": np.full(8, b, np.int32)}
+    finally:
+      finalized.set()
+
+  it = gjs.iter_jax_batches(source(), batch_size=8)
+  got, ended = [], []
+
+  def consume():
+    try:
+      for b in it:
+        got.append(int(np.asarray(b["x"])[0]))
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      ended.append(repr(e))
+    else:
+      ended.append("StopIteration")
+
+  t = threading.Thread(target=consume)
+  t.start()
+  time.sleep(0.15)  # The consumer is inside the slow read of batch 3.
+  it.close()  # Raised "generator already executing" and left the generator open.
+  t.join(10)
+  assert ended == ["StopIteration"] and got == [0, 1, 2]
+  assert finalized.is_set()
+  it.close()  # Idempotent.

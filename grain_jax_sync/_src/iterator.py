@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import types
 import weakref
@@ -24,6 +25,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import pipeline as pipeline_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sources
@@ -92,6 +94,9 @@ class JaxBatchIterator(Iterator[Any]):
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
     self._start_error: BaseException | None = None
     self._refusal: str | None = None  # A refused state's error (`_refused`).
+    self._next_lock = threading.Lock()
+    self._source_closed = False
+    self._close_pending = False  # Left to the thread in `next()` (`close`).
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings, self._namespace)
     self._life.unstarted = (self._next_namespace(), 0)
@@ -112,6 +117,17 @@ class JaxBatchIterator(Iterator[Any]):
     return self
 
   def __next__(self) -> Any:
+    # One `next()` at a time: two threads starting the stream at once started
+    # two pipelines (two streams for the peers), and two inline reads of a
+    # generator collided.
+    with self._next_lock:
+      try:
+        return self._next()
+      finally:
+        if self._close_pending:
+          self._close_source()  # `close()` from another thread left it to us.
+
+  def _next(self) -> Any:
     if self._closed:
       raise RuntimeError("the iterator is closed")
     if self._refusal is not None:
@@ -343,14 +359,32 @@ class JaxBatchIterator(Iterator[Any]):
     Peers end with "process p closed its iterator at batch i" after the
     batches already decided. Called from another thread while the consumer
     waits in `next()`, that call ends the iteration (`StopIteration`); any
-    later `next()` raises `RuntimeError` (closed).
+    later `next()` raises `RuntimeError` (closed). If that `next()` is
+    reading the source itself, `close()` waits for the read (up to 30 s,
+    then the reading thread closes the source when its read returns).
     """
     if self._closed:
       return
     self._closed = True
     self._finalizer.detach()
     self._life.close()
-    self._source.close()
+    # The stage threads are stopped and joined: what may still be reading the
+    # source is a thread inside `next()` (a generator cannot be closed while
+    # it runs). It ends at its next step; past the join timeout it closes the
+    # source itself on its way out.
+    if self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
+      try:
+        self._close_source()
+      finally:
+        self._next_lock.release()
+    else:
+      self._close_pending = True
+
+  def _close_source(self) -> None:
+    self._close_pending = False
+    if not self._source_closed:
+      self._source_closed = True
+      self._source.close()
 
   def __enter__(self) -> JaxBatchIterator:
     return self
