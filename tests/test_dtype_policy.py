@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -110,7 +112,7 @@ OUT_OF_RANGE = np.array([-300.0, -129.0, -0.7, 127.9, 200.0, 3e9, np.nan, np.inf
   [
     (src, want)
     for src in (np.float64, np.float32, np.float16, BF16)
-    for want in (np.int8, np.uint8, np.int16, np.int32, np.uint32)
+    for want in (np.int8, np.uint8, np.int16, np.int32, np.uint32, ml_dtypes.int4, ml_dtypes.uint4)
     if np.dtype(want).itemsize <= np.dtype(src).itemsize  # Narrowing: on the host.
   ],
 )
@@ -152,6 +154,10 @@ def test_iterated_narrowing_casts_equal_jax_astype():
     (np.bool_, 2, None, "it would become True"),
     (np.float16, 1e6, None, "it would become inf"),
     (np.float32, -1, np.uint8, "it would become 255"),  # Narrowed to uint8 on the host.
+    (ml_dtypes.int4, 8, None, "it would become -8"),  # 4-bit ints are kind 'V' in NumPy.
+    (ml_dtypes.uint4, -1, None, "it would become 15"),
+    (np.float32, 300, ml_dtypes.int4, "it would become -4"),
+    (np.float32, 1 + 2j, None, r"it would become 1\.0"),  # The imaginary part was dropped.
   ],
 )
 def test_a_padding_value_that_does_not_fit_its_column_raises_naming_it(column, pad, dtypes, want):
@@ -171,6 +177,9 @@ def test_a_padding_value_that_does_not_fit_its_column_raises_naming_it(column, p
     (np.int32, True, None, 1),
     (np.uint8, -1, np.float32, -1.0),  # Widened: cast on the host so that -1 survives.
     (np.uint8, 7, np.float32, 7.0),  # Fits uint8: widened on the device.
+    (ml_dtypes.uint4, -1, np.float32, -1.0),  # Was 15.0: -1 wrapped into uint4 first.
+    (ml_dtypes.int4, 7, None, 7),
+    (np.complex64, 1 + 2j, None, 1 + 2j),
   ],
 )
 def test_padding_values_that_fit_their_column(column, pad, dtypes, pad_out):
@@ -185,3 +194,11 @@ def test_padding_values_that_fit_their_column(column, pad, dtypes, pad_out):
   np.testing.assert_array_equal(np.asarray(last["label"])[:5], np.full(5, 3, want_dtype))
   np.testing.assert_array_equal(np.asarray(last["label"])[5:], np.full(3, pad_out, want_dtype))
   assert np.asarray(last["mask"]).tolist() == [True] * 5 + [False] * 3
+
+
+@pytest.mark.parametrize("bad", [object, str, "datetime64[s]", np.longdouble, ">i4", "V4"])
+def test_a_requested_dtype_jax_cannot_hold_raises_naming_the_column(bad):
+  # Was a raw JAX TypeError from inside the transfer, naming neither.
+  want = np.dtype(bad)
+  with pytest.raises(ValueError, match=rf"`dtypes` asks for {re.escape(str(want))} for column 'x'"):
+    list(gjs.iter_jax_batches([{"x": np.arange(8.0)}], batch_size=8, dtypes={"x": bad}))

@@ -197,6 +197,11 @@ def where(process_index: int, batch_index: int, name: str | None = None) -> str:
   return s if name is None else f"{s}, column {name!r}"
 
 
+def dtype_ok(dtype: np.dtype) -> bool:
+  """Whether a jax.Array can hold `dtype` (native byte order)."""
+  return dtype.isnative and _dtype_ok(dtype)
+
+
 def _dtype_ok(dtype: np.dtype) -> bool:
   if dtype.kind in _NUMERIC_KINDS:
     # Not float128 / complex256 (`np.longdouble`), which JAX has no type for.

@@ -82,6 +82,12 @@ class Layout:
       host, device = sharding_lib.split_casts(sig.np_dtypes(), want)
     except TypeError as e:
       raise ValueError(f"`dtypes` has a value that is not a dtype: {e}") from e
+    for name, w in zip(sig.names, want, strict=True):
+      if w is not None and not batches_lib.dtype_ok(np.dtype(w)):
+        raise ValueError(
+          f"`dtypes` asks for {np.dtype(w)} for column {name!r}; expected a"
+          " numeric or bool dtype that a jax.Array can hold, in native byte order"
+        )
     pads = None
     if paddings is not None:
       values = padding.per_leaf(paddings, sig, what="paddings")

@@ -7,6 +7,7 @@ that needs no cast costs none.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,7 +105,8 @@ def _pad_value(pad: Any, dtype: np.dtype) -> np.ndarray:
   arr = np.asarray(pad)
   if arr.ndim != 0:
     raise ValueError(f"expected a scalar, got shape {arr.shape}")
-  with np.errstate(over="ignore", invalid="ignore"):
+  with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # Judged below.
     value = np.asarray(arr.astype(dtype, casting="unsafe"))
   if not _same_value(arr, value):
     raise ValueError(f"it would become {value.item()!r}")
@@ -118,9 +120,13 @@ def _same_value(pad: np.ndarray, value: np.ndarray) -> bool:
   a uint8, 0.5 not an int32, 2**40 not an int32); float columns any value that
   stays finite (0.1 rounds in float32, 1e40 would become inf).
   """
-  if value.dtype.kind in "iub":
+  if value.dtype.kind == "c":
+    return True
+  if pad.dtype.kind == "c":  # Into a real column: only with no imaginary part.
+    return bool(pad.item().imag == 0) and _same_value(np.asarray(pad.item().real), value)
+  if value.dtype.kind in "iub" or _is_int(value.dtype):
     return bool(value.item() == pad.item())
-  if value.dtype.kind == "c" or pad.dtype.kind not in "iufb":
+  if pad.dtype.kind not in "iufb":
     return True
   return bool(np.isfinite(value.astype(np.float64)) or not np.isfinite(pad.astype(np.float64)))
 
@@ -128,6 +134,19 @@ def _same_value(pad: np.ndarray, value: np.ndarray) -> bool:
 def _is_float(dtype: np.dtype) -> bool:
   """NumPy floats and ml_dtypes' (bfloat16, float8_*: kind 'V')."""
   return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat")))
+
+
+def _is_int(dtype: np.dtype) -> bool:
+  """NumPy integers and ml_dtypes' (int4, uint4, int2, uint2: kind 'V')."""
+  return dtype.kind in "iu" or (dtype.kind == "V" and dtype.name.startswith(("int", "uint")))
+
+
+def _iinfo(dtype: np.dtype) -> Any:
+  if dtype.kind in "iu":
+    return np.iinfo(dtype)
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+
+  return ml_dtypes.iinfo(dtype)
 
 
 def cast_into(out: np.ndarray, x: np.ndarray) -> None:
@@ -138,12 +157,13 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
   So a host cast and a device cast give the same values. Integer to integer
   wraps in both.
   """
-  if out.dtype.kind not in "iu" or not _is_float(x.dtype):
-    out[...] = x
+  if not _is_int(out.dtype) or not _is_float(x.dtype):
+    with np.errstate(over="ignore"):  # float -> narrower float: inf, as XLA.
+      out[...] = x
     return
   with np.errstate(over="ignore", invalid="ignore"):  # Mended below.
     out[...] = x
-  info = np.iinfo(out.dtype)
+  info = _iinfo(out.dtype)
   wide = x.astype(np.float64) if x.dtype.kind == "V" else x
   high = wide >= float(info.max) + 1.0  # A power of two: exact in every float.
   low = wide < float(info.min)
