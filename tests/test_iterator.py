@@ -7,6 +7,7 @@ jax.distributed with gloo). Every check reads the rows of the global arrays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -791,3 +792,34 @@ def test_close_from_another_thread_during_a_generator_read_closes_the_generator(
   assert ended == ["StopIteration"] and got == [0, 1, 2]
   assert finalized.is_set()
   it.close()  # Idempotent.
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_inside_the_consumers_own_next_returns_at_once(prefetch):
+  # As a signal handler (SIGTERM: shut down cleanly) that runs while the
+  # main thread is inside next(): close() waited 30 s for the lock that this
+  # very thread held, or raised "generator already executing".
+  finalized = threading.Event()
+  box = {}
+
+  def source():
+    try:
+      for b in range(20):
+        if b == 3:
+          start = time.monotonic()
+          box["it"].close()
+          box["close_s"] = time.monotonic() - start
+        yield {"x": np.full(8, b, np.int32)}
+    finally:
+      finalized.set()
+
+  it = box["it"] = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+  got = []
+  closed = pytest.raises(RuntimeError, match="the iterator is closed")
+  with closed if prefetch == 0 else contextlib.nullcontext():
+    for b in it:
+      got.append(int(np.asarray(b["x"])[0]))
+  assert box["close_s"] < 1.0
+  assert got[:3] == [0, 1, 2] and len(got) <= 4  # The batch in flight, at most.
+  assert finalized.is_set()
+  assert [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")] == []

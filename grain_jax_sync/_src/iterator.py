@@ -97,6 +97,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._next_lock = threading.Lock()
     self._source_closed = False
     self._close_pending = False  # Left to the thread in `next()` (`close`).
+    self._in_next: int | None = None  # The thread inside `next()`, if any.
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings, self._namespace)
     self._life.unstarted = (self._next_namespace(), 0)
@@ -121,11 +122,13 @@ class JaxBatchIterator(Iterator[Any]):
     # two pipelines (two streams for the peers), and two inline reads of a
     # generator collided.
     with self._next_lock:
+      self._in_next = threading.get_ident()
       try:
         return self._next()
       finally:
+        self._in_next = None
         if self._close_pending:
-          self._close_source()  # `close()` from another thread left it to us.
+          self._close_source()  # `close()` left it to us.
 
   def _next(self) -> Any:
     if self._closed:
@@ -372,7 +375,11 @@ class JaxBatchIterator(Iterator[Any]):
     # source is a thread inside `next()` (a generator cannot be closed while
     # it runs). It ends at its next step; past the join timeout it closes the
     # source itself on its way out.
-    if self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
+    if self._in_next == threading.get_ident():
+      # From inside this thread's own `next()` (a signal handler, the
+      # source itself): that `next()` closes the source when it returns.
+      self._close_pending = True
+    elif self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
       try:
         self._close_source()
       finally:

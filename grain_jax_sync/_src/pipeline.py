@@ -172,7 +172,10 @@ class Pipeline:
     if not self._stages:
       close = getattr(self._items, "close", None)
       if callable(close):
-        close()
+        try:
+          close()
+        except ValueError:  # Running: closed from inside the consumer's own `next()`.
+          logger.debug("the inline stages are running; left to finish", exc_info=True)
     if self._agreement is not None:
       self._agreement.release()
 
