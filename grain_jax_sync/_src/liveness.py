@@ -113,8 +113,7 @@ class Liveness:
   def silent_s(self, process: int) -> float:
     """Seconds `process`'s beat has not changed (0 if it never beat: a late start)."""
     now = time.monotonic()
-    if now - self._checked.get(process, -1e9) >= BEAT_S:
-      self._checked[process] = now
+    if _due(self._checked, process, now):
       beat = self._ex.beat_of(process)
       last = self._seen.get(process)
       if last is None or last[0] != beat:
@@ -132,12 +131,18 @@ class Liveness:
     in first; finding this instead while waiting for it means that it never
     started this stream.
     """
-    now = time.monotonic()
-    if now - self._closed_checked.get(process, -1e9) >= BEAT_S:
-      self._closed_checked[process] = now
+    if _due(self._closed_checked, process, time.monotonic()):
       self._closed[process] = self._ex.closed_note(process)
     return self._closed.get(process)
 
   @property
   def dead_after_s(self) -> float:
     return self._dead_after_s
+
+
+def _due(checked: dict[int, float], process: int, now: float) -> bool:
+  """Whether `process` was last read from the store `BEAT_S` ago or more (and marks it read)."""
+  if now - checked.get(process, -1e9) < BEAT_S:
+    return False
+  checked[process] = now
+  return True

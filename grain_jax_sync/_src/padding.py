@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
@@ -141,14 +142,6 @@ def _is_int(dtype: np.dtype) -> bool:
   return dtype.kind in "iu" or (dtype.kind == "V" and dtype.name.startswith(("int", "uint")))
 
 
-def _iinfo(dtype: np.dtype) -> Any:
-  if dtype.kind in "iu":
-    return np.iinfo(dtype)
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-
-  return ml_dtypes.iinfo(dtype)
-
-
 def cast_into(out: np.ndarray, x: np.ndarray) -> None:
   """Writes `x` into `out`, converting values as XLA does (`jax.Array.astype`).
 
@@ -163,7 +156,7 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
     return
   with np.errstate(over="ignore", invalid="ignore"):  # Mended below.
     out[...] = x
-  info = _iinfo(out.dtype)
+  info = ml_dtypes.iinfo(out.dtype)  # NumPy's and ml_dtypes' integers alike.
   wide = x.astype(np.float64) if x.dtype.kind == "V" else x
   high = wide >= float(info.max) + 1.0  # A power of two: exact in every float.
   low = wide < float(info.min)

@@ -77,28 +77,28 @@ def shared_rows_error(
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}
     ended = [p for p in procs if digests[p] is None]
+    head = (
+      f"batch {batch_index}: processes {list(procs)} hold the same data shards"
+      f" (input shard {shard}) and must feed identical rows, but"
+    )
     if fed and ended:
       # A dummy batch on one replica and real rows on another would make a
       # global array whose copies differ from process to process.
       return (
-        f"batch {batch_index}: processes {list(procs)} hold the same data shards"
-        f" (input shard {shard}) and must feed identical rows, but"
-        f" {_processes(ended)} had no batch {batch_index} (its source ended) while"
+        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
         f" {_processes(list(fed))} had one. Processes that share data shards must"
-        " feed the same number of batches: load the data with"
-        " grain_jax_sync.data_shard_info(mesh) as the shard (tfds_pipeline(mesh=...)"
-        " does) and the same seed on every process"
+        f" feed the same number of batches: load {_LOAD_SHARD}"
       )
     if len(set(fed.values())) > 1:
       detail = ", ".join(f"process {p}: {d}" for p, d in fed.items())
-      return (
-        f"batch {batch_index}: processes {list(procs)} hold the same data shards"
-        f" (input shard {shard}) and must feed identical rows, but their rows"
-        f" differ (row digests {detail}). Load the data with"
-        " grain_jax_sync.data_shard_info(mesh) as the shard (tfds_pipeline(mesh=...)"
-        " does) and the same seed on every process"
-      )
+      return f"{head} their rows differ (row digests {detail}). Load {_LOAD_SHARD}"
   return None
+
+
+_LOAD_SHARD = (
+  "the data with grain_jax_sync.data_shard_info(mesh) as the shard"
+  " (tfds_pipeline(mesh=...) does) and the same seed on every process"
+)
 
 
 def _processes(ps: Sequence[int]) -> str:

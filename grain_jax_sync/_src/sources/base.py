@@ -28,6 +28,7 @@ class SourceIterator:
 
   supports_state: bool = False
   description: str = "source"
+  _checked = False  # The first state kept was checked for JSON (`_kept`).
 
   def __iter__(self) -> SourceIterator:
     return self
@@ -42,6 +43,18 @@ class SourceIterator:
       " sequence (list) of batches, or an iterator with get_state() and"
       " set_state()."
     )
+
+  def _kept(self, raw: Any) -> Any:
+    """What `get_state` returns for a wrapped iterator's own state `raw`.
+
+    A copy (`encode_state`), checked for JSON once, at the first batch; each
+    export is checked again (`export_state`).
+    """
+    state = encode_state(raw)
+    if not self._checked:
+      check_json(state, self.description)
+      self._checked = True
+    return state
 
   def export_state(self, state: Any) -> Any:
     """The JSON form of a snapshot taken by `get_state` (default: itself, checked).
