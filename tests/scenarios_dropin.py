@@ -247,3 +247,29 @@ def run_reset_peer(resetter: int, prefetch: int) -> dict[str, Any]:
     out["error"], out["error_type"] = str(e), type(e).__name__
   it.close()
   return out
+
+
+def run_local_restore_mid_run() -> dict[str, Any]:
+  """Both restore a `local_iterator` state saved a batch earlier into their running iterators."""
+  import grain
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+
+  def ds() -> Any:
+    rows = grain.MapDataset.range(64).map(lambda i: {"x": np.int32(i + 1000 * p)})
+    return rows.batch(8).to_iter_dataset()
+
+  it = gjs.iter_jax_batches(ds(), batch_size=8)
+  for _ in range(3):
+    next(it)
+  saved = it.local_iterator.get_state()
+  next(it)
+  it.local_iterator.set_state(saved)
+  out = consume(it)
+  out["rows"] = [b["x"].tolist() for b in out.pop("batches")]
+  out["count"] = it.get_state()["batches"]
+  it.close()
+  return out

@@ -125,6 +125,37 @@ def test_local_iterator_of_a_data_loader_saves_json_bytes_and_resumes():
   fresh.close()
 
 
+def test_a_local_iterator_restore_mid_stream_counts_batches_from_zero_again():
+  it = gjs.iter_jax_batches(_ds(64), batch_size=8)
+  for _ in range(3):
+    next(it)
+  saved = it.local_iterator.get_state()
+  next(it)
+  it.local_iterator.set_state(saved)
+  assert it.get_state()["batches"] == 0  # The source state has no batch count.
+  assert [np.asarray(b["x"])[0] for b in it] == [24, 32, 40, 48, 56]
+  assert it.get_state()["batches"] == 5
+  it.close()
+
+
+@pytest.mark.multiprocess
+def test_hosts_restoring_a_local_state_mid_run_resume_its_rows_and_count_from_zero():
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_dropin.run_local_restore_mid_run,
+      num_processes=2,
+      devices_per_process=4,
+      timeout_s=120,
+    )
+  )
+  # Host 0's 8 rows, then host 1's, for batches 3 to 7 of each host's 8.
+  want = [[*range(8 * b, 8 * b + 8), *range(1000 + 8 * b, 1008 + 8 * b)] for b in range(3, 8)]
+  for out in outs:
+    assert out["error"] is None, out["error"]
+    assert out["rows"] == want
+    assert out["count"] == 5
+
+
 def test_local_iterator_is_none_for_a_list_and_not_iterable_for_grain():
   assert gjs.iter_jax_batches([{"x": np.arange(8)}]).local_iterator is None
   it = gjs.iter_jax_batches(_ds(16), batch_size=8)

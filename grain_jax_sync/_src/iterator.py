@@ -344,6 +344,10 @@ class JaxBatchIterator(Iterator[Any]):
     self._leave("restored a state (local_iterator.set_state())")
     self._restart(None, None)
     self._state = source_state
+    # The source's state has no batch count: counting starts again, as after
+    # `reset()`, and so does every host's resume position.
+    self._position = 0
+    self._pinned = None
 
   def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
     """Stops the running stages; the next start (or close) reports `error`, if any."""
@@ -478,8 +482,10 @@ def iter_jax_batches(
       of `paddings` values (all-False mask) if `paddings` is given; else
       every process raises ValueError;
     * row counts differ: pad to `batch_size` with `paddings`; with
-      `drop_last` a batch shorter than `batch_size` on any process is dropped
-      on every process; otherwise ValueError with the range of sizes;
+      `drop_last` a position whose short batches are all their processes'
+      last batches is dropped on every process, and a short batch that is
+      not its process's last raises ValueError naming both sizes; otherwise
+      ValueError with the range of sizes;
     * batch structure (tree, dtypes, trailing shapes) or settings differ:
       ValueError naming the processes and columns;
     * a source raises: that process re-raises its exception, the others raise
@@ -496,8 +502,8 @@ def iter_jax_batches(
       (and saved with the state); a short batch that is not its host's last
       then raises naming both sizes. Without `paddings` and `drop_last`
       every batch keeps its size (host batches must be equal).
-    drop_last: Stop when any process runs out; drop batches shorter than
-      `batch_size`.
+    drop_last: Stop when any process runs out; drop a short last batch on
+      every process (a short batch mid-stream raises, naming both sizes).
     paddings: Fill value for padded rows and dummy batches: a scalar or a dict
       of column name (or prefix) to scalar. None disables padding. A value
       must be one of its column's output dtype (as it lands on the device:
@@ -515,8 +521,10 @@ def iter_jax_batches(
       exchanges anything).
     synchronize_lookahead: Batches per agreement window: a process posts its
       rows once it holds a window (at once after a read slower than 10 ms;
-      in bigger chunks, up to 16 windows, while reads are quicker), and reads
-      up to 32 windows ahead (at most 64 MiB).
+      in bigger chunks, up to 16 windows, while reads are quicker), and holds
+      at most R = 32 windows (at most 64 MiB) read but not yet agreed on.
+      Agreed batches waiting to be built add up to about 4 R more with
+      `prefetch_batches` > 0 (docs/performance.md, Memory).
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
     mesh: The mesh the batch lands on, over every device of the job; rows
       are split over `data_axes` and replicated over its other axes. Default:
