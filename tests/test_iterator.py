@@ -773,12 +773,14 @@ def test_two_threads_share_one_iterator_from_its_first_batch(prefetch):
 
 
 def test_close_from_another_thread_during_a_generator_read_closes_the_generator():
-  finalized = threading.Event()
+  finalized, slow_read = threading.Event(), threading.Event()
 
   def source():
     try:
       for b in range(100):
-        time.sleep(0.3 if b == 3 else 0.0)
+        if b == 3:
+          slow_read.set()
+          time.sleep(2.0)
         yield {"x": np.full(8, b, np.int32)}
     finally:
       finalized.set()
@@ -797,7 +799,11 @@ def test_close_from_another_thread_during_a_generator_read_closes_the_generator(
 
   t = threading.Thread(target=consume)
   t.start()
-  time.sleep(0.15)  # The consumer is inside the slow read of batch 3.
+  assert slow_read.wait(30)
+  deadline = time.monotonic() + 1.5
+  while len(got) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  # The consumer is inside the slow read of batch 3 (or waits for it).
   it.close()  # Raised "generator already executing" and left the generator open.
   t.join(10)
   assert ended == ["StopIteration"] and got == [0, 1, 2]
