@@ -4,8 +4,9 @@ A thread builds ahead while the consumer is in its training step; a consumer
 that finds nothing built builds for itself ("work stealing"), and, where no
 exchange is waited on, reads quick sources itself while it has nothing to
 hide them behind. Order and state are exact whoever builds or reads.
-`pipeline.Pipeline` composes it; the tuning numbers below were measured on
-the 2-core machine of `benchmarks/RESULTS.md` (docs/performance.md).
+`pipeline.Pipeline` composes it; `pace.Pace` chooses who works when, and
+the tuning numbers here and there were measured on the 2-core machine of
+`benchmarks/RESULTS.md` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from grain_jax_sync._src import pace as pace_lib
 from grain_jax_sync._src import prefetch
 
 logger = logging.getLogger(__name__)
@@ -31,65 +33,7 @@ def _is_item(x: Any) -> bool:
   return x is not None and x is not _UNBUILT and not prefetch.is_final(x)
 
 
-# The build thread builds ahead only while the consumer is away from
-# `__next__` (in its training step) for longer than AWAY_BUILDS builds take,
-# now and on average (moving averages with weight BUILD_S_WEIGHT; a build is
-# taken to cost BUILD_S_START until one is timed). A consumer that comes
-# straight back (no step to hide behind) builds every batch itself: no
-# hand-off, and every buffer is allocated and freed by one thread. Measured on
-# 2 cores, 1 process x 8 devices, no step: with the thread building whenever
-# it had a decided position, the consumer waited for the thread's build in 42%
-# of its calls (1.5 ms each) at 0.8 MB batches (0.61 of the bare loop); with a
-# grace of one build (no average), 32 MB batches still went to the thread
-# during the consumer's wait for the transfer and took 13x the page faults and
-# 1.35x the CPU time of inline (allocations alternating between threads).
-BUILD_S_WEIGHT = 0.2
-BUILD_S_START = 0.001
-AWAY_BUILDS = 2.0
-# Time away counts from when the consumer's last item was ready (given
-# `wait_ready`), not from when it left: a build returns before its transfer
-# ends, and a consumer that waits for that transfer (`block_until_ready`,
-# or a step that needs the batch) is not in a step the thread can build
-# beside. Measured at 32 MB batches, no step (a build returns after 1.06 ms,
-# its transfer ends 1.07 ms later): timed from the consumer's leaving, the
-# thread built 1-10 of 40 batches beside the transfer and the loop ran at
-# 0.80-0.86 of inline (both cores copying, twice the page faults).
-# Where the stage may fetch decided runs in the consumer (`inline_fetch`: one
-# process, no exchange to wait on), a consumer with nothing pending fetches
-# the next run itself while a fetch is quick Python (moving averages per
-# position: CPU time under INLINE_FETCH_S, time waiting (I/O, another
-# process) under INLINE_WAIT_S), its builds are short (under INLINE_BUILD_S)
-# and the consumer spends under AWAY_FETCH_S away from `__next__` on average:
-# then the thread could only run the same Python under the GIL, plus a
-# hand-off (measured: 28 us of thread CPU per 0.8 MB batch against about
-# 10 us inline; prefetch / inline throughput 0.82-0.87 with the thread's
-# reads, 0.94-0.96 with the consumer's). A long build spends its time in
-# copies that release the GIL, so the thread's reads run beside it (8 MB
-# batches: 0.99-1.01 with the thread's reads, 0.93-0.99 with the
-# consumer's). A source that waits or computes longer, or a consumer with a
-# training step to hide reads behind, is read in the thread.
-INLINE_FETCH_S = 0.0002
-INLINE_WAIT_S = 0.00002
-# A longer build still counts as short where it moves under SLOW_BUILD_BPS
-# bytes per second (given `read_bytes`): a build of many small leaves is
-# Python under the GIL, not copies, so the thread's reads cannot run beside
-# it. 64 float32 columns of (64, 16): 256 KB in about 10 ms (25 MB/s), with
-# the thread's reads 0.93 of inline; 8 MB batches: 5 GB/s.
-SLOW_BUILD_BPS = 200e6
-# The consumer times one fetch in INLINE_FETCH_SAMPLE (the thread every one):
-# its CPU clock is a system call (about 1 us, twice per fetch), which was a
-# fifth of the stage's own cost per item (10.2 us, no JAX: 50,000 items).
-INLINE_FETCH_SAMPLE = 4
-INLINE_BUILD_S = 0.001
-AWAY_FETCH_S = 0.001
-# A consumer that fetches inline fetches and builds in one go (`_direct`)
-# while builds average under DIRECT_BUILD_S: the thread can neither read nor
-# build meanwhile, which costs nothing beside a short build but wasted a
-# longer one's copies (they release the GIL, and the thread's reads ran beside
-# them): 8 MB batches (builds of 1-1.5 ms, near INLINE_BUILD_S) went from
-# 0.84-1.0 of inline to 0.44-0.87 with no such bound.
-DIRECT_BUILD_S = 0.0005
-# While the consumer steps (away longer than AWAY_BUILDS builds on average),
+# While the consumer steps (away longer than `pace.AWAY_BUILDS` builds on average),
 # a thread with nothing to build yet checks again at most every STEP_POLL_S.
 STEP_POLL_S = 0.0002
 # The thread reads on without handing over while each run came within
@@ -117,7 +61,7 @@ class BuildStage(Generic[T]):
   Runs are fetched by the thread, except with `inline_fetch` (one process:
   no exchange to wait on), where a consumer with nothing pending fetches a
   quick run itself while it has no step to hide the fetch behind (see
-  `INLINE_FETCH_S`). Either way one fetch runs at a time.
+  `pace.INLINE_FETCH_S`). Either way one fetch runs at a time.
 
   Args:
     runs: Decided runs (`build.Run`).
@@ -128,11 +72,11 @@ class BuildStage(Generic[T]):
       thread may hold unbuilt (at least `buffer_size`): reads in bursts, so
       that a consumer that builds for itself rarely waits for the thread.
     read_bytes: Given the first decided read, a batch's bytes (see
-      `SLOW_BUILD_BPS`).
+      `pace.SLOW_BUILD_BPS`).
     on_close: Called by `close()` before joining (to cancel an exchange wait).
-    wait_ready: Blocks until an item's arrays are ready (see `AWAY_BUILDS`);
+    wait_ready: Blocks until an item's arrays are ready;
       called by the thread, outside the lock; errors (a donated, deleted
-      array) count as ready.
+      array) count as ready (see `pace.AWAY_BUILDS`).
     name: The thread's name.
     inline_fetch: Whether the consumer may fetch runs itself.
   """
@@ -157,9 +101,9 @@ class BuildStage(Generic[T]):
     self._size = buffer_size
     self._read_ahead = read_ahead
     self._read_bytes = read_bytes
-    self._bytes = float("inf")  # A batch's bytes (`read_bytes` of the first read).
     self._ahead = buffer_size  # Decided positions held unbuilt, at most.
     self._inline_fetch = inline_fetch
+    self._pace = pace_lib.Pace(inline_fetch=inline_fetch)
     self._cond = threading.Condition(threading.Lock())
     # Decided positions (read, step, signature, size) not built yet, then the
     # end marker or the error once the runs ended; built items (or the end
@@ -172,13 +116,6 @@ class BuildStage(Generic[T]):
     self._fetching = False  # A run is being fetched (outside the lock).
     self._handing = False  # The thread waits for the consumer to take a position.
     self._in_next = False  # The consumer is in `__next__`.
-    self._left_at = time.perf_counter()  # When it last left `__next__`.
-    self._build_s = BUILD_S_START  # Moving average of a build's time.
-    # Moving averages per fetched position: CPU time, and time spent waiting.
-    self._fetch_s = 0.0
-    self._wait_s = 0.0
-    self._fetches = 0  # Fetches so far (the consumer's are timed 1 in INLINE_FETCH_SAMPLE).
-    self._away_avg = 0.0  # Moving average of the consumer's time away (its step).
     self._stop = threading.Event()
     self._delivered: Any = None  # The last item handed out (see `__next__`).
     self._wait_ready = wait_ready
@@ -214,16 +151,12 @@ class BuildStage(Generic[T]):
       return self._solo_next()
     if self._first:
       self._first = False
-      self._left_at = time.perf_counter()  # Set-up before it is not a step.
+      self._pace.left()  # Set-up before it is not a step.
       if not self._inline_fetch:
         self._waiting = True  # The first position is handed over alone.
         self._thread.start()
-    self._note_away()
+    self._pace.came_back()
     return self._deliver(self._take_locked())
-
-  def _note_away(self) -> None:
-    """Folds the consumer's time away from `__next__` (its step) into the average."""
-    self._away_avg += BUILD_S_WEIGHT * (time.perf_counter() - self._left_at - self._away_avg)
 
   def _take_locked(self) -> Any:
     """`_take` under the lock, with the consumer marked in `__next__`."""
@@ -237,7 +170,7 @@ class BuildStage(Generic[T]):
         # for a consumer that was not waiting.
         self._waiting = False
         self._in_next = False
-        self._left_at = time.perf_counter()
+        self._pace.left()
 
   def _deliver(self, item: Any) -> T:
     if prefetch.is_final(item):
@@ -251,23 +184,6 @@ class BuildStage(Generic[T]):
     self._delivered = item
     self._handed += 1
     return prefetch.unwrap(item)
-
-  def _fetches_inline(self) -> bool:
-    """Whether the consumer fetches quick runs itself (nothing to hide them behind).
-
-    The first fetch is the consumer's: it waits for the first batch either
-    way, and the fetch is timed, so that a slow source moves to the thread
-    from the second read on.
-    """
-    if self._inline_fetch and self._fetches == 0:
-      return True
-    return (
-      self._inline_fetch
-      and self._fetch_s < INLINE_FETCH_S
-      and self._wait_s < INLINE_WAIT_S
-      and (self._build_s < INLINE_BUILD_S or self._bytes < SLOW_BUILD_BPS * self._build_s)
-      and self._away_avg < AWAY_FETCH_S
-    )
 
   def _direct(self) -> Any:
     """Fetches one run and builds its first position in one go; under the lock.
@@ -285,7 +201,7 @@ class BuildStage(Generic[T]):
       (a dropped position, a run of several positions now in `_pending`, or
       a close from another thread meanwhile).
     """
-    timed = self._count_fetch()
+    timed = self._pace.count_fetch()
     self._fetching = self._building = True
     self._cond.release()
     try:
@@ -305,7 +221,7 @@ class BuildStage(Generic[T]):
     `_direct`'s conditions: the consumer fetches inline, and builds are
     short enough to build in the same go.
     """
-    return self._build_s < DIRECT_BUILD_S and self._fetches_inline() and not self._stop.is_set()
+    return self._pace.builds_direct() and self._pace.fetches_inline() and not self._stop.is_set()
 
   def _solo_next(self) -> T:
     """`__next__` while the consumer alone fetches and builds: no lock, no hand-off.
@@ -317,13 +233,13 @@ class BuildStage(Generic[T]):
     dropped position, a run of several positions, the end, an error, a
     close), or conditions that no longer hold, go back under the lock.
     """
-    self._note_away()
+    self._pace.came_back()
     run: Any = None
     item: Any = _UNBUILT
     if self._solo_ok():
-      run, item = self._fetch_build(self._count_fetch())
+      run, item = self._fetch_build(self._pace.count_fetch())
       if _is_item(item) and not self._stop.is_set():
-        self._left_at = time.perf_counter()
+        self._pace.left()
         self._delivered = item  # See `_deliver`.
         self._handed += 1
         return item
@@ -335,11 +251,6 @@ class BuildStage(Generic[T]):
     if item is None or item is _UNBUILT:
       item = self._take_locked()
     return self._deliver(item)
-
-  def _count_fetch(self) -> bool:
-    """Counts a fetch; whether to time it (the first, then one in `INLINE_FETCH_SAMPLE`)."""
-    self._fetches += 1
-    return self._fetches % INLINE_FETCH_SAMPLE == 1
 
   def _after_direct(self, run: Any, item: Any) -> Any:
     """`_direct`'s outcome under the lock: the item, or None where `_take` looks again."""
@@ -369,7 +280,7 @@ class BuildStage(Generic[T]):
       return prefetch.Raised(e), _UNBUILT
     steps = run.steps
     if timed:
-      self._time_fetch(t0, cpu0, len(steps))
+      self._pace.fetched(t0, cpu0, len(steps))
     if steps and (self._read_ahead is not None or self._read_bytes is not None):
       self._note_first_read(steps[0][0])
     if len(steps) != 1:
@@ -384,7 +295,7 @@ class BuildStage(Generic[T]):
       item = self._build(read, step, sig, size)
     except BaseException as e:  # noqa: BLE001 - raised in the consumer, in order.
       return prefetch.Raised(e)
-    self._build_s += BUILD_S_WEIGHT * (time.perf_counter() - t0 - self._build_s)
+    self._pace.built(time.perf_counter() - t0)
     return item
 
   def _note_first_read(self, read: Any) -> None:
@@ -393,16 +304,8 @@ class BuildStage(Generic[T]):
       self._ahead = max(self._size, self._read_ahead(read))
       self._read_ahead = None
     if self._read_bytes is not None and read is not None:
-      self._bytes = self._read_bytes(read)
+      self._pace.bytes = self._read_bytes(read)
       self._read_bytes = None
-
-  def _time_fetch(self, t0: float, cpu0: float, positions: int) -> tuple[float, float]:
-    """Updates the fetch averages (CPU and waiting, per position); returns (now, CPU now)."""
-    now, cpu = time.perf_counter(), time.thread_time()
-    n = max(1, positions)
-    self._fetch_s += BUILD_S_WEIGHT * ((cpu - cpu0) / n - self._fetch_s)
-    self._wait_s += BUILD_S_WEIGHT * (max(0.0, now - t0 - (cpu - cpu0)) / n - self._wait_s)
-    return now, cpu
 
   def _take(self) -> Any:
     """The next built item, stolen (built here) if only decided; under the lock."""
@@ -422,9 +325,9 @@ class BuildStage(Generic[T]):
         not self._pending
         and not self._fetching
         and not self._upstream_done
-        and self._fetches_inline()
+        and self._pace.fetches_inline()
       ):
-        if self._building or self._build_s >= DIRECT_BUILD_S:
+        if self._building or not self._pace.builds_direct():
           self._fetch(burst=False)
           continue
         item = self._direct()
@@ -462,8 +365,8 @@ class BuildStage(Generic[T]):
     """
     if (
       self._handing
-      or (len(self._pending) <= self._ahead // 2 and not self._fetches_inline())
-      or (stole and self._away_avg >= AWAY_BUILDS * self._build_s)
+      or (len(self._pending) <= self._ahead // 2 and not self._pace.fetches_inline())
+      or (stole and self._pace.stepping())
     ):
       self._wake()
 
@@ -498,11 +401,11 @@ class BuildStage(Generic[T]):
     """How long the consumer has been away from `__next__` (0 while in it).
 
     Counted from when its last item was ready where the thread saw that
-    (`AWAY_BUILDS`).
+    (`pace.AWAY_BUILDS`).
     """
     if self._in_next:
       return 0.0
-    since = self._left_at
+    since = self._pace.left_at
     if self._seen == self._handed:
       since = max(since, self._ready_at)
     return time.perf_counter() - since
@@ -539,8 +442,8 @@ class BuildStage(Generic[T]):
             # takes (a training step); a consumer that comes straight back
             # builds its batch itself, with no hand-off.
             away = self._away_s()
-            grace = AWAY_BUILDS * self._build_s
-            stepping = self._away_avg >= grace
+            grace = self._pace.grace()
+            stepping = self._pace.stepping()
             if stepping and away:
               if self._see_ready():
                 continue  # Away counts from then on.
@@ -562,7 +465,7 @@ class BuildStage(Generic[T]):
           elif self._upstream_done or not self._room():
             self._cond.wait(prefetch.WAKE_S)
             continue
-          if self._fetching or self._fetches_inline():
+          if self._fetching or self._pace.fetches_inline():
             self._cond.wait(until)  # The consumer fetches (or is fetching).
             continue
           self._fetch(burst=True)
@@ -585,7 +488,7 @@ class BuildStage(Generic[T]):
     """
     self._fetching = True
     want = self._ahead - len(self._pending)
-    timed = self._count_fetch() or burst
+    timed = self._pace.count_fetch() or burst
     self._cond.release()
     work: list[Any] = []
     try:
@@ -607,7 +510,7 @@ class BuildStage(Generic[T]):
           want = self._ahead - len(self._pending)
         if not timed:
           break
-        now, cpu = self._time_fetch(t0, cpu0, len(run.steps))
+        now, cpu = self._pace.fetched(t0, cpu0, len(run.steps))
         cpu0 = cpu
         if (
           not burst

@@ -208,7 +208,7 @@ def _host_copies(sharding: jax.sharding.Sharding) -> bool:
   """Whether a transfer to `sharding`'s devices is a copy by this host's cores.
 
   On CPU devices it is (XLA's copies use every core), so time spent waiting
-  for it is not a step to build beside (`build_stage.AWAY_BUILDS`). On an
+  for it is not a step to build beside (`pace.AWAY_BUILDS`). On an
   accelerator it is a DMA that leaves the host free: building the next batch
   beside it starts that batch's transfer sooner.
   """
