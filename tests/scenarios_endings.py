@@ -569,3 +569,17 @@ def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], s
     it.close()
     out.append((e, got, error))
   return out
+
+
+def run_iterator_only_one_process_makes(sync_timeout_s: float) -> dict[str, Any]:
+  """Each process makes an iterator of a name the other does not use."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  batches = scenarios.make_batches(p, [8] * 4)
+  it = gjs.iter_jax_batches(batches, name=f"only{p}", sync_timeout_s=sync_timeout_s)
+  out = drain(it)
+  it.close()
+  return out

@@ -234,6 +234,23 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
 
 
 @pytest.mark.multiprocess
+def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_follower():
+  # Process 1 waits for decisions that never come: it posts its timed-out
+  # ending after `sync_timeout_s` + FOLLOWER_GRACE_S and raises it one grace
+  # later, naming the iterator that process 0 did not create before a stuck
+  # source. Process 0 times out at once, waiting for reports in its own stream.
+  grace = agreement.FOLLOWER_GRACE_S
+  outs = testing.values(_run(scenarios_endings.run_iterator_only_one_process_makes, 1.0, d=2))
+  for out in outs:
+    assert out["error_type"] == "PeerTimeoutError", out
+    assert "pass the same `name=` on every process" in out["error"], out
+  assert "process 1 did not report batch 0" in outs[0]["error"]
+  assert "process 1 got no decision on batch 0 from process 0" in outs[1]["error"]
+  assert "it has posted no decision on this iterator yet: it did not create it" in outs[1]["error"]
+  assert outs[1]["elapsed_s"] > 1.0 + 2 * grace - 1
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
   ("n", "d", "kill_at"),
   # Killed at its first read: before its beat thread's first turn, so it is

@@ -113,12 +113,21 @@ class Follower(Streamed):
     return self._blocking(self._ex.wait_decision, self._seq)
 
   def _timeout_error(self) -> plan_lib.ReportedError:
+    cause = "its agreement thread is stuck (in its source?)"
+    if self._seq == 0:
+      # Nothing decided in this stream yet: process 0 may never have made
+      # this iterator, which looks the same from here.
+      cause = (
+        "it has posted no decision on this iterator yet: it did not create"
+        " it (iterators created in a different order, or a `name=` that"
+        " process 0 does not use: pass the same `name=` on every process),"
+        f" or {cause}"
+      )
     return plan_lib.ReportedError(
       ErrorKind.TIMEOUT,
       f"process {self._p} got no decision on batch {self._yielded} from"
       f" process 0 within `sync_timeout_s`={self._timeout_s:g}s (+"
-      f" {agreement.FOLLOWER_GRACE_S:g}s); process 0 is alive but its"
-      " agreement thread is stuck (in its source?)",
+      f" {agreement.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}",
       self._p,
       self._yielded,
       "PeerTimeoutError",
