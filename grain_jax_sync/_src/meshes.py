@@ -126,6 +126,12 @@ def default_sharding(axis_name: str = DATA_AXIS) -> jax.sharding.NamedSharding:
 
   Returns:
     ``NamedSharding(default_mesh(axis_name), PartitionSpec(axis_name))``.
+
+  Example:
+
+    >>> sharding = default_sharding()
+    >>> sharding.spec == jax.sharding.PartitionSpec("data")
+    True
   """
   mesh = default_mesh(axis_name)
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
