@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 
@@ -809,6 +810,36 @@ def test_close_from_another_thread_during_a_generator_read_closes_the_generator(
   assert ended == ["StopIteration"] and got == [0, 1, 2]
   assert finalized.is_set()
   it.close()  # Idempotent.
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_get_state_from_another_thread_pairs_the_count_with_its_own_source_state(prefetch):
+  # A checkpoint or monitoring thread: the batch count and the source state
+  # come from the same batch (it read the count of one batch and the state of
+  # a later one). A short switch interval makes the threads interleave often.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(2000)]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+  torn, seen, done = [], [], threading.Event()
+
+  def watch():
+    while not done.is_set():
+      state = it.get_state()
+      seen.append(state["batches"])
+      if state["source"]["index"] != state["batches"]:
+        torn.append((state["batches"], state["source"]))
+
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)
+  watcher = threading.Thread(target=watch)
+  watcher.start()
+  try:
+    assert sum(1 for _ in it) == 2000
+  finally:
+    done.set()
+    watcher.join(30)
+    sys.setswitchinterval(interval)
+  assert torn == [] and len(seen) > 10 and seen == sorted(seen)
+  it.close()
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -89,6 +89,11 @@ class JaxBatchIterator(Iterator[Any]):
     # Without `batch_size`: the full size derived from the first position.
     self._pinned: int | None = None
     self._position = 0
+    # `_state`, `_position` and `_pinned` change together, under this lock,
+    # and `get_state()` reads them together: from another thread (a
+    # checkpoint or monitoring thread) it read the count of one batch and the
+    # source state of a later one.
+    self._mark_lock = threading.Lock()
     self._closed = False
     self._exhausted = False
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
@@ -154,9 +159,10 @@ class JaxBatchIterator(Iterator[Any]):
       raise
     self._delivered.wait_s += time.monotonic() - t0
     self._delivered.add(item.real, item.rows, item.dropped)
-    self._state = item.state
-    self._pinned = item.batch_size if self._settings.batch_size is None else None
-    self._position += 1
+    with self._mark_lock:
+      self._state = item.state
+      self._pinned = item.batch_size if self._settings.batch_size is None else None
+      self._position += 1
     return item.value
 
   def stats(self) -> dict[str, int | float]:
@@ -197,16 +203,18 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
+    with self._mark_lock:
+      position, source_state, pinned = self._position, self._state, self._pinned
     state = {
       "version": STATE_VERSION,
-      "batches": self._position,
+      "batches": position,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._settings.digest(),
-      "source": self._source.export_state(self._state),
+      "source": self._source.export_state(source_state),
     }
-    if self._pinned is not None:
-      state["batch_size"] = self._pinned  # Derived: later batches are judged by it.
+    if pinned is not None:
+      state["batch_size"] = pinned  # Derived: later batches are judged by it.
     return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -237,9 +245,10 @@ class JaxBatchIterator(Iterator[Any]):
       raise self._refused(e) from e
     self._leave("restored a state (set_state())")
     self._restart(None, None)
-    self._state = source_state
-    self._position = batches
-    self._pinned = None if self._settings.batch_size is not None else pinned
+    with self._mark_lock:
+      self._state = source_state
+      self._position = batches
+      self._pinned = None if self._settings.batch_size is not None else pinned
 
   def _leave(self, how: str) -> None:
     """Ends the running stream here: a peer still in it raises naming this process."""
@@ -304,10 +313,11 @@ class JaxBatchIterator(Iterator[Any]):
       raise RuntimeError("the iterator is closed")
     self._leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
-    self._state = self._source.get_state() if self._source.supports_state else None
-    self._initial = self._state
-    self._position = 0
-    self._pinned = None
+    initial = self._source.get_state() if self._source.supports_state else None
+    with self._mark_lock:
+      self._state = self._initial = initial
+      self._position = 0
+      self._pinned = None
     self._restart(None, None)
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
@@ -343,11 +353,12 @@ class JaxBatchIterator(Iterator[Any]):
       raise self._refused(e) from e
     self._leave("restored a state (local_iterator.set_state())")
     self._restart(None, None)
-    self._state = source_state
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._position = 0
-    self._pinned = None
+    with self._mark_lock:
+      self._state = source_state
+      self._position = 0
+      self._pinned = None
 
   def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
     """Stops the running stages; the next start (or close) reports `error`, if any."""
