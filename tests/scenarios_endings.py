@@ -43,8 +43,17 @@ def local_x(batch: Any) -> list[int]:
   return out
 
 
-def drain(it: Any, *, limit: int | None = None, pause: tuple[int, float] | None = None) -> dict:
-  """Drains `it` locally; any exception type (BaseException too) is recorded."""
+def drain(
+  it: Any,
+  *,
+  limit: int | None = None,
+  pause: tuple[int, float] | None = None,
+  on_batch: Any = None,
+) -> dict:
+  """Drains `it` locally; any exception type (BaseException too) is recorded.
+
+  `on_batch(n)` is called after the n-th batch.
+  """
   out: dict[str, Any] = {"n": 0, "rows": [], "error": None, "error_type": None}
   start = time.monotonic()
   try:
@@ -53,6 +62,8 @@ def drain(it: Any, *, limit: int | None = None, pause: tuple[int, float] | None 
       out["rows"].append(local_x(batch))
       if pause is not None and out["n"] == pause[0]:
         time.sleep(pause[1])
+      if on_batch is not None:
+        on_batch(out["n"])
       if limit is not None and out["n"] >= limit:
         break
   except BaseException as e:  # noqa: BLE001 - returned to the test.
@@ -582,4 +593,36 @@ def run_iterator_only_one_process_makes(sync_timeout_s: float) -> dict[str, Any]
   it = gjs.iter_jax_batches(batches, name=f"only{p}", sync_timeout_s=sync_timeout_s)
   out = drain(it)
   it.close()
+  return out
+
+
+def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str, Any]:
+  """Process 1 closes its iterator from a watchdog thread.
+
+  With `stall`, process 0's source hangs at its batch 2 and the watchdog
+  closes `after` seconds in (process 1's consumer then waits for a
+  decision); else it closes once the consumer received `after` batches,
+  racing the consumer's next calls.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  batches = scenarios.make_batches(p, [8] * 4000)
+  src = _hanging(batches, 2, 6.0) if (stall and p == 0) else batches
+  it = gjs.iter_jax_batches(src, name="close_thread", prefetch_batches=prefetch, **KW)
+  reached = threading.Event()
+  if p == 1:
+
+    def watchdog() -> None:
+      if not stall:
+        reached.wait(60)
+      it.close()
+
+    threading.Timer(after if stall else 0.0, watchdog).start()
+  out = drain(it, on_batch=lambda n: n == int(after) and not stall and reached.set())
+  out["state_batches"] = it.get_state()["batches"] if p == 1 else None
+  it.close()
+  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
   return out

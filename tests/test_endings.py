@@ -234,6 +234,35 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("stall", [True, False])
+def test_close_from_another_thread_ends_that_next_and_the_peer_counts_exactly(prefetch, stall):
+  # A watchdog thread closes process 1's iterator: while its consumer waits
+  # for a decision (process 0 stuck in its source; with `prefetch_batches=0`
+  # the wait is the consumer's own and raised an internal `Cancelled`), or
+  # mid-stream (a batch on its way to the consumer was delivered after the
+  # close posted its count: the peer's message said one batch fewer).
+  after = 1.0 if stall else 100  # Seconds into the stall, or batches received.
+  outs = testing.values(_run(scenarios_endings.run_close_from_thread, prefetch, stall, after, d=2))
+  closer, peer = outs[1], outs[0]
+  if stall:
+    assert closer["error"] is None, closer  # The waiting next() ended with StopIteration.
+  else:  # Inside a next() (StopIteration), or between two calls ("closed").
+    assert closer["error"] in (None, "the iterator is closed"), closer
+  n = closer["n"]
+  assert closer["state_batches"] == n
+  # Stalled: positions 0 and 1 are decided before the hang, or not.
+  assert n in (0, 2) if stall else 100 <= n < 4000, n
+  assert closer["elapsed_s"] < 1.0 + 3.0
+  assert peer["error_type"] == "RuntimeError", peer
+  assert f"process 1 closed its iterator at batch {n}" in peer["error"], (n, peer["error"])
+  assert peer["n"] >= n  # The batches already decided.
+  for p, out in enumerate(outs):
+    _check_rows(p, out)
+    assert out["threads"] == []
+
+
+@pytest.mark.multiprocess
 def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_follower():
   # Process 1 waits for decisions that never come: it posts its timed-out
   # ending after `sync_timeout_s` + FOLLOWER_GRACE_S and raises it one grace

@@ -538,6 +538,14 @@ class BuildStage(Generic[T]):
       self._cond.wait(HANDOVER_S)
       self._handing = False
 
+  def request_stop(self) -> None:
+    """Asks the stage to stop, without its lock (a signal handler may hold it); `close()` follows.
+
+    A consumer waiting in `__next__` sees it within `prefetch.WAKE_S` and
+    raises StopIteration once nothing decided is left to build.
+    """
+    self._stop.set()
+
   def close(self) -> None:
     """Stops and joins the thread; idempotent."""
     self._done = True

@@ -8,15 +8,15 @@ is the state after the last batch they received.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 import types
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -35,6 +35,14 @@ logger = logging.getLogger(__name__)
 
 Settings = settings_lib.Settings
 STATE_VERSION = settings_lib.STATE_VERSION
+
+
+class _Mark(NamedTuple):
+  """Where the consumer is: batches received, the source state after them, the derived size."""
+
+  position: int
+  state: Any
+  pinned: int | None
 
 
 class JaxBatchIterator(Iterator[Any]):
@@ -78,22 +86,25 @@ class JaxBatchIterator(Iterator[Any]):
       self._namespace = exchange_lib.new_namespace(settings.name)
     try:
       self._source = sources.open_source(source)
-      self._state = self._source.get_state() if self._source.supports_state else None
+      initial = self._source.get_state() if self._source.supports_state else None
     except BaseException as e:
       # Peers would wait `sync_timeout_s` for a host that never reports.
       end = reader_lib.failed(jax.process_index(), 0, 0, e, "opening its source")
       first = None if self._namespace is None else f"{self._namespace}/1"
       pipeline_lib.post_unstarted_end(settings, first, 0, end.error)
       raise
-    self._initial = self._state
-    # Without `batch_size`: the full size derived from the first position.
-    self._pinned: int | None = None
-    self._position = 0
-    # `_state`, `_position` and `_pinned` change together, under this lock,
-    # and `get_state()` reads them together: from another thread (a
-    # checkpoint or monitoring thread) it read the count of one batch and the
-    # source state of a later one.
-    self._mark_lock = threading.Lock()
+    self._initial = initial
+    # The batches received, the source state after the last of them, and
+    # (without `batch_size`) the full size derived from the first position:
+    # one tuple, replaced whole, so that `get_state()` (from a checkpoint
+    # thread or a signal handler) never pairs the count of one batch with
+    # the state of another, and takes no lock.
+    self._mark = _Mark(0, initial, None)
+    # Taken with the mark's and the counts' updates in `next()`, and by
+    # `close()` and `stats()`: a batch is either received and counted, or
+    # dropped by a concurrent close. Reentrant: a signal handler in the
+    # consumer's thread may call `stats()` while `next()` holds it.
+    self._mark_lock = threading.RLock()
     self._closed = False
     self._exhausted = False
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
@@ -101,7 +112,11 @@ class JaxBatchIterator(Iterator[Any]):
     self._refusal: str | None = None  # A refused state's error (`_refused`).
     self._next_lock = threading.Lock()
     self._source_closed = False
-    self._close_pending = False  # Left to the thread in `next()` (`close`).
+    # The close, left to the thread in `next()` (by a signal handler's
+    # `close()`, or one that could not wait out a long source read).
+    self._close_deferred = False
+    self._life_closed = False
+    self._close_done = threading.Event()  # Set once the first `close()` has stopped everything.
     self._in_next: int | None = None  # The thread inside `next()`, if any.
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings, self._namespace)
@@ -131,9 +146,26 @@ class JaxBatchIterator(Iterator[Any]):
       try:
         return self._next()
       finally:
-        self._in_next = None
-        if self._close_pending:
-          self._close_source()  # `close()` left it to us.
+        with self._mark_lock:
+          self._in_next = None
+          deferred, self._close_deferred = self._close_deferred, False
+        if deferred:  # `close()` left it to us.
+          self._finish_close()
+
+  def _turn(self, what: str) -> threading.Lock:
+    """`next()`'s lock, for a call that moves the stream: they take turns.
+
+    `set_state`, `reset` and `local_iterator.set_state` from another thread
+    while `next()` ran raced its delivery: the stream could end silently
+    (`next()` marked it exhausted after the restart) or the restored count
+    move on by the batch in flight.
+    """
+    if self._in_next == threading.get_ident():
+      raise RuntimeError(
+        f"{what} was called from inside this thread's own next() (a signal"
+        " handler?); call it between batches"
+      )
+    return self._next_lock
 
   def _next(self) -> Any:
     if self._closed:
@@ -145,24 +177,36 @@ class JaxBatchIterator(Iterator[Any]):
     t0 = time.monotonic()
     if self._life.pipeline is None:
       self._start()
+      if self._closed:  # From another thread meanwhile: it waits for us to close.
+        raise StopIteration
     pipeline = self._life.pipeline
     assert pipeline is not None
     try:
       item = next(pipeline)
-    except BaseException:
-      self._delivered.wait_s += time.monotonic() - t0
-      self._delivered.dropped_batches += pipeline.trailing_drops()
+    except BaseException as e:
+      with self._mark_lock:
+        self._delivered.wait_s += time.monotonic() - t0
+        self._delivered.dropped_batches += pipeline.trailing_drops()
       self._exhausted = True
-      self._life.stop()
+      if not self._closed:  # Else the closing call stops it, with its count.
+        self._life.stop()
       del pipeline  # Holds the ending (see `_clear_library_frames`).
-      _clear_library_frames(sys.exc_info()[1])
+      if self._closed and isinstance(e, exchange_lib.Cancelled):
+        # Closed from another thread while waiting for a peer inline
+        # (`prefetch_batches=0`): the call ends as with the stages' threads.
+        raise StopIteration from None
+      _clear_library_frames(e)
       raise
-    self._delivered.wait_s += time.monotonic() - t0
-    self._delivered.add(item.real, item.rows, item.dropped)
     with self._mark_lock:
-      self._state = item.state
-      self._pinned = item.batch_size if self._settings.batch_size is None else None
-      self._position += 1
+      if self._closed:
+        # Closed from another thread meanwhile (its count excludes this
+        # batch), or from a signal handler inside this call: no batch after
+        # `close()`.
+        raise StopIteration
+      self._delivered.wait_s += time.monotonic() - t0
+      self._delivered.add(item.real, item.rows, item.dropped)
+      pinned = item.batch_size if self._settings.batch_size is None else None
+      self._mark = _Mark(self._mark.position + 1, item.state, pinned)
     return item.value
 
   def stats(self) -> dict[str, int | float]:
@@ -187,7 +231,9 @@ class JaxBatchIterator(Iterator[Any]):
       ``transfer_s`` building global arrays (padding, mask, host casts,
       ``make_array_from_process_local_data``).
     """
-    return stats_lib.snapshot(self._delivered, self._life.times())
+    with self._mark_lock:
+      delivered = dataclasses.replace(self._delivered)
+    return stats_lib.snapshot(delivered, self._life.times())
 
   # -- state -------------------------------------------------------------------
 
@@ -203,8 +249,7 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
-    with self._mark_lock:
-      position, source_state, pinned = self._position, self._state, self._pinned
+    position, source_state, pinned = self._mark
     state = {
       "version": STATE_VERSION,
       "batches": position,
@@ -232,8 +277,14 @@ class JaxBatchIterator(Iterator[Any]):
         source is not touched, and the error is this process's ending: its
         peers raise it too, at once, and so does `next()` here until a
         `set_state` or `reset` succeeds.
-      RuntimeError: If the source cannot resume.
+      RuntimeError: If the source cannot resume, or if called from inside
+        this thread's own `next()` (a signal handler). From another thread it
+        waits for a `next()` in progress: calls take turns.
     """
+    with self._turn("set_state()"):
+      self._set_state(state)
+
+  def _set_state(self, state: Mapping[str, Any]) -> None:
     p = jax.process_index()
     try:
       batches, source_state = settings_lib.check_state(
@@ -245,14 +296,12 @@ class JaxBatchIterator(Iterator[Any]):
       raise self._refused(e) from e
     self._leave("restored a state (set_state())")
     self._restart(None, None)
-    with self._mark_lock:
-      self._state = source_state
-      self._position = batches
-      self._pinned = None if self._settings.batch_size is not None else pinned
+    derived = None if self._settings.batch_size is not None else pinned
+    self._mark = _Mark(batches, source_state, derived)
 
   def _leave(self, how: str) -> None:
     """Ends the running stream here: a peer still in it raises naming this process."""
-    p, at = jax.process_index(), self._position
+    p, at = jax.process_index(), self._mark.position
     self._life.error = plan_lib.ReportedError(
       plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
     )
@@ -306,18 +355,22 @@ class JaxBatchIterator(Iterator[Any]):
     DataLoader, a `tf.data.Dataset`), else restored to its first state.
 
     Raises:
-      RuntimeError: If the iterator is closed, or the source can be read
-        only once (a generator without get_state()/set_state()).
+      RuntimeError: If the iterator is closed, the source can be read only
+        once (a generator without get_state()/set_state()), or it is called
+        from inside this thread's own `next()` (a signal handler). From
+        another thread it waits for a `next()` in progress.
     """
+    with self._turn("reset()"):
+      self._reset()
+
+  def _reset(self) -> None:
     if self._closed:
       raise RuntimeError("the iterator is closed")
     self._leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
     initial = self._source.get_state() if self._source.supports_state else None
-    with self._mark_lock:
-      self._state = self._initial = initial
-      self._position = 0
-      self._pinned = None
+    self._initial = initial
+    self._mark = _Mark(0, initial, None)
     self._restart(None, None)
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
@@ -339,7 +392,7 @@ class JaxBatchIterator(Iterator[Any]):
     """The source's JSON state after the last batch received (`local_iterator`)."""
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
-    return self._source.export_state(self._state)
+    return self._source.export_state(self._mark.state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
@@ -347,6 +400,10 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       ValueError: If the source refuses the state (on the peers too).
     """
+    with self._turn("local_iterator.set_state()"):
+      self._restore_local(source_state)
+
+  def _restore_local(self, source_state: Any) -> None:
     try:
       self._set_source_state(source_state)
     except ValueError as e:
@@ -355,10 +412,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._restart(None, None)
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    with self._mark_lock:
-      self._state = source_state
-      self._position = 0
-      self._pinned = None
+    self._mark = _Mark(0, source_state, None)
 
   def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
     """Stops the running stages; the next start (or close) reports `error`, if any."""
@@ -366,7 +420,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._life.stop()
     self._start_error = exc
     self._refusal = None
-    self._life.unstarted = (self._next_namespace(), self._position)
+    self._life.unstarted = (self._next_namespace(), self._mark.position)
     self._exhausted = False
 
   # -- lifetime ----------------------------------------------------------------
@@ -377,36 +431,74 @@ class JaxBatchIterator(Iterator[Any]):
     Peers end with "process p closed its iterator at batch i" after the
     batches already decided. Called from another thread while the consumer
     waits in `next()`, that call ends the iteration (`StopIteration`); any
-    later `next()` raises `RuntimeError` (closed). If that `next()` is
-    reading the source itself, `close()` waits for the read (up to 30 s,
-    then the reading thread closes the source when its read returns).
+    later `next()` raises `RuntimeError` (closed), and no batch is received
+    after `close()` (one on its way is dropped). If that `next()` is reading
+    the source itself, `close()` waits for the read (up to 30 s, then the
+    reading thread closes the source when its read returns); with
+    `prefetch_batches=0`, whose stages post from the consumer's thread, this
+    host's ending is posted after that read too. A second call from another
+    thread returns once the first has stopped everything; from a signal
+    handler that interrupted `next()` it only asks the stages to stop, and
+    that `next()` finishes the close.
     """
-    if self._closed:
-      return
-    self._closed = True
-    self._finalizer.detach()
-    self._life.close()
-    # The stage threads are stopped and joined: what may still be reading the
-    # source is a thread inside `next()` (a generator cannot be closed while
-    # it runs). It ends at its next step; past the join timeout it closes the
-    # source itself on its way out.
     if self._in_next == threading.get_ident():
-      # From inside this thread's own `next()` (a signal handler, the
-      # source itself): that `next()` closes the source when it returns.
-      self._close_pending = True
-    elif self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
-      try:
-        self._close_source()
-      finally:
-        self._next_lock.release()
+      # From inside this thread's own `next()` (a signal handler, the source
+      # itself): the interrupted frames may hold the stages' locks, so the
+      # stages are only asked to stop, taking no lock, and that `next()`
+      # closes everything when it returns.
+      if not self._closed:
+        self._closed = True
+        self._finalizer.detach()
+        self._close_deferred = True
+        self._life.request_stop()
+      return
+    with self._mark_lock:
+      first = not self._closed
+      self._closed = True  # No batch is received after this (one in flight is dropped).
+    if not first:
+      # Another thread's close() (or one left to a `next()`) is under way:
+      # return once the stages are stopped, as the first caller does.
+      self._close_done.wait(prefetch_lib.JOIN_TIMEOUT_S)
+      return
+    self._finalizer.detach()
+    if self._life.threaded():
+      # Only the stages' threads post, and `Lifetime.close` joins them before
+      # it posts this host's ending: at once, however long a `next()` in
+      # progress takes to return (a long read of its own).
+      self._close_life()
     else:
-      self._close_pending = True
+      # Inline stages post from the consumer's thread: a `next()` in
+      # progress ends its waits and returns first, and the ending is posted
+      # under its lock (the consumer's chunk and this ending took one key).
+      self._life.request_stop()
+    if not self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
+      with self._mark_lock:
+        if self._in_next is not None:
+          # That `next()` is reading the source itself (a generator cannot
+          # be closed while it runs): it closes everything on its way out.
+          self._close_deferred = True
+          return
+      self._next_lock.acquire()  # It returned meanwhile.
+    try:
+      self._finish_close()
+    finally:
+      self._next_lock.release()
 
-  def _close_source(self) -> None:
-    self._close_pending = False
-    if not self._source_closed:
-      self._source_closed = True
-      self._source.close()
+  def _close_life(self) -> None:
+    """Stops the stages and posts this host's ending; once."""
+    if not self._life_closed:
+      self._life_closed = True
+      self._life.close(self._mark.position)
+
+  def _finish_close(self) -> None:
+    """`_close_life`, then closes the source; once each."""
+    try:
+      self._close_life()
+      if not self._source_closed:
+        self._source_closed = True
+        self._source.close()
+    finally:
+      self._close_done.set()
 
   def __enter__(self) -> JaxBatchIterator:
     return self

@@ -52,7 +52,8 @@ class Pipeline:
     # Rows shared across processes are compared wherever reports are exchanged.
     local = isinstance(exchange, exchange_lib.LocalExchange)
     shares = it._placement.shares_rows and not local  # noqa: SLF001
-    self._position = it._position  # noqa: SLF001
+    mark = it._mark  # noqa: SLF001 - where the consumer is.
+    self._position = mark.position
     self.namespace = getattr(exchange, "namespace", None)  # Its stream's keys (key-value store).
     self._lookahead = s.lookahead
     self.delivered = 0
@@ -74,7 +75,7 @@ class Pipeline:
       resume=self._position,
       groups=it._placement.groups if shares else (),  # noqa: SLF001
     )
-    options = s.options(pinned=it._pinned)  # noqa: SLF001
+    options = s.options(pinned=mark.pinned)
     inline = isinstance(exchange, exchange_lib.CollectiveExchange)  # Never in a thread.
     runs: Iterator[build_lib.Run]
     if isinstance(exchange, exchange_lib.KeyValueExchange):
@@ -98,7 +99,7 @@ class Pipeline:
       runs = agreement.lockstep(
         read, exchange, options, who, window=window, position=self._position
       )
-    builder = build_lib.Builder(s, it._placement, it._state)  # noqa: SLF001
+    builder = build_lib.Builder(s, it._placement, mark.state)  # noqa: SLF001
     self._counted = (read, exchange, builder)  # Each counts its own time (`times`).
     items: Iterator[build_lib.Item]
     if s.prefetch > 0 and not inline:
@@ -160,6 +161,24 @@ class Pipeline:
     """Positions dropped after the last item; exact once the stream ended."""
     return self._counted[2].dropped
 
+  @property
+  def threaded(self) -> bool:
+    """Whether the stages run in threads (else in the consumer's `next()`)."""
+    return bool(self._stages)
+
+  def request_stop(self) -> None:
+    """Asks every stage to stop, taking none of their locks; `close()` follows.
+
+    For `close()` from a signal handler that interrupted the consumer inside
+    `next()`: the interrupted frames may hold a stage's lock, so the stages
+    are only told (their waits end), and that `next()` closes them on its
+    way out.
+    """
+    if self._agreement is not None:
+      self._agreement.close_stage()
+    for stage in self._stages:
+      stage.request_stop()
+
   def halt(self) -> None:
     """Stops every stage (no thread reads the source after it); posts nothing. Once."""
     if self._halted:
@@ -179,8 +198,13 @@ class Pipeline:
     if self._agreement is not None:
       self._agreement.release()
 
-  def close(self, error: plan_lib.ReportedError | None = None) -> None:
-    """Stops every stage, then posts this host's ending if the stream is still open."""
+  def close(self, error: plan_lib.ReportedError | None = None, at: int | None = None) -> None:
+    """Stops every stage, then posts this host's ending if the stream is still open.
+
+    `at`: the batches this host's consumer received, where the iterator
+    knows them better than `self.at` (a close from another thread while a
+    decided batch was on its way to the consumer, which then drops it).
+    """
     if self._closed:
       return
     self._closed = True
@@ -191,7 +215,7 @@ class Pipeline:
       logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
       return
     try:
-      self._agreement.close(self._position + self.delivered, error)
+      self._agreement.close(self.at if at is None else at, error)
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
@@ -256,12 +280,23 @@ class Lifetime:
     if self.pipeline is not None:
       self.pipeline.halt()
 
-  def stop(self) -> None:
+  def stop(self, at: int | None = None) -> None:
     pipeline, self.pipeline = self.pipeline, None
     if pipeline is not None:
-      pipeline.close(self.error)
+      pipeline.close(self.error, at)
       self.finished += pipeline.times()
-      self.at, self.stream = pipeline.at, pipeline.namespace
+      self.at, self.stream = (pipeline.at if at is None else at), pipeline.namespace
+
+  def threaded(self) -> bool:
+    """Whether stages run in threads (else they run in the consumer's `next()`)."""
+    pipeline = self.pipeline
+    return pipeline is not None and pipeline.threaded
+
+  def request_stop(self) -> None:
+    """`Pipeline.request_stop` of the running stages, if any."""
+    pipeline = self.pipeline
+    if pipeline is not None:
+      pipeline.request_stop()
 
   def times(self) -> stats_lib.Times:
     """The stages' time over every (re)start."""
@@ -274,9 +309,12 @@ class Lifetime:
     if unstarted is not None:
       post_unstarted_end(self.settings, unstarted[0], unstarted[1], self.error)
 
-  def close(self) -> None:
-    """Posts this host's ending to the running or next stream, then records the close."""
-    self.stop()
+  def close(self, at: int | None = None) -> None:
+    """Posts this host's ending to the running or next stream, then records the close.
+
+    `at`: the batches the consumer received (see `Pipeline.close`).
+    """
+    self.stop(at)
     unstarted = self.unstarted
     self.post_unstarted()
     if self.namespace is not None and self.settings.synchronize:

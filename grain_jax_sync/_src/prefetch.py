@@ -100,6 +100,10 @@ class Prefetcher(Generic[T]):
   def thread(self) -> threading.Thread:
     return self._thread
 
+  def request_stop(self) -> None:
+    """Asks the thread to stop, taking none of this stage's locks; `close()` follows."""
+    self._stop.set()
+
   def close(self) -> None:
     """Stops and joins the thread; idempotent."""
     self._done = True
