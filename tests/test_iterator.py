@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import grain
 import numpy as np
 import pytest
 import scenarios
@@ -447,6 +448,24 @@ def test_close_and_context_manager_leave_no_thread():
   assert set(threading.enumerate()) - before == set()
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
+
+
+@pytest.mark.parametrize("call", ["next", "reset", "set_state", "local_set_state"])
+def test_every_call_that_moves_a_closed_iterator_raises_closed(call):
+  ds = grain.MapDataset.range(32).map(lambda i: {"x": np.int32(i)}).batch(8)
+  it = gjs.iter_jax_batches(ds.to_iter_dataset(), batch_size=8)
+  next(it)
+  state, local = it.get_state(), it.local_iterator.get_state()
+  it.close()
+  moves = {
+    "next": lambda: next(it),
+    "reset": it.reset,
+    "set_state": lambda: it.set_state(state),
+    "local_set_state": lambda: it.local_iterator.set_state(local),
+  }
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    moves[call]()
+  assert it.get_state() == state  # Still the state after the last batch received.
 
 
 # -- paddings without a mask ---------------------------------------------------------
@@ -942,6 +961,7 @@ def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold
 
 _SIGNAL_CLOSE = """
 import random, signal, sys, threading
+import grain
 import numpy as np
 import grain_jax_sync as gjs
 sys.setswitchinterval(1e-6)

@@ -277,14 +277,17 @@ class JaxBatchIterator(Iterator[Any]):
         source is not touched, and the error is this process's ending: its
         peers raise it too, at once, and so does `next()` here until a
         `set_state` or `reset` succeeds.
-      RuntimeError: If the source cannot resume, or if called from inside
-        this thread's own `next()` (a signal handler). From another thread it
-        waits for a `next()` in progress: calls take turns.
+      RuntimeError: If the iterator is closed, the source cannot resume, or
+        it is called from inside this thread's own `next()` (a signal
+        handler). From another thread it waits for a `next()` in progress:
+        calls take turns.
     """
     with self._turn("set_state()"):
       self._set_state(state)
 
   def _set_state(self, state: Mapping[str, Any]) -> None:
+    if self._closed:
+      raise RuntimeError("the iterator is closed")
     p = jax.process_index()
     try:
       batches, source_state = settings_lib.check_state(
@@ -404,6 +407,8 @@ class JaxBatchIterator(Iterator[Any]):
       self._restore_local(source_state)
 
   def _restore_local(self, source_state: Any) -> None:
+    if self._closed:
+      raise RuntimeError("the iterator is closed")
     try:
       self._set_source_state(source_state)
     except ValueError as e:
