@@ -959,6 +959,51 @@ def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold
     next(it)
 
 
+def test_close_from_a_signal_handler_between_the_lines_of_next_returns_and_closes():
+  # The handler lands in `next()` after it took its lock but before it marked
+  # itself inside (or after it unmarked itself): close() then waited for that
+  # lock, which its own thread held, for good.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  next(it)
+  returned = threading.Event()
+
+  def handler_between_lines():
+    with it._next_lock:  # As `__next__` holds it there.
+      it.close()
+      returned.set()
+
+  t = threading.Thread(target=handler_between_lines, daemon=True)
+  t.start()
+  assert returned.wait(10), "close() waited for the lock its own thread held"
+  t.join(10)
+  assert [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")] == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_inside_close_returns_at_once(prefetch):
+  # A SIGTERM handler that calls close() while the main thread is already in
+  # close() (here: the generator's own cleanup, which close() runs) waited
+  # 30 s for the close it interrupted, a preemption's whole grace period.
+  box = {}
+
+  def source():
+    try:
+      yield from ({"x": np.full(8, i, np.int32)} for i in range(100))
+    finally:
+      start = time.monotonic()
+      box["it"].close()
+      box["inner_s"] = time.monotonic() - start
+
+  it = box["it"] = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+  next(it)
+  start = time.monotonic()
+  it.close()
+  assert time.monotonic() - start < 5.0 and box["inner_s"] < 1.0, box
+
+
 _SIGNAL_CLOSE = """
 import random, signal, sys, threading
 import grain

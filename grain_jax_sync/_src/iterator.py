@@ -110,7 +110,11 @@ class JaxBatchIterator(Iterator[Any]):
     self._generation = 0  # Pipeline (re)starts; names exchange keys.
     self._start_error: BaseException | None = None
     self._refusal: str | None = None  # A refused state's error (`_refused`).
-    self._next_lock = threading.Lock()
+    # Reentrant only so that `_holds_next()` can tell a signal handler (or
+    # the source) in this thread's own `next()`, also between its lines;
+    # `next()` and the calls that take turns with it refuse to nest.
+    self._next_lock = threading.RLock()
+    self._closer: int | None = None  # The thread running the first `close()`.
     self._source_closed = False
     # The close, left to the thread in `next()` (by a signal handler's
     # `close()`, or one that could not wait out a long source read).
@@ -141,6 +145,10 @@ class JaxBatchIterator(Iterator[Any]):
     # One `next()` at a time: two threads starting the stream at once started
     # two pipelines (two streams for the peers), and two inline reads of a
     # generator collided.
+    if self._holds_next():
+      raise RuntimeError(
+        "next() was called from inside this thread's own next() (a signal handler, the source?)"
+      )
     with self._next_lock:
       self._in_next = threading.get_ident()
       try:
@@ -152,7 +160,11 @@ class JaxBatchIterator(Iterator[Any]):
         if deferred:  # `close()` left it to us.
           self._finish_close()
 
-  def _turn(self, what: str) -> threading.Lock:
+  def _holds_next(self) -> bool:
+    """Whether this thread is inside `next()` (holds its lock), wherever in it."""
+    return bool(self._next_lock._is_owned())  # type: ignore[attr-defined]  # noqa: SLF001
+
+  def _turn(self, what: str) -> threading.RLock:
     """`next()`'s lock, for a call that moves the stream: they take turns.
 
     `set_state`, `reset` and `local_iterator.set_state` from another thread
@@ -160,7 +172,7 @@ class JaxBatchIterator(Iterator[Any]):
     (`next()` marked it exhausted after the restart) or the restored count
     move on by the batch in flight.
     """
-    if self._in_next == threading.get_ident():
+    if self._holds_next():
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler?); call it between batches"
@@ -446,7 +458,8 @@ class JaxBatchIterator(Iterator[Any]):
     handler that interrupted `next()` it only asks the stages to stop, and
     that `next()` finishes the close.
     """
-    if self._in_next == threading.get_ident():
+    me = threading.get_ident()
+    if self._in_next == me:
       # From inside this thread's own `next()` (a signal handler, the source
       # itself): the interrupted frames may hold the stages' locks, so the
       # stages are only asked to stop, taking no lock, and that `next()`
@@ -457,15 +470,25 @@ class JaxBatchIterator(Iterator[Any]):
         self._close_deferred = True
         self._life.request_stop()
       return
+    # A handler that interrupted `next()` between its own lines (outside the
+    # stages: no stage lock is held), or this thread's own `close()`.
+    nested = self._holds_next()
     with self._mark_lock:
       first = not self._closed
       self._closed = True  # No batch is received after this (one in flight is dropped).
+      if first:
+        self._closer = me
     if not first:
+      if nested or self._closer == me:
+        return  # The interrupted call finishes the close; it cannot be waited for here.
       # Another thread's close() (or one left to a `next()`) is under way:
       # return once the stages are stopped, as the first caller does.
       self._close_done.wait(prefetch_lib.JOIN_TIMEOUT_S)
       return
     self._finalizer.detach()
+    if nested:
+      self._finish_close()  # This thread holds `next()`'s lock already.
+      return
     if self._life.threaded():
       # Only the stages' threads post, and `Lifetime.close` joins them before
       # it posts this host's ending: at once, however long a `next()` in
