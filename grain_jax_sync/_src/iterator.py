@@ -7,13 +7,10 @@ is the state after the last batch they received.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
-import types
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -28,7 +25,7 @@ from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import settings as settings_lib
-from grain_jax_sync._src import sources
+from grain_jax_sync._src import sources, tracebacks
 from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
@@ -202,12 +199,12 @@ class JaxBatchIterator(Iterator[Any]):
       self._exhausted = True
       if not self._closed:  # Else the closing call stops it, with its count.
         self._life.stop()
-      del pipeline  # Holds the ending (see `_clear_library_frames`).
+      del pipeline  # Holds the ending (see `tracebacks.clear_library_frames`).
       if self._closed and isinstance(e, exchange_lib.Cancelled):
         # Closed from another thread while waiting for a peer inline
         # (`prefetch_batches=0`): the call ends as with the stages' threads.
         raise StopIteration from None
-      _clear_library_frames(e)
+      tracebacks.clear_library_frames(e)
       raise
     with self._mark_lock:
       if self._closed:
@@ -548,35 +545,6 @@ class JaxBatchIterator(Iterator[Any]):
 # The default of `mask_key` (not given) and its warning live with the settings.
 UNSET: Any = settings_lib.UNSET
 warn_if_unmasked = settings_lib.warn_if_unmasked
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _clear_library_frames(error: BaseException | None) -> None:
-  """Clears the locals of this library's finished frames in `error`'s tracebacks.
-
-  An ending raised to the consumer went through frames (the reader's, the
-  agreement's, the build stage's) whose locals hold objects that hold the
-  exception itself: a cycle from the exception through its traceback, which
-  kept it alive until a garbage collection, and with it the consumer's frame
-  and every iterator in it. A peer then waited for such an iterator, one
-  the process had dropped, up to `sync_timeout_s`. File names and line
-  numbers are kept; frames still running (this one) are skipped.
-  """
-  seen: set[int] = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    tb = error.__traceback__
-    while tb is not None:
-      frame: types.FrameType | None = tb.tb_frame
-      # A frame that caught the error also holds its callers (`f_back`).
-      while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        with contextlib.suppress(RuntimeError):  # Still running.
-          frame.clear()
-        frame = frame.f_back
-      tb = tb.tb_next
-    error = error.__cause__ or error.__context__
 
 
 def iter_jax_batches(
