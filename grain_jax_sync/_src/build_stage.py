@@ -102,7 +102,6 @@ class BuildStage(Generic[T]):
     self._read_ahead = read_ahead
     self._read_bytes = read_bytes
     self._ahead = buffer_size  # Decided positions held unbuilt, at most.
-    self._inline_fetch = inline_fetch
     self._pace = pace_lib.Pace(inline_fetch=inline_fetch)
     self._cond = threading.Condition(threading.Lock())
     # Decided positions (read, step, signature, size) not built yet, then the
@@ -152,7 +151,7 @@ class BuildStage(Generic[T]):
     if self._first:
       self._first = False
       self._pace.left()  # Set-up before it is not a step.
-      if not self._inline_fetch:
+      if not self._pace.inline_fetch:
         self._waiting = True  # The first position is handed over alone.
         self._thread.start()
     self._pace.came_back()

@@ -7,6 +7,7 @@ is the state after the last batch they received.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -116,7 +117,6 @@ class JaxBatchIterator(Iterator[Any]):
     # The close, left to the thread in `next()` (by a signal handler's
     # `close()`, or one that could not wait out a long source read).
     self._close_deferred = False
-    self._life_closed = False
     self._close_done = threading.Event()  # Set once the first `close()` has stopped everything.
     self._in_next: int | None = None  # The thread inside `next()`, if any.
     self._delivered = stats_lib.Delivered()
@@ -161,20 +161,24 @@ class JaxBatchIterator(Iterator[Any]):
     """Whether this thread is inside `next()` (holds its lock), wherever in it."""
     return bool(self._next_lock._is_owned())  # type: ignore[attr-defined]  # noqa: SLF001
 
-  def _turn(self, what: str) -> threading.RLock:
-    """`next()`'s lock, for a call that moves the stream: they take turns.
+  @contextlib.contextmanager
+  def _turn(self, what: str) -> Iterator[None]:
+    """Holds `next()`'s lock for a call that moves the stream: they take turns.
 
     `set_state`, `reset` and `local_iterator.set_state` from another thread
     while `next()` ran raced its delivery: the stream could end silently
     (`next()` marked it exhausted after the restart) or the restored count
-    move on by the batch in flight.
+    move on by the batch in flight. A closed iterator refuses them.
     """
     if self._holds_next():
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler?); call it between batches"
       )
-    return self._next_lock
+    with self._next_lock:
+      if self._closed:
+        raise RuntimeError("the iterator is closed")
+      yield
 
   def _next(self) -> Any:
     if self._closed:
@@ -295,8 +299,6 @@ class JaxBatchIterator(Iterator[Any]):
       self._set_state(state)
 
   def _set_state(self, state: Mapping[str, Any]) -> None:
-    if self._closed:
-      raise RuntimeError("the iterator is closed")
     p = jax.process_index()
     try:
       batches, source_state = settings_lib.check_state(
@@ -376,8 +378,6 @@ class JaxBatchIterator(Iterator[Any]):
       self._reset()
 
   def _reset(self) -> None:
-    if self._closed:
-      raise RuntimeError("the iterator is closed")
     self._leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
     initial = self._source.get_state() if self._source.supports_state else None
@@ -416,8 +416,6 @@ class JaxBatchIterator(Iterator[Any]):
       self._restore_local(source_state)
 
   def _restore_local(self, source_state: Any) -> None:
-    if self._closed:
-      raise RuntimeError("the iterator is closed")
     try:
       self._set_source_state(source_state)
     except ValueError as e:
@@ -490,7 +488,7 @@ class JaxBatchIterator(Iterator[Any]):
       # Only the stages' threads post, and `Lifetime.close` joins them before
       # it posts this host's ending: at once, however long a `next()` in
       # progress takes to return (a long read of its own).
-      self._close_life()
+      self._life.close(self._mark.position)
     else:
       # Inline stages post from the consumer's thread: a `next()` in
       # progress ends its waits and returns first, and the ending is posted
@@ -509,16 +507,10 @@ class JaxBatchIterator(Iterator[Any]):
     finally:
       self._next_lock.release()
 
-  def _close_life(self) -> None:
-    """Stops the stages and posts this host's ending; once."""
-    if not self._life_closed:
-      self._life_closed = True
-      self._life.close(self._mark.position)
-
   def _finish_close(self) -> None:
-    """`_close_life`, then closes the source; once each."""
+    """Stops the stages, posts this host's ending, closes the source; once each."""
     try:
-      self._close_life()
+      self._life.close(self._mark.position)
       if not self._source_closed:
         self._source_closed = True
         self._source.close()

@@ -193,7 +193,7 @@ class Pipeline:
       if callable(close):
         try:
           close()
-        except ValueError:  # Running: closed from inside the consumer's own `next()`.
+        except ValueError:  # Running in another thread (the finalizer at exit).
           logger.debug("the inline stages are running; left to finish", exc_info=True)
     if self._agreement is not None:
       self._agreement.release()
@@ -271,6 +271,7 @@ class Lifetime:
     self.stream: str | None = None  # and its stream's key prefix.
     self.error: plan_lib.ReportedError | None = None
     self.finished = stats_lib.Times()  # Of the pipelines stopped so far.
+    self.closed = False
 
   def halt(self) -> None:
     """Stops the running stages' threads, so that the source may be repositioned.
@@ -312,8 +313,13 @@ class Lifetime:
   def close(self, at: int | None = None) -> None:
     """Posts this host's ending to the running or next stream, then records the close.
 
-    `at`: the batches the consumer received (see `Pipeline.close`).
+    `at`: the batches the consumer received (see `Pipeline.close`). Once:
+    the iterator's `close()` and the `next()` it leaves the close to may
+    both call it.
     """
+    if self.closed:
+      return
+    self.closed = True
     self.stop(at)
     unstarted = self.unstarted
     self.post_unstarted()
