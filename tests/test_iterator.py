@@ -29,6 +29,14 @@ MULTI = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 180
 
 
+def wait_for_no_threads(deadline_s=10.0):
+  end = time.monotonic() + deadline_s
+  names = lambda: [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-")]
+  while names() and time.monotonic() < end:
+    time.sleep(0.01)
+  return names()
+
+
 def run(fn, n, d, *args, **kwargs):
   return testing.run_processes(
     fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
@@ -895,6 +903,7 @@ def test_set_state_or_reset_from_another_thread_takes_turns_with_next(prefetch, 
       it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
       got: list[int] = []
       t = None
+      done = None  # Batches received when the restore was seen done.
       for b in it:
         got.append(int(np.asarray(b["x"])[0]))
         if len(got) == 100:
@@ -903,8 +912,10 @@ def test_set_state_or_reset_from_another_thread_takes_turns_with_next(prefetch, 
           restore = functools.partial(it.set_state, saved) if how == "set_state" else it.reset
           t = threading.Thread(target=restore)
           t.start()
-        if t is not None and not t.is_alive() and len(got) >= 130:
-          break
+        if done is not None and len(got) > done and len(got) >= 130:
+          break  # A batch received after the restore returned.
+        if t is not None and done is None and not t.is_alive():
+          done = len(got)
       assert t is not None
       t.join(30)
       first = 100 if how == "set_state" else 0
@@ -937,41 +948,48 @@ def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold
   # A SIGTERM handler runs in the consumer's thread between two bytecodes of
   # the interrupted `next()`, which may hold the build stage's lock (a plain
   # lock): close() took it and the process hung for good. Here the thread
-  # holds that lock and marks itself inside `next()`, as the handler finds it.
+  # holds the turn and that lock, as the handler finds them; the close is
+  # finished when the turn ends, as `next()` ends it.
   data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   assert int(np.asarray(next(it)["x"])[0]) == 0
-  stage = it._life.pipeline._stages[0]  # The build stage.
+  stage = it._life._stages._threads[0]  # The build stage.
   returned = threading.Event()
 
   def interrupted_next():
-    it._in_next = threading.get_ident()
-    with stage._cond:
-      it.close()  # What the handler calls.
-      returned.set()
-    it._in_next = None
+    it._life.take_turn("next()")
+    try:
+      with stage._cond:
+        it.close()  # What the handler calls.
+        returned.set()
+    finally:
+      it._life.give_turn()
 
   t = threading.Thread(target=interrupted_next, daemon=True)
   t.start()
   assert returned.wait(10), "close() from inside next() waited for a lock next() held"
   t.join(10)
+  assert wait_for_no_threads() == []
   with pytest.raises(RuntimeError, match="the iterator is closed"):
     next(it)
 
 
 def test_close_from_a_signal_handler_between_the_lines_of_next_returns_and_closes():
-  # The handler lands in `next()` after it took its lock but before it marked
-  # itself inside (or after it unmarked itself): close() then waited for that
-  # lock, which its own thread held, for good.
+  # The handler lands in `next()` after it took its turn (the lifetime's lock
+  # released or not): close() waited for the turn its own thread held, for good.
   data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   next(it)
   returned = threading.Event()
 
   def handler_between_lines():
-    with it._next_lock:  # As `__next__` holds it there.
-      it.close()
-      returned.set()
+    it._life.take_turn("next()")  # As `__next__` holds it there.
+    try:
+      with it._life._lock:  # And between the lines that hold the lock.
+        it.close()
+        returned.set()
+    finally:
+      it._life.give_turn()
 
   t = threading.Thread(target=handler_between_lines, daemon=True)
   t.start()
@@ -1069,10 +1087,23 @@ def test_close_from_inside_the_consumers_own_next_returns_at_once(prefetch):
 
   it = box["it"] = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
   got = []
-  for b in it:  # The call in which close() ran ends the loop (StopIteration).
-    got.append(int(np.asarray(b["x"])[0]))
+  try:
+    for b in it:  # The call in which close() ran ends the loop (StopIteration).
+      got.append(int(np.asarray(b["x"])[0]))
+  except RuntimeError as e:
+    # With prefetch the source runs in the build thread: its close() may
+    # land between two calls, and the next call finds the iterator closed.
+    assert prefetch and str(e) == "the iterator is closed", e
+  if prefetch:  # The close runs beside the source's thread, which returns from it.
+    assert finalized.wait(10) and wait_for_no_threads() == []
   assert box["close_s"] < 1.0
-  assert got == [0, 1, 2]  # No batch after close(), not even the one in flight.
+  # No batch after close(), not even the one in flight. With prefetch the
+  # source runs in the build thread, ahead of the consumer: the batches it
+  # read before close() and the consumer had not received are dropped.
+  if prefetch == 0:
+    assert got == [0, 1, 2]
+  else:
+    assert got == list(range(len(got))) and len(got) <= 3, got
   with pytest.raises(RuntimeError, match="the iterator is closed"):
     next(it)
   assert finalized.is_set()

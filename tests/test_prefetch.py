@@ -18,7 +18,7 @@ import scenarios_perf
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
-from grain_jax_sync._src import pipeline, prefetch
+from grain_jax_sync._src import prefetch
 
 TIMEOUT = 180
 
@@ -274,18 +274,3 @@ def test_batches_deleted_by_the_consumer_do_not_stop_the_thread():
   assert got == [float(i) for i in range(30)]
   wait_for_no_threads()
   assert not scenarios_perf.library_threads()
-
-
-def test_the_thread_waits_for_transfers_only_where_they_are_host_copies():
-  # On CPU devices a transfer is a copy by the host's cores (waiting for it
-  # is not a step to build beside); on an accelerator it is a DMA.
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  assert pipeline._host_copies(cpu)
-
-  class _Accelerator:
-    platform = "tpu"
-
-  class _OnAccelerator:
-    device_set = frozenset({_Accelerator()})
-
-  assert not pipeline._host_copies(_OnAccelerator())

@@ -121,13 +121,16 @@ def closed_peer_message(note: str, namespace: str) -> str:
   )
 
 
-def read_ahead_limit(read: reader_lib.Read, lookahead: int) -> int:
-  """Undecided batches a process may hold: a few windows, capped by bytes.
+def read_ahead_limit(read: reader_lib.Read, lookahead: int, cap: int | None = None) -> int:
+  """Undecided batches a process may hold: a few windows, capped by bytes and by `cap`.
 
   At least 2: a short batch is decided only once its host's next batch (or
   end) is known (`plan.Options.wait_for_last`).
   """
-  return max(2, min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes)))
+  limit = min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes))
+  if cap is not None:
+    limit = min(limit, cap)
+  return max(2, limit)
 
 
 class Identity:
@@ -388,14 +391,20 @@ class OwnReads:
   """This host's undecided reads, read inline while quick, in a thread once slow."""
 
   def __init__(
-    self, reader: Iterator[reader_lib.Read | reader_lib.End], *, lookahead: int, threads: bool
+    self,
+    reader: Iterator[reader_lib.Read | reader_lib.End],
+    *,
+    lookahead: int,
+    threads: bool,
+    read_ahead: int | None = None,
   ):
     self._reader = reader
+    self._cap = read_ahead
     self._threads = threads
     self._thread: prefetch_lib.Prefetcher[Any] | None = None
     self._recent: collections.deque[float] = collections.deque(maxlen=READ_THREAD_READS)
     self.lookahead = lookahead
-    self.limit = lookahead
+    self.limit = lookahead if read_ahead is None else max(2, min(lookahead, read_ahead))
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
     self.count = 0  # Positions read.
     self.end: reader_lib.End | None = None
@@ -424,7 +433,7 @@ class OwnReads:
       self.end = item
       return item
     if self.count == 0:
-      self.limit = read_ahead_limit(item, self.lookahead)
+      self.limit = read_ahead_limit(item, self.lookahead, self._cap)
       self.signature = item.batch.signature
     self.pending.append(item)
     self.count += 1

@@ -96,6 +96,7 @@ class PeerLostError(RuntimeError):
 class LocalExchange:
   """No communication: each process decides alone."""
 
+  form = "local"  # The agreement's form: lockstep, nothing exchanged.
   busy_s = 0.0  # Nothing is exchanged.
 
   def __init__(self, process_index: int = 0):
@@ -163,6 +164,8 @@ class KeyValueExchange:
     process_index: This process.
     process_count: How many processes take part.
   """
+
+  form = "streamed"  # The agreement's form: one decider, followers.
 
   def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int):
     self._client = client
@@ -393,6 +396,8 @@ class CollectiveExchange:
   collectives, so it runs only in the caller's thread; prefer
   `KeyValueExchange`.
   """
+
+  form = "collective"  # The agreement's form: lockstep, in the caller's thread only.
 
   def __init__(self, *, process_index: int, process_count: int):
     self.process_index = process_index

@@ -1,46 +1,33 @@
-"""JaxBatchIterator and iter_jax_batches: options, state, lifetime.
+"""JaxBatchIterator and iter_jax_batches: options, state, stats; holds the lifetime.
 
-The stages of each (re)start are composed in `pipeline.Pipeline`. Each
-produced batch carries the source state after it, so the state the user sees
-is the state after the last batch they received.
+Each (re)start is one session (`session.Stages`, composed in one function);
+`lifetime.Lifetime` holds it, with the state machine and the one close path.
+Each produced batch carries the source state after it, so the state the user
+sees is the state after the last batch they received.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
-import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import pipeline as pipeline_lib
+from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sources, tracebacks
 from grain_jax_sync._src import stats as stats_lib
 
-logger = logging.getLogger(__name__)
-
 Settings = settings_lib.Settings
 STATE_VERSION = settings_lib.STATE_VERSION
-
-
-class _Mark(NamedTuple):
-  """Where the consumer is: batches received, the source state after them, the derived size."""
-
-  position: int
-  state: Any
-  pinned: int | None
+Mark = session_lib.Mark
 
 
 class JaxBatchIterator(Iterator[Any]):
@@ -63,163 +50,72 @@ class JaxBatchIterator(Iterator[Any]):
     settings: Settings,
     placement: placement_lib.BatchPlacement,
   ):
+    settings_lib.check_divisible(settings, placement.local_shards, placement.describe_local())
     self._settings = settings
     self._placement = placement
-    # Local rows split among the data shards this process holds.
-    self._local_devices = placement.local_shards
-    if (
-      settings.paddings is not None
-      and settings.batch_size is not None
-      and settings.batch_size % self._local_devices
-    ):
-      raise ValueError(
-        f"`batch_size` must be divisible by {placement.describe_local()}"
-        f" when `paddings` is given, got {settings.batch_size}"
-      )
     self._origin = source  # Reopened by reset().
     # Named at construction, so that a process that never iterates still
     # counts this iterator (and can tell its peers it closed or failed).
-    self._namespace = None
+    namespace = None
     if settings.synchronize and jax.process_count() > 1:
-      self._namespace = exchange_lib.new_namespace(settings.name)
+      namespace = exchange_lib.new_namespace(settings.name)
     try:
       self._source = sources.open_source(source)
       initial = self._source.get_state() if self._source.supports_state else None
     except BaseException as e:
       # Peers would wait `sync_timeout_s` for a host that never reports.
       end = reader_lib.failed(jax.process_index(), 0, 0, e, "opening its source")
-      first = None if self._namespace is None else f"{self._namespace}/1"
-      pipeline_lib.post_unstarted_end(settings, first, 0, end.error)
+      first = None if namespace is None else f"{namespace}/1"
+      session_lib.end_unstarted(settings, first, 0, end.error)
       raise
     self._initial = initial
-    # The batches received, the source state after the last of them, and
-    # (without `batch_size`) the full size derived from the first position:
-    # one tuple, replaced whole, so that `get_state()` (from a checkpoint
-    # thread or a signal handler) never pairs the count of one batch with
-    # the state of another, and takes no lock.
-    self._mark = _Mark(0, initial, None)
-    # Taken with the mark's and the counts' updates in `next()`, and by
-    # `close()` and `stats()`: a batch is either received and counted, or
-    # dropped by a concurrent close. Reentrant: a signal handler in the
-    # consumer's thread may call `stats()` while `next()` holds it.
-    self._mark_lock = threading.RLock()
-    self._closed = False
-    self._exhausted = False
-    self._generation = 0  # Pipeline (re)starts; names exchange keys.
-    self._start_error: BaseException | None = None
-    self._refusal: str | None = None  # A refused state's error (`_refused`).
-    # Reentrant only so that `_holds_next()` can tell a signal handler (or
-    # the source) in this thread's own `next()`, also between its lines;
-    # `next()` and the calls that take turns with it refuse to nest.
-    self._next_lock = threading.RLock()
-    self._closer: int | None = None  # The thread running the first `close()`.
-    self._source_closed = False
-    # The close, left to the thread in `next()` (by a signal handler's
-    # `close()`, or one that could not wait out a long source read).
-    self._close_deferred = False
-    self._close_done = threading.Event()  # Set once the first `close()` has stopped everything.
-    self._in_next: int | None = None  # The thread inside `next()`, if any.
-    self._delivered = stats_lib.Delivered()
-    self._life = pipeline_lib.Lifetime(settings, self._namespace)
-    self._life.unstarted = (self._next_namespace(), 0)
+    # Holds no reference to this iterator: its finalizer closes it.
+    self._life = lifetime_lib.Lifetime(
+      settings=settings,
+      placement=placement,
+      source=self._source,
+      namespace=namespace,
+      mark=Mark(0, initial, settings.batch_size, stats_lib.Delivered()),
+    )
     self._finalizer = weakref.finalize(self, self._life.close)
-
-  def _next_namespace(self) -> str | None:
-    return None if self._namespace is None else f"{self._namespace}/{self._generation + 1}"
-
-  def _start(self) -> None:
-    s = self._settings
-    namespace = self._next_namespace()
-    self._generation += 1
-    exchange = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=namespace)
-    self._life.unstarted = None
-    self._life.pipeline = pipeline_lib.Pipeline(self, exchange, self._start_error)
 
   def __iter__(self) -> JaxBatchIterator:
     return self
 
   def __next__(self) -> Any:
-    # One `next()` at a time: two threads starting the stream at once started
-    # two pipelines (two streams for the peers), and two inline reads of a
-    # generator collided.
-    if self._holds_next():
-      raise RuntimeError(
-        "next() was called from inside this thread's own next() (a signal handler, the source?)"
-      )
-    with self._next_lock:
-      self._in_next = threading.get_ident()
-      try:
-        return self._next()
-      finally:
-        with self._mark_lock:
-          self._in_next = None
-          deferred, self._close_deferred = self._close_deferred, False
-        if deferred:  # `close()` left it to us.
-          self._finish_close()
+    # One `next()` at a time (two threads starting the stream at once started
+    # two streams for the peers), and none inside its own thread's `next()`.
+    life = self._life
+    life.take_turn("next()")
+    try:
+      return self._next(life)
+    finally:
+      life.give_turn()
 
-  def _holds_next(self) -> bool:
-    """Whether this thread is inside `next()` (holds its lock), wherever in it."""
-    return bool(self._next_lock._is_owned())  # type: ignore[attr-defined]  # noqa: SLF001
-
-  @contextlib.contextmanager
-  def _turn(self, what: str) -> Iterator[None]:
-    """Holds `next()`'s lock for a call that moves the stream: they take turns.
-
-    `set_state`, `reset` and `local_iterator.set_state` from another thread
-    while `next()` ran raced its delivery: the stream could end silently
-    (`next()` marked it exhausted after the restart) or the restored count
-    move on by the batch in flight. A closed iterator refuses them.
-    """
-    if self._holds_next():
-      raise RuntimeError(
-        f"{what} was called from inside this thread's own next() (a signal"
-        " handler?); call it between batches"
-      )
-    with self._next_lock:
-      if self._closed:
-        raise RuntimeError("the iterator is closed")
-      yield
-
-  def _next(self) -> Any:
-    if self._closed:
-      raise RuntimeError("the iterator is closed")
-    if self._refusal is not None:
-      raise ValueError(self._refusal)
-    if self._exhausted:
+  def _next(self, life: lifetime_lib.Lifetime) -> Any:
+    if life.refusal is not None:
+      raise ValueError(life.refusal)
+    if life.exhausted:
       raise StopIteration
     t0 = time.monotonic()
-    if self._life.pipeline is None:
-      self._start()
-      if self._closed:  # From another thread meanwhile: it waits for us to close.
-        raise StopIteration
-    pipeline = self._life.pipeline
-    assert pipeline is not None
+    stages = life.stages()
     try:
-      item = next(pipeline)
+      item = next(stages)
     except BaseException as e:
-      with self._mark_lock:
-        self._delivered.wait_s += time.monotonic() - t0
-        self._delivered.dropped_batches += pipeline.trailing_drops()
-      self._exhausted = True
-      if not self._closed:  # Else the closing call stops it, with its count.
-        self._life.stop()
-      del pipeline  # Holds the ending (see `tracebacks.clear_library_frames`).
-      if self._closed and isinstance(e, exchange_lib.Cancelled):
-        # Closed from another thread while waiting for a peer inline
-        # (`prefetch_batches=0`): the call ends as with the stages' threads.
-        raise StopIteration from None
+      life.waited(time.monotonic() - t0, stages.trailing_drops())
+      life.exhausted = True
+      if not life.asked:  # Else the close stops it, with its count.
+        life.stop()
+      del stages  # Holds the ending (see `tracebacks.clear_library_frames`).
+      if life.asked and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
+        raise StopIteration from None  # Closed from another thread meanwhile.
       tracebacks.clear_library_frames(e)
       raise
-    with self._mark_lock:
-      if self._closed:
-        # Closed from another thread meanwhile (its count excludes this
-        # batch), or from a signal handler inside this call: no batch after
-        # `close()`.
-        raise StopIteration
-      self._delivered.wait_s += time.monotonic() - t0
-      self._delivered.add(item.real, item.rows, item.dropped)
-      pinned = item.batch_size if self._settings.batch_size is None else None
-      self._mark = _Mark(self._mark.position + 1, item.state, pinned)
+    if not life.receive(item, time.monotonic() - t0):
+      # Closed from another thread meanwhile (its count excludes this
+      # batch), or from a signal handler inside this call: no batch after
+      # `close()`.
+      raise StopIteration
     return item.value
 
   def stats(self) -> dict[str, int | float]:
@@ -229,7 +125,7 @@ class JaxBatchIterator(Iterator[Any]):
     still prefetched), over the iterator's life, across `set_state`. Times
     are seconds of each stage's own thread, so with prefetching they overlap
     each other and the training step; ``wait_s`` is the part the consumer
-    did not hide.
+    did not hide. Takes no lock: safe from any thread or a signal handler.
 
     Returns:
       A dict: ``batches`` received; this host's ``real_rows`` and
@@ -244,14 +140,15 @@ class JaxBatchIterator(Iterator[Any]):
       ``transfer_s`` building global arrays (padding, mask, host casts,
       ``make_array_from_process_local_data``).
     """
-    with self._mark_lock:
-      delivered = dataclasses.replace(self._delivered)
-    return stats_lib.snapshot(delivered, self._life.times())
+    return stats_lib.snapshot(self._life.mark.delivered, self._life.times())
 
   # -- state -------------------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
     """The resume state after the last batch this consumer received.
+
+    Takes no lock and makes no store call: safe from a checkpoint thread or
+    a signal handler, and before the first batch.
 
     Returns:
       A JSON-serialisable dict, per process; restore it with `set_state` in a
@@ -262,17 +159,17 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
-    position, source_state, pinned = self._mark
+    mark = self._life.mark
     state = {
       "version": STATE_VERSION,
-      "batches": position,
+      "batches": mark.position,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._settings.digest(),
-      "source": self._source.export_state(source_state),
+      "source": self._source.export_state(mark.state),
     }
-    if pinned is not None:
-      state["batch_size"] = pinned  # Derived: later batches are judged by it.
+    if self._settings.batch_size is None and mark.batch_size is not None:
+      state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
     return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -295,8 +192,15 @@ class JaxBatchIterator(Iterator[Any]):
         handler). From another thread it waits for a `next()` in progress:
         calls take turns.
     """
-    with self._turn("set_state()"):
-      self._set_state(state)
+    self._in_turn("set_state()", self._set_state, state)
+
+  def _in_turn(self, what: str, fn: Any, *args: Any) -> None:
+    life = self._life
+    life.take_turn(what)
+    try:
+      fn(*args)
+    finally:
+      life.give_turn()
 
   def _set_state(self, state: Mapping[str, Any]) -> None:
     p = jax.process_index()
@@ -304,23 +208,26 @@ class JaxBatchIterator(Iterator[Any]):
       batches, source_state = settings_lib.check_state(
         state, settings=self._settings, process_index=p, process_count=jax.process_count()
       )
-      pinned = settings_lib.pinned_batch_size(state)
+      batch_size = settings_lib.pinned_batch_size(state)
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
     self._leave("restored a state (set_state())")
-    self._restart(None, None)
-    derived = None if self._settings.batch_size is not None else pinned
-    self._mark = _Mark(batches, source_state, derived)
+    batch_size = batch_size or self._settings.batch_size
+    self._restart(Mark(batches, source_state, batch_size, self._delivered()))
+
+  def _delivered(self) -> stats_lib.Delivered:
+    return self._life.mark.delivered
 
   def _leave(self, how: str) -> None:
     """Ends the running stream here: a peer still in it raises naming this process."""
-    p, at = jax.process_index(), self._mark.position
-    self._life.error = plan_lib.ReportedError(
+    life = self._life
+    p, at = jax.process_index(), life.mark.position
+    life.ending = plan_lib.ReportedError(
       plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
     )
-    self._life.stop()
-    self._life.error = None
+    life.stop()
+    life.ending = None
 
   def _refused(self, e: ValueError) -> ValueError:
     """Makes a refused state this host's ending (its peers raise it too).
@@ -331,16 +238,20 @@ class JaxBatchIterator(Iterator[Any]):
     waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
     `next()` raises the same error.
     """
-    p = jax.process_index()
-    error = ValueError(f"process {p}: {e}")
-    running = self._life.pipeline is not None  # Its stream gets the ending (`stop`).
-    self._restart(plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, str(error), p, 0), error)
-    if not running:
+    life = self._life
+    error = ValueError(f"process {jax.process_index()}: {e}")
+    life.ending = plan_lib.ReportedError(
+      plan_lib.ErrorKind.VALUE, str(error), jax.process_index(), 0
+    )
+    if life.running:
+      life.stop()
+    else:
       # The peers wait in the stream this host would have started: end it
       # there now; a later restart takes the stream after it, as theirs do.
-      self._life.post_unstarted()
-      self._generation += 1
-    self._refusal = str(error)
+      life.end_unstarted()
+    life.ending = None
+    life.pending_start = True
+    life.refusal = str(error)
     return error
 
   def _set_source_state(self, source_state: Any) -> None:
@@ -356,7 +267,8 @@ class JaxBatchIterator(Iterator[Any]):
         f"`state['source']` is not a state of {self._source.description}: {type(e).__name__}: {e}"
       ) from e
     except Exception as e:
-      self._restart(None, e)  # Halted: the next start raises it, on every host.
+      self._life.start_error = e  # Halted: the next start raises it, on every host.
+      self._restart(self._life.mark)
       raise
 
   def reset(self) -> None:
@@ -374,16 +286,15 @@ class JaxBatchIterator(Iterator[Any]):
         from inside this thread's own `next()` (a signal handler). From
         another thread it waits for a `next()` in progress.
     """
-    with self._turn("reset()"):
-      self._reset()
+    self._in_turn("reset()", self._reset)
 
   def _reset(self) -> None:
     self._leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
+    self._life.source = self._source
     initial = self._source.get_state() if self._source.supports_state else None
     self._initial = initial
-    self._mark = _Mark(0, initial, None)
-    self._restart(None, None)
+    self._restart(Mark(0, initial, self._settings.batch_size, self._delivered()))
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 
@@ -404,7 +315,7 @@ class JaxBatchIterator(Iterator[Any]):
     """The source's JSON state after the last batch received (`local_iterator`)."""
     if not self._source.supports_state:
       self._source.get_state()  # Raises with the source's description.
-    return self._source.export_state(self._mark.state)
+    return self._source.export_state(self._life.mark.state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
@@ -412,8 +323,7 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       ValueError: If the source refuses the state (on the peers too).
     """
-    with self._turn("local_iterator.set_state()"):
-      self._restore_local(source_state)
+    self._in_turn("local_iterator.set_state()", self._restore_local, source_state)
 
   def _restore_local(self, source_state: Any) -> None:
     try:
@@ -421,19 +331,15 @@ class JaxBatchIterator(Iterator[Any]):
     except ValueError as e:
       raise self._refused(e) from e
     self._leave("restored a state (local_iterator.set_state())")
-    self._restart(None, None)
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._mark = _Mark(0, source_state, None)
+    self._restart(Mark(0, source_state, self._settings.batch_size, self._delivered()))
 
-  def _restart(self, error: plan_lib.ReportedError | None, exc: BaseException | None) -> None:
-    """Stops the running stages; the next start (or close) reports `error`, if any."""
-    self._life.error = error
-    self._life.stop()
-    self._start_error = exc
-    self._refusal = None
-    self._life.unstarted = (self._next_namespace(), self._mark.position)
-    self._exhausted = False
+  def _restart(self, mark: Mark) -> None:
+    """Stops the running stages; the next `next()` starts a new stream at `mark`."""
+    life = self._life
+    life.stop()
+    life.restart(mark)
 
   # -- lifetime ----------------------------------------------------------------
 
@@ -445,77 +351,16 @@ class JaxBatchIterator(Iterator[Any]):
     waits in `next()`, that call ends the iteration (`StopIteration`); any
     later `next()` raises `RuntimeError` (closed), and no batch is received
     after `close()` (one on its way is dropped). If that `next()` is reading
-    the source itself, `close()` waits for the read (up to 30 s, then the
-    reading thread closes the source when its read returns); with
-    `prefetch_batches=0`, whose stages post from the consumer's thread, this
-    host's ending is posted after that read too. A second call from another
-    thread returns once the first has stopped everything; from a signal
-    handler that interrupted `next()` it only asks the stages to stop, and
-    that `next()` finishes the close.
+    the source itself (`prefetch_batches=0`), `close()` waits for the read
+    (up to 30 s; then that `next()` closes everything when its read
+    returns). A second call from another thread returns once the first has
+    stopped everything. From a signal handler that interrupted `next()` (or
+    from the source itself) it only asks: that `next()` stops at once and
+    finishes the close. From the finalizer in one of the library's own
+    threads (a garbage collection there), the close runs in a new thread.
     """
-    me = threading.get_ident()
-    if self._in_next == me:
-      # From inside this thread's own `next()` (a signal handler, the source
-      # itself): the interrupted frames may hold the stages' locks, so the
-      # stages are only asked to stop, taking no lock, and that `next()`
-      # closes everything when it returns.
-      if not self._closed:
-        self._closed = True
-        self._finalizer.detach()
-        self._close_deferred = True
-        self._life.request_stop()
-      return
-    # A handler that interrupted `next()` between its own lines (outside the
-    # stages: no stage lock is held), or this thread's own `close()`.
-    nested = self._holds_next()
-    with self._mark_lock:
-      first = not self._closed
-      self._closed = True  # No batch is received after this (one in flight is dropped).
-      if first:
-        self._closer = me
-    if not first:
-      if nested or self._closer == me:
-        return  # The interrupted call finishes the close; it cannot be waited for here.
-      # Another thread's close() (or one left to a `next()`) is under way:
-      # return once the stages are stopped, as the first caller does.
-      self._close_done.wait(prefetch_lib.JOIN_TIMEOUT_S)
-      return
     self._finalizer.detach()
-    if nested:
-      self._finish_close()  # This thread holds `next()`'s lock already.
-      return
-    if self._life.threaded():
-      # Only the stages' threads post, and `Lifetime.close` joins them before
-      # it posts this host's ending: at once, however long a `next()` in
-      # progress takes to return (a long read of its own).
-      self._life.close(self._mark.position)
-    else:
-      # Inline stages post from the consumer's thread: a `next()` in
-      # progress ends its waits and returns first, and the ending is posted
-      # under its lock (the consumer's chunk and this ending took one key).
-      self._life.request_stop()
-    if not self._next_lock.acquire(timeout=prefetch_lib.JOIN_TIMEOUT_S):
-      with self._mark_lock:
-        if self._in_next is not None:
-          # That `next()` is reading the source itself (a generator cannot
-          # be closed while it runs): it closes everything on its way out.
-          self._close_deferred = True
-          return
-      self._next_lock.acquire()  # It returned meanwhile.
-    try:
-      self._finish_close()
-    finally:
-      self._next_lock.release()
-
-  def _finish_close(self) -> None:
-    """Stops the stages, posts this host's ending, closes the source; once each."""
-    try:
-      self._life.close(self._mark.position)
-      if not self._source_closed:
-        self._source_closed = True
-        self._source.close()
-    finally:
-      self._close_done.set()
+    self._life.close()
 
   def __enter__(self) -> JaxBatchIterator:
     return self
@@ -647,33 +492,16 @@ def iter_jax_batches(
     ...   for batch in it:
     ...     loss = step(batch["x"], batch["mask"])
   """
-  mask_key = warn_if_unmasked(paddings, mask_key)
-  sizes = [("synchronize_lookahead", synchronize_lookahead)]
-  if batch_size is not None:
-    sizes.append(("batch_size", batch_size))
-  for arg, value in sizes:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-      raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
-  if (
-    isinstance(prefetch_batches, bool)
-    or not isinstance(prefetch_batches, (int, np.integer))
-    or prefetch_batches < 0
-  ):
-    raise ValueError(f"`prefetch_batches` must be an int >= 0, got {prefetch_batches!r}")
-  if mask_key is not None and not isinstance(mask_key, str):
-    raise ValueError(f"`mask_key` must be a str or None, got {mask_key!r}")
-  if not sync_timeout_s > 0:
-    raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
-  settings = Settings(
-    batch_size=None if batch_size is None else int(batch_size),
-    drop_last=bool(drop_last),
+  settings = settings_lib.make(
+    batch_size=batch_size,
+    drop_last=drop_last,
     paddings=paddings,
     mask_key=mask_key,
     dtypes=dtypes,
-    synchronize=bool(synchronize_batches),
-    lookahead=int(synchronize_lookahead),
-    prefetch=int(prefetch_batches),
-    sync_timeout_s=float(sync_timeout_s),
+    synchronize_batches=synchronize_batches,
+    synchronize_lookahead=synchronize_lookahead,
+    prefetch_batches=prefetch_batches,
+    sync_timeout_s=sync_timeout_s,
     name=name,
   )
   placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)

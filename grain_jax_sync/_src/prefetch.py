@@ -1,18 +1,19 @@
-"""The background pipeline thread and its bounded queue.
+"""A stage in its own thread: a producer drained into a bounded buffer.
 
-The thread runs the whole producer (read, exchange, pad, cast, transfer) and
-stays at most `buffer_size` items ahead of the consumer. Exceptions travel
-through the queue and are raised in the consumer with their original
-traceback. `close()` leaves no thread behind: it stops the producer at its next
-check, cancels a pending exchange wait and joins the thread.
+Grain's `ThreadPrefetchIterDataset` is the model. The thread runs the
+producer and stays at most `buffer_size` items ahead of its consumer.
+Exceptions travel through the buffer and are raised in the consumer with
+their original traceback. Both sides block on one condition; neither polls.
+`close()` wakes both, lets the producer's hook cancel a wait of its own
+(`on_close`), and joins the thread, unless it is that thread.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
-import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -20,13 +21,35 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-END = object()  # The end of a stream, as a queue item.
+END = object()  # The end of a stream, as a buffer item.
+# How long `close()` waits for a stage thread to return. A thread is blocked
+# there only inside a source's own `next()` (a store wait is cancelled, a full
+# buffer is woken): a read that outlives this is left to finish in a daemon
+# thread, whatever the host.
 JOIN_TIMEOUT_S = 30.0
-WAKE_S = 0.05  # How often a blocked consumer checks for close().
+
+
+# Every thread the library's stages start (any iterator's).
+_library_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def start_thread(
+  target: Callable[..., Any], *, name: str, args: tuple[Any, ...] = ()
+) -> threading.Thread:
+  """Starts a stage's daemon thread, known from then on to `in_library_thread`."""
+  thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+  _library_threads.add(thread)
+  thread.start()
+  return thread
+
+
+def in_library_thread() -> bool:
+  """Whether the calling thread is one of the stages' own (of any iterator)."""
+  return threading.current_thread() in _library_threads
 
 
 class Raised:
-  """An exception travelling to the consumer, as a queue item."""
+  """An exception travelling to the consumer, as a buffer item."""
 
   __slots__ = ("error",)
 
@@ -35,17 +58,41 @@ class Raised:
 
 
 def is_final(item: Any) -> bool:
-  """Whether a queue item ends the stream (the end, or an error)."""
+  """Whether a buffer item ends the stream (the end, or an error)."""
   return item is END or isinstance(item, Raised)
 
 
 def unwrap(item: Any) -> Any:
-  """A queue item as the consumer sees it: the value, the end, or the error."""
+  """A buffer item as the consumer sees it: the value, the end, or the error."""
   if item is END:
     raise StopIteration
   if isinstance(item, Raised):
     raise item.error.with_traceback(item.error.__traceback__)
   return item
+
+
+def close_producer(producer: Any) -> None:
+  """Closes a producer generator, if it has `close` (errors are logged)."""
+  close = getattr(producer, "close", None)
+  if callable(close):
+    try:
+      close()
+    except Exception:  # noqa: BLE001 - best effort: a close never raises.
+      logger.debug("producer close failed", exc_info=True)
+
+
+def join(thread: threading.Thread, what: str) -> None:
+  """Joins a stage thread (never the calling one), warning if it outlives the wait."""
+  if thread.ident is None or thread is threading.current_thread():
+    return
+  thread.join(JOIN_TIMEOUT_S)
+  if thread.is_alive():
+    logger.warning(
+      "grain_jax_sync: the %s thread is still blocked (in the source?) after"
+      " %.0fs; leaving it as a daemon thread",
+      what,
+      JOIN_TIMEOUT_S,
+    )
 
 
 class Prefetcher(Generic[T]):
@@ -69,14 +116,13 @@ class Prefetcher(Generic[T]):
   ):
     if buffer_size < 1:
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
-    self._queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
-    self._stop = threading.Event()
+    self._size = buffer_size
+    self._buffer: collections.deque[Any] = collections.deque()
+    self._cond = threading.Condition(threading.Lock())
+    self._stopped = False
+    self._done = False  # The consumer saw the final item.
     self._on_close = on_close
-    self._done = False
-    self._thread = threading.Thread(
-      target=_run, args=(producer, self._queue, self._stop), name=name, daemon=True
-    )
-    self._thread.start()
+    self._thread = start_thread(self._run, args=(producer,), name=name)
 
   def __iter__(self) -> Prefetcher[T]:
     return self
@@ -84,14 +130,14 @@ class Prefetcher(Generic[T]):
   def __next__(self) -> T:
     if self._done:
       raise StopIteration
-    while True:
-      try:
-        item = self._queue.get(timeout=WAKE_S)
-        break
-      except queue.Empty:
-        if self._stop.is_set():  # Closed from another thread.
-          self._done = True
-          raise StopIteration from None
+    with self._cond:
+      while not self._buffer and not self._stopped:
+        self._cond.wait()
+      if not self._buffer:  # Closed meanwhile.
+        self._done = True
+        raise StopIteration
+      item = self._buffer.popleft()
+      self._cond.notify_all()  # Room for the producer.
     if is_final(item):
       self._done = True
     return unwrap(item)
@@ -100,58 +146,35 @@ class Prefetcher(Generic[T]):
   def thread(self) -> threading.Thread:
     return self._thread
 
-  def request_stop(self) -> None:
-    """Asks the thread to stop, taking none of this stage's locks; `close()` follows."""
-    self._stop.set()
-
   def close(self) -> None:
-    """Stops and joins the thread; idempotent."""
+    """Stops and joins the thread (unless called from it); idempotent."""
     self._done = True
-    self._stop.set()
+    with self._cond:
+      self._stopped = True
+      self._buffer.clear()
+      self._cond.notify_all()
     if self._on_close is not None:
       self._on_close()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while self._thread.is_alive():
-      try:  # Unblock a producer waiting on a full queue.
-        while True:
-          self._queue.get_nowait()
-      except queue.Empty:
-        pass
-      self._thread.join(timeout=0.05)
-      if self._thread.is_alive() and time.monotonic() > deadline:
-        logger.warning(
-          "grain_jax_sync: the prefetch thread is still blocked (in the"
-          " source?) after %.0fs; leaving it as a daemon thread",
-          JOIN_TIMEOUT_S,
-        )
-        break
+    join(self._thread, "prefetch")
 
-
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-  while not stop.is_set():
-    try:
-      q.put(item, timeout=0.05)
+  def _put(self, item: Any) -> bool:
+    """Waits for room; False if the stage was closed meanwhile."""
+    with self._cond:
+      while len(self._buffer) >= self._size and not self._stopped:
+        self._cond.wait()
+      if self._stopped:
+        return False
+      self._buffer.append(item)
+      self._cond.notify_all()
       return True
-    except queue.Full:
-      continue
-  return False
 
-
-def _run(producer: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
-  try:
-    for item in producer:
-      if not _put(q, item, stop):
-        return
-      if stop.is_set():
-        return
-    _put(q, END, stop)
-  except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
-    if not stop.is_set():
-      _put(q, Raised(e), stop)
-  finally:
-    close = getattr(producer, "close", None)
-    if callable(close):
-      try:
-        close()
-      except Exception:  # noqa: BLE001
-        logger.debug("producer close failed", exc_info=True)
+  def _run(self, producer: Iterator[Any]) -> None:
+    try:
+      for item in producer:
+        if not self._put(item):
+          return
+      self._put(END)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
+      self._put(Raised(e))
+    finally:
+      close_producer(producer)

@@ -35,6 +35,9 @@ class Settings:
   prefetch: int
   sync_timeout_s: float
   name: str | None
+  # Batches read but not yet built, at most (None: the agreement's default
+  # bound, `agreement.read_ahead_limit`); `device_put`'s `cpu_buffer_size`.
+  read_ahead: int | None = None
 
   def digest(self) -> dict[str, Any]:
     """What every host must agree on (compared in the first exchange)."""
@@ -49,16 +52,17 @@ class Settings:
       }
     )
 
-  def options(self, pinned: int | None = None) -> plan_lib.Options:
+  def options(self, batch_size: int | None = None) -> plan_lib.Options:
     """The options `plan.decide` takes.
 
     Args:
-      pinned: Without `batch_size`: the full batch size derived from the
-        first position (see `plan.pin`), once known (restored with a state).
+      batch_size: The agreed full batch size, where known (`plan.pin`:
+        given, or derived from the first position and restored with a
+        state); `self.batch_size` when given.
     """
-    derived = self.batch_size is None and pinned is not None
+    derived = self.batch_size is None and batch_size is not None
     return plan_lib.Options(
-      batch_size=pinned if self.batch_size is None else self.batch_size,
+      batch_size=batch_size if self.batch_size is None else self.batch_size,
       drop_last=self.drop_last,
       pad=self.paddings is not None,
       wait_for_last=True,
@@ -185,3 +189,64 @@ def check_state(
         " saved vs now); build the iterator with the settings it was saved with"
       )
   return batches, state["source"]
+
+
+def _positive(arg: str, value: Any, *, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"`{arg}` must be {kind}, got {value!r}")
+  return int(value)
+
+
+def make(
+  *,
+  batch_size: int | None,
+  drop_last: bool,
+  paddings: Any,
+  mask_key: Any,
+  dtypes: Any,
+  synchronize_batches: bool,
+  synchronize_lookahead: int,
+  prefetch_batches: int,
+  sync_timeout_s: float,
+  name: str | None,
+  read_ahead: int | None = None,
+) -> Settings:
+  """Checks the options of `iter_jax_batches`, `device_put` and `jax_sync_generator`, once.
+
+  Touches no store and starts no thread.
+
+  Raises:
+    ValueError: Naming the argument and the value.
+  """
+  mask_key = warn_if_unmasked(paddings, mask_key)
+  if mask_key is not None and not isinstance(mask_key, str):
+    raise ValueError(f"`mask_key` must be a str or None, got {mask_key!r}")
+  if not (isinstance(sync_timeout_s, (int, float)) and sync_timeout_s > 0):
+    raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
+  return Settings(
+    batch_size=None if batch_size is None else _positive("batch_size", batch_size),
+    drop_last=bool(drop_last),
+    paddings=paddings,
+    mask_key=mask_key,
+    dtypes=dtypes,
+    synchronize=bool(synchronize_batches),
+    lookahead=_positive("synchronize_lookahead", synchronize_lookahead),
+    prefetch=_positive("prefetch_batches", prefetch_batches, minimum=0),
+    sync_timeout_s=float(sync_timeout_s),
+    name=name,
+    read_ahead=None if read_ahead is None else _positive("read_ahead", read_ahead, minimum=0),
+  )
+
+
+def check_divisible(settings: Settings, shards: int, describe: str) -> None:
+  """With `paddings`, `batch_size` must split evenly over this process's data shards.
+
+  The one place a given `batch_size` is checked; a derived one is checked by
+  `plan.pin` when the agreement decides it.
+  """
+  size = settings.batch_size
+  if settings.paddings is not None and size is not None and size % shards:
+    raise ValueError(
+      f"`batch_size` must be divisible by {describe} when `paddings` is given, got {size}"
+    )

@@ -52,9 +52,9 @@ class Times:
     )
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Delivered:
-  """What the consumer received; written by the consumer's thread only.
+  """What the consumer received; a value, replaced whole with each batch (`lifetime.Mark`).
 
   Attributes:
     batches: Global batches received.
@@ -75,13 +75,22 @@ class Delivered:
   dropped_batches: int = 0
   wait_s: float = 0.0
 
-  def add(self, real: int, rows: int, dropped: int) -> None:
-    """Counts one received batch: `real` of its `rows` local rows were real."""
-    self.batches += 1
-    self.real_rows += real
-    self.padded_rows += rows - real
-    self.dummy_batches += real == 0
-    self.dropped_batches += dropped
+  def added(self, real: int, rows: int, dropped: int, wait_s: float) -> Delivered:
+    """These counts and one more batch: `real` of its `rows` local rows were real."""
+    return Delivered(
+      self.batches + 1,
+      self.real_rows + real,
+      self.padded_rows + rows - real,
+      self.dummy_batches + (real == 0),
+      self.dropped_batches + dropped,
+      self.wait_s + wait_s,
+    )
+
+  def ended(self, wait_s: float, dropped: int) -> Delivered:
+    """These counts after a `next()` that ended the stream (drops after the last batch)."""
+    return dataclasses.replace(
+      self, dropped_batches=self.dropped_batches + dropped, wait_s=self.wait_s + wait_s
+    )
 
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:

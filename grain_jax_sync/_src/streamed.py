@@ -38,6 +38,8 @@ class Streamed:
     position: Output batches before the first one (the resume position).
     threads: May move a slow source to its own thread.
     live: Tells dead peers from slow ones (default: their beats).
+    read_ahead: At most this many undecided batches held (None: the
+      default bound, `agreement.read_ahead_limit`).
   """
 
   def __init__(
@@ -52,6 +54,7 @@ class Streamed:
     position: int,
     threads: bool = True,
     live: liveness_lib.Liveness | None = None,
+    read_ahead: int | None = None,
   ):
     self._ex = exchange
     self._options = options
@@ -59,7 +62,9 @@ class Streamed:
     self._p = exchange.process_index
     self._n = exchange.process_count
     self._timeout_s = timeout_s
-    self._own = agreement.OwnReads(reader, lookahead=lookahead, threads=threads)
+    self._own = agreement.OwnReads(
+      reader, lookahead=lookahead, threads=threads, read_ahead=read_ahead
+    )
     self._live = live or liveness_lib.Liveness(exchange)
     self._j = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
@@ -120,13 +125,7 @@ class Streamed:
     return now - self._waiting_since
 
   def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
-    return plan_lib.ReportedError(
-      ErrorKind.CLOSED,
-      f"process {self._p} closed its iterator at batch {at_batch}",
-      self._p,
-      at_batch,
-      "closed",
-    )
+    return closed_error(self._p, at_batch)
 
   def close_stage(self) -> None:
     """Stops waits and the read thread (from the closing thread)."""
@@ -349,3 +348,36 @@ class Decider(Streamed):
       self._ex.post_decision(self._seq, final.to_json(), final=True)
     finally:
       self._ex.end()
+
+
+def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
+  """The ending of a process that closed its iterator after `at_batch` batches."""
+  return plan_lib.ReportedError(
+    ErrorKind.CLOSED,
+    f"process {process} closed its iterator at batch {at_batch}",
+    process,
+    at_batch,
+    "closed",
+  )
+
+
+def post_end(
+  ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
+) -> None:
+  """Posts this host's ending (closed, or `error`) to a stream it never started.
+
+  Process 0 posts it as the stream's first and final decision, any other
+  process as its first and final chunk: where each would have posted it
+  from a started stream's `close`.
+  """
+  p = ex.process_index
+  error = error or closed_error(p, at_batch)
+  try:
+    if p == 0:
+      final = ledger_lib.Decision(0, (), End.RAISE, error)
+      ex.post_decision(0, final.to_json(), final=True)
+    else:
+      report = plan_lib.Report(process_index=p, error=error, local_devices=1)
+      ex.post_chunk(ledger_lib.Chunk(start=0, ack=0, report=report).to_json(), final=True)
+  finally:
+    ex.end()

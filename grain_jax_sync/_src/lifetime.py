@@ -1,0 +1,310 @@
+"""The iterator's lifetime: one session per (re)start, one state machine, one close.
+
+```
+IDLE --next()--> RUNNING --end, set_state(), reset()--> IDLE
+  \\                 \\
+   +---close()-------+--> CLOSING --> CLOSED
+```
+
+Calls that move the stream (`next`, `set_state`, `reset`, a source restore)
+take turns: one thread holds the turn at a time, and `close()` takes it to
+close. A close asked for inside a turn of the same thread (a signal handler,
+the source itself) only asks: it wakes the stages without taking a lock, and
+the turn carries the close out on its way out. A close from a stage's own
+thread (the source, or a finalizer run by a garbage collection inside a
+stage, of this iterator or another) hands the close to a new thread, so that
+no close joins its own thread or waits on a stage that waits on it.
+
+Fields that more than one thread touches, and their guard:
+
+* ``_phase``, ``_turn`` (with its tickets), ``_stages``: under ``_lock``
+  (``_turns`` waits on it).
+* ``mark``: replaced whole under ``_lock``; read without it (`get_state`,
+  `stats` from any thread or a signal handler).
+* ``_asked``: set without the lock (a signal handler's close); read under it.
+* ``_closed``: an event, set once the close is done.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+from typing import Any
+
+import jax
+
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
+from grain_jax_sync._src import session as session_lib
+from grain_jax_sync._src import stats as stats_lib
+
+logger = logging.getLogger(__name__)
+
+Mark = session_lib.Mark
+CLOSER_THREAD = "grain_jax_sync-close"
+
+
+class Phase(enum.Enum):
+  IDLE = "idle"  # No stages: not started yet, restarted, or the stream ended.
+  RUNNING = "running"
+  CLOSING = "closing"
+  CLOSED = "closed"
+
+
+class Lifetime:
+  """The sessions of one iterator; holds no reference to it (its finalizer closes this).
+
+  Args:
+    settings: The iterator's settings.
+    placement: Where the rows go.
+    source: The opened source (replaced by `reset()`), closed at the close.
+    namespace: The iterator's key prefix (None: nothing is exchanged).
+    mark: Where the consumer starts.
+  """
+
+  def __init__(
+    self,
+    *,
+    settings: Any,
+    placement: Any,
+    source: Any,
+    namespace: str | None,
+    mark: Mark,
+  ):
+    self._settings = settings
+    self._placement = placement
+    self.source = source
+    self._namespace = namespace
+    self._lock = threading.Lock()
+    self._turns = threading.Condition(self._lock)
+    self._local = threading.local()  # Per thread: inside a turn, or a close.
+    self._phase = Phase.IDLE
+    self._turn: int | None = None  # The thread holding the turn.
+    self._tickets = 0  # Turns asked for; `_serving` is the ticket whose turn it is.
+    self._serving = 0
+    self._stages: session_lib.Stages | None = None
+    self._asked = False
+    self._closed = threading.Event()
+    self._closed_flag = False  # `_closed.is_set()` without module globals (exit).
+    self.mark = mark
+    self.generation = 0  # Streams started or ended so far; names their keys.
+    self.ending: plan_lib.ReportedError | None = None  # Posted by the next stop.
+    self.start_error: BaseException | None = None  # Raised by the next start.
+    self.refusal: str | None = None  # A refused state's error, raised by `next()`.
+    self.exhausted = False
+    # No stream started since the last (re)start: the peers may wait in the
+    # next one, so a close or a refusal posts this host's ending there.
+    self.pending_start = True
+    self._finished = stats_lib.Times()  # Of the sessions stopped so far.
+
+  # -- turns ---------------------------------------------------------------------
+
+  def in_turn(self) -> bool:
+    """Whether this thread is inside a turn (`next()`, `set_state()`, ...), wherever in it."""
+    return bool(getattr(self._local, "turn", False))
+
+  def take_turn(self, what: str) -> None:
+    """Waits for the turn, first come first served; raises if closed or held by this thread."""
+    if self.in_turn():
+      raise RuntimeError(
+        f"{what} was called from inside this thread's own next() (a signal"
+        " handler, the source?); call it between batches"
+      )
+    self._local.turn = True
+    try:
+      with self._lock:
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        try:
+          while (self._turn is not None or self._serving != ticket) and (
+            self._phase is not Phase.CLOSED
+          ):
+            self._turns.wait()
+          if self._phase in (Phase.CLOSING, Phase.CLOSED) or self._asked:
+            raise RuntimeError("the iterator is closed")
+        except BaseException:
+          self._serving += 1  # The next ticket's turn.
+          self._turns.notify_all()
+          raise
+        self._turn = threading.get_ident()
+    except BaseException:
+      self._local.turn = False
+      raise
+
+  def give_turn(self) -> None:
+    """Ends this thread's turn; carries out a close asked for meanwhile."""
+    finish = False
+    with self._lock:
+      self._turn = None
+      self._serving += 1
+      if self._asked and self._phase is not Phase.CLOSED and self._phase is not Phase.CLOSING:
+        self._phase, self._turn, finish = Phase.CLOSING, threading.get_ident(), True
+      self._turns.notify_all()  # The next ticket, or a closer waiting for the turn.
+    self._local.turn = False
+    if finish:
+      self._finish()
+
+  def receive(self, item: Any, wait_s: float) -> bool:
+    """Counts a batch in the mark, unless a close came first (then it is dropped)."""
+    with self._lock:
+      if self._asked:
+        return False
+      d = self.mark.delivered.added(item.real, item.rows, item.dropped, wait_s)
+      self.mark = Mark(self.mark.position + 1, item.state, item.batch_size, d)
+      return True
+
+  def waited(self, wait_s: float, dropped: int) -> None:
+    """Counts a `next()` that ended the stream."""
+    with self._lock:
+      d = self.mark.delivered.ended(wait_s, dropped)
+      self.mark = self.mark._replace(delivered=d)
+
+  @property
+  def asked(self) -> bool:
+    return self._asked
+
+  # -- sessions ------------------------------------------------------------------
+
+  def stages(self) -> session_lib.Stages:
+    """The running stages, started now if there are none. In a turn."""
+    stages = self._stages
+    if stages is None:
+      self.generation += 1
+      ns = None if self._namespace is None else f"{self._namespace}/{self.generation}"
+      start_error, self.start_error = self.start_error, None
+      start = session_lib.Start(
+        self._settings, self._placement, self.source, self.mark, start_error, ns
+      )
+      stages = session_lib.Stages(start)
+      self.pending_start = False
+      with self._lock:
+        self._stages, self._phase = stages, Phase.RUNNING
+      if self._asked:  # A close asked for meanwhile, before these stages could hear it.
+        stages.request_stop()
+    return stages
+
+  @property
+  def running(self) -> bool:
+    return self._stages is not None
+
+  def halt(self) -> None:
+    """Stops the running stages' threads (the source may be moved); posts nothing. In a turn."""
+    if self._stages is not None:
+      self._stages.halt()
+
+  def restart(self, mark: Mark) -> None:
+    """After `stop()`: the next `stages()` starts a new stream at `mark`. In a turn."""
+    with self._lock:
+      self.mark = mark
+    self.refusal = None
+    self.exhausted = False
+    self.pending_start = True
+
+  def stop(self) -> None:
+    """Stops the running stages (posting `ending`, or closed); the next `stages()` restarts."""
+    with self._lock:
+      stages, self._stages = self._stages, None
+      if self._phase is Phase.RUNNING:
+        self._phase = Phase.IDLE
+    if stages is not None:
+      stages.close(self.mark.position, self.ending)
+      self._finished += stages.times()
+
+  def end_unstarted(self) -> None:
+    """Posts `ending` (or closed) to the stream this host would start next; in a turn.
+
+    A later restart takes the stream after it, as the peers' do.
+    """
+    if self._stages is None and self._namespace is not None and self.pending_start:
+      self.generation += 1
+      ns = f"{self._namespace}/{self.generation}"
+      session_lib.end_unstarted(self._settings, ns, self.mark.position, self.ending)
+
+  def times(self) -> stats_lib.Times:
+    running = self._stages
+    return self._finished if running is None else self._finished + running.times()
+
+  # -- the close -------------------------------------------------------------------
+
+  def close(self) -> None:
+    """The one close path, whoever calls it; idempotent, never raises."""
+    if self._closed_flag:
+      return  # Also at interpreter exit, where module globals may be gone.
+    if self.in_turn() or getattr(self._local, "closing", False):
+      self._ask()  # Inside this thread's own turn or close: that call finishes it.
+      return
+    if prefetch_lib.in_library_thread():
+      # A stage's own thread (the source, a finalizer run by a garbage
+      # collection there): it may be one that this close joins or waits on.
+      self._ask()
+      self._hand_off()
+      return
+    self._local.closing = True
+    try:
+      self._close()
+    finally:
+      self._local.closing = False
+
+  def _ask(self) -> None:
+    """Asks for the close without a lock: wakes the stages' waits."""
+    self._asked = True
+    stages = self._stages
+    if stages is not None:
+      stages.request_stop()
+
+  def _hand_off(self) -> None:
+    """Closes from a new thread: this one is a stage's own (a finalizer inside it)."""
+    try:
+      threading.Thread(target=self.close, name=CLOSER_THREAD, daemon=True).start()
+    except RuntimeError:  # At interpreter exit no thread starts; the stages are daemons.
+      logger.debug("grain_jax_sync: could not start the closing thread", exc_info=True)
+
+  def _close(self) -> None:
+    with self._lock:
+      if self._phase in (Phase.CLOSING, Phase.CLOSED):
+        first = False
+      else:
+        first, self._phase = True, Phase.CLOSING
+      self._asked = True
+    if not first:
+      self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
+      return
+    self._ask()
+    with self._lock:
+      # A turn in progress was woken above; one that reads the source itself
+      # (a generator cannot be closed while it runs) carries the close out
+      # when its read returns, if it outlasts this wait.
+      if self._turn is not None and not self._turns.wait_for(
+        lambda: self._turn is None, prefetch_lib.JOIN_TIMEOUT_S
+      ):
+        self._phase = Phase.RUNNING if self._stages is not None else Phase.IDLE
+        return  # `give_turn` finishes it.
+      self._turn = threading.get_ident()
+    self._finish()
+
+  def _finish(self) -> None:
+    """Stops the stages, posts this host's ending, closes the source; holds the turn. Once."""
+    try:
+      at = self.mark.position
+      self.ending = None  # Closed: the peers raise "process p closed its iterator".
+      self.stop()
+      self.end_unstarted()
+      stream = f"{self._namespace}/{self.generation}"
+      if self._namespace is not None and self._settings.synchronize:
+        message = f"process {jax.process_index()} closed its iterator at batch {at}"
+        exchange_lib.register_close(self._namespace, json.dumps([stream, message]))
+      self.source.close()
+    except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+      logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
+    finally:
+      with self._lock:
+        self._phase, self._turn = Phase.CLOSED, None
+        self._turns.notify_all()
+      self._closed_flag = True
+      self._closed.set()
+
+  @property
+  def closed(self) -> bool:
+    return self._closed_flag or self._asked

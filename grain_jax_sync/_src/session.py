@@ -1,0 +1,227 @@
+"""One (re)start of the stream: its stages, composed in one function, closed in reverse.
+
+```
+source -> Reader -> agreement (lockstep, or Decider / Follower) -> BuildStage -> user
+                    [a thread with a bounded buffer where the     [a thread; the consumer
+                     exchange is the key-value store]              builds when it is behind]
+```
+
+`Stages` is built from a frozen `Start` and owns every thread it starts.
+Nothing here is shared with other threads except through the stages'
+buffers; `lifetime.Lifetime` decides who calls `close` (once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+
+from grain_jax_sync._src import agreement, build_stage, follower, reader, sources, streamed
+from grain_jax_sync._src import build as build_lib
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import prefetch as prefetch_lib
+from grain_jax_sync._src import settings as settings_lib
+from grain_jax_sync._src import sharding as sharding_lib
+from grain_jax_sync._src import stats as stats_lib
+
+logger = logging.getLogger(__name__)
+
+AGREE_THREAD = "grain_jax_sync-agree"
+BUILD_THREAD = "grain_jax_sync-prefetch"
+# Decided runs queued between the agreement thread and the build stage. One
+# run: the build stage holds the decided positions themselves, bounded in
+# positions (`Settings.read_ahead`).
+AGREE_BUFFER = 1
+
+
+class Mark(NamedTuple):
+  """Where the consumer is: replaced whole, so that a reader never mixes two batches.
+
+  Attributes:
+    position: Batches received.
+    state: The source state after them.
+    batch_size: The agreed full batch size (given, or derived from the first
+      position and saved with the state); None until known.
+    delivered: What the consumer received over the iterator's life.
+  """
+
+  position: int
+  state: Any
+  batch_size: int | None
+  delivered: stats_lib.Delivered
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Everything one (re)start is built from."""
+
+  settings: settings_lib.Settings
+  placement: placement_lib.BatchPlacement
+  source: sources.SourceIterator
+  mark: Mark
+  start_error: BaseException | None
+  namespace: str | None  # This stream's keys; None: nothing is exchanged.
+
+
+class Stages:
+  """The stages of one start, composed in the diagram's order (`compose`)."""
+
+  def __init__(self, start: Start):
+    s = start.settings
+    ex = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=start.namespace)
+    self.namespace = start.namespace if ex.form == "streamed" else None
+    self.position = start.mark.position
+    self.delivered = 0
+    shares = start.placement.shares_rows and ex.form != "local"
+    read = reader.Reader(
+      start.source,
+      process_index=ex.process_index,
+      check_int32=not jax.config.read("jax_enable_x64"),
+      start_error=start.start_error,
+      digest=sharding_lib.rows_digest if shares else None,
+    )
+    who = agreement.Identity(
+      process=ex.process_index,
+      devices=start.placement.local_shards,
+      # The settings and the sharding (not saved in a state: a resumed job
+      # may run on another mesh, but its processes must share one).
+      config={**s.digest(), **start.placement.fingerprint()},
+      resume=self.position,
+      groups=start.placement.groups if shares else (),
+    )
+    options = s.options(batch_size=start.mark.batch_size)
+    self._agreement: streamed.Streamed | None = None
+    self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
+    runs: Iterator[build_lib.Run]
+    if ex.form == "streamed":
+      kind = streamed.Decider if ex.process_index == 0 else follower.Follower
+      self._agreement = kind(
+        read,
+        ex,
+        options,
+        who,
+        lookahead=s.lookahead,
+        timeout_s=s.sync_timeout_s,
+        position=self.position,
+        threads=s.prefetch > 0,
+        read_ahead=s.read_ahead,
+      )
+      runs = iter(self._agreement)
+      if s.prefetch > 0:
+        runs = self._thread(
+          prefetch_lib.Prefetcher(
+            runs, buffer_size=AGREE_BUFFER, on_close=ex.cancel, name=AGREE_THREAD
+          )
+        )
+    else:
+      # One process, or each process alone: one read per batch (lazy); the
+      # collective fallback runs in the caller's thread only.
+      window = s.lookahead if ex.process_count > 1 else 1
+      runs = agreement.lockstep(read, ex, options, who, window=window, position=self.position)
+    self._builder = build_lib.Builder(s, start.placement, start.mark.state)
+    self._counted = (read, ex)  # Each counts its own time (`times`).
+    self._items: Iterator[build_lib.Item]
+    if s.prefetch > 0 and ex.form != "collective":
+      self._items = self._thread(
+        build_stage.BuildStage(
+          runs,
+          self._builder.step,
+          built=s.prefetch,
+          decided=max(1, s.read_ahead or s.prefetch),
+          on_close=ex.cancel if self._agreement is not None else None,
+          name=BUILD_THREAD,
+        )
+      )
+    else:
+      self._items = self._builder(runs)
+    self._exchange = ex
+    self._closed = False
+
+  def _thread(self, stage: Any) -> Any:
+    self._threads.insert(0, stage)  # Closed from the user's end back to the source.
+    return stage
+
+  def __next__(self) -> build_lib.Item:
+    item = next(self._items)
+    self.delivered += 1
+    return item
+
+  def times(self) -> stats_lib.Times:
+    """The stages' time so far (each written by its own thread only)."""
+    read, ex = self._counted
+    return stats_lib.Times(read.source_s, ex.busy_s, self._builder.transfer_s)
+
+  @property
+  def at(self) -> int:
+    """This host's position: output batches before the next one."""
+    return self.position + self.delivered
+
+  def trailing_drops(self) -> int:
+    """Positions dropped after the last item; exact once the stream ended."""
+    return self._builder.dropped
+
+  def request_stop(self) -> None:
+    """Wakes every wait of the stages, taking no lock (a signal handler may hold one)."""
+    self._exchange_cancel()
+    for stage in self._threads:
+      if isinstance(stage, build_stage.BuildStage):
+        stage.request_stop()
+
+  def _exchange_cancel(self) -> None:
+    cancel = getattr(self._exchange, "cancel", None)
+    if cancel is not None:
+      cancel()
+
+  def halt(self) -> None:
+    """Stops every stage, from the user's end back to the source; posts nothing."""
+    for stage in self._threads:
+      stage.close()
+    if not self._threads:
+      prefetch_lib.close_producer(self._items)
+    if self._agreement is not None:
+      self._agreement.release()
+
+  def close(self, at: int, error: plan_lib.ReportedError | None = None) -> None:
+    """Stops every stage, then posts this host's ending if the stream is still open. Once.
+
+    Args:
+      at: The batches this host's consumer received.
+      error: The ending to post (default: closed at batch `at`).
+    """
+    if self._closed:
+      return
+    self._closed = True
+    self._exchange_cancel()
+    self.halt()
+    if self._agreement is None:
+      return
+    if any(stage.thread.is_alive() for stage in self._threads):
+      logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
+      return
+    try:
+      self._agreement.close(at, error)
+    except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+      logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+
+
+def end_unstarted(
+  settings: settings_lib.Settings,
+  namespace: str | None,
+  position: int,
+  error: plan_lib.ReportedError | None,
+) -> None:
+  """Posts this host's ending of a stream it never started, where peers may wait in it."""
+  if namespace is None:
+    return
+  try:
+    ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
+    if ex.form == "streamed":
+      streamed.post_end(ex, position, error)
+  except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
+    logger.warning("grain_jax_sync: could not post this host's end: %s", e)
