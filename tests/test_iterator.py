@@ -31,7 +31,10 @@ TIMEOUT = 180
 
 def wait_for_no_threads(deadline_s=10.0):
   end = time.monotonic() + deadline_s
-  names = lambda: [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-")]
+
+  def names():
+    return [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-")]
+
   while names() and time.monotonic() < end:
     time.sleep(0.01)
   return names()

@@ -25,6 +25,7 @@ import numpy as np
 from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src import settings as settings_lib
 
 if TYPE_CHECKING:
   import grain
@@ -190,10 +191,11 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
     _MUTATES_ELEMENT_SPEC = True
     _closed: bool  # Set by Grain's DatasetIterator.__init__.
 
-    def __init__(self, parent: Any, kwargs: dict[str, Any], placement: _Placement):
+    def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
       super().__init__(parent)
-      self._kwargs = kwargs
+      self._settings = settings
       self._placement = placement
+      self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
       self._jax: iterator_lib.JaxBatchIterator | None = None
       self._plain = False  # Elements placed one by one, as jax.device_put does.
       self._first: list[Any] = []  # The element read to choose the mode.
@@ -215,8 +217,9 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
         self._parent.set_state(before)  # The engine reads it again.
         self._start_batches()
         return
-      options = [k for k in ("paddings", "dtypes") if self._kwargs[k] is not None]
-      options += [k for k in ("mask_key", "drop_last") if self._kwargs[k]]
+      given = self._settings
+      options = [k for k in ("paddings", "dtypes") if getattr(given, k) is not None]
+      options += [k for k in ("mask_key", "drop_last") if getattr(given, k)]
       if options:
         why = f"the first element is unbatched ({why})" if why else None
         raise ValueError(
@@ -229,7 +232,9 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
       self._first.append(first)
 
     def _start_batches(self) -> None:
-      self._jax = iterator_lib.iter_jax_batches(self._parent, **self._kwargs)
+      self._jax = iterator_lib.JaxBatchIterator(
+        self._parent, settings=self._settings, placement=self._batches
+      )
       if self._restored is not None:
         self._jax.set_state(self._restored)
 
@@ -253,6 +258,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
         "batches": self._count,
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
+        "settings": self._settings.digest(),
         "source": self._parent.get_state(),
       }
 
@@ -285,13 +291,12 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
   class SyncedIterDataset(grain.IterDataset):
     """The dataset `device_put` returns; each `iter()` starts a fresh run."""
 
-    def __init__(self, parent: Any, kwargs: dict[str, Any], placement: _Placement):
+    def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
       super().__init__(parent)
-      self._kwargs = kwargs
-      self._placement = placement
+      self._args = (settings, placement, batches)
 
     def __iter__(self) -> Any:
-      return SyncedDatasetIterator(self._parent.__iter__(), dict(self._kwargs), self._placement)
+      return SyncedDatasetIterator(self._parent.__iter__(), *self._args)
 
     def __str__(self) -> str:
       return "grain_jax_sync.device_put"
@@ -351,8 +356,11 @@ def device_put(
       `jax.device_put(element, None)`: the default device, element by
       element (no padding, mask or agreement options); on several
       processes None is taken as unset (a global batch spans every host).
-    cpu_buffer_size: Batches Grain prefetches on the host (a thread).
-    device_buffer_size: Global batches prepared ahead on the devices.
+    cpu_buffer_size: Batches read ahead on the host, at most, beside the
+      built ones (as Grain's host prefetch buffer).
+    device_buffer_size: Global batches built ahead on the devices (a thread);
+      0 builds in the caller's thread (with Grain's host prefetch thread of
+      `cpu_buffer_size`, as Grain's `device_put`).
     batch_size: As in `iter_jax_batches`: rows per host batch that
       `paddings` fill to and `drop_last` compares with; default: the largest
       host batch of the first position, agreed across hosts.
@@ -399,24 +407,26 @@ def device_put(
   ):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"`{arg}` must be an int >= 0, got {value!r}")
-  mask_key = iterator_lib.warn_if_unmasked(paddings, mask_key)
   placement = _placement(device, mesh, data_axes, sharding)
-  kwargs = {
-    "batch_size": batch_size,
-    "drop_last": drop_last,
-    "paddings": paddings,
-    "mask_key": mask_key,
-    "dtypes": dtypes,
-    "synchronize_batches": synchronize_batches,
-    "synchronize_lookahead": synchronize_lookahead,
-    "prefetch_batches": device_buffer_size,
-    "sharding": placement.sharding,
-    "sync_timeout_s": sync_timeout_s,
-    "name": name,
-  }
-  # Checks the arguments now rather than at the first `iter()`.
-  iterator_lib.iter_jax_batches([], **kwargs).close()
-  if cpu_buffer_size > 0:
+  # Checked now rather than at the first `iter()`; no store, no thread.
+  settings = settings_lib.make(
+    batch_size=batch_size,
+    drop_last=drop_last,
+    paddings=paddings,
+    mask_key=mask_key,
+    dtypes=dtypes,
+    synchronize_batches=synchronize_batches,
+    synchronize_lookahead=synchronize_lookahead,
+    prefetch_batches=device_buffer_size,
+    sync_timeout_s=sync_timeout_s,
+    name=name,
+    # As Grain's: at most `cpu_buffer_size` batches read ahead of the built ones.
+    read_ahead=max(1, cpu_buffer_size) if device_buffer_size > 0 else None,
+  )
+  batches = placement_lib.resolve_sharding(mesh=None, data_axes=None, sharding=placement.sharding)
+  settings_lib.check_divisible(settings, batches.local_shards, batches.describe_local())
+  if cpu_buffer_size > 0 and device_buffer_size == 0:
+    # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = _classes()
-  return synced(ds, kwargs, placement)
+  return synced(ds, settings, placement, batches)

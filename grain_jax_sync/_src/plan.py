@@ -257,6 +257,14 @@ def _config_error(reports: Sequence[Report]) -> ReportedError | None:
         f" ({'; '.join(diffs)}); every process must build the iterator with"
         " the same arguments"
         + (
+          ". If every process was given the same arguments, the processes"
+          " created their iterators in a different order (iterators are paired"
+          " by creation order): create them in the same order, or pass the"
+          " same `name=` to each pair"
+          if not mesh
+          else ""
+        )
+        + (
           ", and the same mesh: the same devices in the same order (build it"
           " from jax.devices() in the same way everywhere, e.g."
           " grain_jax_sync.default_mesh())"

@@ -41,7 +41,10 @@ class IteratorSource(base.SourceIterator):
   """Any iterable. Resumable when its iterator has get_state/set_state."""
 
   def __init__(self, iterable: Iterable[Any]):
-    self._it: Any = iter(iterable)  # May have get_state/set_state.
+    if not hasattr(iterable, "__iter__") and callable(getattr(iterable, "__next__", None)):
+      self._it: Any = iterable  # `__next__` alone, as MaxText-style iterators are written.
+    else:
+      self._it = iter(iterable)  # May have get_state/set_state.
     self.supports_state = callable(getattr(self._it, "get_state", None)) and callable(
       getattr(self._it, "set_state", None)
     )

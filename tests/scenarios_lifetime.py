@@ -1,0 +1,148 @@
+"""Scenarios for tests/test_lifetime.py (run in simulated hosts).
+
+Module-level functions only, so that `grain_jax_sync.testing.run_processes`
+can import them in every process. Each returns plain values that pickle.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import numpy as np
+import scenarios
+
+
+def _batches(n: int, p: int) -> list[dict[str, np.ndarray]]:
+  return [{"x": np.full((8,), 100 * p + i, np.int32)} for i in range(n)]
+
+
+def dropped_in_a_cycle_collected_in_a_library_thread(prefetch: int) -> dict[str, Any]:
+  """Process 1 drops its iterator inside a reference cycle after 3 batches.
+
+  Its source then runs a garbage collection in the library's own thread (the
+  agreement, read or build thread), where the iterator's finalizer runs.
+  Process 0 must raise "process 1 closed its iterator at batch 3" promptly.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
+  if p == 1:
+
+    class Source:
+      def __init__(self):
+        self.i = 0
+        self.dropped = False
+
+      def __iter__(self):
+        return self
+
+      def __next__(self):
+        if self.i >= 3:
+          time.sleep(0.2)  # Slow: little is read (and posted) ahead of the consumer.
+        if self.dropped:
+          gc.collect()  # In whatever library thread reads the source now.
+        self.i += 1
+        if self.i > 200:
+          raise StopIteration
+        return {"x": np.full((8,), 100 + self.i - 1, np.int32)}
+
+    source = Source()
+    it = gjs.iter_jax_batches(source, **kw)
+    got = [_local_first(next(it)) for _ in range(3)]
+    cycle: list[Any] = [it]
+    cycle.append(cycle)
+    del it, cycle
+    source.dropped = True
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _closed_everywhere():
+      time.sleep(0.05)
+    return {"got": got, "threads": _threads_left(10.0)}
+  it = gjs.iter_jax_batches(_batches(200, 0), **kw)
+  got = []
+  t0 = time.monotonic()
+  try:
+    for b in it:
+      got.append(_local_first(b))
+    error = None
+  except Exception as e:  # noqa: BLE001 - the ending under test.
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.monotonic() - t0
+  it.close()
+  return {"got": got, "error": error, "seconds": seconds, "threads": _threads_left(10.0)}
+
+
+def _local_first(batch: Any) -> int:
+  """This host's first row (no collective: the peer may have stopped iterating)."""
+  return int(np.asarray(batch["x"].addressable_shards[0].data).reshape(-1)[0])
+
+
+def _closed_everywhere() -> bool:
+  return not any(t.startswith("grain_jax_sync-") for t in _thread_names())
+
+
+def _thread_names() -> list[str]:
+  import threading
+
+  return [t.name for t in threading.enumerate()]
+
+
+def _threads_left(wait_s: float) -> list[str]:
+  deadline = time.monotonic() + wait_s
+  while time.monotonic() < deadline:
+    left = [t for t in _thread_names() if t.startswith("grain_jax_sync-")]
+    if not left:
+      return []
+    time.sleep(0.05)
+  return left
+
+
+def created_in_another_order() -> dict[str, Any]:
+  """Host 0 makes `a` (batch_size 8) then `b` (4); host 1 makes `b` then `a`."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data = _batches(4, p)
+  make_a = lambda: gjs.iter_jax_batches(data, batch_size=8)  # noqa: E731
+  make_b = lambda: gjs.iter_jax_batches([{"x": d["x"][:4]} for d in data], batch_size=4)  # noqa: E731
+  if p == 0:
+    a, b = make_a(), make_b()
+  else:
+    b, a = make_b(), make_a()
+  mine = a if p == 0 else b  # Each host's first iterator: paired by creation order.
+  try:
+    next(mine)
+    error = None
+  except ValueError as e:
+    error = str(e)
+  a.close()
+  b.close()
+  return {"error": error}
+
+
+def state_before_the_first_batch_of_device_put() -> dict[str, Any]:
+  """A step-0 checkpoint of `device_put` restores on every host."""
+  import grain
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  ds = grain.MapDataset.range(100 * p, 100 * p + 48).batch(8).map(lambda x: {"x": x})
+  synced = gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask")
+  it = iter(synced)
+  state = it.get_state()
+  rows = lambda b: np.asarray(scenarios.gather(b["x"])).reshape(-1)[::8].tolist()  # noqa: E731
+  first = [rows(next(it)) for _ in range(2)]
+  it.close()
+  it2 = iter(synced)
+  it2.set_state(state)
+  again = [rows(next(it2)) for _ in range(2)]
+  it2.close()
+  return {"first": first, "again": again, "state": state}

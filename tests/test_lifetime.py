@@ -1,0 +1,297 @@
+"""The iterator's lifetime: turns, the one close path, finalizers, and random schedules.
+
+`lifetime.Lifetime` is the state machine; these tests drive it through the
+public API (and, for a signal handler's view, its turn), in one process and,
+where an ending must reach a peer, in two real processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+import scenarios_lifetime
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+
+TIMEOUT = 180
+
+
+def run(fn, *args, n=2, d=4, **kwargs):
+  return testing.values(
+    testing.run_processes(
+      fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
+    )
+  )
+
+
+def library_threads() -> list[str]:
+  return sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-"))
+
+
+def wait_for_no_threads(deadline_s=10.0):
+  end = time.monotonic() + deadline_s
+  while library_threads() and time.monotonic() < end:
+    time.sleep(0.01)
+  return library_threads()
+
+
+def rows(n: int) -> list[dict[str, np.ndarray]]:
+  return [{"x": np.full(8, i, np.int32)} for i in range(n)]
+
+
+def first(batch) -> int:
+  return int(np.asarray(batch["x"])[0])
+
+
+# -- defects found by running the library as users do -----------------------------
+
+
+def test_a_source_with_only_next_is_read():
+  class NextOnly:  # MaxText-style: `__next__` and state, no `__iter__`.
+    def __init__(self):
+      self.i = 0
+
+    def __next__(self):
+      if self.i == 5:
+        raise StopIteration
+      self.i += 1
+      return {"x": np.full(8, self.i - 1, np.int32)}
+
+    def get_state(self):
+      return {"i": self.i}
+
+    def set_state(self, state):
+      self.i = state["i"]
+
+  with gjs.iter_jax_batches(NextOnly(), batch_size=8) as it:
+    got = [first(b) for b in it]
+    state = it.get_state()
+  assert got == [0, 1, 2, 3, 4]
+  assert state["source"] == {"i": 5} and state["batches"] == 5
+
+
+def test_a_device_put_state_before_the_first_batch_restores_single_process():
+  import grain
+
+  ds = grain.MapDataset.range(40).batch(8).map(lambda x: {"x": x})
+  synced = gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask")
+  it = iter(synced)
+  state = it.get_state()
+  assert state["batches"] == 0 and isinstance(state["settings"], dict)
+  want = [np.asarray(next(it)["x"]).tolist() for _ in range(2)]
+  it.close()
+  it = iter(synced)
+  it.set_state(state)
+  assert [np.asarray(next(it)["x"]).tolist() for _ in range(2)] == want
+  it.close()
+
+
+@pytest.mark.multiprocess
+def test_a_device_put_state_before_the_first_batch_restores_two_processes():
+  outs = run(scenarios_lifetime.state_before_the_first_batch_of_device_put)
+  for o in outs:
+    assert o["state"]["batches"] == 0
+    assert o["first"] == o["again"] == [[0, 100], [8, 108]]
+
+
+def test_no_traceback_at_interpreter_exit_from_grain_closing_an_open_iterator():
+  code = (
+    "import grain, numpy as np, grain_jax_sync as gjs\n"
+    "ds = grain.MapDataset.range(64).batch(8).map(lambda x: {'x': x})\n"
+    "it = iter(gjs.device_put(ds, batch_size=8))\n"
+    "next(it); next(it)\n"
+    "print('ok')\n"  # Left open: Grain's `__del__` closes it at exit.
+  )
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "ok"
+  assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.multiprocess
+def test_iterators_created_in_another_order_name_creation_order_on_every_host():
+  outs = run(scenarios_lifetime.created_in_another_order)
+  for o in outs:
+    assert o["error"] is not None
+    assert "created their iterators in a different order" in o["error"], o["error"]
+    assert "`name=`" in o["error"]
+  assert outs[0]["error"] == outs[1]["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_an_iterator_finalized_in_a_library_thread_posts_its_ending(prefetch):
+  # The finalizer ran in the read or agreement thread: it could not join its
+  # own thread, or deadlocked joining the build thread that waited on it, and
+  # the peer waited `sync_timeout_s` (60 s here) for an ending never posted.
+  p0, p1 = run(scenarios_lifetime.dropped_in_a_cycle_collected_in_a_library_thread, prefetch)
+  assert p1["got"] == [100, 101, 102]
+  assert p0["error"] == "RuntimeError: process 1 closed its iterator at batch 3", p0["error"]
+  # The positions decided before the close (process 1's read-ahead) come first.
+  assert p0["got"] == list(range(len(p0["got"]))) and 3 <= len(p0["got"]) < 20, p0["got"]
+  assert p0["seconds"] < 30, p0["seconds"]
+  assert p0["threads"] == p1["threads"] == []
+
+
+def test_close_in_a_finalizer_inside_the_build_thread_hands_the_close_over():
+  # A garbage collection inside the build thread (a Python-heavy source) runs
+  # the finalizer of an iterator in a cycle: its close must not join the
+  # thread it runs in.
+  dropped = threading.Event()
+
+  def source():
+    for i in range(10_000):
+      if dropped.is_set():
+        gc.collect()
+      yield {"x": np.full(8, i, np.int32)}
+
+  it = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=2)
+  assert [first(next(it)) for _ in range(3)] == [0, 1, 2]
+  cycle = [it]
+  cycle.append(cycle)
+  alive = weakref.ref(it)
+  del it, cycle
+  dropped.set()
+  _collect(alive)
+  assert wait_for_no_threads(15.0) == []
+
+
+def test_close_from_a_real_signal_handler_while_next_waits():
+  # A SIGALRM handler calls close() while the main thread waits in next()
+  # for a slow source's batch: that next() ends at once, nothing is left.
+  def slow():
+    for i in range(100):
+      time.sleep(0.3 if i >= 2 else 0)
+      yield {"x": np.full(8, i, np.int32)}
+
+  it = gjs.iter_jax_batches(slow(), batch_size=8, prefetch_batches=2)
+  assert [first(next(it)) for _ in range(2)] == [0, 1]
+  old = signal.signal(signal.SIGALRM, lambda *_: it.close())
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    t0 = time.monotonic()
+    with pytest.raises(StopIteration):
+      next(it)
+    assert time.monotonic() - t0 < 5
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+  assert wait_for_no_threads() == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
+# -- random schedules -----------------------------------------------------------------
+
+
+def _collect(alive, deadline_s=10.0):
+  """Collects until `alive` is gone: a collection already running in another thread
+  (the source's) makes `gc.collect()` return at once."""
+  end = time.monotonic() + deadline_s
+  while alive() is not None and time.monotonic() < end:
+    gc.collect()
+    time.sleep(0.01)
+  assert alive() is None
+
+
+def _from_another_thread(it):
+  box = {}
+  t = threading.Thread(target=lambda: box.update(s=it.get_state(), c=it.stats()))
+  t.start()
+  t.join(30)
+  assert not t.is_alive(), "get_state()/stats() from another thread hung"
+  return box["s"], box["c"]
+
+
+OPS = st.lists(
+  st.sampled_from(["next", "next", "next", "state", "stats", "restore", "reset", "close_thread"]),
+  min_size=1,
+  max_size=14,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, prefetch=st.sampled_from([0, 2]), gc_in_thread=st.booleans())
+def test_random_schedules_count_every_batch_once_and_resume_exactly(  # noqa: C901 - one schedule
+  ops, prefetch, gc_in_thread
+):
+  # `next()`, `get_state()`/`stats()` from a checkpoint thread, `set_state()`,
+  # `reset()`, and `close()` from another thread, in a random order: no hang,
+  # every received batch is counted once, every state resumes exactly, and
+  # no thread is left. Some schedules also drop the iterator in a cycle while
+  # a garbage collection runs in the build thread.
+  n = 30
+
+  def source():
+    for i in range(n):
+      if gc_in_thread and i % 7 == 3:
+        gc.collect()
+      yield {"x": np.full(8, i, np.int32)}
+
+  it = gjs.iter_jax_batches(rows(n), batch_size=8, prefetch_batches=prefetch)
+  expected = 0  # The source index of the next batch.
+  received = 0
+  saved = []  # (state, the next index after it)
+  closed = False
+  for op in ops:
+    if op == "next":
+      try:
+        b = next(it)
+      except StopIteration:
+        assert expected == n or closed
+        continue
+      except RuntimeError as e:
+        assert closed and str(e) == "the iterator is closed"
+        continue
+      assert not closed
+      assert first(b) == expected
+      expected += 1
+      received += 1
+    elif op in ("state", "stats"):
+      state, counts = _from_another_thread(it)
+      assert state["source"] == {"index": expected}
+      assert counts["batches"] == received
+      saved.append((state, expected))
+    elif op == "restore" and saved and not closed:
+      state, at = saved[-1]
+      it.set_state(state)
+      expected = at
+    elif op == "reset" and not closed:
+      it.reset()
+      expected = 0
+    elif op == "close_thread":
+      t = threading.Thread(target=it.close)
+      t.start()
+      t.join(60)
+      assert not t.is_alive(), "close() from another thread hung"
+      closed = True
+  assert it.stats()["batches"] == received
+  if gc_in_thread and not closed:
+    other = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+    next(other)
+    cycle = [other]
+    cycle.append(cycle)
+    alive = weakref.ref(other)
+    del other, cycle
+    _collect(alive)
+  it.close()
+  assert wait_for_no_threads(15.0) == []
+  for state, at in saved:  # Every state resumes exactly, in a fresh iterator.
+    with gjs.iter_jax_batches(rows(n), batch_size=8, prefetch_batches=prefetch) as fresh:
+      fresh.set_state(state)
+      assert [first(b) for b in fresh] == list(range(at, n))
