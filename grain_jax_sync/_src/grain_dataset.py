@@ -216,7 +216,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
         self._start_batches()
         return
       options = [k for k in ("paddings", "dtypes") if self._kwargs[k] is not None]
-      options += [k for k in ("mask_key", "drop_last") if self._kwargs[k]]
+      options += [k for k in ("mask_key", "drop_last", "pad_shapes") if self._kwargs[k]]
       if options:
         why = f"the first element is unbatched ({why})" if why else None
         raise ValueError(
@@ -317,6 +317,9 @@ def device_put(
   sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
+  pad_shapes: Any = None,
+  shape_buckets: Any = None,
+  shape_mask_keys: Any = None,
 ) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
@@ -368,6 +371,10 @@ def device_put(
     sharding: As in `iter_jax_batches` (instead of `device`).
     sync_timeout_s: As in `iter_jax_batches`.
     name: As in `iter_jax_batches`.
+    pad_shapes: As in `iter_jax_batches`: the dims whose sizes may vary
+      (Grain batches padded per batch), padded to the size agreed per batch.
+    shape_buckets: As in `iter_jax_batches`.
+    shape_mask_keys: As in `iter_jax_batches`.
 
   Returns:
     A `grain.IterDataset` of global `jax.Array` batches.
@@ -413,6 +420,9 @@ def device_put(
     "sharding": placement.sharding,
     "sync_timeout_s": sync_timeout_s,
     "name": name,
+    "pad_shapes": pad_shapes,
+    "shape_buckets": shape_buckets,
+    "shape_mask_keys": shape_mask_keys,
   }
   # Checks the arguments now rather than at the first `iter()`.
   iterator_lib.iter_jax_batches([], **kwargs).close()

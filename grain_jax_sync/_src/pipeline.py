@@ -65,6 +65,7 @@ class Pipeline:
       check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start_error,
       digest=sharding_lib.rows_digest if shares else None,
+      shapes=s.shapes,  # `pad_shapes` (issue 25): the dims whose sizes vary.
     )
     who = agreement.Identity(
       process=exchange.process_index,

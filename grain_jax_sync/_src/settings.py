@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import shapes as shapes_lib
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +36,22 @@ class Settings:
   prefetch: int
   sync_timeout_s: float
   name: str | None
+  # `pad_shapes`, `shape_buckets`, `shape_mask_keys` (`shapes.make`); None: off.
+  shapes: shapes_lib.Shapes | None = None
 
   def digest(self) -> dict[str, Any]:
     """What every host must agree on (compared in the first exchange)."""
-    return plan_lib.settings_digest(
-      {
-        "batch_size": self.batch_size,
-        "drop_last": self.drop_last,
-        "paddings": _describe(self.paddings),
-        "mask_key": self.mask_key,
-        "dtypes": _describe(self.dtypes),
-        "synchronize_lookahead": self.lookahead,
-      }
-    )
+    digest = {
+      "batch_size": self.batch_size,
+      "drop_last": self.drop_last,
+      "paddings": _describe(self.paddings),
+      "mask_key": self.mask_key,
+      "dtypes": _describe(self.dtypes),
+      "synchronize_lookahead": self.lookahead,
+    }
+    if self.shapes is not None:  # Only when set: states saved without it still resume.
+      digest["pad_shapes"] = self.shapes.describe()
+    return plan_lib.settings_digest(digest)
 
   def options(self, pinned: int | None = None) -> plan_lib.Options:
     """The options `plan.decide` takes.
@@ -63,6 +67,7 @@ class Settings:
       pad=self.paddings is not None,
       wait_for_last=True,
       derived=derived,
+      shapes=self.shapes,
     )
 
 
