@@ -324,3 +324,26 @@ def test_wire_unchanged_when_off_and_sizes_round_trip():
   assert [s.sizes for s in ledger_lib.Decision.from_json(text).steps] == [(8,), (8,), (16,)]
   plain = (plan_lib.Step(plan_lib.Action.YIELD, 4, ()),) * 2
   assert '"st":[["yield",4,2]]' in ledger_lib.Decision(0, plain, plan_lib.End.STOP).to_json()
+
+
+def test_jitted_step_compiles_once_per_bucket():
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 1025, size=40)
+  data = [{"tokens": np.ones((8, int(n)), np.int32)} for n in lengths]
+  step = jax.jit(lambda t, m: jnp.where(m, t, 0).sum())
+  buckets = [128, 256, 512, 1024]
+  with gjs.iter_jax_batches(
+    data,
+    batch_size=8,
+    paddings=0,
+    mask_key=None,
+    pad_shapes={"tokens": 1},
+    shape_buckets={"tokens": buckets},
+    shape_mask_keys={"tokens": "tokens_mask"},
+  ) as it:
+    sums = [int(step(b["tokens"], b["tokens_mask"])) for b in it]
+  assert sums == [8 * int(n) for n in lengths]
+  assert step._cache_size() == len(buckets)  # noqa: SLF001 - the compile count.
