@@ -103,11 +103,12 @@ def test_every_value_and_both_masks_variable_lengths(n, d):
   # The hosts with fewer batches got dummy batches of the agreed shape.
   short = min(len(s) for s in srcs)
   assert len(want) > short
-  for j in range(short, len(want)):
-    dummy = want[j]["tokens"][-4:]  # The last host has the most batches; the first is out.
-    assert not want[j]["mask"][:4].any() and want[j]["tokens"].shape[1] in sc.BUCKETS
-    assert dummy.shape[1] == runs[0]["batches"][j]["tokens"].shape[1]
-    assert (runs[0]["batches"][j]["tokens"][:4] == sc.PAD).all()
+  for j in range(short, len(want)):  # Process 0 has the fewest batches: dummies from here.
+    got = runs[0]["batches"][j]
+    assert got["tokens"].shape[1] in sc.BUCKETS
+    assert (got["tokens"][:4] == sc.PAD).all() and (got["feats"][:4] == sc.PAD).all()
+    assert not got["mask"][:4].any() and not got["tokens_mask"][:4].any()
+    assert not got["feats_mask"][:4].any() and got["tokens_mask"][4:].any()
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
@@ -231,9 +232,8 @@ def test_device_put_takes_the_options():
 )
 def test_bad_options_raise_early(kw, match):
   args = {**sc.KW, "batch_size": 8, **kw}
-  if args.get("pad_shapes") is None:
-    args.pop("shape_mask_keys")
-    args.pop("shape_buckets", None) if "shape_buckets" not in kw else None
+  if args["pad_shapes"] is None:  # Only the option under test is left without it.
+    args["shape_mask_keys"] = None
   with pytest.raises(ValueError, match=match):
     gjs.iter_jax_batches([], **args)
 
@@ -347,3 +347,16 @@ def test_jitted_step_compiles_once_per_bucket():
     sums = [int(step(b["tokens"], b["tokens_mask"])) for b in it]
   assert sums == [8 * int(n) for n in lengths]
   assert step._cache_size() == len(buckets)  # noqa: SLF001 - the compile count.
+
+
+def test_ledger_keeps_sizes_beside_rows():
+  led = ledger_lib.Ledger(2, sizes=True)
+  led.add_rows(0, 4, None, (7,))
+  led.add_rows(0, 4, None, (9,))
+  report = plan_lib.Report(1, rows=(4, 3), sizes=((12,), (2,)), exhausted=True)
+  led.add(ledger_lib.Chunk.from_json(ledger_lib.Chunk(0, 0, report).to_json()))
+  reports = led.window_reports(0, 2, with_config=False)
+  assert [r.sizes for r in reports] == [((7,), (9,)), ((12,), (2,))]
+  led.forget(1)
+  assert [r.sizes for r in led.window_reports(1, 1, with_config=False)] == [((9,),), ((2,),)]
+  assert ledger_lib.Ledger(1).window_reports(0, 0, with_config=False)[0].sizes == ()

@@ -233,7 +233,7 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
   end: reader_lib.End | None = None
   reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
   alone = exchange.process_count == 1 and not who.groups
-  memo: dict[tuple[Any, ...], tuple[plan_lib.Plan, int]] = {}
+  memo: dict[tuple[tuple[int, ...], plan_lib.Options], tuple[plan_lib.Plan, int]] = {}
   # One process, one batch per window, mid-stream: the decided step and its
   # yield count per row count, for the current `options` (cleared when they
   # change). A batch of a known size is yielded without building a window
@@ -257,7 +257,9 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
     rows = tuple(r.batch.rows for r in reads)
     # One process, mid-stream: a window of the same sizes gets the same plan
     # (an error-free plan does not depend on the position).
-    key = (rows, sizes_of(reads, options), options) if alone and w and end is None else None
+    # Not with `pad_shapes`: the plan depends on the sizes too (and they take many values).
+    memoize = alone and w and end is None and options.shapes is None
+    key = (rows, options) if memoize else None
     known = memo.get(key) if key is not None else None
     if known is not None:
       decision, yields = known

@@ -507,7 +507,7 @@ def agree_sizes(
         return dataclasses.replace(
           plan, steps=tuple(steps), end=End.RAISE, error=_value_error(message, -1, index)
         )
-      step = dataclasses.replace(step, sizes=sizes)
+      step = Step(step.action, step.rows, step.real_rows, sizes)
       index += 1
     steps.append(step)
   return dataclasses.replace(plan, steps=tuple(steps))
