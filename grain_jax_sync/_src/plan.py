@@ -502,8 +502,8 @@ def agree_sizes(
     if step.action == Action.YIELD:
       per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
       sizes = shapes_lib.agree(per_host, layout)
-      if sizes and sizes[0] == -1:
-        message = shapes_lib.above_message(layout, sizes[1], sizes[2], per_host, index)
+      if isinstance(sizes, shapes_lib.Above):
+        message = shapes_lib.above_message(layout, sizes, per_host, index)
         return dataclasses.replace(
           plan, steps=tuple(steps), end=End.RAISE, error=_value_error(message, -1, index)
         )

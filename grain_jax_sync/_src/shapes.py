@@ -234,9 +234,15 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
   return Flat(tuple(out_names), tuple(out_buckets))
 
 
-def agree(
-  per_host: Sequence[tuple[int, ...] | None], layout: Flat
-) -> tuple[int, ...] | tuple[int, int, int]:
+@dataclasses.dataclass(frozen=True)
+class Above:
+  """A size above its column's last bucket: varying dim `k` (in `Flat` order), its size."""
+
+  k: int
+  size: int
+
+
+def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int, ...] | Above:
   """The agreed sizes: per varying dim the max over hosts, up to its next bucket.
 
   Args:
@@ -244,8 +250,8 @@ def agree(
     layout: The varying dims' names and buckets.
 
   Returns:
-    The agreed sizes, or, where a size is above its last bucket, a 3-tuple
-    ``(-1, dim index, size)`` marking the error (see `above_message`).
+    The agreed sizes, or `Above` where a size is above its last bucket (see
+    `above_message`).
   """
   got = [s for s in per_host if s is not None]
   out = []
@@ -254,14 +260,15 @@ def agree(
     if buckets:
       b = bisect.bisect_left(buckets, size)
       if b == len(buckets):
-        return (-1, k, size)
+        return Above(k, size)
       size = buckets[b]
     out.append(size)
   return tuple(out)
 
 
-def above_message(layout: Flat, k: int, size: int, per_host: Sequence[Any], index: int) -> str:
+def above_message(layout: Flat, above: Above, per_host: Sequence[Any], index: int) -> str:
   """The error, the same on every host, for a size above its column's last bucket."""
+  k, size = above.k, above.size
   hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
   return (
     f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
