@@ -131,7 +131,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
   if shapes is None or not shapes.masks:
     return ()
   keys = batches_lib.spec_keys(sig.spec)
-  out = []
+  out: list[tuple[int, str]] = []
   for column, key in shapes.masks:
     leaves = [k for k, n in enumerate(sig.names) if n == column or n.startswith(f"{column}/")]
     if not batches_lib.is_dict_spec(sig.spec):
@@ -298,6 +298,6 @@ class Builder:
       tree = batches_lib.unflatten(sig.spec, out)
     if mask_key is not None:
       tree[mask_key] = mask
-    for (_, key), m in zip(layout.masks, masks, strict=True):
-      tree[key] = m
+    for (_, name), m in zip(layout.masks, masks, strict=True):
+      tree[name] = m
     return tree

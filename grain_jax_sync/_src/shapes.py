@@ -226,7 +226,10 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
   out_names: list[str] = []
   out_buckets: list[tuple[int, ...]] = []
   for name, shape in zip(names, trailing, strict=True):
-    column = _column_of(name, columns) if names != (ROOT_NAME,) else (columns or [None])[0]
+    if names == (ROOT_NAME,):  # A bare array: its one entry, whatever its key.
+      column: str | None = columns[0] if columns else None
+    else:
+      column = _column_of(name, columns)
     for t, s in enumerate(shape):
       if s == -1:
         out_names.append(f"column {name!r} dim {t + 1}")
