@@ -56,7 +56,7 @@ def _computed(make: Any) -> tuple[int, int]:
   return total, len(shapes)
 
 
-def varying_lengths(*, rows: int = 64, n: int = 100, trials: int = 3) -> dict[str, Any]:
+def varying_lengths(*, rows: int = 64, n: int = 200, trials: int = 5) -> dict[str, Any]:
   """Tokens computed / real tokens, and per-batch cost with `pad_shapes` on and off."""
   import jax
   from jax.experimental import multihost_utils
