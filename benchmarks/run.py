@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     "overlap": {"n": 20} if q else {},
     "per_batch": {"n": 100, "trials": 1} if q else {},
     "memory": {"n": 12} if q else {},
+    "varying_lengths": {"n": 20, "trials": 1} if q else {},
   }
   started = time.monotonic()
   one = _run(list(kw1), 1, 8, kw1)
@@ -212,6 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     batches("ours"),
     batches("reference"),
     "-",
+  )
+
+  vl = two[0]["varying_lengths"]
+  per = [v["varying_lengths"]["times"] for v in two]
+  add(
+    "pad_shapes: tokens computed / real tokens, skewed lengths",
+    "2 proc x 4 dev, 64-row length-grouped batches, log-normal lengths <= 1024;"
+    f" buckets 64..1024 ({vl['bucket_shapes']} shapes), agreed max ({vl['agreed_shapes']} shapes)",
+    f"buckets {vl['bucketed'] / vl['real']:.2f} (agreed max {vl['agreed'] / vl['real']:.2f})",
+    f"pad to max {vl['to_max'] / vl['real']:.2f}",
+    "-",
+  )
+  add(
+    "pad_shapes: agreement's per-batch cost, option on / off",
+    "2 proc x 4 dev, synchronized, equal (64, 128) int32 batches",
+    f"{max(t['on']['s'] / t['off']['s'] for t in per):.2f}x"
+    f" ({max(t['on']['s'] / t['on']['batches'] for t in per) * 1e3:.2f} ms vs"
+    f" {max(t['off']['s'] / t['off']['batches'] for t in per) * 1e3:.2f} ms)",
+    "-",
+    "~1.00",
   )
 
   header = ("figure", "setup", "grain_jax_sync", "reference (baseline model)", "target")

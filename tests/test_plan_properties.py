@@ -426,3 +426,87 @@ def test_runs_of_full_batches_are_decided_as_position_by_position(case):
   with mock.patch.object(plan_lib, "_full_run", return_value=0):
     slow = plan_lib.decide(reports, options, position=position)
   assert quick == slow
+
+
+# -- shapes that vary (`pad_shapes`, issue 25) -----------------------------------
+
+SHAPE_SIG = {"spec": {"d": [["tokens", "*"]]}, "leaves": [["tokens", "int64", [-1]]]}
+
+
+@st.composite
+def shape_cases(draw):
+  """Per host, batches of (rows, length); the batch size; buckets (or None)."""
+  n = draw(st.integers(1, 4))
+  batch_size = draw(st.integers(1, 6))
+  hosts = [
+    draw(st.lists(st.tuples(st.integers(1, batch_size), st.integers(0, 40)), max_size=5))
+    for _ in range(n)
+  ]
+  buckets = draw(
+    st.none() | st.lists(st.integers(1, 48), min_size=1, max_size=5, unique=True).map(sorted)
+  )
+  return hosts, batch_size, buckets
+
+
+def _element_ids(host: int, batch: int, rows: int, length: int) -> np.ndarray:
+  return (
+    10_000_000 * host + 10_000 * batch + 100 * np.arange(rows)[:, None] + np.arange(length) + 1
+  ).astype(np.int64)
+
+
+@PROPERTY_SETTINGS
+@given(shape_cases())
+def test_shapes_every_real_element_once_every_padded_element_masked(case):
+  from grain_jax_sync._src import ledger as ledger_lib
+  from grain_jax_sync._src import shapes as shapes_lib
+
+  hosts, batch_size, buckets = case
+  shapes = shapes_lib.make({"tokens": 1}, buckets and {"tokens": buckets}, None, PAD_VALUE)
+  options = Options(batch_size=batch_size, drop_last=False, pad=True, shapes=shapes)
+  reports = [
+    Report(
+      h,
+      rows=tuple(r for r, _ in batches),
+      sizes=tuple((ln,) for _, ln in batches),
+      exhausted=True,
+      signature=SHAPE_SIG,
+    )
+    for h, batches in enumerate(hosts)
+  ]
+  plan = plan_lib.decide([Report.from_json(r.to_json()) for r in reports], options)
+  # Every host acts on the decision as it travels (sizes in the codec).
+  decision = ledger_lib.Decision(0, plan.steps, plan.end, plan.error)
+  steps = ledger_lib.Decision.from_json(decision.to_json()).steps
+  assert [s.sizes for s in steps] == [s.sizes for s in plan.steps]
+  longest = max(len(b) for b in hosts)
+  lengths = [max(b[j][1] for b in hosts if j < len(b)) for j in range(longest)]
+  above = [j for j, ln in enumerate(lengths) if buckets and ln > buckets[-1]]
+  if above:
+    assert plan.end == End.RAISE and len(steps) == above[0]
+    assert f"size {lengths[above[0]]} at batch {above[0]}" in plan.error.message
+  else:
+    assert plan.end == End.STOP and len(steps) == longest
+  seen: list[int] = []
+  for j, step in enumerate(steps):
+    assert step.action == Action.YIELD and step.rows == batch_size
+    want = lengths[j] if not buckets else min(b for b in buckets if b >= lengths[j])
+    assert step.sizes == (want,)
+    for h, batches in enumerate(hosts):
+      leaf = _element_ids(h, j, *batches[j]) if j < len(batches) else None
+      out = padding.fill_leaf(
+        leaf, target=batch_size, shape=step.sizes, dtype=np.dtype(np.int64), pad=np.int64(-1)
+      )
+      mask = padding.element_mask(
+        None if leaf is None else leaf.shape, batch_size, step.sizes, (0,)
+      )
+      assert out.shape == mask.shape == (batch_size, want)
+      assert (out[~mask] == PAD_VALUE).all()
+      seen.extend(out[mask].tolist())
+  real = [
+    _element_ids(h, j, r, ln).ravel().tolist()
+    for h, batches in enumerate(hosts)
+    for j, (r, ln) in enumerate(batches)
+    if j < len(steps)
+  ]
+  assert sorted(seen) == sorted(x for ids in real for x in ids)
+  assert len(set(seen)) == len(seen)

@@ -123,10 +123,7 @@ def test_stats_count_received_batches_not_prefetched_ones_in_one_process():
 
 
 def test_delivered_counts_padding_and_dummies():
-  d = stats.Delivered()
-  d.add(8, 8, 0)
-  d.add(5, 8, 0)
-  d.add(0, 8, 2)
+  d = stats.Delivered().added(8, 8, 0, 0.0).added(5, 8, 0, 0.0).added(0, 8, 2, 0.0)
   got = stats.snapshot(d, stats.Times(1.0, 2.0, 3.0))
   assert got == {
     "batches": 3,

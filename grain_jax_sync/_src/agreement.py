@@ -164,6 +164,7 @@ def make_report(
   sig: Any,
   first: bool,
   digests: tuple[str | None, ...] = (),
+  sizes: tuple[tuple[int, ...], ...] = (),
 ) -> plan_lib.Report:
   return plan_lib.Report(
     process_index=who.process,
@@ -175,7 +176,13 @@ def make_report(
     config=who.config if first else None,
     resume=who.resume if first else None,
     digests=digests,
+    sizes=sizes,
   )
+
+
+def sizes_of(reads: Any, options: plan_lib.Options) -> tuple[tuple[int, ...], ...]:
+  """The reads' sizes of the varying dims for a report (`pad_shapes`); () without."""
+  return () if options.shapes is None else tuple(r.batch.sizes for r in reads)
 
 
 def decide(
@@ -234,7 +241,9 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
   # yield count per row count, for the current `options` (cleared when they
   # change). A batch of a known size is yielded without building a window
   # (about 4 of the 8 us the window costs per batch).
-  quick: dict[int, tuple[plan_lib.Step, int]] | None = {} if alone and window == 1 else None
+  quick: dict[int, tuple[plan_lib.Step, int]] | None = None
+  if alone and window == 1 and options.shapes is None:  # `pad_shapes`: sizes decide too.
+    quick = {}
   for w in range(1 << 62):
     need = max(window, len(reads) + 1)  # Counted before a quick read, which it includes.
     if quick and not reads and end is None:
@@ -251,7 +260,9 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
     rows = tuple(r.batch.rows for r in reads)
     # One process, mid-stream: a window of the same sizes gets the same plan
     # (an error-free plan does not depend on the position).
-    key = (rows, options) if alone and w and end is None else None
+    # Not with `pad_shapes`: the plan depends on the sizes too (and they take many values).
+    memoize = alone and w and end is None and options.shapes is None
+    key = (rows, options) if memoize else None
     known = memo.get(key) if key is not None else None
     if known is not None:
       decision, yields = known
@@ -316,7 +327,7 @@ def _decide_window(
   """
   sig = None if signature is None else signature.to_json()
   digests = tuple(r.digest for r in reads) if who.groups else ()
-  report = make_report(who, rows, end, sig, w == 0, digests)
+  report = make_report(who, rows, end, sig, w == 0, digests, sizes_of(reads, options))
   if exchange.process_count == 1:
     reports = [report]  # Nothing to exchange: skip the JSON round trip.
   else:

@@ -21,7 +21,7 @@ import functools
 import importlib
 import numbers
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -295,6 +295,19 @@ def row_count(leaves: Sequence[np.ndarray], names: Sequence[str], *, context: st
   return distinct.pop()
 
 
+# A trailing size that `pad_shapes` lets vary, as a signature records it.
+VARYING = -1
+
+
+def _shape_ok(shape: tuple[int, ...], trailing: tuple[int, ...]) -> bool:
+  """Whether a leaf's shape has these trailing sizes (any size where one varies)."""
+  if shape[1:] == trailing:
+    return True
+  if len(shape) != len(trailing) + 1 or VARYING not in trailing:
+    return False
+  return all(t in (x, VARYING) for x, t in zip(shape[1:], trailing))
+
+
 @dataclasses.dataclass(frozen=True)
 class Signature:
   """The structure of a batch, without its row count.
@@ -312,20 +325,44 @@ class Signature:
   shapes: tuple[tuple[int, ...], ...]
 
   @classmethod
-  def of(cls, leaves: Sequence[np.ndarray], names: Sequence[str], spec: TreeSpec) -> Signature:
+  def of(
+    cls,
+    leaves: Sequence[np.ndarray],
+    names: Sequence[str],
+    spec: TreeSpec,
+    varying: Sequence[tuple[int, ...]] | None = None,
+  ) -> Signature:
+    """The signature of validated leaves.
+
+    Args:
+      leaves: The leaves.
+      names: Their names.
+      spec: The tree spec.
+      varying: Per leaf, trailing indices whose size may vary (`pad_shapes`):
+        recorded as -1, so batches that differ only there compare equal.
+    """
+    shapes = [[int(d) for d in a.shape[1:]] for a in leaves]
+    for shape, dims in zip(shapes, varying or (), strict=False):
+      for t in dims:
+        shape[t] = VARYING
     return cls(
       spec=spec,
       names=tuple(names),
       dtypes=tuple(a.dtype.name for a in leaves),
-      shapes=tuple(tuple(int(d) for d in a.shape[1:]) for a in leaves),
+      shapes=tuple(tuple(s) for s in shapes),
     )
+
+  @functools.cached_property
+  def varying(self) -> tuple[tuple[int, ...], ...]:
+    """Per leaf, the trailing indices that vary (-1 in `shapes`); () where none does."""
+    return tuple(tuple(t for t, d in enumerate(s) if d == VARYING) for s in self.shapes)
 
   def matches(self, leaves: Sequence[np.ndarray], names: Sequence[str], spec: TreeSpec) -> bool:
     """Whether `Signature.of(leaves, names, spec)` would equal this one (cheaper)."""
     if len(leaves) != len(self.names) or spec != self.spec or tuple(names) != self.names:
       return False
     for a, d, s in zip(leaves, self.dtypes, self.shapes):
-      if a.shape[1:] != s or a.dtype.name != d:
+      if a.dtype.name != d or not _shape_ok(a.shape, s):
         return False
     return True
 
@@ -353,7 +390,7 @@ class Signature:
 
   def describe(self) -> str:
     return ", ".join(
-      f"{n}: {d}[rows{''.join(f', {x}' for x in s)}]"
+      f"{n}: {d}[rows{''.join(f', {x if x != VARYING else chr(42)}' for x in s)}]"
       for n, d, s in zip(self.names, self.dtypes, self.shapes)
     )
 
@@ -375,10 +412,16 @@ def diff(a: Signature, b: Signature) -> list[str]:
       if da != db:
         out.append(f"column {n!r}: dtype {da} vs {db}")
       if sa != sb:
-        out.append(f"column {n!r}: trailing shape {tuple(sa)} vs {tuple(sb)}")
+        out.append(f"column {n!r}: trailing shape {_shape_text(sa)} vs {_shape_text(sb)}")
   if not out and a.spec != b.spec:
     out.append(f"tree structure {_readable(a.spec)!r} vs {_readable(b.spec)!r}")
   return out
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+  """A trailing shape as a tuple, ``*`` where it varies (`pad_shapes`)."""
+  parts = ["*" if d == VARYING else str(d) for d in shape]
+  return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
 
 def _readable(spec: TreeSpec) -> TreeSpec:
@@ -405,13 +448,27 @@ class HostBatch:
   signature: Signature
 
   @property
+  def sizes(self) -> tuple[int, ...]:
+    """This batch's sizes of the varying dims (`pad_shapes`), leaf by leaf; () if none."""
+    return tuple(
+      leaf.shape[1 + t]
+      for leaf, dims in zip(self.leaves, self.signature.varying, strict=True)
+      for t in dims
+    )
+
+  @property
   def nbytes(self) -> int:
     """The bytes of every leaf."""
     return sum(leaf.nbytes for leaf in self.leaves)
 
 
 def validate(
-  batch: Any, *, process_index: int, batch_index: int, expected: Signature | None = None
+  batch: Any,
+  *,
+  process_index: int,
+  batch_index: int,
+  expected: Signature | None = None,
+  varying: Callable[[tuple[str, ...], tuple[int, ...]], Sequence[tuple[int, ...]]] | None = None,
 ) -> HostBatch:
   """Flattens and checks one source batch.
 
@@ -421,6 +478,9 @@ def validate(
     batch_index: The source batch's index on this host, for error messages.
     expected: The structure of the earlier batches: a batch that matches it
       gets that very `Signature` (no new one is built per batch).
+    varying: With `pad_shapes`: (leaf names, ranks) -> per leaf the trailing
+      indices that may vary (`shapes.leaf_dims`); its ValueError (a column
+      or dim that the batch lacks) is raised naming the batch.
 
   Returns:
     The validated batch (``rows == 0`` for an empty batch).
@@ -440,7 +500,13 @@ def validate(
   rows = row_count(leaves, names, context=where(process_index, batch_index))
   if expected is not None and expected.matches(leaves, names, spec):
     return HostBatch(leaves=leaves, rows=rows, signature=expected)
-  return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec))
+  dims = None
+  if varying is not None:
+    try:
+      dims = varying(tuple(names), tuple(a.ndim for a in leaves))
+    except ValueError as e:
+      raise ValueError(f"{where(process_index, batch_index)}: {e}") from e
+  return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec, dims))
 
 
 class Matcher:
@@ -496,7 +562,7 @@ class Matcher:
       if type(a) is not np.ndarray or a.dtype != dtype:
         return None
       shape = a.shape
-      if len(shape) != ndim or shape[1:] != trailing:
+      if len(shape) != ndim or (shape[1:] != trailing and not _shape_ok(shape, trailing)):
         return None
       if rows < 0:
         rows = shape[0]

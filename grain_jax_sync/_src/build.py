@@ -74,9 +74,19 @@ class Layout:
   as_read: bool = False
   # A dict of leaves only: its keys in leaf order (rebuilt with one `zip`).
   keys: tuple[Any, ...] | None = None
+  # `shape_mask_keys`: (leaf index, mask key) per element mask.
+  masks: tuple[tuple[int, str], ...] = ()
 
   @classmethod
-  def of(cls, sig: batches_lib.Signature, *, dtypes: Any, paddings: Any, mask_key: Any) -> Layout:
+  def of(
+    cls,
+    sig: batches_lib.Signature,
+    *,
+    dtypes: Any,
+    paddings: Any,
+    mask_key: Any,
+    shapes: Any = None,
+  ) -> Layout:
     want = padding.per_leaf(dtypes, sig, what="dtypes")
     try:
       host, device = sharding_lib.split_casts(sig.np_dtypes(), want)
@@ -112,7 +122,70 @@ class Layout:
           f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
         )
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
-    return cls(host, device, pads, as_read, batches_lib.flat_dict_keys(sig.spec))
+    masks = _element_masks(sig, shapes, mask_key)
+    return cls(host, device, pads, as_read, batches_lib.flat_dict_keys(sig.spec), masks)
+
+
+def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tuple[Any, ...]:
+  """`shape_mask_keys` resolved to (leaf index, key) pairs, or a ValueError naming it."""
+  if shapes is None or not shapes.masks:
+    return ()
+  keys = batches_lib.spec_keys(sig.spec)
+  out: list[tuple[int, str]] = []
+  for column, key in shapes.masks:
+    leaves = [k for k, n in enumerate(sig.names) if n == column or n.startswith(f"{column}/")]
+    if not batches_lib.is_dict_spec(sig.spec):
+      raise ValueError(
+        f"`shape_mask_keys` needs dict batches, but the batches are structured"
+        f" as {sig.spec!r}; use dict batches or shape_mask_keys=None"
+      )
+    if len(leaves) != 1 or not sig.varying[leaves[0]]:
+      raise ValueError(
+        f"`shape_mask_keys` names column {column!r}, which is not one leaf with"
+        f" dims named in `pad_shapes`; the leaves are {list(sig.names)}"
+      )
+    if key in keys or key == mask_key or key in [k for _, k in out]:
+      raise ValueError(
+        f"`shape_mask_keys` for column {column!r} is {key!r}, which is already"
+        " a column of the batches, `mask_key` or another mask; pick another name"
+      )
+    out.append((leaves[0], key))
+  return tuple(out)
+
+
+def _local_leaves(
+  read: reader_lib.Read | None,
+  step: plan_lib.Step,
+  sig: batches_lib.Signature,
+  layout: Layout,
+  shapes: Any,
+) -> list[np.ndarray]:
+  """This host's leaves of one batch, padded (rows and varying dims) and cast."""
+  if (
+    read is not None
+    and read.batch.rows == step.rows
+    and layout.as_read
+    and (not step.sizes or all(x.shape[1:] == t for x, t in zip(read.batch.leaves, shapes)))
+  ):
+    return list(read.batch.leaves)
+  leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+  pads = layout.pads
+  return [
+    padding.fill_leaf(
+      leaf,
+      target=step.rows,
+      shape=shapes[k],
+      dtype=layout.host[k],
+      pad=None if pads is None else pads[k],
+    )
+    for k, leaf in enumerate(leaves_in)
+  ]
+
+
+def trailing_shapes(sig: batches_lib.Signature, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+  """Each leaf's trailing shape, the varying dims (-1) set to the agreed `sizes`."""
+  it = iter(sizes)
+  return [tuple(next(it) if d == batches_lib.VARYING else d for d in shape) for shape in sig.shapes]
 
 
 class Builder:
@@ -135,8 +208,10 @@ class Builder:
     self._placement = placement
     self._state = start_state
     self._layout: Layout | None = None
-    # Per row count: every leaf's (and the mask's) sharding and global shape.
-    self._targets: dict[int, sharding_lib.Targets] = {}
+    # Per row count (and agreed sizes): every leaf's (and the masks') sharding and global shape.
+    self._targets: dict[Any, sharding_lib.Targets] = {}
+    # `pad_shapes`: per agreed sizes, each leaf's trailing shape.
+    self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     self.transfer_s = 0.0
     self.dropped = 0
 
@@ -186,35 +261,36 @@ class Builder:
     """One global batch: this host's rows (or a dummy), padded and masked."""
     if self._layout is None:
       self._layout = Layout.of(
-        sig, dtypes=self._s.dtypes, paddings=self._s.paddings, mask_key=self._s.mask_key
+        sig,
+        dtypes=self._s.dtypes,
+        paddings=self._s.paddings,
+        mask_key=self._s.mask_key,
+        shapes=self._s.shapes,
       )
     layout = self._layout
-    if read is not None and read.batch.rows == step.rows and layout.as_read:
-      local = list(read.batch.leaves)
-    else:
-      leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
-      pads = layout.pads
-      local = [
-        padding.fill_leaf(
-          leaf,
-          target=step.rows,
-          shape=sig.shapes[k],
-          dtype=layout.host[k],
-          pad=None if pads is None else pads[k],
-        )
-        for k, leaf in enumerate(leaves_in)
-      ]
+    shapes = sig.shapes
+    if step.sizes:
+      shapes = self._shapes.get(step.sizes)
+      if shapes is None:
+        shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
+    local = _local_leaves(read, step, sig, layout, shapes)
     device = layout.device
     mask_key = self._s.mask_key
     if mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
       device = [*device, None]
-    targets = self._targets.get(step.rows)
+    for k, _ in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
+      real = None if read is None else read.batch.leaves[k].shape
+      local.append(padding.element_mask(real, step.rows, shapes[k], sig.varying[k]))
+      device = [*device, None]
+    key = (step.rows, step.sizes) if step.sizes else step.rows
+    targets = self._targets.get(key)
     if targets is None:
       targets = sharding_lib.global_targets([x.shape for x in local], self._placement)
-      self._targets[step.rows] = targets
+      self._targets[key] = targets
     # The one seam where local rows become global arrays.
     out = sharding_lib.to_global_leaves(local, self._placement, device, targets=targets)
+    masks = [out.pop() for _ in layout.masks][::-1]
     mask = out.pop() if mask_key is not None else None
     if layout.keys is not None:
       tree = dict(zip(layout.keys, out, strict=True))
@@ -222,4 +298,6 @@ class Builder:
       tree = batches_lib.unflatten(sig.spec, out)
     if mask_key is not None:
       tree[mask_key] = mask
+    for (_, name), m in zip(layout.masks, masks, strict=True):
+      tree[name] = m
     return tree

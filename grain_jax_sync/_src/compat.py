@@ -49,6 +49,9 @@ def jax_sync_generator(
   synchronize_lookahead: int = 10,
   *,
   prefetch_batches: int = 0,
+  pad_shapes: Any = None,
+  shape_buckets: Any = None,
+  shape_mask_keys: Any = None,
 ) -> Iterator[Any]:
   """Yields global `jax.Array` batches; Ray Data's signature and defaults.
 
@@ -79,6 +82,12 @@ def jax_sync_generator(
     synchronize_lookahead: Batches per agreement window (as in `iter_jax_batches`).
     prefetch_batches: Batches prepared ahead in a background thread; 0 (the
       default, as the reference) reads and converts in the caller's thread.
+    pad_shapes: Not in the reference: the dims whose sizes may vary across
+      hosts and batches, padded with `paddings` to the agreed size (as in
+      `iter_jax_batches`; needs `synchronize_batches=True` on several hosts).
+    shape_buckets: As in `iter_jax_batches`.
+    shape_mask_keys: As in `iter_jax_batches` (dict batches): element masks,
+      the one mask this wrapper adds (the reference has none).
 
   Yields:
     Batches of global `jax.Array` values with the input's structure.
@@ -110,6 +119,9 @@ def jax_sync_generator(
     synchronize_lookahead=synchronize_lookahead,
     sharding=meshes.default_sharding(),
     prefetch_batches=prefetch_batches,
+    pad_shapes=pad_shapes,
+    shape_buckets=shape_buckets,
+    shape_mask_keys=shape_mask_keys,
   )
   with it:
     yield from it

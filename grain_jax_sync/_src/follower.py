@@ -31,6 +31,7 @@ class Follower(Streamed):
     self._posted = 0  # Own positions posted.
     self._unposted: list[int] = []
     self._digests: list[str | None] = []  # Parallel to `_unposted` where rows are shared.
+    self._sizes: list[tuple[int, ...]] = []  # Parallel to `_unposted` with `pad_shapes`.
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
@@ -144,6 +145,8 @@ class Follower(Streamed):
     self._unposted.append(item.batch.rows)
     if self._who.groups:
       self._digests.append(item.digest)
+    if self._options.shapes is not None:
+      self._sizes.append(item.batch.sizes)
     if (
       self._own.last_read_s >= agreement.FLUSH_AFTER_S
       or (
@@ -171,7 +174,13 @@ class Follower(Streamed):
       sig = self._own.signature.to_json()
       self._sent_signature = True
     report = agreement.make_report(
-      self._who, tuple(self._unposted), end, sig, not self._sent_first, tuple(self._digests)
+      self._who,
+      tuple(self._unposted),
+      end,
+      sig,
+      not self._sent_first,
+      tuple(self._digests),
+      tuple(self._sizes),
     )
     if error is not None:
       report = plan_lib.Report(process_index=self._p, error=error, local_devices=self._who.devices)
@@ -183,6 +192,7 @@ class Follower(Streamed):
     self._posted += len(report.rows)
     self._unposted.clear()
     self._digests.clear()
+    self._sizes.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
 
   def _release(self) -> None:
@@ -201,6 +211,7 @@ class Follower(Streamed):
       if not self._end_posted or error is None or error.kind in plan_lib.ABORTS:
         self._unposted.clear()
         self._digests.clear()
+        self._sizes.clear()
         self._post(final=True, error=error or self._closed_error(at_batch))
     finally:
       self._ex.end()

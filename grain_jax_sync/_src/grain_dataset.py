@@ -220,6 +220,7 @@ def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (l
       given = self._settings
       options = [k for k in ("paddings", "dtypes") if getattr(given, k) is not None]
       options += [k for k in ("mask_key", "drop_last") if getattr(given, k)]
+      options += ["pad_shapes"] if given.shapes is not None else []
       if options:
         why = f"the first element is unbatched ({why})" if why else None
         raise ValueError(
@@ -322,6 +323,9 @@ def device_put(
   sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
+  pad_shapes: Any = None,
+  shape_buckets: Any = None,
+  shape_mask_keys: Any = None,
 ) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
@@ -376,6 +380,10 @@ def device_put(
     sharding: As in `iter_jax_batches` (instead of `device`).
     sync_timeout_s: As in `iter_jax_batches`.
     name: As in `iter_jax_batches`.
+    pad_shapes: As in `iter_jax_batches`: the dims whose sizes may vary
+      (Grain batches padded per batch), padded to the size agreed per batch.
+    shape_buckets: As in `iter_jax_batches`.
+    shape_mask_keys: As in `iter_jax_batches`.
 
   Returns:
     A `grain.IterDataset` of global `jax.Array` batches.
@@ -422,6 +430,10 @@ def device_put(
     name=name,
     # As Grain's: at most `cpu_buffer_size` batches read ahead of the built ones.
     read_ahead=max(1, cpu_buffer_size) if device_buffer_size > 0 else None,
+    pad_shapes=pad_shapes,
+    shape_buckets=shape_buckets,
+    shape_mask_keys=shape_mask_keys,
+    process_count=jax.process_count(),
   )
   batches = placement_lib.resolve_sharding(mesh=None, data_axes=None, sharding=placement.sharding)
   settings_lib.check_divisible(settings, batches.local_shards, batches.describe_local())

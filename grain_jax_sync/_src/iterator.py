@@ -400,6 +400,9 @@ def iter_jax_batches(
   sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
   sync_timeout_s: float = 600.0,
   name: str | None = None,
+  pad_shapes: Any = None,
+  shape_buckets: Any = None,
+  shape_mask_keys: Any = None,
 ) -> JaxBatchIterator:
   """Iterates global `jax.Array` batches that every process agrees on.
 
@@ -477,6 +480,19 @@ def iter_jax_batches(
     name: Names the exchange keys; needed only when processes do not create
       their iterators in the same order. Iterators of one name are counted
       (a new one each epoch is fine): every process creates as many.
+    pad_shapes: The dims (>= 1) whose sizes may differ across hosts and
+      batches: a dict of column name (or prefix) to a dim or a tuple of dims
+      (``{"tokens": 1}``), or a dim (tuple) for a bare-array batch. At each
+      batch every host pads them with `paddings` (required) to the largest
+      size on any host. Everything else still must match. See docs/shapes.md.
+    shape_buckets: Per column of `pad_shapes`, ascending sizes
+      (``{"tokens": [128, 256, 512]}``): the agreed size is rounded up to the
+      next one (so a jitted step sees at most that many shapes); a size above
+      the last raises the same ValueError on every host.
+    shape_mask_keys: Per column of `pad_shapes`, the key of a boolean element
+      mask added to dict batches (``{"tokens": "tokens_mask"}``), shaped like
+      the padded leaf up to its last named dim: True for real elements, False
+      for padded elements and for padded and dummy rows.
 
   Returns:
     A `JaxBatchIterator`.
@@ -503,6 +519,10 @@ def iter_jax_batches(
     prefetch_batches=prefetch_batches,
     sync_timeout_s=sync_timeout_s,
     name=name,
+    pad_shapes=pad_shapes,
+    shape_buckets=shape_buckets,
+    shape_mask_keys=shape_mask_keys,
+    process_count=jax.process_count(),
   )
   placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
   return JaxBatchIterator(source, settings=settings, placement=placement)

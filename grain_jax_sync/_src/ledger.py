@@ -102,15 +102,20 @@ class Ledger:
     process_count: How many processes report.
     digests: Keep each position's row digest (processes share rows), for
       the window reports.
+    sizes: Keep each position's sizes of the varying dims (`pad_shapes`).
   """
 
-  def __init__(self, process_count: int, *, digests: bool = False):
+  def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
     self._n = process_count
     self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
     # Parallel to `_rows` where digests are kept (None: a process sent none).
     self._digests: list[collections.deque[str | None]] | None = None
     if digests:
       self._digests = [collections.deque() for _ in range(process_count)]
+    # Parallel to `_rows` with `pad_shapes` (None: a process sent none).
+    self._sizes: list[collections.deque[tuple[int, ...] | None]] | None = None
+    if sizes:
+      self._sizes = [collections.deque() for _ in range(process_count)]
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[plan_lib.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
@@ -152,6 +157,9 @@ class Ledger:
     if self._digests is not None:
       got = r.digests[: len(r.rows)]
       self._digests[p].extend((*got, *[None] * (len(r.rows) - len(got))))
+    if self._sizes is not None:
+      have = r.sizes[: len(r.rows)]
+      self._sizes[p].extend((*have, *[None] * (len(r.rows) - len(have))))
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
@@ -163,11 +171,15 @@ class Ledger:
     self._devices[p] = r.local_devices
     self._ack[p] = max(self._ack[p], chunk.ack)
 
-  def add_rows(self, p: int, rows: int, digest: str | None = None) -> None:
+  def add_rows(
+    self, p: int, rows: int, digest: str | None = None, sizes: tuple[int, ...] = ()
+  ) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
     self._rows[p].append(rows)
     if self._digests is not None:
       self._digests[p].append(digest)
+    if self._sizes is not None:
+      self._sizes[p].append(sizes)
 
   def end(self, report: plan_lib.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
@@ -222,6 +234,9 @@ class Ledger:
       digests: tuple[str | None, ...] = ()
       if self._digests is not None:
         digests = tuple(self._digests[p][i - base] for i in range(position, stop))
+      sizes: tuple[Any, ...] = ()
+      if self._sizes is not None:
+        sizes = tuple(self._sizes[p][i - base] for i in range(position, stop))
       # An end right after the window's last row counts too: that row is then
       # known to be the process's last (`Options.wait_for_last`).
       ended = self._end[p] is not None and self.count(p) <= position + size
@@ -238,6 +253,7 @@ class Ledger:
           resume=self._resume[p] if with_config else None,
           more=self.count(p) > stop,
           digests=digests,
+          sizes=sizes,
         )
       )
     return out
@@ -254,6 +270,8 @@ class Ledger:
         rows.popleft()
         if self._digests is not None:
           self._digests[p].popleft()
+        if self._sizes is not None:
+          self._sizes[p].popleft()
         self._base[p] += 1
 
 
@@ -285,10 +303,17 @@ class Decision:
   def to_json(self) -> str:
     runs: list[list[Any]] = []
     for s in self.steps:
-      if runs and runs[-1][0] == s.action.value and runs[-1][1] == s.rows:
+      if (
+        runs
+        and runs[-1][0] == s.action.value
+        and runs[-1][1] == s.rows
+        and _sizes(runs[-1]) == s.sizes
+      ):
         runs[-1][2] += 1
-      else:
-        runs.append([s.action.value, s.rows, 1])
+      else:  # The agreed sizes (`pad_shapes`) only where there are some.
+        runs.append(
+          [s.action.value, s.rows, 1, list(s.sizes)] if s.sizes else [s.action.value, s.rows, 1]
+        )
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
     if self.error is not None:
       obj["x"] = self.error.to_json()
@@ -309,14 +334,20 @@ class Decision:
     try:
       steps = tuple(  # One shared (frozen) step per run of equal positions.
         itertools.chain.from_iterable(
-          itertools.repeat(plan_lib.Step(plan_lib.Action(a), rows, ()), n)
-          for a, rows, n in obj["st"]
+          itertools.repeat(plan_lib.Step(plan_lib.Action(a), rows, (), _sizes(run)), n)
+          for run in obj["st"]
+          for a, rows, n in (run[:3],)
         )
       )
       error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
       return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"), obj.get("b"))
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
+
+
+def _sizes(run: list[Any]) -> tuple[int, ...]:
+  """A decision run's agreed sizes (a 4th entry with `pad_shapes`)."""
+  return tuple(run[3]) if len(run) > 3 else ()
 
 
 def signature_of(reports: Any) -> dict[str, Any] | None:

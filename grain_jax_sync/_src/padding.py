@@ -189,16 +189,48 @@ def fill_leaf(
     new buffer.
   """
   rows = 0 if leaf is None else leaf.shape[0]
-  if leaf is not None and rows == target and leaf.dtype == dtype:
+  grown = leaf is not None and leaf.shape[1:] != shape  # `pad_shapes`: trailing dims pad too.
+  if leaf is not None and rows == target and leaf.dtype == dtype and not grown:
     return leaf
-  if rows < target and pad is None:
+  if (rows < target or grown) and pad is None:
     raise ValueError("internal: padding needed without a padding value")
   buf = np.empty((target, *shape), dtype)
+  if grown:
+    assert leaf is not None
+    buf[...] = pad
+    if rows:
+      cast_into(buf[tuple(slice(0, n) for n in leaf.shape)], leaf)
+    return buf
   if leaf is not None and rows:
     cast_into(buf[:rows], leaf)
   if rows < target:
     buf[rows:] = pad
   return buf
+
+
+def element_mask(
+  leaf_shape: tuple[int, ...] | None, target: int, shape: tuple[int, ...], dims: tuple[int, ...]
+) -> np.ndarray:
+  """The element mask of a padded leaf (`shape_mask_keys`).
+
+  Args:
+    leaf_shape: The real leaf's shape (rows included), or None for a dummy.
+    target: Rows of the padded leaf.
+    shape: The padded leaf's trailing shape.
+    dims: The trailing indices that vary (padded), ascending.
+
+  Returns:
+    A bool array shaped ``(target, *shape[:dims[-1] + 1])``: True for real
+    elements, False for padded elements and for padded and dummy rows.
+  """
+  out = np.zeros((target, *shape[: dims[-1] + 1]), np.bool_)
+  if leaf_shape is None or not leaf_shape[0]:
+    return out
+  real = [slice(0, leaf_shape[0])]
+  for t in range(dims[-1] + 1):
+    real.append(slice(0, leaf_shape[1 + t]) if t in dims else slice(None))
+  out[tuple(real)] = True
+  return out
 
 
 def mask(real_rows: int, target: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import shapes as shapes_lib
 
 
 class ErrorKind(enum.StrEnum):
@@ -93,6 +94,8 @@ class Report:
     digests: Where processes share rows: a digest of the rows of each batch
       in `rows` (`sharding.rows_digest`), compared beside `decide`
       (`agreement.decide`); empty otherwise.
+    sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
+      dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
   """
 
   process_index: int
@@ -105,6 +108,7 @@ class Report:
   more: bool = False
   resume: int | None = None
   digests: tuple[str | None, ...] = ()
+  sizes: tuple[tuple[int, ...], ...] = ()
 
   def to_json(self) -> str:
     obj: dict[str, Any] = {
@@ -125,6 +129,8 @@ class Report:
       obj["b"] = self.resume
     if self.digests:
       obj["h"] = list(self.digests)
+    if self.sizes:
+      obj["z"] = [list(z) for z in self.sizes]
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -145,6 +151,7 @@ class Report:
       more=obj.get("m", False),
       resume=obj.get("b"),
       digests=tuple(obj.get("h", ())),
+      sizes=tuple(tuple(z) for z in obj.get("z", ())),
     )
 
 
@@ -161,11 +168,14 @@ class Step:
     action: Yield or drop.
     rows: Rows each host yields (the padded size); 0 for a drop.
     real_rows: Real rows per process (0 where the process yields a dummy).
+    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims
+      (leaf by leaf, as `Report.sizes`): every host pads to them.
   """
 
   action: Action
   rows: int
   real_rows: tuple[int, ...]
+  sizes: tuple[int, ...] = ()
 
 
 class End(enum.StrEnum):
@@ -217,6 +227,8 @@ class Options:
     derived: `batch_size` was derived from the first position (set by `pin`);
       a derived size is a guess, so a short batch that is not its host's last
       raises even with `pad`.
+    shapes: `pad_shapes` and its buckets: each yield gets agreed sizes
+      (`Step.sizes`) from the reports' `sizes`.
   """
 
   batch_size: int | None
@@ -224,6 +236,7 @@ class Options:
   pad: bool
   wait_for_last: bool = False
   derived: bool = False
+  shapes: shapes_lib.Shapes | None = None
 
 
 def pin(options: Options, plan: Plan) -> Options:
@@ -456,8 +469,60 @@ def _divisibility_error(reports: Sequence[Report], target: int, index: int) -> R
   return None
 
 
-def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:  # noqa: C901 - one rule per branch, in order
+def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read.
+
+  With `Options.shapes`, each yielded step carries the agreed sizes of the
+  varying dims (`agree_sizes`).
+
+  Args:
+    reports: One report per process, in process order.
+    options: The shared settings (see `decide_rows`).
+    position: Number of batches yielded before this window (for messages).
+
+  Returns:
+    The plan; identical on every host given identical reports.
+  """
+  plan = decide_rows(reports, options, position=position)
+  if options.shapes is None or not plan.steps:
+    return plan
+  return agree_sizes(plan, reports, options.shapes, position=position)
+
+
+def agree_sizes(
+  plan: Plan, reports: Sequence[Report], shapes: shapes_lib.Shapes, *, position: int
+) -> Plan:
+  """`plan` with each yield's agreed sizes: per varying dim the max over hosts, bucketed.
+
+  A size above its column's last bucket ends the plan before that step with
+  the same ValueError on every host.
+  """
+  sig = next((r.signature for r in reports if r.signature is not None), None)
+  if sig is None:
+    return plan
+  leaves = sig["leaves"]
+  layout = shapes_lib.flat(
+    shapes, tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
+  )
+  steps: list[Step] = []
+  index = position
+  for i, step in enumerate(plan.steps):
+    if step.action == Action.YIELD:
+      per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
+      sizes = shapes_lib.agree(per_host, layout)
+      if isinstance(sizes, shapes_lib.Above):
+        message = shapes_lib.above_message(layout, sizes, per_host, index)
+        return dataclasses.replace(
+          plan, steps=tuple(steps), end=End.RAISE, error=_value_error(message, -1, index)
+        )
+      step = Step(step.action, step.rows, step.real_rows, sizes)
+      index += 1
+    steps.append(step)
+  return dataclasses.replace(plan, steps=tuple(steps))
+
+
+def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:  # noqa: C901 - one rule per branch, in order
+  """Decides what every host does with the window just read (rows, not sizes).
 
   Args:
     reports: One report per process, in process order.

@@ -15,6 +15,7 @@ Pure NumPy; no JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import shapes as shapes_lib
 from grain_jax_sync._src import sources
 
 _INT_RANGE = {
@@ -114,6 +116,7 @@ class Reader:
     start_error: An error to end with before reading (a malformed state).
     digest: Where processes share rows: the digest of a batch's leaves
       (`sharding.rows_digest`), computed here, in the reading thread.
+    shapes: `pad_shapes` and its kin (`shapes.make`): the dims that may vary.
 
   Attributes:
     source_s: Seconds spent in the source's ``next()`` and ``get_state()``
@@ -128,8 +131,11 @@ class Reader:
     check_int32: bool,
     start_error: BaseException | None = None,
     digest: Callable[[Sequence[np.ndarray]], str] | None = None,
+    shapes: shapes_lib.Shapes | None = None,
   ):
     self._source = source
+    # `pad_shapes`: which dims of which leaves vary (`shapes.leaf_dims`).
+    self._varying = None if shapes is None else functools.partial(shapes_lib.leaf_dims, shapes)
     self._digest = digest
     self.source_s = 0.0
     self._p = process_index
@@ -199,7 +205,11 @@ class Reader:
         check_int_range(hb, self._p, index)
       return hb
     hb = batches_lib.validate(
-      raw, process_index=self._p, batch_index=index, expected=self._signature
+      raw,
+      process_index=self._p,
+      batch_index=index,
+      expected=self._signature,
+      varying=self._varying,
     )
     if not hb.rows:
       return hb

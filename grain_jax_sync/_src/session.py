@@ -85,6 +85,7 @@ class Stages:
       check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start.start_error,
       digest=sharding_lib.rows_digest if shares else None,
+      shapes=s.shapes,  # `pad_shapes`: the dims whose sizes vary.
     )
     who = agreement.Identity(
       process=ex.process_index,

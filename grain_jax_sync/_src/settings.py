@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import shapes as shapes_lib
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +39,22 @@ class Settings:
   # Batches read but not yet built, at most (None: the agreement's default
   # bound, `agreement.read_ahead_limit`); `device_put`'s `cpu_buffer_size`.
   read_ahead: int | None = None
+  # `pad_shapes`, `shape_buckets`, `shape_mask_keys` (`shapes.make`); None: off.
+  shapes: shapes_lib.Shapes | None = None
 
   def digest(self) -> dict[str, Any]:
     """What every host must agree on (compared in the first exchange)."""
-    return plan_lib.settings_digest(
-      {
-        "batch_size": self.batch_size,
-        "drop_last": self.drop_last,
-        "paddings": _describe(self.paddings),
-        "mask_key": self.mask_key,
-        "dtypes": _describe(self.dtypes),
-        "synchronize_lookahead": self.lookahead,
-      }
-    )
+    digest = {
+      "batch_size": self.batch_size,
+      "drop_last": self.drop_last,
+      "paddings": _describe(self.paddings),
+      "mask_key": self.mask_key,
+      "dtypes": _describe(self.dtypes),
+      "synchronize_lookahead": self.lookahead,
+    }
+    if self.shapes is not None:  # Only when set: states saved without it still resume.
+      digest["pad_shapes"] = self.shapes.describe()
+    return plan_lib.settings_digest(digest)
 
   def options(self, batch_size: int | None = None) -> plan_lib.Options:
     """The options `plan.decide` takes.
@@ -67,6 +71,7 @@ class Settings:
       pad=self.paddings is not None,
       wait_for_last=True,
       derived=derived,
+      shapes=self.shapes,
     )
 
 
@@ -211,6 +216,10 @@ def make(
   sync_timeout_s: float,
   name: str | None,
   read_ahead: int | None = None,
+  pad_shapes: Any = None,
+  shape_buckets: Any = None,
+  shape_mask_keys: Any = None,
+  process_count: int = 1,
 ) -> Settings:
   """Checks the options of `iter_jax_batches`, `device_put` and `jax_sync_generator`, once.
 
@@ -236,6 +245,13 @@ def make(
     sync_timeout_s=float(sync_timeout_s),
     name=name,
     read_ahead=None if read_ahead is None else _positive("read_ahead", read_ahead, minimum=0),
+    shapes=shapes_lib.make(
+      pad_shapes,
+      shape_buckets,
+      shape_mask_keys,
+      paddings,
+      synchronized=bool(synchronize_batches) or process_count == 1,
+    ),
   )
 
 

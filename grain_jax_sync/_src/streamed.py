@@ -144,7 +144,9 @@ class Decider(Streamed):
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
-    self._led = ledger_lib.Ledger(self._n, digests=bool(self._who.groups))
+    self._led = ledger_lib.Ledger(
+      self._n, digests=bool(self._who.groups), sizes=self._options.shapes is not None
+    )
     who = self._who
     self._led.set_own(
       self._p, signature=None, devices=who.devices, config=who.config, resume=who.resume
@@ -290,7 +292,7 @@ class Decider(Streamed):
         config=self._who.config,
         resume=self._who.resume,
       )
-    self._led.add_rows(self._p, item.batch.rows, item.digest)
+    self._led.add_rows(self._p, item.batch.rows, item.digest, item.batch.sizes)
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
     for p, text in items:

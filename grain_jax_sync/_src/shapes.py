@@ -1,0 +1,280 @@
+"""Shapes that vary: which dims may differ across hosts, their buckets and masks.
+
+`pad_shapes=` names columns and the dims within them (``{"tokens": 1}``,
+``{"audio": (1, 2)}``) whose sizes may differ between hosts and positions.
+The structure signature records those dims as varying (size -1, see
+`batches.Signature`), so hosts compare everything else; each host reports its
+sizes of them per batch beside its rows (`plan.Report.sizes`), and
+`plan.decide` agrees, per yielded position, on the maximum over hosts, rounded
+up to the column's next bucket (`shape_buckets=`). Every host pads to that
+size (`padding.fill_leaf`) and, where `shape_mask_keys=` asks, adds an element
+mask (`padding.element_mask`).
+
+Pure Python; no JAX, no NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ROOT_NAME = "<batch>"  # As `batches.ROOT_NAME` (imported by batches, not from it).
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """The three options, validated and hashable (part of `plan.Options`).
+
+  Attributes:
+    dims: (column, dims) pairs: the dims (>= 1; 0 is the row dim) that may vary.
+    buckets: (column, ascending sizes) pairs; a column without buckets pads
+      to the agreed maximum.
+    masks: (column, mask key) pairs: element masks to add.
+  """
+
+  dims: tuple[tuple[str, tuple[int, ...]], ...]
+  buckets: tuple[tuple[str, tuple[int, ...]], ...] = ()
+  masks: tuple[tuple[str, str], ...] = ()
+
+  def describe(self) -> dict[str, Any]:
+    """A JSON-stable form for the settings digest."""
+    return {
+      "dims": {c: list(d) for c, d in self.dims},
+      "buckets": {c: list(b) for c, b in self.buckets},
+      "masks": dict(self.masks),
+    }
+
+
+def _dims(column: str, value: Any) -> tuple[int, ...]:
+  items = value if isinstance(value, (tuple, list)) else (value,)
+  out = []
+  for d in items:
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+      raise ValueError(
+        f"`pad_shapes` for column {column!r}: dims must be ints >= 1 (dim 0 is"
+        f" the row dim, which `paddings` pads), got {value!r}"
+      )
+    out.append(int(d))
+  if not out or len(set(out)) != len(out):
+    raise ValueError(f"`pad_shapes` for column {column!r}: expected distinct dims, got {value!r}")
+  return tuple(sorted(out))
+
+
+def _buckets(column: str, value: Any) -> tuple[int, ...]:
+  try:
+    out = tuple(int(b) for b in value)
+    ok = all(isinstance(b, int) and not isinstance(b, bool) for b in value)
+  except TypeError:
+    out, ok = (), False
+  if not ok or not out or any(b < 1 for b in out) or list(out) != sorted(set(out)):
+    raise ValueError(
+      f"`shape_buckets` for column {column!r}: expected a non-empty list of"
+      f" ascending ints >= 1, got {value!r}"
+    )
+  return out
+
+
+def make(
+  pad_shapes: Any,
+  shape_buckets: Any,
+  shape_mask_keys: Any,
+  paddings: Any,
+  *,
+  synchronized: bool = True,
+) -> Shapes | None:
+  """Checks the three options; None when `pad_shapes` is not given.
+
+  Args:
+    pad_shapes: The dims that may vary, per column (or for a bare array).
+    shape_buckets: Per column, ascending sizes to round up to.
+    shape_mask_keys: Per column, the key of its element mask.
+    paddings: The `paddings` argument (required with `pad_shapes`).
+    synchronized: Whether the hosts agree (`synchronize_batches`, or one
+      process): unsynchronized hosts cannot agree on sizes.
+
+  Raises:
+    ValueError: For a malformed option, buckets or masks without
+      `pad_shapes` or naming a column it does not name, `pad_shapes`
+      without `paddings` (the fill value of the padded elements), or
+      without synchronization on several processes.
+  """
+  if pad_shapes is None:
+    for arg, v in (("shape_buckets", shape_buckets), ("shape_mask_keys", shape_mask_keys)):
+      if v is not None:
+        raise ValueError(f"`{arg}` needs `pad_shapes` (the dims that vary), got {arg}={v!r}")
+    return None
+  if not synchronized:
+    raise ValueError(
+      f"`pad_shapes`={pad_shapes!r} needs `synchronize_batches=True` on several"
+      " processes: the hosts agree on the padded sizes through it"
+    )
+  if paddings is None:
+    raise ValueError(
+      f"`pad_shapes`={pad_shapes!r} needs `paddings`: the value the padded"
+      " elements (and rows) are filled with, e.g. paddings=0"
+    )
+  if not isinstance(pad_shapes, Mapping):
+    pad_shapes = {ROOT_NAME: pad_shapes}  # A bare array batch.
+  if not pad_shapes:
+    raise ValueError("`pad_shapes` is empty; name at least one column, or pass None")
+  dims = tuple(sorted((str(c), _dims(str(c), v)) for c, v in pad_shapes.items()))
+  named = {c for c, _ in dims}
+  given = _per_column("shape_buckets", shape_buckets, named)
+  buckets = tuple(sorted((c, _buckets(c, v)) for c, v in given.items()))
+  masks = []
+  for c, key in sorted(_per_column("shape_mask_keys", shape_mask_keys, named).items()):
+    if not isinstance(key, str):
+      raise ValueError(f"`shape_mask_keys` for column {c!r} must be a str, got {key!r}")
+    masks.append((c, key))
+  return Shapes(dims, buckets, tuple(masks))
+
+
+def _per_column(arg: str, value: Any, named: set[str]) -> dict[str, Any]:
+  """A per-column option as a dict over columns that `pad_shapes` names."""
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    if len(named) != 1:
+      raise ValueError(f"`{arg}` must be a dict of column name to value, got {value!r}")
+    value = {next(iter(named)): value}
+  unknown = sorted(str(c) for c in value if str(c) not in named)
+  if unknown:
+    raise ValueError(
+      f"`{arg}` names columns that `pad_shapes` does not: {unknown}; `pad_shapes`"
+      f" names {sorted(named)}"
+    )
+  return {str(c): v for c, v in value.items()}
+
+
+def _column_of(name: str, columns: Sequence[str]) -> str | None:
+  """The longest column (a leaf's path or a prefix of it) that names leaf `name`."""
+  parts = name.split("/")
+  for n in range(len(parts), 0, -1):
+    prefix = "/".join(parts[:n])
+    if prefix in columns:
+      return prefix
+  return None
+
+
+@functools.lru_cache(maxsize=64)
+def leaf_dims(
+  shapes: Shapes, names: tuple[str, ...], ranks: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+  """Per leaf, the trailing indices (dim - 1) that vary; () for a fixed leaf.
+
+  Args:
+    shapes: The options.
+    names: Leaf names, in leaf order.
+    ranks: Each leaf's number of dims, rows included.
+
+  Raises:
+    ValueError: If `pad_shapes` names a column that the batches lack, or a
+      dim that a leaf of it does not have.
+  """
+  columns = [c for c, _ in shapes.dims]
+  given = dict(shapes.dims)
+  out: list[tuple[int, ...]] = []
+  used: set[str] = set()
+  for name, rank in zip(names, ranks, strict=True):
+    column = _column_of(name, columns) if names != (ROOT_NAME,) else columns[0]
+    if column is None:
+      out.append(())
+      continue
+    used.add(column)
+    dims = given[column]
+    if dims[-1] >= rank:
+      raise ValueError(
+        f"column {name!r}: `pad_shapes` names dim {dims[-1]}, but the leaf has"
+        f" {rank} dims (rows included; dims {list(range(1, rank))} may vary)"
+      )
+    out.append(tuple(d - 1 for d in dims))
+  if names == (ROOT_NAME,) and len(columns) > 1:
+    raise ValueError(
+      f"`pad_shapes` for a single-array batch must be an int, a tuple or a dict"
+      f" with one entry, got {dict(shapes.dims)!r}"
+    )
+  unknown = sorted(set(columns) - used)
+  if unknown:
+    raise ValueError(
+      f"`pad_shapes` names columns that the batches do not have: {unknown};"
+      f" the columns are {list(names)}"
+    )
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+  """The varying dims of one structure, in report order (leaf, then dim).
+
+  Attributes:
+    names: Per varying dim, ``"column dim d"`` for messages.
+    buckets: Per varying dim, its column's buckets (() for none).
+  """
+
+  names: tuple[str, ...]
+  buckets: tuple[tuple[int, ...], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...], ...]) -> Flat:
+  """`Flat` for a signature's names and trailing shapes (-1 where a dim varies)."""
+  columns = [c for c, _ in shapes.buckets]
+  given = dict(shapes.buckets)
+  out_names: list[str] = []
+  out_buckets: list[tuple[int, ...]] = []
+  for name, shape in zip(names, trailing, strict=True):
+    if names == (ROOT_NAME,):  # A bare array: its one entry, whatever its key.
+      column: str | None = columns[0] if columns else None
+    else:
+      column = _column_of(name, columns)
+    for t, s in enumerate(shape):
+      if s == -1:
+        out_names.append(f"column {name!r} dim {t + 1}")
+        out_buckets.append(given.get(column, ()) if column is not None else ())
+  return Flat(tuple(out_names), tuple(out_buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Above:
+  """A size above its column's last bucket: varying dim `k` (in `Flat` order), its size."""
+
+  k: int
+  size: int
+
+
+def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int, ...] | Above:
+  """The agreed sizes: per varying dim the max over hosts, up to its next bucket.
+
+  Args:
+    per_host: Each host's sizes at one position (None: no batch there).
+    layout: The varying dims' names and buckets.
+
+  Returns:
+    The agreed sizes, or `Above` where a size is above its last bucket (see
+    `above_message`).
+  """
+  got = [s for s in per_host if s is not None]
+  out = []
+  for k, buckets in enumerate(layout.buckets):
+    size = max((s[k] for s in got), default=0)
+    if buckets:
+      b = bisect.bisect_left(buckets, size)
+      if b == len(buckets):
+        return Above(k, size)
+      size = buckets[b]
+    out.append(size)
+  return tuple(out)
+
+
+def above_message(layout: Flat, above: Above, per_host: Sequence[Any], index: int) -> str:
+  """The error, the same on every host, for a size above its column's last bucket."""
+  k, size = above.k, above.size
+  hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
+  return (
+    f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
+    f" above the last of its `shape_buckets` {list(layout.buckets[k])}; add a"
+    " larger bucket, or truncate the sequences in the source"
+  )

@@ -1,0 +1,362 @@
+"""Shapes that vary (`pad_shapes`): hosts agree on sequence lengths, not only rows.
+
+Real processes (2 x 4 and 4 x 2), every host with its own length at every
+position: each global batch is rebuilt here from every host's source batches
+(padded rows and elements of `paddings`, the agreed length bucketed) and
+compared value by value, with the row mask and the element masks. Unit tests
+of the options, `shapes.agree`, `padding.element_mask` and the wire codecs
+run in this process.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import pytest
+import scenarios_shapes as sc
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import padding
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import shapes as shapes_lib
+
+TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
+TIMEOUT = 240
+CASES = ["plain", "resume", "tf", "grain", "above", "other_dim"]
+_RUNS: dict = {}
+
+
+def _run(n, d):
+  if (n, d) not in _RUNS:
+    try:
+      outs = testing.values(
+        testing.run_processes(
+          sc.run_shapes, num_processes=n, devices_per_process=d, args=(CASES,), timeout_s=TIMEOUT
+        )
+      )
+      _RUNS[(n, d)] = {c: [outs[p][i] for p in range(n)] for i, c in enumerate(CASES)}
+    except Exception as e:  # noqa: BLE001 - re-raised by every test of the topology.
+      _RUNS[(n, d)] = e
+  if isinstance(_RUNS[(n, d)], Exception):
+    raise _RUNS[(n, d)]
+  return _RUNS[(n, d)]
+
+
+def _bucket(size, buckets):
+  return size if buckets is None else buckets[bisect.bisect_left(buckets, size)]
+
+
+def expected(srcs, *, batch_size, buckets, varying=("tokens", "feats")):
+  """Every global batch, rebuilt from each host's source batches."""
+  out = []
+  for j in range(max(len(s) for s in srcs)):
+    here = [s[j] if j < len(s) else None for s in srcs]
+    batch = {}
+    for key, ref in next(b for b in here if b is not None).items():
+      ln = max(b[key].shape[1] if b[key].ndim > 1 else 0 for b in here if b is not None)
+      ln = _bucket(ln, buckets) if key == "tokens" else ln
+      parts, masks = [], []
+      for b in here:
+        shape = (batch_size, *((ln,) if key in varying else ()), *ref.shape[2:])
+        part = np.full(shape, sc.PAD, ref.dtype)
+        m = np.zeros(shape[:2] if key in varying else shape[:1], bool)
+        if b is not None:
+          v = b[key]
+          part[tuple(slice(0, x) for x in v.shape)] = v
+          m[tuple(slice(0, x) for x in v.shape[: m.ndim])] = True
+        parts.append(part)
+        masks.append(m)
+      batch[key] = np.concatenate(parts)
+      if key in varying:
+        batch[f"{key}_mask"] = np.concatenate(masks)
+    rows = [np.arange(batch_size) < (0 if b is None else b["tokens"].shape[0]) for b in here]
+    batch["mask"] = np.concatenate(rows)
+    out.append(batch)
+  return out
+
+
+def assert_batches(got, want):
+  assert len(got) == len(want)
+  for j, (g, w) in enumerate(zip(got, want, strict=True)):
+    assert sorted(g) == sorted(w), j
+    for key in w:
+      assert g[key].shape == w[key].shape, (j, key, g[key].shape, w[key].shape)
+      np.testing.assert_array_equal(g[key], w[key], err_msg=f"batch {j}, {key}")
+
+
+# -- real processes ------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_every_value_and_both_masks_variable_lengths(n, d):
+  runs = _run(n, d)["plain"]
+  srcs = [r["src"] for r in runs]
+  want = expected(srcs, batch_size=4, buckets=sc.BUCKETS)
+  for r in runs:
+    assert r["error"] is None, r["error"]
+    assert_batches(r["batches"], want)
+  # The hosts with fewer batches got dummy batches of the agreed shape.
+  short = min(len(s) for s in srcs)
+  assert len(want) > short
+  for j in range(short, len(want)):  # Process 0 has the fewest batches: dummies from here.
+    got = runs[0]["batches"][j]
+    assert got["tokens"].shape[1] in sc.BUCKETS
+    assert (got["tokens"][:4] == sc.PAD).all() and (got["feats"][:4] == sc.PAD).all()
+    assert not got["mask"][:4].any() and not got["tokens_mask"][:4].any()
+    assert not got["feats_mask"][:4].any() and got["tokens_mask"][4:].any()
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_global_shapes_per_bucket_and_compile_count(n, d):
+  runs = _run(n, d)["plain"]
+  shapes = {b["tokens"].shape for b in runs[0]["batches"]}
+  assert {s[1] for s in shapes} <= set(sc.BUCKETS)
+  assert all(s[0] == 4 * n for s in shapes)
+  # Unbucketed `feats` takes the agreed max itself; its mask is (rows, length).
+  for b in runs[0]["batches"]:
+    assert b["feats"].shape[1] <= b["tokens"].shape[1]
+    assert b["feats_mask"].shape == b["feats"].shape[:2]
+  for r in runs:
+    assert r["compiled"] == len(shapes) <= len(sc.BUCKETS)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_resume_mid_stream_exact_and_other_buckets_refused(n, d):
+  for r in _run(n, d)["resume"]:
+    full, first, rest = r["full"]["batches"], r["first"]["batches"], r["rest"]["batches"]
+    assert len(first) == 3
+    assert_batches(first + rest, full)
+    assert r["refused"] is not None and "pad_shapes" in r["refused"]
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize("case", ["tf", "grain"])
+def test_tf_padded_batch_and_grain_batches(n, d, case):
+  runs = _run(n, d)[case]
+  srcs = [r["src"] for r in runs]
+  want = expected(srcs, batch_size=4, buckets=sc.BUCKETS, varying=("tokens",))
+  for r in runs:
+    assert r["error"] is None, r["error"]
+    assert_batches(r["batches"], want)
+  lengths = {b["tokens"].shape[1] for s in srcs for b in s}
+  assert len(lengths) > 3  # The lengths did vary per host and batch.
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_size_above_last_bucket_raises_on_every_host(n, d):
+  runs = _run(n, d)["above"]
+  errors = {r["error"] for r in runs}
+  assert len(errors) == 1
+  (error,) = errors
+  assert "column 'tokens' dim 1" in error and "above the last" in error
+  assert str(sc.BUCKETS) in error and "batch 2" in error
+  assert all(r["error_type"] == "ValueError" and len(r["batches"]) == 2 for r in runs)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_dim_not_named_still_must_match(n, d):
+  runs = _run(n, d)["other_dim"]
+  assert len({r["error"] for r in runs}) == 1
+  assert "column 'feats': trailing shape (*, 2) vs (*, 4)" in runs[0]["error"], runs[0]["error"]
+  assert all(r["error_type"] == "ValueError" for r in runs)
+
+
+# -- one process -----------------------------------------------------------------
+
+
+def _one(data, **kw):
+  with gjs.iter_jax_batches(data, **{**sc.KW, **kw}) as it:
+    return [{k: np.asarray(v) for k, v in b.items()} for b in it]
+
+
+def test_one_process_values_match_expected():
+  srcs = [sc.plain_batches(0)]
+  got = _one(srcs[0], batch_size=8)  # 8 local devices here.
+  assert_batches(got, expected(srcs, batch_size=8, buckets=sc.BUCKETS))
+
+
+def test_bare_array_int_dim():
+  data = [np.ones((8, n), np.float32) for n in (3, 5)]
+  with gjs.iter_jax_batches(data, paddings=0, mask_key=None, pad_shapes=1) as it:
+    got = [np.asarray(b) for b in it]
+  assert [g.shape for g in got] == [(8, 3), (8, 5)]
+
+
+def test_jax_sync_generator_takes_the_options():
+  data = [{"tokens": np.ones((8, n), np.int32)} for n in (3, 9)]
+  got = list(
+    gjs.jax_sync_generator(
+      data,
+      drop_last=False,
+      batch_size=8,
+      paddings=0,
+      pad_shapes={"tokens": 1},
+      shape_buckets={"tokens": [4, 16]},
+      shape_mask_keys={"tokens": "m"},
+    )
+  )
+  assert [b["tokens"].shape for b in got] == [(8, 4), (8, 16)]
+  assert np.asarray(got[1]["m"]).sum() == 8 * 9
+
+
+def test_device_put_takes_the_options():
+  grain = pytest.importorskip("grain")
+  ds = sc._grain_source(0).to_iter_dataset()  # noqa: SLF001
+  out = list(gjs.device_put(ds, batch_size=8, paddings=0, mask_key=None, pad_shapes={"tokens": 1}))
+  src = sc._grain_source(0)  # noqa: SLF001
+  assert [b["tokens"].shape[1] for b in out] == [src[i]["tokens"].shape[1] for i in range(len(src))]
+  assert isinstance(ds, grain.IterDataset)
+
+
+@pytest.mark.parametrize(
+  ("kw", "match"),
+  [
+    ({"pad_shapes": {"tokens": 1}, "paddings": None}, "needs `paddings`"),
+    ({"pad_shapes": {"tokens": 0}}, "dims must be ints >= 1"),
+    ({"pad_shapes": {"tokens": (1, 1)}}, "distinct dims"),
+    ({"shape_buckets": {"tokens": [8]}, "pad_shapes": None}, "needs `pad_shapes`"),
+    ({"shape_buckets": {"other": [8]}}, "names columns that `pad_shapes` does not"),
+    ({"shape_buckets": {"tokens": [16, 8]}}, "ascending ints"),
+    ({"shape_mask_keys": {"tokens": 3}}, "must be a str"),
+  ],
+)
+def test_bad_options_raise_early(kw, match):
+  args = {**sc.KW, "batch_size": 8, **kw}
+  if args["pad_shapes"] is None:  # Only the option under test is left without it.
+    args["shape_mask_keys"] = None
+  with pytest.raises(ValueError, match=match):
+    gjs.iter_jax_batches([], **args)
+
+
+@pytest.mark.parametrize(
+  ("kw", "match"),
+  [
+    ({"pad_shapes": {"nope": 1}}, r"names columns that the batches do not have: \['nope'\]"),
+    ({"pad_shapes": {"tokens": 2}}, "names dim 2, but the leaf has 2 dims"),
+    ({"shape_mask_keys": {"tokens": "label"}}, "already a column"),
+    ({"pad_shapes": {"tokens": 1, "label": 1}}, "'label'.*names dim 1"),
+  ],
+)
+def test_bad_columns_and_dims_name_the_batch(kw, match):
+  data = [{"tokens": np.ones((8, 3), np.int32), "label": np.ones((8,), np.int32)}]
+  kw = {
+    "shape_buckets": None,
+    "shape_mask_keys": None,
+    "batch_size": 8,
+    "pad_shapes": {"tokens": 1},
+    **kw,
+  }
+  with pytest.raises(ValueError, match=match):
+    _one(data, **kw)
+
+
+def test_element_mask_rows_and_dims():
+  m = padding.element_mask((2, 3, 5, 4), 4, (6, 5, 8), (0, 2))
+  assert m.shape == (4, 6, 5, 8)
+  assert m[:2, :3, :, :4].all() and m.sum() == 2 * 3 * 5 * 4
+  assert not padding.element_mask(None, 4, (6,), (0,)).any()
+
+
+def test_fill_leaf_pads_trailing_dims():
+  leaf = np.arange(6, dtype=np.int32).reshape(2, 3)
+  out = padding.fill_leaf(leaf, target=3, shape=(5,), dtype=np.dtype(np.int32), pad=np.int32(-1))
+  np.testing.assert_array_equal(out, [[0, 1, 2, -1, -1], [3, 4, 5, -1, -1], [-1] * 5])
+
+
+def test_signature_leaves_named_dims_out():
+  shapes = shapes_lib.make({"a": 1}, None, None, 0)
+  varying = lambda names, ranks: shapes_lib.leaf_dims(shapes, names, ranks)  # noqa: E731
+  a = batches_lib.validate({"a": np.ones((2, 3))}, process_index=0, batch_index=0, varying=varying)
+  b = batches_lib.validate(
+    {"a": np.ones((2, 7))}, process_index=0, batch_index=1, expected=a.signature, varying=varying
+  )
+  assert b.signature is a.signature and a.signature.shapes == ((-1,),)
+  assert (a.sizes, b.sizes) == ((3,), (7,))
+
+
+def _report(p, rows, sizes):
+  return plan_lib.Report(p, rows=rows, sizes=sizes, signature=_SIG, exhausted=True)
+
+
+_SIG = {"spec": {"d": [["tokens", "*"]]}, "leaves": [["tokens", "int32", [-1]]]}
+
+
+@pytest.mark.parametrize(("buckets", "want"), [(None, [(9,), (3,)]), ([4, 8, 16], [(16,), (4,)])])
+def test_decide_agrees_on_the_max_bucketed(buckets, want):
+  shapes = shapes_lib.make({"tokens": 1}, buckets and {"tokens": buckets}, None, 0)
+  options = plan_lib.Options(batch_size=4, drop_last=False, pad=True, shapes=shapes)
+  reports = [
+    _report(0, (4, 4), ((9,), (2,))),
+    _report(1, (4,), ((5,),)),
+    _report(2, (4, 4), ((1,), (3,))),
+  ]
+  plan = plan_lib.decide(reports, options)
+  assert [s.sizes for s in plan.steps] == want and plan.end == plan_lib.End.STOP
+
+
+def test_decide_above_last_bucket_raises_at_that_step():
+  shapes = shapes_lib.make({"tokens": 1}, {"tokens": [4, 8]}, None, 0)
+  options = plan_lib.Options(batch_size=4, drop_last=False, pad=True, shapes=shapes)
+  reports = [_report(0, (4, 4), ((3,), (2,))), _report(1, (4, 4), ((5,), (12,)))]
+  plan = plan_lib.decide(reports, options, position=5)
+  assert len(plan.steps) == 1 and plan.end == plan_lib.End.RAISE
+  assert plan.error.message.startswith("column 'tokens' dim 1: size 12 at batch 6 (process 1)")
+  assert "[4, 8]" in plan.error.message
+
+
+def test_wire_unchanged_when_off_and_sizes_round_trip():
+  off = plan_lib.Report(0, rows=(4, 4))
+  assert "z" not in off.to_json()
+  on = plan_lib.Report(0, rows=(4, 4), sizes=((3, 1), (7, 2)))
+  assert plan_lib.Report.from_json(on.to_json()).sizes == ((3, 1), (7, 2))
+  steps = tuple(plan_lib.Step(plan_lib.Action.YIELD, 4, (), s) for s in ((8,), (8,), (16,)))
+  text = ledger_lib.Decision(0, steps, plan_lib.End.CONTINUE).to_json()
+  assert [s.sizes for s in ledger_lib.Decision.from_json(text).steps] == [(8,), (8,), (16,)]
+  plain = (plan_lib.Step(plan_lib.Action.YIELD, 4, ()),) * 2
+  assert '"st":[["yield",4,2]]' in ledger_lib.Decision(0, plain, plan_lib.End.STOP).to_json()
+
+
+def test_jitted_step_compiles_once_per_bucket():
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 1025, size=40)
+  data = [{"tokens": np.ones((8, int(n)), np.int32)} for n in lengths]
+  step = jax.jit(lambda t, m: jnp.where(m, t, 0).sum())
+  buckets = [128, 256, 512, 1024]
+  with gjs.iter_jax_batches(
+    data,
+    batch_size=8,
+    paddings=0,
+    mask_key=None,
+    pad_shapes={"tokens": 1},
+    shape_buckets={"tokens": buckets},
+    shape_mask_keys={"tokens": "tokens_mask"},
+  ) as it:
+    sums = [int(step(b["tokens"], b["tokens_mask"])) for b in it]
+  assert sums == [8 * int(n) for n in lengths]
+  assert step._cache_size() == len(buckets)  # noqa: SLF001 - the compile count.
+
+
+def test_ledger_keeps_sizes_beside_rows():
+  led = ledger_lib.Ledger(2, sizes=True)
+  led.add_rows(0, 4, None, (7,))
+  led.add_rows(0, 4, None, (9,))
+  report = plan_lib.Report(1, rows=(4, 3), sizes=((12,), (2,)), exhausted=True)
+  led.add(ledger_lib.Chunk.from_json(ledger_lib.Chunk(0, 0, report).to_json()))
+  reports = led.window_reports(0, 2, with_config=False)
+  assert [r.sizes for r in reports] == [((7,), (9,)), ((12,), (2,))]
+  led.forget(1)
+  assert [r.sizes for r in led.window_reports(1, 1, with_config=False)] == [((9,),), ((2,),)]
+  assert ledger_lib.Ledger(1).window_reports(0, 0, with_config=False)[0].sizes == ()
