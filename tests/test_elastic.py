@@ -1,0 +1,148 @@
+"""The elastic source on real processes: a state taken on N hosts resumes on M hosts.
+
+Each test chains jobs of different process counts (one `run_processes` call
+per job) over one epoch; each job restores the previous job's states. Over the
+whole chain every record that the transform keeps appears exactly once among
+the unmasked rows, and every masked row is padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scenarios_elastic as se
+
+from grain_jax_sync import testing
+from grain_jax_sync._src import elastic_split as es
+from grain_jax_sync._src.sources import elastic
+
+N = 160
+
+
+def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1):
+  jobs = []
+  for job, (count, k) in enumerate(zip(counts, steps, strict=True)):
+    outs = testing.values(
+      testing.run_processes(
+        se.elastic_job,
+        num_processes=count,
+        devices_per_process=1,
+        args=(job, n, k, directory, mode, shuffle, num_epochs),
+        timeout_s=120,
+      )
+    )
+    assert all(o == outs[0] for o in outs)  # Every host sees the same global batches.
+    jobs.append(outs[0])
+  return jobs
+
+
+def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
+  seen = []
+  for job, count in zip(jobs, counts, strict=True):
+    for b in job["batches"]:
+      ids, x, mask = (np.asarray(b[k]) for k in ("id", "x", "mask"))
+      assert ids.shape == (se.BATCH * count,)
+      assert np.all(ids[~mask] == se.PAD) and np.all(x[~mask] == se.PAD)
+      assert np.array_equal(x[mask], 2 * ids[mask])
+      seen += ids[mask].tolist()
+  expected = Counter({i: num_epochs for i in range(n) if se.keep(i)})
+  assert Counter(seen) == expected
+  # Each job resumes at the batch count the previous one reached.
+  at = 0
+  for job in jobs:
+    assert job["resumed_at"] == at
+    at += len(job["batches"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_resizes_2_4_2_1_2_4_3_mid_epoch_through_json_every_record_once(tmp_path):
+  counts = [2, 4, 2, 1, 2, 4, 3]  # 2->4, 4->2, 2->1, 1->2, 2->4->3 (two resizes).
+  steps = [2, 1, 2, 3, 2, 1, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "json")
+  check_exactly_once(jobs, counts)
+  for job, k in zip(jobs[:-1], steps[:-1], strict=True):
+    assert len(job["batches"]) == k  # Every resize was mid-epoch.
+  assert len(jobs[-1]["batches"]) > 1
+  state = json.loads((tmp_path / "job5" / "state_0.json").read_text())
+  assert [c for c, _ in state["source"]["splits"][0][1]] == [2, 4, 2, 1, 2]
+
+
+def orbax_states(directory, step):
+  folder = os.path.join(directory, "ckpt", str(step), "data")
+  files = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+  return [json.loads(Path(folder, f).read_text()) for f in files]
+
+
+def predicted(states, count, *, n=N, shuffle=True, seed=5):
+  """The unmasked ids of each global batch after restoring `states` on `count` processes."""
+  spec = elastic.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
+  olds, cursors = [], []
+  for s in states:
+    layout, position, _ = elastic.check_source_state(s["source"], spec, n)
+    olds.append(layout)
+    cursors.append(layout.cursor(position))
+  first, splits = es.resume(olds, cursors, count)
+  hosts = []
+  for p in range(count):
+    layout = es.Layout(n, 1, first, splits, count, p)
+    order = es.epoch_order(n, shuffle=shuffle, seed=seed, epoch=0)
+    ids = [int(order[layout.locate(j)[1]]) for j in range(layout.length)]
+    ids = [i for i in ids if se.keep(i)]
+    hosts.append([ids[k : k + se.BATCH] for k in range(0, len(ids), se.BATCH)])
+  longest = max(len(h) for h in hosts)
+  return [sum((h[b] for h in hosts if b < len(h)), []) for b in range(longest)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history(tmp_path):
+  counts, steps = [4, 3, 1], [2, 2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "orbax", shuffle=True)
+  check_exactly_once(jobs, counts)
+  # Each resumed order is the one the seed and the resize history give.
+  for job in (1, 2):
+    want = predicted(orbax_states(str(tmp_path), job), counts[job])
+    got = [[i for i, m in zip(b["id"], b["mask"]) if m] for b in jobs[job]["batches"]]
+    assert got == want[: len(got)]
+  assert len(jobs[2]["batches"]) == len(predicted(orbax_states(str(tmp_path), 2), 1))
+  # The first batch is shuffled, not in record order.
+  first = [i for i, m in zip(jobs[0]["batches"][0]["id"], jobs[0]["batches"][0]["mask"]) if m]
+  assert first != sorted(first)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(tmp_path):
+  n = 40  # 26 kept records: 4 hosts read ~7 each per epoch.
+  counts, steps = [4, 2], [2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, n=n, num_epochs=2)
+  check_exactly_once(jobs, counts, n=n, num_epochs=2)
+  epochs = {json.loads(f.read_text())["source"]["epoch"] for f in (tmp_path / "job0").iterdir()}
+  assert epochs == {0, 1}  # Some hosts were still in epoch 0, others in epoch 1.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
+  run_chain([1], [2], str(tmp_path), "json", shuffle=True)
+  outs = testing.values(
+    testing.run_processes(
+      se.refusals, num_processes=2, devices_per_process=1, args=(N, str(tmp_path)), timeout_s=120
+    )
+  )
+  for p, out in enumerate(outs):
+    assert out["seed"].startswith(f"process {p}: ")
+    assert "`state['source']['seed']` is 5, but this elastic source has seed=6" in out["seed"]
+    assert f"`state['source']['num_records']` is {N}" in out["num_records"]
+    assert (
+      "`state['source']['epoch']` is 1, but this elastic source has num_epochs=1" in (out["epoch"])
+    )
+    assert "cannot be re-split over another process count" in out["not_elastic"]
+    assert "the states are from 1 processes, this job has 2" in out["not_elastic"]
+    assert "elastic_source" in out["not_elastic"]
