@@ -103,6 +103,8 @@ def _elastic_args() -> tuple[type, type]:
       item.set_states([f.read_text().encode("utf-8") for f in old_job_files(directory)])
       return item
 
+  save: Any
+  restore: Any
   save, restore = _grain_args()
 
   @ocp.args.register_with_handler(ElasticCheckpointHandler, for_save=True)

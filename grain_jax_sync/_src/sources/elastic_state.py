@@ -93,7 +93,8 @@ def for_this_process(source: Any, state: Any, *, process_index: int, process_cou
 def _resplit(
   source: elastic.ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
-  olds, cursors = [], []
+  olds: list[es.Layout] = []
+  cursors: list[tuple[int, int]] = []
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
