@@ -8,6 +8,7 @@ transform drops ids with ``id % 3 == 1`` and batches by `BATCH`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -26,16 +27,19 @@ def records(n: int) -> list[dict[str, Any]]:
   return [{"id": np.int64(i)} for i in range(n)]
 
 
-def transform(ds: Any) -> Any:
+def transform(ds: Any, batch: int = BATCH) -> Any:
   ds = ds.map(lambda r: {"id": r["id"], "x": np.float32(2 * r["id"])})
-  return ds.filter(lambda r: keep(int(r["id"]))).batch(BATCH)
+  return ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
 
 
-def make_iterator(n: int, *, shuffle: bool, seed: int = 5, num_epochs: int = 1) -> Any:
+def make_iterator(
+  n: int, *, shuffle: bool, seed: int = 5, num_epochs: int = 1, batch: int = BATCH
+) -> Any:
   import grain_jax_sync as gjs
 
-  src = gjs.elastic_source(records(n), transform, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
-  return gjs.iter_jax_batches(src, batch_size=BATCH, paddings=PAD, mask_key="mask")
+  shaped = functools.partial(transform, batch=batch)
+  src = gjs.elastic_source(records(n), shaped, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
+  return gjs.iter_jax_batches(src, batch_size=batch, paddings=PAD, mask_key="mask")
 
 
 def gather(tree: Any) -> Any:

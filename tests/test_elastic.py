@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import scenarios_elastic as se
 
+import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import elastic_split as es
 from grain_jax_sync._src.sources import elastic
@@ -146,3 +147,64 @@ def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
     assert "cannot be re-split over another process count" in out["not_elastic"]
     assert "the states are from 1 processes, this job has 2" in out["not_elastic"]
     assert "elastic_source" in out["not_elastic"]
+
+
+# -- one process ---------------------------------------------------------------------
+
+
+def ids_of(it):
+  return [i for b in it for i, m in zip(np.asarray(b["id"]), np.asarray(b["mask"])) if m]
+
+
+def test_same_count_resume_is_grains_own_exact_resume_in_one_process():
+  it = se.make_iterator(N, shuffle=True, batch=8)
+  full = ids_of(it)
+  it = se.make_iterator(N, shuffle=True, batch=8)
+  head = ids_of(b for _, b in zip(range(3), it))
+  state = it.get_state()
+  it.close()
+  assert state["source"]["grain"] == {
+    "grain_jax_sync_elastic_stream": {"next_index": state["source"]["position"]}
+  }
+  for given in (state, [state]):  # One state, or the list of every process's.
+    resumed = se.make_iterator(N, shuffle=True, batch=8)
+    resumed.set_state(json.loads(json.dumps(given)))
+    assert head + ids_of(resumed) == full
+  assert sorted(full) == [i for i in range(N) if se.keep(i)]
+
+
+def test_one_state_of_a_bigger_job_asks_for_the_list():
+  it = se.make_iterator(N, shuffle=False, batch=8)
+  state = dict(it.get_state(), process_count=2)
+  with pytest.raises(ValueError, match="one process's state of a job of 2 processes.*the list"):
+    it.set_state(state)
+  it.close()
+
+
+def test_a_list_on_the_same_count_restores_this_process_s_state_for_any_source():
+  data = [{"x": np.full((8,), i, np.int32)} for i in range(6)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  next(it)
+  state = it.get_state()
+  fresh = gjs.iter_jax_batches(data, batch_size=8)
+  fresh.set_state([state])
+  assert [int(np.asarray(b["x"])[0]) for b in fresh] == [1, 2, 3, 4, 5]
+  with pytest.raises(ValueError, match=r"`state\[0\]` was taken by process 1 of 1"):
+    fresh.set_state([dict(state, process_index=1)])
+  it.close()
+  fresh.close()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"num_epochs": 0}, "`num_epochs` must be an int >= 1, got 0"),
+    ({"seed": -1}, "`seed` must be an int >= 0, got -1"),
+    ({"transform": 3}, "`transform` must be callable or None, got int"),
+  ],
+)
+def test_elastic_source_checks_its_options(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    gjs.elastic_source(list(range(4)), **kwargs)
+  with pytest.raises(ValueError, match="random-access sequence, got generator"):
+    gjs.elastic_source(i for i in range(4))
