@@ -208,3 +208,63 @@ def test_elastic_source_checks_its_options(kwargs, match):
     gjs.elastic_source(list(range(4)), **kwargs)
   with pytest.raises(ValueError, match="random-access sequence, got generator"):
     gjs.elastic_source(i for i in range(4))
+
+
+def _two_process_copies(state):
+  """`state` as if every process of a 2-process job had saved it (for the checks only)."""
+  return [
+    dict(
+      state,
+      process_index=i,
+      process_count=2,
+      source=dict(state["source"], process_index=i, process_count=2),
+    )
+    for i in range(2)
+  ]
+
+
+def test_thread_prefetch_keeps_the_cursor_exact_and_packing_refuses_a_resplit():
+  grain_exp = pytest.importorskip("grain.experimental")
+  recs = [{"id": np.int64(i), "tok": np.arange(1 + i % 5, dtype=np.int32)} for i in range(64)]
+
+  def threaded(ds):
+    ds = ds.map(lambda r: {"id": r["id"]}).batch(8)
+    return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4)
+
+  it = gjs.iter_jax_batches(gjs.elastic_source(recs, threaded), batch_size=8)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  it.close()
+  assert (state["source"]["position"], state["source"]["resplittable"]) == (24, True)
+
+  def packed(ds):
+    ds = ds.map(lambda r: {"tok": r["tok"], "id": np.full(len(r["tok"]), r["id"])})
+    lengths = {"tok": 8, "id": 8}
+    return grain_exp.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=2).batch(8)
+
+  src = gjs.elastic_source(recs, packed)
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  next(it)
+  state = it.get_state()
+  it.close()
+  assert state["source"]["resplittable"] is False  # Packing holds rows beside its parent.
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  with pytest.raises(ValueError, match=r"`state\[0\]\['source'\]` cannot be re-split.*packing"):
+    it.set_state(_two_process_copies(state))
+  it.close()
+
+
+def test_a_transform_that_drops_the_records_stream_is_named():
+  import grain
+
+  src = gjs.elastic_source(
+    list(range(8)), lambda ds: grain.MapDataset.range(8).batch(8).to_iter_dataset()
+  )
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  next(it)
+  with pytest.raises(RuntimeError, match="does not hold its stream's position"):
+    it.get_state()
+  it.close()
+  with pytest.raises(ValueError, match="`transform` must return a grain.IterDataset, got list"):
+    gjs.iter_jax_batches(gjs.elastic_source(list(range(8)), lambda ds: [1]), batch_size=8)

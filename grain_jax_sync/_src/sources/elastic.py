@@ -70,9 +70,10 @@ def elastic_source(
   Args:
     records: A `grain.MapDataset` or any random-access sequence of records.
     transform: Maps this process's `grain.IterDataset` of records to an
-      `IterDataset` of batches (`map`, `filter`, `batch`, `prefetch`: Grain
-      transformations that nest their parent's state). None: the records are
-      already batches.
+      `IterDataset` of batches: `map`, `filter`, `batch`, thread prefetch
+      (Grain transformations that keep only their parent's state). A state
+      of packing or mixing, which keep rows of their own, resumes on the same
+      process count only. None: the records are already batches.
     shuffle: Whether each epoch's order is a seeded permutation.
     seed: The permutation's seed (with the epoch).
     num_epochs: Epochs to read.
@@ -152,11 +153,18 @@ def _classes() -> tuple[type, type]:
   return Stream, Cursor
 
 
-def find_position(state: Any) -> int | None:
-  """The stream index tagged inside a Grain iterator's nested state, or None."""
+def find_position(state: Any) -> tuple[int, bool] | None:
+  """(stream index tagged inside a Grain iterator's nested state, alone?), or None.
+
+  Alone: every state on the way to the tag holds nothing else. A transform
+  that keeps a state of its own beside its parent's (packing's buffered
+  rows, a mix's weights) may hold records read past the cursor that no
+  delivered batch holds yet: its cursor is exact for Grain's own resume (on
+  the same count), not for a re-split.
+  """
   if isinstance(state, Mapping):
     if _TAG in state:
-      return int(state[_TAG]["next_index"])
+      return int(state[_TAG]["next_index"]), len(state) == 1
     values: Sequence[Any] = list(state.values())
   elif isinstance(state, (list, tuple)):
     values = state
@@ -165,7 +173,7 @@ def find_position(state: Any) -> int | None:
   for v in values:
     found = find_position(v)
     if found is not None:
-      return found
+      return found[0], found[1] and len(values) == 1
   return None
 
 
@@ -214,15 +222,14 @@ class ElasticIterator(base.SourceIterator):
   def export_state(self, state: Any) -> Any:
     if not isinstance(state, _Snapshot):
       return super().export_state(state)  # Already exported (restored by set_state).
-    position = find_position(state.grain)
-    if position is None:
+    found = find_position(state.grain)
+    if found is None:
       raise RuntimeError(
         f"the state of {self.description} does not hold its stream's position:"
         " `transform` must build on the IterDataset it is given with Grain"
-        " transformations that nest their parent's state (map, filter, batch,"
-        " prefetch)"
+        " transformations that nest their parent's state (map, filter, batch)"
       )
-    return export(state.layout, position, state.grain, self._spec)
+    return export(state.layout, found[0], state.grain, self._spec, exact=found[1])
 
   def set_state(self, state: Any) -> None:
     layout, position, grain_state = check_source_state(state, self._spec, self._num_records)
@@ -243,8 +250,14 @@ class ElasticIterator(base.SourceIterator):
       close()
 
 
-def export(layout: es.Layout, position: int, grain_state: Any, spec: ElasticSource) -> dict:
-  """A process's JSON source state at stream index `position`."""
+def export(
+  layout: es.Layout, position: int, grain_state: Any, spec: ElasticSource, *, exact: bool = True
+) -> dict:
+  """A process's JSON source state at stream index `position`.
+
+  `exact`: whether `position` is the consumed cursor a re-split may use (see
+  `find_position`).
+  """
   epoch, cursor = layout.cursor(position)
   return {
     "format": FORMAT,
@@ -259,6 +272,7 @@ def export(layout: es.Layout, position: int, grain_state: Any, spec: ElasticSour
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
+    "resplittable": exact,
     "grain": grain_state,
   }
 

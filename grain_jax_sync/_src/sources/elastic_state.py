@@ -103,6 +103,14 @@ def _resplit(
       source._spec,
       source._num_records,  # pylint: disable=protected-access
     )
+    if s["source"].get("resplittable") is False:
+      raise ValueError(
+        f"`state[{i}]['source']` cannot be re-split over another process count: the"
+        " transform keeps records of its own across batches (its Grain state holds more"
+        " than its parent's: packing, mixing), so the records it read may not all be in"
+        " the batches delivered. Resume it on the same process count, or re-split a"
+        " transform of map, filter and batch"
+      )
     if layout.count != len(states) or layout.index != i:
       raise ValueError(f"`state[{i}]['source']` is process {layout.index} of {layout.count}'s")
     if i and (layout.first_epoch, layout.splits) != (olds[0].first_epoch, olds[0].splits):
