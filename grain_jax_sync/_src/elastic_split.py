@@ -88,7 +88,17 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[int]) -> list
 
 
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
-  """Every process's share of an epoch after `history`, split over `count` processes."""
+  """Every process's share of an epoch after `history`, split over `count` processes.
+
+  Cached (the caller must not change the lists): every process's layout of one
+  job asks for the same split.
+  """
+  key = tuple((int(n), tuple(c)) for n, c in history)
+  return _shares(int(num_records), key, int(count))
+
+
+@functools.lru_cache(maxsize=64)
+def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[list[Range]]:
   left: list[Range] = [(0, num_records)] if num_records else []
   for old_count, cursors in history:
     if len(cursors) != old_count:

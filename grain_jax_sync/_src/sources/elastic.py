@@ -34,7 +34,7 @@ FORMAT = "grain_jax_sync.elastic/1"
 _TAG = "grain_jax_sync_elastic_stream"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # `records` may be unhashable.
 class ElasticSource:
   """What `elastic_source` returns: opened on each process by `iter_jax_batches`."""
 
