@@ -62,15 +62,20 @@ def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_resizes_2_4_2_1_2_4_3_mid_epoch_through_json_every_record_once(tmp_path):
+@pytest.mark.parametrize("mode", ["json", "orbax"])
+def test_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(mode, tmp_path):
   counts = [2, 4, 2, 1, 2, 4, 3]  # 2->4, 4->2, 2->1, 1->2, 2->4->3 (two resizes).
   steps = [2, 1, 2, 3, 2, 1, None]
-  jobs = run_chain(counts, steps, str(tmp_path), "json")
+  jobs = run_chain(counts, steps, str(tmp_path), mode)
   check_exactly_once(jobs, counts)
   for job, k in zip(jobs[:-1], steps[:-1], strict=True):
     assert len(job["batches"]) == k  # Every resize was mid-epoch.
   assert len(jobs[-1]["batches"]) > 1
-  state = json.loads((tmp_path / "job5" / "state_0.json").read_text())
+  if mode == "json":
+    state = json.loads((tmp_path / "job5" / "state_0.json").read_text())
+  else:  # Job 5 (4 processes) saved step 6: one file per process, as Grain writes them.
+    state = orbax_states(str(tmp_path), 6)[0]
+    assert len(orbax_states(str(tmp_path), 6)) == 4
   assert [c for c, _ in state["source"]["splits"][0][1]] == [2, 4, 2, 1, 2]
 
 
