@@ -273,3 +273,12 @@ def test_a_transform_that_drops_the_records_stream_is_named():
   it.close()
   with pytest.raises(ValueError, match="`transform` must return a grain.IterDataset, got list"):
     gjs.iter_jax_batches(gjs.elastic_source(list(range(8)), lambda ds: [1]), batch_size=8)
+
+
+def test_one_state_of_another_count_for_a_non_elastic_source_points_to_elastic_source():
+  data = [{"x": np.full((8,), i, np.int32)} for i in range(3)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  state = dict(it.get_state(), process_count=2)
+  with pytest.raises(ValueError, match=r"process_count=2.*cannot be re-split.*elastic_source"):
+    it.set_state(state)
+  it.close()
