@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     "per_batch": {"n": 100, "trials": 1} if q else {},
     "memory": {"n": 12} if q else {},
     "varying_lengths": {"n": 20, "trials": 1} if q else {},
+    "elastic": {"n": 30, "trials": 2} if q else {},
   }
   started = time.monotonic()
   one = _run(list(kw1), 1, 8, kw1)
@@ -169,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     f" time {db['policy']['s'] / db['after']['s']:.2f}x",
     f"{db['after_bytes_per_batch'] / 2**20:.2f} MiB (1.00x)",
     "0.5x bytes",
+  )
+  el = [v["elastic"] for v in two]
+  add(
+    "elastic source, no resize: throughput vs today's `MapDataset` path",
+    "2 proc x 4 dev, 64-row batches of 32x32x3 uint8 records, `.batch(64)` per host",
+    f"{_worst(el, lambda e: _thr(e, 'elastic') / _thr(e, 'today')):.2f}",
+    "-",
+    ">= 0.95",
   )
   scale = {1: one, 2: two, 4: four}
   base_ms = None

@@ -253,6 +253,39 @@ def grain_device_put(*, rows: int = 256, n: int = 200, trials: int = 7) -> dict[
   )
 
 
+def elastic(*, rows: int = 64, n: int = 100, trials: int = 5) -> dict[str, Any]:
+  """The same record pipeline through `elastic_source` and today's `MapDataset` path.
+
+  Today: each process slices its records (``ds[p::P]``), then
+  ``to_iter_dataset().batch(rows)``; elastic: `elastic_source` over all the
+  records with the same transform (no resize).
+  """
+  import grain
+  import jax
+
+  import grain_jax_sync as gjs
+
+  data = images(rows, 1)[0]
+  p, count = jax.process_index(), jax.process_count()
+
+  def records() -> Any:
+    return grain.MapDataset.range(rows * n * count).map(
+      lambda i: {"image": data["image"][i % rows], "label": data["label"][i % rows]}
+    )
+
+  def today() -> Any:
+    ds = records()[p::count].to_iter_dataset().batch(rows)
+    return gjs.iter_jax_batches(ds, batch_size=rows)
+
+  def elastic_path() -> Any:
+    src = gjs.elastic_source(records(), lambda ds: ds.batch(rows))
+    return gjs.iter_jax_batches(src, batch_size=rows)
+
+  for make in (today, elastic_path):  # Warm up both (thread start-up, compilation).
+    _timed(make)
+  return _median_times({"today": today, "elastic": elastic_path}, trials)
+
+
 def dtype_bytes(*, rows: int = 256, n: int = 100, trials: int = 5) -> dict[str, Any]:
   """float32 -> bfloat16: bytes handed to the transfer per batch, and time."""
   import jax

@@ -12,6 +12,7 @@ from grain_jax_sync._src.placement import (
   global_to_local_shape,
   local_to_global_shape,
 )
+from grain_jax_sync._src.sources.elastic import elastic_source
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline
 
@@ -28,6 +29,7 @@ __all__ = [
   "default_mesh",
   "default_sharding",
   "device_put",
+  "elastic_source",
   "from_tf_data",
   "global_to_local_shape",
   "iter_jax_batches",

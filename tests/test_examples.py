@@ -108,6 +108,23 @@ def test_orbax_resume_example_resumed_stream_equals_the_uninterrupted_one(tmp_pa
 
 
 @pytest.mark.multiprocess
+def test_elastic_resume_example_trains_every_kept_record_once_across_2_then_3_hosts(tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  saved = _simulate(
+    "examples/elastic_resume.py", "--phase", "save", "--checkpoint-dir", ckpt, devices=2
+  )
+  assert [o["trained_examples"] for o in saved] == [48, 48]  # 3 steps x 2 hosts x 8 rows.
+  outs = _simulate(
+    "examples/elastic_resume.py", "--phase", "resume", "--checkpoint-dir", ckpt,
+    processes=3, devices=2,
+  )  # fmt: skip
+  for o in outs:
+    assert o == dict(outs[0], phase="resume", processes=3, exactly_once=True)
+    assert o["trained_examples"] == o["kept_examples"] == 160
+    assert o["steps"] > 3
+
+
+@pytest.mark.multiprocess
 def test_readme_example_runs_as_written_under_simulate(tmp_path):
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
     readme = f.read()

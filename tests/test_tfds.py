@@ -63,6 +63,35 @@ def test_tfds_pipeline_single_process_shuffles_with_seed_and_repeats():
     assert a != read(shuffle=True, seed=2, num_epochs=2)
 
 
+def test_tfds_pipeline_elastic_reads_the_whole_split_and_resumes_from_the_list():
+  with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
+    source = tfds.data_source("mnist", split="train")
+    images = sorted(int(source[i]["image"].sum()) for i in range(40))
+
+    def pipeline():
+      src = gjs.tfds_pipeline(
+        "mnist", split="train", batch_size=8, shuffle=True, seed=1, num_epochs=2, elastic=True
+      )
+      return gjs.iter_jax_batches(src, batch_size=8, paddings=0, mask_key="mask")
+
+    def sums(batches):
+      return [int(x.sum()) for b in batches for x, m in zip(b["image"], b["mask"]) if m]
+
+    it = pipeline()
+    head = sums(b for _, b in zip(range(3), it))
+    state = it.get_state()
+    it.close()
+    resumed = pipeline()
+    resumed.set_state([state])
+    seen = head + sums(resumed)
+    assert sorted(seen) == sorted(images * 2)  # Both epochs, each example once per epoch.
+    assert sorted(seen[:40]) == images and seen[:40] != sorted(seen[:40])  # Shuffled.
+  with pytest.raises(ValueError, match="`elastic=True` needs reader='data_source'"):
+    gjs.tfds_pipeline("mnist", split="train", batch_size=8, reader="tf_data", elastic=True)
+  with pytest.raises(ValueError, match="splits the records over the processes itself"):
+    gjs.tfds_pipeline("mnist", split="train", batch_size=8, process_count=2, elastic=True)
+
+
 def test_tfds_pipeline_string_feature_raises_by_name_or_is_dropped():
   with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
     ds = gjs.tfds_pipeline("imdb_reviews", split="train", batch_size=8)

@@ -20,7 +20,10 @@ Grain and Orbax are imported only when these helpers are called.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,8 +47,77 @@ class _GrainStateAdapter:
   def set_state(self, state: bytes) -> None:
     self._it.set_state(json.loads(state.decode("utf-8")))
 
+  def set_states(self, states: list[bytes]) -> None:
+    """Restores from every old process's file, in process order (another process count)."""
+    self._it.set_state([json.loads(s.decode("utf-8")) for s in states])
+
   def start_prefetch(self) -> None:
     pass
+
+
+_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def old_job_files(directory: Any) -> list[Any]:
+  """Every old process's file in `directory`, in process order (one job's).
+
+  Raises:
+    ValueError: If there is none, or the files are not one complete job's.
+  """
+  found: dict[int, dict[int, Any]] = {}
+  for path in directory.iterdir():
+    m = _FILE.fullmatch(path.name)
+    if m:
+      found.setdefault(int(m.group(2)), {})[int(m.group(1))] = path
+  if len(found) != 1:
+    raise ValueError(
+      f"{directory} holds the data states of {len(found)} process counts"
+      f" ({sorted(found)}); expected one job's process_<i>-of-<n>.json files"
+    )
+  ((count, files),) = found.items()
+  if sorted(files) != list(range(count)):
+    missing = sorted(set(range(count)) - set(files))
+    raise ValueError(f"{directory} lacks the data states of processes {missing} of {count}")
+  return [files[i] for i in range(count)]
+
+
+@functools.cache
+def _elastic_args() -> tuple[type, type]:
+  """Orbax (save, restore) arguments whose handler also restores from another count's files.
+
+  One handler for both: an Orbax manager holds one handler per item.
+  """
+  ocp = extras.require("orbax.checkpoint", needed_by="grain_jax_sync checkpointing", extra="orbax")
+  from grain._src.python.checkpoint import handler as grain_handler  # pylint: disable=g-import-not-at-top
+
+  class ElasticCheckpointHandler(grain_handler.CheckpointHandler):
+    """Grain's handler; without this process's file, every old process's files (issue 24)."""
+
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+      item = item or args.item
+      import jax  # pylint: disable=g-import-not-at-top
+
+      own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+      if own.exists() or not isinstance(item, _GrainStateAdapter):
+        return super().restore(directory, item=item, args=args)
+      item.set_states([f.read_text().encode("utf-8") for f in old_job_files(directory)])
+      return item
+
+  save: Any
+  restore: Any
+  save, restore = _grain_args()
+
+  @ocp.args.register_with_handler(ElasticCheckpointHandler, for_save=True)
+  @dataclasses.dataclass
+  class ElasticCheckpointSave(save):
+    """`grain.checkpoint.CheckpointSave`, handled by `ElasticCheckpointHandler` (Grain's save)."""
+
+  @ocp.args.register_with_handler(ElasticCheckpointHandler, for_restore=True)
+  @dataclasses.dataclass
+  class ElasticCheckpointRestore(restore):
+    """`grain.checkpoint.CheckpointRestore`, handled by `ElasticCheckpointHandler`."""
+
+  return ElasticCheckpointSave, ElasticCheckpointRestore
 
 
 def _item(iterator: Any) -> Any:
@@ -104,7 +176,10 @@ def checkpoint_save(iterator: Any) -> grain.checkpoint.CheckpointSave:
     ...     data=checkpoint_save(it), params=ocp.args.StandardSave(params)))
   """
   save, _ = _grain_args()
-  return save(_item(iterator))
+  item = _item(iterator)
+  if isinstance(item, _GrainStateAdapter):
+    return _elastic_args()[0](item)  # The same files, with the restore's handler.
+  return save(item)
 
 
 def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
@@ -115,8 +190,11 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
       process (a `JaxBatchIterator` or a `device_put` iterator).
 
   Returns:
-    A `grain.checkpoint.CheckpointRestore`; restoring it calls
-    `iterator.set_state` with this process's saved state.
+    A `grain.checkpoint.CheckpointRestore` (for a `JaxBatchIterator`, a
+    subclass handled by a subclass of Grain's handler); restoring it calls `iterator.set_state` with this
+    process's saved state or, if the checkpoint was saved on another process
+    count, with the list of every old process's state (an iterator over an
+    `elastic_source` re-splits them; others refuse, on every host).
 
   Raises:
     ValueError: If `iterator` has no `get_state`/`set_state`.
@@ -129,4 +207,9 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
     ...     data=checkpoint_restore(it)))
   """
   _, restore = _grain_args()
-  return restore(_item(iterator))
+  item = _item(iterator)
+  if isinstance(item, _GrainStateAdapter):
+    # Grain's handler, which also restores from another process count's
+    # files: every old process's state, for an elastic source.
+    return _elastic_args()[1](item)
+  return restore(item)

@@ -24,6 +24,7 @@ from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import sources, tracebacks
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.sources import elastic_state
 
 Settings = settings_lib.Settings
 STATE_VERSION = settings_lib.STATE_VERSION
@@ -179,7 +180,9 @@ class JaxBatchIterator(Iterator[Any]):
     difference raises the same ValueError on every process.
 
     Args:
-      state: A dict from `get_state` on the same process index.
+      state: A dict from `get_state` on the same process index, or the list
+        of every process's `get_state()` in process order (an elastic source
+        restores it on any process count).
 
     Raises:
       ValueError: If the state is malformed (naming the field), from another
@@ -205,6 +208,11 @@ class JaxBatchIterator(Iterator[Any]):
   def _set_state(self, state: Mapping[str, Any]) -> None:
     p = jax.process_index()
     try:
+      # A list of every old process's state (issue 24): this process's, or
+      # for an elastic source on another count, a re-split one.
+      state = elastic_state.for_this_process(
+        self._source, state, process_index=p, process_count=jax.process_count()
+      )
       batches, source_state = settings_lib.check_state(
         state, settings=self._settings, process_index=p, process_count=jax.process_count()
       )

@@ -168,13 +168,21 @@ def check_state(
       f" {list(_READABLE_VERSIONS)} (a state from another version of grain_jax_sync?)"
     )
   batches = _int_field(state, "batches")
-  for key, now in (("process_count", process_count), ("process_index", process_index)):
-    if _int_field(state, key) != now:
-      raise ValueError(
-        f"`state` was taken with {key}={state[key]}, but this process has"
-        f" {key}={now}; each process must restore its own state with the"
-        " same process count"
-      )
+  if _int_field(state, "process_count") != process_count:
+    # Elastic sources turn another count's states into this one's before this check.
+    raise ValueError(
+      f"`state` was taken with process_count={state['process_count']}, but this"
+      f" process has process_count={process_count}: this source cannot be re-split"
+      " over another process count; each process must restore its own state with the"
+      " same process count, or build the pipeline with"
+      " grain_jax_sync.elastic_source(records, transform) to resume on any count"
+    )
+  if _int_field(state, "process_index") != process_index:
+    raise ValueError(
+      f"`state` was taken with process_index={state['process_index']}, but this process"
+      f" has process_index={process_index}; each process must restore its own state"
+      " (or pass the list of every process's state)"
+    )
   if "source" not in state:
     raise ValueError("`state` has no 'source' field; expected a dict from get_state()")
   if version >= 2:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from grain_jax_sync._src.sources import elastic
 from grain_jax_sync._src.sources.base import SourceIterator
 from grain_jax_sync._src.sources.iterable import open_iterable
 
@@ -18,13 +19,16 @@ def open_source(source: Any) -> SourceIterator:
 
   Args:
     source: A Grain `DataLoader`, `IterDataset` or `MapDataset`, a
-      `tf.data.Dataset`, a sequence of batches, or any iterable of batches.
+      `tf.data.Dataset`, an `elastic_source`, a sequence of batches, or any
+      iterable of batches.
 
   Returns:
     A fresh iterator positioned at the source's start.
   """
   if isinstance(source, SourceIterator):
     return source
+  if isinstance(source, elastic.ElasticSource):
+    return source.open()
   module = type(source).__module__ or ""
   if module.startswith("grain"):
     from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top

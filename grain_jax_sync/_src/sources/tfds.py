@@ -111,6 +111,7 @@ def tfds_pipeline(
   mesh: Any = None,
   data_axes: str | Sequence[str] | None = None,
   sharding: Any = None,
+  elastic: bool = False,
 ) -> grain.IterDataset | tf.data.Dataset:
   """Builds this process's batched pipeline over a TFDS split, in one call.
 
@@ -154,6 +155,10 @@ def tfds_pipeline(
     data_axes: With `mesh`: the axes the rows are split over.
     sharding: Instead of `mesh`: the sharding (or PartitionSpec) the batches
       will have.
+    elastic: Return an `elastic_source` over the whole split (``"data_source"``
+      only): the library splits it over the processes, and its state resumes
+      on any process count. One input shard per process (no `mesh`,
+      `process_index` or `process_count`), `num_epochs` an int.
 
   Returns:
     A `grain.IterDataset` (``"data_source"``) or `tf.data.Dataset`
@@ -170,6 +175,17 @@ def tfds_pipeline(
   """
   if reader not in _READERS:
     raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
+  if elastic:
+    if reader != "data_source" or num_epochs is None:
+      raise ValueError(
+        "`elastic=True` needs reader='data_source' and an int `num_epochs`, got"
+        f" reader={reader!r}, num_epochs={num_epochs!r}"
+      )
+    if any(x is not None for x in (process_index, process_count, mesh, data_axes, sharding)):
+      raise ValueError(
+        "`elastic=True` splits the records over the processes itself: pass no"
+        " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
+      )
   if (
     isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
   ):
@@ -190,7 +206,7 @@ def tfds_pipeline(
     split=split,
     batch_size=int(batch_size),
     shuffle=bool(shuffle),
-    seed=process_seed(seed, process_index),
+    seed=int(seed) if elastic else process_seed(seed, process_index),
     num_epochs=num_epochs,
     drop_remainder=bool(drop_remainder),
     map_fn=map_fn,
@@ -201,6 +217,8 @@ def tfds_pipeline(
     process_index=int(process_index),
     process_count=int(process_count),
   )
+  if elastic:
+    return _elastic_pipeline(tfds, req, read_options=read_options)
   if reader == "data_source":
     return _grain_pipeline(tfds, req, read_options=read_options)
   return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
@@ -249,9 +267,26 @@ class _Request:
   process_count: int
 
 
-def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
-  grain = extras.require("grain", needed_by="tfds_pipeline(reader='data_source')", extra="tfds")
+def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
+  """The whole split as an `elastic_source`: `map_fn` and batching per host."""
+  from grain_jax_sync._src.sources import elastic  # pylint: disable=g-import-not-at-top
 
+  grain = extras.require("grain", needed_by="tfds_pipeline(elastic=True)", extra="tfds")
+  source = _data_source(tfds, r)
+  records = _dropped(grain.MapDataset.source(source), source, r)
+
+  def transform(ds: Any) -> Any:
+    if r.map_fn is not None:
+      ds = ds.map(r.map_fn)
+    return ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
+
+  del read_options  # The elastic stream reads with Grain's default options.
+  return elastic.elastic_source(
+    records, transform, shuffle=r.shuffle, seed=r.seed, num_epochs=int(r.num_epochs or 1)
+  )
+
+
+def _data_source(tfds: Any, r: _Request) -> Any:
   try:
     source = tfds.data_source(
       r.name,
@@ -272,6 +307,27 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
       " The data_source reader needs the dataset prepared in ArrayRecord format"
       " (`tfds build --file_format=array_record`), or use reader='tf_data'"
     ) from e
+  return source
+
+
+def _dropped(ds: Any, source: Any, r: _Request) -> Any:
+  """`ds` without the features that cannot become `jax.Array`s, if asked."""
+  if r.drop_unsupported:
+    info = getattr(source, "dataset_info", None)
+    features = getattr(info, "features", None)
+    paths = _unsupported_features(features.get_tensor_info()) if features is not None else []
+    if paths:
+      logger.warning(
+        "grain_jax_sync: dropping TFDS features that cannot become jax.Arrays: %s",
+        ", ".join("/".join(p) for p in paths),
+      )
+      ds = ds.map(_DropColumns(paths))
+  return ds
+
+
+def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
+  grain = extras.require("grain", needed_by="tfds_pipeline(reader='data_source')", extra="tfds")
+  source = _data_source(tfds, r)
   start, stop = shard_range(len(source), r.process_index, r.process_count)
   ds = grain.MapDataset.source(source)[start:stop]
   logger.info(
@@ -283,16 +339,7 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
     start,
     stop,
   )
-  if r.drop_unsupported:
-    info = getattr(source, "dataset_info", None)
-    features = getattr(info, "features", None)
-    paths = _unsupported_features(features.get_tensor_info()) if features is not None else []
-    if paths:
-      logger.warning(
-        "grain_jax_sync: dropping TFDS features that cannot become jax.Arrays: %s",
-        ", ".join("/".join(p) for p in paths),
-      )
-      ds = ds.map(_DropColumns(paths))
+  ds = _dropped(ds, source, r)
   if r.shuffle:
     ds = ds.shuffle(seed=r.seed)
   if r.num_epochs != 1:

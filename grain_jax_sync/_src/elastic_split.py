@@ -1,0 +1,286 @@
+"""The elastic split: which records of an epoch each process reads, and re-splitting them.
+
+Pure Python and NumPy; no JAX, no Grain.
+
+An epoch has a global record order: positions ``0 .. num_records - 1``, each
+naming a record (the identity, or a seeded permutation when shuffling). The
+positions not yet read are a list of ranges ``[start, stop)``; a split cuts
+their concatenation into `count` contiguous shares, in process order, the
+first ``num_records % count`` shares one longer. Each process reads its share
+in order and keeps a cursor: how many of its share's positions are consumed.
+
+A resize appends ``(old_count, cursors)`` to the epoch's split history; the
+shares of the next job are the even split of what the old shares left. The
+history replays to the current split, so a state never lists records: it
+holds the history (a few ints per process per resize) and a cursor.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import dataclasses
+import functools
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Range = tuple[int, int]
+# (old process count, each old process's cursor over its share of that split).
+Resize = tuple[int, tuple[int, ...]]
+
+
+def total(ranges: Sequence[Range]) -> int:
+  """The number of positions in `ranges`."""
+  return sum(stop - start for start, stop in ranges)
+
+
+def _append(out: list[Range], start: int, stop: int) -> None:
+  if start >= stop:
+    return
+  if out and out[-1][1] == start:
+    out[-1] = (out[-1][0], stop)  # Adjacent: one range.
+  else:
+    out.append((start, stop))
+
+
+def take(ranges: Sequence[Range], begin: int, end: int) -> list[Range]:
+  """The positions ``begin .. end - 1`` of the concatenation of `ranges`."""
+  out: list[Range] = []
+  offset = 0
+  for start, stop in ranges:
+    n = stop - start
+    lo, hi = max(begin - offset, 0), min(end - offset, n)
+    if lo < hi:
+      _append(out, start + lo, start + hi)
+    offset += n
+    if offset >= end:
+      break
+  return out
+
+
+def even_split(ranges: Sequence[Range], count: int) -> list[list[Range]]:
+  """`ranges` cut into `count` contiguous shares, sizes differing by at most one."""
+  if count < 1:
+    raise ValueError(f"`count` must be >= 1, got {count}")
+  n = total(ranges)
+  size, extra = divmod(n, count)
+  shares, begin = [], 0
+  for i in range(count):
+    end = begin + size + (1 if i < extra else 0)
+    shares.append(take(ranges, begin, end))
+    begin = end
+  return shares
+
+
+def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[int]) -> list[Range]:
+  """What `shares` leave once each has consumed its cursor, in process order."""
+  out: list[Range] = []
+  for i, (share, cursor) in enumerate(zip(shares, cursors, strict=True)):
+    n = total(share)
+    if not 0 <= cursor <= n:
+      raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
+    for start, stop in take(share, cursor, n):
+      _append(out, start, stop)
+  return out
+
+
+def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
+  """Every process's share of an epoch after `history`, split over `count` processes.
+
+  Cached (the caller must not change the lists): every process's layout of one
+  job asks for the same split.
+  """
+  key = tuple((int(n), tuple(c)) for n, c in history)
+  return _shares(int(num_records), key, int(count))
+
+
+@functools.lru_cache(maxsize=64)
+def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[list[Range]]:
+  left: list[Range] = [(0, num_records)] if num_records else []
+  for old_count, cursors in history:
+    if len(cursors) != old_count:
+      raise ValueError(f"a resize from {old_count} processes lists {len(cursors)} cursors")
+    left = remaining(even_split(left, old_count), cursors)
+  return even_split(left, count)
+
+
+def resplit(
+  history: Sequence[Resize], cursors: Sequence[int], new_count: int, *, num_records: int
+) -> tuple[list[Resize], list[list[Range]]]:
+  """Re-splits what an epoch's current split left over `new_count` processes.
+
+  Args:
+    history: The epoch's resizes so far (the current split is theirs, over
+      ``len(cursors)`` processes).
+    cursors: Each current process's consumed cursor over its share.
+    new_count: The next job's process count.
+    num_records: Records in the epoch.
+
+  Returns:
+    (the new history, each new process's share): exactly the positions not
+    yet consumed, each in one share.
+  """
+  new_history = [*history, (len(cursors), tuple(int(c) for c in cursors))]
+  return new_history, shares(num_records, new_history, new_count)
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(num_records)
+
+
+def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
+  """The record at each position of `epoch` (None: the identity).
+
+  A seeded permutation when `shuffle` (NumPy's PCG64 on ``[seed, epoch]``):
+  the same on every host, for every process count.
+  """
+  return _permutation(num_records, seed, epoch) if shuffle else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
+
+  Attributes:
+    num_records: Records per epoch.
+    num_epochs: Epochs in all.
+    first_epoch: The stream's first epoch.
+    splits: Each epoch's resize history (epochs not listed: no resize).
+    count: The process count.
+    index: This process.
+  """
+
+  num_records: int
+  num_epochs: int
+  first_epoch: int
+  splits: tuple[tuple[int, tuple[Resize, ...]], ...]
+  count: int
+  index: int
+
+  @functools.cached_property
+  def epochs(self) -> list[tuple[int, list[Range], int]]:
+    """(epoch, this process's share, stream index of its first position) per epoch."""
+    history = dict(self.splits)
+    out, offset = [], 0
+    fresh = None
+    for epoch in range(self.first_epoch, self.num_epochs):
+      if epoch in history:
+        share = shares(self.num_records, history[epoch], self.count)[self.index]
+      else:
+        if fresh is None:
+          fresh = shares(self.num_records, (), self.count)[self.index]
+        share = fresh
+      out.append((epoch, share, offset))
+      offset += total(share)
+    return out
+
+  @functools.cached_property
+  def length(self) -> int:
+    """Positions in the whole stream."""
+    if not self.epochs:
+      return 0
+    _, share, offset = self.epochs[-1]
+    return offset + total(share)
+
+  @functools.cached_property
+  def _flat(self) -> tuple[list[int], list[tuple[int, int]]]:
+    """Each range's first stream index, and its (epoch, first position)."""
+    offsets, heads = [], []
+    for epoch, share, offset in self.epochs:
+      for start, stop in share:
+        offsets.append(offset)
+        heads.append((epoch, start))
+        offset += stop - start
+    return offsets, heads
+
+  def locate(self, j: int) -> tuple[int, int]:
+    """(epoch, position in that epoch's order) of stream index `j`."""
+    if not 0 <= j < self.length:
+      raise IndexError(f"stream index {j} is outside this process's {self.length} positions")
+    offsets, heads = self._flat
+    k = bisect.bisect_right(offsets, j) - 1
+    epoch, start = heads[k]
+    return epoch, start + j - offsets[k]
+
+  def cursor(self, j: int) -> tuple[int, int]:
+    """(epoch, consumed cursor in that epoch's share) once `j` stream positions are consumed."""
+    if not self.epochs:
+      return self.num_epochs, 0
+    for epoch, share, offset in self.epochs:
+      if j < offset + total(share):
+        return epoch, j - offset
+    epoch, share, _ = self.epochs[-1]
+    return epoch, total(share)
+
+  def share_length(self, epoch: int) -> int:
+    for e, share, _ in self.epochs:
+      if e == epoch:
+        return total(share)
+    raise ValueError(f"epoch {epoch} is not in this stream")
+
+
+def resume(
+  olds: Sequence[Layout], cursors: Sequence[tuple[int, int]], new_count: int
+) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
+  """The next job's (first epoch, splits) from every old process's layout and cursor.
+
+  Args:
+    olds: Each old process's layout, in process order (one job: the same
+      first epoch and splits).
+    cursors: Each old process's (epoch, cursor in that epoch's share).
+    new_count: The next job's process count.
+
+  Returns:
+    (first epoch, per-epoch histories) for `Layout`: every epoch some old
+    process had not finished gets the old job's cursors as a resize.
+  """
+  epochs = [e for e, _ in cursors]
+  first, last = min(epochs), max(epochs)
+  del new_count  # The histories hold the old job; the new count splits them.
+  base = dict(olds[0].splits)
+  splits = []
+  for epoch in range(first, min(last, olds[0].num_epochs - 1) + 1):
+    row = []
+    for layout, (e, c) in zip(olds, cursors, strict=True):
+      row.append(c if e == epoch else (0 if e < epoch else layout.share_length(epoch)))
+    splits.append((epoch, (*base.get(epoch, ()), (len(olds), tuple(row)))))
+  # Later epochs no process has reached keep their histories (unread: no resize).
+  splits.extend((e, h) for e, h in sorted(base.items()) if e > last)
+  return first, tuple(splits)
+
+
+# -- compact JSON ---------------------------------------------------------------
+
+
+def pack_ints(values: Sequence[int]) -> Any:
+  """Ints for a state: a short list as is, a long one as base64 of zlib'd deltas."""
+  if len(values) <= 16:
+    return [int(v) for v in values]
+  a = np.asarray(values, dtype=np.int64)
+  deltas = np.diff(a, prepend=np.int64(0))
+  return "z:" + base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 9)).decode()
+
+
+def unpack_ints(packed: Any) -> tuple[int, ...]:
+  """The inverse of `pack_ints`."""
+  if isinstance(packed, str) and packed.startswith("z:"):
+    raw = zlib.decompress(base64.b64decode(packed[2:]))
+    return tuple(int(v) for v in np.cumsum(np.frombuffer(raw, dtype="<i8")))
+  if not isinstance(packed, list) or not all(isinstance(v, int) for v in packed):
+    raise ValueError(f"expected a list of ints, got {packed!r:.100}")
+  return tuple(packed)
+
+
+def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
+  return [[e, [[n, pack_ints(c)] for n, c in h]] for e, h in splits]
+
+
+def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
+  try:
+    return tuple((int(e), tuple((int(n), unpack_ints(c)) for n, c in h)) for e, h in value)
+  except (TypeError, ValueError, zlib.error) as e:
+    raise ValueError(f"`splits` is not a split history ({e})") from e

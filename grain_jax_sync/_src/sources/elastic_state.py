@@ -1,0 +1,131 @@
+"""Resume states across job sizes: every old process's state -> this process's state.
+
+`JaxBatchIterator.set_state` passes what the user gave through
+`for_this_process` before its checks (`settings.check_state`). A list of every
+old process's state on the same process count picks this process's own; on
+another count, an elastic source re-splits what the old job left
+(`elastic_split.resume`), and any other source refuses with a message that
+points to `elastic_source`. Pure Python (no JAX, no Grain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from grain_jax_sync._src import elastic_split as es
+from grain_jax_sync._src.sources import elastic
+
+NOT_ELASTIC = (
+  "{what} cannot be re-split over another process count ({reason}); build the"
+  " pipeline with grain_jax_sync.elastic_source(records, transform) to resume it"
+  " on any number of processes"
+)
+
+
+def _listed(states: Sequence[Any]) -> list[Mapping[str, Any]]:
+  """`states` checked as one job's, in process order."""
+  if not states:
+    raise ValueError("`state` is an empty list; expected every old process's get_state()")
+  for i, s in enumerate(states):
+    if not isinstance(s, Mapping):
+      raise ValueError(f"`state[{i}]` must be a dict from get_state(), got {type(s).__name__}")
+    if (s.get("process_index"), s.get("process_count")) != (i, len(states)):
+      raise ValueError(
+        f"`state[{i}]` was taken by process {s.get('process_index')!r} of"
+        f" {s.get('process_count')!r}; pass every old process's state, in process order"
+        f" (process {i} of {len(states)} here)"
+      )
+  for key in ("batches", "settings", "version", "batch_size"):
+    values = [s.get(key) for s in states]
+    if any(v != values[0] for v in values):
+      raise ValueError(
+        f"the old processes' states differ in {key!r} ({values[0]!r:.60} in process 0,"
+        f" {next(v for v in values if v != values[0])!r:.60} in another): they must be"
+        " taken at the same batch of one job"
+      )
+  return list(states)
+
+
+def for_this_process(source: Any, state: Any, *, process_index: int, process_count: int) -> Any:
+  """The state this process restores, from one state or every old process's.
+
+  Args:
+    source: The iterator's `SourceIterator`.
+    state: What the user passed to `set_state`: a state, or the list of every
+      old process's state in process order.
+    process_index: This process.
+    process_count: This job's process count.
+
+  Returns:
+    A state for `settings.check_state` (this process's own, or for an
+    elastic source on another count, one re-split from the old job's).
+
+  Raises:
+    ValueError: If the list is not one job's, or the source cannot be
+      re-split over another count (naming the reason).
+  """
+  is_elastic = isinstance(source, elastic.ElasticIterator)
+  if isinstance(state, Mapping):
+    old = state.get("process_count")
+    if is_elastic and isinstance(old, int) and old != process_count:
+      raise ValueError(
+        f"`state` is one process's state of a job of {old} processes; on {process_count}"
+        " processes an elastic iterator restores from the list of every old process's"
+        " state, in process order"
+      )
+    return state
+  if not isinstance(state, (list, tuple)):
+    return state  # `check_state` names what it got.
+  states = _listed(state)
+  if len(states) == process_count:
+    return states[process_index]
+  if not is_elastic:
+    raise ValueError(
+      NOT_ELASTIC.format(
+        what=source.description,
+        reason=f"the states are from {len(states)} processes, this job has {process_count}",
+      )
+    )
+  return _resplit(source, states, process_index, process_count)
+
+
+def _resplit(
+  source: elastic.ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
+) -> dict[str, Any]:
+  olds: list[es.Layout] = []
+  cursors: list[tuple[int, int]] = []
+  for i, s in enumerate(states):
+    if "source" not in s:
+      raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
+    layout, position, _ = elastic.check_source_state(
+      s["source"],
+      source._spec,
+      source._num_records,  # pylint: disable=protected-access
+    )
+    if s["source"].get("resplittable") is False:
+      raise ValueError(
+        f"`state[{i}]['source']` cannot be re-split over another process count: the"
+        " transform keeps records of its own across batches (its Grain state holds more"
+        " than its parent's: packing, mixing), so the records it read may not all be in"
+        " the batches delivered. Resume it on the same process count, or re-split a"
+        " transform of map, filter and batch"
+      )
+    if layout.count != len(states) or layout.index != i:
+      raise ValueError(f"`state[{i}]['source']` is process {layout.index} of {layout.count}'s")
+    if i and (layout.first_epoch, layout.splits) != (olds[0].first_epoch, olds[0].splits):
+      raise ValueError(
+        f"`state[{i}]['source']` has another split history than process 0's: the states"
+        " are not from one job"
+      )
+    olds.append(layout)
+    cursors.append(layout.cursor(position))
+  first, splits = es.resume(olds, cursors, count)
+  layout = es.Layout(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
+  spec = source._spec  # pylint: disable=protected-access
+  return {
+    **states[0],
+    "process_index": p,
+    "process_count": count,
+    "source": elastic.export(layout, 0, None, spec),
+  }

@@ -1,0 +1,284 @@
+"""The elastic source on real processes: a state taken on N hosts resumes on M hosts.
+
+Each test chains jobs of different process counts (one `run_processes` call
+per job) over one epoch; each job restores the previous job's states. Over the
+whole chain every record that the transform keeps appears exactly once among
+the unmasked rows, and every masked row is padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scenarios_elastic as se
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+from grain_jax_sync._src import elastic_split as es
+from grain_jax_sync._src.sources import elastic
+
+N = 160
+
+
+def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1):
+  jobs = []
+  for job, (count, k) in enumerate(zip(counts, steps, strict=True)):
+    outs = testing.values(
+      testing.run_processes(
+        se.elastic_job,
+        num_processes=count,
+        devices_per_process=1,
+        args=(job, n, k, directory, mode, shuffle, num_epochs),
+        timeout_s=120,
+      )
+    )
+    assert all(o == outs[0] for o in outs)  # Every host sees the same global batches.
+    jobs.append(outs[0])
+  return jobs
+
+
+def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
+  seen = []
+  for job, count in zip(jobs, counts, strict=True):
+    for b in job["batches"]:
+      ids, x, mask = (np.asarray(b[k]) for k in ("id", "x", "mask"))
+      assert ids.shape == (se.BATCH * count,)
+      assert np.all(ids[~mask] == se.PAD) and np.all(x[~mask] == se.PAD)
+      assert np.array_equal(x[mask], 2 * ids[mask])
+      seen += ids[mask].tolist()
+  expected = Counter({i: num_epochs for i in range(n) if se.keep(i)})
+  assert Counter(seen) == expected
+  # Each job resumes at the batch count the previous one reached.
+  at = 0
+  for job in jobs:
+    assert job["resumed_at"] == at
+    at += len(job["batches"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["json", "orbax"])
+def test_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(mode, tmp_path):
+  counts = [2, 4, 2, 1, 2, 4, 3]  # 2->4, 4->2, 2->1, 1->2, 2->4->3 (two resizes).
+  steps = [2, 1, 2, 3, 2, 1, None]
+  jobs = run_chain(counts, steps, str(tmp_path), mode)
+  check_exactly_once(jobs, counts)
+  for job, k in zip(jobs[:-1], steps[:-1], strict=True):
+    assert len(job["batches"]) == k  # Every resize was mid-epoch.
+  assert len(jobs[-1]["batches"]) > 1
+  if mode == "json":
+    state = json.loads((tmp_path / "job5" / "state_0.json").read_text())
+  else:  # Job 5 (4 processes) saved step 6: one file per process, as Grain writes them.
+    state = orbax_states(str(tmp_path), 6)[0]
+    assert len(orbax_states(str(tmp_path), 6)) == 4
+  assert [c for c, _ in state["source"]["splits"][0][1]] == [2, 4, 2, 1, 2]
+
+
+def orbax_states(directory, step):
+  folder = os.path.join(directory, "ckpt", str(step), "data")
+  files = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+  return [json.loads(Path(folder, f).read_text()) for f in files]
+
+
+def predicted(states, count, *, n=N, shuffle=True, seed=5):
+  """The unmasked ids of each global batch after restoring `states` on `count` processes."""
+  spec = elastic.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
+  olds, cursors = [], []
+  for s in states:
+    layout, position, _ = elastic.check_source_state(s["source"], spec, n)
+    olds.append(layout)
+    cursors.append(layout.cursor(position))
+  first, splits = es.resume(olds, cursors, count)
+  hosts = []
+  for p in range(count):
+    layout = es.Layout(n, 1, first, splits, count, p)
+    order = es.epoch_order(n, shuffle=shuffle, seed=seed, epoch=0)
+    ids = [int(order[layout.locate(j)[1]]) for j in range(layout.length)]
+    ids = [i for i in ids if se.keep(i)]
+    hosts.append([ids[k : k + se.BATCH] for k in range(0, len(ids), se.BATCH)])
+  longest = max(len(h) for h in hosts)
+  return [sum((h[b] for h in hosts if b < len(h)), []) for b in range(longest)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history(tmp_path):
+  counts, steps = [4, 3, 1], [2, 2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "orbax", shuffle=True)
+  check_exactly_once(jobs, counts)
+  # Each resumed order is the one the seed and the resize history give.
+  for job in (1, 2):
+    want = predicted(orbax_states(str(tmp_path), job), counts[job])
+    got = [[i for i, m in zip(b["id"], b["mask"]) if m] for b in jobs[job]["batches"]]
+    assert got == want[: len(got)]
+  assert len(jobs[2]["batches"]) == len(predicted(orbax_states(str(tmp_path), 2), 1))
+  # The first batch is shuffled, not in record order.
+  first = [i for i, m in zip(jobs[0]["batches"][0]["id"], jobs[0]["batches"][0]["mask"]) if m]
+  assert first != sorted(first)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(tmp_path):
+  n = 40  # 26 kept records: 4 hosts read ~7 each per epoch.
+  counts, steps = [4, 2], [2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, n=n, num_epochs=2)
+  check_exactly_once(jobs, counts, n=n, num_epochs=2)
+  epochs = {json.loads(f.read_text())["source"]["epoch"] for f in (tmp_path / "job0").iterdir()}
+  assert epochs == {0, 1}  # Some hosts were still in epoch 0, others in epoch 1.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
+  run_chain([1], [2], str(tmp_path), "json", shuffle=True)
+  outs = testing.values(
+    testing.run_processes(
+      se.refusals, num_processes=2, devices_per_process=1, args=(N, str(tmp_path)), timeout_s=120
+    )
+  )
+  for p, out in enumerate(outs):
+    assert out["seed"].startswith(f"process {p}: ")
+    assert "`state['source']['seed']` is 5, but this elastic source has seed=6" in out["seed"]
+    assert f"`state['source']['num_records']` is {N}" in out["num_records"]
+    assert (
+      "`state['source']['epoch']` is 1, but this elastic source has num_epochs=1" in (out["epoch"])
+    )
+    assert "cannot be re-split over another process count" in out["not_elastic"]
+    assert "the states are from 1 processes, this job has 2" in out["not_elastic"]
+    assert "elastic_source" in out["not_elastic"]
+
+
+# -- one process ---------------------------------------------------------------------
+
+
+def ids_of(it):
+  return [i for b in it for i, m in zip(np.asarray(b["id"]), np.asarray(b["mask"])) if m]
+
+
+def test_same_count_resume_is_grains_own_exact_resume_in_one_process():
+  it = se.make_iterator(N, shuffle=True, batch=8)
+  full = ids_of(it)
+  it = se.make_iterator(N, shuffle=True, batch=8)
+  head = ids_of(b for _, b in zip(range(3), it))
+  state = it.get_state()
+  it.close()
+  assert state["source"]["grain"] == {
+    "grain_jax_sync_elastic_stream": {"next_index": state["source"]["position"]}
+  }
+  for given in (state, [state]):  # One state, or the list of every process's.
+    resumed = se.make_iterator(N, shuffle=True, batch=8)
+    resumed.set_state(json.loads(json.dumps(given)))
+    assert head + ids_of(resumed) == full
+  assert sorted(full) == [i for i in range(N) if se.keep(i)]
+
+
+def test_one_state_of_a_bigger_job_asks_for_the_list():
+  it = se.make_iterator(N, shuffle=False, batch=8)
+  state = dict(it.get_state(), process_count=2)
+  with pytest.raises(ValueError, match="one process's state of a job of 2 processes.*the list"):
+    it.set_state(state)
+  it.close()
+
+
+def test_a_list_on_the_same_count_restores_this_process_s_state_for_any_source():
+  data = [{"x": np.full((8,), i, np.int32)} for i in range(6)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  next(it)
+  state = it.get_state()
+  fresh = gjs.iter_jax_batches(data, batch_size=8)
+  fresh.set_state([state])
+  assert [int(np.asarray(b["x"])[0]) for b in fresh] == [1, 2, 3, 4, 5]
+  with pytest.raises(ValueError, match=r"`state\[0\]` was taken by process 1 of 1"):
+    fresh.set_state([dict(state, process_index=1)])
+  it.close()
+  fresh.close()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"num_epochs": 0}, "`num_epochs` must be an int >= 1, got 0"),
+    ({"seed": -1}, "`seed` must be an int >= 0, got -1"),
+    ({"transform": 3}, "`transform` must be callable or None, got int"),
+  ],
+)
+def test_elastic_source_checks_its_options(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    gjs.elastic_source(list(range(4)), **kwargs)
+  with pytest.raises(ValueError, match="random-access sequence, got generator"):
+    gjs.elastic_source(i for i in range(4))
+
+
+def _two_process_copies(state):
+  """`state` as if every process of a 2-process job had saved it (for the checks only)."""
+  return [
+    dict(
+      state,
+      process_index=i,
+      process_count=2,
+      source=dict(state["source"], process_index=i, process_count=2),
+    )
+    for i in range(2)
+  ]
+
+
+def test_thread_prefetch_keeps_the_cursor_exact_and_packing_refuses_a_resplit():
+  grain_exp = pytest.importorskip("grain.experimental")
+  recs = [{"id": np.int64(i), "tok": np.arange(1 + i % 5, dtype=np.int32)} for i in range(64)]
+
+  def threaded(ds):
+    ds = ds.map(lambda r: {"id": r["id"]}).batch(8)
+    return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4)
+
+  it = gjs.iter_jax_batches(gjs.elastic_source(recs, threaded), batch_size=8)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  it.close()
+  assert (state["source"]["position"], state["source"]["resplittable"]) == (24, True)
+
+  def packed(ds):
+    ds = ds.map(lambda r: {"tok": r["tok"], "id": np.full(len(r["tok"]), r["id"])})
+    lengths = {"tok": 8, "id": 8}
+    return grain_exp.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=2).batch(8)
+
+  src = gjs.elastic_source(recs, packed)
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  next(it)
+  state = it.get_state()
+  it.close()
+  assert state["source"]["resplittable"] is False  # Packing holds rows beside its parent.
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  with pytest.raises(ValueError, match=r"`state\[0\]\['source'\]` cannot be re-split.*packing"):
+    it.set_state(_two_process_copies(state))
+  it.close()
+
+
+def test_a_transform_that_drops_the_records_stream_is_named():
+  import grain
+
+  src = gjs.elastic_source(
+    list(range(8)), lambda ds: grain.MapDataset.range(8).batch(8).to_iter_dataset()
+  )
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  next(it)
+  with pytest.raises(RuntimeError, match="does not hold its stream's position"):
+    it.get_state()
+  it.close()
+  with pytest.raises(ValueError, match="`transform` must return a grain.IterDataset, got list"):
+    gjs.iter_jax_batches(gjs.elastic_source(list(range(8)), lambda ds: [1]), batch_size=8)
+
+
+def test_one_state_of_another_count_for_a_non_elastic_source_points_to_elastic_source():
+  data = [{"x": np.full((8,), i, np.int32)} for i in range(3)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  state = dict(it.get_state(), process_count=2)
+  with pytest.raises(ValueError, match=r"process_count=2.*cannot be re-split.*elastic_source"):
+    it.set_state(state)
+  it.close()

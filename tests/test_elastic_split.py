@@ -1,0 +1,167 @@
+"""The elastic split (pure, no JAX): every record of every epoch exactly once across resizes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grain_jax_sync._src import elastic_split as es
+
+PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
+
+
+def layouts(n, epochs, first, splits, count):
+  return [es.Layout(n, epochs, first, splits, count, i) for i in range(count)]
+
+
+def record_of(layout, j, *, shuffle, seed):
+  epoch, pos = layout.locate(j)
+  order = es.epoch_order(layout.num_records, shuffle=shuffle, seed=seed, epoch=epoch)
+  return epoch, int(pos if order is None else order[pos])
+
+
+def run_job(draw_cursor, n, epochs, counts, *, shuffle, seed, keep):
+  """Plays a job that resizes through `counts`; returns (epoch, record) pairs yielded."""
+  seen = []
+  first, splits = 0, ()
+  for k, count in enumerate(counts):
+    job = layouts(n, epochs, first, splits, count)
+    last = k == len(counts) - 1
+    consumed = [j.length if last else draw_cursor(j.length) for j in job]
+    for layout, c in zip(job, consumed, strict=True):
+      for j in range(c):
+        epoch, record = record_of(layout, j, shuffle=shuffle, seed=seed)
+        if keep(record):
+          seen.append((epoch, record))
+    if not last:
+      cursors = [layout.cursor(c) for layout, c in zip(job, consumed, strict=True)]
+      first, splits = es.resume(job, cursors, counts[k + 1])
+      # The state is JSON: what a resumed job reads back.
+      splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  return seen
+
+
+@PROPERTY_SETTINGS
+@given(
+  n=st.integers(0, 60),
+  epochs=st.integers(1, 3),
+  counts=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+  shuffle=st.booleans(),
+  modulus=st.integers(1, 4),
+  data=st.data(),
+)
+def test_every_record_of_every_epoch_exactly_once_across_resizes(
+  n, epochs, counts, shuffle, modulus, data
+):
+  def draw_cursor(length):
+    return data.draw(st.integers(0, length))
+
+  def keep(record):
+    return record % modulus != 0 or modulus == 1
+
+  seen = run_job(draw_cursor, n, epochs, counts, shuffle=shuffle, seed=7, keep=keep)
+  expected = Counter((e, r) for e in range(epochs) for r in range(n) if keep(r))
+  assert Counter(seen) == expected
+
+
+@PROPERTY_SETTINGS
+@given(n=st.integers(0, 200), history=st.data(), count=st.integers(1, 12))
+def test_resplit_shares_exactly_what_the_cursors_left(n, history, count):
+  old_count = history.draw(st.integers(1, 12))
+  old = es.shares(n, (), old_count)
+  cursors = [history.draw(st.integers(0, es.total(s))) for s in old]
+  new_history, new = es.resplit((), cursors, count, num_records=n)
+  left = [p for s, c in zip(old, cursors, strict=True) for p in expand(s)[c:]]
+  assert [p for s in new for p in expand(s)] == left
+  sizes = [es.total(s) for s in new]
+  assert max(sizes) - min(sizes) <= 1
+  assert new_history == [(old_count, tuple(cursors))]
+
+
+def expand(ranges):
+  return [p for a, b in ranges for p in range(a, b)]
+
+
+def test_even_split_is_contiguous_and_balanced():
+  assert es.even_split([(0, 10)], 3) == [[(0, 4)], [(4, 7)], [(7, 10)]]
+  assert es.even_split([(0, 2), (5, 7)], 3) == [[(0, 2)], [(5, 6)], [(6, 7)]]
+  assert es.even_split([], 2) == [[], []]
+
+
+def test_shuffled_order_is_deterministic_given_seed_and_epoch():
+  a = es.epoch_order(50, shuffle=True, seed=3, epoch=1)
+  assert np.array_equal(a, es.epoch_order(50, shuffle=True, seed=3, epoch=1))
+  assert sorted(a.tolist()) == list(range(50))
+  assert not np.array_equal(a, es.epoch_order(50, shuffle=True, seed=3, epoch=0))
+  assert not np.array_equal(a, es.epoch_order(50, shuffle=True, seed=4, epoch=1))
+  assert es.epoch_order(50, shuffle=False, seed=3, epoch=1) is None
+
+
+def test_a_later_epoch_uses_the_new_split():
+  job = layouts(12, 2, 0, (), 2)
+  first, splits = es.resume(job, [(0, 3), (0, 6)], 3)  # Process 1 finished epoch 0.
+  assert first == 0
+  new = layouts(12, 2, first, splits, 3)
+  # Epoch 0: the 3 records process 0 left, over 3 processes; epoch 1 fresh, 3-way.
+  assert [es.total(n.epochs[0][1]) for n in new] == [1, 1, 1]
+  assert [n.epochs[1][1] for n in new] == [[(0, 4)], [(4, 8)], [(8, 12)]]
+
+
+def test_resize_at_an_epoch_boundary_keeps_both_epochs():
+  job = layouts(8, 3, 0, (), 2)
+  # Process 0 is in epoch 1 (2 of 4 read); process 1 still in epoch 0 (1 of 4).
+  first, splits = es.resume(job, [(1, 2), (0, 1)], 1)
+  (new,) = layouts(8, 3, first, splits, 1)
+  got = [new.locate(j) for j in range(new.length)]
+  epoch0 = [p for e, p in got if e == 0]
+  epoch1 = [p for e, p in got if e == 1]
+  assert epoch0 == [5, 6, 7]
+  assert sorted(epoch1) == [2, 3, 4, 5, 6, 7]  # Process 0 read 0 and 1 of epoch 1.
+  assert [p for e, p in got if e == 2] == list(range(8))
+
+
+def test_cursor_at_the_end_and_at_epoch_boundaries():
+  (layout,) = layouts(4, 2, 0, (), 1)
+  assert [layout.cursor(j) for j in range(9)] == [
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (0, 3),
+    (1, 0),
+    (1, 1),
+    (1, 2),
+    (1, 3),
+    (1, 4),
+  ]
+  with pytest.raises(IndexError):
+    layout.locate(8)
+
+
+@pytest.mark.parametrize("resizes", [1, 2])
+def test_state_stays_under_10_kb_at_1024_processes(resizes):
+  rng = np.random.default_rng(0)
+  n, first, splits = 10_000_000, 0, ()
+  for _ in range(resizes):
+    job = layouts(n, 1, first, splits, 1024)
+    share = job[0].length
+    cursors = [(0, int(c)) for c in rng.integers(share // 2, share, size=1024)]
+    first, splits = es.resume(job, cursors, 1024)
+  size = len(json.dumps(es.splits_to_json(splits)))
+  assert size < 10_000, size
+
+
+def test_pack_ints_round_trips():
+  for values in ([], [3, 1], list(range(100)), [2**40, 0, 5] * 20):
+    assert es.unpack_ints(json.loads(json.dumps(es.pack_ints(values)))) == tuple(values)
+  with pytest.raises(ValueError, match="list of ints"):
+    es.unpack_ints("nope")
+
+
+def test_a_cursor_past_its_share_is_refused():
+  with pytest.raises(ValueError, match="process 1's cursor 9 is outside its share of 5"):
+    es.shares(10, [(2, (0, 9))], 1)
