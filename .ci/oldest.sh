@@ -16,7 +16,11 @@ trap 'rm -rf "$work"' EXIT
 # This tree's files (tracked and untracked, less the ignored), so that the
 # build leaves nothing (build/, *.egg-info) in the checkout.
 mkdir "$work/src"
-git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
+else  # Not a git checkout (an unpacked archive): all of it.
+  cp -a . "$work/src"
+fi
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install -q "${OLDEST[@]}" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"

@@ -57,8 +57,8 @@ def _cpu_trial(make_iter: Callable[[], Iterator[Any]], step_s: float) -> tuple[f
   return time.process_time() - cpu0, time.perf_counter() - wall0, n
 
 
-def _no_read_ahead(data: list[Any]) -> Any:
-  """`data` as a `grain.IterDataset` that reads nothing ahead.
+def _no_read_ahead(data: Any) -> Any:
+  """`data` (a list or a `grain.MapDataset`) as an IterDataset that reads nothing ahead.
 
   `to_iter_dataset()`'s default reads up to 500 elements ahead on 16
   threads: CPU and memory of the source, not of the `device_put` under test.
