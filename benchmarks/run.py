@@ -5,6 +5,11 @@ Run from the repository root:
   python -m benchmarks.run            # print the table
   python -m benchmarks.run --write    # also write benchmarks/RESULTS.md
   python -m benchmarks.run --quick    # fewer batches and trials (a smoke run)
+  python -m benchmarks.run --only cpu_per_batch --only input_bound   # some rows alone
+
+`--only` takes workload names: the keys of `_ONE` and `_TWO` below and
+`benchmarks.host.NAMES` (benchmarks of a real host: CPU beside a step,
+memory against Grain's `device_put`, an input-bound job).
 
 Every figure is a ratio measured within one run (or a byte count), so it holds
 on a noisy machine. Hosts are simulated with `grain_jax_sync.testing`: N real
@@ -20,9 +25,10 @@ import datetime
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
-from benchmarks import workloads
+from benchmarks import host, workloads
 from grain_jax_sync import testing
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,41 +76,95 @@ def _machine() -> str:
   )
 
 
-def main(argv: list[str] | None = None) -> int:
+# Workloads of the 1 x 8 and 2 x 4 runs, with their --quick arguments.
+_ONE = {
+  "overhead": {"n": 60, "trials": 2},
+  "prefetch_sizes": {"n": 12, "trials": 1},
+  "grain_device_put": {"n": 60, "trials": 2},
+  "dtype_bytes": {"n": 30, "trials": 2},
+  "column_scaling": {"n": 30, "trials": 1},
+  "per_batch": {"n": 100, "trials": 1},
+}
+_TWO = {
+  "agreement": {"n": 150, "ref_n": 150, "trials": 1},
+  "overlap": {"n": 20},
+  "per_batch": {"n": 100, "trials": 1},
+  "memory": {"n": 12},
+  "varying_lengths": {"n": 20, "trials": 1},
+  "elastic": {"n": 30, "trials": 2},
+}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
   parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
   parser.add_argument("--quick", action="store_true", help="fewer batches and trials")
+  known = sorted({*_ONE, *_TWO, *host.NAMES})
+  parser.add_argument(
+    "--only",
+    action="append",
+    choices=known,
+    metavar="NAME",
+    help=f"run only this workload (repeatable): {', '.join(known)}",
+  )
   args = parser.parse_args(argv)
-  q = args.quick
-  kw1 = {
-    "overhead": {"n": 60, "trials": 2} if q else {},
-    "prefetch_sizes": {"n": 12, "trials": 1} if q else {},
-    "grain_device_put": {"n": 60, "trials": 2} if q else {},
-    "dtype_bytes": {"n": 30, "trials": 2} if q else {},
-    "column_scaling": {"n": 30, "trials": 1} if q else {},
-    "per_batch": {"n": 100, "trials": 1} if q else {},
-  }
-  kw2 = {
-    "agreement": {"n": 150, "ref_n": 150, "trials": 1} if q else {},
-    "overlap": {"n": 20} if q else {},
-    "per_batch": {"n": 100, "trials": 1} if q else {},
-    "memory": {"n": 12} if q else {},
-    "varying_lengths": {"n": 20, "trials": 1} if q else {},
-    "elastic": {"n": 30, "trials": 2} if q else {},
-  }
-  started = time.monotonic()
-  one = _run(list(kw1), 1, 8, kw1)
-  two = _run(list(kw2), 2, 4, kw2)
-  four = _run(["per_batch"], 4, 2, {"per_batch": kw2["per_batch"]})
-  o = one[0]
+  if args.write and args.only:
+    parser.error("--write needs the whole table: leave out --only")
+  return args
 
-  rows: list[tuple[str, str, str, str, str]] = []
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parse(argv)
+  q = args.quick
+  names = set(args.only or [*_ONE, *_TWO, *host.NAMES])
+  kw1 = {k: (v if q else {}) for k, v in _ONE.items() if k in names}
+  kw2 = {k: (v if q else {}) for k, v in _TWO.items() if k in names}
+  started = time.monotonic()
+  one = _run(list(kw1), 1, 8, kw1) if kw1 else [{}]
+  two = _run(list(kw2), 2, 4, kw2) if kw2 else [{}]
+  four = _run(["per_batch"], 4, 2, {"per_batch": kw2["per_batch"]}) if "per_batch" in kw2 else []
+  hosts = host.run(sorted(names & set(host.NAMES)), q)
+  rows = _rows(one, two, four) + host.rows(hosts)
+  header = ("figure", "setup", "grain_jax_sync", "peer or reference", "target")
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  table = "\n".join(lines)
+  command = (
+    "python -m benchmarks.run" + (" --quick" if q else "") + (" --write" if args.write else "")
+  )
+  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  print(table)
+  print(f"\n{stamp}; {_machine()}; {time.monotonic() - started:.0f}s")
+  if args.write:
+    _write(table, stamp, command, time.monotonic() - started)
+  return 0
+
+
+Row = tuple[str, str, str, str, str]
+Add = Callable[[str, str, str, str, str], None]
+
+
+def _rows(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]]
+) -> list[Row]:
+  """The rows of the 1 x 8, 2 x 4 and 4 x 2 runs' workloads that ran, in table order."""
+  rows: list[Row] = []
 
   def add(what: str, setup: str, ours: str, ref: str, target: str) -> None:
     rows.append((what, setup, ours, ref, target))
 
+  for name, fn in _ROWS.items():
+    if name in one[0] or name in two[0]:
+      fn(one, two, four, add)
+  return rows
+
+
+def _rows_overhead(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  o = one[0]
   ov = o["overhead"]
   add(
     "overhead: throughput vs bare `make_array_from_process_local_data` loop",
@@ -114,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     f"{_thr(ov, 'reference') / _thr(ov, 'bare'):.2f}",
     ">= 0.90",
   )
+
+
+def _rows_prefetch_sizes(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  o = one[0]
   for size, res in o["prefetch_sizes"].items():
     add(
       "prefetch vs inline: throughput, default `prefetch_batches=2` / `0`",
@@ -122,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
       "-",
       ">= 0.95",
     )
+
+
+def _rows_agreement(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
   ag = [v["agreement"] for v in two]
   add(
     "agreement: synchronized / unsynchronized throughput",
@@ -141,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     "-",
     "-",
   )
+
+
+def _rows_overlap(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
   for cfg in two[0]["overlap"]:
     add(
       "overlap: wall / (N x max(S, L))",
@@ -149,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
       f"{max(v['overlap'][cfg]['reference'] for v in two):.2f}",
       "<= 1.15",
     )
+
+
+def _rows_grain_device_put(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  o = one[0]
   gd = o["grain_device_put"]
   add(
     "vs `grain.experimental.device_put`: throughput ratio",
@@ -157,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     "-",
     ">= 1.05",
   )
+
+
+def _rows_dtype_bytes(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  o = one[0]
   db = o["dtype_bytes"]
   if not db["policy_bytes_per_batch"]:
     raise RuntimeError(
@@ -171,14 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     f"{db['after_bytes_per_batch'] / 2**20:.2f} MiB (1.00x)",
     "0.5x bytes",
   )
-  el = [v["elastic"] for v in two]
-  add(
-    "elastic source, no resize: throughput vs today's `MapDataset` path",
-    "2 proc x 4 dev, 64-row batches of 32x32x3 uint8 records, `.batch(64)` per host",
-    f"{_worst(el, lambda e: _thr(e, 'elastic') / _thr(e, 'today')):.2f}",
-    "-",
-    ">= 0.95",
-  )
+
+
+def _rows_per_batch(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
   scale = {1: one, 2: two, 4: four}
   base_ms = None
   for p, vals in scale.items():
@@ -192,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
       "-",
       "-",
     )
+
+
+def _rows_column_scaling(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  o = one[0]
   for ncols, res in o["column_scaling"].items():
     ours_ms = res["ours"]["s"] / res["ours"]["batches"] * 1e3
     bare_ms = res["bare"]["s"] / res["bare"]["batches"] * 1e3
@@ -202,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
       "-",
       ">= 0.95 of bare" if int(ncols) == 64 else "-",
     )
+
+
+def _rows_memory(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
   mem = [v["memory"] for v in two]
   b = mem[0]["batch_bytes"]
 
@@ -224,6 +320,23 @@ def main(argv: list[str] | None = None) -> int:
     "-",
   )
 
+
+def _rows_elastic(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
+  el = [v["elastic"] for v in two]
+  add(
+    "elastic source, no resize: throughput vs today's `MapDataset` path",
+    "2 proc x 4 dev, 64-row batches of 32x32x3 uint8 records, `.batch(64)` per host",
+    f"{_worst(el, lambda e: _thr(e, 'elastic') / _thr(e, 'today')):.2f}",
+    "-",
+    ">= 0.95",
+  )
+
+
+def _rows_varying_lengths(
+  one: list[dict[str, Any]], two: list[dict[str, Any]], four: list[dict[str, Any]], add: Add
+) -> None:
   vl = two[0]["varying_lengths"]
   per = [v["varying_lengths"]["times"] for v in two]
   add(
@@ -244,38 +357,45 @@ def main(argv: list[str] | None = None) -> int:
     "~1.00",
   )
 
-  header = ("figure", "setup", "grain_jax_sync", "reference (baseline model)", "target")
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(r) + " |" for r in rows]
-  table = "\n".join(lines)
-  command = (
-    "python -m benchmarks.run" + (" --quick" if q else "") + (" --write" if args.write else "")
+
+_ROWS = {
+  "overhead": _rows_overhead,
+  "prefetch_sizes": _rows_prefetch_sizes,
+  "agreement": _rows_agreement,
+  "overlap": _rows_overlap,
+  "grain_device_put": _rows_grain_device_put,
+  "dtype_bytes": _rows_dtype_bytes,
+  "per_batch": _rows_per_batch,
+  "column_scaling": _rows_column_scaling,
+  "memory": _rows_memory,
+  "varying_lengths": _rows_varying_lengths,
+  "elastic": _rows_elastic,
+}
+
+
+def _write(table: str, stamp: str, command: str, run_s: float) -> None:
+  text = (
+    "# Benchmark results\n\n"
+    f"- Date: {stamp}\n"
+    f"- Machine: {_machine()}\n"
+    f"- Command (from the repository root): `{command}`\n"
+    f"- Run time: {run_s:.0f}s\n\n"
+    "Each figure is a ratio within one run (or a byte count); multi-host figures"
+    " are the slowest host's. The peer column is what a figure is compared with"
+    " in the same run: Grain's `device_put` or the bare loop where it says so,"
+    " else `benchmarks/reference.py`, a baseline model of Ray Data's"
+    " `jax_sync_generator`, not Ray itself.\n\n"
+    f"{table}\n"
   )
-  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-  print(table)
-  print(f"\n{stamp}; {_machine()}; {time.monotonic() - started:.0f}s")
-  if args.write:
-    text = (
-      "# Benchmark results\n\n"
-      f"- Date: {stamp}\n"
-      f"- Machine: {_machine()}\n"
-      f"- Command (from the repository root): `{command}`\n"
-      f"- Run time: {time.monotonic() - started:.0f}s\n\n"
-      "Each figure is a ratio within one run (or a byte count); multi-host figures"
-      " are the slowest host's. The reference column is `benchmarks/reference.py`,"
-      " a baseline model of Ray Data's `jax_sync_generator`, not Ray itself.\n\n"
-      f"{table}\n"
-    )
-    path = os.path.join(_ROOT, "benchmarks", "RESULTS.md")
-    notes = ""
-    if os.path.exists(path):  # Keep the hand-written notes below the table.
-      with open(path) as f:
-        old = f.read()
-      if _NOTES in old:
-        notes = "\n" + old[old.index(_NOTES) :]
-    with open(path, "w") as f:
-      f.write(text + notes)
-  return 0
+  path = os.path.join(_ROOT, "benchmarks", "RESULTS.md")
+  notes = ""
+  if os.path.exists(path):  # Keep the hand-written notes below the table.
+    with open(path) as f:
+      old = f.read()
+    if _NOTES in old:
+      notes = "\n" + old[old.index(_NOTES) :]
+  with open(path, "w") as f:
+    f.write(text + notes)
 
 
 if __name__ == "__main__":

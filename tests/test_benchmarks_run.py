@@ -1,0 +1,49 @@
+"""`benchmarks/run.py`'s options and the host rows' formatting (no benchmark runs)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import host, run  # noqa: E402 - the repository root, from any directory.
+
+
+def test_only_selects_workloads_and_refuses_write_and_unknown_names():
+  assert run._parse(["--only", "cpu_per_batch", "--only", "overhead"]).only == [
+    "cpu_per_batch",
+    "overhead",
+  ]
+  assert run._parse([]).only is None
+  with pytest.raises(SystemExit):
+    run._parse(["--only", "nonesuch"])
+  with pytest.raises(SystemExit):  # A partial table must not replace RESULTS.md.
+    run._parse(["--write", "--only", "overhead"])
+
+
+def test_host_rows_report_extra_cpu_memory_and_steps_against_their_peers():
+  def cpu(extra):
+    return {"cpu_us": 100 + extra, "wall_ms": 1, "extra_us": extra, "extra_lo": extra - 5}
+
+  cfg = {"n": 30, "trials": 7, "bare": cpu(0), "ours": cpu(40), "ours_p0": cpu(20)}
+  cfg["grain"] = cpu(60)
+  for r in cfg.values():
+    if isinstance(r, dict):
+      r["extra_hi"] = r["extra_us"] + 5
+  rate = {"steps_s": 10.0, "lo": 9.0, "hi": 11.0, "trials": 7}
+  res = {
+    "cpu_per_batch": {"8 MB, 50 ms": cfg},
+    "memory_peers": {"bare": [2.0], "grain": [5.5], "ours": [4.25]},
+    "input_bound": [
+      {"bare": rate, "ours": {**rate, "steps_s": 12.0}, "device_put": rate},
+      {"bare": {**rate, "steps_s": 8.0}, "ours": rate, "device_put": rate},
+    ],
+  }
+  cpu_row, mem_row, ib_row = host.rows(res)
+  assert "8 MB, 50 ms step" in cpu_row[1] and "bare loop 100 us" in cpu_row[1]
+  assert cpu_row[2] == "+40 us (+35..+45); prefetch_batches=0: +20 us (+15..+25)"
+  assert cpu_row[3] == "`grain.experimental.device_put`: +60 us (+55..+65)"
+  assert mem_row[2] == "4.25" and "5.50" in mem_row[3] and "bare loop: 2.00" in mem_row[3]
+  # The slowest host's figures: ours 10.0 (host 1), bare 8.0 (host 1).
+  assert ib_row[2].startswith("10.0 steps/s (9.0..11.0) = 1.25 of bare")
+  assert ib_row[3] == "bare loop over the loader: 8.0 steps/s (9.0..11.0)"
