@@ -222,13 +222,10 @@ def _dataset(records: list[bytes], rows: int, workers: int) -> Any:
 def _steps(make_iter: Callable[[], Iterator[Any]], step: Callable[[Any], Any]) -> tuple[float, int]:
   """(seconds, steps) after the first batch: the workers' start is not timed."""
   import jax
+  from jax.experimental import multihost_utils
 
-  from grain_jax_sync._src import exchange
-
-  client = exchange.distributed_client()
-  if jax.process_count() > 1 and client is not None:
-    _steps.count = getattr(_steps, "count", 0) + 1  # type: ignore[attr-defined]
-    client.wait_at_barrier(f"bench/host/{_steps.count}", 120_000)  # type: ignore[attr-defined]
+  if jax.process_count() > 1:  # Every host starts the trial together.
+    multihost_utils.sync_global_devices("grain_jax_sync benchmarks.host trial")
   it = make_iter()
   start, n = 0.0, 0
   for batch in it:
