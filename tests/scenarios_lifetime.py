@@ -146,3 +146,95 @@ def state_before_the_first_batch_of_device_put() -> dict[str, Any]:
   again = [rows(next(it2)) for _ in range(2)]
   it2.close()
   return {"first": first, "again": again, "state": state}
+
+
+def _checkpoint(it: Any) -> tuple[Any, Any]:
+  """`get_state()` and `stats()` from a checkpoint thread."""
+  import threading
+
+  box: dict[str, Any] = {}
+  t = threading.Thread(target=lambda: box.update(s=it.get_state(), c=it.stats()))
+  t.start()
+  t.join(30)
+  return box["s"], box["c"]
+
+
+def _drain(it: Any, got: list[Any], expected: int, p: int) -> str:
+  """Reads until the stream ends; how it ended."""
+  try:
+    while True:
+      got.append((_local_first(next(it)) - 100 * p, expected))
+      expected += 1
+  except RuntimeError as e:
+    return str(e)
+  except StopIteration:
+    return "stop"
+
+
+def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:  # noqa: C901 - one schedule
+  import random
+  import threading
+
+  import grain_jax_sync as gjs
+
+  rng = random.Random(seed)
+  ops = [rng.choice(["next"] * 4 + ["state", "restore", "reset"]) for _ in range(12)]
+  closer = rng.choice([None, 0, 1])
+  ops.insert(rng.randrange(len(ops)), "close")
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
+  it = gjs.iter_jax_batches(_batches(20, p), name=f"schedule-{seed}", **kw)
+  got: list[Any] = []
+  saved: list[Any] = []
+  ending = None
+  expected = 0
+  for op in ops:
+    if op == "close" and closer == p:
+      t = threading.Thread(target=it.close)
+      t.start()
+      t.join(60)
+      ending = "closed here"
+      break
+    if op == "next":
+      try:
+        got.append((_local_first(next(it)) - 100 * p, expected))
+        expected += 1
+      except StopIteration:
+        ending = "stop"
+      except RuntimeError as e:
+        ending = str(e)
+      if ending is not None:
+        break
+    elif op == "state":
+      state, counts = _checkpoint(it)
+      saved.append((state, expected, counts["batches"]))
+    elif op == "restore" and saved:
+      it.set_state(saved[-1][0])
+      expected = saved[-1][1]
+    elif op == "reset":
+      it.reset()
+      expected = 0
+  if ending is None and closer is not None and closer != p:
+    ending = _drain(it, got, expected, p)  # The peer closed: the next call names it.
+  counted = it.stats()["batches"]
+  it.close()
+  return {
+    "seed": seed,
+    "got": got,
+    "counted": counted,
+    "saved": [(st["batches"], st["source"], e, c) for st, e, c in saved],
+    "ending": ending,
+    "closer": closer,
+    "threads": _threads_left(10.0),
+  }
+
+
+def random_schedules(seeds: list[int], prefetch: int) -> list[dict[str, Any]]:
+  """The same random schedule on every host, per seed; one host may close from a thread.
+
+  Ops: `next()`, `get_state()`/`stats()` from a checkpoint thread, `set_state()`
+  of a saved state, `reset()`, and `close()` from another thread on one host
+  (the other host must then end with "process h closed its iterator").
+  """
+  import jax
+
+  return [_one_schedule(seed, prefetch, jax.process_index()) for seed in seeds]

@@ -295,3 +295,32 @@ def test_random_schedules_count_every_batch_once_and_resume_exactly(  # noqa: C9
     with gjs.iter_jax_batches(rows(n), batch_size=8, prefetch_batches=prefetch) as fresh:
       fresh.set_state(state)
       assert [first(b) for b in fresh] == list(range(at, n))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_random_schedules_on_two_processes_end_the_same_way(prefetch):
+  # The same random schedule on both hosts (next, get_state/stats from a
+  # checkpoint thread, set_state, reset), with a close from another thread
+  # on one host at a random point: no hang, every batch counted once, every
+  # state the source's position, the peer ends naming the closer, and no
+  # thread is left.
+  seeds = list(range(6))
+  outs = run(scenarios_lifetime.random_schedules, seeds, prefetch)
+  for p, per_host in enumerate(outs):
+    for o in per_host:
+      assert o["threads"] == [], o
+      for value, expected in o["got"]:
+        assert value == expected, o
+      assert o["counted"] == len(o["got"]), o
+      for _, source, expected, counted in o["saved"]:
+        assert source == {"index": expected}, o
+        assert counted <= len(o["got"])
+      closer = o["closer"]
+      if closer == p:
+        assert o["ending"] == "closed here"
+      elif closer is not None and o["ending"] != "stop":
+        assert o["ending"].startswith(f"process {closer} closed its iterator at batch"), o
+  for a, b in zip(outs[0], outs[1], strict=True):
+    if a["closer"] is None:  # Neither closed: the same batches on both hosts.
+      assert [v for v, _ in a["got"]] == [v for v, _ in b["got"]]
