@@ -238,3 +238,25 @@ def random_schedules(seeds: list[int], prefetch: int) -> list[dict[str, Any]]:
   import jax
 
   return [_one_schedule(seed, prefetch, jax.process_index()) for seed in seeds]
+
+
+def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
+  """Both hosts make `a` then `b`; host 0 first calls next(a), host 1 next(b)."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 20.0}
+  a = gjs.iter_jax_batches(_batches(4, p), **kw)
+  b = gjs.iter_jax_batches(_batches(4, p), **kw)
+  t0 = time.monotonic()
+  try:
+    next(a if p == 0 else b)
+    error = None
+  except Exception as e:  # noqa: BLE001 - the ending under test.
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.monotonic() - t0
+  a.close()
+  b.close()
+  return {"error": error, "seconds": seconds}

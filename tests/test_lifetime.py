@@ -324,3 +324,17 @@ def test_random_schedules_on_two_processes_end_the_same_way(prefetch):
   for a, b in zip(outs[0], outs[1], strict=True):
     if a["closer"] is None:  # Neither closed: the same batches on both hosts.
       assert [v for v, _ in a["got"]] == [v for v, _ in b["got"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
+  # Each host waited in a stream the other never started: after
+  # `sync_timeout_s` process 0 raised PeerTimeoutError (whose hint did not
+  # fit) and process 1 another error. Now both name the cause, at half
+  # `sync_timeout_s` (20 s here) at the latest.
+  p0, p1 = run(scenarios_lifetime.first_next_in_another_order, prefetch)
+  assert p0["error"] == p1["error"], (p0, p1)
+  assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
+  assert "called next() on their iterators in a different order" in p0["error"]
+  assert p0["seconds"] < 18 and p1["seconds"] < 18, (p0, p1)

@@ -55,6 +55,36 @@ logger = logging.getLogger(__name__)
 KEY_ROOT = "grain_jax_sync"
 _instances = itertools.count()
 _named: collections.Counter[str] = collections.Counter()
+# This process's streams: started here, and those waiting for their first
+# decision (the liveness beat carries the latter, so that two processes
+# waiting crosswise at the start of two streams can tell; `streamed`).
+_started: set[str] = set()
+_waiting_first: set[str] = set()
+_streams_lock = threading.Lock()
+
+
+def stream_started(namespace: str) -> None:
+  with _streams_lock:
+    _started.add(namespace)
+
+
+def is_started(namespace: str) -> bool:
+  return namespace in _started
+
+
+def waiting_first(namespace: str, waiting: bool) -> None:
+  """Marks this process as waiting (or no longer) for `namespace`'s first decision."""
+  with _streams_lock:
+    if waiting:
+      _waiting_first.add(namespace)
+    else:
+      _waiting_first.discard(namespace)
+
+
+def waiting_streams() -> list[str]:
+  with _streams_lock:
+    return sorted(_waiting_first)
+
 
 # A blocking store read waits at most this long before the waiter checks for
 # close(), its deadline and the awaited peer's beat.

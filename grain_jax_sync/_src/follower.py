@@ -46,6 +46,7 @@ class Follower(Streamed):
         continue
       decision = self._parse(text)
       self._seq += 1
+      self._first_decided()
       run = self._apply(decision)
       self._release()
       if decision.end != End.CONTINUE:
@@ -102,6 +103,10 @@ class Follower(Streamed):
         return text
       self._ex.end()
       raise RuntimeError(agreement.closed_peer_message(note, self._ex.namespace))
+    if self._seq == 0 and (cross := self._cross_wait(0)) is not None:
+      self._post(final=True, error=cross)
+      self._ex.end()
+      raise agreement.to_exception(cross, self._p, None)
     waited = self._waited_s()
     limit = self._timeout_s + agreement.FOLLOWER_GRACE_S
     if self._gave_up is None and waited > limit:

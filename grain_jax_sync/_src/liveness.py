@@ -68,8 +68,10 @@ class Beat:
       return beat
 
   def _beat(self, n: int) -> None:
+    # The count, then the streams this process waits at the start of.
+    value = " ".join([str(n), *exchange_lib.waiting_streams()])
     try:
-      self._client.key_value_set(self._key, str(n), True)
+      self._client.key_value_set(self._key, value, True)
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -123,6 +125,12 @@ class Liveness:
 
   def dead(self, process: int) -> bool:
     return self.silent_s(process) >= self._dead_after_s
+
+  def waiting(self, process: int) -> list[str]:
+    """The streams `process` waits at the start of, as of its last beat read here."""
+    self.silent_s(process)  # Reads the beat, at most once per `BEAT_S`.
+    beat = self._seen[process][0]
+    return [] if beat is None else beat.split()[1:]
 
   def closed(self, process: int) -> str | None:
     """What `process` wrote when it closed the iterator, or None (read once per `BEAT_S`).

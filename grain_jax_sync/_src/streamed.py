@@ -24,6 +24,13 @@ from grain_jax_sync._src import reader as reader_lib
 ErrorKind = plan_lib.ErrorKind
 End = plan_lib.End
 
+# Two processes that each wait at the start of a stream the other has not
+# started (iterators started in a different order: a stream starts at its
+# first `next()`) can never go on. Named after this long crosswise, or half
+# `sync_timeout_s` if shorter: longer than a live peer takes between the
+# first `next()` calls of iterators it starts together (threads), on any host.
+CROSS_WAIT_S = 30.0
+
 
 class Streamed:
   """What the decider and the followers share: own reads, the runs, the ending.
@@ -73,6 +80,8 @@ class Streamed:
     self._rpc_s = 0.001
     self._last_poll = -1.0
     self._waiting_since: float | None = None
+    self._cross_since: float | None = None  # Since when a peer waits crosswise.
+    exchange_lib.stream_started(exchange.namespace)
 
   def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
     """This host's reads for a decision, as a run for the builder."""
@@ -124,6 +133,43 @@ class Streamed:
       self._waiting_since = now
     return now - self._waiting_since
 
+  def _cross_wait(self, peer: int) -> plan_lib.ReportedError | None:
+    """The error once `peer` has waited long enough at the start of a stream not started here.
+
+    Called while this process waits for `peer` before anything is decided.
+    Process 0 and the peer each find it (the peer from process 0's beat), and
+    name the pair the same way: the same message on both.
+    """
+    exchange_lib.waiting_first(self._ex.namespace, True)
+    theirs = [
+      t
+      for t in self._live.waiting(peer)
+      if t != self._ex.namespace and not exchange_lib.is_started(t)
+    ]
+    now = time.monotonic()
+    if not theirs:
+      self._cross_since = None
+      return None
+    if self._cross_since is None:
+      self._cross_since = now
+    if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
+      return None
+    waits = sorted([(self._p, self._ex.namespace), (peer, theirs[0])])
+    (a, sa), (b, sb) = waits
+    message = (
+      f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
+      f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
+      " started the other's: the processes called next() on their iterators"
+      " in a different order (an iterator's stream starts at its first"
+      " next()); start every iterator in the same order on every process"
+    )
+    return plan_lib.ReportedError(
+      ErrorKind.CLOSED, message, peer, self._yielded, "RuntimeError", (peer,)
+    )
+
+  def _first_decided(self) -> None:
+    exchange_lib.waiting_first(self._ex.namespace, False)
+
   def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
     return closed_error(self._p, at_batch)
 
@@ -133,6 +179,7 @@ class Streamed:
 
   def release(self) -> None:
     self._own.close()
+    self._first_decided()
 
   def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
     """Posts this host's ending (`Decider` and `Follower` each post their own)."""
@@ -174,6 +221,7 @@ class Decider(Streamed):
         self._absorb(self._timed(self._ex.read_chunks))
         continue  # Decide again with what the peers posted meanwhile.
       decision = self._post(plan)
+      self._first_decided()
       run = self._apply(decision)
       self._led.forget(self._j)
       if decision.end != End.CONTINUE:
@@ -261,6 +309,8 @@ class Decider(Streamed):
         )
     elif self._waited_s() > self._timeout_s:
       self._abort = self._timeout(peer)
+    elif self._j == 0 and (cross := self._cross_wait(peer)) is not None:
+      self._abort = cross
     else:
       self._absorb(self._blocking(self._ex.wait_chunk, peer))
 
@@ -350,6 +400,11 @@ class Decider(Streamed):
       self._ex.post_decision(self._seq, final.to_json(), final=True)
     finally:
       self._ex.end()
+
+
+def _iterator(namespace: str) -> str:
+  """An iterator's key prefix, without its stream's generation."""
+  return namespace.rsplit("/", 1)[0]
 
 
 def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
