@@ -58,6 +58,7 @@ _named: collections.Counter[str] = collections.Counter()
 # This process's streams: started here, and those waiting for their first
 # decision (the liveness beat carries the latter, so that two processes
 # waiting crosswise at the start of two streams can tell; `streamed`).
+_created: set[str] = set()  # Iterators' key prefixes (`new_namespace`).
 _started: set[str] = set()
 _waiting_first: set[str] = set()
 _streams_lock = threading.Lock()
@@ -72,6 +73,11 @@ def is_started(namespace: str) -> bool:
   return namespace in _started
 
 
+def is_created(namespace: str) -> bool:
+  """Whether the iterator of stream `namespace` was created in this process."""
+  return namespace.rsplit("/", 1)[0] in _created
+
+
 def waiting_first(namespace: str, waiting: bool) -> None:
   """Marks this process as waiting (or no longer) for `namespace`'s first decision."""
   with _streams_lock:
@@ -79,6 +85,20 @@ def waiting_first(namespace: str, waiting: bool) -> None:
       _waiting_first.add(namespace)
     else:
       _waiting_first.discard(namespace)
+
+
+_pre_ended: dict[str, str] = {}
+
+
+def pre_end(namespace: str, message: str) -> None:
+  """Records that this process posted `message` as its ending of a stream it never started."""
+  with _streams_lock:
+    _pre_ended[namespace] = message
+
+
+def pre_ended(namespace: str | None) -> str | None:
+  """The ending this process posted to `namespace` before starting it, if any."""
+  return None if namespace is None else _pre_ended.get(namespace)
 
 
 def waiting_streams() -> list[str]:
@@ -156,12 +176,16 @@ def new_namespace(name: str | None = None) -> str:
   are counted, so every process must create the same number of them.
   """
   if name is None:
-    return f"{KEY_ROOT}/{next(_instances)}"
-  # The n-th iterator of that name: a new one per epoch under the same name
-  # must not read the keys of the last (a host still ending it, or its
-  # decider still posting).
-  _named[name] += 1
-  return f"{KEY_ROOT}/{name}/{_named[name]}"
+    namespace = f"{KEY_ROOT}/{next(_instances)}"
+  else:
+    # The n-th iterator of that name: a new one per epoch under the same name
+    # must not read the keys of the last (a host still ending it, or its
+    # decider still posting).
+    _named[name] += 1
+    namespace = f"{KEY_ROOT}/{name}/{_named[name]}"
+  with _streams_lock:
+    _created.add(namespace)
+  return namespace
 
 
 def _is_deadline(e: Exception) -> bool:
@@ -364,6 +388,12 @@ class KeyValueExchange:
       self.busy_s += time.monotonic() - t0
 
   # -- the end -----------------------------------------------------------------
+
+  def sibling(self, namespace: str) -> KeyValueExchange:
+    """The exchange of another stream, through the same client."""
+    return KeyValueExchange(
+      self._client, namespace, process_index=self.process_index, process_count=self.process_count
+    )
 
   def cancel(self) -> None:
     """Stops waits (raising `Cancelled` in the waiting thread)."""

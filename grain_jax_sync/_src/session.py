@@ -100,7 +100,13 @@ class Stages:
     self._agreement: streamed.Streamed | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
     runs: Iterator[build_lib.Run]
-    if ex.form == "streamed":
+    ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
+    if ended is not None:
+      # This host already posted its ending to this stream (`streamed`'s
+      # crosswise wait): the stream raises it, with no exchange.
+      runs = _raising(RuntimeError(ended))
+      s = dataclasses.replace(s, prefetch=0)
+    elif ex.form == "streamed":
       kind = streamed.Decider if ex.process_index == 0 else follower.Follower
       self._agreement = kind(
         read,
@@ -211,6 +217,11 @@ class Stages:
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
 
+def _raising(error: BaseException) -> Iterator[build_lib.Run]:
+  raise error
+  yield  # pragma: no cover - a generator that raises at its first `next()`.
+
+
 def end_unstarted(
   settings: settings_lib.Settings,
   namespace: str | None,
@@ -218,8 +229,8 @@ def end_unstarted(
   error: plan_lib.ReportedError | None,
 ) -> None:
   """Posts this host's ending of a stream it never started, where peers may wait in it."""
-  if namespace is None:
-    return
+  if namespace is None or exchange_lib.pre_ended(namespace) is not None:
+    return  # Nothing to tell, or told already.
   try:
     ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
     if ex.form == "streamed":

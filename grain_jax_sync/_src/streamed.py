@@ -8,6 +8,7 @@ endings and `exchange` for the keys.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,8 @@ from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+
+logger = logging.getLogger(__name__)
 
 ErrorKind = plan_lib.ErrorKind
 End = plan_lib.End
@@ -141,10 +144,12 @@ class Streamed:
     name the pair the same way: the same message on both.
     """
     exchange_lib.waiting_first(self._ex.namespace, True)
+    # Streams of iterators made here but not started: an iterator never made
+    # here is the timeout's case (created on some processes only).
     theirs = [
       t
       for t in self._live.waiting(peer)
-      if t != self._ex.namespace and not exchange_lib.is_started(t)
+      if t != self._ex.namespace and exchange_lib.is_created(t) and not exchange_lib.is_started(t)
     ]
     now = time.monotonic()
     if not theirs:
@@ -163,9 +168,17 @@ class Streamed:
       " in a different order (an iterator's stream starts at its first"
       " next()); start every iterator in the same order on every process"
     )
-    return plan_lib.ReportedError(
+    error = plan_lib.ReportedError(
       ErrorKind.CLOSED, message, peer, self._yielded, "RuntimeError", (peer,)
     )
+    # The same ending in the peer's stream, where it waits: whichever of the
+    # two finds it first, both raise this message (not a close of the other).
+    exchange_lib.pre_end(theirs[0], message)
+    try:
+      post_end(self._ex.sibling(theirs[0]), 0, error)
+    except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
+      logger.warning("grain_jax_sync: could not post the ending to %s: %s", theirs[0], e)
+    return error
 
   def _first_decided(self) -> None:
     exchange_lib.waiting_first(self._ex.namespace, False)
