@@ -20,13 +20,13 @@ import jax
 import numpy as np
 
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import job_stats, sources, tracebacks
 from grain_jax_sync._src import pipeline as pipeline_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import settings as settings_lib
-from grain_jax_sync._src import sources, tracebacks
 from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,8 @@ class JaxBatchIterator(Iterator[Any]):
     self._in_next: int | None = None  # The thread inside `next()`, if any.
     self._delivered = stats_lib.Delivered()
     self._life = pipeline_lib.Lifetime(settings, self._namespace)
+    # stats(all_hosts=True): every host's counters, through the agreement's messages.
+    self._job = job_stats.JobTable(stats_lib.Probe(self._delivered, self._life.times))
     self._life.unstarted = (self._next_namespace(), 0)
     self._finalizer = weakref.finalize(self, self._life.close)
 
@@ -222,8 +224,8 @@ class JaxBatchIterator(Iterator[Any]):
       self._mark = _Mark(self._mark.position + 1, item.state, pinned)
     return item.value
 
-  def stats(self) -> dict[str, int | float]:
-    """What the input pipeline did on this host so far.
+  def stats(self, all_hosts: bool = False) -> dict[str, Any]:
+    """What the input pipeline did on this host so far (or on every host).
 
     Counts are of the batches this consumer received (never of batches
     still prefetched), over the iterator's life, across `set_state`. Times
@@ -243,7 +245,19 @@ class JaxBatchIterator(Iterator[Any]):
       (or the collective fallback's all-gathers; 0 in one process),
       ``transfer_s`` building global arrays (padding, mask, host casts,
       ``make_array_from_process_local_data``).
+
+      With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
+      mapping per process (``process_index``, the keys above and
+      ``padding_fraction``, padded over all rows), and the process with the
+      most ``source_s``. This host's mapping is its live `stats()`; a
+      peer's lags by up to a window or so: its counts are those process 0
+      decided for it up to the last decision that carried the table (every
+      batch once the stream ended), its times those it posted with its
+      last rows. One process, or the collective fallback: this host only.
+      See docs/performance.md, "Seeing the job".
     """
+    if all_hosts:
+      return self._job.view()
     with self._mark_lock:
       delivered = dataclasses.replace(self._delivered)
     return stats_lib.snapshot(delivered, self._life.times())

@@ -36,16 +36,22 @@ class Chunk:
       chunks that end at or before the smallest ack they have seen.
     report: The rows read, and the end of the stream if it was reached
       (exhausted or error), plus signature/config/device count.
+    times: The poster's stage times (`stats.TIMES` order), for the
+      cross-host view (`job_stats`); None when unchanged since its last chunk.
   """
 
   start: int
   ack: int
   report: plan_lib.Report
+  times: tuple[float, ...] | None = None
 
   def to_json(self) -> str:
-    return json.dumps(
-      {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack, "R": self.report.to_json()}
-    )
+    # The report as a nested object (one parse at the decider, not two).
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
+    obj["R"] = self.report.to_obj()
+    if self.times is not None:
+      obj["t"] = list(self.times)
+    return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
   def from_json(cls, text: str) -> Chunk:
@@ -56,7 +62,8 @@ class Chunk:
     """
     obj = _load(text, "report")
     try:
-      return cls(start=obj["s"], ack=obj["a"], report=plan_lib.Report.from_json(obj["R"]))
+      times = tuple(float(t) for t in obj["t"]) if "t" in obj else None
+      return cls(obj["s"], obj["a"], plan_lib.Report.from_obj(obj["R"]), times)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
 
@@ -273,6 +280,8 @@ class Decision:
       that knows it).
     batch_size: The full batch size the steps were judged by (given, or
       derived from the first position: every host saves it with its state).
+    table: Rows of the cross-host view that changed (`job_stats`): per
+      process, its index, decided counts and latest times; None if not sent.
   """
 
   start: int
@@ -281,6 +290,7 @@ class Decision:
   error: plan_lib.ReportedError | None = None
   signature: dict[str, Any] | None = None
   batch_size: int | None = None
+  table: tuple[tuple[Any, ...], ...] | None = None
 
   def to_json(self) -> str:
     runs: list[list[Any]] = []
@@ -296,6 +306,8 @@ class Decision:
       obj["g"] = self.signature
     if self.batch_size is not None:
       obj["b"] = self.batch_size
+    if self.table is not None:
+      obj["t"] = [list(row) for row in self.table]
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -314,7 +326,9 @@ class Decision:
         )
       )
       error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
-      return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"), obj.get("b"))
+      table = tuple(tuple(row) for row in obj["t"]) if "t" in obj else None
+      end = plan_lib.End(obj["e"])
+      return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
 

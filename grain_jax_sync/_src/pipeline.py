@@ -89,6 +89,7 @@ class Pipeline:
         timeout_s=s.sync_timeout_s,
         position=self._position,
         threads=s.prefetch > 0,
+        job=it._job,  # noqa: SLF001 - stats(all_hosts=True)'s table.
       )
       runs = iter(self._agreement)
       if s.prefetch > 0:

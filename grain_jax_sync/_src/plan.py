@@ -107,6 +107,10 @@ class Report:
   digests: tuple[str | None, ...] = ()
 
   def to_json(self) -> str:
+    return json.dumps(self.to_obj(), separators=(",", ":"))
+
+  def to_obj(self) -> dict[str, Any]:
+    """The report as a JSON-ready object (only the fields that differ from their defaults)."""
     obj: dict[str, Any] = {
       "p": self.process_index,
       "r": list(self.rows),
@@ -125,7 +129,7 @@ class Report:
       obj["b"] = self.resume
     if self.digests:
       obj["h"] = list(self.digests)
-    return json.dumps(obj, separators=(",", ":"))
+    return obj
 
   @classmethod
   def from_json(cls, text: str) -> Report:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import agreement
+from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
@@ -38,6 +38,8 @@ class Streamed:
     position: Output batches before the first one (the resume position).
     threads: May move a slow source to its own thread.
     live: Tells dead peers from slow ones (default: their beats).
+    job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
+      chunks and decisions; None: none kept.
   """
 
   def __init__(
@@ -52,6 +54,7 @@ class Streamed:
     position: int,
     threads: bool = True,
     live: liveness_lib.Liveness | None = None,
+    job: job_stats.JobTable | None = None,
   ):
     self._ex = exchange
     self._options = options
@@ -68,6 +71,9 @@ class Streamed:
     self._rpc_s = 0.001
     self._last_poll = -1.0
     self._waiting_since: float | None = None
+    self._job = job
+    if job is not None:
+      job.attach(self._p, self._n)
 
   def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
     """This host's reads for a decision, as a run for the builder."""
@@ -225,8 +231,13 @@ class Decider(Streamed):
     if not self._sent_signature and plan.steps:
       sig = self._led_signature()
       self._sent_signature = sig is not None
+    table = None
+    if self._job is not None:
+      self._job.decided(plan.steps)
+      self._job.check_stragglers()  # Process 0's own times are fresh here.
+      table = self._job.rows_to_send(final=plan.end != End.CONTINUE)
     decision = ledger_lib.Decision(
-      self._j, plan.steps, plan.end, plan.error, sig, self._options.batch_size
+      self._j, plan.steps, plan.end, plan.error, sig, self._options.batch_size, table
     )
     self._ex.post_decision(self._seq, decision.to_json())
     self._seq += 1
@@ -296,7 +307,8 @@ class Decider(Streamed):
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
     for p, text in items:
       try:
-        self._led.add(ledger_lib.Chunk.from_json(text))
+        chunk = ledger_lib.Chunk.from_json(text)
+        self._led.add(chunk)
       except ledger_lib.ProtocolError as e:
         message = ledger_lib.version_error(p, e.version, self._p)
         if e.version == ledger_lib.PROTOCOL_VERSION or e.version is None:
@@ -305,6 +317,10 @@ class Decider(Streamed):
           )
         self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
         return True
+      if chunk.times is not None and self._job is not None:
+        self._job.add_times(p, chunk.times)
+    if items and self._job is not None:
+      self._job.check_stragglers()
     if items and self._n > 1:
       acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
       if acked > self._acked:
