@@ -231,8 +231,13 @@ class _Decider:
       if size >= len(rows):
         break
     t0 = time.perf_counter()
-    reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
-    plan = plan_lib.decide(reports, self.options, position=self.j)
+    # As `streamed.Decider._plan` does: full batches everywhere need no reports.
+    plan = self.led.full_plan(self.j) if self.j > 0 else None
+    if plan is None:
+      reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
+      plan = plan_lib.decide(reports, self.options, position=self.j)
+      if plan.error is None and any(s.rows == plan.batch_size for s in plan.steps):
+        self.led.set_full(plan.batch_size)
     sig = SIGNATURE if self.j == 0 else None
     decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig)
     text = decision.to_json()

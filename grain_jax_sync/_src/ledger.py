@@ -127,6 +127,10 @@ class Ledger:
     self._ack = [0] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: plan_lib.ReportedError | None = None
+    # Once `plan.decide` has judged the full batch size (`set_full`): per
+    # process, the positions of its rows of another size, for `full_plan`.
+    self._full: int | None = None
+    self._odd: list[collections.deque[int]] = []
 
   def count(self, p: int) -> int:
     """Positions process `p` has reported rows for."""
@@ -155,6 +159,9 @@ class Ledger:
         f"internal: process {p} posted positions from {chunk.start}, expected"
         f" {self.count(p)} (ended: {self._end[p] is not None})"
       )
+    if self._full is not None and r.rows.count(self._full) != len(r.rows):
+      at = self.count(p)
+      self._odd[p].extend(at + i for i, x in enumerate(r.rows) if x != self._full)
     self._rows[p].extend(r.rows)
     if self._digests is not None:
       got = r.digests[: len(r.rows)]
@@ -172,6 +179,8 @@ class Ledger:
 
   def add_rows(self, p: int, rows: int, digest: str | None = None) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
+    if self._full is not None and rows != self._full:
+      self._odd[p].append(self.count(p))
     self._rows[p].append(rows)
     if self._digests is not None:
       self._digests[p].append(digest)
@@ -202,14 +211,18 @@ class Ledger:
 
   def furthest(self) -> int:
     """Positions the furthest-reported process has reported rows for."""
-    return max(self.count(p) for p in range(self._n))
+    return max(b + len(r) for b, r in zip(self._base, self._rows, strict=True))
 
   def window(self, position: int) -> int:
     """How many positions from `position` on are known for every process.
 
     Positions after every stream ended count as one more (the end itself).
     """
-    live = [self.count(p) - position for p in range(self._n) if self._end[p] is None]
+    live = [
+      b + len(r) - position
+      for b, r, e in zip(self._base, self._rows, self._end, strict=True)
+      if e is None
+    ]
     if live:
       return max(0, min(live))
     return self.furthest() - position + 1
@@ -222,17 +235,20 @@ class Ledger:
     that has reported rows past the window says so (`Report.more`).
     """
     out = []
+    last = position + size
+    islice = itertools.islice
     for p in range(self._n):
       base = self._base[p]
-      stop = min(self.count(p), position + size)
-      rows = tuple(self._rows[p][i - base] for i in range(position, stop))
+      count = base + len(self._rows[p])
+      stop = min(count, last)
+      # Slices of the deques (O(size) from their left end, where `position` is).
+      rows = tuple(islice(self._rows[p], position - base, stop - base)) if stop > position else ()
       digests: tuple[str | None, ...] = ()
-      if self._digests is not None:
-        digests = tuple(self._digests[p][i - base] for i in range(position, stop))
+      if self._digests is not None and stop > position:
+        digests = tuple(islice(self._digests[p], position - base, stop - base))
       # An end right after the window's last row counts too: that row is then
       # known to be the process's last (`Options.wait_for_last`).
-      ended = self._end[p] is not None and self.count(p) <= position + size
-      end = self._end[p] if ended else None
+      end = self._end[p] if count <= last else None
       out.append(
         plan_lib.Report(
           process_index=p,
@@ -243,7 +259,7 @@ class Ledger:
           local_devices=self._devices[p],
           config=self._config[p] if with_config else None,
           resume=self._resume[p] if with_config else None,
-          more=self.count(p) > stop,
+          more=count > stop,
           digests=digests,
         )
       )
@@ -253,15 +269,59 @@ class Ledger:
     """Processes whose batch (or end) at `position` is not known yet."""
     return [p for p in range(self._n) if position >= self.count(p) and self._end[p] is None]
 
+  def set_full(self, full: int) -> None:
+    """Starts `full_plan`: `plan.decide` has yielded batches of `full` rows
+    without error (so `full` is the pinned size and every process's devices
+    divide it), after the first position (settings and resume checked)."""
+    if self._full == full:
+      return
+    self._full = full
+    self._odd = [
+      collections.deque(b + i for i, x in enumerate(rows) if x != full)
+      for b, rows in zip(self._base, self._rows, strict=True)
+    ]
+
+  def full_plan(self, position: int) -> plan_lib.Plan | None:
+    """What `plan.decide` decides for the positions from `position` on where
+    every process holds a batch of the full size, without building reports.
+
+    O(processes) per call, none per position: the common case of a quick
+    stream at scale. None before `set_full`, or when the next position is
+    not full everywhere (then `plan.decide` judges it). No error can sit in
+    such a run: a report's error follows its last row; digests (processes
+    that share rows) are not compared here, so the caller does not use this
+    where they are.
+    """
+    full = self._full
+    if full is None:
+      return None
+    run = min(
+      (odd[0] if odd else b + len(rows)) - position
+      for b, rows, odd in zip(self._base, self._rows, self._odd, strict=True)
+    )
+    if run <= 0:
+      return None
+    step = plan_lib.Step(plan_lib.Action.YIELD, full, (full,) * self._n)
+    return plan_lib.Plan((step,) * run, plan_lib.End.CONTINUE, batch_size=full)
+
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""
+    for odd in self._odd:
+      while odd and odd[0] < position:
+        odd.popleft()
     for p in range(self._n):
       rows = self._rows[p]
-      while self._base[p] < position and rows:
-        rows.popleft()
-        if self._digests is not None:
-          self._digests[p].popleft()
-        self._base[p] += 1
+      drop = min(position - self._base[p], len(rows))
+      if drop <= 0:
+        continue
+      self._base[p] += drop
+      held = [rows] if self._digests is None else [rows, self._digests[p]]
+      for q in held:
+        if drop == len(q):
+          q.clear()  # Every row decided: the common case, one call.
+        else:
+          for _ in range(drop):
+            q.popleft()
 
 
 @dataclasses.dataclass(frozen=True)
