@@ -17,8 +17,10 @@ the simulation drives the real agreement pieces over many windows of
    follower's post, with its ack and, in the first one, its signature and
    settings digest);
 2. process 0, the decider, reads every new chunk with one directory read,
-   adds them to its `ledger.Ledger`, decides the window with `plan.decide`
-   over `Ledger.window_reports` and posts one `ledger.Decision`;
+   adds them to its `ledger.Ledger` (and their times to the
+   `stats(all_hosts=True)` table), decides the window as `streamed.Decider`
+   does (`Ledger.full_plan` where every batch is full, else `plan.decide`
+   over `Ledger.window_reports`) and posts one `ledger.Decision`;
 3. every process other than 0 reads that decision, parses it, and deletes its
    chunks (a group at a time) as the follower does; process 0 deletes
    decisions every process has acknowledged.
@@ -52,10 +54,11 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import agreement
+from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import stats as stats_lib
 
 # Rows per batch in the simulated reports (any value: only the encoding length
 # depends on it).
@@ -176,7 +179,9 @@ class _Follower:
   def post(self, rows: tuple[int, ...]) -> None:
     first = self.posted == 0
     report = agreement.make_report(self.who, rows, None, SIGNATURE if first else None, first)
-    chunk = ledger_lib.Chunk(start=self.posted, ack=self.seq, report=report)
+    # The stage times a follower adds for `stats(all_hosts=True)` (new each window).
+    times = (0.001 * self.seq, 0.002 * self.posted, 0.0005 * self.seq, 0.0001 * self.posted)
+    chunk = ledger_lib.Chunk(start=self.posted, ack=self.seq, report=report, times=times)
     self.chunks.append((self.ex.post_chunk(chunk.to_json()), self.posted))
     self.posted += len(rows)
 
@@ -209,6 +214,10 @@ class _Decider:
     self.seq = 0
     self.acked = 0
     self.who = who
+    # `stats(all_hosts=True)`'s table, fed as `streamed.Decider` feeds it.
+    own = dict.fromkeys(stats_lib.FIELDS, 0)
+    self.job = job_stats.JobTable(lambda: dict(own, source_s=0.001 * self.seq))
+    self.job.attach(0, self.n)
 
   def decide(self, rows: tuple[int, ...]) -> tuple[float, float]:
     """Decides the window once every chunk is in.
@@ -224,8 +233,13 @@ class _Decider:
     while True:
       items = self.ex.read_chunks()
       t0 = time.perf_counter()
-      for _, text in items:
-        self.led.add(ledger_lib.Chunk.from_json(text))
+      for p, text in items:
+        chunk = ledger_lib.Chunk.from_json(text)
+        self.led.add(chunk)
+        if chunk.times is not None:
+          self.job.add_times(p, chunk.times)
+      if items:
+        self.job.check_stragglers()
       size = self.led.window(self.j)
       cpu += time.perf_counter() - t0
       if size >= len(rows):
@@ -238,8 +252,11 @@ class _Decider:
       plan = plan_lib.decide(reports, self.options, position=self.j)
       if plan.error is None and any(s.rows == plan.batch_size for s in plan.steps):
         self.led.set_full(plan.batch_size)
+    self.job.decided(plan.steps)
+    self.job.check_stragglers()
+    table = self.job.rows_to_send(final=plan.end != plan_lib.End.CONTINUE)
     sig = SIGNATURE if self.j == 0 else None
-    decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig)
+    decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig, table=table)
     text = decision.to_json()
     cpu += time.perf_counter() - t0
     self.ex.post_decision(self.seq, text)

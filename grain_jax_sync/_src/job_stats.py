@@ -9,8 +9,8 @@ Gathered through the agreement's own messages, with no store call of its own:
   and dummy rows and drops from the steps it decides (`Step.real_rows`:
   exact, O(processes) per run of identical steps), keeps the newest times of
   every host, and puts the rows that changed into a decision
-  (`ledger.Decision.table`) at most once per `table_every_s` (longer with
-  more processes, so that the bytes every follower reads stay O(1) per
+  (`ledger.Decision.table`) at most once per `TABLE_EVERY_S` (longer with
+  more processes, so that the bytes all followers read stay bounded per
   second) and always into the final one;
 * every process merges those rows into its `JobTable`; its own row is always
   its live `stats()`.
@@ -55,7 +55,10 @@ STRAGGLER_RATIO = 2.0
 STRAGGLER_SHARE = 0.5
 STRAGGLER_WINDOWS = 3
 # Process 0 puts the changed rows into a decision at most this often, times
-# max(1, processes / TABLE_PROCESSES): each follower reads every decision.
+# max(1, (processes / TABLE_PROCESSES) ** 2): every follower reads every
+# decision, so a table of P rows costs P * P rows through the store; so
+# scaled, that stays below TABLE_PROCESSES ** 2 rows (about 250 KB) a second
+# (at 1,024 processes: one table every 256 s, and always the final one).
 TABLE_EVERY_S = 1.0
 TABLE_PROCESSES = 64
 # One host's row in a decision: process index, then these, in this order.
@@ -99,6 +102,7 @@ class JobTable:
     """Sizes the table for a stream's processes (keeps what it knows)."""
     with self._lock:
       self._me = process
+      self._sent_at = time.monotonic()  # The first table one interval in (or the final one).
       if process_count != self._n:
         self._n = process_count
         self._counts = [[0] * len(COUNTS) for _ in range(process_count)]
@@ -159,7 +163,7 @@ class JobTable:
 
   def rows_to_send(self, *, final: bool) -> tuple[tuple[Any, ...], ...] | None:
     """The changed rows for the next decision, when due (always when `final`)."""
-    every = TABLE_EVERY_S * max(1.0, self._n / TABLE_PROCESSES)
+    every = TABLE_EVERY_S * max(1.0, (self._n / TABLE_PROCESSES) ** 2)
     now = time.monotonic()
     with self._lock:
       if self._n < 2 or not self._changed or (not final and now - self._sent_at < every):
@@ -185,12 +189,15 @@ class JobTable:
     """``{"hosts": [one mapping per process], "slowest": process with the most source time}``."""
     own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
     with self._lock:
-      hosts = [
-        own if p == self._me else host_row(p, self._counts[p], self._times[p])
-        for p in range(self._n)
-      ]
-    slowest = max(range(len(hosts)), key=lambda p: (hosts[p]["source_s"], -p))
-    return {"hosts": hosts, "slowest": slowest}
+      if self._n == 1:  # One process, or no stream over the store (collective fallback).
+        hosts = [own]
+      else:
+        hosts = [
+          own if p == self._me else host_row(p, self._counts[p], self._times[p])
+          for p in range(self._n)
+        ]
+    slowest = max(hosts, key=lambda h: (h["source_s"], -h["process_index"]))
+    return {"hosts": hosts, "slowest": slowest["process_index"]}
 
 
 class Stragglers:
