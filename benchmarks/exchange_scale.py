@@ -233,12 +233,14 @@ class _Decider:
     while True:
       items = self.ex.read_chunks()
       t0 = time.perf_counter()
+      news = []
       for p, text in items:
         chunk = ledger_lib.Chunk.from_json(text)
         self.led.add(chunk)
         if chunk.times is not None:
-          self.job.add_times(p, chunk.times)
+          news.append((p, chunk.times))
       if items:
+        self.job.add_times(news)
         self.job.check_stragglers()
       size = self.led.window(self.j)
       cpu += time.perf_counter() - t0

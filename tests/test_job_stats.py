@@ -36,7 +36,7 @@ def test_decided_counts_rows_per_host_and_the_table_goes_to_followers():
   decider.attach(0, 3)
   full = plan_lib.Step(Y, 8, (8, 8, 8))
   decider.decided((full, full, plan_lib.Step(Y, 8, (8, 5, 0)), plan_lib.Step(D, 0, (8, 8, 3))))
-  decider.add_times(2, (0.0, 7.0, 0.0, 0.0))
+  decider.add_times([(2, (0.0, 7.0, 0.0, 0.0))])
   rows = decider.rows_to_send(final=True)
   assert rows is not None and [r[0] for r in rows] == [0, 1, 2]
   assert decider.rows_to_send(final=True) is None  # Nothing changed since.

@@ -133,13 +133,14 @@ class JobTable:
 
   # -- process 0 ---------------------------------------------------------------
 
-  def add_times(self, process: int, times: Sequence[float]) -> None:
-    """Records a peer's times from its chunk."""
+  def add_times(self, news: Sequence[tuple[int, Sequence[float]]]) -> None:
+    """Records peers' times from their chunks: (process, times) pairs, one lock for all."""
     with self._lock:
-      if 0 <= process < self._n:
-        self._times[process] = tuple(times)
-        self._changed.add(process)
-    self.stragglers.seen(process)
+      for process, times in news:
+        if 0 <= process < self._n:
+          self._times[process] = tuple(times)
+          self._changed.add(process)
+          self.stragglers.seen(process)
 
   def decided(self, steps: Sequence[plan_lib.Step]) -> None:
     """Counts decided steps for every host (`Step.real_rows`, process order)."""

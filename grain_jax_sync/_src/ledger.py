@@ -62,7 +62,7 @@ class Chunk:
     """
     obj = _load(text, "report")
     try:
-      times = tuple(float(t) for t in obj["t"]) if "t" in obj else None
+      times = tuple(map(float, obj["t"])) if "t" in obj else None
       return cls(obj["s"], obj["a"], plan_lib.Report.from_obj(obj["R"]), times)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e

@@ -309,6 +309,7 @@ class Decider(Streamed):
     self._led.add_rows(self._p, item.batch.rows, item.digest)
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
+    news = []  # (process, times) for `stats(all_hosts=True)`.
     for p, text in items:
       try:
         chunk = ledger_lib.Chunk.from_json(text)
@@ -321,9 +322,10 @@ class Decider(Streamed):
           )
         self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
         return True
-      if chunk.times is not None and self._job is not None:
-        self._job.add_times(p, chunk.times)
+      if chunk.times is not None:
+        news.append((p, chunk.times))
     if items and self._job is not None:
+      self._job.add_times(news)
       self._job.check_stragglers()
     if items and self._n > 1:
       acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
