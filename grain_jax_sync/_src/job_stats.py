@@ -92,6 +92,9 @@ class JobTable:
     self._n = 1
     self._me = jax.process_index()  # Until a stream attaches (one process: for good).
     self._counts: list[list[int]] = [[0] * len(COUNTS)]
+    # Counts every host shares (runs of full batches, drops): added to each
+    # row when it is read, so that the common step costs O(1), not O(processes).
+    self._shared = [0] * len(COUNTS)
     self._times: list[tuple[float, ...]] = [(0.0,) * len(stats_lib.TIMES)]
     self._changed: set[int] = set()
     self._sent_at = -1e9
@@ -106,6 +109,7 @@ class JobTable:
       if process_count != self._n:
         self._n = process_count
         self._counts = [[0] * len(COUNTS) for _ in range(process_count)]
+        self._shared = [0] * len(COUNTS)
         self._times = [(0.0,) * len(stats_lib.TIMES) for _ in range(process_count)]
 
   def own(self) -> dict[str, Any]:
@@ -128,7 +132,7 @@ class JobTable:
       for row in rows:
         p = int(row[0])
         if 0 <= p < self._n:
-          self._counts[p] = [int(c) for c in row[1 : 1 + k]]
+          self._counts[p] = [int(c) - s for c, s in zip(row[1 : 1 + k], self._shared, strict=True)]
           self._times[p] = tuple(float(t) for t in row[1 + k :])
 
   # -- process 0 ---------------------------------------------------------------
@@ -153,14 +157,20 @@ class JobTable:
 
   def _count(self, step: plan_lib.Step, run: int) -> None:
     if step.action == plan_lib.Action.DROP:
-      for c in self._counts:
-        c[4] += run
+      self._shared[4] += run
+      return
+    if step.real_rows.count(step.rows) == len(step.real_rows) == self._n:
+      self._shared[0] += run  # Full everywhere: no padding, no dummy.
+      self._shared[1] += step.rows * run
       return
     for c, real in zip(self._counts, step.real_rows, strict=False):
       c[0] += run
       c[1] += real * run
       c[2] += (step.rows - real) * run
       c[3] += run if real == 0 else 0
+
+  def _row_counts(self, p: int) -> list[int]:
+    return [c + s for c, s in zip(self._counts[p], self._shared, strict=True)]
 
   def rows_to_send(self, *, final: bool) -> tuple[tuple[Any, ...], ...] | None:
     """The changed rows for the next decision, when due (always when `final`)."""
@@ -172,7 +182,7 @@ class JobTable:
       self._sent_at = now
       self._times[self._me] = encode_times(self._probe())
       rows = tuple(
-        (p, *self._counts[p], *self._times[p]) for p in sorted(self._changed | {self._me})
+        (p, *self._row_counts(p), *self._times[p]) for p in sorted(self._changed | {self._me})
       )
       self._changed.clear()
       return rows
@@ -194,7 +204,7 @@ class JobTable:
         hosts = [own]
       else:
         hosts = [
-          own if p == self._me else host_row(p, self._counts[p], self._times[p])
+          own if p == self._me else host_row(p, self._row_counts(p), self._times[p])
           for p in range(self._n)
         ]
     slowest = max(hosts, key=lambda h: (h["source_s"], -h["process_index"]))
