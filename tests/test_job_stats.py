@@ -96,3 +96,39 @@ def test_straggler_streak_needs_fresh_figures_in_a_row():
   for _ in range(2 * job_stats.STRAGGLER_WINDOWS):
     s.check(0, [0.0, 1e9])  # Host 1's figure never refreshed: no window of its ends.
   assert s.warned is None
+
+
+@pytest.mark.parametrize(
+  "report",
+  [
+    plan_lib.Report(process_index=1, rows=(8, 8, 5)),  # Rows only: the quick path.
+    plan_lib.Report(process_index=1, rows=(8, 3), exhausted=True, signature={"x": 1}),
+    plan_lib.Report(process_index=1, rows=(8,), config={"b": 8}, resume=0, more=True),
+  ],
+)
+def test_ledger_add_json_records_what_add_records(report):
+  chunk = ledger.Chunk(start=0, ack=3, report=report, times=(0.0, 1.5, 0.0, 0.25))
+  a, b = ledger.Ledger(2), ledger.Ledger(2)
+  for led in (a, b):
+    led.add_rows(0, 8)
+    led.set_full(8)
+  a.add(chunk)
+  assert b.add_json(chunk.to_json()) == (1, (0.0, 1.5, 0.0, 0.25))
+  assert (a.count(1), a.ack(1), a.ended(1)) == (b.count(1), b.ack(1), b.ended(1))
+  assert a.window_reports(0, 3, with_config=True) == b.window_reports(0, 3, with_config=True)
+  assert a.full_plan(0) == b.full_plan(0)
+  with pytest.raises(ledger.ProtocolError):
+    b.add_json('{"v": 2, "s": 0, "a": 0, "R": {"p": 1}}')
+
+
+def test_full_plan_decides_full_positions_as_plan_decide_does():
+  led = ledger.Ledger(3)
+  for p in range(3):
+    led.add(ledger.Chunk(0, 0, plan_lib.Report(process_index=p, rows=(8, 8, 8, 5, 8)[: 5 - p])))
+  assert led.full_plan(0) is None  # Before plan.decide judged the full size.
+  led.set_full(8)
+  full = led.full_plan(0)
+  options = plan_lib.Options(batch_size=8, drop_last=False, pad=True)
+  decided = plan_lib.decide(led.window_reports(0, 3, with_config=False), options)
+  assert full is not None and full.steps == decided.steps[:3] and len(full.steps) == 3
+  assert led.full_plan(3) is None  # Short batches, and process 2 has not posted position 3.

@@ -243,24 +243,18 @@ class KeyValueExchange:
     self._check()
     prefix = f"{self._ns}/s/"
     entries = self._call("reading the peers' chunks", self._client.key_value_dir_get, prefix)
-    # Only the keys of chunks not read yet, by (process, seq); read ones skipped.
-    found: dict[tuple[int, int], str] = {}
-    start = len(prefix)
-    nxt = self._next
-    for key, value in entries:
-      parts = key[start:].split("/")
-      try:
-        p, seq = int(parts[0]), int(parts[-1])
-        if seq >= nxt[p]:
-          found[(p, seq)] = value
-      except (ValueError, IndexError):
-        continue
+    # Looks up each process's next keys (O(processes + new chunks)) instead of
+    # parsing every key returned: most are chunks already read, whose group
+    # is not deleted yet.
+    found = dict(entries)
     out = []
-    for p, _ in sorted(found):
+    nxt = self._next
+    for p in range(1, self.process_count):  # Process 0 posts no chunk.
       seq = nxt[p]
-      if (p, seq) in found:  # In order per process; a gap waits for the next read.
-        out.append((p, found[(p, seq)]))
-        nxt[p] = seq + 1
+      while (value := found.get(f"{prefix}{p}/{seq // CHUNK_GROUP}/{seq}")) is not None:
+        out.append((p, value))
+        seq += 1
+      nxt[p] = seq
     return out
 
   def wait_chunk(self, process: int) -> list[tuple[int, str]]:

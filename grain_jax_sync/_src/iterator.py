@@ -224,7 +224,7 @@ class JaxBatchIterator(Iterator[Any]):
       self._mark = _Mark(self._mark.position + 1, item.state, pinned)
     return item.value
 
-  def stats(self, all_hosts: bool = False) -> dict[str, Any]:
+  def stats(self, *, all_hosts: bool = False) -> dict[str, Any]:
     """What the input pipeline did on this host so far (or on every host).
 
     Counts are of the batches this consumer received (never of batches
@@ -249,12 +249,14 @@ class JaxBatchIterator(Iterator[Any]):
       With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
       mapping per process (``process_index``, the keys above and
       ``padding_fraction``, padded over all rows), and the process with the
-      most ``source_s``. This host's mapping is its live `stats()`; a
-      peer's lags by up to a window or so: its counts are those process 0
-      decided for it up to the last decision that carried the table (every
-      batch once the stream ended), its times those it posted with its
-      last rows. One process, or the collective fallback: this host only.
-      See docs/performance.md, "Seeing the job".
+      most ``source_s``. This host's mapping is its live `stats()`. A
+      peer's lags: at process 0 its counts are those decided for it and its
+      times those it posted with its last rows (up to a window old); other
+      hosts see process 0's table as of the last decision that carried it
+      (at most once a second, every (P / 64)^2 s above 64 processes, and
+      always the final one, so the counts are exact once the stream ended).
+      One process, or the collective fallback: this host only. See
+      docs/performance.md, "Seeing the job".
     """
     if all_hosts:
       return self._job.view()

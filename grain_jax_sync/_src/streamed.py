@@ -312,8 +312,7 @@ class Decider(Streamed):
     news = []  # (process, times) for `stats(all_hosts=True)`.
     for p, text in items:
       try:
-        chunk = ledger_lib.Chunk.from_json(text)
-        self._led.add(chunk)
+        q, times = self._led.add_json(text)
       except ledger_lib.ProtocolError as e:
         message = ledger_lib.version_error(p, e.version, self._p)
         if e.version == ledger_lib.PROTOCOL_VERSION or e.version is None:
@@ -322,8 +321,8 @@ class Decider(Streamed):
           )
         self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
         return True
-      if chunk.times is not None:
-        news.append((p, chunk.times))
+      if times is not None:
+        news.append((q, times))
     if items and self._job is not None:
       self._job.add_times(news)
       self._job.check_stragglers()
