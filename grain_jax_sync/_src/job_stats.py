@@ -214,7 +214,7 @@ class JobTable:
 class Stragglers:
   """The straggler rule of the module docstring, at process 0; warns once per iterator."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._start = time.monotonic()
     self._fresh: set[int] = set()
     self._last_own: float | None = None

@@ -332,7 +332,9 @@ class Ledger:
       if drop <= 0:
         continue
       self._base[p] += drop
-      held = [rows] if self._digests is None else [rows, self._digests[p]]
+      held: list[collections.deque[Any]] = [rows]
+      if self._digests is not None:
+        held.append(self._digests[p])
       for q in held:
         if drop == len(q):
           q.clear()  # Every row decided: the common case, one call.

@@ -201,13 +201,14 @@ class Decider(Streamed):
     size = self._led.window(self._j)
     if size == 0:
       return None
-    if self._j > 0 and not self._who.groups and (full := self._led.full_plan(self._j)):
-      return full  # Full batches everywhere: no reports to build (`Ledger.full_plan`).
+    if self._j > 0 and not self._who.groups and (quick := self._led.full_plan(self._j)):
+      return quick  # Full batches everywhere: no reports to build (`Ledger.full_plan`).
     reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
     plan = agreement.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
     self._options = plan_lib.pin(self._options, plan)
-    if plan.error is None and any(s.rows == plan.batch_size for s in plan.steps):
-      self._led.set_full(plan.batch_size)
+    full = plan.batch_size
+    if full is not None and plan.error is None and any(s.rows == full for s in plan.steps):
+      self._led.set_full(full)
     return plan
 
   def _news_stale(self) -> bool:
