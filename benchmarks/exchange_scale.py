@@ -17,8 +17,10 @@ the simulation drives the real agreement pieces over many windows of
    follower's post, with its ack and, in the first one, its signature and
    settings digest);
 2. process 0, the decider, reads every new chunk with one directory read,
-   adds them to its `ledger.Ledger`, decides the window with `plan.decide`
-   over `Ledger.window_reports` and posts one `ledger.Decision`;
+   adds them to its `ledger.Ledger` (and their times to the
+   `stats(all_hosts=True)` table), decides the window as `streamed.Decider`
+   does (`Ledger.full_plan` where every batch is full, else `plan.decide`
+   over `Ledger.window_reports`) and posts one `ledger.Decision`;
 3. every process other than 0 reads that decision, parses it, and deletes its
    chunks (a group at a time) as the follower does; process 0 deletes
    decisions every process has acknowledged.
@@ -38,7 +40,9 @@ counted by a thin wrapper around each client), ``decide_ms`` (process 0's
 ledger and `plan.decide` time per window), ``decider_ms`` (process 0's whole
 time per window, its directory read and decision post included: the serial
 part of a window in a job, where the other processes' work runs on their own
-hosts) and ``connect_s``.
+hosts), ``decider_cpu_ms`` (the CPU time of process 0's thread in it: its
+Python, without the service's side of its store calls; steadier than
+``decider_ms`` on a busy machine) and ``connect_s``.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import agreement
+from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import stats as stats_lib
 
 # Rows per batch in the simulated reports (any value: only the encoding length
 # depends on it).
@@ -176,7 +181,9 @@ class _Follower:
   def post(self, rows: tuple[int, ...]) -> None:
     first = self.posted == 0
     report = agreement.make_report(self.who, rows, None, SIGNATURE if first else None, first)
-    chunk = ledger_lib.Chunk(start=self.posted, ack=self.seq, report=report)
+    # The stage times a follower adds for `stats(all_hosts=True)` (new each window).
+    times = (0.001 * self.seq, 0.002 * self.posted, 0.0005 * self.seq, 0.0001 * self.posted)
+    chunk = ledger_lib.Chunk(start=self.posted, ack=self.seq, report=report, times=times)
     self.chunks.append((self.ex.post_chunk(chunk.to_json()), self.posted))
     self.posted += len(rows)
 
@@ -209,8 +216,12 @@ class _Decider:
     self.seq = 0
     self.acked = 0
     self.who = who
+    # `stats(all_hosts=True)`'s table, fed as `streamed.Decider` feeds it.
+    own = dict.fromkeys(stats_lib.FIELDS, 0)
+    self.job = job_stats.JobTable(lambda: dict(own, source_s=0.001 * self.seq))
+    self.job.attach(0, self.n)
 
-  def decide(self, rows: tuple[int, ...]) -> tuple[float, float]:
+  def decide(self, rows: tuple[int, ...]) -> tuple[float, float, float]:
     """Decides the window once every chunk is in.
 
     Returns:
@@ -218,23 +229,38 @@ class _Decider:
       window (store calls included): the serial part of a window in a job.
     """
     start = time.perf_counter()
+    start_cpu = time.thread_time()
     for r in rows:
       self.led.add_rows(0, r)
     cpu = 0.0
     while True:
       items = self.ex.read_chunks()
       t0 = time.perf_counter()
+      news = []
       for _, text in items:
-        self.led.add(ledger_lib.Chunk.from_json(text))
+        p, times = self.led.add_json(text)
+        if times is not None:
+          news.append((p, times))
+      if items:
+        self.job.add_times(news)
+        self.job.check_stragglers()
       size = self.led.window(self.j)
       cpu += time.perf_counter() - t0
       if size >= len(rows):
         break
     t0 = time.perf_counter()
-    reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
-    plan = plan_lib.decide(reports, self.options, position=self.j)
+    # As `streamed.Decider._plan` does: full batches everywhere need no reports.
+    plan = self.led.full_plan(self.j) if self.j > 0 else None
+    if plan is None:
+      reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
+      plan = plan_lib.decide(reports, self.options, position=self.j)
+      if plan.error is None and any(s.rows == plan.batch_size for s in plan.steps):
+        self.led.set_full(plan.batch_size)
+    self.job.decided(plan.steps)
+    self.job.check_stragglers()
+    table = self.job.rows_to_send(final=plan.end != plan_lib.End.CONTINUE)
     sig = SIGNATURE if self.j == 0 else None
-    decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig)
+    decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig, table=table)
     text = decision.to_json()
     cpu += time.perf_counter() - t0
     self.ex.post_decision(self.seq, text)
@@ -245,7 +271,7 @@ class _Decider:
     if acked > self.acked:
       self.ex.delete_decisions(acked)
       self.acked = acked
-    return cpu, time.perf_counter() - start
+    return cpu, time.perf_counter() - start, time.thread_time() - start_cpu
 
 
 def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str, Any]:
@@ -265,13 +291,13 @@ def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str,
   followers = [_Follower(ex, who) for ex, who in zip(exchanges[1:], whos[1:], strict=True)]
   rows = (ROWS,) * lookahead
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
-  times, ops, nbytes, cpu, serial = [], [], [], [], []
+  times, ops, nbytes, cpu, serial, serial_cpu = [], [], [], [], [], []
   try:
     for w in range(windows):
       ops0, bytes0 = totals["ops"], totals["bytes"]
       t0 = time.perf_counter()
       list(pool.map(lambda f: f.post(rows), followers))
-      decide_s, decider_s = decider.decide(rows)
+      decide_s, decider_s, decider_cpu_s = decider.decide(rows)
       decided = decider.j - lookahead
       got = list(pool.map(lambda f: f.follow(decided), followers))  # noqa: B023
       elapsed = time.perf_counter() - t0
@@ -280,6 +306,7 @@ def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str,
         times.append(elapsed)
         cpu.append(decide_s)
         serial.append(decider_s)
+        serial_cpu.append(decider_cpu_s)
         ops.append(totals["ops"] - ops0)
         nbytes.append(totals["bytes"] - bytes0)
     for ex in exchanges:
@@ -294,6 +321,7 @@ def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str,
     "store_bytes_per_window": round(statistics.mean(nbytes)),
     "decide_ms": round(statistics.median(cpu) * 1e3, 2),
     "decider_ms": round(statistics.median(serial) * 1e3, 2),
+    "decider_cpu_ms": round(statistics.median(serial_cpu) * 1e3, 2),
     "connect_s": round(connect_s, 2),
     "windows": windows - 1,
     "lookahead": lookahead,

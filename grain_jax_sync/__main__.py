@@ -11,6 +11,7 @@ import platform
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 # How often the demo's progress bar polls the hosts' batch counts.
@@ -89,12 +90,27 @@ def _print_stats(outcomes: list[Any]) -> None:
       rows.append((o.process_index, found[0]))
   if not rows:
     return
-  table = [["host", *stats.FIELDS]]
+  print("\nstats() per host (seconds are each stage's own time):")
+  _print_table(rows, stats.FIELDS)
+  # The cross-host view, as the last host (a follower of process 0's decisions) sees it.
+  last = outcomes[-1]
+  job = [r["job"] for r in last.value if "job" in r] if last.ok else []
+  if job:
+    print(
+      f"\nstats(all_hosts=True) on host {last.process_index} (slowest by source"
+      f" time: host {job[0]['slowest']}):"
+    )
+    _print_table(
+      [(h["process_index"], h) for h in job[0]["hosts"]], (*stats.FIELDS, "padding_fraction")
+    )
+
+
+def _print_table(rows: list[tuple[int, dict[str, Any]]], fields: Sequence[str]) -> None:
+  table = [["host", *fields]]
   for p, s in rows:
-    cells = [f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k]) for k in stats.FIELDS]
+    cells = [f"{s[k]:.4f}" if isinstance(s[k], float) else str(s[k]) for k in fields]
     table.append([str(p), *cells])
   widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
-  print("\nstats() per host (seconds are each stage's own time):")
   for row in table:
     print("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
@@ -114,7 +130,7 @@ def _demo(args: argparse.Namespace) -> int:
       print(f"FAILED: {o.error_type}: {o.error_message}\n{o.log[-2000:]}")
       continue
     for row in o.value:
-      if "stats" in row:
+      if "stats" in row or "job" in row:
         continue
       if "state" in row:
         print(f"  resume state after the last batch: {json.dumps(row['state'])}")

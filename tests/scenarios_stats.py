@@ -6,6 +6,7 @@ returns the stats, so the test compares them with the counts the rules give.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -26,14 +27,15 @@ SLOW_READ_S = 0.02  # Per batch of the slow source.
 
 
 class SlowSource:
-  """Sleeps `SLOW_READ_S` before each batch (time that `source_s` must count)."""
+  """Sleeps `delay_s` before each batch (time that `source_s` must count)."""
 
-  def __init__(self, batches: list[Any]):
+  def __init__(self, batches: list[Any], delay_s: float = SLOW_READ_S):
     self._batches = batches
+    self._delay_s = delay_s
 
   def __iter__(self):
     for b in self._batches:
-      time.sleep(SLOW_READ_S)
+      time.sleep(self._delay_s)
       yield b
 
 
@@ -97,3 +99,49 @@ def run_all() -> dict[str, Any]:
   out["slow"] = _slow(p)
   out["resumed"] = _resumed(p)
   return out
+
+
+# stats(all_hosts=True): process p reads STRAGGLER_BATCHES + p full batches and
+# a short one of 5 rows; the slowed host sleeps before each of its batches.
+STRAGGLER_BATCHES = 24
+STRAGGLER_READ_S = 0.03
+
+
+class _Captured(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.messages.append(record.getMessage())
+
+
+def straggler(slow: int) -> dict[str, Any]:
+  """Iterates with host `slow` slowed; every host's cross-host table and warnings."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data: Any = scenarios.make_batches(p, [8] * (STRAGGLER_BATCHES + p) + [5])
+  if p == slow:
+    data = SlowSource(data, STRAGGLER_READ_S)
+  captured = _Captured()
+  log = logging.getLogger("grain_jax_sync._src.job_stats")
+  log.addHandler(captured)
+  try:
+    with gjs.iter_jax_batches(data, **PADDED, synchronize_lookahead=2) as it:
+      n = sum(1 for _ in it)
+      return {
+        "yielded": n,
+        "own": it.stats(),
+        "job": it.stats(all_hosts=True),
+        "warnings": captured.messages,
+      }
+  finally:
+    log.removeHandler(captured)
+
+
+def stragglers(slowed: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+  """`straggler` once per slowed host, in order (the same on every process)."""
+  return {slow: straggler(slow) for slow in slowed}

@@ -152,6 +152,12 @@ def test_demo_command_prints_agreed_batches():
   ]  # fmt: skip
   assert table[1].split()[:6] == ["0", "3", "10", "14", "1", "0"]
   assert table[2].split()[:6] == ["1", "3", "17", "7", "0", "0"]
+  # The same counts in the cross-host view as host 1 sees it (host 0's from process 0's decisions).
+  job = out.split("stats(all_hosts=True) on host 1", 1)[1].splitlines()[1:4]
+  assert job[0].split()[-1] == "padding_fraction"
+  assert job[1].split()[:6] == ["0", "3", "10", "14", "1", "0"]
+  assert job[2].split()[:6] == ["1", "3", "17", "7", "0", "0"]
+  assert job[1].split()[-1] == f"{14 / 24:.4f}"
 
 
 def test_demo_progress_is_plain_text_without_tqdm(monkeypatch, capsys):

@@ -136,3 +136,63 @@ def test_delivered_counts_padding_and_dummies():
     "exchange_s": 2.0,
     "transfer_s": 3.0,
   }
+
+
+def _expected_counts(p: int, n: int) -> tuple[int, int, int, int, int]:
+  """Host p's counts in `scenarios_stats.straggler` with n processes (batch size 8)."""
+  b = scenarios_stats.STRAGGLER_BATCHES
+  positions = b + n  # The longest host: b + n - 1 full batches and a short one.
+  dummies = n - 1 - p
+  return (positions, 8 * (b + p) + 5, 3 + 8 * dummies, dummies, 0)
+
+
+def _check_job(outs: list[dict], n: int, slowed: tuple[int, ...]) -> None:
+  for slow in slowed:
+    for p, out in enumerate(outs):
+      r = out[slow]
+      job = r["job"]
+      assert job["slowest"] == slow, (p, slow, job)
+      assert [h["process_index"] for h in job["hosts"]] == list(range(n))
+      for q, host in enumerate(job["hosts"]):
+        assert _counts(host) == _expected_counts(q, n), (p, q, host)
+        assert host["padding_fraction"] == host["padded_rows"] / (8 * host["batches"])
+      assert job["hosts"][p] == {
+        **r["own"],
+        "process_index": p,
+        "padding_fraction": job["hosts"][p]["padding_fraction"],
+      }
+      # Every host's view sees the sleeps in the slowed host's source time.
+      assert job["hosts"][slow]["source_s"] >= 0.5 * scenarios_stats.STRAGGLER_READ_S * (
+        scenarios_stats.STRAGGLER_BATCHES
+      )
+      # One warning, at process 0, naming the slowed host.
+      if p == 0:
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert r["warnings"][0].startswith(f"grain_jax_sync: process {slow}'s source")
+      else:
+        assert r["warnings"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("processes", "devices", "slowed"), [(2, 4, (1, 0)), (4, 2, (2, 0))])
+def test_all_hosts_names_the_slowed_host_with_exact_counts(processes, devices, slowed):
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_stats.stragglers,
+      num_processes=processes,
+      devices_per_process=devices,
+      args=(slowed,),
+      timeout_s=180,
+    )
+  )
+  _check_job(outs, processes, slowed)
+
+
+def test_all_hosts_in_one_process_is_this_host():
+  r = scenarios_stats.straggler(0)
+  assert r["job"] == {
+    "hosts": [{"process_index": 0, **r["own"], "padding_fraction": 3 / (8 * r["own"]["batches"])}],
+    "slowest": 0,
+  }
+  assert _counts(r["own"]) == _expected_counts(0, 1)
+  assert r["warnings"] == []  # No peers, no straggler.

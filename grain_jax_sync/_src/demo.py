@@ -55,7 +55,7 @@ def read_progress(progress_dir: str, processes: int) -> int:
 
 def demo_host(batch_size: int = 8, progress_dir: str | None = None) -> list[dict[str, Any]]:
   """Runs in every simulated host; returns one line of facts per batch, then
-  the resume state and the iterator's `stats()`."""
+  the resume state, the iterator's `stats()` and its `stats(all_hosts=True)`."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
@@ -90,4 +90,5 @@ def demo_host(batch_size: int = 8, progress_dir: str | None = None) -> list[dict
       _report_progress(progress_dir, p, i + 1)
     rows.append({"state": it.get_state()})
     rows.append({"stats": it.stats()})
+    rows.append({"job": it.stats(all_hosts=True)})  # Every host's counters, as this one sees them.
   return rows

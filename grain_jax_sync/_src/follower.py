@@ -45,6 +45,8 @@ class Follower(Streamed):
       if text is None:
         continue
       decision = self._parse(text)
+      if decision.table is not None and self._job is not None:
+        self._job.merge(decision.table)
       self._seq += 1
       self._first_decided()
       run = self._apply(decision)
@@ -189,7 +191,8 @@ class Follower(Streamed):
     )
     if error is not None:
       report = plan_lib.Report(process_index=self._p, error=error, local_devices=self._who.devices)
-    chunk = ledger_lib.Chunk(start=self._posted, ack=self._seq, report=report)
+    times = self._job.times_to_post() if self._job is not None else None
+    chunk = ledger_lib.Chunk(start=self._posted, ack=self._seq, report=report, times=times)
     seq = self._ex.post_chunk(chunk.to_json(), final=final)
     self._sent_first = True
     if report.rows:

@@ -16,13 +16,13 @@ from typing import Any
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import job_stats, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import settings as settings_lib
-from grain_jax_sync._src import sources, tracebacks
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.sources import elastic_state
 
@@ -78,6 +78,9 @@ class JaxBatchIterator(Iterator[Any]):
       namespace=namespace,
       mark=Mark(0, initial, settings.batch_size, stats_lib.Delivered()),
     )
+    # stats(all_hosts=True): every host's counters, through the agreement's messages.
+    self._job = job_stats.JobTable(self._life.snapshot)
+    self._life.job = self._job
     self._finalizer = weakref.finalize(self, self._life.close)
 
   def __iter__(self) -> JaxBatchIterator:
@@ -119,8 +122,8 @@ class JaxBatchIterator(Iterator[Any]):
       raise StopIteration
     return item.value
 
-  def stats(self) -> dict[str, int | float]:
-    """What the input pipeline did on this host so far.
+  def stats(self, *, all_hosts: bool = False) -> dict[str, Any]:
+    """What the input pipeline did on this host so far (or on every host).
 
     Counts are of the batches this consumer received (never of batches
     still prefetched), over the iterator's life, across `set_state`. Times
@@ -140,8 +143,22 @@ class JaxBatchIterator(Iterator[Any]):
       (or the collective fallback's all-gathers; 0 in one process),
       ``transfer_s`` building global arrays (padding, mask, host casts,
       ``make_array_from_process_local_data``).
+
+      With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
+      mapping per process (``process_index``, the keys above and
+      ``padding_fraction``, padded over all rows), and the process with the
+      most ``source_s``. This host's mapping is its live `stats()`. A
+      peer's lags: at process 0 its counts are those decided for it and its
+      times those it posted with its last rows (up to a window old); other
+      hosts see process 0's table as of the last decision that carried it
+      (at most once a second, every (P / 64)^2 s above 64 processes, and
+      always the final one, so the counts are exact once the stream ended).
+      One process, or the collective fallback: this host only. See
+      docs/performance.md, "Seeing the job".
     """
-    return stats_lib.snapshot(self._life.mark.delivered, self._life.times())
+    if all_hosts:
+      return self._job.view()
+    return self._life.snapshot()
 
   # -- state -------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ from grain_jax_sync._src import plan as plan_lib
 # Carried in every chunk and decision; hosts on another version raise the same
 # clear error instead of misreading each other. 1 was the windowed protocol.
 PROTOCOL_VERSION = 2
+# A report's keys when it carries rows only (`Ledger.add_json`'s quick path).
+_ROWS_ONLY = frozenset(("p", "r", "x", "d"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +38,22 @@ class Chunk:
       chunks that end at or before the smallest ack they have seen.
     report: The rows read, and the end of the stream if it was reached
       (exhausted or error), plus signature/config/device count.
+    times: The poster's stage times (`stats.TIMES` order), for the
+      cross-host view (`job_stats`); None when unchanged since its last chunk.
   """
 
   start: int
   ack: int
   report: plan_lib.Report
+  times: tuple[float, ...] | None = None
 
   def to_json(self) -> str:
-    return json.dumps(
-      {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack, "R": self.report.to_json()}
-    )
+    # The report as a nested object (one parse at the decider, not two).
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
+    obj["R"] = self.report.to_obj()
+    if self.times is not None:
+      obj["t"] = list(self.times)
+    return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
   def from_json(cls, text: str) -> Chunk:
@@ -56,7 +64,8 @@ class Chunk:
     """
     obj = _load(text, "report")
     try:
-      return cls(start=obj["s"], ack=obj["a"], report=plan_lib.Report.from_json(obj["R"]))
+      times = tuple(map(float, obj["t"])) if "t" in obj else None
+      return cls(obj["s"], obj["a"], plan_lib.Report.from_obj(obj["R"]), times)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
 
@@ -125,6 +134,10 @@ class Ledger:
     self._ack = [0] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: plan_lib.ReportedError | None = None
+    # Once `plan.decide` has judged the full batch size (`set_full`): per
+    # process, the positions of its rows of another size, for `full_plan`.
+    self._full: int | None = None
+    self._odd: list[collections.deque[int]] = []
 
   def count(self, p: int) -> int:
     """Positions process `p` has reported rows for."""
@@ -148,18 +161,7 @@ class Ledger:
     if r.error is not None and r.error.kind in plan_lib.ABORTS:
       self.abort = self.abort or r.error
       return
-    if chunk.start != self.count(p) or self._end[p] is not None:
-      raise RuntimeError(
-        f"internal: process {p} posted positions from {chunk.start}, expected"
-        f" {self.count(p)} (ended: {self._end[p] is not None})"
-      )
-    self._rows[p].extend(r.rows)
-    if self._digests is not None:
-      got = r.digests[: len(r.rows)]
-      self._digests[p].extend((*got, *[None] * (len(r.rows) - len(got))))
-    if self._sizes is not None:
-      have = r.sizes[: len(r.rows)]
-      self._sizes[p].extend((*have, *[None] * (len(r.rows) - len(have))))
+    self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
@@ -168,13 +170,58 @@ class Ledger:
       self._config[p] = r.config
     if r.resume is not None:
       self._resume[p] = r.resume
-    self._devices[p] = r.local_devices
-    self._ack[p] = max(self._ack[p], chunk.ack)
+
+  def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
+    """`Chunk.from_json` (raises its ProtocolError), then `add`: returns the
+    chunk's process and times. A chunk of rows only is recorded from its JSON
+    without building its report (2/3 of the decider's time per chunk)."""
+    obj = _load(text, "report")
+    try:
+      r, times = obj["R"], obj.get("t")
+      times = None if times is None else tuple(map(float, times))
+      if r.keys() == _ROWS_ONLY and r["x"] is False:
+        self._extend(r["p"], obj["s"], tuple(r["r"]), (), obj["a"], r["d"])
+        return r["p"], times
+      chunk = Chunk(obj["s"], obj["a"], plan_lib.Report.from_obj(r), times)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
+    self.add(chunk)
+    return chunk.report.process_index, times
+
+  def _extend(
+    self,
+    p: int,
+    start: int,
+    rows: tuple[int, ...],
+    digests: Any,
+    ack: int,
+    devices: int,
+    sizes: Any = (),
+  ) -> None:
+    if start != self.count(p) or self._end[p] is not None:
+      raise RuntimeError(
+        f"internal: process {p} posted positions from {start}, expected"
+        f" {self.count(p)} (ended: {self._end[p] is not None})"
+      )
+    if self._full is not None and rows.count(self._full) != len(rows):
+      at = self.count(p)
+      self._odd[p].extend(at + i for i, x in enumerate(rows) if x != self._full)
+    self._rows[p].extend(rows)
+    if self._digests is not None:
+      got = digests[: len(rows)]
+      self._digests[p].extend((*got, *[None] * (len(rows) - len(got))))
+    if self._sizes is not None:
+      have = sizes[: len(rows)]
+      self._sizes[p].extend((*have, *[None] * (len(rows) - len(have))))
+    self._devices[p] = devices
+    self._ack[p] = max(self._ack[p], ack)
 
   def add_rows(
     self, p: int, rows: int, digest: str | None = None, sizes: tuple[int, ...] = ()
   ) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
+    if self._full is not None and rows != self._full:
+      self._odd[p].append(self.count(p))
     self._rows[p].append(rows)
     if self._digests is not None:
       self._digests[p].append(digest)
@@ -207,14 +254,18 @@ class Ledger:
 
   def furthest(self) -> int:
     """Positions the furthest-reported process has reported rows for."""
-    return max(self.count(p) for p in range(self._n))
+    return max(b + len(r) for b, r in zip(self._base, self._rows, strict=True))
 
   def window(self, position: int) -> int:
     """How many positions from `position` on are known for every process.
 
     Positions after every stream ended count as one more (the end itself).
     """
-    live = [self.count(p) - position for p in range(self._n) if self._end[p] is None]
+    live = [
+      b + len(r) - position
+      for b, r, e in zip(self._base, self._rows, self._end, strict=True)
+      if e is None
+    ]
     if live:
       return max(0, min(live))
     return self.furthest() - position + 1
@@ -227,20 +278,23 @@ class Ledger:
     that has reported rows past the window says so (`Report.more`).
     """
     out = []
+    last = position + size
+    islice = itertools.islice
     for p in range(self._n):
       base = self._base[p]
-      stop = min(self.count(p), position + size)
-      rows = tuple(self._rows[p][i - base] for i in range(position, stop))
+      count = base + len(self._rows[p])
+      stop = min(count, last)
+      # Slices of the deques (O(size) from their left end, where `position` is).
+      rows = tuple(islice(self._rows[p], position - base, stop - base)) if stop > position else ()
       digests: tuple[str | None, ...] = ()
-      if self._digests is not None:
-        digests = tuple(self._digests[p][i - base] for i in range(position, stop))
+      if self._digests is not None and stop > position:
+        digests = tuple(islice(self._digests[p], position - base, stop - base))
       sizes: tuple[Any, ...] = ()
-      if self._sizes is not None:
-        sizes = tuple(self._sizes[p][i - base] for i in range(position, stop))
+      if self._sizes is not None and stop > position:
+        sizes = tuple(islice(self._sizes[p], position - base, stop - base))
       # An end right after the window's last row counts too: that row is then
       # known to be the process's last (`Options.wait_for_last`).
-      ended = self._end[p] is not None and self.count(p) <= position + size
-      end = self._end[p] if ended else None
+      end = self._end[p] if count <= last else None
       out.append(
         plan_lib.Report(
           process_index=p,
@@ -251,7 +305,7 @@ class Ledger:
           local_devices=self._devices[p],
           config=self._config[p] if with_config else None,
           resume=self._resume[p] if with_config else None,
-          more=self.count(p) > stop,
+          more=count > stop,
           digests=digests,
           sizes=sizes,
         )
@@ -262,17 +316,56 @@ class Ledger:
     """Processes whose batch (or end) at `position` is not known yet."""
     return [p for p in range(self._n) if position >= self.count(p) and self._end[p] is None]
 
+  def set_full(self, full: int) -> None:
+    """Starts `full_plan` once `plan.decide` yielded batches of `full` rows (the pinned size)."""
+    if self._full == full:
+      return
+    self._full = full
+    self._odd = [
+      collections.deque(b + i for i, x in enumerate(rows) if x != full)
+      for b, rows in zip(self._base, self._rows, strict=True)
+    ]
+
+  def full_plan(self, position: int) -> plan_lib.Plan | None:
+    """`plan.decide`'s steps for the positions from `position` on where every
+    process holds a full batch, in O(processes) without reports; None before
+    `set_full` or if the next position is not full everywhere. No error sits
+    in such a run (a report's error follows its last row); digests are not
+    compared, so callers whose processes share rows do not use it."""
+    full = self._full
+    if full is None or self._sizes is not None:  # Sizes that vary: `plan.decide` agrees them.
+      return None
+    run = min(
+      (odd[0] if odd else b + len(rows)) - position
+      for b, rows, odd in zip(self._base, self._rows, self._odd, strict=True)
+    )
+    if run <= 0:
+      return None
+    step = plan_lib.Step(plan_lib.Action.YIELD, full, (full,) * self._n)
+    return plan_lib.Plan((step,) * run, plan_lib.End.CONTINUE, batch_size=full)
+
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""
+    for odd in self._odd:
+      while odd and odd[0] < position:
+        odd.popleft()
     for p in range(self._n):
       rows = self._rows[p]
-      while self._base[p] < position and rows:
-        rows.popleft()
-        if self._digests is not None:
-          self._digests[p].popleft()
-        if self._sizes is not None:
-          self._sizes[p].popleft()
-        self._base[p] += 1
+      drop = min(position - self._base[p], len(rows))
+      if drop <= 0:
+        continue
+      self._base[p] += drop
+      held: list[collections.deque[Any]] = [rows]
+      if self._digests is not None:
+        held.append(self._digests[p])
+      if self._sizes is not None:
+        held.append(self._sizes[p])
+      for q in held:
+        if drop == len(q):
+          q.clear()  # Every row decided: the common case, one call.
+        else:
+          for _ in range(drop):
+            q.popleft()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +384,8 @@ class Decision:
       that knows it).
     batch_size: The full batch size the steps were judged by (given, or
       derived from the first position: every host saves it with its state).
+    table: Rows of the cross-host view that changed (`job_stats`): per
+      process, its index, decided counts and latest times; None if not sent.
   """
 
   start: int
@@ -299,6 +394,7 @@ class Decision:
   error: plan_lib.ReportedError | None = None
   signature: dict[str, Any] | None = None
   batch_size: int | None = None
+  table: tuple[tuple[Any, ...], ...] | None = None
 
   def to_json(self) -> str:
     runs: list[list[Any]] = []
@@ -321,6 +417,8 @@ class Decision:
       obj["g"] = self.signature
     if self.batch_size is not None:
       obj["b"] = self.batch_size
+    if self.table is not None:
+      obj["t"] = [list(row) for row in self.table]
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -340,7 +438,9 @@ class Decision:
         )
       )
       error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
-      return cls(obj["j"], steps, plan_lib.End(obj["e"]), error, obj.get("g"), obj.get("b"))
+      table = tuple(tuple(row) for row in obj["t"]) if "t" in obj else None
+      end = plan_lib.End(obj["e"])
+      return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
 

@@ -99,6 +99,7 @@ class Lifetime:
     # next one, so a close or a refusal posts this host's ending there.
     self.pending_start = True
     self._finished = stats_lib.Times()  # Of the sessions stopped so far.
+    self.job: Any = None  # `stats(all_hosts=True)`'s table, fed by the agreement.
 
   # -- turns ---------------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class Lifetime:
       ns = None if self._namespace is None else f"{self._namespace}/{self.generation}"
       start_error, self.start_error = self.start_error, None
       start = session_lib.Start(
-        self._settings, self._placement, self.source, self.mark, start_error, ns
+        self._settings, self._placement, self.source, self.mark, start_error, ns, self.job
       )
       stages = session_lib.Stages(start)
       self.pending_start = False
@@ -225,6 +226,10 @@ class Lifetime:
   def times(self) -> stats_lib.Times:
     running = self._stages
     return self._finished if running is None else self._finished + running.times()
+
+  def snapshot(self) -> dict[str, Any]:
+    """This host's `stats()`: no lock, from any thread or a signal handler."""
+    return stats_lib.snapshot(self.mark.delivered, self.times())
 
   # -- the close -------------------------------------------------------------------
 

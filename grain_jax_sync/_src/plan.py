@@ -111,6 +111,10 @@ class Report:
   sizes: tuple[tuple[int, ...], ...] = ()
 
   def to_json(self) -> str:
+    return json.dumps(self.to_obj(), separators=(",", ":"))
+
+  def to_obj(self) -> dict[str, Any]:
+    """The report as a JSON-ready object (only the fields that differ from their defaults)."""
     obj: dict[str, Any] = {
       "p": self.process_index,
       "r": list(self.rows),
@@ -131,7 +135,7 @@ class Report:
       obj["h"] = list(self.digests)
     if self.sizes:
       obj["z"] = [list(z) for z in self.sizes]
-    return json.dumps(obj, separators=(",", ":"))
+    return obj
 
   @classmethod
   def from_json(cls, text: str) -> Report:

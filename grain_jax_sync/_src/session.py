@@ -67,6 +67,7 @@ class Start:
   mark: Mark
   start_error: BaseException | None
   namespace: str | None  # This stream's keys; None: nothing is exchanged.
+  job: Any = None  # `job_stats.JobTable`: every host's counters (`stats(all_hosts=True)`).
 
 
 class Stages:
@@ -118,6 +119,7 @@ class Stages:
         position=self.position,
         threads=s.prefetch > 0,
         read_ahead=s.read_ahead,
+        job=start.job,
       )
       runs = iter(self._agreement)
       if s.prefetch > 0:

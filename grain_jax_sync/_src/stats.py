@@ -98,3 +98,13 @@ def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   out: dict[str, Any] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
   out.update(dataclasses.asdict(times))
   return {k: out[k] for k in FIELDS}
+
+
+# The times of `stats()` (what each host posts in its chunks for the cross-host view).
+TIMES = ("wait_s", "source_s", "exchange_s", "transfer_s")
+
+
+def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:
+  """`row` plus ``padding_fraction``: padded rows over all rows received (0.0 if none)."""
+  rows = row["real_rows"] + row["padded_rows"]
+  return {**row, "padding_fraction": row["padded_rows"] / rows if rows else 0.0}

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import agreement
+from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
@@ -50,6 +50,8 @@ class Streamed:
     live: Tells dead peers from slow ones (default: their beats).
     read_ahead: At most this many undecided batches held (None: the
       default bound, `agreement.read_ahead_limit`).
+    job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
+      chunks and decisions; None: none kept.
   """
 
   def __init__(
@@ -65,6 +67,7 @@ class Streamed:
     threads: bool = True,
     live: liveness_lib.Liveness | None = None,
     read_ahead: int | None = None,
+    job: job_stats.JobTable | None = None,
   ):
     self._ex = exchange
     self._options = options
@@ -85,6 +88,9 @@ class Streamed:
     self._waiting_since: float | None = None
     self._cross_since: float | None = None  # Since when a peer waits crosswise.
     exchange_lib.stream_started(exchange.namespace)
+    self._job = job
+    if job is not None:
+      job.attach(self._p, self._n)
 
   def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
     """This host's reads for a decision, as a run for the builder."""
@@ -257,9 +263,14 @@ class Decider(Streamed):
     size = self._led.window(self._j)
     if size == 0:
       return None
+    if self._j > 0 and not self._who.groups and (quick := self._led.full_plan(self._j)):
+      return quick  # Full batches everywhere: no reports to build (`Ledger.full_plan`).
     reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
     plan = agreement.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
     self._options = plan_lib.pin(self._options, plan)
+    full = plan.batch_size
+    if full is not None and plan.error is None and any(s.rows == full for s in plan.steps):
+      self._led.set_full(full)
     return plan
 
   def _news_stale(self) -> bool:
@@ -287,8 +298,13 @@ class Decider(Streamed):
     if not self._sent_signature and plan.steps:
       sig = self._led_signature()
       self._sent_signature = sig is not None
+    table = None
+    if self._job is not None:
+      self._job.decided(plan.steps)
+      self._job.check_stragglers()  # Process 0's own times are fresh here.
+      table = self._job.rows_to_send(final=plan.end != End.CONTINUE)
     decision = ledger_lib.Decision(
-      self._j, plan.steps, plan.end, plan.error, sig, self._options.batch_size
+      self._j, plan.steps, plan.end, plan.error, sig, self._options.batch_size, table
     )
     self._ex.post_decision(self._seq, decision.to_json())
     self._seq += 1
@@ -358,9 +374,10 @@ class Decider(Streamed):
     self._led.add_rows(self._p, item.batch.rows, item.digest, item.batch.sizes)
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
+    news = []  # (process, times) for `stats(all_hosts=True)`.
     for p, text in items:
       try:
-        self._led.add(ledger_lib.Chunk.from_json(text))
+        q, times = self._led.add_json(text)
       except ledger_lib.ProtocolError as e:
         message = ledger_lib.version_error(p, e.version, self._p)
         if e.version == ledger_lib.PROTOCOL_VERSION or e.version is None:
@@ -369,6 +386,11 @@ class Decider(Streamed):
           )
         self._abort = plan_lib.ReportedError(ErrorKind.VALUE, message, p, self._yielded)
         return True
+      if times is not None:
+        news.append((q, times))
+    if items and self._job is not None:
+      self._job.add_times(news)
+      self._job.check_stragglers()
     if items and self._n > 1:
       acked = min(self._led.ack(p) for p in range(self._n) if p != self._p)
       if acked > self._acked:

@@ -1,0 +1,261 @@
+"""The cross-host view, ``JaxBatchIterator.stats(all_hosts=True)``, and the straggler warning.
+
+Gathered through the agreement's own messages, with no store call of its own:
+
+* each process other than 0 adds its stage times (`stats.TIMES`) to the
+  chunk it posts anyway (`ledger.Chunk.times`), only when they changed since
+  its last chunk;
+* process 0, the decider, counts every host's decided batches, real, padded
+  and dummy rows and drops from the steps it decides (`Step.real_rows`:
+  exact, O(processes) per run of identical steps), keeps the newest times of
+  every host, and puts the rows that changed into a decision
+  (`ledger.Decision.table`) at most once per `TABLE_EVERY_S` (longer with
+  more processes, so that the bytes all followers read stay bounded per
+  second) and always into the final one;
+* every process merges those rows into its `JobTable`; its own row is always
+  its live `stats()`.
+
+So a peer's row lags: its counts are those decided for it up to the last
+decision that carried the table (every batch once the stream ended), its
+times those of its last chunk.
+
+Straggler rule (process 0's view; see `Stragglers`): a "window" ends each
+time a host's times reach process 0 (with its chunk, about once per
+`synchronize_lookahead` batches or per slow read; process 0's own at each
+read of the chunks). At the end of each window of the host with the most
+source time, it straggles if its source time (since the iterator started) is
+at least `STRAGGLER_RATIO` times the median of the other hosts' and at least
+`STRAGGLER_SHARE` of the wall time since process 0's iterator started (so a
+host whose source is quick, however much slower than quick peers, does not
+count). Straggling in `STRAGGLER_WINDOWS` of its windows in a row (another
+host becoming the slowest, or a window where the rule fails, starts the
+count again) names it in one warning per iterator. Ratios only: no machine-
+tuned time; a source that is slow only at its start (opening files, starting
+workers) counts too, as it held every host back then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import stats as stats_lib
+
+logger = logging.getLogger(__name__)
+
+STRAGGLER_RATIO = 2.0
+STRAGGLER_SHARE = 0.5
+STRAGGLER_WINDOWS = 3
+# Process 0 puts the changed rows into a decision at most this often, times
+# max(1, (processes / TABLE_PROCESSES) ** 2): every follower reads every
+# decision, so a table of P rows costs P * P rows through the store; so
+# scaled, that stays below TABLE_PROCESSES ** 2 rows (about 250 KB) a second
+# (at 1,024 processes: one table every 256 s, and always the final one).
+TABLE_EVERY_S = 1.0
+TABLE_PROCESSES = 64
+# One host's row in a decision: process index, then these, in this order.
+COUNTS = ("batches", "real_rows", "padded_rows", "dummy_batches", "dropped_batches")
+
+
+def encode_times(snapshot: dict[str, Any]) -> tuple[float, ...]:
+  """A `stats()` snapshot's times, rounded to 0.1 ms, in `stats.TIMES` order."""
+  return tuple(round(float(snapshot[k]), 4) for k in stats_lib.TIMES)
+
+
+def host_row(process: int, counts: Sequence[int], times: Sequence[float]) -> dict[str, Any]:
+  """One host's mapping: ``process_index``, the `stats()` keys, ``padding_fraction``."""
+  out: dict[str, Any] = {"process_index": process}
+  out.update(zip(COUNTS, (int(c) for c in counts), strict=True))
+  out.update(zip(stats_lib.TIMES, (float(t) for t in times), strict=True))
+  return stats_lib.with_padding_fraction({k: out[k] for k in ("process_index", *stats_lib.FIELDS)})
+
+
+class JobTable:
+  """Every host's newest counters, as this process knows them; thread-safe.
+
+  Lives as long as the iterator (across restarts). `probe` returns this
+  host's `stats()` snapshot without taking the iterator's locks (it is
+  called from the agreement thread).
+  """
+
+  def __init__(self, probe: Callable[[], dict[str, Any]]):
+    self._probe = probe
+    self._lock = threading.Lock()
+    self._n = 1
+    self._me = jax.process_index()  # Until a stream attaches (one process: for good).
+    self._counts: list[list[int]] = [[0] * len(COUNTS)]
+    # Counts every host shares (runs of full batches, drops): added to each
+    # row when it is read, so that the common step costs O(1), not O(processes).
+    self._shared = [0] * len(COUNTS)
+    self._times: list[tuple[float, ...]] = [(0.0,) * len(stats_lib.TIMES)]
+    self._changed: set[int] = set()
+    self._sent_at = -1e9
+    self._posted: tuple[float, ...] | None = None  # Own times in the last chunk.
+    self.stragglers = Stragglers()
+
+  def attach(self, process: int, process_count: int) -> None:
+    """Sizes the table for a stream's processes (keeps what it knows)."""
+    with self._lock:
+      self._me = process
+      self._sent_at = time.monotonic()  # The first table one interval in (or the final one).
+      if process_count != self._n:
+        self._n = process_count
+        self._counts = [[0] * len(COUNTS) for _ in range(process_count)]
+        self._shared = [0] * len(COUNTS)
+        self._times = [(0.0,) * len(stats_lib.TIMES) for _ in range(process_count)]
+
+  def own(self) -> dict[str, Any]:
+    return self._probe()
+
+  # -- a process other than 0 --------------------------------------------------
+
+  def times_to_post(self) -> tuple[float, ...] | None:
+    """This host's times for its next chunk, or None if unchanged since its last."""
+    times = encode_times(self._probe())
+    if times == self._posted:
+      return None
+    self._posted = times
+    return times
+
+  def merge(self, rows: Sequence[Sequence[Any]]) -> None:
+    """Takes the rows of a decision (`ledger.Decision.table`)."""
+    k = len(COUNTS)
+    with self._lock:
+      for row in rows:
+        p = int(row[0])
+        if 0 <= p < self._n:
+          self._counts[p] = [int(c) - s for c, s in zip(row[1 : 1 + k], self._shared, strict=True)]
+          self._times[p] = tuple(float(t) for t in row[1 + k :])
+
+  # -- process 0 ---------------------------------------------------------------
+
+  def add_times(self, news: Sequence[tuple[int, Sequence[float]]]) -> None:
+    """Records peers' times from their chunks: (process, times) pairs, one lock for all."""
+    with self._lock:
+      for process, times in news:
+        if 0 <= process < self._n:
+          self._times[process] = tuple(times)
+          self._changed.add(process)
+          self.stragglers.seen(process)
+
+  def decided(self, steps: Sequence[plan_lib.Step]) -> None:
+    """Counts decided steps for every host (`Step.real_rows`, process order)."""
+    if not steps:
+      return
+    with self._lock:
+      for step, same in itertools.groupby(steps):
+        self._count(step, sum(1 for _ in same))
+      self._changed.update(range(self._n))
+
+  def _count(self, step: plan_lib.Step, run: int) -> None:
+    if step.action == plan_lib.Action.DROP:
+      self._shared[4] += run
+      return
+    if step.real_rows.count(step.rows) == len(step.real_rows) == self._n:
+      self._shared[0] += run  # Full everywhere: no padding, no dummy.
+      self._shared[1] += step.rows * run
+      return
+    for c, real in zip(self._counts, step.real_rows, strict=False):
+      c[0] += run
+      c[1] += real * run
+      c[2] += (step.rows - real) * run
+      c[3] += run if real == 0 else 0
+
+  def _row_counts(self, p: int) -> list[int]:
+    return [c + s for c, s in zip(self._counts[p], self._shared, strict=True)]
+
+  def rows_to_send(self, *, final: bool) -> tuple[tuple[Any, ...], ...] | None:
+    """The changed rows for the next decision, when due (always when `final`)."""
+    every = TABLE_EVERY_S * max(1.0, (self._n / TABLE_PROCESSES) ** 2)
+    now = time.monotonic()
+    with self._lock:
+      if self._n < 2 or not self._changed or (not final and now - self._sent_at < every):
+        return None
+      self._sent_at = now
+      self._times[self._me] = encode_times(self._probe())
+      rows = tuple(
+        (p, *self._row_counts(p), *self._times[p]) for p in sorted(self._changed | {self._me})
+      )
+      self._changed.clear()
+      return rows
+
+  def check_stragglers(self) -> None:
+    """Process 0: closes a window once every peer posted fresh times (`Stragglers`)."""
+    with self._lock:
+      sources = [t[stats_lib.TIMES.index("source_s")] for t in self._times]
+    sources[self._me] = float(self._probe()["source_s"])
+    self.stragglers.check(self._me, sources)
+
+  # -- stats(all_hosts=True) ---------------------------------------------------
+
+  def view(self) -> dict[str, Any]:
+    """``{"hosts": [one mapping per process], "slowest": process with the most source time}``."""
+    own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
+    with self._lock:
+      if self._n == 1:  # One process, or no stream over the store (collective fallback).
+        hosts = [own]
+      else:
+        hosts = [
+          own if p == self._me else host_row(p, self._row_counts(p), self._times[p])
+          for p in range(self._n)
+        ]
+    slowest = max(hosts, key=lambda h: (h["source_s"], -h["process_index"]))
+    return {"hosts": hosts, "slowest": slowest["process_index"]}
+
+
+class Stragglers:
+  """The straggler rule of the module docstring, at process 0; warns once per iterator."""
+
+  def __init__(self) -> None:
+    self._start = time.monotonic()
+    self._fresh: set[int] = set()
+    self._last_own: float | None = None
+    self._streak = (-1, 0)  # (process, windows in a row)
+    self.warned: int | None = None
+
+  def seen(self, process: int) -> None:
+    self._fresh.add(process)
+
+  def check(self, me: int, sources: list[float]) -> None:
+    """Judges the host with the most source time, if its figure is fresh."""
+    if sources[me] != self._last_own:
+      self._last_own = sources[me]
+      self._fresh.add(me)
+    fresh, self._fresh = self._fresh, set()
+    if self.warned is not None or len(sources) < 2:
+      return
+    slow = max(range(len(sources)), key=sources.__getitem__)
+    if slow not in fresh:
+      return
+    mine = sources[slow]
+    others = statistics.median(s for p, s in enumerate(sources) if p != slow)
+    wall = time.monotonic() - self._start
+    if not (mine >= STRAGGLER_RATIO * others and mine >= STRAGGLER_SHARE * wall > 0):
+      self._streak = (-1, 0)
+      return
+    streak = self._streak[1] + 1 if self._streak[0] == slow else 1
+    self._streak = (slow, streak)
+    if streak < STRAGGLER_WINDOWS:
+      return
+    self.warned = slow
+    logger.warning(
+      "grain_jax_sync: process %d's source is the straggler: %.3fs of source time,"
+      " %.0f%% of the %.3fs since the iterator started and %.1fx the median of the"
+      " other processes (%.3fs), in %d windows in a row; every host waits for it"
+      " (process 0's view)",
+      slow,
+      mine,
+      100 * mine / wall,
+      wall,
+      mine / others if others > 0 else float("inf"),
+      others,
+      streak,
+    )

@@ -1,0 +1,134 @@
+"""The cross-host view's pieces: the codec additions, the decided counts, the straggler rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from grain_jax_sync._src import job_stats, ledger
+from grain_jax_sync._src import plan as plan_lib
+
+Y, D = plan_lib.Action.YIELD, plan_lib.Action.DROP
+
+
+def test_chunk_carries_times_only_when_given():
+  report = plan_lib.Report(process_index=3, rows=(8, 5), exhausted=True, signature={"x": 1})
+  plain = ledger.Chunk(start=4, ack=2, report=report)
+  timed = ledger.Chunk(start=4, ack=2, report=report, times=(0.5, 1.25, 0.0, 2.0))
+  assert '"t"' not in plain.to_json()
+  assert ledger.Chunk.from_json(plain.to_json()) == plain
+  assert ledger.Chunk.from_json(timed.to_json()) == timed
+
+
+def test_decision_carries_the_table_only_when_given():
+  steps = (plan_lib.Step(Y, 8, ()),) * 3
+  table = ((0, 3, 24, 0, 0, 0, 0.1, 0.2, 0.3, 0.4), (2, 3, 20, 4, 0, 1, 0.0, 9.5, 0.0, 0.0))
+  plain = ledger.Decision(7, steps, plan_lib.End.CONTINUE, batch_size=8)
+  with_table = ledger.Decision(7, steps, plan_lib.End.STOP, batch_size=8, table=table)
+  assert '"t"' not in plain.to_json()
+  assert ledger.Decision.from_json(plain.to_json()) == plain
+  assert ledger.Decision.from_json(with_table.to_json()) == with_table
+
+
+def test_decided_counts_rows_per_host_and_the_table_goes_to_followers():
+  decider = job_stats.JobTable(lambda: _own(0.0))
+  decider.attach(0, 3)
+  full = plan_lib.Step(Y, 8, (8, 8, 8))
+  decider.decided((full, full, plan_lib.Step(Y, 8, (8, 5, 0)), plan_lib.Step(D, 0, (8, 8, 3))))
+  decider.add_times([(2, (0.0, 7.0, 0.0, 0.0))])
+  rows = decider.rows_to_send(final=True)
+  assert rows is not None and [r[0] for r in rows] == [0, 1, 2]
+  assert decider.rows_to_send(final=True) is None  # Nothing changed since.
+  follower = job_stats.JobTable(lambda: _own(0.0))
+  follower.attach(1, 3)
+  follower.merge(rows)
+  view = follower.view()
+  assert view["slowest"] == 2
+  host0, _, host2 = view["hosts"]
+  assert (host0["batches"], host0["real_rows"], host0["padded_rows"]) == (3, 24, 0)
+  assert (host2["batches"], host2["real_rows"], host2["padded_rows"]) == (3, 16, 8)
+  assert (host2["dummy_batches"], host2["dropped_batches"], host2["source_s"]) == (1, 1, 7.0)
+  assert host2["padding_fraction"] == 8 / 24
+
+
+def _own(source_s: float) -> dict:
+  return {
+    "batches": 0,
+    "real_rows": 0,
+    "padded_rows": 0,
+    "dummy_batches": 0,
+    "dropped_batches": 0,
+    "wait_s": 0.0,
+    "source_s": source_s,
+    "exchange_s": 0.0,
+    "transfer_s": 0.0,
+  }
+
+
+@pytest.mark.parametrize(
+  ("sources", "warned"),
+  [
+    ([0.1, 0.1, 1.0, 0.1], 2),  # 10x the median and all of the wall time.
+    ([0.6, 0.6, 1.0, 0.6], None),  # Less than twice the median.
+    ([0.001, 0.001, 0.01, 0.001], None),  # 10x, but a quick source: 1% of the wall time.
+  ],
+)
+def test_straggler_rule_is_ratios_over_windows_and_warns_once(caplog, monkeypatch, sources, warned):
+  clock = [100.0]
+  monkeypatch.setattr(job_stats.time, "monotonic", lambda: clock[0])
+  s = job_stats.Stragglers()
+  with caplog.at_level(logging.WARNING, logger=job_stats.__name__):
+    for w in range(1, 2 * job_stats.STRAGGLER_WINDOWS + 1):
+      clock[0] = 100.0 + w
+      s.seen(2)
+      s.check(0, [x * w for x in sources])
+      if w < job_stats.STRAGGLER_WINDOWS:
+        assert s.warned is None  # Not before the windows in a row.
+  assert s.warned == warned
+  assert len(caplog.records) == (warned is not None)
+  if warned is not None:
+    assert "process 2's source is the straggler" in caplog.records[0].getMessage()
+
+
+def test_straggler_streak_needs_fresh_figures_in_a_row():
+  s = job_stats.Stragglers()
+  for _ in range(2 * job_stats.STRAGGLER_WINDOWS):
+    s.check(0, [0.0, 1e9])  # Host 1's figure never refreshed: no window of its ends.
+  assert s.warned is None
+
+
+@pytest.mark.parametrize(
+  "report",
+  [
+    plan_lib.Report(process_index=1, rows=(8, 8, 5)),  # Rows only: the quick path.
+    plan_lib.Report(process_index=1, rows=(8, 3), exhausted=True, signature={"x": 1}),
+    plan_lib.Report(process_index=1, rows=(8,), config={"b": 8}, resume=0, more=True),
+  ],
+)
+def test_ledger_add_json_records_what_add_records(report):
+  chunk = ledger.Chunk(start=0, ack=3, report=report, times=(0.0, 1.5, 0.0, 0.25))
+  a, b = ledger.Ledger(2), ledger.Ledger(2)
+  for led in (a, b):
+    led.add_rows(0, 8)
+    led.set_full(8)
+  a.add(chunk)
+  assert b.add_json(chunk.to_json()) == (1, (0.0, 1.5, 0.0, 0.25))
+  assert (a.count(1), a.ack(1), a.ended(1)) == (b.count(1), b.ack(1), b.ended(1))
+  assert a.window_reports(0, 3, with_config=True) == b.window_reports(0, 3, with_config=True)
+  assert a.full_plan(0) == b.full_plan(0)
+  with pytest.raises(ledger.ProtocolError):
+    b.add_json('{"v": 2, "s": 0, "a": 0, "R": {"p": 1}}')
+
+
+def test_full_plan_decides_full_positions_as_plan_decide_does():
+  led = ledger.Ledger(3)
+  for p in range(3):
+    led.add(ledger.Chunk(0, 0, plan_lib.Report(process_index=p, rows=(8, 8, 8, 5, 8)[: 5 - p])))
+  assert led.full_plan(0) is None  # Before plan.decide judged the full size.
+  led.set_full(8)
+  full = led.full_plan(0)
+  options = plan_lib.Options(batch_size=8, drop_last=False, pad=True)
+  decided = plan_lib.decide(led.window_reports(0, 3, with_config=False), options)
+  assert full is not None and full.steps == decided.steps[:3] and len(full.steps) == 3
+  assert led.full_plan(3) is None  # Short batches, and process 2 has not posted position 3.
