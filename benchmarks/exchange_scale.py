@@ -18,14 +18,14 @@ the simulation drives the real agreement pieces over many windows of
    settings digest);
 2. process 0, the decider, reads every new chunk with one directory read,
    adds them to its `ledger.Ledger` (and their times to the
-   `stats(all_hosts=True)` table), decides the window as `streamed.Decider`
+   `stats(all_hosts=True)` table), decides the window as `agreement.Decider`
    does (`Ledger.full_plan` where every batch is full, else `plan.decide`
    over `Ledger.window_reports`) and posts one `ledger.Decision`;
 3. every process other than 0 reads that decision, parses it, and deletes its
    chunks (a group at a time) as the follower does; process 0 deletes
    decisions every process has acknowledged.
 
-The stage classes (`streamed.Decider`, `follower.Follower`) are not run
+The stage classes (`agreement.Decider`, `agreement.Follower`) are not run
 themselves: one of them per client means 1,024 Python threads polling one
 interpreter on a shared core, which would measure the GIL, not the store.
 The client calls of steps 1 and 3 are spread over `--threads` worker threads
@@ -216,7 +216,7 @@ class _Decider:
     self.seq = 0
     self.acked = 0
     self.who = who
-    # `stats(all_hosts=True)`'s table, fed as `streamed.Decider` feeds it.
+    # `stats(all_hosts=True)`'s table, fed as `agreement.Decider` feeds it.
     own = dict.fromkeys(stats_lib.FIELDS, 0)
     self.job = job_stats.JobTable(lambda: dict(own, source_s=0.001 * self.seq))
     self.job.attach(0, self.n)
@@ -249,7 +249,7 @@ class _Decider:
       if size >= len(rows):
         break
     t0 = time.perf_counter()
-    # As `streamed.Decider._plan` does: full batches everywhere need no reports.
+    # As `agreement.Decider._plan` does: full batches everywhere need no reports.
     plan = self.led.full_plan(self.j) if self.j > 0 else None
     if plan is None:
       reports = self.led.window_reports(self.j, size, with_config=self.j == 0)

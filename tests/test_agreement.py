@@ -38,13 +38,11 @@ from memory_store import MemoryStore
 from grain_jax_sync._src import (
   agreement,
   exchange,
-  follower,
   ledger,
   plan,
   reader,
   sharding,
   sources,
-  streamed,
 )
 
 OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
@@ -81,7 +79,7 @@ def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = streamed.Decider if p == 0 else follower.Follower
+  kind = agreement.Decider if p == 0 else agreement.Follower
   stage = kind(
     read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0, threads=False
   )
@@ -422,7 +420,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = agreement.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
-  kind = streamed.Decider if p == 0 else follower.Follower
+  kind = agreement.Decider if p == 0 else agreement.Follower
   stage = kind(
     read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0, threads=False
   )

@@ -395,6 +395,11 @@ class KeyValueExchange:
 
   # -- the end -----------------------------------------------------------------
 
+  @property
+  def client(self) -> Any:
+    """The store client (the liveness beat writes through it: `put_beat`)."""
+    return self._client
+
   def sibling(self, namespace: str) -> KeyValueExchange:
     """The exchange of another stream, through the same client."""
     return KeyValueExchange(
@@ -449,6 +454,15 @@ def register_close(base: str, note: str) -> None:
     logger.debug("grain_jax_sync: could not record the close of %s: %s", base, e)
 
 
+def put_beat(client: Any, process: int, value: str) -> None:
+  """Overwrites `process`'s liveness beat."""
+  client.key_value_set(beat_key(process), value, True)
+
+
+def delete_beat(client: Any, process: int) -> None:
+  client.key_value_delete(beat_key(process))
+
+
 def beat_key(process: int) -> str:
   """The key of `process`'s liveness beat (one per process, not per iterator)."""
   return f"{KEY_ROOT}/beat/{process}"
@@ -496,7 +510,7 @@ class CollectiveExchange:
 def make_exchange(
   *, synchronize: bool, namespace: str | None
 ) -> LocalExchange | KeyValueExchange | CollectiveExchange:
-  """Picks the transport for this process (and starts its beat)."""
+  """Picks the transport for this process (the caller starts its liveness beat)."""
   import jax  # pylint: disable=g-import-not-at-top
 
   index, count = jax.process_index(), jax.process_count()
@@ -505,9 +519,6 @@ def make_exchange(
   client = distributed_client()
   if client is not None:
     assert namespace is not None
-    from grain_jax_sync._src import liveness  # pylint: disable=g-import-not-at-top
-
-    liveness.Beat.ensure(client, index)
     return KeyValueExchange(client, namespace, process_index=index, process_count=count)
   logger.info("grain_jax_sync: no key-value store client; exchanging via collectives")
   return CollectiveExchange(process_index=index, process_count=count)

@@ -47,7 +47,7 @@ class Beat:
 
   def __init__(self, client: Any, process: int):
     self._client = client
-    self._key = exchange_lib.beat_key(process)
+    self._process = process
     self._stop = threading.Event()
     # The first beat is written here, in the caller's thread, before any
     # iterator of this process exists: a process killed right after building
@@ -71,7 +71,7 @@ class Beat:
     # The count, then the streams this process waits at the start of.
     value = " ".join([str(n), *exchange_lib.waiting_streams()])
     try:
-      self._client.key_value_set(self._key, value, True)
+      exchange_lib.put_beat(self._client, self._process, value)
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -85,7 +85,7 @@ class Beat:
     self._stop.set()
     self._thread.join(timeout=2 * BEAT_S)
     try:
-      self._client.key_value_delete(self._key)
+      exchange_lib.delete_beat(self._client, self._process)
     except Exception:  # noqa: BLE001 - best effort at exit.
       pass
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from grain_jax_sync._src import agreement, build_stage, follower, reader, sources, streamed
+from grain_jax_sync._src import agreement, build_stage, liveness, reader, sources
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import placement as placement_lib
@@ -76,6 +76,8 @@ class Stages:
   def __init__(self, start: Start):
     s = start.settings
     ex = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=start.namespace)
+    if ex.form == "streamed":
+      liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.namespace = start.namespace if ex.form == "streamed" else None
     self.position = start.mark.position
     self.delivered = 0
@@ -98,7 +100,7 @@ class Stages:
       groups=start.placement.groups if shares else (),
     )
     options = s.options(batch_size=start.mark.batch_size)
-    self._agreement: streamed.Streamed | None = None
+    self._agreement: agreement.Streamed | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
     runs: Iterator[build_lib.Run]
     ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
@@ -108,7 +110,7 @@ class Stages:
       runs = _raising(RuntimeError(ended))
       s = dataclasses.replace(s, prefetch=0)
     elif ex.form == "streamed":
-      kind = streamed.Decider if ex.process_index == 0 else follower.Follower
+      kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
       self._agreement = kind(
         read,
         ex,
@@ -236,6 +238,6 @@ def end_unstarted(
   try:
     ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
     if ex.form == "streamed":
-      streamed.post_end(ex, position, error)
+      agreement.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

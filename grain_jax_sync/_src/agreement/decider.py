@@ -13,14 +13,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import job_stats
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src.agreement import common, endings
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Streamed:
     reader: Iterator[reader_lib.Read | reader_lib.End],
     exchange: exchange_lib.KeyValueExchange,
     options: plan_lib.Options,
-    who: agreement.Identity,
+    who: common.Identity,
     *,
     lookahead: int,
     timeout_s: float,
@@ -75,9 +76,7 @@ class Streamed:
     self._p = exchange.process_index
     self._n = exchange.process_count
     self._timeout_s = timeout_s
-    self._own = agreement.OwnReads(
-      reader, lookahead=lookahead, threads=threads, read_ahead=read_ahead
-    )
+    self._own = common.OwnReads(reader, lookahead=lookahead, threads=threads, read_ahead=read_ahead)
     self._live = live or liveness_lib.Liveness(exchange)
     self._j = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
@@ -112,10 +111,10 @@ class Streamed:
     """After the final decision's run: stop, or raise the agreed error."""
     if decision.end == End.RAISE:
       assert decision.error is not None
-      raise agreement.to_exception(decision.error, self._p, self._own.end)
+      raise endings.to_exception(decision.error, self._p, self._own.end)
 
   def _poll_due(self) -> bool:
-    return time.monotonic() - self._last_poll >= max(agreement.POLL_MIN_S, 2 * self._rpc_s)
+    return time.monotonic() - self._last_poll >= max(common.POLL_MIN_S, 2 * self._rpc_s)
 
   def _timed(self, fn: Any, *args: Any) -> Any:
     t0 = time.monotonic()
@@ -190,7 +189,7 @@ class Streamed:
     exchange_lib.waiting_first(self._ex.namespace, False)
 
   def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
-    return closed_error(self._p, at_batch)
+    return endings.closed_error(self._p, at_batch)
 
   def close_stage(self) -> None:
     """Stops waits and the read thread (from the closing thread)."""
@@ -266,7 +265,7 @@ class Decider(Streamed):
     if self._j > 0 and not self._who.groups and (quick := self._led.full_plan(self._j)):
       return quick  # Full batches everywhere: no reports to build (`Ledger.full_plan`).
     reports = self._led.window_reports(self._j, size, with_config=self._j == 0)
-    plan = agreement.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
+    plan = common.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
     self._options = plan_lib.pin(self._options, plan)
     full = plan.batch_size
     if full is not None and plan.error is None and any(s.rows == full for s in plan.steps):
@@ -283,7 +282,7 @@ class Decider(Streamed):
     raised; so the decider reads the chunks again first, and finds the
     ending if there is one.
     """
-    return time.monotonic() - self._last_poll >= agreement.FOLLOWER_GRACE_S / 2
+    return time.monotonic() - self._last_poll >= common.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
     """The processes whose next batch (or end) the next decision waits for."""
@@ -332,7 +331,7 @@ class Decider(Streamed):
     elif (note := self._live.closed(peer)) is not None:
       self._absorb(self._timed(self._ex.read_chunks))  # Its ending here, if it posted one.
       if self._abort is None and peer in self._needed():
-        message = agreement.closed_peer_message(note, self._ex.namespace)
+        message = endings.closed_peer_message(note, self._ex.namespace)
         self._abort = plan_lib.ReportedError(
           ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
@@ -353,7 +352,7 @@ class Decider(Streamed):
     while (
       self._own.room()
       and self._own.count - self._j < want
-      and time.monotonic() - t0 < agreement.FLUSH_AFTER_S
+      and time.monotonic() - t0 < common.FLUSH_AFTER_S
     ):
       self._read()
 
@@ -361,7 +360,7 @@ class Decider(Streamed):
     item = self._own.read()
     if isinstance(item, reader_lib.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()
-      self._led.end(agreement.make_report(self._who, (), item, sig, False))
+      self._led.end(common.make_report(self._who, (), item, sig, False))
       return
     if self._own.count == 1:
       self._led.set_own(
@@ -442,17 +441,6 @@ def _iterator(namespace: str) -> str:
   return namespace.rsplit("/", 1)[0]
 
 
-def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
-  """The ending of a process that closed its iterator after `at_batch` batches."""
-  return plan_lib.ReportedError(
-    ErrorKind.CLOSED,
-    f"process {process} closed its iterator at batch {at_batch}",
-    process,
-    at_batch,
-    "closed",
-  )
-
-
 def post_end(
   ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
 ) -> None:
@@ -463,7 +451,7 @@ def post_end(
   from a started stream's `close`.
   """
   p = ex.process_index
-  error = error or closed_error(p, at_batch)
+  error = error or endings.closed_error(p, at_batch)
   try:
     if p == 0:
       final = ledger_lib.Decision(0, (), End.RAISE, error)

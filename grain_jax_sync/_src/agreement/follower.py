@@ -14,13 +14,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import agreement
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.streamed import End, ErrorKind, Streamed
+from grain_jax_sync._src.agreement import common, endings
+from grain_jax_sync._src.agreement.decider import End, ErrorKind, Streamed
 
 
 class Follower(Streamed):
@@ -53,7 +53,7 @@ class Follower(Streamed):
       self._release()
       if decision.end != End.CONTINUE:
         self._ex.end()
-      elif run is not None and self._held_s() >= agreement.FLUSH_AFTER_S:
+      elif run is not None and self._held_s() >= common.FLUSH_AFTER_S:
         self._flush()  # Peers may need rows read ahead to reach these positions.
       if run is not None:
         yield run
@@ -104,20 +104,20 @@ class Follower(Streamed):
       if text is not None:
         return text
       self._ex.end()
-      raise RuntimeError(agreement.closed_peer_message(note, self._ex.namespace))
+      raise RuntimeError(endings.closed_peer_message(note, self._ex.namespace))
     if self._seq == 0 and (cross := self._cross_wait(0)) is not None:
       self._post(final=True, error=cross)
       self._ex.end()
-      raise agreement.to_exception(cross, self._p, None)
+      raise endings.to_exception(cross, self._p, None)
     waited = self._waited_s()
-    limit = self._timeout_s + agreement.FOLLOWER_GRACE_S
+    limit = self._timeout_s + common.FOLLOWER_GRACE_S
     if self._gave_up is None and waited > limit:
       # Process 0 should have named the slow peer by now: report it ourselves.
       self._gave_up = self._timeout_error()
       self._post(final=True, error=self._gave_up)
-    elif self._gave_up is not None and waited > limit + agreement.FOLLOWER_GRACE_S:
+    elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
       self._ex.end()
-      raise agreement.to_exception(self._gave_up, self._p, None)
+      raise endings.to_exception(self._gave_up, self._p, None)
     return self._blocking(self._ex.wait_decision, self._seq)
 
   def _timeout_error(self) -> plan_lib.ReportedError:
@@ -135,7 +135,7 @@ class Follower(Streamed):
       ErrorKind.TIMEOUT,
       f"process {self._p} got no decision on batch {self._yielded} from"
       f" process 0 within `sync_timeout_s`={self._timeout_s:g}s (+"
-      f" {agreement.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}",
+      f" {common.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}",
       self._p,
       self._yielded,
       "PeerTimeoutError",
@@ -155,10 +155,10 @@ class Follower(Streamed):
     if self._options.shapes is not None:
       self._sizes.append(item.batch.sizes)
     if (
-      self._own.last_read_s >= agreement.FLUSH_AFTER_S
+      self._own.last_read_s >= common.FLUSH_AFTER_S
       or (
         len(self._unposted) >= self._own.lookahead
-        and (not self._sent_first or self._held_s() >= agreement.FLUSH_AFTER_S)
+        and (not self._sent_first or self._held_s() >= common.FLUSH_AFTER_S)
       )
       or len(self._unposted) * 2 >= self._own.limit
     ):
@@ -180,7 +180,7 @@ class Follower(Streamed):
     if not self._sent_signature and self._own.signature is not None:
       sig = self._own.signature.to_json()
       self._sent_signature = True
-    report = agreement.make_report(
+    report = common.make_report(
       self._who,
       tuple(self._unposted),
       end,

@@ -1,0 +1,68 @@
+"""The agreement protocol: this host's reads + the exchange -> decided runs.
+
+Two forms, one decision (`plan.decide`):
+
+* `lockstep`: every process reads a window, the reports are all-gathered and
+  every process decides the same plan. One process (no exchange) and the
+  collective fallback (which runs in the caller's thread) use it.
+* Streamed (`streamed.Decider` on process 0, `follower.Follower` on the
+  others): the key-value store. Every process other than 0 posts its rows
+  (and its ending) in chunks as it reads; process 0, the decider, reads every
+  chunk, decides each position as soon as every process's row (or ending) for
+  it is known and posts the decision; every process, process 0 included, acts
+  on the same decisions, so every host yields the same batches and ends the
+  same way, with the same message.
+
+Endings. Every ending is a report with a position: exhausted and failed
+(from the reader, at the position of the failed read) are decided in order
+with the rows; closed (posted by `Streamed.close`), timed out and lost (found
+by the decider while it waits) end the stream at once. A process posts its
+ending before it raises or stops, and yields only decided positions.
+"""
+
+from grain_jax_sync._src.agreement.common import (
+  FLUSH_AFTER_S,
+  FOLLOWER_GRACE_S,
+  POLL_MIN_S,
+  READ_AHEAD_BYTES,
+  READ_AHEAD_WINDOWS,
+  READ_THREAD,
+  READ_THREAD_AFTER_S,
+  READ_THREAD_READS,
+  Identity,
+  OwnReads,
+  decide,
+  make_report,
+  read_ahead_limit,
+  sizes_of,
+)
+from grain_jax_sync._src.agreement.decider import CROSS_WAIT_S, Decider, Streamed, post_end
+from grain_jax_sync._src.agreement.endings import closed_error, closed_peer_message, to_exception
+from grain_jax_sync._src.agreement.follower import Follower
+from grain_jax_sync._src.agreement.lockstep import lockstep
+
+__all__ = [
+  "CROSS_WAIT_S",
+  "FLUSH_AFTER_S",
+  "FOLLOWER_GRACE_S",
+  "POLL_MIN_S",
+  "READ_AHEAD_BYTES",
+  "READ_AHEAD_WINDOWS",
+  "READ_THREAD",
+  "READ_THREAD_AFTER_S",
+  "READ_THREAD_READS",
+  "Decider",
+  "Follower",
+  "Identity",
+  "OwnReads",
+  "Streamed",
+  "closed_error",
+  "closed_peer_message",
+  "decide",
+  "lockstep",
+  "make_report",
+  "post_end",
+  "read_ahead_limit",
+  "sizes_of",
+  "to_exception",
+]
