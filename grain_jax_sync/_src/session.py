@@ -81,15 +81,34 @@ class Stages:
     self.namespace = start.namespace if ex.form == "streamed" else None
     self.position = start.mark.position
     self.delivered = 0
-    shares = start.placement.shares_rows and ex.form != "local"
-    read = reader.Reader(
+    self._exchange = ex
+    self._closed = False
+    self._agreement: agreement.Streamed | None = None
+    self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
+    # The diagram's order: read, agree, build; each stage reads the one before.
+    read = self._reader(start)
+    runs = self._agree(start, read)
+    self._builder = build_lib.Builder(s, start.placement, start.mark.state)
+    self._counted = (read, ex)  # Each counts its own time (`times`).
+    self._items = self._build(start, runs)
+
+  def _shares(self, start: Start) -> bool:
+    """Whether processes that share rows compare them (wherever reports are exchanged)."""
+    return start.placement.shares_rows and self._exchange.form != "local"
+
+  def _reader(self, start: Start) -> reader.Reader:
+    return reader.Reader(
       start.source,
-      process_index=ex.process_index,
+      process_index=self._exchange.process_index,
       check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start.start_error,
-      digest=sharding_lib.rows_digest if shares else None,
-      shapes=s.shapes,  # `pad_shapes`: the dims whose sizes vary.
+      digest=sharding_lib.rows_digest if self._shares(start) else None,
+      shapes=start.settings.shapes,  # `pad_shapes`: the dims whose sizes vary.
     )
+
+  def _agree(self, start: Start, read: reader.Reader) -> Iterator[build_lib.Run]:
+    """The agreement's form, as the exchange's `form` picks it: decided runs."""
+    s, ex = start.settings, self._exchange
     who = agreement.Identity(
       process=ex.process_index,
       devices=start.placement.local_shards,
@@ -97,62 +116,56 @@ class Stages:
       # may run on another mesh, but its processes must share one).
       config={**s.digest(), **start.placement.fingerprint()},
       resume=self.position,
-      groups=start.placement.groups if shares else (),
+      groups=start.placement.groups if self._shares(start) else (),
     )
     options = s.options(batch_size=start.mark.batch_size)
-    self._agreement: agreement.Streamed | None = None
-    self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
-    runs: Iterator[build_lib.Run]
     ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
     if ended is not None:
-      # This host already posted its ending to this stream (`streamed`'s
-      # crosswise wait): the stream raises it, with no exchange.
-      runs = _raising(RuntimeError(ended))
-      s = dataclasses.replace(s, prefetch=0)
-    elif ex.form == "streamed":
-      kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
-      self._agreement = kind(
-        read,
-        ex,
-        options,
-        who,
-        lookahead=s.lookahead,
-        timeout_s=s.sync_timeout_s,
-        position=self.position,
-        threads=s.prefetch > 0,
-        read_ahead=s.read_ahead,
-        job=start.job,
-      )
-      runs = iter(self._agreement)
-      if s.prefetch > 0:
-        runs = self._thread(
-          prefetch_lib.Prefetcher(
-            runs, buffer_size=AGREE_BUFFER, on_close=ex.cancel, name=AGREE_THREAD
-          )
-        )
-    else:
+      # This host already posted its ending to this stream (the crosswise
+      # wait, `agreement.Streamed`): the stream raises it, with no exchange.
+      return _raising(RuntimeError(ended))
+    if ex.form != "streamed":
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = s.lookahead if ex.process_count > 1 else 1
-      runs = agreement.lockstep(read, ex, options, who, window=window, position=self.position)
-    self._builder = build_lib.Builder(s, start.placement, start.mark.state)
-    self._counted = (read, ex)  # Each counts its own time (`times`).
-    self._items: Iterator[build_lib.Item]
-    if s.prefetch > 0 and ex.form != "collective":
-      self._items = self._thread(
-        build_stage.BuildStage(
-          runs,
-          self._builder.step,
-          built=s.prefetch,
-          decided=max(1, s.read_ahead or s.prefetch),
-          on_close=ex.cancel if self._agreement is not None else None,
-          name=BUILD_THREAD,
-        )
-      )
-    else:
-      self._items = self._builder(runs)
-    self._exchange = ex
-    self._closed = False
+      return agreement.lockstep(read, ex, options, who, window=window, position=self.position)
+    kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
+    self._agreement = kind(
+      read,
+      ex,
+      options,
+      who,
+      lookahead=s.lookahead,
+      timeout_s=s.sync_timeout_s,
+      position=self.position,
+      threads=s.prefetch > 0,
+      read_ahead=s.read_ahead,
+      job=start.job,
+    )
+    if s.prefetch == 0:
+      return iter(self._agreement)
+    stage = prefetch_lib.Prefetcher(
+      iter(self._agreement), buffer_size=AGREE_BUFFER, on_close=ex.cancel, name=AGREE_THREAD
+    )
+    return self._thread(stage)
+
+  def _build(self, start: Start, runs: Iterator[build_lib.Run]) -> Iterator[build_lib.Item]:
+    """Built items: in a thread that the consumer helps (`BuildStage`), or inline."""
+    s, ex = start.settings, self._exchange
+    # The collective fallback runs in the caller's thread only; a stream this
+    # host already ended raises at once.
+    inline = ex.form == "collective" or exchange_lib.pre_ended(start.namespace) is not None
+    if s.prefetch == 0 or inline:
+      return self._builder(runs)
+    stage = build_stage.BuildStage(
+      runs,
+      self._builder.step,
+      built=s.prefetch,
+      decided=max(1, s.read_ahead or s.prefetch),
+      on_close=ex.cancel if self._agreement is not None else None,
+      name=BUILD_THREAD,
+    )
+    return self._thread(stage)
 
   def _thread(self, stage: Any) -> Any:
     self._threads.insert(0, stage)  # Closed from the user's end back to the source.
