@@ -174,6 +174,7 @@ class BuildStage(Generic[T]):
   def _fetch(self) -> None:
     """Under the lock: the next decided run (lock released meanwhile), its positions queued."""
     self._cond.release()
+    work: list[Any]
     try:
       run = next(self._runs)
       work = [(read, step, run.signature, run.batch_size) for read, step in run.steps]

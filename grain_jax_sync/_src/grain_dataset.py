@@ -171,138 +171,169 @@ def _normalize_state(state: Any) -> dict[str, Any]:
   }
 
 
+def _plain_first(parent: Any, settings: Any, placement: _Placement) -> list[Any] | None:
+  """Reads the first element to choose the mode: [it] where elements are placed
+  one by one (as `jax.device_put` does), None for global batches (then
+  `parent` is back where it was).
+
+  Raises:
+    ValueError: If options that need global batches are given.
+  """
+  if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
+    return None
+  before = parent.get_state()
+  try:
+    first = next(parent)
+  except StopIteration:
+    first = None
+  why = None if first is None else _unbatched(first)
+  if first is None or not (why or placement.per_leaf):
+    parent.set_state(before)  # The engine reads it again.
+    return None
+  options = [k for k in ("paddings", "dtypes") if getattr(settings, k) is not None]
+  options += [k for k in ("mask_key", "drop_last") if getattr(settings, k)]
+  options += ["pad_shapes"] if settings.shapes is not None else []
+  if options:
+    why = f"the first element is unbatched ({why})" if why else None
+    raise ValueError(
+      f"`{'`, `'.join(options)}` need global batches, but"
+      f" {why or _why_plain(placement.element)}, so"
+      " elements are placed one by one as jax.device_put places them."
+      " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
+    )
+  return [first]
+
+
+def _plain_state(count: int, settings: Any, source: Any) -> dict[str, Any]:
+  """The state of an iterator that places elements one by one (or has not chosen yet)."""
+  return {
+    "version": iterator_lib.STATE_VERSION,
+    "batches": count,
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "settings": settings.digest(),
+    "source": source,
+  }
+
+
+class _SyncedIterator:  # The bases come with Grain (`_classes`).
+  """Global `jax.Array` batches that every host agrees on.
+
+  `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
+  `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
+  `set_state` also takes the state Grain's own `device_put` iterator saved.
+  On one process, unbatched elements (and every element, when `device` is
+  a pytree of different shardings) are placed as `jax.device_put` places
+  them.
+  """
+
+  _MUTATES_ELEMENT_SPEC = True
+  # Grain's DatasetIterator (the other base) sets and defines these.
+  _closed: bool
+  _parent: Any
+  _assert_not_closed: Any
+
+  def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._settings = settings
+    self._placement = placement
+    self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
+    self._jax: iterator_lib.JaxBatchIterator | None = None
+    self._plain = False  # Elements placed one by one, as jax.device_put does.
+    self._first: list[Any] = []  # The element read to choose the mode.
+    self._restored: dict[str, Any] | None = None
+    self._count = 0
+
+  def _choose(self) -> None:
+    """Reads the first element to choose: global batches or plain placement."""
+    first = _plain_first(self._parent, self._settings, self._placement)
+    if first is None:
+      self._start_batches()
+      return
+    self._plain = True
+    self._first.append(first[0])
+
+  def _start_batches(self) -> None:
+    self._jax = iterator_lib.JaxBatchIterator(
+      self._parent, settings=self._settings, placement=self._batches
+    )
+    if self._restored is not None:
+      self._jax.set_state(self._restored)
+
+  def __next__(self) -> Any:
+    self._assert_not_closed()
+    if self._jax is None and not self._plain:
+      self._choose()
+    if self._jax is not None:
+      return next(self._jax)
+    element = self._first.pop() if self._first else next(self._parent)
+    self._count += 1
+    return jax.device_put(element, self._placement.element)
+
+  def get_state(self) -> dict[str, Any]:
+    if self._jax is not None:
+      return self._jax.get_state()
+    if self._first:  # Read to choose the mode, not yet returned.
+      raise RuntimeError("internal: state asked between choosing and returning")
+    return _plain_state(self._count, self._settings, self._parent.get_state())
+
+  def set_state(self, state: Any) -> None:
+    state = _normalize_state(state)
+    if self._jax is not None:
+      self._jax.set_state(state)
+      return
+    self._first.clear()
+    self._parent.set_state(state["source"])
+    self._count = int(state["batches"])
+    self._restored = state
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    if self._jax is not None:
+      self._jax.close()  # Stops the pipeline thread, then closes `parent`.
+    else:
+      self._parent.close()
+    self._closed = True
+
+  @property
+  def sharding(self) -> jax.sharding.Sharding | None:
+    return self._jax.sharding if self._jax is not None else self._placement.sharding
+
+  def __str__(self) -> str:
+    return "SyncedDatasetIterator"
+
+
+class _SyncedDataset:  # The bases come with Grain (`_classes`).
+  """The dataset `device_put` returns; each `iter()` starts a fresh run."""
+
+  _parent: Any  # Set by Grain's IterDataset (the other base).
+
+  def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._args = (settings, placement, batches)
+
+  def __iter__(self) -> Any:
+    return _classes()[1](self._parent.__iter__(), *self._args)
+
+  def __str__(self) -> str:
+    return "grain_jax_sync.device_put"
+
+
 @functools.cache
-def _classes() -> tuple[type, type]:  # noqa: C901 - a factory of two classes (lazy Grain import)
-  """Builds the Grain subclasses on first use, so Grain loads lazily."""
+def _classes() -> tuple[type, type]:
+  """The Grain subclasses, made on first use so that Grain loads lazily."""
   # Any: Grain's classes are bases here, and Grain ships no type information.
   grain: Any = extras.require("grain", needed_by="grain_jax_sync.device_put")
-
-  class SyncedDatasetIterator(grain.DatasetIterator):
-    """Global `jax.Array` batches that every host agrees on.
-
-    `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
-    `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
-    `set_state` also takes the state Grain's own `device_put` iterator saved.
-    On one process, unbatched elements (and every element, when `device` is
-    a pytree of different shardings) are placed as `jax.device_put` places
-    them.
-    """
-
-    _MUTATES_ELEMENT_SPEC = True
-    _closed: bool  # Set by Grain's DatasetIterator.__init__.
-
-    def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
-      super().__init__(parent)
-      self._settings = settings
-      self._placement = placement
-      self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
-      self._jax: iterator_lib.JaxBatchIterator | None = None
-      self._plain = False  # Elements placed one by one, as jax.device_put does.
-      self._first: list[Any] = []  # The element read to choose the mode.
-      self._restored: dict[str, Any] | None = None
-      self._count = 0
-
-    def _choose(self) -> None:
-      """Reads the first element to choose: global batches or plain placement."""
-      if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
-        self._start_batches()
-        return
-      before = self._parent.get_state()
-      try:
-        first = next(self._parent)
-      except StopIteration:
-        first = None
-      why = None if first is None else _unbatched(first)
-      if first is None or not (why or self._placement.per_leaf):
-        self._parent.set_state(before)  # The engine reads it again.
-        self._start_batches()
-        return
-      given = self._settings
-      options = [k for k in ("paddings", "dtypes") if getattr(given, k) is not None]
-      options += [k for k in ("mask_key", "drop_last") if getattr(given, k)]
-      options += ["pad_shapes"] if given.shapes is not None else []
-      if options:
-        why = f"the first element is unbatched ({why})" if why else None
-        raise ValueError(
-          f"`{'`, `'.join(options)}` need global batches, but"
-          f" {why or _why_plain(self._placement.element)}, so"
-          " elements are placed one by one as jax.device_put places them."
-          " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
-        )
-      self._plain = True
-      self._first.append(first)
-
-    def _start_batches(self) -> None:
-      self._jax = iterator_lib.JaxBatchIterator(
-        self._parent, settings=self._settings, placement=self._batches
-      )
-      if self._restored is not None:
-        self._jax.set_state(self._restored)
-
-    def __next__(self) -> Any:
-      self._assert_not_closed()
-      if self._jax is None and not self._plain:
-        self._choose()
-      if self._jax is not None:
-        return next(self._jax)
-      element = self._first.pop() if self._first else next(self._parent)
-      self._count += 1
-      return jax.device_put(element, self._placement.element)
-
-    def get_state(self) -> dict[str, Any]:
-      if self._jax is not None:
-        return self._jax.get_state()
-      if self._first:  # Read to choose the mode, not yet returned.
-        raise RuntimeError("internal: state asked between choosing and returning")
-      return {
-        "version": iterator_lib.STATE_VERSION,
-        "batches": self._count,
-        "process_index": jax.process_index(),
-        "process_count": jax.process_count(),
-        "settings": self._settings.digest(),
-        "source": self._parent.get_state(),
-      }
-
-    def set_state(self, state: Any) -> None:
-      state = _normalize_state(state)
-      if self._jax is not None:
-        self._jax.set_state(state)
-        return
-      self._first.clear()
-      self._parent.set_state(state["source"])
-      self._count = int(state["batches"])
-      self._restored = state
-
-    def close(self) -> None:
-      if self._closed:
-        return
-      if self._jax is not None:
-        self._jax.close()  # Stops the pipeline thread, then closes `parent`.
-      else:
-        self._parent.close()
-      self._closed = True
-
-    @property
-    def sharding(self) -> jax.sharding.Sharding | None:
-      return self._jax.sharding if self._jax is not None else self._placement.sharding
-
-    def __str__(self) -> str:
-      return "SyncedDatasetIterator"
-
-  class SyncedIterDataset(grain.IterDataset):
-    """The dataset `device_put` returns; each `iter()` starts a fresh run."""
-
-    def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
-      super().__init__(parent)
-      self._args = (settings, placement, batches)
-
-    def __iter__(self) -> Any:
-      return SyncedDatasetIterator(self._parent.__iter__(), *self._args)
-
-    def __str__(self) -> str:
-      return "grain_jax_sync.device_put"
-
-  return SyncedIterDataset, SyncedDatasetIterator
+  iterator = type(
+    "SyncedDatasetIterator",
+    (_SyncedIterator, grain.DatasetIterator),
+    {"_MUTATES_ELEMENT_SPEC": True, "__doc__": _SyncedIterator.__doc__},
+  )
+  dataset = type(
+    "SyncedIterDataset", (_SyncedDataset, grain.IterDataset), {"__doc__": _SyncedDataset.__doc__}
+  )
+  return dataset, iterator
 
 
 def device_put(

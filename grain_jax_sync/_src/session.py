@@ -75,13 +75,14 @@ class Stages:
 
   def __init__(self, start: Start):
     s = start.settings
-    ex = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=start.namespace)
+    # Any: the exchange's `form` says which it is (no isinstance checks).
+    ex: Any = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=start.namespace)
     if ex.form == "streamed":
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.namespace = start.namespace if ex.form == "streamed" else None
     self.position = start.mark.position
     self.delivered = 0
-    self._exchange = ex
+    self._exchange: Any = ex
     self._closed = False
     self._agreement: agreement.Streamed | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
@@ -249,7 +250,7 @@ def end_unstarted(
   if namespace is None or exchange_lib.pre_ended(namespace) is not None:
     return  # Nothing to tell, or told already.
   try:
-    ex = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
+    ex: Any = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
     if ex.form == "streamed":
       agreement.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
