@@ -26,7 +26,7 @@ ErrorKind = plan_lib.ErrorKind
 # -- lockstep ----------------------------------------------------------------------
 
 
-def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fast path first
+def lockstep(
   reader: Iterator[reader_lib.Read | reader_lib.End],
   exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
   options: plan_lib.Options,
@@ -41,67 +41,107 @@ def lockstep(  # noqa: C901 - one window per pass, in order; the one-process fas
   one more batch (or its end) before the next decision, which starts at the
   first undecided position.
   """
-  signature: batches_lib.Signature | None = None
-  end: reader_lib.End | None = None
-  reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
-  alone = exchange.process_count == 1 and not who.groups
-  memo: dict[tuple[tuple[int, ...], plan_lib.Options], tuple[plan_lib.Plan, int]] = {}
-  # One process, one batch per window, mid-stream: the decided step and its
-  # yield count per row count, for the current `options` (cleared when they
-  # change). A batch of a known size is yielded without building a window
-  # (about 4 of the 8 us the window costs per batch).
-  quick: dict[int, tuple[plan_lib.Step, int]] | None = None
-  if alone and window == 1 and options.shapes is None:  # `pad_shapes`: sizes decide too.
-    quick = {}
-  for w in range(1 << 62):
-    need = max(window, len(reads) + 1)  # Counted before a quick read, which it includes.
-    if quick and not reads and end is None:
-      end = _read(reader, reads, 1)
-      hit = quick.get(reads[0].batch.rows) if end is None else None
-      if hit is not None:
-        position += hit[1]
-        yield build_lib.Run(((reads.pop(), hit[0]),), signature, options.batch_size)
-        continue
-    if end is None:
-      end = _read(reader, reads, need)
-    if signature is None and reads:
-      signature = reads[0].batch.signature
-    rows = tuple(r.batch.rows for r in reads)
+  return iter(_Lockstep(reader, exchange, options, who, window=window, position=position))
+
+
+class _Lockstep:
+  """`lockstep`'s state between windows; `__iter__` runs one window per pass, in order."""
+
+  def __init__(
+    self,
+    reader: Iterator[reader_lib.Read | reader_lib.End],
+    exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
+    options: plan_lib.Options,
+    who: common.Identity,
+    *,
+    window: int,
+    position: int,
+  ):
+    self._reader, self._ex, self._options, self._who = reader, exchange, options, who
+    self._window = window
+    self._position = position
+    self._signature: batches_lib.Signature | None = None
+    self._end: reader_lib.End | None = None
+    self._reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
     # One process, mid-stream: a window of the same sizes gets the same plan
-    # (an error-free plan does not depend on the position).
-    # Not with `pad_shapes`: the plan depends on the sizes too (and they take many values).
-    memoize = alone and w and end is None and options.shapes is None
-    key = (rows, options) if memoize else None
-    known = memo.get(key) if key is not None else None
+    # (an error-free plan does not depend on the position). Not with
+    # `pad_shapes`: the plan depends on the sizes too (and they take many values).
+    self._alone = exchange.process_count == 1 and not who.groups and options.shapes is None
+    self._memo: dict[tuple[tuple[int, ...], plan_lib.Options], tuple[plan_lib.Plan, int]] = {}
+    # One process, one batch per window, mid-stream: the decided step and its
+    # yield count per row count, for the current `options` (cleared when they
+    # change). A batch of a known size is yielded without building a window
+    # (about 4 of the 8 us the window costs per batch).
+    self._quick: dict[int, tuple[plan_lib.Step, int]] | None = (
+      {} if self._alone and window == 1 else None
+    )
+
+  def __iter__(self) -> Iterator[build_lib.Run]:
+    for w in range(1 << 62):
+      need = max(self._window, len(self._reads) + 1)  # Counted before a quick read.
+      if self._quick and not self._reads and self._end is None:
+        run = self._quick_run()
+        if run is not None:
+          yield run
+          continue
+      if self._end is None:
+        self._end = _read(self._reader, self._reads, need)
+      if self._signature is None and self._reads:
+        self._signature = self._reads[0].batch.signature
+      decision, steps = self._next_window(w)
+      if steps:
+        yield build_lib.Run(steps, self._signature, self._options.batch_size)
+      steps = ()
+      if decision.end == plan_lib.End.STOP:
+        return
+      if decision.end == plan_lib.End.RAISE:
+        assert decision.error is not None
+        raise endings.to_exception(decision.error, self._who.process, self._end)
+
+  def _quick_run(self) -> build_lib.Run | None:
+    """Reads one batch; its run if a batch of its size was decided before (else None)."""
+    assert self._quick is not None
+    self._end = _read(self._reader, self._reads, 1)
+    hit = self._quick.get(self._reads[0].batch.rows) if self._end is None else None
+    if hit is None:
+      return None
+    self._position += hit[1]
+    return build_lib.Run(((self._reads.pop(), hit[0]),), self._signature, self._options.batch_size)
+
+  def _next_window(self, w: int) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
+    """Decides the window held (or recalls its decision); its steps with this host's reads."""
+    reads = self._reads
+    rows = tuple(r.batch.rows for r in reads)
+    key = (rows, self._options) if self._alone and w and self._end is None else None
+    known = self._memo.get(key) if key is not None else None
     if known is not None:
       decision, yields = known
     else:
-      decision, signature = _decide_window(
-        reads, rows, end, signature, who, exchange, options, w=w, position=position
+      decision, self._signature = _decide_window(
+        reads,
+        rows,
+        self._end,
+        self._signature,
+        self._who,
+        self._ex,
+        self._options,
+        w=w,
+        position=self._position,
       )
       yields = sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
       if key is not None and decision.error is None:
-        memo[key] = (decision, yields)
-    pinned = plan_lib.pin(options, decision)
-    if quick is not None and pinned is not options:
-      quick.clear()
-    elif quick is not None and key is not None and _repeatable(decision):
-      quick[rows[0]] = (decision.steps[0], yields)
-    options = pinned
+        self._memo[key] = (decision, yields)
+    pinned = plan_lib.pin(self._options, decision)
+    if self._quick is not None and pinned is not self._options:
+      self._quick.clear()
+    elif self._quick is not None and key is not None and _repeatable(decision):
+      self._quick[rows[0]] = (decision.steps[0], yields)
+    self._options = pinned
+    steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
+    self._position += yields
     n = len(decision.steps)
-    steps = tuple(
-      (reads[i] if i < len(reads) else None, step) for i, step in enumerate(decision.steps)
-    )
-    position += yields
-    reads = reads[n:] if decision.end == plan_lib.End.WAIT else []
-    if steps:
-      yield build_lib.Run(steps, signature, options.batch_size)
-    steps = ()
-    if decision.end == plan_lib.End.STOP:
-      return
-    if decision.end == plan_lib.End.RAISE:
-      assert decision.error is not None
-      raise endings.to_exception(decision.error, who.process, end)
+    self._reads = reads[n:] if decision.end == plan_lib.End.WAIT else []
+    return decision, steps
 
 
 def _read(
