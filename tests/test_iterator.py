@@ -283,33 +283,6 @@ def test_nested_pytree_batches_keep_structure_across_hosts():
     np.testing.assert_array_equal(batch["b"][0], x + 1)
 
 
-def test_mask_key_requires_dict_batches():
-  with pytest.raises(ValueError, match="`mask_key`='mask' needs dict batches"):
-    list(gjs.iter_jax_batches([np.zeros(8)], batch_size=8, mask_key="mask"))
-
-
-def test_paddings_dict_with_unknown_column_raises():
-  with pytest.raises(
-    ValueError, match=r"`paddings` names columns that the batches do not have: \['z'\]"
-  ):
-    list(
-      gjs.iter_jax_batches(
-        scenarios.make_batches(0, [8]), batch_size=8, paddings={"x": 0, "y": 0, "z": 1}
-      )
-    )
-
-
-def test_a_bare_array_batch_takes_a_one_entry_dict_whatever_its_key_as_the_reference_does():
-  data = [np.arange(8, dtype=np.int64), np.arange(5, dtype=np.int64)]
-  out = list(gjs.iter_jax_batches(data, batch_size=8, paddings={"any": 7}, dtypes={"x": "int8"}))
-  assert [a.dtype for a in out] == [np.int8, np.int8]
-  assert np.asarray(out[1]).tolist() == [0, 1, 2, 3, 4, 7, 7, 7]
-  with pytest.raises(
-    ValueError, match=r"`dtypes` for a single-array batch must be a scalar or a dict with one entry"
-  ):
-    list(gjs.iter_jax_batches(data, batch_size=8, dtypes={"a": "int8", "b": "int16"}))
-
-
 def test_empty_batches_are_skipped():
   data = [{"x": np.zeros(0)}, {}, {"x": np.arange(8)}]
   out = list(gjs.iter_jax_batches(data, batch_size=8))

@@ -163,6 +163,31 @@ def test_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(prefetc
     assert rest["batches"][0]["mask"].tolist() == ([True] * 16 + [False] * 8) * 2
 
 
+# -- per-column options (`padding.per_leaf`) -------------------------------------------
+
+
+def test_paddings_dict_with_unknown_column_raises():
+  with pytest.raises(
+    ValueError, match=r"`paddings` names columns that the batches do not have: \['z'\]"
+  ):
+    list(
+      gjs.iter_jax_batches(
+        scenarios.make_batches(0, [8]), batch_size=8, paddings={"x": 0, "y": 0, "z": 1}
+      )
+    )
+
+
+def test_a_bare_array_batch_takes_a_one_entry_dict_whatever_its_key_as_the_reference_does():
+  data = [np.arange(8, dtype=np.int64), np.arange(5, dtype=np.int64)]
+  out = list(gjs.iter_jax_batches(data, batch_size=8, paddings={"any": 7}, dtypes={"x": "int8"}))
+  assert [a.dtype for a in out] == [np.int8, np.int8]
+  assert np.asarray(out[1]).tolist() == [0, 1, 2, 3, 4, 7, 7, 7]
+  with pytest.raises(
+    ValueError, match=r"`dtypes` for a single-array batch must be a scalar or a dict with one entry"
+  ):
+    list(gjs.iter_jax_batches(data, batch_size=8, dtypes={"a": "int8", "b": "int16"}))
+
+
 # -- padding's NumPy helpers ----------------------------------------------------------
 
 
