@@ -31,26 +31,17 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  gate = threading.Event()  # Holds the read of batch 3 until the threads are seen.
-  timer = threading.Timer(5.0, gate.set)  # Without prefetch the caller's thread reads it.
-  timer.start()
-
-  def source():
-    for i in range(100):
-      if i == 3:
-        gate.wait()
-      yield {"x": np.full(8, 100 * p + i, np.int32)}
-
-  it = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch, sync_timeout_s=60.0)
+  # A long stream: the agreement thread, held back by the bounded read-ahead,
+  # still runs when the threads are looked at.
+  data = ({"x": np.full(8, 100 * p + i, np.int32)} for i in range(100_000))
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch, sync_timeout_s=60.0)
   out: dict[str, Any] = {"before": library_threads()}
   rows = [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0])]
   out["running"] = library_threads()
   # The order in which `Stages.close` stops them: from the user's end back.
   out["close_order"] = [stage.thread.name for stage in it._life._stages._threads]
-  gate.set()
-  timer.cancel()
-  rows += [int(np.asarray(b["x"].addressable_shards[0].data)[0]) for b in it]
-  it.close()
+  rows += [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0]) for _ in range(4)]
+  it.close()  # Mid-stream, on every host at the same batch.
   out["rows"] = rows
   out["after"] = _no_threads()
   return out
