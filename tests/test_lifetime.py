@@ -16,8 +16,10 @@ import threading
 import time
 import weakref
 
+import grain
 import numpy as np
 import pytest
+import scenarios
 import scenarios_lifetime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,6 +55,38 @@ def rows(n: int) -> list[dict[str, np.ndarray]]:
 
 def first(batch) -> int:
   return int(np.asarray(batch["x"])[0])
+
+
+# -- lifetime ------------------------------------------------------------------------
+
+
+def test_close_and_context_manager_leave_no_thread():
+  before = set(threading.enumerate())
+  with gjs.iter_jax_batches(
+    scenarios.make_batches(0, [8] * 10), batch_size=8, prefetch_batches=2
+  ) as it:
+    next(it)
+  assert set(threading.enumerate()) - before == set()
+  with pytest.raises(RuntimeError, match="closed"):
+    next(it)
+
+
+@pytest.mark.parametrize("call", ["next", "reset", "set_state", "local_set_state"])
+def test_every_call_that_moves_a_closed_iterator_raises_closed(call):
+  ds = grain.MapDataset.range(32).map(lambda i: {"x": np.int32(i)}).batch(8)
+  it = gjs.iter_jax_batches(ds.to_iter_dataset(), batch_size=8)
+  next(it)
+  state, local = it.get_state(), it.local_iterator.get_state()
+  it.close()
+  moves = {
+    "next": lambda: next(it),
+    "reset": it.reset,
+    "set_state": lambda: it.set_state(state),
+    "local_set_state": lambda: it.local_iterator.set_state(local),
+  }
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    moves[call]()
+  assert it.get_state() == state  # Still the state after the last batch received.
 
 
 # -- defects found by running the library as users do -----------------------------

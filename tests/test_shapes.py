@@ -4,7 +4,7 @@ Real processes (2 x 4 and 4 x 2), every host with its own length at every
 position: each global batch is rebuilt here from every host's source batches
 (padded rows and elements of `paddings`, the agreed length bucketed) and
 compared value by value, with the row mask and the element masks. Unit tests
-of the options, `shapes.agree`, `padding.element_mask` and the wire codecs
+of the options, `shapes.agree` and the wire codecs
 run in this process.
 """
 
@@ -20,7 +20,6 @@ import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import ledger as ledger_lib
-from grain_jax_sync._src import padding
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import shapes as shapes_lib
 
@@ -258,19 +257,6 @@ def test_bad_columns_and_dims_name_the_batch(kw, match):
   }
   with pytest.raises(ValueError, match=match):
     _one(data, **kw)
-
-
-def test_element_mask_rows_and_dims():
-  m = padding.element_mask((2, 3, 5, 4), 4, (6, 5, 8), (0, 2))
-  assert m.shape == (4, 6, 5, 8)
-  assert m[:2, :3, :, :4].all() and m.sum() == 2 * 3 * 5 * 4
-  assert not padding.element_mask(None, 4, (6,), (0,)).any()
-
-
-def test_fill_leaf_pads_trailing_dims():
-  leaf = np.arange(6, dtype=np.int32).reshape(2, 3)
-  out = padding.fill_leaf(leaf, target=3, shape=(5,), dtype=np.dtype(np.int32), pad=np.int32(-1))
-  np.testing.assert_array_equal(out, [[0, 1, 2, -1, -1], [3, 4, 5, -1, -1], [-1] * 5])
 
 
 def test_signature_leaves_named_dims_out():

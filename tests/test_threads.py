@@ -1,0 +1,365 @@
+"""Calls from other threads and from signal handlers: next, get_state, set_state, close.
+
+Two consumer threads, a checkpoint or monitoring thread beside the consumer,
+`close()` from another thread, from inside `close()` or `next()`, and from a
+signal handler at chosen and at random moments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import wait_for_no_threads
+
+import grain_jax_sync as gjs
+
+
+def _take_all_from_two_threads(it):
+  """Two threads share one iterator from its first `next()`; their batches' first rows."""
+  got = [[], []]
+  errors = []
+  start = threading.Barrier(2)
+
+  def worker(k):
+    start.wait()
+    try:
+      for b in it:
+        got[k].append(int(np.asarray(b["x"])[0]))
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      errors.append(repr(e))
+
+  threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  return got, errors
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_two_threads_share_one_iterator_from_its_first_batch(prefetch):
+  # Unserialized, both threads started the stream (prefetch 2: two
+  # pipelines) or ran the source generator at once (0: "generator already
+  # executing", then a silent early end for the other thread).
+  data = (({"x": np.full(8, b, np.int32)}) for b in range(2000))
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+  got, errors = _take_all_from_two_threads(it)
+  it.close()
+  assert errors == []
+  assert sorted(got[0] + got[1]) == list(range(2000))
+  assert got[0] == sorted(got[0]) and got[1] == sorted(got[1])
+
+
+def test_close_from_another_thread_during_a_generator_read_closes_the_generator():
+  finalized, slow_read = threading.Event(), threading.Event()
+
+  def source():
+    try:
+      for b in range(100):
+        if b == 3:
+          slow_read.set()
+          time.sleep(2.0)
+        yield {"x": np.full(8, b, np.int32)}
+    finally:
+      finalized.set()
+
+  it = gjs.iter_jax_batches(source(), batch_size=8)
+  got, ended = [], []
+
+  def consume():
+    try:
+      for b in it:
+        got.append(int(np.asarray(b["x"])[0]))
+    except Exception as e:  # noqa: BLE001 - returned to the test.
+      ended.append(repr(e))
+    else:
+      ended.append("StopIteration")
+
+  t = threading.Thread(target=consume)
+  t.start()
+  assert slow_read.wait(30)
+  deadline = time.monotonic() + 1.5
+  while len(got) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  # The consumer is inside the slow read of batch 3 (or waits for it).
+  it.close()  # Raised "generator already executing" and left the generator open.
+  t.join(10)
+  assert ended == ["StopIteration"] and got == [0, 1, 2]
+  assert finalized.is_set()
+  it.close()  # Idempotent.
+
+
+@contextlib.contextmanager
+def _switching_often():
+  """A short switch interval, so that threads interleave often (races show)."""
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)
+  try:
+    yield
+  finally:
+    sys.setswitchinterval(interval)
+
+
+def _drain_beside(it, probe):
+  """Drains `it` while another thread calls `probe()` again and again; the batch count."""
+  done = threading.Event()
+
+  def watch():
+    while not done.is_set():
+      probe()
+
+  with _switching_often():
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+      return sum(1 for _ in it)
+    finally:
+      done.set()
+      watcher.join(30)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_get_state_from_another_thread_pairs_the_count_with_its_own_source_state(prefetch):
+  # A checkpoint or monitoring thread: the batch count and the source state
+  # come from the same batch (it read the count of one batch and the state of
+  # a later one). A short switch interval makes the threads interleave often.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(2000)]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+  torn, seen = [], []
+
+  def probe():
+    state = it.get_state()
+    seen.append(state["batches"])
+    if state["source"]["index"] != state["batches"]:
+      torn.append((state["batches"], state["source"]))
+
+  assert _drain_beside(it, probe) == 2000
+  assert torn == [] and len(seen) > 10 and seen == sorted(seen)
+  it.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("how", ["set_state", "reset"])
+def test_set_state_or_reset_from_another_thread_takes_turns_with_next(prefetch, how):
+  # Called while the consumer iterates: the stream ended silently (next()
+  # marked it exhausted after the restart), or the batch in flight moved the
+  # restored count on. Now the call waits for that next(), and the rows go on
+  # from the restored batch with a count that matches the source.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
+  with _switching_often():
+    for _ in range(10):
+      it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch)
+      got: list[int] = []
+      t = None
+      done = None  # Batches received when the restore was seen done.
+      for b in it:
+        got.append(int(np.asarray(b["x"])[0]))
+        if len(got) == 100:
+          saved = it.get_state()
+        if len(got) == 120:
+          restore = functools.partial(it.set_state, saved) if how == "set_state" else it.reset
+          t = threading.Thread(target=restore)
+          t.start()
+        if done is not None and len(got) > done and len(got) >= 130:
+          break  # A batch received after the restore returned.
+        if t is not None and done is None and not t.is_alive():
+          done = len(got)
+      assert t is not None
+      t.join(30)
+      first = 100 if how == "set_state" else 0
+      # 0, 1, ... up to where the restore landed, then `first`, `first` + 1, ...
+      cut = next(i for i in range(1, len(got)) if got[i] != got[i - 1] + 1)
+      assert cut >= 120 and got[:cut] == list(range(cut)), got
+      assert got[cut:] == list(range(first, first + len(got) - cut)), got[cut - 3 :]
+      state = it.get_state()
+      assert state["batches"] == first + len(got) - cut
+      assert state["source"] == {"index": state["batches"]}
+      it.close()
+
+
+def test_stats_from_another_thread_are_one_batchs_counts():
+  data = [{"x": np.full(8, i, np.int32)} for i in range(3000)]
+  it = gjs.iter_jax_batches(data, batch_size=8)
+  torn = []
+
+  def probe():
+    stats = it.stats()
+    if stats["real_rows"] != 8 * stats["batches"]:
+      torn.append(stats)
+
+  assert _drain_beside(it, probe) == 3000
+  assert torn == []
+  it.close()
+
+
+def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold():
+  # A SIGTERM handler runs in the consumer's thread between two bytecodes of
+  # the interrupted `next()`, which may hold the build stage's lock (a plain
+  # lock): close() took it and the process hung for good. Here the thread
+  # holds the turn and that lock, as the handler finds them; the close is
+  # finished when the turn ends, as `next()` ends it.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  assert int(np.asarray(next(it)["x"])[0]) == 0
+  stage = it._life._stages._threads[0]  # The build stage.
+  returned = threading.Event()
+
+  def interrupted_next():
+    it._life.take_turn("next()")
+    try:
+      with stage._cond:
+        it.close()  # What the handler calls.
+        returned.set()
+    finally:
+      it._life.give_turn()
+
+  t = threading.Thread(target=interrupted_next, daemon=True)
+  t.start()
+  assert returned.wait(10), "close() from inside next() waited for a lock next() held"
+  t.join(10)
+  assert wait_for_no_threads() == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
+def test_close_from_a_signal_handler_between_the_lines_of_next_returns_and_closes():
+  # The handler lands in `next()` after it took its turn (the lifetime's lock
+  # released or not): close() waited for the turn its own thread held, for good.
+  data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
+  next(it)
+  returned = threading.Event()
+
+  def handler_between_lines():
+    it._life.take_turn("next()")  # As `__next__` holds it there.
+    try:
+      with it._life._lock:  # And between the lines that hold the lock.
+        it.close()
+        returned.set()
+    finally:
+      it._life.give_turn()
+
+  t = threading.Thread(target=handler_between_lines, daemon=True)
+  t.start()
+  assert returned.wait(10), "close() waited for the lock its own thread held"
+  t.join(10)
+  assert [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")] == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_inside_close_returns_at_once(prefetch):
+  # A SIGTERM handler that calls close() while the main thread is already in
+  # close() (here: the generator's own cleanup, which close() runs) waited
+  # 30 s for the close it interrupted, a preemption's whole grace period.
+  box = {}
+
+  def source():
+    try:
+      yield from ({"x": np.full(8, i, np.int32)} for i in range(100))
+    finally:
+      start = time.monotonic()
+      box["it"].close()
+      box["inner_s"] = time.monotonic() - start
+
+  it = box["it"] = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+  next(it)
+  start = time.monotonic()
+  it.close()
+  assert time.monotonic() - start < 5.0 and box["inner_s"] < 1.0, box
+
+
+_SIGNAL_CLOSE = """
+import random, signal, sys, threading
+import grain
+import numpy as np
+import grain_jax_sync as gjs
+sys.setswitchinterval(1e-6)
+main = threading.main_thread().ident
+data = [{"x": np.full(8, i, np.int32)} for i in range(2000)]
+ends = []
+for trial in range(int(sys.argv[1])):
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=int(sys.argv[2]))
+  signal.signal(signal.SIGUSR1, lambda *_: it.close())
+  delay = random.uniform(0.001, 0.05)
+  threading.Timer(delay, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+  n = 0
+  try:
+    for b in it:
+      assert int(np.asarray(b["x"])[0]) == n
+      n += 1
+    ends.append("stop")
+  except RuntimeError as e:
+    assert "the iterator is closed" in str(e), e
+    ends.append("closed")
+  assert not [t for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
+print(len(ends), sorted(set(ends)))
+"""
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_a_signal_handler_at_random_moments_never_hangs(prefetch):
+  # Each trial closes from a SIGUSR1 handler at a random point of the loop:
+  # inside `next()` (that call ends with StopIteration) or between calls (the
+  # next call raises "closed"); the rows before it are right, no thread stays.
+  out = subprocess.run(
+    [sys.executable, "-c", _SIGNAL_CLOSE, "40", str(prefetch)],
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split()[0] == "40", out.stdout
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_from_inside_the_consumers_own_next_returns_at_once(prefetch):
+  # As a signal handler (SIGTERM: shut down cleanly) that runs while the
+  # main thread is inside next(): close() waited 30 s for the lock that this
+  # very thread held, or raised "generator already executing".
+  finalized = threading.Event()
+  box = {}
+
+  def source():
+    try:
+      for b in range(20):
+        if b == 3:
+          start = time.monotonic()
+          box["it"].close()
+          box["close_s"] = time.monotonic() - start
+        yield {"x": np.full(8, b, np.int32)}
+    finally:
+      finalized.set()
+
+  it = box["it"] = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+  got = []
+  try:
+    for b in it:  # The call in which close() ran ends the loop (StopIteration).
+      got.append(int(np.asarray(b["x"])[0]))
+  except RuntimeError as e:
+    # With prefetch the source runs in the build thread: its close() may
+    # land between two calls, and the next call finds the iterator closed.
+    assert prefetch and str(e) == "the iterator is closed", e
+  if prefetch:  # The close runs beside the source's thread, which returns from it.
+    assert finalized.wait(10) and wait_for_no_threads() == []
+  assert box["close_s"] < 1.0
+  # No batch after close(), not even the one in flight. With prefetch the
+  # source runs in the build thread, ahead of the consumer: the batches it
+  # read before close() and the consumer had not received are dropped.
+  if prefetch == 0:
+    assert got == [0, 1, 2]
+  else:
+    assert got == list(range(len(got))) and len(got) <= 3, got
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+  assert finalized.is_set()
+  assert [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")] == []
