@@ -241,7 +241,7 @@ def _steps(make_iter: Callable[[], Iterator[Any]], step: Callable[[Any], Any]) -
 
 
 def input_bound(
-  *, rows: int = 64, n: int = 120, trials: int = 7, workers: int = 2
+  *, rows: int = 64, n: int = 60, trials: int = 5, workers: int = 2
 ) -> dict[str, Any]:
   """Steps per second of a jitted step fed by 2 Grain worker processes per host.
 
