@@ -19,7 +19,6 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import job_stats, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import settings as settings_lib
@@ -246,37 +245,12 @@ class JaxBatchIterator(Iterator[Any]):
 
   def _leave(self, how: str) -> None:
     """Ends the running stream here: a peer still in it raises naming this process."""
-    life = self._life
-    p, at = jax.process_index(), life.mark.position
-    life.ending = plan_lib.ReportedError(
-      plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
-    )
-    life.stop()
-    life.ending = None
+    self._life.leave(how)
 
   def _refused(self, e: ValueError) -> ValueError:
-    """Makes a refused state this host's ending (its peers raise it too).
-
-    Posted at once, to the running stream or to the one it would have
-    started, not when this host next iterates or closes: a host that lets the
-    error propagate keeps the iterator alive in its traceback, and its peers
-    waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
-    `next()` raises the same error.
-    """
-    life = self._life
+    """Makes a refused state this host's ending (its peers raise it too); see `Lifetime.refuse`."""
     error = ValueError(f"process {jax.process_index()}: {e}")
-    life.ending = plan_lib.ReportedError(
-      plan_lib.ErrorKind.VALUE, str(error), jax.process_index(), 0
-    )
-    if life.running:
-      life.stop()
-    else:
-      # The peers wait in the stream this host would have started: end it
-      # there now; a later restart takes the stream after it, as theirs do.
-      life.end_unstarted()
-    life.ending = None
-    life.pending_start = True
-    life.refusal = str(error)
+    self._life.refuse(str(error))
     return error
 
   def _set_source_state(self, source_state: Any) -> None:
@@ -362,9 +336,8 @@ class JaxBatchIterator(Iterator[Any]):
 
   def _restart(self, mark: Mark) -> None:
     """Stops the running stages; the next `next()` starts a new stream at `mark`."""
-    life = self._life
-    life.stop()
-    life.restart(mark)
+    self._life.stop()
+    self._life.restart(mark)
 
   # -- lifetime ----------------------------------------------------------------
 

@@ -213,6 +213,35 @@ class Lifetime:
       stages.close(self.mark.position, self.ending)
       self._finished += stages.times()
 
+  def leave(self, how: str) -> None:
+    """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""
+    p, at = jax.process_index(), self.mark.position
+    self.ending = plan_lib.ReportedError(
+      plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
+    )
+    self.stop()
+    self.ending = None
+
+  def refuse(self, message: str) -> None:
+    """Makes a refused state's error this host's ending; `next()` raises it. In a turn.
+
+    Posted at once, to the running stream or to the one it would have
+    started, not when this host next iterates or closes: a host that lets the
+    error propagate keeps the iterator alive in its traceback, and its peers
+    waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
+    `next()` raises the same error.
+    """
+    self.ending = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, message, jax.process_index(), 0)
+    if self.running:
+      self.stop()
+    else:
+      # The peers wait in the stream this host would have started: end it
+      # there now; a later restart takes the stream after it, as theirs do.
+      self.end_unstarted()
+    self.ending = None
+    self.pending_start = True
+    self.refusal = message
+
   def end_unstarted(self) -> None:
     """Posts `ending` (or closed) to the stream this host would start next; in a turn.
 
