@@ -27,17 +27,31 @@ def records(n: int) -> list[dict[str, Any]]:
   return [{"id": np.int64(i)} for i in range(n)]
 
 
-def transform(ds: Any, batch: int = BATCH) -> Any:
+def transform(ds: Any, batch: int = BATCH, workers: int = 0) -> Any:
   ds = ds.map(lambda r: {"id": r["id"], "x": np.float32(2 * r["id"])})
-  return ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
+  ds = ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
+  if workers:  # Grain's multiprocess prefetch: each worker reads every `workers`-th record.
+    import grain
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return ds
 
 
 def make_iterator(
-  n: int, *, shuffle: bool, seed: int = 5, num_epochs: int = 1, batch: int = BATCH
+  n: int,
+  *,
+  shuffle: bool,
+  seed: int = 5,
+  num_epochs: int = 1,
+  batch: int = BATCH,
+  workers: int = 0,
 ) -> Any:
   import grain_jax_sync as gjs
 
-  shaped = functools.partial(transform, batch=batch)
+  shaped = functools.partial(transform, batch=batch, workers=workers)
   src = gjs.elastic_source(records(n), shaped, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
   return gjs.iter_jax_batches(src, batch_size=batch, paddings=PAD, mask_key="mask")
 
@@ -65,6 +79,7 @@ def elastic_job(
   mode: str,
   shuffle: bool = False,
   num_epochs: int = 1,
+  workers: int = 0,
 ) -> dict[str, Any]:
   """One job: restore the previous job's state, read `steps` global batches (None: all), save.
 
@@ -78,7 +93,7 @@ def elastic_job(
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  it = make_iterator(n, shuffle=shuffle, num_epochs=num_epochs)
+  it = make_iterator(n, shuffle=shuffle, num_epochs=num_epochs, workers=workers)
   mngr = ocp.CheckpointManager(os.path.join(directory, "ckpt")) if mode == "orbax" else None
   if job:
     if mngr is None:

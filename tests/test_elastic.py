@@ -25,7 +25,7 @@ from grain_jax_sync._src.sources import elastic
 N = 160
 
 
-def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1):
+def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1, workers=0):
   jobs = []
   for job, (count, k) in enumerate(zip(counts, steps, strict=True)):
     outs = testing.values(
@@ -33,7 +33,7 @@ def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=
         se.elastic_job,
         num_processes=count,
         devices_per_process=1,
-        args=(job, n, k, directory, mode, shuffle, num_epochs),
+        args=(job, n, k, directory, mode, shuffle, num_epochs, workers),
         timeout_s=120,
       )
     )
@@ -131,6 +131,25 @@ def test_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(tmp_path):
   check_exactly_once(jobs, counts, n=n, num_epochs=2)
   epochs = {json.loads(f.read_text())["source"]["epoch"] for f in (tmp_path / "job0").iterdir()}
   assert epochs == {0, 1}  # Some hosts were still in epoch 0, others in epoch 1.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3(tmp_path):
+  # Two mp_prefetch workers per host, each reading every other record of the host's share.
+  counts, steps = [2, 2, 3], [2, 2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, workers=2)
+  check_exactly_once(jobs, counts)
+  for job in (0, 1):
+    for f in (tmp_path / f"job{job}").iterdir():
+      source = json.loads(f.read_text())["source"]
+      assert source["resplittable"] is True and len(source["strided"]) == 2
+      # The workers' thresholds differ (the filter drops records unevenly): not a prefix.
+      assert source["position"] == min(source["strided"])
+  assert any(
+    len(set(json.loads(f.read_text())["source"]["strided"])) == 2
+    for f in (tmp_path / "job1").iterdir()
+  )
 
 
 @pytest.mark.multiprocess
@@ -281,4 +300,33 @@ def test_one_state_of_another_count_for_a_non_elastic_source_points_to_elastic_s
   state = dict(it.get_state(), process_count=2)
   with pytest.raises(ValueError, match=r"process_count=2.*cannot be re-split.*elastic_source"):
     it.set_state(state)
+  it.close()
+
+
+def test_sequential_mp_prefetch_resumes_on_the_same_count_and_refuses_a_resplit():
+  import grain
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+    flags.FLAGS.mark_as_parsed()
+
+  def blocks(ds):  # Each worker reads a block of the stream, not every other record.
+    ds = se.transform(ds, batch=8)
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2), sequential_slice=True)
+
+  src = gjs.elastic_source(se.records(64), blocks)
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  full = ids_of(it)
+  it.close()
+  assert sorted(full) == [i for i in range(64) if se.keep(i)]
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  head = ids_of(b for _, b in zip(range(3), it))
+  state = json.loads(json.dumps(it.get_state()))
+  it.close()
+  assert state["source"]["resplittable"] is False
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  it.set_state(state)
+  assert head + ids_of(it) == full  # Grain's own state: exact on the same count.
+  with pytest.raises(ValueError, match=r"cannot be re-split.*sequential_slice=True"):
+    it.set_state(_two_process_copies(state))
   it.close()

@@ -165,3 +165,43 @@ def test_pack_ints_round_trips():
 def test_a_cursor_past_its_share_is_refused():
   with pytest.raises(ValueError, match="process 1's cursor 9 is outside its share of 5"):
     es.shares(10, [(2, (0, 9))], 1)
+
+
+@PROPERTY_SETTINGS
+@given(
+  n=st.integers(0, 60),
+  epochs=st.integers(1, 3),
+  counts=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+  data=st.data(),
+)
+def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epochs, counts, data):
+  """Each old process's W workers read every W-th stream index: consumed iff j < T[j % W]."""
+  seen, first, splits = [], 0, ()
+  for k, count in enumerate(counts):
+    job = layouts(n, epochs, first, splits, count)
+    if k == len(counts) - 1:
+      for layout in job:
+        seen += [record_of(layout, j, shuffle=True, seed=3) for j in range(layout.length)]
+      break
+    thresholds = []
+    for layout in job:
+      width = data.draw(st.integers(1, 4))
+      reads = [len(range(w, layout.length, width)) for w in range(width)]
+      t = tuple(w + data.draw(st.integers(0, r)) * width for w, r in zip(range(width), reads))
+      thresholds.append(t)
+      for j in range(layout.length):
+        if j < t[j % width]:
+          seen.append(record_of(layout, j, shuffle=True, seed=3))
+    first, splits = es.resume_strided(job, thresholds, counts[k + 1])
+    splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  assert Counter(seen) == Counter((e, r) for e in range(epochs) for r in range(n))
+
+
+def test_a_strided_cursor_leaves_the_positions_above_each_worker_s_threshold():
+  share = [(0, 5), (10, 15)]  # Share positions 0..9 name 0..4, 10..14.
+  # Even positions below 6 and odd ones below 3 are consumed: 3, 5 and 6.. are left.
+  assert es.remaining([share], [(6, 3)]) == [(3, 4), (10, 15)]
+  assert es.remaining([share], [(2, 5)]) == [(2, 3), (4, 5), (10, 15)]
+  assert es.remaining([share], [(4, 4)]) == es.remaining([share], [4]) == [(4, 5), (10, 15)]
+  with pytest.raises(ValueError, match="outside its share of 10 records"):
+    es.remaining([share], [(0, 11)])

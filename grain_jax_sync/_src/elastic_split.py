@@ -13,6 +13,10 @@ A resize appends ``(old_count, cursors)`` to the epoch's split history; the
 shares of the next job are the even split of what the old shares left. The
 history replays to the current split, so a state never lists records: it
 holds the history (a few ints per process per resize) and a cursor.
+
+A cursor may also be strided: a tuple ``(t_0, .., t_{W-1})`` says that share
+position ``i`` is consumed when ``i < t_{i % W}`` (what `W` workers that each
+read every `W`-th position, Grain's `mp_prefetch`, have consumed).
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import bisect
 import dataclasses
 import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 Range = tuple[int, int]
+# A consumed cursor over a share: a prefix length, or strided thresholds (see above).
+Cursor = int | tuple[int, ...]
 # (old process count, each old process's cursor over its share of that split).
-Resize = tuple[int, tuple[int, ...]]
+Resize = tuple[int, tuple[Cursor, ...]]
 
 
 def total(ranges: Sequence[Range]) -> int:
@@ -75,14 +81,31 @@ def even_split(ranges: Sequence[Range], count: int) -> list[list[Range]]:
   return shares
 
 
-def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[int]) -> list[Range]:
+def _unconsumed(share: Sequence[Range], cursor: Cursor) -> list[Range]:
+  """The share positions a cursor leaves (strided: the positions ``i >= t_{i % W}``)."""
+  n = total(share)
+  if isinstance(cursor, int):
+    return take(share, cursor, n)
+  lo, hi, width = min(cursor), max(cursor), len(cursor)
+  out: list[Range] = []
+  for i in range(lo, hi):  # Between the thresholds: position by position.
+    if i >= cursor[i % width]:
+      for start, stop in take(share, i, i + 1):
+        _append(out, start, stop)
+  for start, stop in take(share, hi, n):
+    _append(out, start, stop)
+  return out
+
+
+def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> list[Range]:
   """What `shares` leave once each has consumed its cursor, in process order."""
   out: list[Range] = []
   for i, (share, cursor) in enumerate(zip(shares, cursors, strict=True)):
     n = total(share)
-    if not 0 <= cursor <= n:
+    values = (cursor,) if isinstance(cursor, int) else cursor
+    if not values or not all(0 <= c <= n for c in values):
       raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
-    for start, stop in take(share, cursor, n):
+    for start, stop in _unconsumed(share, cursor):
       _append(out, start, stop)
   return out
 
@@ -93,7 +116,7 @@ def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list
   Cached (the caller must not change the lists): every process's layout of one
   job asks for the same split.
   """
-  key = tuple((int(n), tuple(c)) for n, c in history)
+  key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
 
 
@@ -222,6 +245,22 @@ class Layout:
         return total(share)
     raise ValueError(f"epoch {epoch} is not in this stream")
 
+  def epoch_cursor(self, epoch: int, thresholds: Sequence[int]) -> Cursor:
+    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``)."""
+    for e, share, offset in self.epochs:
+      if e == epoch:
+        n, width = total(share), len(thresholds)
+        # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
+        local = tuple(
+          min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width)
+        )
+        return local[0] if len(set(local)) == 1 else local
+    raise ValueError(f"epoch {epoch} is not in this stream")
+
+  def epoch_span(self, thresholds: Sequence[int]) -> tuple[int, int]:
+    """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
+    return self.cursor(min(thresholds))[0], self.cursor(max(thresholds))[0]
+
 
 def resume(
   olds: Sequence[Layout], cursors: Sequence[tuple[int, int]], new_count: int
@@ -238,16 +277,29 @@ def resume(
     (first epoch, per-epoch histories) for `Layout`: every epoch some old
     process had not finished gets the old job's cursors as a resize.
   """
-  epochs = [e for e, _ in cursors]
-  first, last = min(epochs), max(epochs)
+  positions = []
+  for layout, (epoch, cursor) in zip(olds, cursors, strict=True):
+    offset = next((o for e, _, o in layout.epochs if e == epoch), layout.length)
+    positions.append((offset + cursor,))
+  return resume_strided(olds, positions, new_count)
+
+
+def resume_strided(
+  olds: Sequence[Layout], thresholds: Sequence[Sequence[int]], new_count: int
+) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
+  """`resume` from each old process's stream thresholds (``(position,)``: a prefix).
+
+  Stream index ``j`` of old process ``p`` is consumed when
+  ``j < thresholds[p][j % len(thresholds[p])]``.
+  """
   del new_count  # The histories hold the old job; the new count splits them.
+  spans = [layout.epoch_span(t) for layout, t in zip(olds, thresholds, strict=True)]
+  first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
   for epoch in range(first, min(last, olds[0].num_epochs - 1) + 1):
-    row = []
-    for layout, (e, c) in zip(olds, cursors, strict=True):
-      row.append(c if e == epoch else (0 if e < epoch else layout.share_length(epoch)))
-    splits.append((epoch, (*base.get(epoch, ()), (len(olds), tuple(row)))))
+    row = tuple(layout.epoch_cursor(epoch, t) for layout, t in zip(olds, thresholds, strict=True))
+    splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).
   splits.extend((e, h) for e, h in sorted(base.items()) if e > last)
   return first, tuple(splits)
@@ -275,12 +327,27 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
   return tuple(packed)
 
 
+def _row_to_json(row: Sequence[Cursor]) -> Any:
+  if all(isinstance(c, int) for c in row):
+    return pack_ints(row)
+  return {"strided": [c if isinstance(c, int) else [int(t) for t in c] for c in row]}
+
+
+def _row_from_json(value: Any) -> tuple[Cursor, ...]:
+  if not isinstance(value, Mapping):
+    return unpack_ints(value)
+  out: list[Cursor] = []
+  for c in value["strided"]:
+    out.append(int(c) if isinstance(c, int) else tuple(int(t) for t in c))
+  return tuple(out)
+
+
 def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
-  return [[e, [[n, pack_ints(c)] for n, c in h]] for e, h in splits]
+  return [[e, [[n, _row_to_json(c)] for n, c in h]] for e, h in splits]
 
 
 def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
   try:
-    return tuple((int(e), tuple((int(n), unpack_ints(c)) for n, c in h)) for e, h in value)
-  except (TypeError, ValueError, zlib.error) as e:
+    return tuple((int(e), tuple((int(n), _row_from_json(c)) for n, c in h)) for e, h in value)
+  except (TypeError, ValueError, KeyError, zlib.error) as e:
     raise ValueError(f"`splits` is not a split history ({e})") from e

@@ -32,6 +32,7 @@ from grain_jax_sync._src.sources import base
 
 FORMAT = "grain_jax_sync.elastic/1"
 _TAG = "grain_jax_sync_elastic_stream"
+_SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # `records` may be unhashable.
@@ -105,6 +106,18 @@ def elastic_source(
   return ElasticSource(records, transform, bool(shuffle), seed, num_epochs)
 
 
+def _worker_slice(sl: slice, sequential: bool, length: int) -> tuple[slice, tuple[int, int, bool]]:
+  """(the stream slice, its tag) of an mp_prefetch worker's `sl` over `length` indices."""
+  if sl.stop is not None:
+    raise ValueError(f"an elastic source's stream takes a worker's slice, got {sl}")
+  worker, workers = sl.start or 0, sl.step or 1
+  if not sequential:
+    return slice(worker, None, workers), (worker, workers, False)
+  size, extra = divmod(length, workers)  # A block, as Grain's sequential slices.
+  start = worker * size + min(worker, extra)
+  return slice(start, start + size + (1 if worker < extra else 0)), (start, 1, True)
+
+
 @functools.cache
 def _classes() -> tuple[type, type]:
   """(_Stream, _Cursor), built on first use (Grain loads lazily)."""
@@ -134,47 +147,109 @@ def _classes() -> tuple[type, type]:
     def __str__(self) -> str:
       return f"ElasticStream(process {self._layout.index} of {self._layout.count})"
 
+  return Stream, _cursor_class(grain)
+
+
+def _cursor_class(grain: Any) -> type:
+  """The `Cursor` dataset (see `_classes`)."""
+
   class CursorIterator(grain.DatasetIterator):
+    def __init__(self, parent, sliced):
+      super().__init__(parent)
+      self._sliced = sliced
+
     def __next__(self):
       return next(self._parent)
 
     def get_state(self):
-      return {_TAG: self._parent.get_state()}
+      state = {_TAG: self._parent.get_state()}
+      if self._sliced is not None:
+        state[_SLICE] = list(self._sliced)
+      return state
 
     def set_state(self, state):
       self._parent.set_state(state[_TAG])
 
   class Cursor(grain.IterDataset):
-    """Tags the stream's state, so the cursor can be found in the transform's."""
+    """Tags the stream's state, so the cursor can be found in the transform's.
+
+    `mp_prefetch` slices it in each worker (`set_slice`): the tag then says
+    which stream indices the worker reads (every `step`-th from `start`).
+    """
+
+    def __init__(self, parent, length: int):
+      super().__init__(parent)
+      self._length = length
+      self._sliced: tuple[int, int, bool] | None = None
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+      if self._sliced is not None:
+        raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
+      parent_slice, self._sliced = _worker_slice(sl, sequential_slice, self._length)
+      self._parent.set_slice(parent_slice, False)
 
     def __iter__(self):
-      return CursorIterator(self._parent.__iter__())
+      return CursorIterator(self._parent.__iter__(), self._sliced)
 
-  return Stream, Cursor
+  return Cursor
 
 
-def find_position(state: Any) -> tuple[int, bool] | None:
-  """(stream index tagged inside a Grain iterator's nested state, alone?), or None.
+_INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
 
-  Alone: every state on the way to the tag holds nothing else. A transform
-  that keeps a state of its own beside its parent's (packing's buffered
-  rows, a mix's weights) may hold records read past the cursor that no
-  delivered batch holds yet: its cursor is exact for Grain's own resume (on
-  the same count), not for a re-split.
-  """
+
+def _tags(state: Any, alone: bool) -> list[tuple[Mapping[str, Any], bool]]:
+  """Every tag inside a Grain state, with whether its path holds nothing else."""
   if isinstance(state, Mapping):
     if _TAG in state:
-      return int(state[_TAG]["next_index"]), len(state) == 1
-    values: Sequence[Any] = list(state.values())
+      return [(state, alone and set(state) <= {_TAG, _SLICE})]
+    if all(k in state for k in _INTERLEAVE):
+      # mp_prefetch: each worker's state as of the last element it delivered;
+      # the other fields say which worker is next (no records).
+      alone = alone and not state.get("future_states")
+      values: Sequence[Any] = [v for v in state[_INTERLEAVE[0]] if v is not None]
+      return [t for v in values for t in _tags(v, alone)]
+    values = list(state.values())
   elif isinstance(state, (list, tuple)):
     values = state
   else:
+    return []
+  return [t for v in values for t in _tags(v, alone and len(values) == 1)]
+
+
+def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
+  """(stream thresholds, why not exact) of a Grain iterator's nested state, or None.
+
+  Thresholds ``T``: stream index ``j`` is consumed when ``j < T[j % len(T)]``
+  (one: a prefix; `mp_prefetch` with `W` workers, each reading every `W`-th
+  index: `W`). Why not exact (None: exact): a transform that keeps a state
+  of its own beside its parent's (packing's buffered rows, a mix's weights)
+  may hold records read past the cursor that no delivered batch holds yet;
+  its cursor is exact for Grain's own resume (on the same count), not for a
+  re-split. So is a sequential `mp_prefetch` (blocks, not strides).
+  """
+  tags = _tags(state, True)
+  if not tags:
     return None
-  for v in values:
-    found = find_position(v)
-    if found is not None:
-      return found[0], found[1] and len(values) == 1
-  return None
+  why = None
+  if not all(alone for _, alone in tags):
+    why = "its Grain state holds more than its parent's: packing, mixing"
+  sliced = [(t[_SLICE], int(t[_TAG]["next_index"])) for t, _ in tags if _SLICE in t]
+  plain = [int(t[_TAG]["next_index"]) for t, _ in tags if _SLICE not in t]
+  if not sliced:
+    if len(plain) > 1 and any(plain):
+      return (min(plain),), why or "it reads the stream more than once"
+    return (max(plain),), why
+  if any(seq for (_, _, seq), _ in sliced):
+    return (0,), why or "mp_prefetch(sequential_slice=True) reads blocks of the stream"
+  width = sliced[0][0][1]
+  thresholds = list(range(width))  # A worker not started yet: nothing read.
+  for (start, step, _), k in sliced:
+    if step != width or not 0 <= start < width:
+      return (0,), why or "its mp_prefetch workers read the stream unevenly"
+    thresholds[start] = start + k * width
+  if any(plain):
+    why = why or "it reads the stream outside its mp_prefetch workers"
+  return tuple(thresholds), why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +278,8 @@ class ElasticIterator(base.SourceIterator):
     if not isinstance(records, grain.MapDataset):
       records = grain.MapDataset.source(records)
     ds = cursor_cls(
-      stream_cls(records, layout, self._spec.shuffle, self._spec.seed).to_iter_dataset()
+      stream_cls(records, layout, self._spec.shuffle, self._spec.seed).to_iter_dataset(),
+      layout.length,
     )
     if self._spec.transform is not None:
       ds = self._spec.transform(ds)
@@ -229,7 +305,7 @@ class ElasticIterator(base.SourceIterator):
         " `transform` must build on the IterDataset it is given with Grain"
         " transformations that nest their parent's state (map, filter, batch)"
       )
-    return export(state.layout, found[0], state.grain, self._spec, exact=found[1])
+    return export(state.layout, found[0], state.grain, self._spec, why_not=found[1])
 
   def set_state(self, state: Any) -> None:
     layout, position, grain_state = check_source_state(state, self._spec, self._num_records)
@@ -251,15 +327,23 @@ class ElasticIterator(base.SourceIterator):
 
 
 def export(
-  layout: es.Layout, position: int, grain_state: Any, spec: ElasticSource, *, exact: bool = True
+  layout: es.Layout,
+  consumed: int | tuple[int, ...],
+  grain_state: Any,
+  spec: ElasticSource,
+  *,
+  why_not: str | None = None,
 ) -> dict:
-  """A process's JSON source state at stream index `position`.
+  """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
-  `exact`: whether `position` is the consumed cursor a re-split may use (see
-  `find_position`).
+  `why_not`: why the cursor cannot be re-split (None: it can; see
+  `find_position`). ``position`` is the consumed prefix; ``strided`` the
+  thresholds of `mp_prefetch` workers, when there are several.
   """
+  thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
+  position = min(min(thresholds), layout.length)
   epoch, cursor = layout.cursor(position)
-  return {
+  out = {
     "format": FORMAT,
     "num_records": layout.num_records,
     "shuffle": spec.shuffle,
@@ -272,9 +356,14 @@ def export(
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
-    "resplittable": exact,
+    "resplittable": why_not is None,
     "grain": grain_state,
   }
+  if len(thresholds) > 1:
+    out["strided"] = [int(t) for t in thresholds]
+  if why_not is not None:
+    out["why_not_resplittable"] = why_not
+  return out
 
 
 def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
