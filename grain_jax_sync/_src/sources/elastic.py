@@ -195,25 +195,34 @@ def _cursor_class(grain: Any) -> type:
 
 
 _INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
+_PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
+_NOT_ALONE = "its Grain state holds more than its parent's: packing, mixing"
+Why = str | None  # Why a cursor is not exact (None: it is).
 
 
-def _tags(state: Any, alone: bool) -> list[tuple[Mapping[str, Any], bool]]:
-  """Every tag inside a Grain state, with whether its path holds nothing else."""
+def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
+  """Every tag inside a Grain state, with why its path keeps more than the cursor."""
   if isinstance(state, Mapping):
     if _TAG in state:
-      return [(state, alone and set(state) <= {_TAG, _SLICE})]
+      return [(state, why or (None if set(state) <= {_TAG, _SLICE} else _NOT_ALONE))]
     if all(k in state for k in _INTERLEAVE):
       # mp_prefetch: each worker's state as of the last element it delivered;
       # the other fields say which worker is next (no records).
-      alone = alone and not state.get("future_states")
+      why = why or (_NOT_ALONE if state.get("future_states") else None)
       values: Sequence[Any] = [v for v in state[_INTERLEAVE[0]] if v is not None]
-      return [t for v in values for t in _tags(v, alone)]
+      return [t for v in values for t in _tags(v, why)]
+    if set(state) == _PACKING:
+      # Packing keeps its parent's state at the start of the packed batch it is
+      # emitting: the cursor once every row of it was delivered (next_row 0).
+      row = state["next_row"]
+      mid = f"packing is within a packed batch (next_row={row}): some of its rows were delivered"
+      return _tags(state["parent"], why or (mid if row else None))
     values = list(state.values())
   elif isinstance(state, (list, tuple)):
     values = state
   else:
     return []
-  return [t for v in values for t in _tags(v, alone and len(values) == 1)]
+  return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
 
 
 def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
@@ -222,17 +231,15 @@ def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
   Thresholds ``T``: stream index ``j`` is consumed when ``j < T[j % len(T)]``
   (one: a prefix; `mp_prefetch` with `W` workers, each reading every `W`-th
   index: `W`). Why not exact (None: exact): a transform that keeps a state
-  of its own beside its parent's (packing's buffered rows, a mix's weights)
+  of its own beside its parent's (a mix's, packing's within a packed batch)
   may hold records read past the cursor that no delivered batch holds yet;
   its cursor is exact for Grain's own resume (on the same count), not for a
   re-split. So is a sequential `mp_prefetch` (blocks, not strides).
   """
-  tags = _tags(state, True)
+  tags = _tags(state, None)
   if not tags:
     return None
-  why = None
-  if not all(alone for _, alone in tags):
-    why = "its Grain state holds more than its parent's: packing, mixing"
+  why = next((w for _, w in tags if w is not None), None)
   sliced = [(t[_SLICE], int(t[_TAG]["next_index"])) for t, _ in tags if _SLICE in t]
   plain = [int(t[_TAG]["next_index"]) for t, _ in tags if _SLICE not in t]
   if not sliced:
