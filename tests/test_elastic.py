@@ -242,7 +242,7 @@ def test_a_list_on_the_same_count_restores_this_process_s_state_for_any_source()
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [
-    ({"num_epochs": 0}, "`num_epochs` must be an int >= 1, got 0"),
+    ({"num_epochs": 0}, r"`num_epochs` must be an int >= 1 or None \(forever\), got 0"),
     ({"seed": -1}, "`seed` must be an int >= 0, got -1"),
     ({"transform": 3}, "`transform` must be callable or None, got int"),
   ],
@@ -364,3 +364,20 @@ def test_sequential_mp_prefetch_resumes_on_the_same_count_and_refuses_a_resplit(
   with pytest.raises(ValueError, match=r"cannot be re-split.*sequential_slice=True"):
     it.set_state(_two_process_copies(state))
   it.close()
+
+
+def test_num_epochs_none_repeats_forever_each_epoch_shuffled_anew_and_resumes():
+  kept = [i for i in range(20) if se.keep(i)]  # 13 records, batches of 8 straddle epochs.
+  it = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  head = ids_of(b for _, b in zip(range(2), it))
+  state = json.loads(json.dumps(it.get_state()))
+  tail = ids_of(b for _, b in zip(range(3), it))
+  it.close()
+  assert state["source"]["num_epochs"] is None and state["source"]["epoch"] == 1
+  seen = head + tail
+  epochs = [seen[k : k + len(kept)] for k in range(0, 3 * len(kept), len(kept))]
+  assert all(sorted(e) == kept for e in epochs) and epochs[0] != epochs[1]
+  resumed = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  resumed.set_state(state)
+  assert ids_of(b for _, b in zip(range(3), resumed)) == tail
+  resumed.close()

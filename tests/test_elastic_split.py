@@ -205,3 +205,25 @@ def test_a_strided_cursor_leaves_the_positions_above_each_worker_s_threshold():
   assert es.remaining([share], [(4, 4)]) == es.remaining([share], [4]) == [(4, 5), (10, 15)]
   with pytest.raises(ValueError, match="outside its share of 10 records"):
     es.remaining([share], [(0, 11)])
+
+
+def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_each():
+  n, seed = 11, 4
+  old = layouts(n, None, 0, (), 2)
+  assert old[0].length == es.FOREVER and old[0].locate(6 * 3 + 2) == (3, 2)  # Share 0: 0..5.
+  # Process 0 is in epoch 2, process 1 already in epoch 3.
+  consumed = [6 * 2 + 4, 5 * 3 + 1]
+  seen = [record_of(a, j, shuffle=True, seed=seed) for a, c in zip(old, consumed) for j in range(c)]
+  cursors = [a.cursor(c) for a, c in zip(old, consumed, strict=True)]
+  assert cursors == [(2, 4), (3, 1)]
+  first, splits = es.resume(old, cursors, 3)
+  splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  assert first == 2 and [e for e, _ in splits] == [2, 3]
+  for layout in layouts(n, None, first, splits, 3):
+    # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).
+    listed = sum(es.total(s) for _, s, _ in layout.epochs)
+    assert layout.length == listed + es.FOREVER
+    per_epoch = es.total(es.shares(n, (), 3)[layout.index])
+    assert layout.cursor(listed + per_epoch + 1) == (5, 1)
+    seen += [record_of(layout, j, shuffle=True, seed=seed) for j in range(listed + 2 * per_epoch)]
+  assert Counter(seen) == Counter((e, r) for e in range(6) for r in range(n))

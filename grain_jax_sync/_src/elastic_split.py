@@ -164,13 +164,20 @@ def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np
   return _permutation(num_records, seed, epoch) if shuffle else None
 
 
+FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epochs=None`).
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
 
+  With ``num_epochs=None`` the epochs go on forever: the epochs a resize
+  touched are listed (`epochs`), and every later one is this process's share
+  of a fresh split, one after another.
+
   Attributes:
     num_records: Records per epoch.
-    num_epochs: Epochs in all.
+    num_epochs: Epochs in all (None: forever).
     first_epoch: The stream's first epoch.
     splits: Each epoch's resize history (epochs not listed: no resize).
     count: The process count.
@@ -178,36 +185,54 @@ class Layout:
   """
 
   num_records: int
-  num_epochs: int
+  num_epochs: int | None
   first_epoch: int
   splits: tuple[tuple[int, tuple[Resize, ...]], ...]
   count: int
   index: int
 
   @functools.cached_property
+  def _fresh(self) -> list[Range]:
+    return shares(self.num_records, (), self.count)[self.index]
+
+  @functools.cached_property
+  def _end(self) -> int:
+    """The first epoch past `epochs` (the periodic tail's first, when forever)."""
+    if self.num_epochs is not None:
+      return self.num_epochs
+    return max([self.first_epoch, *(e + 1 for e, _ in self.splits)])
+
+  @functools.cached_property
+  def _period(self) -> int:
+    """Positions per epoch of the periodic tail (0: none, the stream ends)."""
+    return 0 if self.num_epochs is not None else total(self._fresh)
+
+  @functools.cached_property
   def epochs(self) -> list[tuple[int, list[Range], int]]:
-    """(epoch, this process's share, stream index of its first position) per epoch."""
+    """(epoch, this process's share, stream index of its first position) per listed epoch."""
     history = dict(self.splits)
     out, offset = [], 0
-    fresh = None
-    for epoch in range(self.first_epoch, self.num_epochs):
+    for epoch in range(self.first_epoch, self._end):
       if epoch in history:
         share = shares(self.num_records, history[epoch], self.count)[self.index]
       else:
-        if fresh is None:
-          fresh = shares(self.num_records, (), self.count)[self.index]
-        share = fresh
+        share = self._fresh
       out.append((epoch, share, offset))
       offset += total(share)
     return out
 
   @functools.cached_property
-  def length(self) -> int:
-    """Positions in the whole stream."""
+  def _listed(self) -> int:
+    """Positions in the listed epochs."""
     if not self.epochs:
       return 0
     _, share, offset = self.epochs[-1]
     return offset + total(share)
+
+  @functools.cached_property
+  def length(self) -> int:
+    """Positions in the whole stream (`FOREVER` past the listed epochs when forever)."""
+    return self._listed + (FOREVER if self._period else 0)
 
   @functools.cached_property
   def _flat(self) -> tuple[list[int], list[tuple[int, int]]]:
@@ -224,6 +249,9 @@ class Layout:
     """(epoch, position in that epoch's order) of stream index `j`."""
     if not 0 <= j < self.length:
       raise IndexError(f"stream index {j} is outside this process's {self.length} positions")
+    if j >= self._listed:  # The periodic tail: a fresh share is one range.
+      k, r = divmod(j - self._listed, self._period)
+      return self._end + k, self._fresh[0][0] + r
     offsets, heads = self._flat
     k = bisect.bisect_right(offsets, j) - 1
     epoch, start = heads[k]
@@ -231,31 +259,43 @@ class Layout:
 
   def cursor(self, j: int) -> tuple[int, int]:
     """(epoch, consumed cursor in that epoch's share) once `j` stream positions are consumed."""
+    if j >= self._listed and self._period:
+      k, r = divmod(j - self._listed, self._period)
+      return self._end + k, r
     if not self.epochs:
-      return self.num_epochs, 0
+      return self._end, 0
     for epoch, share, offset in self.epochs:
       if j < offset + total(share):
         return epoch, j - offset
     epoch, share, _ = self.epochs[-1]
     return epoch, total(share)
 
-  def share_length(self, epoch: int) -> int:
-    for e, share, _ in self.epochs:
+  def _entry(self, epoch: int) -> tuple[list[Range], int]:
+    """(this process's share of `epoch`, its first stream index)."""
+    for e, share, offset in self.epochs:
       if e == epoch:
-        return total(share)
+        return share, offset
+    if self._period and epoch >= self._end:
+      return self._fresh, self._listed + (epoch - self._end) * self._period
     raise ValueError(f"epoch {epoch} is not in this stream")
+
+  def offset(self, epoch: int) -> int:
+    """The stream index of `epoch`'s first position (past the stream: its length)."""
+    try:
+      return self._entry(epoch)[1]
+    except ValueError:
+      return self.length
+
+  def share_length(self, epoch: int) -> int:
+    return total(self._entry(epoch)[0])
 
   def epoch_cursor(self, epoch: int, thresholds: Sequence[int]) -> Cursor:
     """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``)."""
-    for e, share, offset in self.epochs:
-      if e == epoch:
-        n, width = total(share), len(thresholds)
-        # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
-        local = tuple(
-          min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width)
-        )
-        return local[0] if len(set(local)) == 1 else local
-    raise ValueError(f"epoch {epoch} is not in this stream")
+    share, offset = self._entry(epoch)
+    n, width = total(share), len(thresholds)
+    # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
+    local = tuple(min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width))
+    return local[0] if len(set(local)) == 1 else local
 
   def epoch_span(self, thresholds: Sequence[int]) -> tuple[int, int]:
     """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
@@ -279,8 +319,7 @@ def resume(
   """
   positions = []
   for layout, (epoch, cursor) in zip(olds, cursors, strict=True):
-    offset = next((o for e, _, o in layout.epochs if e == epoch), layout.length)
-    positions.append((offset + cursor,))
+    positions.append((layout.offset(epoch) + cursor,))
   return resume_strided(olds, positions, new_count)
 
 
@@ -297,7 +336,8 @@ def resume_strided(
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
-  for epoch in range(first, min(last, olds[0].num_epochs - 1) + 1):
+  end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
+  for epoch in range(first, end + 1):
     row = tuple(layout.epoch_cursor(epoch, t) for layout, t in zip(olds, thresholds, strict=True))
     splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).

@@ -43,7 +43,7 @@ class ElasticSource:
   transform: Callable[[Any], Any] | None
   shuffle: bool
   seed: int
-  num_epochs: int
+  num_epochs: int | None
 
   def open(self) -> ElasticIterator:
     import jax  # pylint: disable=g-import-not-at-top
@@ -57,7 +57,7 @@ def elastic_source(
   *,
   shuffle: bool = False,
   seed: int = 0,
-  num_epochs: int = 1,
+  num_epochs: int | None = 1,
 ) -> ElasticSource:
   """A source the library splits over processes, resumable on any process count.
 
@@ -77,7 +77,8 @@ def elastic_source(
       process count only. None: the records are already batches.
     shuffle: Whether each epoch's order is a seeded permutation.
     seed: The permutation's seed (with the epoch).
-    num_epochs: Epochs to read.
+    num_epochs: Epochs to read (None: repeat forever, each epoch in a new
+      order when shuffling).
 
   Returns:
     A source for `iter_jax_batches`.
@@ -90,8 +91,10 @@ def elastic_source(
     >>> src = elastic_source(list(range(64)), lambda ds: ds.batch(4))
     >>> it = iter_jax_batches(src, batch_size=4, paddings=0, mask_key="mask")
   """
-  if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-    raise ValueError(f"`num_epochs` must be an int >= 1, got {num_epochs!r}")
+  if num_epochs is not None and (
+    isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
+  ):
+    raise ValueError(f"`num_epochs` must be an int >= 1 or None (forever), got {num_epochs!r}")
   if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
     raise ValueError(f"`seed` must be an int >= 0, got {seed!r}")
   if transform is not None and not callable(transform):
@@ -406,7 +409,7 @@ def check_source_state(
         " restore with the records and options the state was saved with"
       )
   epoch = _field(state, "epoch")
-  if epoch >= spec.num_epochs:
+  if spec.num_epochs is not None and epoch >= spec.num_epochs:
     raise ValueError(
       f"`state['source']['epoch']` is {epoch}, but this elastic source has"
       f" num_epochs={spec.num_epochs}"
