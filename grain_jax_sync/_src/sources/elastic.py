@@ -7,8 +7,13 @@ pipeline over that process's share of each epoch (`elastic_split.Layout`):
 Grain nests a parent's state in its iterators' states (map, filter and batch
 pass it up as it was after the last element they took), so the tag inside the
 state kept after each delivered batch is the exact consumed cursor as of that
-batch. `get_state()` copies Grain's state (as a Grain source does); the cursor
-is looked up only when a state is exported.
+batch. Under `mp_prefetch`, each worker slices ``_Cursor`` (`set_slice`) and its
+tag says which stride of the stream it reads; Grain keeps each worker's state
+as of its last delivered element, so the host's cursor is one threshold per
+worker (`elastic_cursor.find_position`). Packing's state holds its parent's at the start of
+the packed batch it is emitting: exact once that batch is all delivered.
+`get_state()` copies Grain's state (as a Grain source does); the cursor is
+looked up only when a state is exported.
 
 A process's exported state holds the job's split (the process count, this
 process's index, the epochs' resize histories) and its stream index, plus
@@ -23,16 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from grain_jax_sync._src import elastic_split as es
 from grain_jax_sync._src import extras
-from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources import base, elastic_cursor
 
 FORMAT = "grain_jax_sync.elastic/1"
-_TAG = "grain_jax_sync_elastic_stream"
-_SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
+_TAG = elastic_cursor.TAG
+_SLICE = elastic_cursor.SLICE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # `records` may be unhashable.
@@ -71,10 +76,11 @@ def elastic_source(
   Args:
     records: A `grain.MapDataset` or any random-access sequence of records.
     transform: Maps this process's `grain.IterDataset` of records to an
-      `IterDataset` of batches: `map`, `filter`, `batch`, thread prefetch
-      (Grain transformations that keep only their parent's state). A state
-      of packing or mixing, which keep rows of their own, resumes on the same
-      process count only. None: the records are already batches.
+      `IterDataset` of batches: `map`, `filter`, `batch`, thread prefetch,
+      `mp_prefetch`, packing whose packed batches end with the delivered
+      batches. A state of a mix, of packing within a packed batch or of a
+      sequential `mp_prefetch` resumes on the same process count only (see
+      the guide). None: the records are already batches.
     shuffle: Whether each epoch's order is a seeded permutation.
     seed: The permutation's seed (with the epoch).
     num_epochs: Epochs to read (None: repeat forever, each epoch in a new
@@ -197,71 +203,6 @@ def _cursor_class(grain: Any) -> type:
   return Cursor
 
 
-_INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
-_PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
-_NOT_ALONE = "its Grain state holds more than its parent's: packing, mixing"
-Why = str | None  # Why a cursor is not exact (None: it is).
-
-
-def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
-  """Every tag inside a Grain state, with why its path keeps more than the cursor."""
-  if isinstance(state, Mapping):
-    if _TAG in state:
-      return [(state, why or (None if set(state) <= {_TAG, _SLICE} else _NOT_ALONE))]
-    if all(k in state for k in _INTERLEAVE):
-      # mp_prefetch: each worker's state as of the last element it delivered;
-      # the other fields say which worker is next (no records).
-      why = why or (_NOT_ALONE if state.get("future_states") else None)
-      values: Sequence[Any] = [v for v in state[_INTERLEAVE[0]] if v is not None]
-      return [t for v in values for t in _tags(v, why)]
-    if set(state) == _PACKING:
-      # Packing keeps its parent's state at the start of the packed batch it is
-      # emitting: the cursor once every row of it was delivered (next_row 0).
-      row = state["next_row"]
-      mid = f"packing is within a packed batch (next_row={row}): some of its rows were delivered"
-      return _tags(state["parent"], why or (mid if row else None))
-    values = list(state.values())
-  elif isinstance(state, (list, tuple)):
-    values = state
-  else:
-    return []
-  return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
-
-
-def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
-  """(stream thresholds, why not exact) of a Grain iterator's nested state, or None.
-
-  Thresholds ``T``: stream index ``j`` is consumed when ``j < T[j % len(T)]``
-  (one: a prefix; `mp_prefetch` with `W` workers, each reading every `W`-th
-  index: `W`). Why not exact (None: exact): a transform that keeps a state
-  of its own beside its parent's (a mix's, packing's within a packed batch)
-  may hold records read past the cursor that no delivered batch holds yet;
-  its cursor is exact for Grain's own resume (on the same count), not for a
-  re-split. So is a sequential `mp_prefetch` (blocks, not strides).
-  """
-  tags = _tags(state, None)
-  if not tags:
-    return None
-  why = next((w for _, w in tags if w is not None), None)
-  sliced = [(t[_SLICE], int(t[_TAG]["next_index"])) for t, _ in tags if _SLICE in t]
-  plain = [int(t[_TAG]["next_index"]) for t, _ in tags if _SLICE not in t]
-  if not sliced:
-    if len(plain) > 1 and any(plain):
-      return (min(plain),), why or "it reads the stream more than once"
-    return (max(plain),), why
-  if any(seq for (_, _, seq), _ in sliced):
-    return (0,), why or "mp_prefetch(sequential_slice=True) reads blocks of the stream"
-  width = sliced[0][0][1]
-  thresholds = list(range(width))  # A worker not started yet: nothing read.
-  for (start, step, _), k in sliced:
-    if step != width or not 0 <= start < width:
-      return (0,), why or "its mp_prefetch workers read the stream unevenly"
-    thresholds[start] = start + k * width
-  if any(plain):
-    why = why or "it reads the stream outside its mp_prefetch workers"
-  return tuple(thresholds), why
-
-
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
   layout: es.Layout
@@ -308,7 +249,7 @@ class ElasticIterator(base.SourceIterator):
   def export_state(self, state: Any) -> Any:
     if not isinstance(state, _Snapshot):
       return super().export_state(state)  # Already exported (restored by set_state).
-    found = find_position(state.grain)
+    found = elastic_cursor.find_position(state.grain)
     if found is None:
       raise RuntimeError(
         f"the state of {self.description} does not hold its stream's position:"
@@ -347,7 +288,7 @@ def export(
   """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
   `why_not`: why the cursor cannot be re-split (None: it can; see
-  `find_position`). ``position`` is the consumed prefix; ``strided`` the
+  `elastic_cursor.find_position`). ``position`` is the consumed prefix; ``strided`` the
   thresholds of `mp_prefetch` workers, when there are several.
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
