@@ -155,6 +155,21 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
   assert size < 10_000, size
 
 
+def test_a_resize_of_1024_processes_with_2_mp_prefetch_workers_each_stays_under_10_kb():
+  rng = np.random.default_rng(0)
+  n = 10_000_000
+  job = layouts(n, 1, 0, (), 1024)
+  share = job[0].length
+  thresholds = []
+  for k in rng.integers(share // 4, share // 2, size=1024):
+    drift = int(rng.integers(-50, 50))  # The workers drift apart by a few records.
+    thresholds.append((2 * int(k), 1 + 2 * (int(k) + drift)))
+  first, splits = es.resume_strided(job, thresholds, 1000)
+  text = json.dumps(es.splits_to_json(splits))
+  assert len(text) < 10_000, len(text)
+  assert es.splits_from_json(json.loads(text)) == splits
+
+
 def test_pack_ints_round_trips():
   for values in ([], [3, 1], list(range(100)), [2**40, 0, 5] * 20):
     assert es.unpack_ints(json.loads(json.dumps(es.pack_ints(values)))) == tuple(values)

@@ -368,17 +368,27 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
 
 
 def _row_to_json(row: Sequence[Cursor]) -> Any:
+  """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds."""
   if all(isinstance(c, int) for c in row):
     return pack_ints(row)
-  return {"strided": [c if isinstance(c, int) else [int(t) for t in c] for c in row]}
+  cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
+  return {
+    "widths": pack_ints([len(c) for c in cursors]),
+    "strided": pack_ints([t for c in cursors for t in c]),
+  }
 
 
 def _row_from_json(value: Any) -> tuple[Cursor, ...]:
   if not isinstance(value, Mapping):
     return unpack_ints(value)
+  widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
+  if any(w < 1 for w in widths) or sum(widths) != len(flat):
+    raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
   out: list[Cursor] = []
-  for c in value["strided"]:
-    out.append(int(c) if isinstance(c, int) else tuple(int(t) for t in c))
+  at = 0
+  for w in widths:
+    out.append(flat[at] if w == 1 else tuple(flat[at : at + w]))
+    at += w
   return tuple(out)
 
 
