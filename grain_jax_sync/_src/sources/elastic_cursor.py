@@ -35,7 +35,11 @@ def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
       # Packing keeps its parent's state at the start of the packed batch it is
       # emitting: the cursor once every row of it was delivered (next_row 0).
       row = state["next_row"]
-      mid = f"packing is within a packed batch (next_row={row}): some of its rows were delivered"
+      mid = (
+        f"packing is within a packed batch (next_row={row}): some of its rows were"
+        " delivered; a batch size that is a multiple of num_packing_bins ends one with"
+        " every batch"
+      )
       return _tags(state["parent"], why or (mid if row else None))
     values = list(state.values())
   elif isinstance(state, (list, tuple)):
@@ -69,6 +73,8 @@ def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
   if any(seq for (_, _, seq), _ in sliced):
     return (0,), why or "mp_prefetch(sequential_slice=True) reads blocks of the stream"
   width = sliced[0][0][1]
+  if len({start for (start, _, _), _ in sliced}) != len(sliced):
+    return (0,), why or "two of its mp_prefetch workers read the same stride"
   thresholds = list(range(width))  # A worker not started yet: nothing read.
   for (start, step, _), k in sliced:
     if step != width or not 0 <= start < width:
