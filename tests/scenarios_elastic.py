@@ -27,17 +27,51 @@ def records(n: int) -> list[dict[str, Any]]:
   return [{"id": np.int64(i)} for i in range(n)]
 
 
-def transform(ds: Any, batch: int = BATCH) -> Any:
+def tokens(i: int) -> int:
+  return 1 + i % 3
+
+
+def packed(ds: Any, batch: int) -> Any:
+  """Records as `tokens(id)` tokens of value ``id + 1`` (0 pads), packed `batch` bins at a time."""
+  import grain
+
+  ds = ds.filter(lambda r: keep(int(r["id"])))
+  ds = ds.map(lambda r: {"tok": np.full(tokens(int(r["id"])), r["id"] + 1, np.int64)})
+  # As many bins as rows per batch: every batch ends a packed batch (the cursor is exact).
+  ds = grain.experimental.FirstFitPackIterDataset(
+    ds, length_struct={"tok": 8}, num_packing_bins=batch
+  )
+  return ds.batch(batch)
+
+
+def transform(ds: Any, batch: int = BATCH, workers: int = 0, pack: bool = False) -> Any:
+  if pack:
+    return packed(ds, batch)
   ds = ds.map(lambda r: {"id": r["id"], "x": np.float32(2 * r["id"])})
-  return ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
+  ds = ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
+  if workers:  # Grain's multiprocess prefetch: each worker reads every `workers`-th record.
+    import grain
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return ds
 
 
 def make_iterator(
-  n: int, *, shuffle: bool, seed: int = 5, num_epochs: int = 1, batch: int = BATCH
+  n: int,
+  *,
+  shuffle: bool,
+  seed: int = 5,
+  num_epochs: int = 1,
+  batch: int = BATCH,
+  workers: int = 0,
+  pack: bool = False,
 ) -> Any:
   import grain_jax_sync as gjs
 
-  shaped = functools.partial(transform, batch=batch)
+  shaped = functools.partial(transform, batch=batch, workers=workers, pack=pack)
   src = gjs.elastic_source(records(n), shaped, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
   return gjs.iter_jax_batches(src, batch_size=batch, paddings=PAD, mask_key="mask")
 
@@ -65,6 +99,8 @@ def elastic_job(
   mode: str,
   shuffle: bool = False,
   num_epochs: int = 1,
+  workers: int = 0,
+  pack: bool = False,
 ) -> dict[str, Any]:
   """One job: restore the previous job's state, read `steps` global batches (None: all), save.
 
@@ -78,7 +114,7 @@ def elastic_job(
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  it = make_iterator(n, shuffle=shuffle, num_epochs=num_epochs)
+  it = make_iterator(n, shuffle=shuffle, num_epochs=num_epochs, workers=workers, pack=pack)
   mngr = ocp.CheckpointManager(os.path.join(directory, "ckpt")) if mode == "orbax" else None
   if job:
     if mngr is None:
@@ -89,7 +125,7 @@ def elastic_job(
   out = []
   for b in it:
     g = gather(b)
-    out.append({k: np.asarray(g[k]).tolist() for k in ("id", "x", "mask")})
+    out.append({k: np.asarray(v).tolist() for k, v in g.items()})
     if steps is not None and len(out) == steps:
       break
   if mngr is not None:

@@ -8,6 +8,7 @@ the unmasked rows, and every masked row is padding.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
@@ -25,7 +26,9 @@ from grain_jax_sync._src.sources import elastic
 N = 160
 
 
-def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1):
+def run_chain(
+  counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1, workers=0, pack=False
+):
   jobs = []
   for job, (count, k) in enumerate(zip(counts, steps, strict=True)):
     outs = testing.values(
@@ -33,7 +36,7 @@ def run_chain(counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=
         se.elastic_job,
         num_processes=count,
         devices_per_process=1,
-        args=(job, n, k, directory, mode, shuffle, num_epochs),
+        args=(job, n, k, directory, mode, shuffle, num_epochs, workers, pack),
         timeout_s=120,
       )
     )
@@ -134,6 +137,42 @@ def test_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3(tmp_path):
+  # Two mp_prefetch workers per host, each reading every other record of the host's share.
+  counts, steps = [2, 2, 3], [2, 2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, workers=2)
+  check_exactly_once(jobs, counts)
+  for job in (0, 1):
+    for f in (tmp_path / f"job{job}").iterdir():
+      source = json.loads(f.read_text())["source"]
+      assert source["resplittable"] is True and len(source["strided"]) == 2
+      # The workers' thresholds differ (the filter drops records unevenly): not a prefix.
+      assert source["position"] == min(source["strided"])
+  assert any(
+    len(set(json.loads(f.read_text())["source"]["strided"])) == 2
+    for f in (tmp_path / "job1").iterdir()
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly(tmp_path):
+  counts, steps = [2, 3], [2, None]
+  jobs = run_chain(counts, steps, str(tmp_path), "orbax", shuffle=True, pack=True)
+  seen = Counter()
+  for job, count in zip(jobs, counts, strict=True):
+    for b in job["batches"]:
+      tok, mask = np.asarray(b["tok"]), np.asarray(b["mask"])
+      assert tok.shape == (se.BATCH * count, 8)
+      assert np.all(tok[~mask] == se.PAD)
+      seen.update(int(t) - 1 for t in tok[mask].ravel() if t > 0)
+  # Every kept record's tokens once (a record's tokens stay in one bin).
+  assert seen == Counter({i: se.tokens(i) for i in range(N) if se.keep(i)})
+  assert len(jobs[0]["batches"]) == 2 and jobs[1]["resumed_at"] == 2
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
   run_chain([1], [2], str(tmp_path), "json", shuffle=True)
@@ -203,7 +242,7 @@ def test_a_list_on_the_same_count_restores_this_process_s_state_for_any_source()
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [
-    ({"num_epochs": 0}, "`num_epochs` must be an int >= 1, got 0"),
+    ({"num_epochs": 0}, r"`num_epochs` must be an int >= 1 or None \(forever\), got 0"),
     ({"seed": -1}, "`seed` must be an int >= 0, got -1"),
     ({"transform": 3}, "`transform` must be callable or None, got int"),
   ],
@@ -228,7 +267,7 @@ def _two_process_copies(state):
   ]
 
 
-def test_thread_prefetch_keeps_the_cursor_exact_and_packing_refuses_a_resplit():
+def test_thread_prefetch_keeps_the_cursor_exact_and_packing_mid_packed_batch_refuses_a_resplit():
   grain_exp = pytest.importorskip("grain.experimental")
   recs = [{"id": np.int64(i), "tok": np.arange(1 + i % 5, dtype=np.int32)} for i in range(64)]
 
@@ -243,21 +282,35 @@ def test_thread_prefetch_keeps_the_cursor_exact_and_packing_refuses_a_resplit():
   it.close()
   assert (state["source"]["position"], state["source"]["resplittable"]) == (24, True)
 
-  def packed(ds):
+  def packed(ds, bins):
     ds = ds.map(lambda r: {"tok": r["tok"], "id": np.full(len(r["tok"]), r["id"])})
     lengths = {"tok": 8, "id": 8}
-    return grain_exp.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=2).batch(8)
+    return grain_exp.FirstFitPackIterDataset(
+      ds, length_struct=lengths, num_packing_bins=bins
+    ).batch(8)
 
-  src = gjs.elastic_source(recs, packed)
+  # 3 bins, batches of 8 rows: the first batch ends within the third packed batch.
+  src = gjs.elastic_source(recs, functools.partial(packed, bins=3))
   it = gjs.iter_jax_batches(src, batch_size=8)
   next(it)
   state = it.get_state()
   it.close()
-  assert state["source"]["resplittable"] is False  # Packing holds rows beside its parent.
+  assert state["source"]["resplittable"] is False
+  assert "next_row=2" in state["source"]["why_not_resplittable"]
   it = gjs.iter_jax_batches(src, batch_size=8)
   with pytest.raises(ValueError, match=r"`state\[0\]\['source'\]` cannot be re-split.*packing"):
     it.set_state(_two_process_copies(state))
   it.close()
+  # 2 bins: each batch of 8 rows ends a packed batch; its cursor is exact.
+  it = gjs.iter_jax_batches(
+    gjs.elastic_source(recs, functools.partial(packed, bins=2)), batch_size=8
+  )
+  ids = np.asarray(next(it)["id"])
+  state = it.get_state()
+  it.close()
+  assert state["source"]["resplittable"] is True
+  # The cursor is past the records packed into the batch, before the next one's.
+  assert state["source"]["position"] == int(ids.max()) + 1
 
 
 def test_a_transform_that_drops_the_records_stream_is_named():
@@ -282,3 +335,49 @@ def test_one_state_of_another_count_for_a_non_elastic_source_points_to_elastic_s
   with pytest.raises(ValueError, match=r"process_count=2.*cannot be re-split.*elastic_source"):
     it.set_state(state)
   it.close()
+
+
+def test_sequential_mp_prefetch_resumes_on_the_same_count_and_refuses_a_resplit():
+  import grain
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+    flags.FLAGS.mark_as_parsed()
+
+  def blocks(ds):  # Each worker reads a block of the stream, not every other record.
+    ds = se.transform(ds, batch=8)
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2), sequential_slice=True)
+
+  src = gjs.elastic_source(se.records(64), blocks)
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  full = ids_of(it)
+  it.close()
+  assert sorted(full) == [i for i in range(64) if se.keep(i)]
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  head = ids_of(b for _, b in zip(range(3), it))
+  state = json.loads(json.dumps(it.get_state()))
+  it.close()
+  assert state["source"]["resplittable"] is False
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  it.set_state(state)
+  assert head + ids_of(it) == full  # Grain's own state: exact on the same count.
+  with pytest.raises(ValueError, match=r"cannot be re-split.*sequential_slice=True"):
+    it.set_state(_two_process_copies(state))
+  it.close()
+
+
+def test_num_epochs_none_repeats_forever_each_epoch_shuffled_anew_and_resumes():
+  kept = [i for i in range(20) if se.keep(i)]  # 13 records, batches of 8 straddle epochs.
+  it = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  head = ids_of(b for _, b in zip(range(2), it))
+  state = json.loads(json.dumps(it.get_state()))
+  tail = ids_of(b for _, b in zip(range(3), it))
+  it.close()
+  assert state["source"]["num_epochs"] is None and state["source"]["epoch"] == 1
+  seen = head + tail
+  epochs = [seen[k : k + len(kept)] for k in range(0, 3 * len(kept), len(kept))]
+  assert all(sorted(e) == kept for e in epochs) and epochs[0] != epochs[1]
+  resumed = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  resumed.set_state(state)
+  assert ids_of(b for _, b in zip(range(3), resumed)) == tail
+  resumed.close()

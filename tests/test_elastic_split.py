@@ -155,6 +155,21 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
   assert size < 10_000, size
 
 
+def test_a_resize_of_1024_processes_with_2_mp_prefetch_workers_each_stays_under_10_kb():
+  rng = np.random.default_rng(0)
+  n = 10_000_000
+  job = layouts(n, 1, 0, (), 1024)
+  share = job[0].length
+  thresholds = []
+  for k in rng.integers(share // 4, share // 2, size=1024):
+    drift = int(rng.integers(-50, 50))  # The workers drift apart by a few records.
+    thresholds.append((2 * int(k), 1 + 2 * (int(k) + drift)))
+  first, splits = es.resume_strided(job, thresholds, 1000)
+  text = json.dumps(es.splits_to_json(splits))
+  assert len(text) < 10_000, len(text)
+  assert es.splits_from_json(json.loads(text)) == splits
+
+
 def test_pack_ints_round_trips():
   for values in ([], [3, 1], list(range(100)), [2**40, 0, 5] * 20):
     assert es.unpack_ints(json.loads(json.dumps(es.pack_ints(values)))) == tuple(values)
@@ -165,3 +180,65 @@ def test_pack_ints_round_trips():
 def test_a_cursor_past_its_share_is_refused():
   with pytest.raises(ValueError, match="process 1's cursor 9 is outside its share of 5"):
     es.shares(10, [(2, (0, 9))], 1)
+
+
+@PROPERTY_SETTINGS
+@given(
+  n=st.integers(0, 60),
+  epochs=st.integers(1, 3),
+  counts=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+  data=st.data(),
+)
+def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epochs, counts, data):
+  """Each old process's W workers read every W-th stream index: consumed iff j < T[j % W]."""
+  seen, first, splits = [], 0, ()
+  for k, count in enumerate(counts):
+    job = layouts(n, epochs, first, splits, count)
+    if k == len(counts) - 1:
+      for layout in job:
+        seen += [record_of(layout, j, shuffle=True, seed=3) for j in range(layout.length)]
+      break
+    thresholds = []
+    for layout in job:
+      width = data.draw(st.integers(1, 4))
+      reads = [len(range(w, layout.length, width)) for w in range(width)]
+      t = tuple(w + data.draw(st.integers(0, r)) * width for w, r in zip(range(width), reads))
+      thresholds.append(t)
+      for j in range(layout.length):
+        if j < t[j % width]:
+          seen.append(record_of(layout, j, shuffle=True, seed=3))
+    first, splits = es.resume_strided(job, thresholds, counts[k + 1])
+    splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  assert Counter(seen) == Counter((e, r) for e in range(epochs) for r in range(n))
+
+
+def test_a_strided_cursor_leaves_the_positions_above_each_worker_s_threshold():
+  share = [(0, 5), (10, 15)]  # Share positions 0..9 name 0..4, 10..14.
+  # Even positions below 6 and odd ones below 3 are consumed: 3, 5 and 6.. are left.
+  assert es.remaining([share], [(6, 3)]) == [(3, 4), (10, 15)]
+  assert es.remaining([share], [(2, 5)]) == [(2, 3), (4, 5), (10, 15)]
+  assert es.remaining([share], [(4, 4)]) == es.remaining([share], [4]) == [(4, 5), (10, 15)]
+  with pytest.raises(ValueError, match="outside its share of 10 records"):
+    es.remaining([share], [(0, 11)])
+
+
+def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_each():
+  n, seed = 11, 4
+  old = layouts(n, None, 0, (), 2)
+  assert old[0].length == es.FOREVER and old[0].locate(6 * 3 + 2) == (3, 2)  # Share 0: 0..5.
+  # Process 0 is in epoch 2, process 1 already in epoch 3.
+  consumed = [6 * 2 + 4, 5 * 3 + 1]
+  seen = [record_of(a, j, shuffle=True, seed=seed) for a, c in zip(old, consumed) for j in range(c)]
+  cursors = [a.cursor(c) for a, c in zip(old, consumed, strict=True)]
+  assert cursors == [(2, 4), (3, 1)]
+  first, splits = es.resume(old, cursors, 3)
+  splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  assert first == 2 and [e for e, _ in splits] == [2, 3]
+  for layout in layouts(n, None, first, splits, 3):
+    # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).
+    listed = sum(es.total(s) for _, s, _ in layout.epochs)
+    assert layout.length == listed + es.FOREVER
+    per_epoch = es.total(es.shares(n, (), 3)[layout.index])
+    assert layout.cursor(listed + per_epoch + 1) == (5, 1)
+    seen += [record_of(layout, j, shuffle=True, seed=seed) for j in range(listed + 2 * per_epoch)]
+  assert Counter(seen) == Counter((e, r) for e in range(6) for r in range(n))

@@ -13,6 +13,10 @@ A resize appends ``(old_count, cursors)`` to the epoch's split history; the
 shares of the next job are the even split of what the old shares left. The
 history replays to the current split, so a state never lists records: it
 holds the history (a few ints per process per resize) and a cursor.
+
+A cursor may also be strided: a tuple ``(t_0, .., t_{W-1})`` says that share
+position ``i`` is consumed when ``i < t_{i % W}`` (what `W` workers that each
+read every `W`-th position, Grain's `mp_prefetch`, have consumed).
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import bisect
 import dataclasses
 import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 Range = tuple[int, int]
+# A consumed cursor over a share: a prefix length, or strided thresholds (see above).
+Cursor = int | tuple[int, ...]
 # (old process count, each old process's cursor over its share of that split).
-Resize = tuple[int, tuple[int, ...]]
+Resize = tuple[int, tuple[Cursor, ...]]
 
 
 def total(ranges: Sequence[Range]) -> int:
@@ -75,14 +81,31 @@ def even_split(ranges: Sequence[Range], count: int) -> list[list[Range]]:
   return shares
 
 
-def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[int]) -> list[Range]:
+def _unconsumed(share: Sequence[Range], cursor: Cursor) -> list[Range]:
+  """The share positions a cursor leaves (strided: the positions ``i >= t_{i % W}``)."""
+  n = total(share)
+  if isinstance(cursor, int):
+    return take(share, cursor, n)
+  lo, hi, width = min(cursor), max(cursor), len(cursor)
+  out: list[Range] = []
+  for i in range(lo, hi):  # Between the thresholds: position by position.
+    if i >= cursor[i % width]:
+      for start, stop in take(share, i, i + 1):
+        _append(out, start, stop)
+  for start, stop in take(share, hi, n):
+    _append(out, start, stop)
+  return out
+
+
+def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> list[Range]:
   """What `shares` leave once each has consumed its cursor, in process order."""
   out: list[Range] = []
   for i, (share, cursor) in enumerate(zip(shares, cursors, strict=True)):
     n = total(share)
-    if not 0 <= cursor <= n:
+    values = (cursor,) if isinstance(cursor, int) else cursor
+    if not values or not all(0 <= c <= n for c in values):
       raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
-    for start, stop in take(share, cursor, n):
+    for start, stop in _unconsumed(share, cursor):
       _append(out, start, stop)
   return out
 
@@ -93,7 +116,7 @@ def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list
   Cached (the caller must not change the lists): every process's layout of one
   job asks for the same split.
   """
-  key = tuple((int(n), tuple(c)) for n, c in history)
+  key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
 
 
@@ -141,13 +164,20 @@ def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np
   return _permutation(num_records, seed, epoch) if shuffle else None
 
 
+FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epochs=None`).
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
 
+  With ``num_epochs=None`` the epochs go on forever: the epochs a resize
+  touched are listed (`epochs`), and every later one is this process's share
+  of a fresh split, one after another.
+
   Attributes:
     num_records: Records per epoch.
-    num_epochs: Epochs in all.
+    num_epochs: Epochs in all (None: forever).
     first_epoch: The stream's first epoch.
     splits: Each epoch's resize history (epochs not listed: no resize).
     count: The process count.
@@ -155,36 +185,54 @@ class Layout:
   """
 
   num_records: int
-  num_epochs: int
+  num_epochs: int | None
   first_epoch: int
   splits: tuple[tuple[int, tuple[Resize, ...]], ...]
   count: int
   index: int
 
   @functools.cached_property
+  def _fresh(self) -> list[Range]:
+    return shares(self.num_records, (), self.count)[self.index]
+
+  @functools.cached_property
+  def _end(self) -> int:
+    """The first epoch past `epochs` (the periodic tail's first, when forever)."""
+    if self.num_epochs is not None:
+      return self.num_epochs
+    return max([self.first_epoch, *(e + 1 for e, _ in self.splits)])
+
+  @functools.cached_property
+  def _period(self) -> int:
+    """Positions per epoch of the periodic tail (0: none, the stream ends)."""
+    return 0 if self.num_epochs is not None else total(self._fresh)
+
+  @functools.cached_property
   def epochs(self) -> list[tuple[int, list[Range], int]]:
-    """(epoch, this process's share, stream index of its first position) per epoch."""
+    """(epoch, this process's share, stream index of its first position) per listed epoch."""
     history = dict(self.splits)
     out, offset = [], 0
-    fresh = None
-    for epoch in range(self.first_epoch, self.num_epochs):
+    for epoch in range(self.first_epoch, self._end):
       if epoch in history:
         share = shares(self.num_records, history[epoch], self.count)[self.index]
       else:
-        if fresh is None:
-          fresh = shares(self.num_records, (), self.count)[self.index]
-        share = fresh
+        share = self._fresh
       out.append((epoch, share, offset))
       offset += total(share)
     return out
 
   @functools.cached_property
-  def length(self) -> int:
-    """Positions in the whole stream."""
+  def _listed(self) -> int:
+    """Positions in the listed epochs."""
     if not self.epochs:
       return 0
     _, share, offset = self.epochs[-1]
     return offset + total(share)
+
+  @functools.cached_property
+  def length(self) -> int:
+    """Positions in the whole stream (`FOREVER` past the listed epochs when forever)."""
+    return self._listed + (FOREVER if self._period else 0)
 
   @functools.cached_property
   def _flat(self) -> tuple[list[int], list[tuple[int, int]]]:
@@ -201,6 +249,9 @@ class Layout:
     """(epoch, position in that epoch's order) of stream index `j`."""
     if not 0 <= j < self.length:
       raise IndexError(f"stream index {j} is outside this process's {self.length} positions")
+    if j >= self._listed:  # The periodic tail: a fresh share is one range.
+      k, r = divmod(j - self._listed, self._period)
+      return self._end + k, self._fresh[0][0] + r
     offsets, heads = self._flat
     k = bisect.bisect_right(offsets, j) - 1
     epoch, start = heads[k]
@@ -208,19 +259,47 @@ class Layout:
 
   def cursor(self, j: int) -> tuple[int, int]:
     """(epoch, consumed cursor in that epoch's share) once `j` stream positions are consumed."""
+    if j >= self._listed and self._period:
+      k, r = divmod(j - self._listed, self._period)
+      return self._end + k, r
     if not self.epochs:
-      return self.num_epochs, 0
+      return self._end, 0
     for epoch, share, offset in self.epochs:
       if j < offset + total(share):
         return epoch, j - offset
     epoch, share, _ = self.epochs[-1]
     return epoch, total(share)
 
-  def share_length(self, epoch: int) -> int:
-    for e, share, _ in self.epochs:
+  def _entry(self, epoch: int) -> tuple[list[Range], int]:
+    """(this process's share of `epoch`, its first stream index)."""
+    for e, share, offset in self.epochs:
       if e == epoch:
-        return total(share)
+        return share, offset
+    if self._period and epoch >= self._end:
+      return self._fresh, self._listed + (epoch - self._end) * self._period
     raise ValueError(f"epoch {epoch} is not in this stream")
+
+  def offset(self, epoch: int) -> int:
+    """The stream index of `epoch`'s first position (past the stream: its length)."""
+    try:
+      return self._entry(epoch)[1]
+    except ValueError:
+      return self.length
+
+  def share_length(self, epoch: int) -> int:
+    return total(self._entry(epoch)[0])
+
+  def epoch_cursor(self, epoch: int, thresholds: Sequence[int]) -> Cursor:
+    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``)."""
+    share, offset = self._entry(epoch)
+    n, width = total(share), len(thresholds)
+    # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
+    local = tuple(min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width))
+    return local[0] if len(set(local)) == 1 else local
+
+  def epoch_span(self, thresholds: Sequence[int]) -> tuple[int, int]:
+    """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
+    return self.cursor(min(thresholds))[0], self.cursor(max(thresholds))[0]
 
 
 def resume(
@@ -238,16 +317,29 @@ def resume(
     (first epoch, per-epoch histories) for `Layout`: every epoch some old
     process had not finished gets the old job's cursors as a resize.
   """
-  epochs = [e for e, _ in cursors]
-  first, last = min(epochs), max(epochs)
+  positions = []
+  for layout, (epoch, cursor) in zip(olds, cursors, strict=True):
+    positions.append((layout.offset(epoch) + cursor,))
+  return resume_strided(olds, positions, new_count)
+
+
+def resume_strided(
+  olds: Sequence[Layout], thresholds: Sequence[Sequence[int]], new_count: int
+) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
+  """`resume` from each old process's stream thresholds (``(position,)``: a prefix).
+
+  Stream index ``j`` of old process ``p`` is consumed when
+  ``j < thresholds[p][j % len(thresholds[p])]``.
+  """
   del new_count  # The histories hold the old job; the new count splits them.
+  spans = [layout.epoch_span(t) for layout, t in zip(olds, thresholds, strict=True)]
+  first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
-  for epoch in range(first, min(last, olds[0].num_epochs - 1) + 1):
-    row = []
-    for layout, (e, c) in zip(olds, cursors, strict=True):
-      row.append(c if e == epoch else (0 if e < epoch else layout.share_length(epoch)))
-    splits.append((epoch, (*base.get(epoch, ()), (len(olds), tuple(row)))))
+  end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
+  for epoch in range(first, end + 1):
+    row = tuple(layout.epoch_cursor(epoch, t) for layout, t in zip(olds, thresholds, strict=True))
+    splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).
   splits.extend((e, h) for e, h in sorted(base.items()) if e > last)
   return first, tuple(splits)
@@ -275,12 +367,37 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
   return tuple(packed)
 
 
+def _row_to_json(row: Sequence[Cursor]) -> Any:
+  """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds."""
+  if all(isinstance(c, int) for c in row):
+    return pack_ints(row)
+  cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
+  return {
+    "widths": pack_ints([len(c) for c in cursors]),
+    "strided": pack_ints([t for c in cursors for t in c]),
+  }
+
+
+def _row_from_json(value: Any) -> tuple[Cursor, ...]:
+  if not isinstance(value, Mapping):
+    return unpack_ints(value)
+  widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
+  if any(w < 1 for w in widths) or sum(widths) != len(flat):
+    raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
+  out: list[Cursor] = []
+  at = 0
+  for w in widths:
+    out.append(flat[at] if w == 1 else tuple(flat[at : at + w]))
+    at += w
+  return tuple(out)
+
+
 def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
-  return [[e, [[n, pack_ints(c)] for n, c in h]] for e, h in splits]
+  return [[e, [[n, _row_to_json(c)] for n, c in h]] for e, h in splits]
 
 
 def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
   try:
-    return tuple((int(e), tuple((int(n), unpack_ints(c)) for n, c in h)) for e, h in value)
-  except (TypeError, ValueError, zlib.error) as e:
+    return tuple((int(e), tuple((int(n), _row_from_json(c)) for n, c in h)) for e, h in value)
+  except (TypeError, ValueError, KeyError, zlib.error) as e:
     raise ValueError(f"`splits` is not a split history ({e})") from e

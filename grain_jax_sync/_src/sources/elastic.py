@@ -7,8 +7,13 @@ pipeline over that process's share of each epoch (`elastic_split.Layout`):
 Grain nests a parent's state in its iterators' states (map, filter and batch
 pass it up as it was after the last element they took), so the tag inside the
 state kept after each delivered batch is the exact consumed cursor as of that
-batch. `get_state()` copies Grain's state (as a Grain source does); the cursor
-is looked up only when a state is exported.
+batch. Under `mp_prefetch`, each worker slices ``_Cursor`` (`set_slice`) and its
+tag says which stride of the stream it reads; Grain keeps each worker's state
+as of its last delivered element, so the host's cursor is one threshold per
+worker (`elastic_cursor.find_position`). Packing's state holds its parent's at the start of
+the packed batch it is emitting: exact once that batch is all delivered.
+`get_state()` copies Grain's state (as a Grain source does); the cursor is
+looked up only when a state is exported.
 
 A process's exported state holds the job's split (the process count, this
 process's index, the epochs' resize histories) and its stream index, plus
@@ -23,15 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from grain_jax_sync._src import elastic_split as es
 from grain_jax_sync._src import extras
-from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources import base, elastic_cursor
 
 FORMAT = "grain_jax_sync.elastic/1"
-_TAG = "grain_jax_sync_elastic_stream"
+_TAG = elastic_cursor.TAG
+_SLICE = elastic_cursor.SLICE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # `records` may be unhashable.
@@ -42,7 +48,7 @@ class ElasticSource:
   transform: Callable[[Any], Any] | None
   shuffle: bool
   seed: int
-  num_epochs: int
+  num_epochs: int | None
 
   def open(self) -> ElasticIterator:
     import jax  # pylint: disable=g-import-not-at-top
@@ -56,7 +62,7 @@ def elastic_source(
   *,
   shuffle: bool = False,
   seed: int = 0,
-  num_epochs: int = 1,
+  num_epochs: int | None = 1,
 ) -> ElasticSource:
   """A source the library splits over processes, resumable on any process count.
 
@@ -70,13 +76,15 @@ def elastic_source(
   Args:
     records: A `grain.MapDataset` or any random-access sequence of records.
     transform: Maps this process's `grain.IterDataset` of records to an
-      `IterDataset` of batches: `map`, `filter`, `batch`, thread prefetch
-      (Grain transformations that keep only their parent's state). A state
-      of packing or mixing, which keep rows of their own, resumes on the same
-      process count only. None: the records are already batches.
+      `IterDataset` of batches: `map`, `filter`, `batch`, thread prefetch,
+      `mp_prefetch`, packing whose packed batches end with the delivered
+      batches. A state of a mix, of packing within a packed batch or of a
+      sequential `mp_prefetch` resumes on the same process count only (see
+      the guide). None: the records are already batches.
     shuffle: Whether each epoch's order is a seeded permutation.
     seed: The permutation's seed (with the epoch).
-    num_epochs: Epochs to read.
+    num_epochs: Epochs to read (None: repeat forever, each epoch in a new
+      order when shuffling).
 
   Returns:
     A source for `iter_jax_batches`.
@@ -89,8 +97,10 @@ def elastic_source(
     >>> src = elastic_source(list(range(64)), lambda ds: ds.batch(4))
     >>> it = iter_jax_batches(src, batch_size=4, paddings=0, mask_key="mask")
   """
-  if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-    raise ValueError(f"`num_epochs` must be an int >= 1, got {num_epochs!r}")
+  if num_epochs is not None and (
+    isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
+  ):
+    raise ValueError(f"`num_epochs` must be an int >= 1 or None (forever), got {num_epochs!r}")
   if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
     raise ValueError(f"`seed` must be an int >= 0, got {seed!r}")
   if transform is not None and not callable(transform):
@@ -103,6 +113,18 @@ def elastic_source(
       f" {type(records).__name__} (no len())"
     ) from e
   return ElasticSource(records, transform, bool(shuffle), seed, num_epochs)
+
+
+def _worker_slice(sl: slice, sequential: bool, length: int) -> tuple[slice, tuple[int, int, bool]]:
+  """(the stream slice, its tag) of an mp_prefetch worker's `sl` over `length` indices."""
+  if sl.stop is not None:
+    raise ValueError(f"an elastic source's stream takes a worker's slice, got {sl}")
+  worker, workers = sl.start or 0, sl.step or 1
+  if not sequential:
+    return slice(worker, None, workers), (worker, workers, False)
+  size, extra = divmod(length, workers)  # A block, as Grain's sequential slices.
+  start = worker * size + min(worker, extra)
+  return slice(start, start + size + (1 if worker < extra else 0)), (start, 1, True)
 
 
 @functools.cache
@@ -134,47 +156,51 @@ def _classes() -> tuple[type, type]:
     def __str__(self) -> str:
       return f"ElasticStream(process {self._layout.index} of {self._layout.count})"
 
+  return Stream, _cursor_class(grain)
+
+
+def _cursor_class(grain: Any) -> type:
+  """The `Cursor` dataset (see `_classes`)."""
+
   class CursorIterator(grain.DatasetIterator):
+    def __init__(self, parent, sliced):
+      super().__init__(parent)
+      self._sliced = sliced
+
     def __next__(self):
       return next(self._parent)
 
     def get_state(self):
-      return {_TAG: self._parent.get_state()}
+      state = {_TAG: self._parent.get_state()}
+      if self._sliced is not None:
+        state[_SLICE] = list(self._sliced)
+      return state
 
     def set_state(self, state):
       self._parent.set_state(state[_TAG])
 
   class Cursor(grain.IterDataset):
-    """Tags the stream's state, so the cursor can be found in the transform's."""
+    """Tags the stream's state, so the cursor can be found in the transform's.
+
+    `mp_prefetch` slices it in each worker (`set_slice`): the tag then says
+    which stream indices the worker reads (every `step`-th from `start`).
+    """
+
+    def __init__(self, parent, length: int):
+      super().__init__(parent)
+      self._length = length
+      self._sliced: tuple[int, int, bool] | None = None
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+      if self._sliced is not None:
+        raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
+      parent_slice, self._sliced = _worker_slice(sl, sequential_slice, self._length)
+      self._parent.set_slice(parent_slice, False)
 
     def __iter__(self):
-      return CursorIterator(self._parent.__iter__())
+      return CursorIterator(self._parent.__iter__(), self._sliced)
 
-  return Stream, Cursor
-
-
-def find_position(state: Any) -> tuple[int, bool] | None:
-  """(stream index tagged inside a Grain iterator's nested state, alone?), or None.
-
-  Alone: every state on the way to the tag holds nothing else. A transform
-  that keeps a state of its own beside its parent's (packing's buffered
-  rows, a mix's weights) may hold records read past the cursor that no
-  delivered batch holds yet: its cursor is exact for Grain's own resume (on
-  the same count), not for a re-split.
-  """
-  if isinstance(state, Mapping):
-    if _TAG in state:
-      return int(state[_TAG]["next_index"]), len(state) == 1
-    values: Sequence[Any] = list(state.values())
-  elif isinstance(state, (list, tuple)):
-    values = state
-  else:
-    return None
-  for v in values:
-    found = find_position(v)
-    if found is not None:
-      return found[0], found[1] and len(values) == 1
-  return None
+  return Cursor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +229,8 @@ class ElasticIterator(base.SourceIterator):
     if not isinstance(records, grain.MapDataset):
       records = grain.MapDataset.source(records)
     ds = cursor_cls(
-      stream_cls(records, layout, self._spec.shuffle, self._spec.seed).to_iter_dataset()
+      stream_cls(records, layout, self._spec.shuffle, self._spec.seed).to_iter_dataset(),
+      layout.length,
     )
     if self._spec.transform is not None:
       ds = self._spec.transform(ds)
@@ -222,14 +249,14 @@ class ElasticIterator(base.SourceIterator):
   def export_state(self, state: Any) -> Any:
     if not isinstance(state, _Snapshot):
       return super().export_state(state)  # Already exported (restored by set_state).
-    found = find_position(state.grain)
+    found = elastic_cursor.find_position(state.grain)
     if found is None:
       raise RuntimeError(
         f"the state of {self.description} does not hold its stream's position:"
         " `transform` must build on the IterDataset it is given with Grain"
         " transformations that nest their parent's state (map, filter, batch)"
       )
-    return export(state.layout, found[0], state.grain, self._spec, exact=found[1])
+    return export(state.layout, found[0], state.grain, self._spec, why_not=found[1])
 
   def set_state(self, state: Any) -> None:
     layout, position, grain_state = check_source_state(state, self._spec, self._num_records)
@@ -251,15 +278,23 @@ class ElasticIterator(base.SourceIterator):
 
 
 def export(
-  layout: es.Layout, position: int, grain_state: Any, spec: ElasticSource, *, exact: bool = True
+  layout: es.Layout,
+  consumed: int | tuple[int, ...],
+  grain_state: Any,
+  spec: ElasticSource,
+  *,
+  why_not: str | None = None,
 ) -> dict:
-  """A process's JSON source state at stream index `position`.
+  """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
-  `exact`: whether `position` is the consumed cursor a re-split may use (see
-  `find_position`).
+  `why_not`: why the cursor cannot be re-split (None: it can; see
+  `elastic_cursor.find_position`). ``position`` is the consumed prefix; ``strided`` the
+  thresholds of `mp_prefetch` workers, when there are several.
   """
+  thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
+  position = min(min(thresholds), layout.length)
   epoch, cursor = layout.cursor(position)
-  return {
+  out = {
     "format": FORMAT,
     "num_records": layout.num_records,
     "shuffle": spec.shuffle,
@@ -272,9 +307,14 @@ def export(
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
-    "resplittable": exact,
+    "resplittable": why_not is None,
     "grain": grain_state,
   }
+  if len(thresholds) > 1:
+    out["strided"] = [int(t) for t in thresholds]
+  if why_not is not None:
+    out["why_not_resplittable"] = why_not
+  return out
 
 
 def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
@@ -310,7 +350,7 @@ def check_source_state(
         " restore with the records and options the state was saved with"
       )
   epoch = _field(state, "epoch")
-  if epoch >= spec.num_epochs:
+  if spec.num_epochs is not None and epoch >= spec.num_epochs:
     raise ValueError(
       f"`state['source']['epoch']` is {epoch}, but this elastic source has"
       f" num_epochs={spec.num_epochs}"

@@ -90,11 +90,29 @@ def for_this_process(source: Any, state: Any, *, process_index: int, process_cou
   return _resplit(source, states, process_index, process_count)
 
 
+def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -> tuple[int, ...]:
+  """A state's stream thresholds: its mp_prefetch workers' (``strided``), or its position."""
+  strided = source.get("strided")
+  if strided is None:
+    return (position,)
+  if (
+    not isinstance(strided, list)
+    or not strided
+    or not all(isinstance(t, int) and 0 <= t <= length + len(strided) for t in strided)
+    or min(min(strided), length) != position
+  ):
+    raise ValueError(
+      f"`state[{i}]['source']['strided']` must list each mp_prefetch worker's threshold"
+      f" (ints >= 0, the least equal to 'position' {position}), got {strided!r:.100}"
+    )
+  return tuple(strided)
+
+
 def _resplit(
   source: elastic.ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
   olds: list[es.Layout] = []
-  cursors: list[tuple[int, int]] = []
+  cursors: list[tuple[int, ...]] = []
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
@@ -104,12 +122,12 @@ def _resplit(
       source._num_records,  # pylint: disable=protected-access
     )
     if s["source"].get("resplittable") is False:
+      why = s["source"].get("why_not_resplittable", "packing, mixing")
       raise ValueError(
-        f"`state[{i}]['source']` cannot be re-split over another process count: the"
-        " transform keeps records of its own across batches (its Grain state holds more"
-        " than its parent's: packing, mixing), so the records it read may not all be in"
-        " the batches delivered. Resume it on the same process count, or re-split a"
-        " transform of map, filter and batch"
+        f"`state[{i}]['source']` cannot be re-split over another process count: its"
+        f" cursor is not exact ({why}), so the records the transform read may not all be"
+        " in the batches delivered. Resume it on the same process count, or re-split a"
+        " transform of map, filter, batch and mp_prefetch"
       )
     if layout.count != len(states) or layout.index != i:
       raise ValueError(f"`state[{i}]['source']` is process {layout.index} of {layout.count}'s")
@@ -119,8 +137,8 @@ def _resplit(
         " are not from one job"
       )
     olds.append(layout)
-    cursors.append(layout.cursor(position))
-  first, splits = es.resume(olds, cursors, count)
+    cursors.append(_thresholds(s["source"], i, position, layout.length))
+  first, splits = es.resume_strided(olds, cursors, count)
   layout = es.Layout(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   spec = source._spec  # pylint: disable=protected-access
   return {

@@ -158,7 +158,7 @@ def tfds_pipeline(
     elastic: Return an `elastic_source` over the whole split (``"data_source"``
       only): the library splits it over the processes, and its state resumes
       on any process count. One input shard per process (no `mesh`,
-      `process_index` or `process_count`), `num_epochs` an int.
+      `process_index` or `process_count`).
 
   Returns:
     A `grain.IterDataset` (``"data_source"``) or `tf.data.Dataset`
@@ -176,11 +176,8 @@ def tfds_pipeline(
   if reader not in _READERS:
     raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
   if elastic:
-    if reader != "data_source" or num_epochs is None:
-      raise ValueError(
-        "`elastic=True` needs reader='data_source' and an int `num_epochs`, got"
-        f" reader={reader!r}, num_epochs={num_epochs!r}"
-      )
+    if reader != "data_source":
+      raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
     if any(x is not None for x in (process_index, process_count, mesh, data_axes, sharding)):
       raise ValueError(
         "`elastic=True` splits the records over the processes itself: pass no"
@@ -282,7 +279,11 @@ def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
 
   del read_options  # The elastic stream reads with Grain's default options.
   return elastic.elastic_source(
-    records, transform, shuffle=r.shuffle, seed=r.seed, num_epochs=int(r.num_epochs or 1)
+    records,
+    transform,
+    shuffle=r.shuffle,
+    seed=r.seed,
+    num_epochs=None if r.num_epochs is None else int(r.num_epochs),
   )
 
 

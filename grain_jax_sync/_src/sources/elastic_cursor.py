@@ -1,0 +1,85 @@
+"""The consumed cursor inside a Grain iterator's nested state (pure Python, no Grain).
+
+The elastic source tags its stream's state (`TAG`, and `SLICE` in an
+`mp_prefetch` worker); `find_position` finds the tags in whatever the user's
+transform nests them in, and says whether the cursor they give is exact: the
+records before it are exactly those of the batches delivered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TAG = "grain_jax_sync_elastic_stream"
+SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
+_TAG, _SLICE = TAG, SLICE
+_INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
+_PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
+_NOT_ALONE = "its Grain state holds more than its parent's: packing, mixing"
+Why = str | None  # Why a cursor is not exact (None: it is).
+
+
+def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
+  """Every tag inside a Grain state, with why its path keeps more than the cursor."""
+  if isinstance(state, Mapping):
+    if _TAG in state:
+      return [(state, why or (None if set(state) <= {_TAG, _SLICE} else _NOT_ALONE))]
+    if all(k in state for k in _INTERLEAVE):
+      # mp_prefetch: each worker's state as of the last element it delivered;
+      # the other fields say which worker is next (no records).
+      why = why or (_NOT_ALONE if state.get("future_states") else None)
+      values: Sequence[Any] = [v for v in state[_INTERLEAVE[0]] if v is not None]
+      return [t for v in values for t in _tags(v, why)]
+    if set(state) == _PACKING:
+      # Packing keeps its parent's state at the start of the packed batch it is
+      # emitting: the cursor once every row of it was delivered (next_row 0).
+      row = state["next_row"]
+      mid = (
+        f"packing is within a packed batch (next_row={row}): some of its rows were"
+        " delivered; a batch size that is a multiple of num_packing_bins ends one with"
+        " every batch"
+      )
+      return _tags(state["parent"], why or (mid if row else None))
+    values = list(state.values())
+  elif isinstance(state, (list, tuple)):
+    values = state
+  else:
+    return []
+  return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
+
+
+def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
+  """(stream thresholds, why not exact) of a Grain iterator's nested state, or None.
+
+  Thresholds ``T``: stream index ``j`` is consumed when ``j < T[j % len(T)]``
+  (one: a prefix; `mp_prefetch` with `W` workers, each reading every `W`-th
+  index: `W`). Why not exact (None: exact): a transform that keeps a state
+  of its own beside its parent's (a mix's, packing's within a packed batch)
+  may hold records read past the cursor that no delivered batch holds yet;
+  its cursor is exact for Grain's own resume (on the same count), not for a
+  re-split. So is a sequential `mp_prefetch` (blocks, not strides).
+  """
+  tags = _tags(state, None)
+  if not tags:
+    return None
+  why = next((w for _, w in tags if w is not None), None)
+  sliced = [(t[_SLICE], int(t[_TAG]["next_index"])) for t, _ in tags if _SLICE in t]
+  plain = [int(t[_TAG]["next_index"]) for t, _ in tags if _SLICE not in t]
+  if not sliced:
+    if len(plain) > 1 and any(plain):
+      return (min(plain),), why or "it reads the stream more than once"
+    return (max(plain),), why
+  if any(seq for (_, _, seq), _ in sliced):
+    return (0,), why or "mp_prefetch(sequential_slice=True) reads blocks of the stream"
+  width = sliced[0][0][1]
+  if len({start for (start, _, _), _ in sliced}) != len(sliced):
+    return (0,), why or "two of its mp_prefetch workers read the same stride"
+  thresholds = list(range(width))  # A worker not started yet: nothing read.
+  for (start, step, _), k in sliced:
+    if step != width or not 0 <= start < width:
+      return (0,), why or "its mp_prefetch workers read the stream unevenly"
+    thresholds[start] = start + k * width
+  if any(plain):
+    why = why or "it reads the stream outside its mp_prefetch workers"
+  return tuple(thresholds), why
