@@ -370,7 +370,7 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
 def _row_to_json(row: Sequence[Cursor]) -> Any:
   """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds."""
   if all(isinstance(c, int) for c in row):
-    return pack_ints(row)
+    return pack_ints([int(c) for c in row])  # type: ignore[arg-type]  # ints, checked above.
   cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
   return {
     "widths": pack_ints([len(c) for c in cursors]),
