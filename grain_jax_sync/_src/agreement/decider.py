@@ -330,7 +330,9 @@ class Decider(Streamed):
       self._abort = self._lost(peer)
     elif (note := self._live.closed(peer)) is not None:
       self._absorb(self._timed(self._ex.read_chunks))  # Its ending here, if it posted one.
-      if self._abort is None and peer in self._needed():
+      # A closing ending it posted here (`reset()`, `set_state()`, a close)
+      # is the one to raise: the ledger holds it as its abort.
+      if self._abort is None and self._led.abort is None and peer in self._needed():
         message = endings.closed_peer_message(note, self._ex.namespace)
         self._abort = plan_lib.ReportedError(
           ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
