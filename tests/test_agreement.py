@@ -480,15 +480,20 @@ def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
 
 
 def _timed_reads(delays_s):
+  # Each read takes exactly its delay on this clock (not the machine's, which a
+  # loaded CI machine slows by milliseconds).
+  now = [0.0]
+
   def source():
     for b, delay in enumerate(delays_s):
-      time.sleep(delay)
+      now[0] += delay
       yield {"x": _ids(0, b, 8)}
 
   own = agreement.OwnReads(
     reader.Reader(sources.open_source(source()), process_index=0, check_int32=False),
     lookahead=2,
     threads=True,
+    clock=lambda: now[0],
   )
   started = []
   try:

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
@@ -164,8 +164,10 @@ class OwnReads:
     lookahead: int,
     threads: bool,
     read_ahead: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
   ):
     self._reader = reader
+    self._clock = clock  # Read times decide the thread; tests pass their own clock.
     self._cap = read_ahead
     self._threads = threads
     self._thread: prefetch_lib.Prefetcher[Any] | None = None
@@ -182,9 +184,9 @@ class OwnReads:
     return self.end is None and len(self.pending) < self.limit
 
   def read(self) -> reader_lib.Read | reader_lib.End:
-    t0 = time.monotonic()
+    t0 = self._clock()
     item = next(self._reader)
-    self.last_read_s = time.monotonic() - t0
+    self.last_read_s = self._clock() - t0
     if self._thread is None and self._threads:
       self._recent.append(self.last_read_s)
       if (
