@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from grain_jax_sync._src import iterator as iterator_lib
-from grain_jax_sync._src import meshes
+from grain_jax_sync._src import api, meshes
 
 REFERENCE_BATCH_SIZE = 256
 
@@ -108,7 +107,7 @@ def jax_sync_generator(
     from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
-  it = iterator_lib.iter_jax_batches(
+  it = api.iter_jax_batches(
     batch_iterable,
     batch_size=_full_batch_size(batch_size),
     drop_last=drop_last,
