@@ -39,7 +39,7 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
   rows = [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0])]
   out["running"] = library_threads()
   # The order in which `Stages.close` stops them: from the user's end back.
-  out["close_order"] = [stage.thread.name for stage in it._life._stages._threads]
+  out["close_order"] = [stage.thread.name for stage in it._life._state.stages._threads]
   rows += [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0]) for _ in range(4)]
   it.close()  # Mid-stream, on every host at the same batch.
   out["rows"] = rows

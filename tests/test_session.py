@@ -42,7 +42,7 @@ def test_one_process_with_prefetch_runs_the_build_thread_only_while_it_runs():
   assert library_threads() == []  # A stream starts at its first `next()`.
   got = [_first(next(it))]
   assert library_threads() == [session.BUILD_THREAD]  # One process: no agreement thread.
-  assert [stage.thread.name for stage in it._life._stages._threads] == [session.BUILD_THREAD]
+  assert [stage.thread.name for stage in it._life._state.stages._threads] == [session.BUILD_THREAD]
   got += [_first(b) for b in it]
   it.close()
   assert got == [0, 1, 2, 3, 4]

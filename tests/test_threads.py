@@ -208,7 +208,7 @@ def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold
   data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   assert int(np.asarray(next(it)["x"])[0]) == 0
-  stage = it._life._stages._threads[0]  # The build stage.
+  stage = it._life._state.stages._threads[0]  # The build stage.
   returned = threading.Event()
 
   def interrupted_next():

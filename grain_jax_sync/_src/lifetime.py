@@ -15,13 +15,17 @@ thread (the source, or a finalizer run by a garbage collection inside a
 stage, of this iterator or another) hands the close to a new thread, so that
 no close joins its own thread or waits on a stage that waits on it.
 
-Fields that more than one thread touches, and their guard:
+Fields that more than one thread touches, and their guard (four; every
+other field is touched only by the thread that holds the turn):
 
-* ``_phase``, ``_turn`` (with its tickets), ``_stages``: under ``_lock``
-  (``_turns`` waits on it).
-* ``mark``: replaced whole under ``_lock``; read without it (`get_state`,
-  `stats` from any thread or a signal handler).
-* ``_asked``: set without the lock (a signal handler's close); read under it.
+* ``_state``: the phase, the turn and its tickets, the running stages and the
+  times of stopped ones, as one `State` value replaced whole under ``_lock``
+  (``_turns`` waits on it). Read without the lock as one value (`stats` from
+  any thread, a signal handler's close).
+* ``mark``: where the consumer is (`session.Mark`); replaced whole under
+  ``_lock``, read without it (`get_state`, `stats`).
+* ``_asked``: a close was asked for; set without the lock (a signal
+  handler), read under it.
 * ``_closed``: an event, set once the close is done.
 """
 
@@ -31,7 +35,7 @@ import enum
 import json
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -52,6 +56,26 @@ class Phase(enum.Enum):
   RUNNING = "running"
   CLOSING = "closing"
   CLOSED = "closed"
+
+
+class State(NamedTuple):
+  """The lifetime's shared state: one value, replaced whole under the lock.
+
+  Attributes:
+    phase: Where the state machine is.
+    turn: The thread that holds the turn (None: nobody).
+    tickets: Turns asked for so far.
+    serving: The ticket whose turn it is.
+    stages: The running session's stages (None: not running).
+    finished: The stage times of the sessions stopped so far.
+  """
+
+  phase: Phase = Phase.IDLE
+  turn: int | None = None
+  tickets: int = 0
+  serving: int = 0
+  stages: session_lib.Stages | None = None
+  finished: stats_lib.Times = stats_lib.Times()
 
 
 class Lifetime:
@@ -81,14 +105,9 @@ class Lifetime:
     self._lock = threading.Lock()
     self._turns = threading.Condition(self._lock)
     self._local = threading.local()  # Per thread: inside a turn, or a close.
-    self._phase = Phase.IDLE
-    self._turn: int | None = None  # The thread holding the turn.
-    self._tickets = 0  # Turns asked for; `_serving` is the ticket whose turn it is.
-    self._serving = 0
-    self._stages: session_lib.Stages | None = None
+    self._state = State()
     self._asked = False
     self._closed = threading.Event()
-    self._closed_flag = False  # `_closed.is_set()` without module globals (exit).
     self.mark = mark
     self.generation = 0  # Streams started or ended so far; names their keys.
     self.ending: plan_lib.ReportedError | None = None  # Posted by the next stop.
@@ -98,7 +117,6 @@ class Lifetime:
     # No stream started since the last (re)start: the peers may wait in the
     # next one, so a close or a refusal posts this host's ending there.
     self.pending_start = True
-    self._finished = stats_lib.Times()  # Of the sessions stopped so far.
     self.job: Any = None  # `stats(all_hosts=True)`'s table, fed by the agreement.
 
   # -- turns ---------------------------------------------------------------------
@@ -117,19 +135,22 @@ class Lifetime:
     self._local.turn = True
     try:
       with self._lock:
-        ticket, self._tickets = self._tickets, self._tickets + 1
+        ticket = self._state.tickets
+        self._set(tickets=ticket + 1)
         try:
-          while (self._turn is not None or self._serving != ticket) and (
-            self._phase is not Phase.CLOSED
-          ):
-            self._turns.wait()
-          if self._phase in (Phase.CLOSING, Phase.CLOSED) or self._asked:
+          self._turns.wait_for(
+            lambda: (
+              self._state.phase is Phase.CLOSED
+              or (self._state.turn is None and self._state.serving == ticket)
+            )
+          )
+          if self._state.phase in (Phase.CLOSING, Phase.CLOSED) or self._asked:
             raise RuntimeError("the iterator is closed")
         except BaseException:
-          self._serving += 1  # The next ticket's turn.
+          self._set(serving=self._state.serving + 1)  # The next ticket's turn.
           self._turns.notify_all()
           raise
-        self._turn = threading.get_ident()
+        self._set(turn=threading.get_ident())
     except BaseException:
       self._local.turn = False
       raise
@@ -138,10 +159,10 @@ class Lifetime:
     """Ends this thread's turn; carries out a close asked for meanwhile."""
     finish = False
     with self._lock:
-      self._turn = None
-      self._serving += 1
-      if self._asked and self._phase is not Phase.CLOSED and self._phase is not Phase.CLOSING:
-        self._phase, self._turn, finish = Phase.CLOSING, threading.get_ident(), True
+      self._set(turn=None, serving=self._state.serving + 1)
+      if self._asked and self._state.phase not in (Phase.CLOSING, Phase.CLOSED):
+        self._set(phase=Phase.CLOSING, turn=threading.get_ident())
+        finish = True
       self._turns.notify_all()  # The next ticket, or a closer waiting for the turn.
     self._local.turn = False
     if finish:
@@ -166,11 +187,15 @@ class Lifetime:
   def asked(self) -> bool:
     return self._asked
 
+  def _set(self, **changes: Any) -> None:
+    """Under the lock: replaces the shared state with these fields changed."""
+    self._state = self._state._replace(**changes)
+
   # -- sessions ------------------------------------------------------------------
 
   def stages(self) -> session_lib.Stages:
     """The running stages, started now if there are none. In a turn."""
-    stages = self._stages
+    stages = self._state.stages
     if stages is None:
       self.generation += 1
       ns = None if self._namespace is None else f"{self._namespace}/{self.generation}"
@@ -181,19 +206,20 @@ class Lifetime:
       stages = session_lib.Stages(start)
       self.pending_start = False
       with self._lock:
-        self._stages, self._phase = stages, Phase.RUNNING
+        self._set(stages=stages, phase=Phase.RUNNING)
       if self._asked:  # A close asked for meanwhile, before these stages could hear it.
         stages.request_stop()
     return stages
 
   @property
   def running(self) -> bool:
-    return self._stages is not None
+    return self._state.stages is not None
 
   def halt(self) -> None:
     """Stops the running stages' threads (the source may be moved); posts nothing. In a turn."""
-    if self._stages is not None:
-      self._stages.halt()
+    stages = self._state.stages
+    if stages is not None:
+      stages.halt()
 
   def restart(self, mark: Mark) -> None:
     """After `stop()`: the next `stages()` starts a new stream at `mark`. In a turn."""
@@ -206,12 +232,13 @@ class Lifetime:
   def stop(self) -> None:
     """Stops the running stages (posting `ending`, or closed); the next `stages()` restarts."""
     with self._lock:
-      stages, self._stages = self._stages, None
-      if self._phase is Phase.RUNNING:
-        self._phase = Phase.IDLE
+      stages = self._state.stages
+      phase = Phase.IDLE if self._state.phase is Phase.RUNNING else self._state.phase
+      self._set(stages=None, phase=phase)
     if stages is not None:
       stages.close(self.mark.position, self.ending)
-      self._finished += stages.times()
+      with self._lock:
+        self._set(finished=self._state.finished + stages.times())
 
   def leave(self, how: str) -> None:
     """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""
@@ -247,14 +274,15 @@ class Lifetime:
 
     A later restart takes the stream after it, as the peers' do.
     """
-    if self._stages is None and self._namespace is not None and self.pending_start:
+    if self._state.stages is None and self._namespace is not None and self.pending_start:
       self.generation += 1
       ns = f"{self._namespace}/{self.generation}"
       session_lib.end_unstarted(self._settings, ns, self.mark.position, self.ending)
 
   def times(self) -> stats_lib.Times:
-    running = self._stages
-    return self._finished if running is None else self._finished + running.times()
+    state = self._state  # One value: no lock.
+    running = state.stages
+    return state.finished if running is None else state.finished + running.times()
 
   def snapshot(self) -> dict[str, Any]:
     """This host's `stats()`: no lock, from any thread or a signal handler."""
@@ -264,7 +292,7 @@ class Lifetime:
 
   def close(self) -> None:
     """The one close path, whoever calls it; idempotent, never raises."""
-    if self._closed_flag:
+    if self._closed.is_set():
       return  # Also at interpreter exit, where module globals may be gone.
     if self.in_turn() or getattr(self._local, "closing", False):
       self._ask()  # Inside this thread's own turn or close: that call finishes it.
@@ -284,7 +312,7 @@ class Lifetime:
   def _ask(self) -> None:
     """Asks for the close without a lock: wakes the stages' waits."""
     self._asked = True
-    stages = self._stages
+    stages = self._state.stages
     if stages is not None:
       stages.request_stop()
 
@@ -297,10 +325,9 @@ class Lifetime:
 
   def _close(self) -> None:
     with self._lock:
-      if self._phase in (Phase.CLOSING, Phase.CLOSED):
-        first = False
-      else:
-        first, self._phase = True, Phase.CLOSING
+      first = self._state.phase not in (Phase.CLOSING, Phase.CLOSED)
+      if first:
+        self._set(phase=Phase.CLOSING)
       self._asked = True
     if not first:
       self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
@@ -310,12 +337,12 @@ class Lifetime:
       # A turn in progress was woken above; one that reads the source itself
       # (a generator cannot be closed while it runs) carries the close out
       # when its read returns, if it outlasts this wait.
-      if self._turn is not None and not self._turns.wait_for(
-        lambda: self._turn is None, prefetch_lib.JOIN_TIMEOUT_S
+      if self._state.turn is not None and not self._turns.wait_for(
+        lambda: self._state.turn is None, prefetch_lib.JOIN_TIMEOUT_S
       ):
-        self._phase = Phase.RUNNING if self._stages is not None else Phase.IDLE
+        self._set(phase=Phase.RUNNING if self._state.stages is not None else Phase.IDLE)
         return  # `give_turn` finishes it.
-      self._turn = threading.get_ident()
+      self._set(turn=threading.get_ident())
     self._finish()
 
   def _finish(self) -> None:
@@ -334,11 +361,10 @@ class Lifetime:
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
     finally:
       with self._lock:
-        self._phase, self._turn = Phase.CLOSED, None
+        self._set(phase=Phase.CLOSED, turn=None)
         self._turns.notify_all()
-      self._closed_flag = True
       self._closed.set()
 
   @property
   def closed(self) -> bool:
-    return self._closed_flag or self._asked
+    return self._closed.is_set() or self._asked

@@ -8,7 +8,13 @@ source -> Reader -> agreement (lockstep, or Decider / Follower) -> BuildStage ->
 
 `Stages` is built from a frozen `Start` and owns every thread it starts.
 Nothing here is shared with other threads except through the stages'
-buffers; `lifetime.Lifetime` decides who calls `close` (once).
+buffers; `lifetime.Lifetime` decides who calls `close` (once), and its
+docstring lists the four fields that more than one thread touches. Here the
+thread that holds the turn makes, advances and closes the stages. From other
+threads only `request_stop` (a signal handler's close) and `times` (`stats`)
+come in, and they read fields set before the stages were published, plus
+the stage counters (`source_s`, `busy_s`, `transfer_s`): floats, each
+written by the one thread that runs its stage.
 """
 
 from __future__ import annotations

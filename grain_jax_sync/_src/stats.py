@@ -36,7 +36,7 @@ FIELDS = (
 )
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Times:
   """Seconds spent by the stages of one or more (re)starts."""
 
