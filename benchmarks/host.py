@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,24 +39,54 @@ from benchmarks import workloads
 
 # -- CPU per batch beside a step ----------------------------------------------
 
+# Batches left out of the CPU per batch at each end of a trial: the start
+# (threads, the first reads, filling the buffers) and the end (draining them,
+# the close) are not per-batch costs. More than any buffer compared here holds.
+SKIP = 8
 
-def _cpu_trial(make_iter: Callable[[], Iterator[Any]], step_s: float) -> tuple[float, float, int]:
-  """(process CPU s, wall s, batches) of one drained iterator."""
+
+def _cpu_trial(
+  make_iter: Callable[[], Iterator[Any]],
+  step_s: float,
+  *,
+  window: tuple[int, int] | None = None,
+  held: Any = None,
+) -> tuple[float, float, int]:
+  """(process CPU s, wall s, batches) of one drained iterator, over `window` if given.
+
+  `window` ``(a, b)``: from the `a`-th batch received to the `b`-th, both in
+  the steady state, where a training job spends its time: the buffers are
+  as full at both ends, so the batches built in the window are the batches
+  received in it. An iterator's start and end (threads, the first reads,
+  the close) are one-off costs, which a per-batch figure over a short trial
+  would spread over its few batches. `held`, if given, is called after each
+  batch.
+  """
   import jax
 
-  cpu0, wall0 = time.process_time(), time.perf_counter()
+  a, b = window or (0, -1)
   it = make_iter()
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  cpu1 = wall1 = 0.0
   n = 0
   for batch in it:
     jax.block_until_ready(batch)
     del batch
+    if held is not None:
+      held()
     if step_s:
       time.sleep(step_s)
     n += 1
+    if n == a:
+      cpu0, wall0 = time.process_time(), time.perf_counter()
+    if n == b:
+      cpu1, wall1 = time.process_time(), time.perf_counter()
+  if b < 0:
+    cpu1, wall1, b = time.process_time(), time.perf_counter(), n
   close = getattr(it, "close", None)
   if callable(close):
     close()
-  return time.process_time() - cpu0, time.perf_counter() - wall0, n
+  return cpu1 - cpu0, wall1 - wall0, b - a
 
 
 def _no_read_ahead(data: Any) -> Any:
@@ -94,10 +126,10 @@ def _cpu_config(mb: float, step_s: float, n: int, trials: int) -> dict[str, Any]
   for trial in range(trials):
     first = trial % len(keys)
     for k in keys[first:] + keys[:first]:
-      c, w, got = _cpu_trial(variants[k], step_s)
-      assert got == n, (k, got, n)
-      cpu[k].append(c / n * 1e6)
-      wall[k].append(w / n * 1e3)
+      c, w, got = _cpu_trial(variants[k], step_s, window=(SKIP, n - SKIP))
+      assert got == n - 2 * SKIP, (k, got, n)
+      cpu[k].append(c / got * 1e6)
+      wall[k].append(w / got * 1e3)
   out: dict[str, Any] = {"n": n, "trials": trials}
   for k in keys:
     extra = [c - b for c, b in zip(cpu[k], cpu["bare"], strict=True)]
@@ -120,13 +152,14 @@ def cpu_per_batch(
 ) -> dict[str, Any]:
   """Process CPU per batch for each (batch size, step); see the module doc.
 
-  `n` batches per trial (4 distinct ones, cycled); 0 picks 100 beside a
-  step up to 5 ms and 30 beside 50 ms (1.5 s per trial).
+  `n` batches per trial (4 distinct ones, cycled), of which `SKIP` at each
+  end are not counted; 0 picks 100 beside a step up to 5 ms and 40 beside
+  50 ms (2 s per trial).
   """
   out = {}
   for mb in sizes_mb:
     for step in steps_ms:
-      count = n or (100 if step <= 5 else 30)
+      count = n or (100 if step <= 5 else 40)
       out[f"{mb:g} MB, {step:g} ms"] = _cpu_config(mb, step / 1e3, count, trials)
   return out
 
@@ -151,12 +184,14 @@ def memory_one(*, variant: str, mb: int = 64, n: int = 24, step_s: float = 0.02)
   width = mb * (1 << 20) // (rows * 4)
   sharding = gjs.default_sharding()
 
+  live = _Live()
+
   def make(i: int) -> dict[str, np.ndarray]:
-    return {"x": np.full((rows, width), i, np.float32)}
+    return {"x": live.track(np.full((rows, width), i, np.float32))}
 
   ds = _no_read_ahead(grain.MapDataset.range(n).map(make))  # Not 500 x 64 MB.
   jax.block_until_ready(jax.make_array_from_process_local_data(sharding, make(0)))  # Warm-up.
-  del jax
+  live.peak = live.count
   makers: dict[str, Callable[[], Iterator[Any]]] = {
     "bare": lambda: workloads._bare(iter(ds)),  # noqa: SLF001 - the shared floor.
     "grain": lambda: iter(
@@ -164,10 +199,41 @@ def memory_one(*, variant: str, mb: int = 64, n: int = 24, step_s: float = 0.02)
     ),
     "ours": lambda: iter(gjs.device_put(ds, sharding, cpu_buffer_size=4, device_buffer_size=2)),
   }
+  device = [0]
+
+  def held() -> None:  # Global arrays alive as the consumer gets each batch.
+    device[0] = max(device[0], len(jax.live_arrays()))
+
   growth = workloads._peak_rss_growth(  # noqa: SLF001 - the shared sampler.
-    lambda: _cpu_trial(makers[variant], step_s)
+    lambda: _cpu_trial(makers[variant], step_s, held=held)
   )
-  return {"variant": variant, "growth": growth, "batch_bytes": rows * width * 4}
+  return {
+    "variant": variant,
+    "growth": growth,
+    "batch_bytes": rows * width * 4,
+    "host_peak": live.peak,
+    "device_peak": device[0],
+  }
+
+
+class _Live:
+  """Counts the source's batches alive (made and not yet freed), and their peak."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self.count = 0
+    self.peak = 0
+
+  def track(self, x: np.ndarray) -> np.ndarray:
+    with self._lock:
+      self.count += 1
+      self.peak = max(self.peak, self.count)
+    weakref.finalize(x, self._freed)
+    return x
+
+  def _freed(self) -> None:
+    with self._lock:
+      self.count -= 1
 
 
 # -- an input-bound job ------------------------------------------------------------
@@ -297,14 +363,14 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
 
   out: dict[str, Any] = {}
   if "cpu_per_batch" in names:
-    kw = {"n": 6, "trials": 1} if quick else {}
+    kw = {"n": 2 * SKIP + 4, "trials": 1} if quick else {}
     out["cpu_per_batch"] = testing.values(
       testing.run_processes(
         cpu_per_batch, num_processes=1, devices_per_process=8, kwargs=kw, timeout_s=1800
       )
     )[0]
   if "memory_peers" in names:
-    runs, kw = (1, {"n": 8}) if quick else (2, {})
+    runs, kw = (1, {"n": 8}) if quick else (3, {})
     growth: dict[str, list[float]] = {}
     for _ in range(runs):  # Each variant in its own process, interleaved.
       for variant in ("bare", "grain", "ours"):
@@ -318,6 +384,7 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
           )
         )
         growth.setdefault(variant, []).append(r["growth"] / r["batch_bytes"])
+        growth.setdefault(f"{variant}_held", []).append((r["host_peak"], r["device_peak"]))
     out["memory_peers"] = growth
   if "input_bound" in names:
     kw = {"n": 12, "trials": 1} if quick else {}
@@ -342,7 +409,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
       (
         "CPU per batch beside a step: process CPU over the bare loop",
         f"1 proc x 8 dev, 256-row uint8 batches of {cfg} step (sleep);"
-        f" {r['n']} batches x {r['trials']} trials; bare loop {r['bare']['cpu_us']:.0f} us",
+        f" {r['n']} batches x {r['trials']} trials, counted between batch {SKIP} and"
+        f" {r['n'] - SKIP}; bare loop {r['bare']['cpu_us']:.0f} us",
         f"{_us(r['ours'])}; prefetch_batches=0: {_us(r['ours_p0'])}",
         f"`grain.experimental.device_put`: {_us(r['grain'])}",
         "<= Grain's" if step else "-",
@@ -352,13 +420,18 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
   if mem:
 
     def runs(k: str) -> str:
-      return ", ".join(f"{g:.2f}" for g in mem[k])
+      held = max(h for h, _ in mem[f"{k}_held"]), max(d for _, d in mem[f"{k}_held"])
+      return (
+        f"{statistics.median(mem[k]):.2f} ({', '.join(f'{g:.2f}' for g in mem[k])});"
+        f" held at most {held[0]} source batches, {held[1]} global arrays"
+      )
 
     out.append(
       (
         "memory: peak RSS growth (batches), `device_put(cpu_buffer_size=4, device_buffer_size=2)`",
         "1 proc x 8 dev, 64 MB batches, 20 ms step, each variant in its own process;"
-        f" {len(mem['ours'])} run(s) each",
+        f" median of {len(mem['ours'])} run(s) each (the runs); held: source batches"
+        " alive at their peak, and `jax.live_arrays()` at the consumer's batches",
         runs("ours"),
         f"`grain.experimental.device_put`: {runs('grain')}; bare loop: {runs('bare')}",
         "<= Grain's",

@@ -371,9 +371,87 @@ def column_scaling(*, rows: int = 64, n: int = 100, trials: int = 15) -> dict[st
       {
         "bare": lambda: _bare(data),  # noqa: B023
         "ours": lambda: gjs.iter_jax_batches(data, batch_size=rows),  # noqa: B023
+        "ours_p0": lambda: gjs.iter_jax_batches(data, batch_size=rows, prefetch_batches=0),  # noqa: B023
       },
       trials,
     )
+  return out
+
+
+def _handed_over(batches: list[dict[str, np.ndarray]], keep: bool) -> Iterator[Any]:
+  """The bare loop in a thread, each batch handed to the consumer over a queue; no library code.
+
+  With `keep`, every batch stays referenced until the end, so that no
+  `jax.Array` is freed in the consumer's thread while the thread builds.
+  """
+  import queue
+
+  handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+  kept: list[Any] = []
+
+  def produce() -> None:
+    for b in _bare(batches):
+      handed.put(b)
+    handed.put(None)
+
+  t = threading.Thread(target=produce, name="bench-handover", daemon=True)
+  t.start()
+  while (b := handed.get()) is not None:
+    if keep:
+      kept.append(b)
+    yield b
+  t.join()
+
+
+def cross_thread_free(
+  *, rows: int = 64, n: int = 300, ncols: int = 64, trials: int = 7
+) -> dict[str, Any]:
+  """What a hand-off between two threads costs, with no library code and no step.
+
+  The bare loop inline; the same loop in a thread handing each batch over a
+  queue, the consumer dropping it as it takes the next (as a training loop
+  does); the same, the consumer keeping every batch (nothing freed in its
+  thread); and `grain.experimental.device_put` over the same list. Each
+  `jax.Array` freed by the consumer releases the GIL once per device buffer
+  while the other thread builds, releasing it once per buffer too: the two
+  threads hand the GIL back and forth (counted here: voluntary context
+  switches per batch, over all threads). Beside a step, the build thread
+  waits on a full buffer while the consumer frees, and this does not happen.
+  """
+  import resource
+
+  import grain
+
+  import grain_jax_sync as gjs
+
+  data = columns(rows, n, ncols)
+  sharding = gjs.default_sharding()
+  variants = {
+    "inline": lambda: _bare(data),
+    "thread_free": lambda: _handed_over(data, keep=False),
+    "thread_keep": lambda: _handed_over(data, keep=True),
+    "grain": lambda: iter(
+      grain.experimental.device_put(
+        grain.MapDataset.source(data).to_iter_dataset(
+          grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        ),
+        sharding,
+      )
+    ),
+  }
+  switches: dict[str, list[float]] = {k: [] for k in variants}
+
+  def counted(k: str) -> Callable[[], Iterator[Any]]:
+    def run() -> Iterator[Any]:
+      before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+      yield from variants[k]()
+      switches[k].append((resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before) / n)
+
+    return run
+
+  out = _median_times({k: counted(k) for k in variants}, trials)
+  for k in variants:
+    out[k]["switches"] = statistics.median(switches[k])
   return out
 
 

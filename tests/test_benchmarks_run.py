@@ -33,7 +33,14 @@ def test_host_rows_report_extra_cpu_memory_and_steps_against_their_peers():
   rate = {"steps_s": 10.0, "lo": 9.0, "hi": 11.0, "trials": 7}
   res = {
     "cpu_per_batch": {"8 MB, 50 ms": cfg},
-    "memory_peers": {"bare": [2.0], "grain": [5.5], "ours": [4.25]},
+    "memory_peers": {
+      "bare": [2.0],
+      "grain": [5.5],
+      "ours": [4.25, 3.75, 9.0],
+      "bare_held": [(2, 0)],
+      "grain_held": [(3, 2)],
+      "ours_held": [(4, 1), (5, 2), (3, 2)],
+    },
     "input_bound": [
       {"bare": rate, "ours": {**rate, "steps_s": 12.0}, "device_put": rate},
       {"bare": {**rate, "steps_s": 8.0}, "ours": rate, "device_put": rate},
@@ -43,7 +50,10 @@ def test_host_rows_report_extra_cpu_memory_and_steps_against_their_peers():
   assert "8 MB, 50 ms step" in cpu_row[1] and "bare loop 100 us" in cpu_row[1]
   assert cpu_row[2] == "+40 us (+35..+45); prefetch_batches=0: +20 us (+15..+25)"
   assert cpu_row[3] == "`grain.experimental.device_put`: +60 us (+55..+65)"
-  assert mem_row[2] == "4.25" and "5.50" in mem_row[3] and "bare loop: 2.00" in mem_row[3]
+  # The median of the runs, the runs, and the most held in any run.
+  assert mem_row[2] == "4.25 (4.25, 3.75, 9.00); held at most 5 source batches, 2 global arrays"
+  assert "5.50 (5.50); held at most 3 source batches, 2 global arrays" in mem_row[3]
+  assert "bare loop: 2.00 (2.00)" in mem_row[3]
   # The slowest host's figures: ours 10.0 (host 1), bare 8.0 (host 1).
   assert ib_row[2].startswith("10.0 steps/s (9.0..11.0) = 1.25 of bare")
   assert ib_row[3] == "bare loop over the loader: 8.0 steps/s (9.0..11.0)"
