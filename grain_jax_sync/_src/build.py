@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import padding
+from grain_jax_sync._src import leaves as leaves_lib
+from grain_jax_sync._src import padding, trees
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import sharding as sharding_lib
@@ -93,7 +94,7 @@ class Layout:
     except TypeError as e:
       raise ValueError(f"`dtypes` has a value that is not a dtype: {e}") from e
     for name, w in zip(sig.names, want, strict=True):
-      if w is not None and not batches_lib.dtype_ok(np.dtype(w)):
+      if w is not None and not leaves_lib.dtype_ok(np.dtype(w)):
         raise ValueError(
           f"`dtypes` asks for {np.dtype(w)} for column {name!r}; expected a"
           " numeric or bool dtype that a jax.Array can hold, in native byte order"
@@ -112,29 +113,29 @@ class Layout:
       pads = padding.check_pad_values(values, landed, sig.names)
       pads = [np.asarray(p, h) for p, h in zip(pads, host, strict=True)]
     if mask_key is not None:
-      if not batches_lib.is_dict_spec(sig.spec):
+      if not trees.is_dict_spec(sig.spec):
         raise ValueError(
           f"`mask_key`={mask_key!r} needs dict batches, but the batches are"
           f" structured as {sig.spec!r}; use dict batches or mask_key=None"
         )
-      if mask_key in batches_lib.spec_keys(sig.spec):
+      if mask_key in trees.spec_keys(sig.spec):
         raise ValueError(
           f"`mask_key`={mask_key!r} is already a column of the batches; pick another name"
         )
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
     masks = _element_masks(sig, shapes, mask_key)
-    return cls(host, device, pads, as_read, batches_lib.flat_dict_keys(sig.spec), masks)
+    return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks)
 
 
 def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tuple[Any, ...]:
   """`shape_mask_keys` resolved to (leaf index, key) pairs, or a ValueError naming it."""
   if shapes is None or not shapes.masks:
     return ()
-  keys = batches_lib.spec_keys(sig.spec)
+  keys = trees.spec_keys(sig.spec)
   out: list[tuple[int, str]] = []
   for column, key in shapes.masks:
     leaves = [k for k, n in enumerate(sig.names) if n == column or n.startswith(f"{column}/")]
-    if not batches_lib.is_dict_spec(sig.spec):
+    if not trees.is_dict_spec(sig.spec):
       raise ValueError(
         f"`shape_mask_keys` needs dict batches, but the batches are structured"
         f" as {sig.spec!r}; use dict batches or shape_mask_keys=None"
@@ -295,7 +296,7 @@ class Builder:
     if layout.keys is not None:
       tree = dict(zip(layout.keys, out, strict=True))
     else:
-      tree = batches_lib.unflatten(sig.spec, out)
+      tree = trees.unflatten(sig.spec, out)
     if mask_key is not None:
       tree[mask_key] = mask
     for (_, name), m in zip(layout.masks, masks, strict=True):

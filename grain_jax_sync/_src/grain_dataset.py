@@ -6,7 +6,9 @@ arrays nor makes hosts agree on the number or shape of batches. This version
 returns a `grain.IterDataset` whose iterator runs `iter_jax_batches` over the
 per-host batches: same first arguments, global `jax.Array`s out, and the
 iterator is a `grain.DatasetIterator` whose JSON `get_state`/`set_state` are
-the `JaxBatchIterator`'s, so Grain's checkpoint handlers save and restore it.
+the `JaxBatchIterator`'s, so Grain's checkpoint handlers save and restore it
+(that dataset and iterator are in `synced_dataset.py`). Here: the arguments,
+`device` resolved once to a `Placement`, and the pipeline composed.
 
 Grain is imported when `device_put` is first called, never by
 ``import grain_jax_sync``.
@@ -15,14 +17,11 @@ Grain is imported when `device_put` is first called, never by
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
-from grain_jax_sync._src import extras
+from grain_jax_sync._src import extras, synced_dataset
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import settings as settings_lib
@@ -70,7 +69,7 @@ def _usage_error(device: Any) -> ValueError:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Placement:
+class Placement:
   """Where `device_put` puts elements.
 
   Attributes:
@@ -86,7 +85,7 @@ class _Placement:
   element: Any
 
 
-def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placement:
+def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> Placement:
   """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread.
 
   `device` left unset means `mesh`/`sharding`, else the `jax.set_mesh` mesh,
@@ -99,12 +98,12 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
   if device is None and not multi:
     if mesh is not None or sharding is not None or data_axes is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
-    return _Placement(None, True, None)  # As `jax.device_put(element, None)`.
+    return Placement(None, True, None)  # As `jax.device_put(element, None)`.
   if device is iterator_lib.UNSET or device is None:
     device = None
   elif not multi and any(x is None for x in _leaves_and_nones(device)):
     # A pytree with the default device for some leaves: placed as it is.
-    return _Placement(None, True, device)
+    return Placement(None, True, device)
   if device is None or isinstance(device, _ONE_PLACEMENT):
     one = _resolve(device, mesh, data_axes, sharding)
     if isinstance(device, jax.sharding.Mesh):
@@ -113,13 +112,13 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
     else:
       # As `jax.device_put(element, device)` places it (None: the default device).
       element = device if device is None or isinstance(device, jax.Device) else one
-    return _Placement(one, False, element)
+    return Placement(one, False, element)
   leaves = _leaves_and_nones(device)
   if not leaves or not all(x is None or isinstance(x, _ONE_PLACEMENT) for x in leaves):
     raise _usage_error(device)
   shardings = [_resolve(x, mesh, data_axes, sharding) for x in leaves]
   if all(x == shardings[0] for x in shardings):
-    return _Placement(shardings[0], False, device)
+    return Placement(shardings[0], False, device)
   if jax.process_count() > 1:
     raise ValueError(
       f"`device` is a pytree of {len(set(shardings))} different shardings, but"
@@ -127,213 +126,12 @@ def _placement(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> _Placem
       " sharding for every leaf (rows split over every process's devices):"
       " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
     )
-  return _Placement(None, True, device)
-
-
-def _why_plain(device: Any) -> str:
-  if device is None:
-    return "`device` is None (the default device, as for jax.device_put)"
-  return "`device` is a pytree of different placements"
+  return Placement(None, True, device)
 
 
 def _leaves_and_nones(tree: Any) -> list[Any]:
   """`tree`'s leaves, None included (`jax.tree_util` drops None as an empty node)."""
   return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
-
-
-def _unbatched(element: Any) -> str | None:
-  """Why `element` is not a batch (a scalar leaf, unequal leading sizes), or None."""
-  leaves = jax.tree_util.tree_leaves(element)
-  if any(np.ndim(x) == 0 for x in leaves):
-    return "it has a scalar (0-d) leaf"
-  firsts = {np.shape(x)[0] for x in leaves}
-  if len(firsts) > 1:
-    return f"its leaves have different leading sizes {sorted(firsts)}"
-  return None
-
-
-def _normalize_state(state: Any) -> dict[str, Any]:
-  """Our state, or the state Grain's `device_put` iterator saved, as our state.
-
-  Grain's iterator saves its parent's state (e.g. ``{"next_index": 32}``):
-  the same dict as the source state inside ours, since both wrap the same
-  dataset iterator.
-  """
-  if isinstance(state, Mapping) and "version" in state and "source" in state:
-    return dict(state)
-  # Version 1: a state that carries no settings digest to compare.
-  return {
-    "version": 1,
-    "batches": 0,
-    "process_index": jax.process_index(),
-    "process_count": jax.process_count(),
-    "source": state,
-  }
-
-
-def _plain_first(parent: Any, settings: Any, placement: _Placement) -> list[Any] | None:
-  """Reads the first element to choose the mode: [it] where elements are placed
-  one by one (as `jax.device_put` does), None for global batches (then
-  `parent` is back where it was).
-
-  Raises:
-    ValueError: If options that need global batches are given.
-  """
-  if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
-    return None
-  before = parent.get_state()
-  try:
-    first = next(parent)
-  except StopIteration:
-    first = None
-  why = None if first is None else _unbatched(first)
-  if first is None or not (why or placement.per_leaf):
-    parent.set_state(before)  # The engine reads it again.
-    return None
-  options = [k for k in ("paddings", "dtypes") if getattr(settings, k) is not None]
-  options += [k for k in ("mask_key", "drop_last") if getattr(settings, k)]
-  options += ["pad_shapes"] if settings.shapes is not None else []
-  if options:
-    why = f"the first element is unbatched ({why})" if why else None
-    raise ValueError(
-      f"`{'`, `'.join(options)}` need global batches, but"
-      f" {why or _why_plain(placement.element)}, so"
-      " elements are placed one by one as jax.device_put places them."
-      " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
-    )
-  return [first]
-
-
-def _plain_state(count: int, settings: Any, source: Any) -> dict[str, Any]:
-  """The state of an iterator that places elements one by one (or has not chosen yet)."""
-  return {
-    "version": iterator_lib.STATE_VERSION,
-    "batches": count,
-    "process_index": jax.process_index(),
-    "process_count": jax.process_count(),
-    "settings": settings.digest(),
-    "source": source,
-  }
-
-
-class _SyncedIterator:  # The bases come with Grain (`_classes`).
-  """Global `jax.Array` batches that every host agrees on.
-
-  `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
-  `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
-  `set_state` also takes the state Grain's own `device_put` iterator saved.
-  On one process, unbatched elements (and every element, when `device` is
-  a pytree of different shardings) are placed as `jax.device_put` places
-  them.
-  """
-
-  _MUTATES_ELEMENT_SPEC = True
-  # Grain's DatasetIterator (the other base) sets and defines these.
-  _closed: bool
-  _parent: Any
-  _assert_not_closed: Any
-
-  def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
-    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
-    self._settings = settings
-    self._placement = placement
-    self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
-    self._jax: iterator_lib.JaxBatchIterator | None = None
-    self._plain = False  # Elements placed one by one, as jax.device_put does.
-    self._first: list[Any] = []  # The element read to choose the mode.
-    self._restored: dict[str, Any] | None = None
-    self._count = 0
-
-  def _choose(self) -> None:
-    """Reads the first element to choose: global batches or plain placement."""
-    first = _plain_first(self._parent, self._settings, self._placement)
-    if first is None:
-      self._start_batches()
-      return
-    self._plain = True
-    self._first.append(first[0])
-
-  def _start_batches(self) -> None:
-    self._jax = iterator_lib.JaxBatchIterator(
-      self._parent, settings=self._settings, placement=self._batches
-    )
-    if self._restored is not None:
-      self._jax.set_state(self._restored)
-
-  def __next__(self) -> Any:
-    self._assert_not_closed()
-    if self._jax is None and not self._plain:
-      self._choose()
-    if self._jax is not None:
-      return next(self._jax)
-    element = self._first.pop() if self._first else next(self._parent)
-    self._count += 1
-    return jax.device_put(element, self._placement.element)
-
-  def get_state(self) -> dict[str, Any]:
-    if self._jax is not None:
-      return self._jax.get_state()
-    if self._first:  # Read to choose the mode, not yet returned.
-      raise RuntimeError("internal: state asked between choosing and returning")
-    return _plain_state(self._count, self._settings, self._parent.get_state())
-
-  def set_state(self, state: Any) -> None:
-    state = _normalize_state(state)
-    if self._jax is not None:
-      self._jax.set_state(state)
-      return
-    self._first.clear()
-    self._parent.set_state(state["source"])
-    self._count = int(state["batches"])
-    self._restored = state
-
-  def close(self) -> None:
-    if self._closed:
-      return
-    if self._jax is not None:
-      self._jax.close()  # Stops the pipeline thread, then closes `parent`.
-    else:
-      self._parent.close()
-    self._closed = True
-
-  @property
-  def sharding(self) -> jax.sharding.Sharding | None:
-    return self._jax.sharding if self._jax is not None else self._placement.sharding
-
-  def __str__(self) -> str:
-    return "SyncedDatasetIterator"
-
-
-class _SyncedDataset:  # The bases come with Grain (`_classes`).
-  """The dataset `device_put` returns; each `iter()` starts a fresh run."""
-
-  _parent: Any  # Set by Grain's IterDataset (the other base).
-
-  def __init__(self, parent: Any, settings: Any, placement: _Placement, batches: Any):
-    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
-    self._args = (settings, placement, batches)
-
-  def __iter__(self) -> Any:
-    return _classes()[1](self._parent.__iter__(), *self._args)
-
-  def __str__(self) -> str:
-    return "grain_jax_sync.device_put"
-
-
-@functools.cache
-def _classes() -> tuple[type, type]:
-  """The Grain subclasses, made on first use so that Grain loads lazily."""
-  # Any: Grain's classes are bases here, and Grain ships no type information.
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.device_put")
-  iterator = type(
-    "SyncedDatasetIterator",
-    (_SyncedIterator, grain.DatasetIterator),
-    {"_MUTATES_ELEMENT_SPEC": True, "__doc__": _SyncedIterator.__doc__},
-  )
-  dataset = type(
-    "SyncedIterDataset", (_SyncedDataset, grain.IterDataset), {"__doc__": _SyncedDataset.__doc__}
-  )
-  return dataset, iterator
 
 
 def device_put(
@@ -471,5 +269,5 @@ def device_put(
   if cpu_buffer_size > 0 and device_buffer_size == 0:
     # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
-  synced, _ = _classes()
+  synced, _ = synced_dataset.classes()
   return synced(ds, settings, placement, batches)

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import trees
 
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
@@ -40,7 +41,7 @@ def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list
     return [None] * len(names)
   if not isinstance(value, Mapping):
     return [value] * len(names)
-  if names == (batches_lib.ROOT_NAME,):
+  if names == (trees.ROOT_NAME,):
     if len(value) != 1:
       raise ValueError(
         f"`{what}` for a single-array batch must be a scalar or a dict with"

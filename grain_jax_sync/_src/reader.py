@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import leaves as leaves_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import shapes as shapes_lib
 from grain_jax_sync._src import sources
@@ -220,7 +221,7 @@ class Reader:
     elif hb.signature is not self._signature:
       diffs = batches_lib.diff(self._signature, hb.signature)
       raise ValueError(
-        f"{batches_lib.where(self._p, index)}: the batch structure"
+        f"{leaves_lib.where(self._p, index)}: the batch structure"
         f" changed mid-stream ({'; '.join(diffs)}; earlier batches had"
         f" [{self._signature.describe()}]); expected every batch to"
         " have the same columns, dtypes and trailing shapes"
@@ -241,7 +242,7 @@ def check_int_range(hb: batches_lib.HostBatch, process: int, index: int) -> None
     if low < lo or high > hi:
       bad = low if low < lo else high
       raise ValueError(
-        f"{batches_lib.where(process, index, name)}: value {int(bad)} does not"
+        f"{leaves_lib.where(process, index, name)}: value {int(bad)} does not"
         f" fit {kind}, the dtype JAX holds {leaf.dtype} values in while x64 is"
         " off (it would wrap silently); enable x64"
         " (jax.config.update('jax_enable_x64', True)) or bring the values"

@@ -1,0 +1,229 @@
+"""The Grain dataset and iterator that `device_put` returns.
+
+`SyncedIterDataset` and `SyncedDatasetIterator` subclass Grain's
+`IterDataset` and `DatasetIterator`; Grain is a base class only here, so the
+subclasses are made on first use (`classes`) and ``import grain_jax_sync``
+never loads Grain. The iterator reads the first element to choose its mode:
+global batches through a `JaxBatchIterator`, or, on one process, elements
+placed one by one as `jax.device_put` places them (unbatched elements, or a
+pytree of different placements). Its JSON `get_state`/`set_state` are the
+`JaxBatchIterator`'s; `set_state` also takes the state Grain's own
+`device_put` iterator saved.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from grain_jax_sync._src import extras
+from grain_jax_sync._src import iterator as iterator_lib
+
+if TYPE_CHECKING:
+  from grain_jax_sync._src.grain_dataset import Placement
+
+
+def _why_plain(device: Any) -> str:
+  """Why elements under `device` are placed one by one, for messages."""
+  if device is None:
+    return "`device` is None (the default device, as for jax.device_put)"
+  return "`device` is a pytree of different placements"
+
+
+def _unbatched(element: Any) -> str | None:
+  """Why `element` is not a batch (a scalar leaf, unequal leading sizes), or None."""
+  leaves = jax.tree_util.tree_leaves(element)
+  if any(np.ndim(x) == 0 for x in leaves):
+    return "it has a scalar (0-d) leaf"
+  firsts = {np.shape(x)[0] for x in leaves}
+  if len(firsts) > 1:
+    return f"its leaves have different leading sizes {sorted(firsts)}"
+  return None
+
+
+def _normalize_state(state: Any) -> dict[str, Any]:
+  """Our state, or the state Grain's `device_put` iterator saved, as our state.
+
+  Grain's iterator saves its parent's state (e.g. ``{"next_index": 32}``):
+  the same dict as the source state inside ours, since both wrap the same
+  dataset iterator.
+  """
+  if isinstance(state, Mapping) and "version" in state and "source" in state:
+    return dict(state)
+  # Version 1: a state that carries no settings digest to compare.
+  return {
+    "version": 1,
+    "batches": 0,
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "source": state,
+  }
+
+
+def _plain_first(parent: Any, settings: Any, placement: Placement) -> list[Any] | None:
+  """Reads the first element to choose the mode: [it] where elements are placed
+  one by one (as `jax.device_put` does), None for global batches (then
+  `parent` is back where it was).
+
+  Raises:
+    ValueError: If options that need global batches are given.
+  """
+  if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
+    return None
+  before = parent.get_state()
+  try:
+    first = next(parent)
+  except StopIteration:
+    first = None
+  why = None if first is None else _unbatched(first)
+  if first is None or not (why or placement.per_leaf):
+    parent.set_state(before)  # The engine reads it again.
+    return None
+  options = [k for k in ("paddings", "dtypes") if getattr(settings, k) is not None]
+  options += [k for k in ("mask_key", "drop_last") if getattr(settings, k)]
+  options += ["pad_shapes"] if settings.shapes is not None else []
+  if options:
+    why = f"the first element is unbatched ({why})" if why else None
+    raise ValueError(
+      f"`{'`, `'.join(options)}` need global batches, but"
+      f" {why or _why_plain(placement.element)}, so"
+      " elements are placed one by one as jax.device_put places them."
+      " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
+    )
+  return [first]
+
+
+def _plain_state(count: int, settings: Any, source: Any) -> dict[str, Any]:
+  """The state of an iterator that places elements one by one (or has not chosen yet)."""
+  return {
+    "version": iterator_lib.STATE_VERSION,
+    "batches": count,
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+    "settings": settings.digest(),
+    "source": source,
+  }
+
+
+class _SyncedIterator:  # The bases come with Grain (`classes`).
+  """Global `jax.Array` batches that every host agrees on.
+
+  `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
+  `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
+  `set_state` also takes the state Grain's own `device_put` iterator saved.
+  On one process, unbatched elements (and every element, when `device` is
+  a pytree of different shardings) are placed as `jax.device_put` places
+  them.
+  """
+
+  _MUTATES_ELEMENT_SPEC = True
+  # Grain's DatasetIterator (the other base) sets and defines these.
+  _closed: bool
+  _parent: Any
+  _assert_not_closed: Any
+
+  def __init__(self, parent: Any, settings: Any, placement: Placement, batches: Any):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._settings = settings
+    self._placement = placement
+    self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
+    self._jax: iterator_lib.JaxBatchIterator | None = None
+    self._plain = False  # Elements placed one by one, as jax.device_put does.
+    self._first: list[Any] = []  # The element read to choose the mode.
+    self._restored: dict[str, Any] | None = None
+    self._count = 0
+
+  def _choose(self) -> None:
+    """Reads the first element to choose: global batches or plain placement."""
+    first = _plain_first(self._parent, self._settings, self._placement)
+    if first is None:
+      self._start_batches()
+      return
+    self._plain = True
+    self._first.append(first[0])
+
+  def _start_batches(self) -> None:
+    self._jax = iterator_lib.JaxBatchIterator(
+      self._parent, settings=self._settings, placement=self._batches
+    )
+    if self._restored is not None:
+      self._jax.set_state(self._restored)
+
+  def __next__(self) -> Any:
+    self._assert_not_closed()
+    if self._jax is None and not self._plain:
+      self._choose()
+    if self._jax is not None:
+      return next(self._jax)
+    element = self._first.pop() if self._first else next(self._parent)
+    self._count += 1
+    return jax.device_put(element, self._placement.element)
+
+  def get_state(self) -> dict[str, Any]:
+    if self._jax is not None:
+      return self._jax.get_state()
+    if self._first:  # Read to choose the mode, not yet returned.
+      raise RuntimeError("internal: state asked between choosing and returning")
+    return _plain_state(self._count, self._settings, self._parent.get_state())
+
+  def set_state(self, state: Any) -> None:
+    state = _normalize_state(state)
+    if self._jax is not None:
+      self._jax.set_state(state)
+      return
+    self._first.clear()
+    self._parent.set_state(state["source"])
+    self._count = int(state["batches"])
+    self._restored = state
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    if self._jax is not None:
+      self._jax.close()  # Stops the pipeline thread, then closes `parent`.
+    else:
+      self._parent.close()
+    self._closed = True
+
+  @property
+  def sharding(self) -> jax.sharding.Sharding | None:
+    return self._jax.sharding if self._jax is not None else self._placement.sharding
+
+  def __str__(self) -> str:
+    return "SyncedDatasetIterator"
+
+
+class _SyncedDataset:  # The bases come with Grain (`classes`).
+  """The dataset `device_put` returns; each `iter()` starts a fresh run."""
+
+  _parent: Any  # Set by Grain's IterDataset (the other base).
+
+  def __init__(self, parent: Any, settings: Any, placement: Placement, batches: Any):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._args = (settings, placement, batches)
+
+  def __iter__(self) -> Any:
+    return classes()[1](self._parent.__iter__(), *self._args)
+
+  def __str__(self) -> str:
+    return "grain_jax_sync.device_put"
+
+
+@functools.cache
+def classes() -> tuple[type, type]:
+  """The Grain subclasses, made on first use so that Grain loads lazily."""
+  # Any: Grain's classes are bases here, and Grain ships no type information.
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.device_put")
+  iterator = type(
+    "SyncedDatasetIterator",
+    (_SyncedIterator, grain.DatasetIterator),
+    {"_MUTATES_ELEMENT_SPEC": True, "__doc__": _SyncedIterator.__doc__},
+  )
+  dataset = type(
+    "SyncedIterDataset", (_SyncedDataset, grain.IterDataset), {"__doc__": _SyncedDataset.__doc__}
+  )
+  return dataset, iterator
