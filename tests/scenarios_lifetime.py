@@ -243,8 +243,7 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
     if host.step(op, closer):
       break
   if host.ending is None and closer is not None and closer != p:
-    # The peer closed: the next call names it.
-    host.ending = _drain(it, host.got, host.expected, p)
+    host.ending = _drain(it, host.got, host.expected, p)  # The peer closed: the next call names it.
   counted = it.stats()["batches"]
   it.close()
   return {
