@@ -42,7 +42,78 @@ def _pad(batch: dict[str, np.ndarray], target: int, paddings: Any) -> dict[str, 
   return out
 
 
-def reference_sync_generator(  # noqa: C901 - a faithful model of the reference
+def _read_window(it: Iterator[dict[str, np.ndarray]], n: int) -> list[dict[str, np.ndarray]]:
+  """Up to `n` batches read on demand, in the consumer's thread."""
+  window: list[dict[str, np.ndarray]] = []
+  for _ in range(n):
+    try:
+      window.append(next(it))
+    except StopIteration:
+      break
+  return window
+
+
+def _gather_infos(window: list[dict[str, np.ndarray]], lookahead: int, pc: int) -> np.ndarray:
+  """Every host's ``[has_batch, rows]`` per window slot, by a device all-gather."""
+  import jax.numpy as jnp
+  from jax.experimental import multihost_utils
+
+  infos = [[1, next(iter(b.values())).shape[0]] for b in window]
+  infos += [[0, 0]] * (lookahead - len(window))
+  gathered = np.asarray(multihost_utils.process_allgather(jnp.array(infos)))
+  return gathered.reshape(pc, lookahead, 2)
+
+
+def _synced_end(slot: np.ndarray, drop_last: bool, paddings: Any, batch_size: int) -> bool:
+  """True when the gathered ``[has_batch, rows]`` of one slot ends the synchronized stream."""
+  has = slot[:, 0]
+  if not has.any():
+    return True
+  if not has.all() and (drop_last or paddings is None):
+    return True
+  rows = slot[:, 1]
+  return bool(drop_last and rows[has == 1].min() < batch_size)
+
+
+def _local_batch(
+  window: list[dict[str, np.ndarray]],
+  i: int,
+  template: dict[str, np.ndarray] | None,
+  *,
+  drop_last: bool,
+  batch_size: int,
+  paddings: Any,
+  synchronize_batches: bool,
+) -> dict[str, np.ndarray] | None:
+  """Window batch `i` (or a dummy for a host that ran out), padded; None to end the stream."""
+  if i < len(window):
+    batch = window[i]
+  else:  # A dummy batch for a host that ran out.
+    assert template is not None
+    batch = {k: np.full((0, *v.shape[1:]), paddings, v.dtype) for k, v in template.items()}
+  rows_here = next(iter(batch.values())).shape[0]
+  if drop_last and rows_here < batch_size and not synchronize_batches:
+    return None
+  if paddings is not None:
+    batch = _pad(batch, batch_size, paddings)
+  return batch
+
+
+def _to_global(batch: dict[str, np.ndarray], sharding: Any, pc: int, dtypes: Any) -> dict[str, Any]:
+  """`make_array_from_process_local_data` per leaf, then `dtypes` on the device."""
+  import jax
+
+  out = {}
+  for k, v in batch.items():
+    arr = jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * pc, *v.shape[1:]))
+    want = dtypes.get(k) if isinstance(dtypes, dict) else dtypes
+    if want is not None:
+      arr = arr.astype(want)
+    out[k] = arr
+  return out
+
+
+def reference_sync_generator(
   batch_iterable: Iterable[dict[str, np.ndarray]],
   drop_last: bool,
   batch_size: int = 256,
@@ -53,56 +124,34 @@ def reference_sync_generator(  # noqa: C901 - a faithful model of the reference
 ) -> Iterator[dict[str, Any]]:
   """Baseline model of the reference's generator (see the module docstring)."""
   import jax
-  import jax.numpy as jnp
-  from jax.experimental import multihost_utils
 
   sharding = _sharding()
   pc = jax.process_count()
   it = iter(batch_iterable)
   template: dict[str, np.ndarray] | None = None
   while True:
-    window: list[dict[str, np.ndarray]] = []
-    for _ in range(synchronize_lookahead):
-      try:
-        window.append(next(it))
-      except StopIteration:
-        break
+    window = _read_window(it, synchronize_lookahead)
     if window and template is None:
       template = window[0]
     if synchronize_batches:
-      infos = [[1, next(iter(b.values())).shape[0]] for b in window]
-      infos += [[0, 0]] * (synchronize_lookahead - len(window))
-      gathered = np.asarray(multihost_utils.process_allgather(jnp.array(infos)))
-      gathered = gathered.reshape(pc, synchronize_lookahead, 2)
+      gathered = _gather_infos(window, synchronize_lookahead, pc)
     for i in range(synchronize_lookahead):
       if synchronize_batches:
-        has = gathered[:, i, 0]
-        if not has.any():
-          return
-        if not has.all() and (drop_last or paddings is None):
-          return
-        rows = gathered[:, i, 1]
-        if drop_last and rows[has == 1].min() < batch_size:
+        if _synced_end(gathered[:, i], drop_last, paddings, batch_size):
           return
       elif i >= len(window):
         return
-      if i < len(window):
-        batch = window[i]
-      else:  # A dummy batch for a host that ran out.
-        assert template is not None
-        batch = {k: np.full((0, *v.shape[1:]), paddings, v.dtype) for k, v in template.items()}
-      rows_here = next(iter(batch.values())).shape[0]
-      if drop_last and rows_here < batch_size and not synchronize_batches:
+      batch = _local_batch(
+        window,
+        i,
+        template,
+        drop_last=drop_last,
+        batch_size=batch_size,
+        paddings=paddings,
+        synchronize_batches=synchronize_batches,
+      )
+      if batch is None:
         return
-      if paddings is not None:
-        batch = _pad(batch, batch_size, paddings)
-      out = {}
-      for k, v in batch.items():
-        arr = jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * pc, *v.shape[1:]))
-        want = dtypes.get(k) if isinstance(dtypes, dict) else dtypes
-        if want is not None:
-          arr = arr.astype(want)
-        out[k] = arr
-      yield out
+      yield _to_global(batch, sharding, pc, dtypes)
     if not synchronize_batches and len(window) < synchronize_lookahead:
       return

@@ -23,8 +23,6 @@ A scenario is a module-level function, so that every process can import it
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import os
 import pickle
@@ -34,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,7 +102,113 @@ def _tail(path: str, limit: int = 4000) -> str:
   return data[-limit:].decode("utf-8", "replace")
 
 
-def run_processes(  # noqa: C901 - argument checks, then one linear run
+def _check_counts(
+  num_processes: int,
+  devices_per_process: int,
+  per_process_kwargs: Sequence[Mapping[str, Any]] | None,
+) -> None:
+  """Raises ValueError for a bad process count, device count or kwargs list."""
+  if num_processes < 1:
+    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
+  if devices_per_process < 1:
+    raise ValueError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
+  if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
+    raise ValueError(
+      f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
+    )
+
+
+def _process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict[str, str]:
+  """The environment of every process: ours, `env`, forced CPU devices, this package first."""
+  base_env = dict(os.environ)
+  base_env.update(env or {})
+  base_env["XLA_FLAGS"] = (
+    base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices_per_process}"
+  ).strip()
+  base_env["JAX_PLATFORMS"] = "cpu"
+  base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  base_env.setdefault("PYTHONUNBUFFERED", "1")
+  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  base_env["PYTHONPATH"] = os.pathsep.join(
+    [pkg_root] + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  )
+  return base_env
+
+
+def _start_process(
+  i: int, job: dict[str, Any], workdir: str, base_env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], str]:
+  """Writes process `i`'s job file and starts it; returns the process and its log path."""
+  job_path = os.path.join(workdir, f"job_{i}.pkl")
+  with open(job_path, "wb") as f:
+    pickle.dump(job, f)
+  log_path = os.path.join(workdir, f"log_{i}.txt")
+  log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
+    env=base_env,
+    stdout=log,
+    stderr=subprocess.STDOUT,
+    stdin=subprocess.DEVNULL,
+    start_new_session=True,
+  )
+  log.close()
+  return proc, log_path
+
+
+def _wait_or_kill(
+  procs: list[subprocess.Popen[bytes]], paths: list[tuple[str, str]], timeout_s: float
+) -> None:
+  """Waits for every process; past `timeout_s` kills them all and raises TimeoutError."""
+  deadline = time.monotonic() + timeout_s
+  timed_out = False
+  for p in procs:
+    remaining = deadline - time.monotonic()
+    try:
+      p.wait(timeout=max(remaining, 0.01))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      break
+  if not timed_out:
+    return
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      p.wait()
+  tails = "\n".join(
+    f"--- process {i} (exit {procs[i].returncode}) ---\n{_tail(log, 2000)}"
+    for i, (_, log) in enumerate(paths)
+  )
+  raise TimeoutError(
+    f"{len(procs)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
+  )
+
+
+def _outcomes(
+  procs: list[subprocess.Popen[bytes]], paths: list[tuple[str, str]]
+) -> list[ProcessOutcome]:
+  """One outcome per finished process, from its result file, exit code and log."""
+  outcomes = []
+  for i, (result_path, log_path) in enumerate(paths):
+    payload: dict[str, Any] = {}
+    if os.path.exists(result_path):
+      with open(result_path, "rb") as f:
+        payload = pickle.load(f)
+    outcomes.append(
+      ProcessOutcome(
+        process_index=i,
+        exit_code=procs[i].returncode,
+        log=_tail(log_path),
+        **payload,
+      )
+    )
+  return outcomes
+
+
+def run_processes(
   fn: Callable[..., Any],
   *,
   num_processes: int,
@@ -146,31 +249,13 @@ def run_processes(  # noqa: C901 - argument checks, then one linear run
     TimeoutError: When the run does not finish within `timeout_s`.
     ValueError: For bad arguments.
   """
-  if num_processes < 1:
-    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
-  if devices_per_process < 1:
-    raise ValueError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
-  if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
-    raise ValueError(
-      f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
-    )
+  _check_counts(num_processes, devices_per_process, per_process_kwargs)
   spec = _function_spec(fn)
   port = _free_port()
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
   procs: list[subprocess.Popen[bytes]] = []
   paths: list[tuple[str, str]] = []
-  base_env = dict(os.environ)
-  base_env.update(env or {})
-  base_env["XLA_FLAGS"] = (
-    base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices_per_process}"
-  ).strip()
-  base_env["JAX_PLATFORMS"] = "cpu"
-  base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  base_env.setdefault("PYTHONUNBUFFERED", "1")
-  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  base_env["PYTHONPATH"] = os.pathsep.join(
-    [pkg_root] + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-  )
+  base_env = _process_env(env, devices_per_process)
   for i in range(num_processes):
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
@@ -187,62 +272,11 @@ def run_processes(  # noqa: C901 - argument checks, then one linear run
       "exit_barrier_timeout_s": exit_barrier_timeout_s,
       "result": result_path,
     }
-    job_path = os.path.join(workdir, f"job_{i}.pkl")
-    with open(job_path, "wb") as f:
-      pickle.dump(job, f)
-    log_path = os.path.join(workdir, f"log_{i}.txt")
+    proc, log_path = _start_process(i, job, workdir, base_env)
     paths.append((result_path, log_path))
-    log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, "-m", "grain_jax_sync.testing", job_path],
-        env=base_env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-      )
-    )
-    log.close()
-  deadline = time.monotonic() + timeout_s
-  timed_out = False
-  for p in procs:
-    remaining = deadline - time.monotonic()
-    try:
-      p.wait(timeout=max(remaining, 0.01))
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      break
-  if timed_out:
-    for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-        p.wait()
-    tails = "\n".join(
-      f"--- process {i} (exit {procs[i].returncode}) ---\n{_tail(log, 2000)}"
-      for i, (_, log) in enumerate(paths)
-    )
-    raise TimeoutError(
-      f"{num_processes} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
-    )
-  outcomes = []
-  for i, (result_path, log_path) in enumerate(paths):
-    payload: dict[str, Any] = {}
-    if os.path.exists(result_path):
-      with open(result_path, "rb") as f:
-        payload = pickle.load(f)
-    outcomes.append(
-      ProcessOutcome(
-        process_index=i,
-        exit_code=procs[i].returncode,
-        log=_tail(log_path),
-        **payload,
-      )
-    )
-  return outcomes
+    procs.append(proc)
+  _wait_or_kill(procs, paths, timeout_s)
+  return _outcomes(procs, paths)
 
 
 def run_script(
@@ -301,90 +335,3 @@ def values(outcomes: Sequence[ProcessOutcome]) -> list[Any]:
       f" {o.error_type}: {o.error_message}\n{o.traceback or ''}\n{o.log}"
     )
   return [o.value for o in outcomes]
-
-
-def _load(spec: Mapping[str, str]) -> Callable[..., Any]:
-  obj: Any = None
-  if "module" in spec:
-    if spec["root"] not in sys.path:
-      sys.path.insert(0, spec["root"])
-    try:
-      obj = importlib.import_module(spec["module"])
-    except ImportError:
-      obj = None
-  if obj is None:
-    path = spec["file"]
-    name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    obj = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = obj
-    module_spec.loader.exec_module(obj)
-  for part in spec["qualname"].split("."):
-    obj = getattr(obj, part)
-  return obj
-
-
-def _worker(job_path: str) -> None:
-  with open(job_path, "rb") as f:
-    job = pickle.load(f)
-  payload: dict[str, Any] = {}
-  code = 0
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    jax.config.update("jax_platforms", "cpu")
-    if job["num_processes"] > 1:
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-      jax.distributed.initialize(
-        coordinator_address=job["coordinator"],
-        num_processes=job["num_processes"],
-        process_id=job["process_id"],
-        initialization_timeout=60,
-        heartbeat_timeout_seconds=job["heartbeat_timeout_s"],
-      )
-    fn = _load(job["fn"])
-    start = time.monotonic()
-    try:
-      payload["value"] = fn(*job["args"], **job["kwargs"])
-    finally:
-      payload["elapsed_s"] = time.monotonic() - start
-  except BaseException as e:  # noqa: BLE001 - reported to the parent.
-    payload["value"] = None
-    payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
-    payload["error_message"] = str(e)
-    payload["traceback"] = traceback.format_exc()
-  try:
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
-  except Exception:  # noqa: BLE001 - an unpicklable value.
-    payload["value"] = repr(payload.get("value"))
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
-  os.replace(job["result"] + ".tmp", job["result"])
-  sys.stdout.flush()
-  sys.stderr.flush()
-  if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
-    # Leave together: a process that exits while a peer is still inside a gloo
-    # collective resets the peer's connection, and process 0 hosts the
-    # coordination service that the others need until they shut down.
-    try:
-      from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-      client = distributed.global_state.client
-      assert client is not None
-      client.wait_at_barrier(
-        "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
-      )
-      import jax  # pylint: disable=g-import-not-at-top
-
-      jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
-      pass
-  # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
-  # was killed would hold every other process there for the shutdown timeout.
-  os._exit(code)
-
-
-if __name__ == "__main__":
-  _worker(sys.argv[1])

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -133,50 +133,45 @@ def _mutation(spec: Any, p: int) -> Any:
   return (index, _MUTATIONS[name])
 
 
-def _hostile_leaf(kind: str, n: int) -> Any:  # noqa: C901 - a table of kinds
+def _read_only(base: np.ndarray) -> np.ndarray:
+  """A copy of `base` that cannot be written to."""
+  a = base.copy()
+  a.flags.writeable = False
+  return a
+
+
+# Each kind of `y` column: a function of the float32 (n, 2) `base` and of `n`.
+_HOSTILE_LEAVES: dict[str, Callable[[np.ndarray, int], Any]] = {
+  "string": lambda base, n: np.array([f"r{i}" for i in range(n)]),
+  "bytes": lambda base, n: np.array([b"r"] * n),
+  "object": lambda base, n: np.array([{"a": i} for i in range(n)], dtype=object),
+  "structured": lambda base, n: np.zeros(n, dtype=[("a", np.int32), ("b", np.float32)]),
+  "ragged": lambda base, n: base[: n - 1],
+  "zero_d": lambda base, n: np.float32(1.0),
+  "none": lambda base, n: None,
+  "ragged_list": lambda base, n: [[1.0, 2.0], [3.0]] + [[0.0, 0.0]] * (n - 2),
+  "python_scalar": lambda base, n: 3.5,
+  "list_of_lists": lambda base, n: base.tolist(),
+  "bool": lambda base, n: base > 5,
+  "non_contiguous": lambda base, n: np.arange(n * 4, dtype=np.float32).reshape(n, 4)[:, ::2],
+  "negative_stride": lambda base, n: base[::-1],
+  "read_only": lambda base, n: _read_only(base),
+  "big_endian": lambda base, n: base.astype(">f4"),
+  "fortran": lambda base, n: np.asfortranarray(base),
+  # Would fail at the transfer, on this host alone.
+  "masked": lambda base, n: np.ma.masked_array(base, mask=base > 3),
+  "longdouble": lambda base, n: base.astype(np.longdouble),
+  # An ndarray subclass: taken as a plain view.
+  "subclass": lambda base, n: base.view(_Subclass),
+}
+
+
+def _hostile_leaf(kind: str, n: int) -> Any:
   """A bad (or unusual but valid) `y` column with `n` rows."""
   base = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
-  if kind == "string":
-    return np.array([f"r{i}" for i in range(n)])
-  if kind == "bytes":
-    return np.array([b"r"] * n)
-  if kind == "object":
-    return np.array([{"a": i} for i in range(n)], dtype=object)
-  if kind == "structured":
-    return np.zeros(n, dtype=[("a", np.int32), ("b", np.float32)])
-  if kind == "ragged":
-    return base[: n - 1]
-  if kind == "zero_d":
-    return np.float32(1.0)
-  if kind == "none":
-    return None
-  if kind == "ragged_list":
-    return [[1.0, 2.0], [3.0]] + [[0.0, 0.0]] * (n - 2)
-  if kind == "python_scalar":
-    return 3.5
-  if kind == "list_of_lists":
-    return base.tolist()
-  if kind == "bool":
-    return base > 5
-  if kind == "non_contiguous":
-    return np.arange(n * 4, dtype=np.float32).reshape(n, 4)[:, ::2]
-  if kind == "negative_stride":
-    return base[::-1]
-  if kind == "read_only":
-    a = base.copy()
-    a.flags.writeable = False
-    return a
-  if kind == "big_endian":
-    return base.astype(">f4")
-  if kind == "fortran":
-    return np.asfortranarray(base)
-  if kind == "masked":  # Would fail at the transfer, on this host alone.
-    return np.ma.masked_array(base, mask=base > 3)
-  if kind == "longdouble":
-    return base.astype(np.longdouble)
-  if kind == "subclass":  # An ndarray subclass: taken as a plain view.
-    return base.view(_Subclass)
-  raise ValueError(kind)
+  if kind not in _HOSTILE_LEAVES:
+    raise ValueError(kind)
+  return _HOSTILE_LEAVES[kind](base, n)
 
 
 class _Subclass(np.ndarray):

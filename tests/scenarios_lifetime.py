@@ -7,6 +7,7 @@ can import them in every process. Each returns plain values that pickle.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from typing import Any
 
@@ -27,41 +28,51 @@ def dropped_in_a_cycle_collected_in_a_library_thread(prefetch: int) -> dict[str,
   """
   import jax
 
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
+  if jax.process_index() == 1:
+    return _drop_in_a_cycle(kw)
+  return _iterate_until_the_peer_ends(kw)
+
+
+def _drop_in_a_cycle(kw: dict[str, Any]) -> dict[str, Any]:
+  """Process 1: 3 batches, then the iterator dropped in a cycle its source collects."""
   import grain_jax_sync as gjs
 
-  p = jax.process_index()
-  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
-  if p == 1:
+  class Source:
+    def __init__(self):
+      self.i = 0
+      self.dropped = False
 
-    class Source:
-      def __init__(self):
-        self.i = 0
-        self.dropped = False
+    def __iter__(self):
+      return self
 
-      def __iter__(self):
-        return self
+    def __next__(self):
+      if self.i >= 3:
+        time.sleep(0.2)  # Slow: little is read (and posted) ahead of the consumer.
+      if self.dropped:
+        gc.collect()  # In whatever library thread reads the source now.
+      self.i += 1
+      if self.i > 200:
+        raise StopIteration
+      return {"x": np.full((8,), 100 + self.i - 1, np.int32)}
 
-      def __next__(self):
-        if self.i >= 3:
-          time.sleep(0.2)  # Slow: little is read (and posted) ahead of the consumer.
-        if self.dropped:
-          gc.collect()  # In whatever library thread reads the source now.
-        self.i += 1
-        if self.i > 200:
-          raise StopIteration
-        return {"x": np.full((8,), 100 + self.i - 1, np.int32)}
+  source = Source()
+  it = gjs.iter_jax_batches(source, **kw)
+  got = [_local_first(next(it)) for _ in range(3)]
+  cycle: list[Any] = [it]
+  cycle.append(cycle)
+  del it, cycle
+  source.dropped = True
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not _closed_everywhere():
+    time.sleep(0.05)
+  return {"got": got, "threads": _threads_left(10.0)}
 
-    source = Source()
-    it = gjs.iter_jax_batches(source, **kw)
-    got = [_local_first(next(it)) for _ in range(3)]
-    cycle: list[Any] = [it]
-    cycle.append(cycle)
-    del it, cycle
-    source.dropped = True
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not _closed_everywhere():
-      time.sleep(0.05)
-    return {"got": got, "threads": _threads_left(10.0)}
+
+def _iterate_until_the_peer_ends(kw: dict[str, Any]) -> dict[str, Any]:
+  """Process 0: iterates until the stream ends; what it got, the error and how long it took."""
+  import grain_jax_sync as gjs
+
   it = gjs.iter_jax_batches(_batches(200, 0), **kw)
   got = []
   t0 = time.monotonic()
@@ -171,9 +182,53 @@ def _drain(it: Any, got: list[Any], expected: int, p: int) -> str:
     return "stop"
 
 
-def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:  # noqa: C901 - one schedule
+class _HostSchedule:
+  """One host's run of a random schedule: what it got and saved, and how it ended."""
+
+  def __init__(self, it: Any, p: int):
+    self.it = it
+    self.p = p
+    self.got: list[Any] = []
+    self.saved: list[Any] = []
+    self.ending: str | None = None
+    self.expected = 0
+
+  def step(self, op: str, closer: int | None) -> bool:
+    """Runs `op`; True when it ended the stream here (closed, stopped or raised)."""
+    if op == "close" and closer == self.p:
+      t = threading.Thread(target=self.it.close)
+      t.start()
+      t.join(60)
+      self.ending = "closed here"
+      return True
+    if op == "next":
+      self.next()
+      return self.ending is not None
+    if op == "state":
+      state, counts = _checkpoint(self.it)
+      self.saved.append((state, self.expected, counts["batches"]))
+    elif op == "restore" and self.saved:
+      self.it.set_state(self.saved[-1][0])
+      self.expected = self.saved[-1][1]
+    elif op == "reset":
+      self.it.reset()
+      self.expected = 0
+    return False
+
+  def next(self) -> None:
+    """`next()`: records the batch, or the ending."""
+    try:
+      self.got.append((_local_first(next(self.it)) - 100 * self.p, self.expected))
+      self.expected += 1
+    except StopIteration:
+      self.ending = "stop"
+    except RuntimeError as e:
+      self.ending = str(e)
+
+
+def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
+  """Runs the schedule of `seed` on this host; what it got, counted, saved and how it ended."""
   import random
-  import threading
 
   import grain_jax_sync as gjs
 
@@ -183,46 +238,20 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:  # noqa: 
   ops.insert(rng.randrange(len(ops)), "close")
   kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
   it = gjs.iter_jax_batches(_batches(20, p), name=f"schedule-{seed}", **kw)
-  got: list[Any] = []
-  saved: list[Any] = []
-  ending = None
-  expected = 0
+  host = _HostSchedule(it, p)
   for op in ops:
-    if op == "close" and closer == p:
-      t = threading.Thread(target=it.close)
-      t.start()
-      t.join(60)
-      ending = "closed here"
+    if host.step(op, closer):
       break
-    if op == "next":
-      try:
-        got.append((_local_first(next(it)) - 100 * p, expected))
-        expected += 1
-      except StopIteration:
-        ending = "stop"
-      except RuntimeError as e:
-        ending = str(e)
-      if ending is not None:
-        break
-    elif op == "state":
-      state, counts = _checkpoint(it)
-      saved.append((state, expected, counts["batches"]))
-    elif op == "restore" and saved:
-      it.set_state(saved[-1][0])
-      expected = saved[-1][1]
-    elif op == "reset":
-      it.reset()
-      expected = 0
-  if ending is None and closer is not None and closer != p:
-    ending = _drain(it, got, expected, p)  # The peer closed: the next call names it.
+  if host.ending is None and closer is not None and closer != p:
+    host.ending = _drain(it, host.got, host.expected, p)  # The peer closed: the next call names it.
   counted = it.stats()["batches"]
   it.close()
   return {
     "seed": seed,
-    "got": got,
+    "got": host.got,
     "counted": counted,
-    "saved": [(st["batches"], st["source"], e, c) for st, e, c in saved],
-    "ending": ending,
+    "saved": [(st["batches"], st["source"], e, c) for st, e, c in host.saved],
+    "ending": host.ending,
     "closer": closer,
     "threads": _threads_left(10.0),
   }

@@ -184,11 +184,20 @@ def test_waiting_for_the_last_batch_decides_as_if_every_end_were_known(schedule,
   _check_schedule(schedule, options)
 
 
-def _check_schedule(schedule, options):  # noqa: C901 - one property per block
+def _check_schedule(schedule, options):
+  """Runs one schedule over the in-memory store and checks every property, in turn."""
   n, hosts, lookahead, seed = schedule
   store, out = _run(n, hosts, lookahead, seed, options)
   assert store.keys() == []  # Nothing left behind.
   ended = [p for p in range(n) if out[p][0] != "closed"]
+  outcomes, messages = _check_one_ending(n, hosts, out, ended)
+  steps = _check_same_positions(n, out)
+  _check_rows_at_most_once(n, hosts, out, outcomes, options)
+  _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, messages)
+
+
+def _check_one_ending(n, hosts, out, ended):
+  """Every process that ended ends the same way, with one message; returns both."""
   outcomes = {out[p][0] for p in ended}
   assert len(outcomes) <= 1, {p: out[p][0] for p in range(n)}
   messages = set()
@@ -199,7 +208,11 @@ def _check_schedule(schedule, options):  # noqa: C901 - one property per block
     elif e is not None:
       messages.add(str(e))
   assert len(messages) <= 1, messages
-  # Every process acts on the same positions (a closing one on a prefix).
+  return outcomes, messages
+
+
+def _check_same_positions(n, out):
+  """Every process acts on the same positions (a closing one on a prefix); returns them."""
   longest = max((out[p][1] for p in range(n)), key=len)
   steps = [(a, rows) for a, rows, _ in longest]
   for p in range(n):
@@ -207,7 +220,11 @@ def _check_schedule(schedule, options):  # noqa: C901 - one property per block
     assert mine == steps[: len(mine)]
     if out[p][0] != "closed":
       assert len(mine) == len(steps)
-  # Real rows: at most once, in source order; exactly once without error or close.
+  return steps
+
+
+def _check_rows_at_most_once(n, hosts, out, outcomes, options):
+  """Real rows: at most once, in source order; exactly once without error or close."""
   for p in range(n):
     got = _real_ids(out[p][1])
     fed = [i for b, x in enumerate(hosts[p]["rows"]) for i in _ids(p, b, x).tolist()]
@@ -215,7 +232,10 @@ def _check_schedule(schedule, options):  # noqa: C901 - one property per block
     stopped = outcomes == {"stop"} and all(out[q][0] != "closed" for q in range(n))
     if stopped and not options.drop_last:  # `drop_last` stops at the shortest host.
       assert got == fed
-  # The streamed decisions are `plan.decide`'s.
+
+
+def _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, messages):
+  """The streamed decisions are `plan.decide`'s (a prefix of them when a run was cut short)."""
   want = _expected(n, hosts, options)
   want_steps = [(s.action.value, s.rows) for s in want.steps]
   aborted = any(out[p][0] == "closed" for p in range(n)) or any(

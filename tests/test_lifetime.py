@@ -259,73 +259,97 @@ OPS = st.lists(
 )
 
 
+class _Schedule:
+  """One random schedule's model: the next source index, batches received, states saved."""
+
+  def __init__(self, it, n):
+    self.it = it
+    self.n = n
+    self.expected = 0  # The source index of the next batch.
+    self.received = 0
+    self.saved = []  # (state, the next index after it)
+    self.closed = False
+
+  def apply(self, op):
+    """Runs `op` on the iterator and checks what it did against the model."""
+    if op == "next":
+      self.next()
+    elif op in ("state", "stats"):
+      self.checkpoint()
+    elif op == "restore" and self.saved and not self.closed:
+      state, at = self.saved[-1]
+      self.it.set_state(state)
+      self.expected = at
+    elif op == "reset" and not self.closed:
+      self.it.reset()
+      self.expected = 0
+    elif op == "close_thread":
+      t = threading.Thread(target=self.it.close)
+      t.start()
+      t.join(60)
+      assert not t.is_alive(), "close() from another thread hung"
+      self.closed = True
+
+  def next(self):
+    """`next()`: the expected batch, the end, or the closed error once closed."""
+    try:
+      b = next(self.it)
+    except StopIteration:
+      assert self.expected == self.n or self.closed
+      return
+    except RuntimeError as e:
+      assert self.closed and str(e) == "the iterator is closed"
+      return
+    assert not self.closed
+    assert first(b) == self.expected
+    self.expected += 1
+    self.received += 1
+
+  def checkpoint(self):
+    """`get_state()`/`stats()` from a checkpoint thread: the source's position, each batch once."""
+    state, counts = _from_another_thread(self.it)
+    assert state["source"] == {"index": self.expected}
+    assert counts["batches"] == self.received
+    self.saved.append((state, self.expected))
+
+
+def _drop_in_a_cycle(n, prefetch):
+  """Drops a started iterator in a cycle while a garbage collection runs in the build thread."""
+
+  def source():
+    for i in range(n):
+      if i % 7 == 3:
+        gc.collect()
+      yield {"x": np.full(8, i, np.int32)}
+
+  other = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
+  next(other)
+  cycle = [other]
+  cycle.append(cycle)
+  alive = weakref.ref(other)
+  del other, cycle
+  _collect(alive)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, prefetch=st.sampled_from([0, 2]), gc_in_thread=st.booleans())
-def test_random_schedules_count_every_batch_once_and_resume_exactly(  # noqa: C901 - one schedule
-  ops, prefetch, gc_in_thread
-):
+def test_random_schedules_count_every_batch_once_and_resume_exactly(ops, prefetch, gc_in_thread):
   # `next()`, `get_state()`/`stats()` from a checkpoint thread, `set_state()`,
   # `reset()`, and `close()` from another thread, in a random order: no hang,
   # every received batch is counted once, every state resumes exactly, and
   # no thread is left. Some schedules also drop the iterator in a cycle while
   # a garbage collection runs in the build thread.
   n = 30
-
-  def source():
-    for i in range(n):
-      if gc_in_thread and i % 7 == 3:
-        gc.collect()
-      yield {"x": np.full(8, i, np.int32)}
-
   it = gjs.iter_jax_batches(rows(n), batch_size=8, prefetch_batches=prefetch)
-  expected = 0  # The source index of the next batch.
-  received = 0
-  saved = []  # (state, the next index after it)
-  closed = False
+  schedule = _Schedule(it, n)
   for op in ops:
-    if op == "next":
-      try:
-        b = next(it)
-      except StopIteration:
-        assert expected == n or closed
-        continue
-      except RuntimeError as e:
-        assert closed and str(e) == "the iterator is closed"
-        continue
-      assert not closed
-      assert first(b) == expected
-      expected += 1
-      received += 1
-    elif op in ("state", "stats"):
-      state, counts = _from_another_thread(it)
-      assert state["source"] == {"index": expected}
-      assert counts["batches"] == received
-      saved.append((state, expected))
-    elif op == "restore" and saved and not closed:
-      state, at = saved[-1]
-      it.set_state(state)
-      expected = at
-    elif op == "reset" and not closed:
-      it.reset()
-      expected = 0
-    elif op == "close_thread":
-      t = threading.Thread(target=it.close)
-      t.start()
-      t.join(60)
-      assert not t.is_alive(), "close() from another thread hung"
-      closed = True
-  assert it.stats()["batches"] == received
-  if gc_in_thread and not closed:
-    other = gjs.iter_jax_batches(source(), batch_size=8, prefetch_batches=prefetch)
-    next(other)
-    cycle = [other]
-    cycle.append(cycle)
-    alive = weakref.ref(other)
-    del other, cycle
-    _collect(alive)
+    schedule.apply(op)
+  assert it.stats()["batches"] == schedule.received
+  if gc_in_thread and not schedule.closed:
+    _drop_in_a_cycle(n, prefetch)
   it.close()
   assert wait_for_no_threads(15.0) == []
-  for state, at in saved:  # Every state resumes exactly, in a fresh iterator.
+  for state, at in schedule.saved:  # Every state resumes exactly, in a fresh iterator.
     with gjs.iter_jax_batches(rows(n), batch_size=8, prefetch_batches=prefetch) as fresh:
       fresh.set_state(state)
       assert [first(b) for b in fresh] == list(range(at, n))

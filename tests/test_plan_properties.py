@@ -52,6 +52,97 @@ class Run:
   error: plan_lib.ReportedError | None
 
 
+@dataclasses.dataclass
+class _Hosts:
+  """Every simulated host's reader: where it is, how it ended, what it read and not decided yet."""
+
+  sizes: list[list[int]]
+  fail: tuple[int, int] | None
+  next_batch: list[int]
+  exhausted: list[bool]
+  errors: list[plan_lib.ReportedError | None]
+  reads: list[list[int]]  # Read, not decided yet.
+
+  @classmethod
+  def start(cls, sizes: list[list[int]], fail: tuple[int, int] | None) -> _Hosts:
+    """Hosts that have read nothing yet."""
+    n = len(sizes)
+    return cls(sizes, fail, [0] * n, [False] * n, [None] * n, [[] for _ in range(n)])
+
+  def read(self, h: int, want: int) -> None:
+    """Host `h` reads until it holds `want` undecided batches, runs out or fails."""
+    sizes, fail = self.sizes, self.fail
+    while len(self.reads[h]) < want and not self.exhausted[h] and self.errors[h] is None:
+      b = self.next_batch[h]
+      if b == len(sizes[h]):
+        self.exhausted[h] = True
+        break
+      if fail is not None and fail == (h, b):
+        self.errors[h] = plan_lib.ReportedError(
+          ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError"
+        )
+        break
+      self.reads[h].append(b)
+      self.next_batch[h] += 1
+
+  def report(self, h: int, window: int, options: Options, devices: int, peek: bool) -> Report:
+    """Host `h`'s report of what it holds."""
+    sizes, next_batch = self.sizes, self.next_batch
+    more = next_batch[h] < len(sizes[h]) and self.fail != (h, next_batch[h])
+    return Report(
+      process_index=h,
+      rows=tuple(sizes[h][b] for b in self.reads[h]),
+      exhausted=self.exhausted[h],
+      error=self.errors[h],
+      signature=SIG if next_batch[h] else None,
+      local_devices=devices,
+      config={"batch_size": options.batch_size} if window == 0 else None,
+      more=peek and bool(self.reads[h]) and more,
+    )
+
+
+def _decide(reports: list[Report], options: Options, position: int) -> plan_lib.Plan:
+  """Every host decides on its own deserialized copy of every report: one plan."""
+  wire = [r.to_json() for r in reports]
+  plans = [
+    plan_lib.decide([Report.from_json(w) for w in wire], options, position=position)
+    for _ in range(len(reports))
+  ]
+  assert all(p == plans[0] for p in plans), "hosts computed different plans"
+  return plans[0]
+
+
+def _act(plan: plan_lib.Plan, hosts: _Hosts, options: Options, run: Run) -> int:
+  """Every host acts on its row of `plan` (drops, or yields a padded leaf); returns the yields."""
+  n = len(hosts.sizes)
+  yielded = 0
+  for i, step in enumerate(plan.steps):
+    per_host = [hosts.reads[h][i] if i < len(hosts.reads[h]) else None for h in range(n)]
+    if step.action == Action.DROP:
+      run.dropped.append(per_host)
+      continue
+    run.yields.append([_built(h, b, step, hosts.sizes, options) for h, b in enumerate(per_host)])
+    yielded += 1
+  return yielded
+
+
+def _built(
+  h: int, b: int | None, step: plan_lib.Step, sizes: list[list[int]], options: Options
+) -> tuple[int, int | None, np.ndarray, np.ndarray]:
+  """Host `h`'s (target rows, source batch, padded leaf, mask) for a yielded step."""
+  real = None if b is None else row_ids(h, b, sizes[h][b])
+  assert step.real_rows[h] == (0 if real is None else len(real))
+  leaf = padding.fill_leaf(
+    real,
+    target=step.rows,
+    shape=(),
+    dtype=np.dtype(np.int64),
+    pad=np.asarray(PAD_VALUE, np.int64) if options.pad else None,
+  )
+  real_rows = 0 if real is None else len(real)
+  return (step.rows, b, leaf, padding.mask(real_rows, step.rows))
+
+
 def simulate(
   sizes: list[list[int]],
   options: Options,
@@ -67,76 +158,26 @@ def simulate(
   `End.WAIT` they are reported again, and each waiting host reads one more.
   """
   n = len(sizes)
-  next_batch = [0] * n
-  exhausted = [False] * n
-  errors: list[plan_lib.ReportedError | None] = [None] * n
-  reads: list[list[int]] = [[] for _ in range(n)]  # Read, not decided yet.
+  hosts = _Hosts.start(sizes, fail)
   waiting: tuple[int, ...] = ()
   position = 0
   run = Run([], [], End.CONTINUE, None)
   for window in range(1000):
     reports = []
     # Every live host reports the same positions; a waiting host needs one more.
-    want = max([lookahead] + [len(reads[h]) + (h in waiting) for h in range(n)])
+    want = max([lookahead] + [len(hosts.reads[h]) + (h in waiting) for h in range(n)])
     for h in range(n):
-      while len(reads[h]) < want and not exhausted[h] and errors[h] is None:
-        b = next_batch[h]
-        if b == len(sizes[h]):
-          exhausted[h] = True
-          break
-        if fail is not None and fail == (h, b):
-          errors[h] = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
-          break
-        reads[h].append(b)
-        next_batch[h] += 1
-      more = next_batch[h] < len(sizes[h]) and fail != (h, next_batch[h])
-      reports.append(
-        Report(
-          process_index=h,
-          rows=tuple(sizes[h][b] for b in reads[h]),
-          exhausted=exhausted[h],
-          error=errors[h],
-          signature=SIG if next_batch[h] else None,
-          local_devices=devices,
-          config={"batch_size": options.batch_size} if window == 0 else None,
-          more=peek and bool(reads[h]) and more,
-        )
-      )
-    # Every host decides on its own deserialized copy of every report.
-    wire = [r.to_json() for r in reports]
-    plans = [
-      plan_lib.decide([Report.from_json(w) for w in wire], options, position=position)
-      for _ in range(n)
-    ]
-    assert all(p == plans[0] for p in plans), "hosts computed different plans"
-    plan = plans[0]
+      hosts.read(h, want)
+      reports.append(hosts.report(h, window, options, devices, peek))
+    plan = _decide(reports, options, position)
     options = plan_lib.pin(options, plan)
-    for i, step in enumerate(plan.steps):
-      per_host = [reads[h][i] if i < len(reads[h]) else None for h in range(n)]
-      if step.action == Action.DROP:
-        run.dropped.append(per_host)
-        continue
-      row = []
-      for h, b in enumerate(per_host):
-        real = None if b is None else row_ids(h, b, sizes[h][b])
-        assert step.real_rows[h] == (0 if real is None else len(real))
-        leaf = padding.fill_leaf(
-          real,
-          target=step.rows,
-          shape=(),
-          dtype=np.dtype(np.int64),
-          pad=np.asarray(PAD_VALUE, np.int64) if options.pad else None,
-        )
-        real_rows = 0 if real is None else len(real)
-        row.append((step.rows, b, leaf, padding.mask(real_rows, step.rows)))
-      run.yields.append(row)
-      position += 1
-    reads = [r[len(plan.steps) :] for r in reads]
+    position += _act(plan, hosts, options, run)
+    hosts.reads = [r[len(plan.steps) :] for r in hosts.reads]
     waiting = plan.waiting
     if plan.end == End.WAIT:
-      assert waiting and all(not exhausted[h] and errors[h] is None for h in waiting)
+      assert waiting and all(not hosts.exhausted[h] and hosts.errors[h] is None for h in waiting)
       continue
-    assert not any(reads) or plan.end != End.CONTINUE  # Every read position decided.
+    assert not any(hosts.reads) or plan.end != End.CONTINUE  # Every read position decided.
     if plan.end != End.CONTINUE:
       run.end, run.error = plan.end, plan.error
       return run

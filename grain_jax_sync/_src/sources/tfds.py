@@ -173,16 +173,7 @@ def tfds_pipeline(
     >>> for batch in iter_jax_batches(ds, batch_size=32, paddings=0, mask_key="mask"):
     ...   state = train_step(state, batch)
   """
-  if reader not in _READERS:
-    raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
-  if elastic:
-    if reader != "data_source":
-      raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
-    if any(x is not None for x in (process_index, process_count, mesh, data_axes, sharding)):
-      raise ValueError(
-        "`elastic=True` splits the records over the processes itself: pass no"
-        " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
-      )
+  _check_reader(reader, elastic, (process_index, process_count, mesh, data_axes, sharding))
   if (
     isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
   ):
@@ -219,6 +210,20 @@ def tfds_pipeline(
   if reader == "data_source":
     return _grain_pipeline(tfds, req, read_options=read_options)
   return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
+
+
+def _check_reader(reader: str, elastic: bool, placement_args: tuple[Any, ...]) -> None:
+  """Raises ValueError for an unknown `reader`, or `elastic` with another reader or a placement."""
+  if reader not in _READERS:
+    raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
+  if elastic:
+    if reader != "data_source":
+      raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
+    if any(x is not None for x in placement_args):
+      raise ValueError(
+        "`elastic=True` splits the records over the processes itself: pass no"
+        " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
+      )
 
 
 def _input_shard(

@@ -1,0 +1,108 @@
+"""What each process of `grain_jax_sync.testing.run_processes` runs.
+
+``python -m grain_jax_sync._src.sim_worker JOB`` reads the pickled job, joins
+its peers with ``jax.distributed.initialize`` (gloo CPU collectives), imports
+and runs the scenario, writes what it returned or raised to the job's result
+file, waits for its peers at an exit barrier and leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
+  """Imports the scenario function named by `spec`, by module name or else by file path."""
+  obj: Any = None
+  if "module" in spec:
+    if spec["root"] not in sys.path:
+      sys.path.insert(0, spec["root"])
+    try:
+      obj = importlib.import_module(spec["module"])
+    except ImportError:
+      obj = None
+  if obj is None:
+    path = spec["file"]
+    name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    obj = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = obj
+    module_spec.loader.exec_module(obj)
+  for part in spec["qualname"].split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def run_job(job_path: str) -> None:
+  """Runs the job in `job_path`, writes its outcome, waits for its peers and exits."""
+  with open(job_path, "rb") as f:
+    job = pickle.load(f)
+  payload: dict[str, Any] = {}
+  code = 0
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    jax.config.update("jax_platforms", "cpu")
+    if job["num_processes"] > 1:
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      jax.distributed.initialize(
+        coordinator_address=job["coordinator"],
+        num_processes=job["num_processes"],
+        process_id=job["process_id"],
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=job["heartbeat_timeout_s"],
+      )
+    fn = load_scenario(job["fn"])
+    start = time.monotonic()
+    try:
+      payload["value"] = fn(*job["args"], **job["kwargs"])
+    finally:
+      payload["elapsed_s"] = time.monotonic() - start
+  except BaseException as e:  # noqa: BLE001 - reported to the parent.
+    payload["value"] = None
+    payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
+    payload["error_message"] = str(e)
+    payload["traceback"] = traceback.format_exc()
+  try:
+    with open(job["result"] + ".tmp", "wb") as f:
+      pickle.dump(payload, f)
+  except Exception:  # noqa: BLE001 - an unpicklable value.
+    payload["value"] = repr(payload.get("value"))
+    with open(job["result"] + ".tmp", "wb") as f:
+      pickle.dump(payload, f)
+  os.replace(job["result"] + ".tmp", job["result"])
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
+    # Leave together: a process that exits while a peer is still inside a gloo
+    # collective resets the peer's connection, and process 0 hosts the
+    # coordination service that the others need until they shut down.
+    try:
+      from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
+      client = distributed.global_state.client
+      assert client is not None
+      client.wait_at_barrier(
+        "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
+      )
+      import jax  # pylint: disable=g-import-not-at-top
+
+      jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
+      pass
+  # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
+  # was killed would hold every other process there for the shutdown timeout.
+  os._exit(code)
+
+
+if __name__ == "__main__":
+  run_job(sys.argv[1])
