@@ -483,6 +483,20 @@ def _peak_rss_growth(fn: Callable[[], None]) -> int:
   return peak[0] - base
 
 
+def _drain(make: Callable[[], Iterator[Any]], collect: bool) -> None:
+  """Drains one iterator beside a 5 ms step, with `gc.collect()` after each step if `collect`."""
+  it = make()
+  for batch in it:
+    _block(batch)
+    time.sleep(0.005)  # A short step, so that read-ahead has time to fill.
+    del batch
+    if collect:
+      gc.collect()
+  close = getattr(it, "close", None)
+  if callable(close):
+    close()
+
+
 def memory(*, mb: int = 64, n: int = 24) -> dict[str, Any]:
   """Peak RSS growth per host while streaming `n` batches of `mb` MB.
 
@@ -500,18 +514,6 @@ def memory(*, mb: int = 64, n: int = 24) -> dict[str, Any]:
     for i in range(n):
       yield {"x": np.full((rows, width), i, np.float32)}
 
-  def drain(make: Callable[[], Iterator[Any]], collect: bool) -> None:
-    it = make()
-    for batch in it:
-      _block(batch)
-      time.sleep(0.005)  # A short step, so that read-ahead has time to fill.
-      del batch
-      if collect:
-        gc.collect()
-    close = getattr(it, "close", None)
-    if callable(close):
-      close()
-
   def ours() -> Iterator[Any]:
     return gjs.iter_jax_batches(gen(), batch_size=rows)
 
@@ -525,7 +527,7 @@ def memory(*, mb: int = 64, n: int = 24) -> dict[str, Any]:
     for name, make in (("ours", ours), ("reference", ref)):
       gc.collect()
       key = f"{name}_collected" if collect else name
-      out[key] = _peak_rss_growth(lambda: drain(make, collect))  # noqa: B023
+      out[key] = _peak_rss_growth(lambda: _drain(make, collect))  # noqa: B023
   return out
 
 
