@@ -253,7 +253,9 @@ def _from_another_thread(it):
 
 
 OPS = st.lists(
-  st.sampled_from(["next", "next", "next", "state", "stats", "restore", "reset", "close_thread"]),
+  st.sampled_from(
+    ["next", "next", "next", "state", "stats", "restore", "reset", "close_thread", "close_signal"]
+  ),
   min_size=1,
   max_size=14,
 )
@@ -289,16 +291,43 @@ class _Schedule:
       t.join(60)
       assert not t.is_alive(), "close() from another thread hung"
       self.closed = True
+    elif op == "close_signal":
+      self.close_from_a_signal_handler()
 
-  def next(self):
-    """`next()`: the expected batch, the end, or the closed error once closed."""
+  def close_from_a_signal_handler(self):
+    """`close()` from a SIGALRM handler, timed to land inside a `next()` (or just after it)."""
+    fired = threading.Event()
+
+    def handler(*_):
+      self.it.close()
+      fired.set()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+      signal.setitimer(signal.ITIMER_REAL, 0.0005)
+      self.next(closing=True)
+      deadline = time.monotonic() + 30
+      while not fired.is_set() and time.monotonic() < deadline:
+        time.sleep(0.001)  # The handler runs in this thread, between bytecodes.
+      assert fired.is_set(), "the signal handler's close() did not return"
+    finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      signal.signal(signal.SIGALRM, old)
+    self.closed = True
+
+  def next(self, *, closing=False):
+    """`next()`: the expected batch, the end, or the closed error once closed.
+
+    `closing`: a signal handler's close may land in this call; then it ends
+    the iteration, or a batch received before the close is counted.
+    """
     try:
       b = next(self.it)
     except StopIteration:
-      assert self.expected == self.n or self.closed
+      assert self.expected == self.n or self.closed or closing
       return
     except RuntimeError as e:
-      assert self.closed and str(e) == "the iterator is closed"
+      assert (self.closed or closing) and str(e) == "the iterator is closed"
       return
     assert not self.closed
     assert first(b) == self.expected
@@ -335,7 +364,8 @@ def _drop_in_a_cycle(n, prefetch):
 @given(ops=OPS, prefetch=st.sampled_from([0, 2]), gc_in_thread=st.booleans())
 def test_random_schedules_count_every_batch_once_and_resume_exactly(ops, prefetch, gc_in_thread):
   # `next()`, `get_state()`/`stats()` from a checkpoint thread, `set_state()`,
-  # `reset()`, and `close()` from another thread, in a random order: no hang,
+  # `reset()`, and `close()` from another thread or from a signal handler
+  # that interrupts `next()`, in a random order: no hang,
   # every received batch is counted once, every state resumes exactly, and
   # no thread is left. Some schedules also drop the iterator in a cycle while
   # a garbage collection runs in the build thread.
@@ -375,6 +405,7 @@ def test_random_schedules_on_two_processes_end_the_same_way(prefetch):
         assert source == {"index": expected}, o
         assert counted <= len(o["got"])
       closer = o["closer"]
+      assert o["keys"] == [], o  # Nothing left in the store once every host closed.
       if closer == p:
         assert o["ending"] == "closed here"
       elif closer is not None and o["ending"] != "stop":
