@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reports as reports_lib
 
 # Carried in every chunk and decision; hosts on another version raise the same
 # clear error instead of misreading each other. 1 was the windowed protocol.
@@ -158,7 +159,7 @@ class Ledger:
     """
     r = chunk.report
     p = r.process_index
-    if r.error is not None and r.error.kind in plan_lib.ABORTS:
+    if r.error is not None and r.error.kind in reports_lib.ABORTS:
       self.abort = self.abort or r.error
       return
     self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)

@@ -19,6 +19,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import reports as reports_lib
 from grain_jax_sync._src.agreement import common, endings
 from grain_jax_sync._src.agreement.decider import End, ErrorKind, Streamed
 
@@ -216,7 +217,7 @@ class Follower(Streamed):
     if self._ex.ended:
       return
     try:
-      if not self._end_posted or error is None or error.kind in plan_lib.ABORTS:
+      if not self._end_posted or error is None or error.kind in reports_lib.ABORTS:
         self._unposted.clear()
         self._digests.clear()
         self._sizes.clear()
