@@ -6,6 +6,8 @@ positions), and every process decides position ``j`` with `plan.decide` once it
 knows, for every process, either the rows of its batch ``j`` or that its stream
 ended (or failed) before ``j``. `Ledger` keeps that knowledge and turns each
 known run of positions into the window reports that `plan.decide` takes.
+The messages' wire form is in `wire.py` (`Chunk`, `Decision` and
+`ProtocolError` are named here as well: `ledger.Chunk`).
 
 Pure Python: no JAX, no I/O.
 """
@@ -13,95 +15,20 @@ Pure Python: no JAX, no I/O.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
-import json
 from typing import Any
 
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import reports as reports_lib
+from grain_jax_sync._src import wire
 
-# Carried in every chunk and decision; hosts on another version raise the same
-# clear error instead of misreading each other. 1 was the windowed protocol.
-PROTOCOL_VERSION = 2
+# The messages, named here as well (`ledger.Chunk`, ...).
+from grain_jax_sync._src.wire import Chunk as Chunk
+from grain_jax_sync._src.wire import Decision as Decision
+from grain_jax_sync._src.wire import ProtocolError as ProtocolError
+
 # A report's keys when it carries rows only (`Ledger.add_json`'s quick path).
 _ROWS_ONLY = frozenset(("p", "r", "x", "d"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-  """One post: consecutive positions of one process.
-
-  Attributes:
-    start: The position of ``report.rows[0]`` (the process's count of
-      non-empty batches read before this chunk).
-    ack: Positions the poster had decided when posting; peers release their
-      chunks that end at or before the smallest ack they have seen.
-    report: The rows read, and the end of the stream if it was reached
-      (exhausted or error), plus signature/config/device count.
-    times: The poster's stage times (`stats.TIMES` order), for the
-      cross-host view (`job_stats`); None when unchanged since its last chunk.
-  """
-
-  start: int
-  ack: int
-  report: plan_lib.Report
-  times: tuple[float, ...] | None = None
-
-  def to_json(self) -> str:
-    # The report as a nested object (one parse at the decider, not two).
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
-    obj["R"] = self.report.to_obj()
-    if self.times is not None:
-      obj["t"] = list(self.times)
-    return json.dumps(obj, separators=(",", ":"))
-
-  @classmethod
-  def from_json(cls, text: str) -> Chunk:
-    """Parses a chunk.
-
-    Raises:
-      ProtocolError: If it comes from another protocol version or does not parse.
-    """
-    obj = _load(text, "report")
-    try:
-      times = tuple(map(float, obj["t"])) if "t" in obj else None
-      return cls(obj["s"], obj["a"], plan_lib.Report.from_obj(obj["R"]), times)
-    except (KeyError, TypeError, ValueError) as e:
-      raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
-
-
-class ProtocolError(ValueError):
-  """A message from a peer that this version cannot read.
-
-  Attributes:
-    version: The peer's protocol version, where it could be read.
-  """
-
-  def __init__(self, message: str, version: Any = None):
-    super().__init__(message)
-    self.version = version
-
-
-def _load(text: str, what: str) -> dict[str, Any]:
-  """A message's JSON object, checked for this protocol version."""
-  try:
-    obj = json.loads(text)
-  except ValueError as e:
-    raise ProtocolError(f"a {what} that is not JSON ({e})") from e
-  version = obj.get("v") if isinstance(obj, dict) else None
-  if version != PROTOCOL_VERSION:
-    raise ProtocolError(f"a {what} of protocol version {version!r}", version)
-  return obj
-
-
-def version_error(peer: int, version: Any, reader: int) -> str:
-  """The message, the same on every host, for peers on another protocol version."""
-  versions = sorted({peer: version, reader: PROTOCOL_VERSION}.items())
-  shown = ", ".join(f"process {p}: {v!r}" for p, v in versions)
-  return (
-    "the processes run different versions of the grain_jax_sync agreement"
-    f" protocol ({shown}); every process must run the same version of the library"
-  )
 
 
 class Ledger:
@@ -126,14 +53,14 @@ class Ledger:
     if sizes:
       self._sizes = [collections.deque() for _ in range(process_count)]
     self._base = [0] * process_count  # Position of _rows[p][0].
-    self._end: list[plan_lib.Report | None] = [None] * process_count
+    self._end: list[reports_lib.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
-    self.abort: plan_lib.ReportedError | None = None
+    self.abort: reports_lib.ReportedError | None = None
     # Once `plan.decide` has judged the full batch size (`set_full`): per
     # process, the positions of its rows of another size, for `full_plan`.
     self._full: int | None = None
@@ -158,7 +85,7 @@ class Ledger:
     """
     r = chunk.report
     p = r.process_index
-    if r.error is not None and r.error.kind in plan_lib.ABORTS:
+    if r.error is not None and r.error.kind in reports_lib.ABORTS:
       self.abort = self.abort or r.error
       return
     self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)
@@ -175,14 +102,14 @@ class Ledger:
     """`Chunk.from_json` (raises its ProtocolError), then `add`: returns the
     chunk's process and times. A chunk of rows only is recorded from its JSON
     without building its report (2/3 of the decider's time per chunk)."""
-    obj = _load(text, "report")
+    obj = wire.load(text, "report")
     try:
       r, times = obj["R"], obj.get("t")
       times = None if times is None else tuple(map(float, times))
       if r.keys() == _ROWS_ONLY and r["x"] is False:
         self._extend(r["p"], obj["s"], tuple(r["r"]), (), obj["a"], r["d"])
         return r["p"], times
-      chunk = Chunk(obj["s"], obj["a"], plan_lib.Report.from_obj(r), times)
+      chunk = Chunk(obj["s"], obj["a"], reports_lib.Report.from_obj(r), times)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
     self.add(chunk)
@@ -228,7 +155,7 @@ class Ledger:
     if self._sizes is not None:
       self._sizes[p].append(sizes)
 
-  def end(self, report: plan_lib.Report) -> None:
+  def end(self, report: reports_lib.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
     p = report.process_index
     self._end[p] = report
@@ -270,7 +197,9 @@ class Ledger:
       return max(0, min(live))
     return self.furthest() - position + 1
 
-  def window_reports(self, position: int, size: int, *, with_config: bool) -> list[plan_lib.Report]:
+  def window_reports(
+    self, position: int, size: int, *, with_config: bool
+  ) -> list[reports_lib.Report]:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.
 
     A process whose stream ends inside the window reports its remaining rows
@@ -296,7 +225,7 @@ class Ledger:
       # known to be the process's last (`Options.wait_for_last`).
       end = self._end[p] if count <= last else None
       out.append(
-        plan_lib.Report(
+        reports_lib.Report(
           process_index=p,
           rows=rows,
           exhausted=end.exhausted if end is not None else False,
@@ -366,88 +295,6 @@ class Ledger:
         else:
           for _ in range(drop):
             q.popleft()
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What process 0 decided for a run of positions; every process reads it.
-
-  O(1) per position: (action, rows) per position, run-length encoded, not the
-  per-process rows.
-
-  Attributes:
-    start: The first position decided.
-    steps: The decided positions, in order.
-    end: Whether the stream goes on, stops or raises after them.
-    error: The error every host raises (with `End.RAISE`).
-    signature: The agreed batch structure, sent once (in the first decision
-      that knows it).
-    batch_size: The full batch size the steps were judged by (given, or
-      derived from the first position: every host saves it with its state).
-    table: Rows of the cross-host view that changed (`job_stats`): per
-      process, its index, decided counts and latest times; None if not sent.
-  """
-
-  start: int
-  steps: tuple[plan_lib.Step, ...]
-  end: plan_lib.End
-  error: plan_lib.ReportedError | None = None
-  signature: dict[str, Any] | None = None
-  batch_size: int | None = None
-  table: tuple[tuple[Any, ...], ...] | None = None
-
-  def to_json(self) -> str:
-    runs: list[list[Any]] = []
-    for s in self.steps:
-      if (
-        runs
-        and runs[-1][0] == s.action.value
-        and runs[-1][1] == s.rows
-        and _sizes(runs[-1]) == s.sizes
-      ):
-        runs[-1][2] += 1
-      else:  # The agreed sizes (`pad_shapes`) only where there are some.
-        runs.append(
-          [s.action.value, s.rows, 1, list(s.sizes)] if s.sizes else [s.action.value, s.rows, 1]
-        )
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
-    if self.error is not None:
-      obj["x"] = self.error.to_json()
-    if self.signature is not None:
-      obj["g"] = self.signature
-    if self.batch_size is not None:
-      obj["b"] = self.batch_size
-    if self.table is not None:
-      obj["t"] = [list(row) for row in self.table]
-    return json.dumps(obj, separators=(",", ":"))
-
-  @classmethod
-  def from_json(cls, text: str) -> Decision:
-    """Parses a decision.
-
-    Raises:
-      ProtocolError: If it comes from another protocol version or does not parse.
-    """
-    obj = _load(text, "decision")
-    try:
-      steps = tuple(  # One shared (frozen) step per run of equal positions.
-        itertools.chain.from_iterable(
-          itertools.repeat(plan_lib.Step(plan_lib.Action(a), rows, (), _sizes(run)), n)
-          for run in obj["st"]
-          for a, rows, n in (run[:3],)
-        )
-      )
-      error = plan_lib.ReportedError.from_json(obj["x"]) if "x" in obj else None
-      table = tuple(tuple(row) for row in obj["t"]) if "t" in obj else None
-      end = plan_lib.End(obj["e"])
-      return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
-    except (KeyError, TypeError, ValueError) as e:
-      raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
-
-
-def _sizes(run: list[Any]) -> tuple[int, ...]:
-  """A decision run's agreed sizes (a 4th entry with `pad_shapes`)."""
-  return tuple(run[3]) if len(run) > 3 else ()
 
 
 def signature_of(reports: Any) -> dict[str, Any] | None:

@@ -6,6 +6,9 @@ the options, so every host computes the same `Plan` and acts on its own row of
 it: yield its real batch (padded if needed), yield a dummy batch, drop the
 position, stop, or raise the same error.
 
+The reports and their wire form are in `reports.py` (named here as well:
+`plan.Report`), the errors and their messages in `plan_errors.py`.
+
 No JAX and no I/O here.
 """
 
@@ -18,145 +21,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import plan_errors as errors_lib
 from grain_jax_sync._src import shapes as shapes_lib
 
-
-class ErrorKind(enum.StrEnum):
-  """How a reported error is raised on each host."""
-
-  # Bad data or settings: every host raises ValueError with the same text.
-  VALUE = "value"
-  # The source itself raised: the failing host re-raises its own exception,
-  # the others raise RuntimeError naming the failing process.
-  SOURCE = "source"
-  # A process closed (or dropped) its iterator: the others raise RuntimeError.
-  CLOSED = "closed"
-  # A live process did not report within `sync_timeout_s`: PeerTimeoutError.
-  TIMEOUT = "timeout"
-  # A process stopped its liveness beat (it died): PeerLostError.
-  LOST = "lost"
-
-
-# Endings that end the stream at once, whatever positions are still undecided
-# (rows a process posted beyond such an ending are void).
-ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST})
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportedError:
-  """An error one host hit while reading its window."""
-
-  kind: ErrorKind
-  message: str
-  process_index: int
-  batch_index: int
-  type_name: str = "ValueError"
-  # Processes the ending is about (TIMEOUT and LOST: the awaited ones).
-  missing: tuple[int, ...] = ()
-
-  def to_json(self) -> list[Any]:
-    return [
-      self.kind.value,
-      self.message,
-      self.process_index,
-      self.batch_index,
-      self.type_name,
-      list(self.missing),
-    ]
-
-  @classmethod
-  def from_json(cls, obj: Sequence[Any]) -> ReportedError:
-    kind, message, pi, bi, tn, *rest = obj
-    missing = tuple(rest[0]) if rest else ()
-    return cls(ErrorKind(kind), message, pi, bi, tn, missing)
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-  """What one host read in one window.
-
-  Attributes:
-    process_index: The reporting process.
-    rows: Row count of each batch read in this window, in order.
-    exhausted: True if the source ended after those batches.
-    error: Set if reading or validating the batch after `rows` failed.
-    signature: The host's batch structure, once it has seen a batch.
-    local_devices: The data shards the host's local devices hold (its local
-      rows divide among them): ``jax.local_device_count()`` unless a model
-      axis replicates rows.
-    config: The host's settings (first window only), compared across hosts.
-    more: True if the host holds at least one more batch after `rows` (it
-      read ahead). Without it the last of `rows` counts as the host's last
-      batch when a short batch is judged.
-    resume: The output batch the host resumes at (first window only),
-      compared across hosts.
-    digests: Where processes share rows: a digest of the rows of each batch
-      in `rows` (`sharding.rows_digest`), compared beside `decide`
-      (`agreement.decide`); empty otherwise.
-    sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
-      dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
-  """
-
-  process_index: int
-  rows: tuple[int, ...] = ()
-  exhausted: bool = False
-  error: ReportedError | None = None
-  signature: dict[str, Any] | None = None
-  local_devices: int = 1
-  config: dict[str, Any] | None = None
-  more: bool = False
-  resume: int | None = None
-  digests: tuple[str | None, ...] = ()
-  sizes: tuple[tuple[int, ...], ...] = ()
-
-  def to_json(self) -> str:
-    return json.dumps(self.to_obj(), separators=(",", ":"))
-
-  def to_obj(self) -> dict[str, Any]:
-    """The report as a JSON-ready object (only the fields that differ from their defaults)."""
-    obj: dict[str, Any] = {
-      "p": self.process_index,
-      "r": list(self.rows),
-      "x": self.exhausted,
-      "d": self.local_devices,
-    }
-    if self.error is not None:
-      obj["e"] = self.error.to_json()
-    if self.signature is not None:
-      obj["s"] = self.signature
-    if self.config is not None:
-      obj["c"] = self.config
-    if self.more:
-      obj["m"] = True
-    if self.resume is not None:
-      obj["b"] = self.resume
-    if self.digests:
-      obj["h"] = list(self.digests)
-    if self.sizes:
-      obj["z"] = [list(z) for z in self.sizes]
-    return obj
-
-  @classmethod
-  def from_json(cls, text: str) -> Report:
-    return cls.from_obj(json.loads(text))
-
-  @classmethod
-  def from_obj(cls, obj: Mapping[str, Any]) -> Report:
-    error = ReportedError.from_json(obj["e"]) if "e" in obj else None
-    return cls(
-      process_index=obj["p"],
-      rows=tuple(obj["r"]),
-      exhausted=obj["x"],
-      error=error,
-      signature=obj.get("s"),
-      local_devices=obj["d"],
-      config=obj.get("c"),
-      more=obj.get("m", False),
-      resume=obj.get("b"),
-      digests=tuple(obj.get("h", ())),
-      sizes=tuple(tuple(z) for z in obj.get("z", ())),
-    )
+# The decision's input, named here as well (`plan.Report`, ...).
+from grain_jax_sync._src.reports import ErrorKind as ErrorKind
+from grain_jax_sync._src.reports import Report as Report
+from grain_jax_sync._src.reports import ReportedError as ReportedError
 
 
 class Action(enum.StrEnum):
@@ -254,106 +125,6 @@ def pin(options: Options, plan: Plan) -> Options:
   return options
 
 
-def _value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
-  return ReportedError(ErrorKind.VALUE, message, process_index, batch_index)
-
-
-def _config_error(reports: Sequence[Report]) -> ReportedError | None:
-  configs = [(r.process_index, r.config) for r in reports if r.config is not None]
-  if len(configs) < 2:
-    return None
-  p0, c0 = configs[0]
-  for p, c in configs[1:]:
-    if c != c0:
-      keys = sorted(set(c0) | set(c))
-      differ = [k for k in keys if c0.get(k) != c.get(k)]
-      diffs = [f"{k}: {c0.get(k)!r} vs {c.get(k)!r}" for k in differ]
-      mesh = any(k.startswith("sharding") for k in differ)
-      return _value_error(
-        f"processes {p0} and {p} were given different settings"
-        f" ({'; '.join(diffs)}); every process must build the iterator with"
-        " the same arguments"
-        + (
-          ". If every process was given the same arguments, the processes"
-          " created their iterators in a different order (iterators are paired"
-          " by creation order): create them in the same order, or pass the"
-          " same `name=` to each pair"
-          if not mesh
-          else ""
-        )
-        + (
-          ", and the same mesh: the same devices in the same order (build it"
-          " from jax.devices() in the same way everywhere, e.g."
-          " grain_jax_sync.default_mesh())"
-          if mesh
-          else ""
-        )
-      )
-  return None
-
-
-def _resume_error(reports: Sequence[Report]) -> ReportedError | None:
-  resumes = [(r.process_index, r.resume) for r in reports if r.resume is not None]
-  if len({b for _, b in resumes}) < 2:
-    return None
-  where = ", ".join(f"process {p} at batch {b}" for p, b in resumes)
-  return _value_error(
-    f"the processes resume from different positions ({where}); every process"
-    " must restore its state from the same checkpoint step"
-  )
-
-
-def _signature_error(reports: Sequence[Report]) -> ReportedError | None:
-  sigs = [(r.process_index, r.signature) for r in reports if r.signature is not None]
-  if len(sigs) < 2:
-    return None
-  p0, s0 = sigs[0]
-  for p, s in sigs[1:]:
-    if s != s0:
-      a = batches_lib.Signature.from_json(s0)
-      b = batches_lib.Signature.from_json(s)
-      diffs = batches_lib.diff(a, b) or ["tree structure differs"]
-      return _value_error(
-        f"processes {p0} and {p} yield batches of different structure:"
-        f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
-        f" process {p0} has [{a.describe()}], process {p} has"
-        f" [{b.describe()}]. Every host must yield the same columns,"
-        " dtypes and trailing shapes"
-      )
-  return None
-
-
-def _fmt(processes: Sequence[int]) -> str:
-  return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
-
-
-# The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
-# match on them, so every message of the same kind starts with them.
-UNEVEN_COUNT = "Uneven number of batches detected across JAX workers"
-UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
-NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
-
-
-def _uneven_count_error(
-  reports: Sequence[Report], has: Sequence[bool], index: int
-) -> ReportedError:
-  out = [r.process_index for r, h in zip(reports, has, strict=True) if not h]
-  left = [r.process_index for r, h in zip(reports, has, strict=True) if h]
-  return _value_error(
-    f"{UNEVEN_COUNT}: {_fmt(out)} ran out of data at batch {index} while"
-    f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
-    " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
-    " to fill the missing batches with masked dummy batches"
-  )
-
-
-def _sizes(reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool]) -> str:
-  return ", ".join(
-    f"process {r.process_index}: {x if h else 'none'}"
-    for r, x, h in zip(reports, rows, has, strict=True)
-  )
-
-
 def _is_last(report: Report, i: int) -> bool:
   """Whether `report.rows[i]` is its host's last batch, as far as it is known."""
   return i == len(report.rows) - 1 and not report.more
@@ -368,30 +139,6 @@ def _unknown_if_last(report: Report, i: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Wait:
   processes: tuple[int, ...]
-
-
-def _full_name(derived: bool) -> str:
-  if derived:
-    return "the largest host batch of the first batch, as `batch_size` was not given"
-  return "`batch_size`"
-
-
-def _short_error(
-  p: int, rows: int, full: int, derived: bool, index: int, sizes: str, uneven: bool
-) -> ReportedError:
-  """A short batch that is not its host's last, where it cannot be padded."""
-  prefix = f"{UNEVEN_SIZES}: " if uneven else ""
-  fix = (
-    "Pass `batch_size` (with `paddings`, short batches are then padded)"
-    if derived
-    else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
-  )
-  return _value_error(
-    f"{prefix}process {p}, batch {index}: {rows} rows, fewer than the full"
-    f" batch size {full} ({_full_name(derived)}), and it is not the last"
-    f" batch of process {p}; only a host's last batch may be short ({sizes})."
-    f" {fix}, or batch the source so that only its last batch is short"
-  )
 
 
 def _size_step(
@@ -421,24 +168,12 @@ def _size_step(
   even = all(has) and min(real) == max(real)
   if not (options.pad or options.drop_last):
     if not even:
-      return _value_error(
-        f"{UNEVEN_SIZES} at batch {index}: host batch sizes range from"
-        f" {min(real)} to {max(real)} ({_sizes(reports, rows, has)}). Pass"
-        " `paddings` to pad every batch to the full batch size, or"
-        " `drop_last=True` to drop a short last batch"
-      )
+      return errors_lib.uneven_sizes_error(reports, rows, has, index)
     return Step(Action.YIELD, real[0], tuple(rows))
   if max(real) > full:
     if even:  # Every host has the same larger batch: it passes through.
       return Step(Action.YIELD, real[0], tuple(rows))
-    p, x = next((r.process_index, x) for r, x in zip(reports, rows, strict=True) if x > full)
-    return _value_error(
-      f"{UNEVEN_SIZES} at batch {index}: process {p} has {x} rows, more"
-      f" than the full batch size {full} ({_full_name(derived)}), and not"
-      f" every host has a batch of that size ({_sizes(reports, rows, has)})."
-      " Padding only fills batches up to the full size; batch every host's"
-      " source with the same batch size"
-    )
+    return errors_lib.larger_error(reports, rows, has, full=full, derived=derived, index=index)
   short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < full]
   early = [(r, x) for r, x in short if not _is_last(r, i)]
   unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
@@ -451,26 +186,12 @@ def _size_step(
     return _Wait(unknown)
   if refused:
     r, x = early[0]
-    sizes = _sizes(reports, rows, has)
-    return _short_error(r.process_index, x, full, derived, index, sizes, min(real) != max(real))
+    return errors_lib.short_error(
+      reports, rows, has, p=r.process_index, x=x, full=full, derived=derived, index=index
+    )
   if short and options.drop_last and not early:
     return Step(Action.DROP, 0, tuple(rows))
   return Step(Action.YIELD, full, tuple(rows))
-
-
-def _divisibility_error(reports: Sequence[Report], target: int, index: int) -> ReportedError | None:
-  for r in reports:
-    if target % r.local_devices:
-      return _value_error(
-        f"The local batch size ({target}) {NOT_DIVISIBLE}"
-        f" ({r.local_devices}) of process {r.process_index}: batch {index}"
-        f" has {target} rows per host, not divisible by process"
-        f" {r.process_index}'s {r.local_devices} data shards (one per local"
-        " device, fewer where a model axis replicates rows). Pass `paddings`"
-        " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
-        " multiple of that count"
-      )
-  return None
 
 
 def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
@@ -517,7 +238,7 @@ def agree_sizes(
       if isinstance(sizes, shapes_lib.Above):
         message = shapes_lib.above_message(layout, sizes, per_host, index)
         return dataclasses.replace(
-          plan, steps=tuple(steps), end=End.RAISE, error=_value_error(message, -1, index)
+          plan, steps=tuple(steps), end=End.RAISE, error=errors_lib.value_error(message, -1, index)
         )
       step = Step(step.action, step.rows, step.real_rows, sizes)
       index += 1
@@ -525,7 +246,7 @@ def agree_sizes(
   return dataclasses.replace(plan, steps=tuple(steps))
 
 
-def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:  # noqa: C901 - one rule per branch, in order
+def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read (rows, not sizes).
 
   Args:
@@ -539,62 +260,98 @@ def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 
   Returns:
     The plan; identical on every host given identical reports.
   """
-  error = _config_error(reports) or _resume_error(reports) or _signature_error(reports)
+  error = (
+    errors_lib.config_error(reports)
+    or errors_lib.resume_error(reports)
+    or errors_lib.signature_error(reports)
+  )
   if error is not None:
     return Plan((), End.RAISE, error)
-
-  full = options.batch_size
-  derived = full is None or options.derived
   window = max((len(r.rows) for r in reports), default=0)
-  steps: list[Step] = []
-  index = position  # Output batches before position i (for messages), kept as it goes.
-  divisible: set[int] = set()  # Row counts every process's devices divide.
+  walk = _Walk(reports, options, position)
+  while walk.i <= window:
+    # A run of full positions first (it stops where a position is not full
+    # everywhere, at or before `window`), then that position by the rules.
+    end = walk.full_run() or walk.end_here() or walk.step()
+    if end is not None:
+      return end
+  return walk.plan(End.CONTINUE)
 
-  def plan(end: End, error: ReportedError | None = None) -> Plan:
-    return Plan(tuple(steps), end, error, batch_size=full)
 
-  i = 0
-  while i <= window:
-    if full is not None and (run := _full_run(reports, i, full)):
-      # Every host's batch is full at positions [i, i + run): one shared
-      # step each, as `_size_step` would decide them one by one.
-      if full not in divisible:
-        error = _divisibility_error(reports, full, index)
-        if error is not None:
-          return plan(End.RAISE, error)
-        divisible.add(full)
-      steps.extend(itertools.repeat(Step(Action.YIELD, full, (full,) * len(reports)), run))
-      index += run
-      i += run
-      continue
+class _Walk:
+  """`decide_rows` going through a window's positions in order, adding one step each."""
+
+  def __init__(self, reports: Sequence[Report], options: Options, position: int):
+    self.reports = reports
+    self.options = options
+    self.full = options.batch_size
+    self.derived = self.full is None or options.derived
+    self.i = 0  # The next position of the window to decide.
+    self.steps: list[Step] = []
+    self.index = position  # Output batches before position i (for messages), kept as it goes.
+    self.divisible: set[int] = set()  # Row counts every process's devices divide.
+
+  def plan(self, end: End, error: ReportedError | None = None) -> Plan:
+    """The plan of the steps so far, ending with `end`."""
+    return Plan(tuple(self.steps), end, error, batch_size=self.full)
+
+  def full_run(self) -> Plan | None:
+    """Decides the positions from `i` on where every host's batch is full (or raises)."""
+    if self.full is None or not (run := _full_run(self.reports, self.i, self.full)):
+      return None
+    # One shared step each, as `_size_step` would decide them one by one.
+    if (error := self._divisibility_error(self.full)) is not None:
+      return self.plan(End.RAISE, error)
+    step = Step(Action.YIELD, self.full, (self.full,) * len(self.reports))
+    self.steps.extend(itertools.repeat(step, run))
+    self.index += run
+    self.i += run
+    return None
+
+  def end_here(self) -> Plan | None:
+    """The plan if it ends at position `i`: a host failed there, or some host has no batch."""
+    reports, i = self.reports, self.i
     failed = [r.error for r in reports if r.error is not None and len(r.rows) == i]
     if failed:
-      return plan(End.RAISE, failed[0])
+      return self.plan(End.RAISE, failed[0])
     has = [i < len(r.rows) for r in reports]
     if not any(has):
       # Every source ended (or every host read a full window: read another).
-      return plan(End.STOP if all(r.exhausted for r in reports) else End.CONTINUE)
+      return self.plan(End.STOP if all(r.exhausted for r in reports) else End.CONTINUE)
     if not all(has):
-      if options.drop_last:
-        return plan(End.STOP)
-      if not options.pad:
-        return plan(End.RAISE, _uneven_count_error(reports, has, index))
-    if full is None:
-      full = max(r.rows[i] for r, h in zip(reports, has, strict=True) if h)
-    step = _size_step(reports, i, options, full=full, derived=derived, index=index)
+      if self.options.drop_last:
+        return self.plan(End.STOP)
+      if not self.options.pad:
+        return self.plan(End.RAISE, errors_lib.uneven_count_error(reports, has, self.index))
+    return None
+
+  def step(self) -> Plan | None:
+    """Decides position `i` by the size rules: its step added, or the plan's end."""
+    reports, i = self.reports, self.i
+    if self.full is None:
+      self.full = max(r.rows[i] for r in reports if i < len(r.rows))
+    step = _size_step(
+      reports, i, self.options, full=self.full, derived=self.derived, index=self.index
+    )
     if isinstance(step, ReportedError):
-      return plan(End.RAISE, step)
+      return self.plan(End.RAISE, step)
     if isinstance(step, _Wait):
-      return dataclasses.replace(plan(End.WAIT), waiting=step.processes)
-    if step.action == Action.YIELD and step.rows not in divisible:
-      error = _divisibility_error(reports, step.rows, index)
-      if error is not None:
-        return plan(End.RAISE, error)
-      divisible.add(step.rows)
-    steps.append(step)
-    index += step.action == Action.YIELD
-    i += 1
-  return plan(End.CONTINUE)
+      return dataclasses.replace(self.plan(End.WAIT), waiting=step.processes)
+    if step.action == Action.YIELD and (error := self._divisibility_error(step.rows)):
+      return self.plan(End.RAISE, error)
+    self.steps.append(step)
+    self.index += step.action == Action.YIELD
+    self.i += 1
+    return None
+
+  def _divisibility_error(self, rows: int) -> ReportedError | None:
+    """The error if some process's devices do not divide `rows` (each count checked once)."""
+    if rows in self.divisible:
+      return None
+    error = errors_lib.divisibility_error(self.reports, rows, self.index)
+    if error is None:
+      self.divisible.add(rows)
+    return error
 
 
 def _full_run(reports: Sequence[Report], i: int, full: int) -> int:

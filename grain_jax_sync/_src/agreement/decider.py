@@ -16,7 +16,7 @@ from typing import Any
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats
+from grain_jax_sync._src import job_stats, wire
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
@@ -380,8 +380,8 @@ class Decider(Streamed):
       try:
         q, times = self._led.add_json(text)
       except ledger_lib.ProtocolError as e:
-        message = ledger_lib.version_error(p, e.version, self._p)
-        if e.version == ledger_lib.PROTOCOL_VERSION or e.version is None:
+        message = wire.version_error(p, e.version, self._p)
+        if e.version == wire.PROTOCOL_VERSION or e.version is None:
           message = (
             f"process {p} posted {e}; every process must run the same version of the library"
           )

@@ -19,6 +19,8 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import reports as reports_lib
+from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
 from grain_jax_sync._src.agreement.decider import End, ErrorKind, Streamed
 
@@ -66,8 +68,8 @@ class Follower(Streamed):
       return ledger_lib.Decision.from_json(text)
     except ledger_lib.ProtocolError as e:
       self._ex.end()
-      if e.version != ledger_lib.PROTOCOL_VERSION and e.version is not None:
-        raise ValueError(ledger_lib.version_error(0, e.version, self._p)) from e
+      if e.version != wire.PROTOCOL_VERSION and e.version is not None:
+        raise ValueError(wire.version_error(0, e.version, self._p)) from e
       raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
 
   def _next_decision(self) -> str | None:
@@ -216,7 +218,7 @@ class Follower(Streamed):
     if self._ex.ended:
       return
     try:
-      if not self._end_posted or error is None or error.kind in plan_lib.ABORTS:
+      if not self._end_posted or error is None or error.kind in reports_lib.ABORTS:
         self._unposted.clear()
         self._digests.clear()
         self._sizes.clear()

@@ -16,6 +16,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def _parse_all(payloads: list[str]) -> list[ledger_lib.Chunk]:
       versions[p] = e.version
   if versions:
     shown = ", ".join(
-      f"process {p}: {versions.get(p, ledger_lib.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
+      f"process {p}: {versions.get(p, wire.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
     )
     raise ValueError(
       "the processes run different versions of the grain_jax_sync agreement"
