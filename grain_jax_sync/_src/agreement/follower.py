@@ -20,7 +20,7 @@ from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, endings
-from grain_jax_sync._src.agreement.decider import End, ErrorKind, Streamed
+from grain_jax_sync._src.agreement.streamed import End, ErrorKind, Streamed
 
 
 class Follower(Streamed):
