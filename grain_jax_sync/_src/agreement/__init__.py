@@ -5,7 +5,7 @@ Two forms, one decision (`plan.decide`):
 * `lockstep`: every process reads a window, the reports are all-gathered and
   every process decides the same plan. One process (no exchange) and the
   collective fallback (which runs in the caller's thread) use it.
-* Streamed (`streamed.Decider` on process 0, `follower.Follower` on the
+* Streamed (`decider.Decider` on process 0, `follower.Follower` on the
   others): the key-value store. Every process other than 0 posts its rows
   (and its ending) in chunks as it reads; process 0, the decider, reads every
   chunk, decides each position as soon as every process's row (or ending) for
@@ -36,10 +36,17 @@ from grain_jax_sync._src.agreement.common import (
   read_ahead_limit,
   sizes_of,
 )
-from grain_jax_sync._src.agreement.decider import CROSS_WAIT_S, Decider, Streamed, post_end
-from grain_jax_sync._src.agreement.endings import closed_error, closed_peer_message, to_exception
+from grain_jax_sync._src.agreement.cross_wait import CROSS_WAIT_S
+from grain_jax_sync._src.agreement.decider import Decider
+from grain_jax_sync._src.agreement.endings import (
+  closed_error,
+  closed_peer_message,
+  post_end,
+  to_exception,
+)
 from grain_jax_sync._src.agreement.follower import Follower
 from grain_jax_sync._src.agreement.lockstep import lockstep
+from grain_jax_sync._src.agreement.streamed import Streamed
 
 __all__ = [
   "CROSS_WAIT_S",

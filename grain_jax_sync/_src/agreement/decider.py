@@ -1,207 +1,25 @@
-"""The streamed agreement over the key-value store: one decider, O(processes).
+"""The streamed agreement's process 0: one decider, O(processes).
 
 Process 0 (`Decider`, here) reads every peer's chunks with one directory
 read, decides with `plan.decide` and posts each decision once; every other
-process (`follower.Follower`) posts its chunks and reads the decisions. See `agreement` for the
-endings and `exchange` for the keys.
+process (`follower.Follower`) posts its chunks and reads the decisions. See
+`streamed.Streamed` for what both share, `agreement` for the endings and
+`exchange` for the keys.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
-from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats, wire
 from grain_jax_sync._src import ledger as ledger_lib
-from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
-
-logger = logging.getLogger(__name__)
-
-ErrorKind = plan_lib.ErrorKind
-End = plan_lib.End
-
-# Two processes that each wait at the start of a stream the other has not
-# started (iterators started in a different order: a stream starts at its
-# first `next()`) can never go on. Named after this long crosswise, or half
-# `sync_timeout_s` if shorter: longer than a live peer takes between the
-# first `next()` calls of iterators it starts together (threads), on any host.
-CROSS_WAIT_S = 30.0
-
-
-class Streamed:
-  """What the decider and the followers share: own reads, the runs, the ending.
-
-  Args:
-    reader: This host's reader.
-    exchange: The key-value exchange of this iterator.
-    options: The settings `plan.decide` needs.
-    who: This process's identity (devices, settings digest, resume position).
-    lookahead: `synchronize_lookahead`.
-    timeout_s: `sync_timeout_s`.
-    position: Output batches before the first one (the resume position).
-    threads: May move a slow source to its own thread.
-    live: Tells dead peers from slow ones (default: their beats).
-    read_ahead: At most this many undecided batches held (None: the
-      default bound, `agreement.read_ahead_limit`).
-    job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
-      chunks and decisions; None: none kept.
-  """
-
-  def __init__(
-    self,
-    reader: Iterator[reader_lib.Read | reader_lib.End],
-    exchange: exchange_lib.KeyValueExchange,
-    options: plan_lib.Options,
-    who: common.Identity,
-    *,
-    lookahead: int,
-    timeout_s: float,
-    position: int,
-    threads: bool = True,
-    live: liveness_lib.Liveness | None = None,
-    read_ahead: int | None = None,
-    job: job_stats.JobTable | None = None,
-  ):
-    self._ex = exchange
-    self._options = options
-    self._who = who
-    self._p = exchange.process_index
-    self._n = exchange.process_count
-    self._timeout_s = timeout_s
-    self._own = common.OwnReads(reader, lookahead=lookahead, threads=threads, read_ahead=read_ahead)
-    self._live = live or liveness_lib.Liveness(exchange)
-    self._j = 0  # Positions decided.
-    self._yielded = position  # Output batches decided (for messages).
-    self._seq = 0  # Decisions posted (decider) or consumed (follower).
-    self._signature: batches_lib.Signature | None = None
-    self._rpc_s = 0.001
-    self._last_poll = -1.0
-    self._waiting_since: float | None = None
-    self._cross_since: float | None = None  # Since when a peer waits crosswise.
-    exchange_lib.stream_started(exchange.namespace)
-    self._job = job
-    if job is not None:
-      job.attach(self._p, self._n)
-
-  def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
-    """This host's reads for a decision, as a run for the builder."""
-    if self._signature is None:
-      if self._own.signature is not None:
-        self._signature = self._own.signature
-      elif decision.signature is not None:
-        self._signature = batches_lib.Signature.from_json(decision.signature)
-    reads = self._own.take(self._j, len(decision.steps))
-    self._j += len(decision.steps)
-    self._yielded += sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
-    self._waiting_since = None
-    if not decision.steps:
-      return None
-    steps = tuple(zip(reads, decision.steps, strict=True))
-    return build_lib.Run(steps, self._signature, decision.batch_size)
-
-  def _finish(self, decision: ledger_lib.Decision) -> None:
-    """After the final decision's run: stop, or raise the agreed error."""
-    if decision.end == End.RAISE:
-      assert decision.error is not None
-      raise endings.to_exception(decision.error, self._p, self._own.end)
-
-  def _poll_due(self) -> bool:
-    return time.monotonic() - self._last_poll >= max(common.POLL_MIN_S, 2 * self._rpc_s)
-
-  def _timed(self, fn: Any, *args: Any) -> Any:
-    t0 = time.monotonic()
-    out = fn(*args)
-    self._last_poll = time.monotonic()
-    self._rpc_s = 0.8 * self._rpc_s + 0.2 * (self._last_poll - t0)
-    return out
-
-  def _blocking(self, fn: Any, *args: Any) -> Any:
-    """A blocking read counts as a poll: the next non-blocking one is due a poll interval later.
-
-    Without this, the first read-ahead after a blocking read that returned
-    polled again at once, before anything new could be there (2 x 4, 1,000
-    batches: process 1 made 127 non-blocking and 39 blocking decision reads
-    for 94 decisions).
-    """
-    out = fn(*args)
-    self._last_poll = time.monotonic()
-    return out
-
-  def _waited_s(self) -> float:
-    now = time.monotonic()
-    if self._waiting_since is None:
-      self._waiting_since = now
-    return now - self._waiting_since
-
-  def _cross_wait(self, peer: int) -> plan_lib.ReportedError | None:
-    """The error once `peer` has waited long enough at the start of a stream not started here.
-
-    Called while this process waits for `peer` before anything is decided.
-    Process 0 and the peer each find it (the peer from process 0's beat), and
-    name the pair the same way: the same message on both.
-    """
-    exchange_lib.waiting_first(self._ex.namespace, True)
-    # Streams of iterators made here but not started: an iterator never made
-    # here is the timeout's case (created on some processes only).
-    theirs = [
-      t
-      for t in self._live.waiting(peer)
-      if t != self._ex.namespace and exchange_lib.is_created(t) and not exchange_lib.is_started(t)
-    ]
-    now = time.monotonic()
-    if not theirs:
-      self._cross_since = None
-      return None
-    if self._cross_since is None:
-      self._cross_since = now
-    if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
-      return None
-    waits = sorted([(self._p, self._ex.namespace), (peer, theirs[0])])
-    (a, sa), (b, sb) = waits
-    message = (
-      f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
-      f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
-      " started the other's: the processes called next() on their iterators"
-      " in a different order (an iterator's stream starts at its first"
-      " next()); start every iterator in the same order on every process"
-    )
-    error = plan_lib.ReportedError(
-      ErrorKind.CLOSED, message, peer, self._yielded, "RuntimeError", (peer,)
-    )
-    # The same ending in the peer's stream, where it waits: whichever of the
-    # two finds it first, both raise this message (not a close of the other).
-    exchange_lib.pre_end(theirs[0], message)
-    try:
-      post_end(self._ex.sibling(theirs[0]), 0, error)
-    except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
-      logger.warning("grain_jax_sync: could not post the ending to %s: %s", theirs[0], e)
-    return error
-
-  def _first_decided(self) -> None:
-    exchange_lib.waiting_first(self._ex.namespace, False)
-
-  def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
-    return endings.closed_error(self._p, at_batch)
-
-  def close_stage(self) -> None:
-    """Stops waits and the read thread (from the closing thread)."""
-    self._ex.cancel()
-
-  def release(self) -> None:
-    self._own.close()
-    self._first_decided()
-
-  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
-    """Posts this host's ending (`Decider` and `Follower` each post their own)."""
-    raise NotImplementedError
+from grain_jax_sync._src.agreement.streamed import End, ErrorKind, Streamed
 
 
 class Decider(Streamed):
@@ -436,30 +254,3 @@ class Decider(Streamed):
       self._ex.post_decision(self._seq, final.to_json(), final=True)
     finally:
       self._ex.end()
-
-
-def _iterator(namespace: str) -> str:
-  """An iterator's key prefix, without its stream's generation."""
-  return namespace.rsplit("/", 1)[0]
-
-
-def post_end(
-  ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
-) -> None:
-  """Posts this host's ending (closed, or `error`) to a stream it never started.
-
-  Process 0 posts it as the stream's first and final decision, any other
-  process as its first and final chunk: where each would have posted it
-  from a started stream's `close`.
-  """
-  p = ex.process_index
-  error = error or endings.closed_error(p, at_batch)
-  try:
-    if p == 0:
-      final = ledger_lib.Decision(0, (), End.RAISE, error)
-      ex.post_decision(0, final.to_json(), final=True)
-    else:
-      report = plan_lib.Report(process_index=p, error=error, local_devices=1)
-      ex.post_chunk(ledger_lib.Chunk(start=0, ack=0, report=report).to_json(), final=True)
-  finally:
-    ex.end()

@@ -1,4 +1,7 @@
-"""Every ending's error: the exception each host raises for an agreed ending, and the messages endings carry."""
+"""Every ending's error: the exception each host raises for an agreed ending, and the messages endings carry.
+
+An ending for a stream this host never started is posted here too (`post_end`).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,14 @@ import json
 import logging
 
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 
 logger = logging.getLogger(__name__)
 
 ErrorKind = plan_lib.ErrorKind
+End = plan_lib.End
 
 
 def to_exception(
@@ -63,3 +68,25 @@ def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
     at_batch,
     "closed",
   )
+
+
+def post_end(
+  ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
+) -> None:
+  """Posts this host's ending (closed, or `error`) to a stream it never started.
+
+  Process 0 posts it as the stream's first and final decision, any other
+  process as its first and final chunk: where each would have posted it
+  from a started stream's `close`.
+  """
+  p = ex.process_index
+  error = error or closed_error(p, at_batch)
+  try:
+    if p == 0:
+      final = ledger_lib.Decision(0, (), End.RAISE, error)
+      ex.post_decision(0, final.to_json(), final=True)
+    else:
+      report = plan_lib.Report(process_index=p, error=error, local_devices=1)
+      ex.post_chunk(ledger_lib.Chunk(start=0, ack=0, report=report).to_json(), final=True)
+  finally:
+    ex.end()

@@ -22,7 +22,7 @@ from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import reports as reports_lib
 from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
-from grain_jax_sync._src.agreement.decider import End, ErrorKind, Streamed
+from grain_jax_sync._src.agreement.streamed import End, ErrorKind, Streamed
 
 
 class Follower(Streamed):

@@ -1,110 +1,50 @@
-"""Moves reports and decisions between processes. Knows nothing about batches.
+"""Chunks up to process 0, decisions back down, through the key-value store.
 
-Three transports:
+The store is the coordination service's, which `jax.distributed.initialize`
+starts (in process 0). No device work, so it runs in a background thread
+ahead of the training step. Keys of one iterator live under one namespace
+``ns``:
 
-* `LocalExchange`: one process, or synchronization off. Nothing to move.
-* `KeyValueExchange`: the coordination service's key-value store that
-  `jax.distributed.initialize` starts (in process 0). No device work, so it
-  runs in a background thread ahead of the training step. Keys of one iterator
-  live under one namespace ``ns``:
+- ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
+  rows it read, its ending. Only the decider (process 0) reads them, with
+  one directory read.
+- ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0;
+  every other process reads each one once.
 
-  - ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
-    rows it read, its ending. Only the decider (process 0) reads them, with
-    one directory read.
-  - ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0;
-    every other process reads each one once.
+Both are deleted a group at a time once read.
+- ``{ns}/ended``: a counter every process increments exactly once after its
+  last store call; the one that brings it to the process count deletes
+  ``{ns}`` (and everything under it).
 
-  Both are deleted a group at a time once read.
-  - ``{ns}/ended``: a counter every process increments exactly once after its
-    last store call; the one that brings it to the process count deletes
-    ``{ns}`` (and everything under it).
+Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
+Under ``base``, once per iterator and process, at `close()`:
 
-  Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
-  Under ``base``, once per iterator and process, at `close()`:
+- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
+  the stream it was in and "process p closed its iterator at batch b". A
+  peer that waits for p reads it (once a second, like the beat) and ends
+  instead of timing out: in a stream that p never started (a restart made
+  on some processes only), or where p could not post its ending.
+- ``{base}/closed_count``: the process that brings it to the process count
+  deletes ``{base}``.
 
-  - ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
-    the stream it was in and "process p closed its iterator at batch b". A
-    peer that waits for p reads it (once a second, like the beat) and ends
-    instead of timing out: in a stream that p never started (a restart made
-    on some processes only), or where p could not post its ending.
-  - ``{base}/closed_count``: the process that brings it to the process count
-    deletes ``{base}``.
+Per decided window that is O(processes) store work in all: one chunk write
+and one decision read per process, one directory read of O(processes)
+chunks and one decision write at process 0.
 
-  Per decided window that is O(processes) store work in all: one chunk write
-  and one decision read per process, one directory read of O(processes)
-  chunks and one decision write at process 0.
-* `CollectiveExchange`: `process_allgather` over the devices; the fallback when
-  there are several processes but no key-value store client. It runs in the
-  caller's thread only.
-
-Liveness (which peer is dead, which is slow) is in `liveness.py`.
+Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
+(`liveness`).
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
+from grain_jax_sync._src.exchange.streams import KEY_ROOT
+
 logger = logging.getLogger(__name__)
-
-KEY_ROOT = "grain_jax_sync"
-_instances = itertools.count()
-_named: collections.Counter[str] = collections.Counter()
-# This process's streams: started here, and those waiting for their first
-# decision (the liveness beat carries the latter, so that two processes
-# waiting crosswise at the start of two streams can tell; `streamed`).
-_created: set[str] = set()  # Iterators' key prefixes (`new_namespace`).
-_started: set[str] = set()
-_waiting_first: set[str] = set()
-_streams_lock = threading.Lock()
-
-
-def stream_started(namespace: str) -> None:
-  with _streams_lock:
-    _started.add(namespace)
-
-
-def is_started(namespace: str) -> bool:
-  return namespace in _started
-
-
-def is_created(namespace: str) -> bool:
-  """Whether the iterator of stream `namespace` was created in this process."""
-  return namespace.rsplit("/", 1)[0] in _created
-
-
-def waiting_first(namespace: str, waiting: bool) -> None:
-  """Marks this process as waiting (or no longer) for `namespace`'s first decision."""
-  with _streams_lock:
-    if waiting:
-      _waiting_first.add(namespace)
-    else:
-      _waiting_first.discard(namespace)
-
-
-_pre_ended: dict[str, str] = {}
-
-
-def pre_end(namespace: str, message: str) -> None:
-  """Records that this process posted `message` as its ending of a stream it never started."""
-  with _streams_lock:
-    _pre_ended[namespace] = message
-
-
-def pre_ended(namespace: str | None) -> str | None:
-  """The ending this process posted to `namespace` before starting it, if any."""
-  return None if namespace is None else _pre_ended.get(namespace)
-
-
-def waiting_streams() -> list[str]:
-  with _streams_lock:
-    return sorted(_waiting_first)
-
 
 # A blocking store read waits at most this long before the waiter checks for
 # close(), its deadline and the awaited peer's beat.
@@ -125,45 +65,6 @@ class Cancelled(Exception):
   """The exchange was cancelled by `close()` while waiting for peers."""
 
 
-class PeerTimeoutError(RuntimeError):
-  """A live peer did not report within `sync_timeout_s`.
-
-  Attributes:
-    missing: Indices of the processes that were waited for.
-  """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
-
-
-class PeerLostError(RuntimeError):
-  """A peer stopped its liveness beat: it died.
-
-  Attributes:
-    missing: Indices of the lost processes.
-  """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
-
-
-class LocalExchange:
-  """No communication: each process decides alone."""
-
-  form = "local"  # The agreement's form: lockstep, nothing exchanged.
-  busy_s = 0.0  # Nothing is exchanged.
-
-  def __init__(self, process_index: int = 0):
-    self.process_index = process_index
-    self.process_count = 1
-
-  def all_gather(self, window: int, payload: str) -> list[str]:
-    del window
-    return [payload]
-
-
 def distributed_client() -> Any | None:
   """The `jax.distributed` key-value store client, or None."""
   try:
@@ -171,27 +72,6 @@ def distributed_client() -> Any | None:
   except ImportError:  # pragma: no cover - very old or very new JAX.
     return None
   return getattr(distributed.global_state, "client", None)
-
-
-def new_namespace(name: str | None = None) -> str:
-  """A key prefix for one iterator; the same on every process under SPMD.
-
-  Every process creates its iterators in the same order, so a per-process
-  counter names them consistently. Pass `name` where that does not hold (an
-  iterator created on some processes only): then the iterators of that name
-  are counted, so every process must create the same number of them.
-  """
-  if name is None:
-    namespace = f"{KEY_ROOT}/{next(_instances)}"
-  else:
-    # The n-th iterator of that name: a new one per epoch under the same name
-    # must not read the keys of the last (a host still ending it, or its
-    # decider still posting).
-    _named[name] += 1
-    namespace = f"{KEY_ROOT}/{name}/{_named[name]}"
-  with _streams_lock:
-    _created.add(namespace)
-  return namespace
 
 
 def _is_deadline(e: Exception) -> bool:
@@ -466,59 +346,3 @@ def delete_beat(client: Any, process: int) -> None:
 def beat_key(process: int) -> str:
   """The key of `process`'s liveness beat (one per process, not per iterator)."""
   return f"{KEY_ROOT}/beat/{process}"
-
-
-class CollectiveExchange:
-  """All-gather of JSON payloads with `process_allgather` (device fallback).
-
-  Two collectives per window: the payload lengths, then the padded payloads.
-  It must run in the same order on every process, relative to all other
-  collectives, so it runs only in the caller's thread; prefer
-  `KeyValueExchange`.
-  """
-
-  form = "collective"  # The agreement's form: lockstep, in the caller's thread only.
-
-  def __init__(self, *, process_index: int, process_count: int):
-    self.process_index = process_index
-    self.process_count = process_count
-    self.busy_s = 0.0  # Seconds in the all-gathers (`stats()`'s exchange_s).
-
-  def all_gather(self, window: int, payload: str) -> list[str]:
-    t0 = time.monotonic()
-    try:
-      return self._all_gather(window, payload)
-    finally:
-      self.busy_s += time.monotonic() - t0
-
-  def _all_gather(self, window: int, payload: str) -> list[str]:
-    del window
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-    data = np.frombuffer(payload.encode(), dtype=np.uint8)
-    lengths = np.asarray(
-      multihost_utils.process_allgather(np.array([data.size], np.int32))
-    ).reshape(-1)
-    width = int(lengths.max())
-    buf = np.zeros((width,), np.uint8)
-    buf[: data.size] = data
-    gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.process_count, width)
-    return [bytes(gathered[p, : lengths[p]]).decode() for p in range(self.process_count)]
-
-
-def make_exchange(
-  *, synchronize: bool, namespace: str | None
-) -> LocalExchange | KeyValueExchange | CollectiveExchange:
-  """Picks the transport for this process (the caller starts its liveness beat)."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  index, count = jax.process_index(), jax.process_count()
-  if count == 1 or not synchronize:
-    return LocalExchange(index)
-  client = distributed_client()
-  if client is not None:
-    assert namespace is not None
-    return KeyValueExchange(client, namespace, process_index=index, process_count=count)
-  logger.info("grain_jax_sync: no key-value store client; exchanging via collectives")
-  return CollectiveExchange(process_index=index, process_count=count)

@@ -1,0 +1,103 @@
+"""Two processes waiting crosswise at the start of two streams: named, not timed out.
+
+Process a waits for the first decision of a stream that process b has not
+started, while b waits for one that a has not started. Each process's
+liveness beat carries the streams it waits on for a first decision
+(`exchange.waiting_first`), so each of the two finds the other's wait, and
+both raise the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import liveness as liveness_lib
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src.agreement import endings
+
+logger = logging.getLogger(__name__)
+
+# Two processes that each wait at the start of a stream the other has not
+# started (iterators started in a different order: a stream starts at its
+# first `next()`) can never go on. Named after this long crosswise, or half
+# `sync_timeout_s` if shorter: longer than a live peer takes between the
+# first `next()` calls of iterators it starts together (threads), on any host.
+CROSS_WAIT_S = 30.0
+
+
+class CrossWait:
+  """Watches, while this process waits for a peer, whether the peer waits crosswise.
+
+  Args:
+    exchange: The key-value exchange of this process's stream.
+    live: The peers' beats.
+    timeout_s: `sync_timeout_s`.
+  """
+
+  def __init__(
+    self, exchange: exchange_lib.KeyValueExchange, live: liveness_lib.Liveness, timeout_s: float
+  ):
+    self._ex = exchange
+    self._live = live
+    self._timeout_s = timeout_s
+    self._since: float | None = None  # Since when a peer waits crosswise.
+
+  def check(self, peer: int, at_batch: int) -> plan_lib.ReportedError | None:
+    """The error once `peer` has waited long enough at the start of a stream not started here.
+
+    Called while this process waits for `peer` before anything is decided
+    (`at_batch`: output batches before this stream's first). Process 0 and
+    the peer each find it (the peer from process 0's beat), and name the
+    pair the same way: the same message on both.
+    """
+    exchange_lib.waiting_first(self._ex.namespace, True)
+    # Streams of iterators made here but not started: an iterator never made
+    # here is the timeout's case (created on some processes only).
+    theirs = [
+      t
+      for t in self._live.waiting(peer)
+      if t != self._ex.namespace and exchange_lib.is_created(t) and not exchange_lib.is_started(t)
+    ]
+    now = time.monotonic()
+    if not theirs:
+      self._since = None
+      return None
+    if self._since is None:
+      self._since = now
+    if now - self._since < min(CROSS_WAIT_S, self._timeout_s / 2):
+      return None
+    return self._end_both(peer, theirs[0], at_batch)
+
+  def _end_both(self, peer: int, theirs: str, at_batch: int) -> plan_lib.ReportedError:
+    """The crosswise error, posted also to the peer's stream, where it waits."""
+    waits = sorted([(self._ex.process_index, self._ex.namespace), (peer, theirs)])
+    (a, sa), (b, sb) = waits
+    message = (
+      f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
+      f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
+      " started the other's: the processes called next() on their iterators"
+      " in a different order (an iterator's stream starts at its first"
+      " next()); start every iterator in the same order on every process"
+    )
+    error = plan_lib.ReportedError(
+      plan_lib.ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,)
+    )
+    # The same ending in the peer's stream, where it waits: whichever of the
+    # two finds it first, both raise this message (not a close of the other).
+    exchange_lib.pre_end(theirs, message)
+    try:
+      endings.post_end(self._ex.sibling(theirs), 0, error)
+    except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
+      logger.warning("grain_jax_sync: could not post the ending to %s: %s", theirs, e)
+    return error
+
+  def done(self) -> None:
+    """This process no longer waits for its stream's first decision."""
+    exchange_lib.waiting_first(self._ex.namespace, False)
+
+
+def _iterator(namespace: str) -> str:
+  """An iterator's key prefix, without its stream's generation."""
+  return namespace.rsplit("/", 1)[0]

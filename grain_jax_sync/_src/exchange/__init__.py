@@ -1,0 +1,139 @@
+"""Moves reports and decisions between processes. Knows nothing about batches.
+
+Three transports:
+
+* `LocalExchange`: one process, or synchronization off. Nothing to move.
+* `KeyValueExchange` (`key_value.py`): the coordination service's key-value
+  store that `jax.distributed.initialize` starts (in process 0). Chunks go up
+  to process 0, decisions come back down: O(processes) store work per decided
+  window. The keys are described there.
+* `CollectiveExchange` (`collective.py`): `process_allgather` over the
+  devices; the fallback when there are several processes but no key-value
+  store client. It runs in the caller's thread only.
+
+`streams.py` names each iterator's keys and records where this process's
+streams stand. Liveness (which peer is dead, which is slow) is in
+`liveness.py`.
+
+Only this package talks to other processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from grain_jax_sync._src.exchange.collective import CollectiveExchange
+from grain_jax_sync._src.exchange.key_value import (
+  CHUNK_GROUP,
+  GROUP,
+  WAIT_SLICE_S,
+  Cancelled,
+  KeyValueExchange,
+  beat_key,
+  closed_key,
+  delete_beat,
+  distributed_client,
+  put_beat,
+  register_close,
+  store_failed,
+)
+from grain_jax_sync._src.exchange.streams import (
+  KEY_ROOT,
+  is_created,
+  is_started,
+  new_namespace,
+  pre_end,
+  pre_ended,
+  stream_started,
+  waiting_first,
+  waiting_streams,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PeerTimeoutError(RuntimeError):
+  """A live peer did not report within `sync_timeout_s`.
+
+  Attributes:
+    missing: Indices of the processes that were waited for.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class PeerLostError(RuntimeError):
+  """A peer stopped its liveness beat: it died.
+
+  Attributes:
+    missing: Indices of the lost processes.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class LocalExchange:
+  """No communication: each process decides alone."""
+
+  form = "local"  # The agreement's form: lockstep, nothing exchanged.
+  busy_s = 0.0  # Nothing is exchanged.
+
+  def __init__(self, process_index: int = 0):
+    self.process_index = process_index
+    self.process_count = 1
+
+  def all_gather(self, window: int, payload: str) -> list[str]:
+    del window
+    return [payload]
+
+
+def make_exchange(
+  *, synchronize: bool, namespace: str | None
+) -> LocalExchange | KeyValueExchange | CollectiveExchange:
+  """Picks the transport for this process (the caller starts its liveness beat)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  index, count = jax.process_index(), jax.process_count()
+  if count == 1 or not synchronize:
+    return LocalExchange(index)
+  client = distributed_client()
+  if client is not None:
+    assert namespace is not None
+    return KeyValueExchange(client, namespace, process_index=index, process_count=count)
+  logger.info("grain_jax_sync: no key-value store client; exchanging via collectives")
+  return CollectiveExchange(process_index=index, process_count=count)
+
+
+__all__ = [
+  "CHUNK_GROUP",
+  "GROUP",
+  "KEY_ROOT",
+  "WAIT_SLICE_S",
+  "Cancelled",
+  "CollectiveExchange",
+  "KeyValueExchange",
+  "LocalExchange",
+  "PeerLostError",
+  "PeerTimeoutError",
+  "beat_key",
+  "closed_key",
+  "delete_beat",
+  "distributed_client",
+  "is_created",
+  "is_started",
+  "make_exchange",
+  "new_namespace",
+  "pre_end",
+  "pre_ended",
+  "put_beat",
+  "register_close",
+  "store_failed",
+  "stream_started",
+  "waiting_first",
+  "waiting_streams",
+]
