@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from grain_jax_sync._src import build as build_lib
-from grain_jax_sync._src import build_stage
+from grain_jax_sync._src import agreement, build_stage
 
 
 class _Read:
@@ -23,7 +22,7 @@ def _runs(n, per_run=1, fail_at=None):
       raise KeyError("boom")
     steps = tuple((_Read(j), "yield") for j in range(i, min(n, i + per_run)))
     i += len(steps)
-    yield build_lib.Run(steps, None, None)
+    yield agreement.Run(steps, None, None)
 
 
 def _build(step_s=0.0, dropped=(), fail=None, who=None):
@@ -91,9 +90,9 @@ def test_close_from_another_thread_wakes_a_waiting_consumer():
   gate = threading.Event()
 
   def runs():
-    yield build_lib.Run(((_Read(0), "yield"),), None, None)
+    yield agreement.Run(((_Read(0), "yield"),), None, None)
     gate.wait(30)  # Nothing decided for a while (a slow peer).
-    yield build_lib.Run(((_Read(1), "yield"),), None, None)
+    yield agreement.Run(((_Read(1), "yield"),), None, None)
 
   stage = build_stage.BuildStage(runs(), _build(), built=2, decided=2, on_close=gate.set)
   assert next(stage) == 0

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -24,23 +24,10 @@ from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import sharding as sharding_lib
 
+if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
+  from grain_jax_sync._src import agreement
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
-class Run:
-  """Positions decided together, handed from the agreement to the builder.
-
-  Attributes:
-    steps: Per position, this host's read (None: a dummy) and the decision.
-    signature: The agreed batch structure (None while no host has a batch).
-    batch_size: The full batch size the steps were judged by (given, or
-      derived from the first position); None if not known yet.
-  """
-
-  steps: tuple[tuple[reader_lib.Read | None, plan_lib.Step], ...]
-  signature: batches_lib.Signature | None
-  batch_size: int | None = None
 
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
@@ -216,7 +203,7 @@ class Builder:
     self.transfer_s = 0.0
     self.dropped = 0
 
-  def __call__(self, runs: Iterable[Run]) -> Iterator[Item]:
+  def __call__(self, runs: Iterable[agreement.Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
         item = self.step(read, step, run.signature, run.batch_size)
@@ -232,7 +219,7 @@ class Builder:
   ) -> Item | None:
     """One decided position: its `Item`, or None where it is dropped.
 
-    `batch_size` is the run's full batch size (`Run.batch_size`), carried on
+    `batch_size` is the run's full batch size (`agreement.Run.batch_size`), carried on
     to the item.
 
     Positions must be given in order (the state after each is tracked here);

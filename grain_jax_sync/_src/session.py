@@ -113,7 +113,7 @@ class Stages:
       shapes=start.settings.shapes,  # `pad_shapes`: the dims whose sizes vary.
     )
 
-  def _agree(self, start: Start, read: reader.Reader) -> Iterator[build_lib.Run]:
+  def _agree(self, start: Start, read: reader.Reader) -> Iterator[agreement.Run]:
     """The agreement's form, as the exchange's `form` picks it: decided runs."""
     s, ex = start.settings, self._exchange
     who = agreement.Identity(
@@ -156,7 +156,7 @@ class Stages:
     )
     return self._thread(stage)
 
-  def _build(self, start: Start, runs: Iterator[build_lib.Run]) -> Iterator[build_lib.Item]:
+  def _build(self, start: Start, runs: Iterator[agreement.Run]) -> Iterator[build_lib.Item]:
     """Built items: in a thread that the consumer helps (`BuildStage`), or inline."""
     s, ex = start.settings, self._exchange
     # The collective fallback runs in the caller's thread only; a stream this
@@ -241,7 +241,7 @@ class Stages:
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
 
-def _raising(error: BaseException) -> Iterator[build_lib.Run]:
+def _raising(error: BaseException) -> Iterator[agreement.Run]:
   raise error
   yield  # pragma: no cover - a generator that raises at its first `next()`.
 

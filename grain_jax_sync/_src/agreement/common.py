@@ -154,6 +154,22 @@ def decide(
 # -- this host's reads, for the streamed form --------------------------------------
 
 
+@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
+class Run:
+  """Positions decided together, handed from the agreement to the builder.
+
+  Attributes:
+    steps: Per position, this host's read (None: a dummy) and the decision.
+    signature: The agreed batch structure (None while no host has a batch).
+    batch_size: The full batch size the steps were judged by (given, or
+      derived from the first position); None if not known yet.
+  """
+
+  steps: tuple[tuple[reader_lib.Read | None, plan_lib.Step], ...]
+  signature: batches_lib.Signature | None
+  batch_size: int | None = None
+
+
 class OwnReads:
   """This host's undecided reads, read inline while quick, in a thread once slow."""
 

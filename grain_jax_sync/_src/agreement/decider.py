@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -42,7 +41,7 @@ class Decider(Streamed):
     # with the positions they had reported then.
     self._wait: dict[int, int] | None = None
 
-  def __iter__(self) -> Iterator[build_lib.Run]:
+  def __iter__(self) -> Iterator[common.Run]:
     while True:
       plan = self._plan()
       if plan is not None and plan.end == End.WAIT:

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
@@ -41,7 +40,7 @@ class Follower(Streamed):
     self._gave_up: plan_lib.ReportedError | None = None
     self._held_since = 0.0  # When the oldest unposted row was read.
 
-  def __iter__(self) -> Iterator[build_lib.Run]:
+  def __iter__(self) -> Iterator[common.Run]:
     while True:
       text = self._next_decision()
       if text is None:

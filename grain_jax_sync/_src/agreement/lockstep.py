@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import ledger as ledger_lib
 from grain_jax_sync._src import plan as plan_lib
@@ -35,7 +34,7 @@ def lockstep(
   *,
   window: int,
   position: int,
-) -> Iterator[build_lib.Run]:
+) -> Iterator[common.Run]:
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
   On `End.WAIT` the undecided reads are kept and every process reads at least
@@ -77,7 +76,7 @@ class _Lockstep:
       {} if self._alone and window == 1 else None
     )
 
-  def __iter__(self) -> Iterator[build_lib.Run]:
+  def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
       need = max(self._window, len(self._reads) + 1)  # Counted before a quick read.
       if self._quick and not self._reads and self._end is None:
@@ -91,7 +90,7 @@ class _Lockstep:
         self._signature = self._reads[0].batch.signature
       decision, steps = self._next_window(w)
       if steps:
-        yield build_lib.Run(steps, self._signature, self._options.batch_size)
+        yield common.Run(steps, self._signature, self._options.batch_size)
       steps = ()
       if decision.end == plan_lib.End.STOP:
         return
@@ -99,7 +98,7 @@ class _Lockstep:
         assert decision.error is not None
         raise endings.to_exception(decision.error, self._who.process, self._end)
 
-  def _quick_run(self) -> build_lib.Run | None:
+  def _quick_run(self) -> common.Run | None:
     """Reads one batch; its run if a batch of its size was decided before (else None)."""
     assert self._quick is not None
     self._end = _read(self._reader, self._reads, 1)
@@ -107,7 +106,7 @@ class _Lockstep:
     if hit is None:
       return None
     self._position += hit[1]
-    return build_lib.Run(((self._reads.pop(), hit[0]),), self._signature, self._options.batch_size)
+    return common.Run(((self._reads.pop(), hit[0]),), self._signature, self._options.batch_size)
 
   def _next_window(self, w: int) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
     """Decides the window held (or recalls its decision); its steps with this host's reads."""

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import job_stats
 from grain_jax_sync._src import ledger as ledger_lib
@@ -79,7 +78,7 @@ class Streamed:
     if job is not None:
       job.attach(self._p, self._n)
 
-  def _apply(self, decision: ledger_lib.Decision) -> build_lib.Run | None:
+  def _apply(self, decision: ledger_lib.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder."""
     if self._signature is None:
       if self._own.signature is not None:
@@ -93,7 +92,7 @@ class Streamed:
     if not decision.steps:
       return None
     steps = tuple(zip(reads, decision.steps, strict=True))
-    return build_lib.Run(steps, self._signature, decision.batch_size)
+    return common.Run(steps, self._signature, decision.batch_size)
 
   def _finish(self, decision: ledger_lib.Decision) -> None:
     """After the final decision's run: stop, or raise the agreed error."""
