@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import time
 
 import grain
 import jax
@@ -88,6 +89,46 @@ def test_device_put_accepts_a_mesh_and_a_mapdataset():
   got = list(it)
   assert got[0]["x"].sharding.spec == jax.sharding.PartitionSpec(("a", "b"))
   assert [np.asarray(b["x"]).tolist() for b in got] == [list(range(8)), list(range(8, 16))]
+
+
+def _counted(n):
+  """A MapDataset of n 8-row batches that counts the elements read (no read-ahead of its own)."""
+  read = []
+
+  def make(i):
+    read.append(i)
+    return {"x": np.full(8, i, np.int32)}
+
+  ds = grain.MapDataset.range(n).map(make)
+  return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)), read
+
+
+def _settled(read, want, deadline_s=10.0):
+  """How many elements are read once the pipeline stops reading (its buffers full).
+
+  Distinct elements: `device_put` reads the first one to choose its mode,
+  then restores the source, which reads it again.
+  """
+  end = time.monotonic() + deadline_s
+  while len(set(read)) < want and time.monotonic() < end:
+    time.sleep(0.01)
+  time.sleep(0.2)  # Nothing more comes once both buffers are full.
+  return len(set(read))
+
+
+@pytest.mark.parametrize(("cpu", "device"), [(1, 1), (4, 2), (2, 5)])
+def test_device_put_reads_ahead_at_most_its_two_buffer_sizes(cpu, device):
+  # At most `cpu_buffer_size` batches read and not yet built (the one being
+  # built included) and `device_buffer_size` built ahead of the consumer.
+  # Grain's own reads up to two more: its queue's producer and its map
+  # stage each hold one beside their buffers.
+  ds, read = _counted(40)
+  it = iter(gjs.device_put(ds, cpu_buffer_size=cpu, device_buffer_size=device))
+  for k in range(1, 4):
+    assert np.asarray(next(it)["x"]).tolist() == [k - 1] * 8
+    assert _settled(read, k + cpu + device) == k + cpu + device
+  assert [int(np.asarray(b["x"])[0]) for b in it] == list(range(3, 40))
+  it.close()
 
 
 def test_device_put_checks_iter_jax_batches_arguments_up_front():
