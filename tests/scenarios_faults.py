@@ -349,6 +349,8 @@ def _leftovers(tag: str) -> dict[str, Any]:
   import psutil
   from jax._src import distributed
 
+  from grain_jax_sync._src import exchange
+
   gc.collect()
   client = distributed.global_state.client
   client.wait_at_barrier(f"hygiene/{tag}/closed", 60_000)
@@ -356,6 +358,7 @@ def _leftovers(tag: str) -> dict[str, Any]:
     "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")),
     "children": [c.pid for c in psutil.Process().children(recursive=True)],
     "keys": iterator_keys(client),
+    "streams": exchange.recorded(),  # This process's record of its iterators' streams.
   }
   # Nobody starts the next case before every process has looked.
   client.wait_at_barrier(f"hygiene/{tag}/looked", 60_000)

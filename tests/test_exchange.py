@@ -91,3 +91,21 @@ def test_missing_peer_times_out_naming_it():
   assert "sync_timeout_s" in o["message"]
   assert o["missing"] == (1,)
   assert o["threads"] == []
+
+
+def test_a_closed_iterators_streams_are_forgotten():
+  # The registry of this process's streams (the crosswise-wait detection's)
+  # keeps nothing of an iterator once it closed, however its streams ended.
+  a, b = exchange.new_namespace("forget-a"), exchange.new_namespace("forget-b")
+  exchange.stream_started(f"{a}/1")
+  exchange.waiting_first(f"{a}/2", True)
+  exchange.pre_end(f"{a}/3", "process 0 closed its iterator at batch 0")
+  exchange.stream_started(f"{b}/1")
+  assert {a, f"{a}/1", f"{a}/2", f"{a}/3", b, f"{b}/1"} <= set(exchange.recorded())
+  exchange.forget(a)
+  left = exchange.recorded()
+  assert not [s for s in left if s == a or s.startswith(f"{a}/")], left
+  assert {b, f"{b}/1"} <= set(left)  # Another iterator's record stays.
+  assert exchange.pre_ended(f"{a}/3") is None and not exchange.is_created(f"{a}/1")
+  exchange.forget(b)
+  assert not [s for s in exchange.recorded() if s.startswith((a, b))]

@@ -356,6 +356,8 @@ class Lifetime:
       if self._namespace is not None and self._settings.synchronize:
         message = f"process {jax.process_index()} closed its iterator at batch {at}"
         exchange_lib.register_close(self._namespace, json.dumps([stream, message]))
+      if self._namespace is not None:
+        exchange_lib.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
       self.source.close()
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)

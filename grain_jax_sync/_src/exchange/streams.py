@@ -85,6 +85,22 @@ def pre_ended(namespace: str | None) -> str | None:
   return None if namespace is None else _pre_ended.get(namespace)
 
 
+def forget(prefix: str) -> None:
+  """Drops what this process recorded of the iterator `prefix` and its streams (it closed)."""
+  with _streams_lock:
+    _created.discard(prefix)
+    for streams in (_started, _waiting_first):
+      streams.difference_update([s for s in streams if s.rsplit("/", 1)[0] == prefix])
+    for s in [s for s in _pre_ended if s.rsplit("/", 1)[0] == prefix]:
+      del _pre_ended[s]
+
+
+def recorded() -> list[str]:
+  """Every iterator and stream this process records (a closed one leaves none)."""
+  with _streams_lock:
+    return sorted({*_created, *_started, *_waiting_first, *_pre_ended})
+
+
 def waiting_streams() -> list[str]:
   """The streams this process waits on for a first decision (the beat carries them)."""
   with _streams_lock:
