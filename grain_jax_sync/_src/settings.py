@@ -143,13 +143,7 @@ def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
 def check_state(
   state: Any, *, settings: Settings, process_index: int, process_count: int
 ) -> tuple[int, Any]:
-  """Checks a resume state before anything is touched.
-
-  Args:
-    state: What the user passed to `set_state`.
-    settings: This iterator's settings.
-    process_index: This process.
-    process_count: The process count.
+  """Checks `state` (from `set_state`) against this process and `settings`, touching nothing.
 
   Returns:
     (output batches before the resume point, the source's state).
