@@ -135,7 +135,7 @@ class Stages:
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = s.lookahead if ex.process_count > 1 else 1
-      return agreement.lockstep(read, ex, options, who, window=window, position=self.position)
+      return iter(agreement.Lockstep(read, ex, options, who, window=window, position=self.position))
     kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
     self._agreement = kind(
       read,

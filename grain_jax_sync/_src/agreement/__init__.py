@@ -2,7 +2,7 @@
 
 Two forms, one decision (`plan.decide`):
 
-* `lockstep`: every process reads a window, the reports are all-gathered and
+* `Lockstep`: every process reads a window, the reports are all-gathered and
   every process decides the same plan. One process (no exchange) and the
   collective fallback (which runs in the caller's thread) use it.
 * Streamed (`decider.Decider` on process 0, `follower.Follower` on the
@@ -46,7 +46,7 @@ from grain_jax_sync._src.agreement.endings import (
   to_exception,
 )
 from grain_jax_sync._src.agreement.follower import Follower
-from grain_jax_sync._src.agreement.lockstep import lockstep
+from grain_jax_sync._src.agreement.lockstep import Lockstep
 from grain_jax_sync._src.agreement.streamed import Streamed
 
 __all__ = [
@@ -62,13 +62,13 @@ __all__ = [
   "Decider",
   "Follower",
   "Identity",
+  "Lockstep",
   "OwnReads",
   "Run",
   "Streamed",
   "closed_error",
   "closed_peer_message",
   "decide",
-  "lockstep",
   "make_report",
   "post_end",
   "read_ahead_limit",

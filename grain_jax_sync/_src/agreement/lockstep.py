@@ -26,26 +26,14 @@ ErrorKind = plan_lib.ErrorKind
 # -- lockstep ----------------------------------------------------------------------
 
 
-def lockstep(
-  reader: Iterator[reader_lib.Read | reader_lib.End],
-  exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
-  options: plan_lib.Options,
-  who: common.Identity,
-  *,
-  window: int,
-  position: int,
-) -> Iterator[common.Run]:
+class Lockstep:
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
-  On `End.WAIT` the undecided reads are kept and every process reads at least
+  Iterating it yields decided runs, one window per pass, in order. On
+  `End.WAIT` the undecided reads are kept and every process reads at least
   one more batch (or its end) before the next decision, which starts at the
   first undecided position.
   """
-  return iter(_Lockstep(reader, exchange, options, who, window=window, position=position))
-
-
-class _Lockstep:
-  """`lockstep`'s state between windows; `__iter__` runs one window per pass, in order."""
 
   def __init__(
     self,
