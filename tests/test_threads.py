@@ -209,24 +209,32 @@ def test_close_from_a_signal_handler_takes_no_lock_the_interrupted_next_may_hold
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   assert int(np.asarray(next(it)["x"])[0]) == 0
   stage = it._life._state.stages._threads[0]  # The build stage.
+  _close_in_a_turn_holding(
+    it, stage._cond, "close() from inside next() waited for a lock next() held"
+  )
+  assert wait_for_no_threads() == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
+def _close_in_a_turn_holding(it, lock, failure):
+  """Calls `it.close()` as a handler would: in a thread that holds the turn (as `__next__`
+  does) and `lock`; asserts that the close returns."""
   returned = threading.Event()
 
-  def interrupted_next():
+  def handler():
     it._life.take_turn("next()")
     try:
-      with stage._cond:
+      with lock:
         it.close()  # What the handler calls.
         returned.set()
     finally:
       it._life.give_turn()
 
-  t = threading.Thread(target=interrupted_next, daemon=True)
+  t = threading.Thread(target=handler, daemon=True)
   t.start()
-  assert returned.wait(10), "close() from inside next() waited for a lock next() held"
+  assert returned.wait(10), failure
   t.join(10)
-  assert wait_for_no_threads() == []
-  with pytest.raises(RuntimeError, match="the iterator is closed"):
-    next(it)
 
 
 def test_close_from_a_signal_handler_between_the_lines_of_next_returns_and_closes():
@@ -235,21 +243,8 @@ def test_close_from_a_signal_handler_between_the_lines_of_next_returns_and_close
   data = [{"x": np.full(8, i, np.int32)} for i in range(400)]
   it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=2)
   next(it)
-  returned = threading.Event()
-
-  def handler_between_lines():
-    it._life.take_turn("next()")  # As `__next__` holds it there.
-    try:
-      with it._life._lock:  # And between the lines that hold the lock.
-        it.close()
-        returned.set()
-    finally:
-      it._life.give_turn()
-
-  t = threading.Thread(target=handler_between_lines, daemon=True)
-  t.start()
-  assert returned.wait(10), "close() waited for the lock its own thread held"
-  t.join(10)
+  # Between the lines of `__next__` that hold the lifetime's lock.
+  _close_in_a_turn_holding(it, it._life._lock, "close() waited for the lock its own thread held")
   assert [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")] == []
   with pytest.raises(RuntimeError, match="the iterator is closed"):
     next(it)
