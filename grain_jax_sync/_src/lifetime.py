@@ -153,6 +153,7 @@ class Lifetime:
         self._set(turn=threading.get_ident())
     except BaseException:
       self._local.turn = False
+      self._close_if_asked()  # By this thread's handler, after the check above.
       raise
 
   def give_turn(self) -> None:
@@ -162,11 +163,26 @@ class Lifetime:
       self._set(turn=None, serving=self._state.serving + 1)
       if self._asked and self._state.phase not in (Phase.CLOSING, Phase.CLOSED):
         self._set(phase=Phase.CLOSING, turn=threading.get_ident())
-        finish = True
+        finish = self._local.closing = True  # Before the turn ends: a handler only asks.
       self._turns.notify_all()  # The next ticket, or a closer waiting for the turn.
     self._local.turn = False
     if finish:
-      self._finish()
+      try:
+        self._finish()
+      finally:
+        self._local.closing = False
+    else:
+      self._close_if_asked()  # By this thread's handler, after the check above.
+
+  def _close_if_asked(self) -> None:
+    """Out of a turn: carries out a close asked for too late for the turn to see it.
+
+    A signal handler that lands after the turn's last look at the request
+    (here, or past `take_turn`'s) only asked, as it was still inside the
+    turn; nobody else would close.
+    """
+    if self._asked and not self._closed.is_set():
+      self.close()
 
   def receive(self, item: Any, wait_s: float) -> bool:
     """Counts a batch in the mark, unless a close came first (then it is dropped)."""
