@@ -363,10 +363,10 @@ def test_close_from_inside_the_consumers_own_next_returns_at_once(prefetch):
 _PACKAGE = gjs.__file__.rsplit("/", 1)[0]
 
 
-def _next_closing_at(it, at, *, repeat):
-  """`next(it)`, calling `it.close()` before line `at` of the library that it runs (and,
+def _call_closing_at(it, call, at, *, repeat):
+  """`call(it)`, calling `it.close()` before line `at` of the library that it runs (and,
   with `repeat`, before every later line), as a signal handler would: in this thread,
-  between two lines. Returns the batch, or the exception it raised, and the lines run."""
+  between two lines. Returns what the call returned or raised, and the lines it ran."""
   lines = [0]
 
   def on_line(frame, event, arg):
@@ -379,35 +379,44 @@ def _next_closing_at(it, at, *, repeat):
   old = sys.gettrace()
   sys.settrace(lambda frame, *_: on_line if frame.f_code.co_filename.startswith(_PACKAGE) else None)
   try:
-    return next(it), lines[0]
+    return call(it), lines[0]
   except (StopIteration, RuntimeError) as e:
     return e, lines[0]
   finally:
     sys.settrace(old)
 
 
-def _closed_at(prefetch, at, repeat):
-  """What went wrong when a handler's close landed before line `at` of the third `next()`;
-  None if that call ran fewer lines."""
+_CALLS = {
+  # What each returns when the close lands after its turn's last look.
+  "next": (next, lambda got: int(np.asarray(got["x"])[0]) == 2),
+  "set_state": (lambda it: it.set_state(_state_at_1()), lambda got: got is None),
+  "reset": (lambda it: it.reset(), lambda got: got is None),
+}
+
+
+def _closed_at(prefetch, call, at, repeat):
+  """What went wrong when a handler's close landed before line `at` of `call` (after two
+  batches); None if that call ran fewer lines."""
   it = gjs.iter_jax_batches(_BATCHES, batch_size=8, prefetch_batches=prefetch)
   assert [int(np.asarray(next(it)["x"])[0]) for _ in range(2)] == [0, 1]
   start = time.monotonic()
-  got, lines = _next_closing_at(it, at, repeat=repeat)
+  fn, returned = _CALLS[call]
+  got, lines = _call_closing_at(it, fn, at, repeat=repeat)
   took = time.monotonic() - start
   if lines < at:
     it.close()
     return None
   if isinstance(got, RuntimeError):  # It landed before the turn began.
     assert str(got) == "the iterator is closed", got
-  elif not isinstance(got, StopIteration):  # Inside the call, it ends the iteration.
-    assert int(np.asarray(got["x"])[0]) == 2, got  # Or it landed after the receipt.
-  wrong = [f"next() took {took:.1f} s"] if took > 5.0 else []
+  elif not isinstance(got, StopIteration):  # Inside `next()`, it ends the iteration.
+    assert returned(got), got  # Or it landed after the turn's last look.
+  wrong = [f"{call} took {took:.1f} s"] if took > 5.0 else []
   if not it._life._closed.is_set():
     wrong.append("the close was not carried out")
   left = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
   if left:
     wrong.append(f"threads left: {left}")
-  got, _ = _next_closing_at(it, 0, repeat=False)
+  got, _ = _call_closing_at(it, next, 0, repeat=False)
   if not isinstance(got, RuntimeError) or str(got) != "the iterator is closed":
     wrong.append(f"next() after close() gave {got!r}")
   return wrong
@@ -416,18 +425,31 @@ def _closed_at(prefetch, at, repeat):
 _BATCHES = [{"x": np.full(8, i, np.int32)} for i in range(50)]
 
 
+@functools.cache
+def _state_at_1():
+  it = gjs.iter_jax_batches(_BATCHES, batch_size=8)
+  next(it)
+  state = it.get_state()
+  it.close()
+  return state
+
+
 @pytest.mark.parametrize("repeat", [False, True], ids=["once", "at-every-later-line"])
+@pytest.mark.parametrize("call", sorted(_CALLS))
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_close_from_a_signal_handler_before_any_line_of_next_is_carried_out(prefetch, repeat):
+def test_close_from_a_signal_handler_before_any_line_of_a_call_is_carried_out(
+  prefetch, call, repeat
+):
   # A handler that landed after the turn's last look at the close request
   # (at the end of `take_turn` or of `give_turn`) only asked, as it was
   # still inside the turn, and nobody closed: the stages ran on (CI saw a
   # build thread left). A second handler during the close that the turn
   # carried out waited 30 s for itself, or took a lock its thread held.
+  _state_at_1()  # Made before the calls are traced.
   wrong, at = {}, 1
-  while (w := _closed_at(prefetch, at, repeat)) is not None:
+  while (w := _closed_at(prefetch, call, at, repeat)) is not None:
     if w:
       wrong[at] = w
     at += 1
-  assert at > 60, at  # The whole call: with prefetch, one that takes a built batch.
+  assert at > 30, at  # The whole call: with prefetch, `next()` takes a built batch.
   assert wrong == {}, wrong
