@@ -222,9 +222,8 @@ class Builder:
     `batch_size` is the run's full batch size (`agreement.Run.batch_size`), carried on
     to the item.
 
-    Positions must be given in order (the state after each is tracked here);
-    `build_stage.BuildStage` calls it from the build thread or the consumer,
-    under one lock.
+    Positions must be given in order (the state after each is tracked here),
+    by one thread: the build thread, or the caller without prefetch.
     """
     if read is not None:
       self._state = read.state

@@ -86,8 +86,9 @@ class JaxBatchIterator(Iterator[Any]):
     return self
 
   def __next__(self) -> Any:
-    # One `next()` at a time (two threads starting the stream at once started
-    # two streams for the peers), and none inside its own thread's `next()`.
+    # One call at a time: another thread's call in progress raises at once
+    # (two threads starting the stream would start two streams for the
+    # peers), and so does a call inside this thread's own `next()`.
     life = self._life
     life.take_turn("next()")
     try:
@@ -107,6 +108,7 @@ class JaxBatchIterator(Iterator[Any]):
     except BaseException as e:
       life.waited(time.monotonic() - t0, stages.trailing_drops())
       life.exhausted = True
+      life.stopped_by = stages.stop_requested_by
       if not life.asked:  # Else the close stops it, with its count.
         life.stop()
       del stages  # Holds the ending (see `tracebacks.clear_library_frames`).
@@ -208,8 +210,7 @@ class JaxBatchIterator(Iterator[Any]):
         `set_state` or `reset` succeeds.
       RuntimeError: If the iterator is closed, the source cannot resume, or
         it is called from inside this thread's own `next()` (a signal
-        handler). From another thread it waits for a `next()` in progress:
-        calls take turns.
+        handler) or while another thread's `next()` is in progress.
     """
     self._in_turn("set_state()", self._set_state, state)
 
@@ -282,8 +283,8 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       RuntimeError: If the iterator is closed, the source can be read only
         once (a generator without get_state()/set_state()), or it is called
-        from inside this thread's own `next()` (a signal handler). From
-        another thread it waits for a `next()` in progress.
+        from inside this thread's own `next()` (a signal handler) or while
+        another thread's `next()` is in progress.
     """
     self._in_turn("reset()", self._reset)
 
@@ -340,6 +341,37 @@ class JaxBatchIterator(Iterator[Any]):
     self._life.restart(mark)
 
   # -- lifetime ----------------------------------------------------------------
+
+  def request_stop(self) -> None:
+    """Asks every host to end the stream at one same batch, then `StopIteration`.
+
+    Safe from any thread and from a signal handler: it takes no lock and
+    returns at once. This host's agreement posts the request; every host's
+    stream then ends at the first position not yet decided when the request
+    reaches the agreement (at most about ``2 * (synchronize_lookahead +
+    prefetch_batches)`` batches after this host's last received batch), so
+    that `get_state()` is at the same batch on every host and one checkpoint
+    is consistent. Afterwards `stop_requested_by` names the process whose
+    request ended the stream, on every host. A second request, or one after
+    the stream ended, changes nothing; `set_state()` and `reset()` start a
+    stream that no request has touched.
+
+    Example::
+
+      signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
+      for batch in it:
+        state = train_step(state, batch)
+      save(state, it.get_state())  # The same batch on every host.
+    """
+    self._life.request_stop()
+
+  @property
+  def stop_requested_by(self) -> int | None:
+    """The process whose `request_stop()` ended the stream (the same on every host).
+
+    None while the stream runs, and after a natural end.
+    """
+    return self._life.stopped_by
 
   def close(self) -> None:
     """Stops the stages, tells the peers, releases the source; idempotent.

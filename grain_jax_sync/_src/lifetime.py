@@ -6,26 +6,32 @@ IDLE --next()--> RUNNING --end, set_state(), reset()--> IDLE
    +---close()-------+--> CLOSING --> CLOSED
 ```
 
-Calls that move the stream (`next`, `set_state`, `reset`, a source restore)
-take turns: one thread holds the turn at a time, and `close()` takes it to
-close. A close asked for inside a turn of the same thread (a signal handler,
-the source itself) only asks: it wakes the stages without taking a lock, and
-the turn carries the close out on its way out. A close from a stage's own
-thread (the source, or a finalizer run by a garbage collection inside a
-stage, of this iterator or another) hands the close to a new thread, so that
-no close joins its own thread or waits on a stage that waits on it.
+The concurrency contract:
 
-Fields that more than one thread touches, and their guard (four; every
-other field is touched only by the thread that holds the turn):
+* `next()`, `set_state()`, `reset()` and a source restore belong to one
+  thread at a time: a call made while another is in progress raises
+  RuntimeError at once, naming the call in progress. There is no queue.
+* `get_state()` and `stats()` read one value each (``mark``, ``_state``),
+  replaced whole: any thread, any time, no lock.
+* `close()` and `request_stop()` come from any thread or a signal handler.
+  A close asked for inside a call of the same thread (a signal handler, the
+  source itself) only asks: it wakes the stages without taking a lock, and
+  the call carries the close out on its way out. A close from a stage's own
+  thread (the source, or a finalizer run by a garbage collection inside a
+  stage) hands the close to a new thread, so that no close joins its own
+  thread or waits on a stage that waits on it. A close from another thread
+  waits for the call in progress to end (it was woken), then closes.
 
-* ``_state``: the phase, the turn and its tickets, the running stages and the
-  times of stopped ones, as one `State` value replaced whole under ``_lock``
-  (``_turns`` waits on it). Read without the lock as one value (`stats` from
-  any thread, a signal handler's close).
-* ``mark``: where the consumer is (`session.Mark`); replaced whole under
-  ``_lock``, read without it (`get_state`, `stats`).
-* ``_asked``: a close was asked for; set without the lock (a signal
-  handler), read under it.
+Fields that more than one thread touches, and their guard (every other
+field is touched only by the thread in the call):
+
+* ``_state``: the phase, the call in progress, the running stages and the
+  times of stopped ones, as one `State` value replaced whole under
+  ``_lock`` (``_idle`` waits on it). Read without the lock as one value.
+* ``mark``: where the consumer is (`session.Mark`); replaced whole by the
+  thread in the call, read without a lock (`get_state`, `stats`).
+* ``_asked`` and ``_stop_at``: a close or a stop was asked for; set without
+  a lock (a signal handler).
 * ``_closed``: an event, set once the close is done.
 """
 
@@ -63,17 +69,15 @@ class State(NamedTuple):
 
   Attributes:
     phase: Where the state machine is.
-    turn: The thread that holds the turn (None: nobody).
-    tickets: Turns asked for so far.
-    serving: The ticket whose turn it is.
+    turn: The thread in a call (None: nobody).
+    call: The call in progress (`next()`, `set_state()`, ...), for messages.
     stages: The running session's stages (None: not running).
     finished: The stage times of the sessions stopped so far.
   """
 
   phase: Phase = Phase.IDLE
   turn: int | None = None
-  tickets: int = 0
-  serving: int = 0
+  call: str = ""
   stages: session_lib.Stages | None = None
   finished: stats_lib.Times = stats_lib.Times()
 
@@ -103,10 +107,12 @@ class Lifetime:
     self.source = source
     self._namespace = namespace
     self._lock = threading.Lock()
-    self._turns = threading.Condition(self._lock)
-    self._local = threading.local()  # Per thread: inside a turn, or a close.
+    self._idle = threading.Condition(self._lock)  # A closer waits here for the call to end.
+    self._local = threading.local()  # Per thread: inside a call, or a close.
     self._state = State()
     self._asked = False
+    self._stop_at: int | None = None  # `request_stop()`: the batches received then.
+    self.stopped_by: int | None = None  # The process whose stop ended the last stream.
     self._closed = threading.Event()
     self.mark = mark
     self.generation = 0  # Streams started or ended so far; names their keys.
@@ -122,49 +128,44 @@ class Lifetime:
   # -- turns ---------------------------------------------------------------------
 
   def in_turn(self) -> bool:
-    """Whether this thread is inside a turn (`next()`, `set_state()`, ...), wherever in it."""
+    """Whether this thread is inside a call (`next()`, `set_state()`, ...), wherever in it."""
     return bool(getattr(self._local, "turn", False))
 
   def take_turn(self, what: str) -> None:
-    """Waits for the turn, first come first served; raises if closed or held by this thread."""
+    """Begins call `what` in this thread; raises if closed or another call is in progress."""
     if self.in_turn():
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler, the source?); call it between batches"
       )
-    self._local.turn = True
+    self._local.turn = True  # Before the lock: a handler landing in it only asks.
     try:
       with self._lock:
-        ticket = self._state.tickets
-        self._set(tickets=ticket + 1)
-        try:
-          self._turns.wait_for(
-            lambda: (
-              self._state.phase is Phase.CLOSED
-              or (self._state.turn is None and self._state.serving == ticket)
-            )
+        state = self._state
+        if state.phase in (Phase.CLOSING, Phase.CLOSED) or self._asked:
+          raise RuntimeError("the iterator is closed")
+        if state.turn is not None:
+          raise RuntimeError(
+            f"{what} was called while {state.call} is in progress in another"
+            " thread; next(), set_state() and reset() belong to one thread at"
+            " a time (get_state(), stats(), close() and request_stop() may be"
+            " called from any thread)"
           )
-          if self._state.phase in (Phase.CLOSING, Phase.CLOSED) or self._asked:
-            raise RuntimeError("the iterator is closed")
-        except BaseException:
-          self._set(serving=self._state.serving + 1)  # The next ticket's turn.
-          self._turns.notify_all()
-          raise
-        self._set(turn=threading.get_ident())
+        self._set(turn=threading.get_ident(), call=what)
     except BaseException:
       self._local.turn = False
       self._close_if_asked()  # By this thread's handler, after the check above.
       raise
 
   def give_turn(self) -> None:
-    """Ends this thread's turn; carries out a close asked for meanwhile."""
+    """Ends this thread's call; carries out a close asked for meanwhile."""
     finish = False
     with self._lock:
-      self._set(turn=None, serving=self._state.serving + 1)
+      self._set(turn=None, call="")
       if self._asked and self._state.phase not in (Phase.CLOSING, Phase.CLOSED):
-        self._set(phase=Phase.CLOSING, turn=threading.get_ident())
-        finish = self._local.closing = True  # Before the turn ends: a handler only asks.
-      self._turns.notify_all()  # The next ticket, or a closer waiting for the turn.
+        self._set(phase=Phase.CLOSING, turn=threading.get_ident(), call="close()")
+        finish = self._local.closing = True  # Before the call ends: a handler only asks.
+      self._idle.notify_all()  # A closer waiting for the call to end.
     self._local.turn = False
     if finish:
       try:
@@ -185,23 +186,39 @@ class Lifetime:
       self.close()
 
   def receive(self, item: Any, wait_s: float) -> bool:
-    """Counts a batch in the mark, unless a close came first (then it is dropped)."""
-    with self._lock:
-      if self._asked:
-        return False
-      d = self.mark.delivered.added(item.real, item.rows, item.dropped, wait_s)
-      self.mark = Mark(self.mark.position + 1, item.state, item.batch_size, d)
-      return True
+    """Counts a batch in the mark, unless a close came first (then it is dropped).
+
+    In the call: the mark is replaced whole, so readers in other threads
+    see the old mark or the new one, never a mix.
+    """
+    if self._asked:
+      return False
+    d = self.mark.delivered.added(item.real, item.rows, item.dropped, wait_s)
+    self.mark = Mark(self.mark.position + 1, item.state, item.batch_size, d)
+    return True
 
   def waited(self, wait_s: float, dropped: int) -> None:
-    """Counts a `next()` that ended the stream."""
-    with self._lock:
-      d = self.mark.delivered.ended(wait_s, dropped)
-      self.mark = self.mark._replace(delivered=d)
+    """Counts a `next()` that ended the stream (in the call)."""
+    d = self.mark.delivered.ended(wait_s, dropped)
+    self.mark = self.mark._replace(delivered=d)
 
   @property
   def asked(self) -> bool:
     return self._asked
+
+  def request_stop(self) -> None:
+    """Asks every host to stop at one position; no lock, returns at once (any thread, a handler).
+
+    The running stages' agreement posts it from its own thread; stages not
+    started yet get it when they start. Once asked, later requests change
+    nothing.
+    """
+    if self._stop_at is not None or self.exhausted or self._closed.is_set():
+      return
+    self._stop_at = self.mark.position
+    stages = self._state.stages
+    if stages is not None:
+      stages.request_stop(self._stop_at)
 
   def _set(self, **changes: Any) -> None:
     """Under the lock: replaces the shared state with these fields changed."""
@@ -224,7 +241,9 @@ class Lifetime:
       with self._lock:
         self._set(stages=stages, phase=Phase.RUNNING)
       if self._asked:  # A close asked for meanwhile, before these stages could hear it.
-        stages.request_stop()
+        stages.interrupt()
+      if self._stop_at is not None:  # A stop asked for before these stages.
+        stages.request_stop(self._stop_at)
     return stages
 
   @property
@@ -239,11 +258,12 @@ class Lifetime:
 
   def restart(self, mark: Mark) -> None:
     """After `stop()`: the next `stages()` starts a new stream at `mark`. In a turn."""
-    with self._lock:
-      self.mark = mark
+    self.mark = mark
     self.refusal = None
     self.exhausted = False
     self.pending_start = True
+    self._stop_at = None  # A request ended (or would have ended) the old stream only.
+    self.stopped_by = None
 
   def stop(self) -> None:
     """Stops the running stages (posting `ending`, or closed); the next `stages()` restarts."""
@@ -330,7 +350,7 @@ class Lifetime:
     self._asked = True
     stages = self._state.stages
     if stages is not None:
-      stages.request_stop()
+      stages.interrupt()
 
   def _hand_off(self) -> None:
     """Closes from a new thread: this one is a stage's own (a finalizer inside it)."""
@@ -353,12 +373,12 @@ class Lifetime:
       # A turn in progress was woken above; one that reads the source itself
       # (a generator cannot be closed while it runs) carries the close out
       # when its read returns, if it outlasts this wait.
-      if self._state.turn is not None and not self._turns.wait_for(
+      if self._state.turn is not None and not self._idle.wait_for(
         lambda: self._state.turn is None, prefetch_lib.JOIN_TIMEOUT_S
       ):
         self._set(phase=Phase.RUNNING if self._state.stages is not None else Phase.IDLE)
         return  # `give_turn` finishes it.
-      self._set(turn=threading.get_ident())
+      self._set(turn=threading.get_ident(), call="close()")
     self._finish()
 
   def _finish(self) -> None:
@@ -379,10 +399,6 @@ class Lifetime:
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
     finally:
       with self._lock:
-        self._set(phase=Phase.CLOSED, turn=None)
-        self._turns.notify_all()
+        self._set(phase=Phase.CLOSED, turn=None, call="")
+        self._idle.notify_all()
       self._closed.set()
-
-  @property
-  def closed(self) -> bool:
-    return self._closed.is_set() or self._asked

@@ -1,17 +1,22 @@
 """A stage in its own thread: a producer drained into a bounded buffer.
 
 Grain's `ThreadPrefetchIterDataset` is the model. The thread runs the
-producer and stays at most `buffer_size` items ahead of its consumer.
-Exceptions travel through the buffer and are raised in the consumer with
-their original traceback. Both sides block on one condition; neither polls.
-`close()` wakes both, lets the producer's hook cancel a wait of its own
-(`on_close`), and joins the thread, unless it is that thread.
+producer and holds at most `buffer_size` items its consumer has not taken,
+plus the one it is producing. Exceptions and the end travel through the
+buffer and are raised in the consumer with their original traceback.
+
+Each side blocks on one thing and neither polls: the consumer on a
+`queue.SimpleQueue` (whose `put` is reentrant, so a signal handler that
+interrupted the consumer may wake it: `interrupt`), the producer on a
+semaphore of free slots. `close()` wakes both, lets the producer's hook
+cancel a wait of its own (`on_close`), and joins the thread, unless it is
+that thread.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -22,6 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 END = object()  # The end of a stream, as a buffer item.
+_WAKE = object()  # Wakes the consumer to stop (`Prefetcher.interrupt`, `close`).
 # How long `close()` waits for a stage thread to return. A thread is blocked
 # there only inside a source's own `next()` (a store wait is cancelled, a full
 # buffer is woken): a read that outlives this is left to finish in a daemon
@@ -96,11 +102,11 @@ def join(thread: threading.Thread, what: str) -> None:
 
 
 class Prefetcher(Generic[T]):
-  """Runs `producer` in a daemon thread, `buffer_size` items ahead.
+  """Runs `producer` in a daemon thread, at most `buffer_size` items ahead.
 
   Args:
     producer: The iterator to drain. It is advanced only in the thread.
-    buffer_size: Items held ready (>= 1).
+    buffer_size: Items held ready (>= 1), besides the one being produced.
     on_close: Called by `close()` before joining, to unblock the producer
       (for example to cancel an exchange wait).
     name: The thread's name.
@@ -117,10 +123,11 @@ class Prefetcher(Generic[T]):
     if buffer_size < 1:
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
     self._size = buffer_size
-    self._buffer: collections.deque[Any] = collections.deque()
-    self._cond = threading.Condition(threading.Lock())
+    self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    self._slots = threading.Semaphore(buffer_size)
+    # Written without a lock (`interrupt` from a signal handler).
     self._stopped = False
-    self._done = False  # The consumer saw the final item.
+    self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
     self._thread = start_thread(self._run, args=(producer,), name=name)
 
@@ -130,14 +137,11 @@ class Prefetcher(Generic[T]):
   def __next__(self) -> T:
     if self._done:
       raise StopIteration
-    with self._cond:
-      while not self._buffer and not self._stopped:
-        self._cond.wait()
-      if not self._buffer:  # Closed meanwhile.
-        self._done = True
-        raise StopIteration
-      item = self._buffer.popleft()
-      self._cond.notify_all()  # Room for the producer.
+    item = self._items.get()
+    if item is _WAKE or self._stopped:
+      self._done = True  # Stopped meanwhile: `close()` follows.
+      raise StopIteration
+    self._slots.release()  # Room for the producer.
     if is_final(item):
       self._done = True
     return unwrap(item)
@@ -146,27 +150,30 @@ class Prefetcher(Generic[T]):
   def thread(self) -> threading.Thread:
     return self._thread
 
+  def interrupt(self) -> None:
+    """Wakes a waiting consumer to stop, taking no lock (a signal handler may hold one)."""
+    self._stopped = True
+    self._items.put(_WAKE)
+
   def close(self) -> None:
     """Stops and joins the thread (unless called from it); idempotent."""
     self._done = True
-    with self._cond:
-      self._stopped = True
-      self._buffer.clear()
-      self._cond.notify_all()
+    self._stopped = True
+    self._items.put(_WAKE)  # A consumer waiting in another thread.
+    self._slots.release(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
       self._on_close()
     join(self._thread, "prefetch")
+    while not self._items.empty():  # Nothing built stays referenced.
+      self._items.get_nowait()
 
   def _put(self, item: Any) -> bool:
-    """Waits for room; False if the stage was closed meanwhile."""
-    with self._cond:
-      while len(self._buffer) >= self._size and not self._stopped:
-        self._cond.wait()
-      if self._stopped:
-        return False
-      self._buffer.append(item)
-      self._cond.notify_all()
-      return True
+    """Waits for room; False if the stage was stopped meanwhile."""
+    self._slots.acquire()
+    if self._stopped:
+      return False
+    self._items.put(item)
+    return True
 
   def _run(self, producer: Iterator[Any]) -> None:
     try:

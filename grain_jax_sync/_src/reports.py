@@ -31,11 +31,14 @@ class ErrorKind(enum.StrEnum):
   TIMEOUT = "timeout"
   # A process stopped its liveness beat (it died): PeerLostError.
   LOST = "lost"
+  # A process asked every host to stop (`request_stop()`): every host ends
+  # its stream normally at the same position; nothing is raised.
+  STOPPED = "stopped"
 
 
 # Endings that end the stream at once, whatever positions are still undecided
 # (rows a process posted beyond such an ending are void).
-ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST})
+ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST, ErrorKind.STOPPED})
 
 
 @dataclasses.dataclass(frozen=True)

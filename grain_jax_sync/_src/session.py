@@ -1,20 +1,25 @@
 """One (re)start of the stream: its stages, composed in one function, closed in reverse.
 
 ```
-source -> Reader -> agreement (lockstep, or Decider / Follower) -> BuildStage -> user
-                    [a thread with a bounded buffer where the     [a thread; the consumer
-                     exchange is the key-value store]              builds when it is behind]
+source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> user
+                    [with prefetch and the key-value store: a     [with prefetch: a thread,
+                     thread, one decided position queued]          `prefetch_batches` queued]
 ```
+
+With `prefetch_batches=0` every stage runs in the caller's `next()`. With
+prefetch, each threaded stage is a `prefetch.Prefetcher`: the consumer's
+`next()` is one queue get, and the consumer never builds. The source is
+read by the agreement, wherever it runs. At most two threads per stream.
 
 `Stages` is built from a frozen `Start` and owns every thread it starts.
 Nothing here is shared with other threads except through the stages'
-buffers; `lifetime.Lifetime` decides who calls `close` (once), and its
-docstring lists the four fields that more than one thread touches. Here the
-thread that holds the turn makes, advances and closes the stages. From other
-threads only `request_stop` (a signal handler's close) and `times` (`stats`)
-come in, and they read fields set before the stages were published, plus
-the stage counters (`source_s`, `busy_s`, `transfer_s`): floats, each
-written by the one thread that runs its stage.
+queues; `lifetime.Lifetime` decides who calls `close` (once). Here the
+thread in the call (`next()`, `set_state()`, ...) makes, advances and closes
+the stages. From other threads only `interrupt` (a signal handler's close),
+`request_stop` and `times` (`stats`) come in: they set a flag or put on a
+queue, or read fields set before the stages were published, plus the stage
+counters (`source_s`, `busy_s`, `transfer_s`): floats, each written by the
+one thread that runs its stage.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from grain_jax_sync._src import agreement, build_stage, liveness, reader, sources
+from grain_jax_sync._src import agreement, liveness, reader, sources
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import placement as placement_lib
@@ -40,9 +45,9 @@ logger = logging.getLogger(__name__)
 
 AGREE_THREAD = "grain_jax_sync-agree"
 BUILD_THREAD = "grain_jax_sync-prefetch"
-# Decided runs queued between the agreement thread and the build stage. One
-# run: the build stage holds the decided positions themselves, bounded in
-# positions (`Settings.read_ahead`).
+# Decided positions queued between the agreement thread and the build
+# thread: one, so that positions are decided just ahead of the build, on any
+# host; the agreement's read-ahead is what overlaps the exchange.
 AGREE_BUFFER = 1
 
 
@@ -91,7 +96,9 @@ class Stages:
     self._exchange: Any = ex
     self._closed = False
     self._agreement: agreement.Streamed | None = None
-    self._threads: list[prefetch_lib.Prefetcher[Any] | build_stage.BuildStage[Any]] = []
+    # Where a stop is asked for (`request_stop`): the agreement of either form.
+    self._stopper: agreement.Streamed | agreement.Lockstep | None = None
+    self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)
     runs = self._agree(start, read)
@@ -135,7 +142,9 @@ class Stages:
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = s.lookahead if ex.process_count > 1 else 1
-      return iter(agreement.Lockstep(read, ex, options, who, window=window, position=self.position))
+      lockstep = agreement.Lockstep(read, ex, options, who, window=window, position=self.position)
+      self._stopper = lockstep
+      return iter(lockstep)
     kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
     self._agreement = kind(
       read,
@@ -145,30 +154,31 @@ class Stages:
       lookahead=s.lookahead,
       timeout_s=s.sync_timeout_s,
       position=self.position,
-      threads=s.prefetch > 0,
       read_ahead=s.read_ahead,
       job=start.job,
     )
+    self._stopper = self._agreement
     if s.prefetch == 0:
       return iter(self._agreement)
     stage = prefetch_lib.Prefetcher(
-      iter(self._agreement), buffer_size=AGREE_BUFFER, on_close=ex.cancel, name=AGREE_THREAD
+      _one_by_one(self._agreement),
+      buffer_size=AGREE_BUFFER,
+      on_close=ex.cancel,
+      name=AGREE_THREAD,
     )
     return self._thread(stage)
 
   def _build(self, start: Start, runs: Iterator[agreement.Run]) -> Iterator[build_lib.Item]:
-    """Built items: in a thread that the consumer helps (`BuildStage`), or inline."""
+    """Built items: in a thread `prefetch_batches` ahead, or inline."""
     s, ex = start.settings, self._exchange
     # The collective fallback runs in the caller's thread only; a stream this
     # host already ended raises at once.
     inline = ex.form == "collective" or exchange_lib.pre_ended(start.namespace) is not None
     if s.prefetch == 0 or inline:
       return self._builder(runs)
-    stage = build_stage.BuildStage(
-      runs,
-      self._builder.step,
-      built=s.prefetch,
-      decided=max(1, s.read_ahead or s.prefetch),
+    stage = prefetch_lib.Prefetcher(
+      self._builder(runs),
+      buffer_size=s.prefetch,
       on_close=ex.cancel if self._agreement is not None else None,
       name=BUILD_THREAD,
     )
@@ -179,7 +189,15 @@ class Stages:
     return stage
 
   def __next__(self) -> build_lib.Item:
-    item = next(self._items)
+    try:
+      item = next(self._items)
+    except StopIteration:
+      if self._agreement is not None and self._agreement.reached_end:
+        # The agreed end (exhausted or a requested stop): every peer's
+        # consumer must get there too, or this host raises naming the one
+        # that left.
+        self._agreement.wait_for_peers_at_end()
+      raise
     self.delivered += 1
     return item
 
@@ -197,12 +215,21 @@ class Stages:
     """Positions dropped after the last item; exact once the stream ended."""
     return self._builder.dropped
 
-  def request_stop(self) -> None:
+  def interrupt(self) -> None:
     """Wakes every wait of the stages, taking no lock (a signal handler may hold one)."""
     self._exchange_cancel()
     for stage in self._threads:
-      if isinstance(stage, build_stage.BuildStage):
-        stage.request_stop()
+      stage.interrupt()
+
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every host to stop at one position (the agreement posts it); no lock."""
+    if self._stopper is not None:
+      self._stopper.request_stop(at_batch)
+
+  @property
+  def stop_requested_by(self) -> int | None:
+    """The process whose stop ended the stream (the same on every host); None if none did."""
+    return None if self._stopper is None else self._stopper.stop_requested_by
 
   def _exchange_cancel(self) -> None:
     cancel = getattr(self._exchange, "cancel", None)
@@ -239,6 +266,13 @@ class Stages:
       self._agreement.close(at, error)
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+
+
+def _one_by_one(runs: Iterator[agreement.Run]) -> Iterator[agreement.Run]:
+  """Each decided position as a run of its own, so that queues bound positions."""
+  for run in runs:
+    for step in run.steps:
+      yield agreement.Run((step,), run.signature, run.batch_size)
 
 
 def _raising(error: BaseException) -> Iterator[agreement.Run]:

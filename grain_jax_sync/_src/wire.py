@@ -20,8 +20,9 @@ from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reports as reports_lib
 
 # Carried in every chunk and decision; hosts on another version raise the same
-# clear error instead of misreading each other. 1 was the windowed protocol.
-PROTOCOL_VERSION = 2
+# clear error instead of misreading each other. 1 was the windowed protocol;
+# 3 added the requested stop (`ErrorKind.STOPPED`).
+PROTOCOL_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)

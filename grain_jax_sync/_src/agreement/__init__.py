@@ -21,14 +21,8 @@ ending before it raises or stops, and yields only decided positions.
 """
 
 from grain_jax_sync._src.agreement.common import (
-  FLUSH_AFTER_S,
   FOLLOWER_GRACE_S,
-  POLL_MIN_S,
   READ_AHEAD_BYTES,
-  READ_AHEAD_WINDOWS,
-  READ_THREAD,
-  READ_THREAD_AFTER_S,
-  READ_THREAD_READS,
   Identity,
   OwnReads,
   Run,
@@ -43,6 +37,7 @@ from grain_jax_sync._src.agreement.endings import (
   closed_error,
   closed_peer_message,
   post_end,
+  stopped_error,
   to_exception,
 )
 from grain_jax_sync._src.agreement.follower import Follower
@@ -51,14 +46,8 @@ from grain_jax_sync._src.agreement.streamed import Streamed
 
 __all__ = [
   "CROSS_WAIT_S",
-  "FLUSH_AFTER_S",
   "FOLLOWER_GRACE_S",
-  "POLL_MIN_S",
   "READ_AHEAD_BYTES",
-  "READ_AHEAD_WINDOWS",
-  "READ_THREAD",
-  "READ_THREAD_AFTER_S",
-  "READ_THREAD_READS",
   "Decider",
   "Follower",
   "Identity",
@@ -71,6 +60,7 @@ __all__ = [
   "decide",
   "make_report",
   "post_end",
+  "stopped_error",
   "read_ahead_limit",
   "sizes_of",
   "to_exception",

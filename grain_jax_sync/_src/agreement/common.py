@@ -5,14 +5,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import liveness
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import sharding as sharding_lib
 
@@ -21,37 +19,14 @@ logger = logging.getLogger(__name__)
 ErrorKind = plan_lib.ErrorKind
 
 
-# Undecided batches a process holds: max(2, min(READ_AHEAD_WINDOWS * lookahead,
-# READ_AHEAD_BYTES // bytes of the first batch)); see docs/performance.md. 32
-# windows, so that a quick source is posted (and decided) in chunks of up to
-# 16 windows: a store call costs about 0.3 ms of CPU at the client and as much
-# at the service, and each return from one waits for the GIL (up to the 5 ms
-# switch interval beside a busy consumer). 2 x 4 synchronized throughput went
-# from 0.46-0.79 to 0.78-0.95 of unsynchronized with 4 windows -> 16, and from
-# 0.86-0.89 to 0.89-0.91 with 16 -> 32 (12 rotated trials, 64-row batches of
-# 0.1 ms; 64 and 128 windows: the same as 32, both capped by the 64 MiB).
+# Undecided batches a process holds: max(2, min(`synchronize_lookahead`,
+# READ_AHEAD_BYTES // bytes of the first batch)). The read-ahead is the
+# window the user chose, not a multiple of it: positions are decided just
+# ahead of the job, so an ending (a close, an error, a requested stop)
+# reaches every host within a few batches on any host. The byte bound keeps
+# large batches from holding more memory than the window's worth on a host
+# of any size.
 READ_AHEAD_BYTES = 64 << 20
-READ_AHEAD_WINDOWS = 32
-# A batch that took this long to read is posted at once (a slow source). Rows
-# read faster are posted once a window (`synchronize_lookahead` rows) is held and
-# its oldest row has waited this long (the first window at once), or half the
-# read-ahead is held, or the process has nothing else to do.
-FLUSH_AFTER_S = 0.01
-# A process asks the store for news at most this often while it still has
-# batches to read (or twice the last store call's time, if longer); a process
-# other than 0 only while a position it posted is undecided (else its next post
-# comes first: 0.024 instead of 0.038 decision reads per batch at 2 x 4).
-POLL_MIN_S = 0.002
-# The source moves to its own thread once most of the last READ_THREAD_READS
-# reads (the median) took this long: a slow source then overlaps with the
-# exchange, and a fast one is not charged a thread hand-off per batch
-# (measured on 2 cores: agreement throughput 0.5-0.6 of unsynchronized with
-# the thread from the start, 0.6-0.9 without it). The median, not a mean: a
-# garbage collection inside one read (40 ms of CPU, 2 x 4 with 0.1 ms batches)
-# moved a quick source to the thread for good in about one iterator in three.
-READ_THREAD_AFTER_S = 0.002
-READ_THREAD_READS = 5
-READ_THREAD = "grain_jax_sync-read"
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
@@ -59,12 +34,12 @@ FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
 
 
 def read_ahead_limit(read: reader_lib.Read, lookahead: int, cap: int | None = None) -> int:
-  """Undecided batches a process may hold: a few windows, capped by bytes and by `cap`.
+  """Undecided batches a process may hold: one window, capped by bytes and by `cap`.
 
   At least 2: a short batch is decided only once its host's next batch (or
   end) is known (`plan.Options.wait_for_last`).
   """
-  limit = min(READ_AHEAD_WINDOWS * lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes))
+  limit = min(lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes))
   if cap is not None:
     limit = min(limit, cap)
   return max(2, limit)
@@ -171,49 +146,30 @@ class Run:
 
 
 class OwnReads:
-  """This host's undecided reads, read inline while quick, in a thread once slow."""
+  """This host's undecided reads, read by the agreement itself (one place, any host)."""
 
   def __init__(
     self,
     reader: Iterator[reader_lib.Read | reader_lib.End],
     *,
     lookahead: int,
-    threads: bool,
     read_ahead: int | None = None,
-    clock: Callable[[], float] = time.monotonic,
   ):
     self._reader = reader
-    self._clock = clock  # Read times decide the thread; tests pass their own clock.
     self._cap = read_ahead
-    self._threads = threads
-    self._thread: prefetch_lib.Prefetcher[Any] | None = None
-    self._recent: collections.deque[float] = collections.deque(maxlen=READ_THREAD_READS)
     self.lookahead = lookahead
     self.limit = lookahead if read_ahead is None else max(2, min(lookahead, read_ahead))
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
     self.count = 0  # Positions read.
     self.end: reader_lib.End | None = None
     self.signature: batches_lib.Signature | None = None
-    self.last_read_s = 0.0
+    self.stopped = False  # A stop was asked for here: read nothing more.
 
   def room(self) -> bool:
-    return self.end is None and len(self.pending) < self.limit
+    return self.end is None and not self.stopped and len(self.pending) < self.limit
 
   def read(self) -> reader_lib.Read | reader_lib.End:
-    t0 = self._clock()
     item = next(self._reader)
-    self.last_read_s = self._clock() - t0
-    if self._thread is None and self._threads:
-      self._recent.append(self.last_read_s)
-      if (
-        len(self._recent) == READ_THREAD_READS
-        and sorted(self._recent)[READ_THREAD_READS // 2] >= READ_THREAD_AFTER_S
-        and not isinstance(item, reader_lib.End)
-      ):
-        # A slow source: read it in its own thread from now on, so that it
-        # overlaps with the exchange.
-        self._thread = prefetch_lib.Prefetcher(self._reader, buffer_size=1, name=READ_THREAD)
-        self._reader = self._thread
     if isinstance(item, reader_lib.End):
       self.end = item
       return item
@@ -227,7 +183,3 @@ class OwnReads:
   def take(self, start: int, n: int) -> list[reader_lib.Read | None]:
     """This host's reads for positions ``[start, start + n)`` (None past its end)."""
     return [self.pending.popleft() if start + i < self.count else None for i in range(n)]
-
-  def close(self) -> None:
-    if self._thread is not None:
-      self._thread.close()

@@ -43,6 +43,9 @@ class Decider(Streamed):
 
   def __iter__(self) -> Iterator[common.Run]:
     while True:
+      stop = self._stop_due()
+      if stop is not None and self._abort is None and self._led.abort is None:
+        self._abort = stop  # Decided at the first position not decided yet.
       plan = self._plan()
       if plan is not None and plan.end == End.WAIT:
         self._wait = {p: self._led.count(p) for p in plan.waiting}
@@ -131,16 +134,18 @@ class Decider(Streamed):
     return ledger_lib.signature_of(reports)
 
   def _advance(self) -> None:
-    """Reads this host's next batch, or gathers the peers' chunks, or waits."""
+    """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
+
+    This host reads while it holds fewer than its read-ahead of undecided
+    batches: a read is work the job needs anyway, and the read-ahead bounds
+    it. Only then does it look at the store, once, and block on the first
+    peer still awaited: no timer decides when to look, on any host.
+    """
     missing = self._needed()
-    own = self._p in missing
-    if own or (self._own.room() and not self._poll_due()):
-      self._read_run()
+    if self._p in missing or self._own.room():
+      self._read()
       return
     if self._absorb(self._timed(self._ex.read_chunks)):
-      return
-    if self._own.room():
-      self._read()
       return
     peer = missing[0]
     if self._live.dead(peer):
@@ -159,21 +164,7 @@ class Decider(Streamed):
     elif self._j == 0 and (cross := self._cross_wait(peer)) is not None:
       self._abort = cross
     else:
-      self._absorb(self._blocking(self._ex.wait_chunk, peer))
-
-  def _read_run(self) -> None:
-    """Reads, while reads are quick, a window's worth or up to the furthest
-    position a peer has posted, so that positions are decided (and decisions
-    posted) in runs as long as the peers' chunks rather than one by one."""
-    t0 = time.monotonic()
-    self._read()
-    want = max(self._own.lookahead, self._led.furthest() - self._j)
-    while (
-      self._own.room()
-      and self._own.count - self._j < want
-      and time.monotonic() - t0 < common.FLUSH_AFTER_S
-    ):
-      self._read()
+      self._absorb(self._timed(self._ex.wait_chunk, peer))
 
   def _read(self) -> None:
     item = self._own.read()

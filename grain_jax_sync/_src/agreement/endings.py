@@ -70,6 +70,21 @@ def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
   )
 
 
+def stopped_error(process: int, at_batch: int) -> plan_lib.ReportedError:
+  """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
+
+  Every host ends its stream normally at the first position not yet
+  decided when the request reaches the agreement; nothing is raised.
+  """
+  return plan_lib.ReportedError(
+    ErrorKind.STOPPED,
+    f"process {process} requested a stop after batch {at_batch}",
+    process,
+    at_batch,
+    "stop",
+  )
+
+
 def post_end(
   ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
 ) -> None:

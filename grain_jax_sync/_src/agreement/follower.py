@@ -10,7 +10,6 @@ it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +37,6 @@ class Follower(Streamed):
     self._sent_signature = False
     self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
     self._gave_up: plan_lib.ReportedError | None = None
-    self._held_since = 0.0  # When the oldest unposted row was read.
 
   def __iter__(self) -> Iterator[common.Run]:
     while True:
@@ -54,8 +52,6 @@ class Follower(Streamed):
       self._release()
       if decision.end != End.CONTINUE:
         self._ex.end()
-      elif run is not None and self._held_s() >= common.FLUSH_AFTER_S:
-        self._flush()  # Peers may need rows read ahead to reach these positions.
       if run is not None:
         yield run
       if decision.end != End.CONTINUE:
@@ -72,21 +68,26 @@ class Follower(Streamed):
       raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
 
   def _next_decision(self) -> str | None:
-    """A decision if one is posted; else reads ahead, posts, or waits a slice.
+    """A decision if one is posted; else reads ahead (posting as it goes) or waits.
 
-    While it can read on, it polls only when a position it posted is
-    undecided; an ending that process 0 posts meanwhile is found at the next
-    post (a window, at most half the read-ahead, or a slow read away) or once
-    the read-ahead is full.
+    This host reads while it holds fewer than its read-ahead of undecided
+    batches, and posts every half read-ahead; only then does it post what it
+    holds and wait for process 0's decision, blocking in the store. No timer
+    decides when to post or look, on any host.
     """
-    if not self._own.room() or (self._poll_due() and self._posted > self._j):
-      text = self._timed(self._ex.try_decision, self._seq)
-      if text is not None:
-        return text
+    stop = self._stop_due()
+    if stop is not None:
+      self._unposted.clear()
+      self._digests.clear()
+      self._sizes.clear()
+      self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
       self._read()
       return None
     self._flush()
+    text = self._timed(self._ex.try_decision, self._seq)
+    if text is not None:
+      return text
     return self._wait()
 
   def _wait(self) -> str | None:
@@ -119,7 +120,7 @@ class Follower(Streamed):
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
       self._ex.end()
       raise endings.to_exception(self._gave_up, self._p, None)
-    return self._blocking(self._ex.wait_decision, self._seq)
+    return self._timed(self._ex.wait_decision, self._seq)
 
   def _timeout_error(self) -> plan_lib.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"
@@ -148,26 +149,13 @@ class Follower(Streamed):
     if isinstance(item, reader_lib.End):
       self._flush()
       return
-    if not self._unposted:
-      self._held_since = time.monotonic() - self._own.last_read_s
     self._unposted.append(item.batch.rows)
     if self._who.groups:
       self._digests.append(item.digest)
     if self._options.shapes is not None:
       self._sizes.append(item.batch.sizes)
-    if (
-      self._own.last_read_s >= common.FLUSH_AFTER_S
-      or (
-        len(self._unposted) >= self._own.lookahead
-        and (not self._sent_first or self._held_s() >= common.FLUSH_AFTER_S)
-      )
-      or len(self._unposted) * 2 >= self._own.limit
-    ):
-      self._flush()
-
-  def _held_s(self) -> float:
-    """How long the oldest unposted row has waited (0 if none)."""
-    return time.monotonic() - self._held_since if self._unposted else 0.0
+    if len(self._unposted) * 2 >= self._own.limit:
+      self._flush()  # Half the read-ahead: process 0 decides it while this host reads on.
 
   def _flush(self) -> None:
     final = self._own.end is not None and not self._end_posted

@@ -6,6 +6,7 @@ caller's thread) use it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -63,28 +64,56 @@ class Lockstep:
     self._quick: dict[int, tuple[plan_lib.Step, int]] | None = (
       {} if self._alone and window == 1 else None
     )
+    # `request_stop(at)` sets it (any thread, a signal handler: no lock); the
+    # next window carries it, and every process stops before that window.
+    self._stop_at: int | None = None
+    self.stop_requested_by: int | None = None  # Set by an agreed stop.
+
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every process to stop before the next window; no lock, returns at once."""
+    if self._stop_at is None:
+      self._stop_at = at_batch
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
+      stop = self._asked_stop()
+      if stop is not None and self._ex.process_count == 1:
+        self.stop_requested_by = stop.process_index
+        return
       need = max(self._window, len(self._reads) + 1)  # Counted before a quick read.
-      if self._quick and not self._reads and self._end is None:
+      if self._quick and not self._reads and self._end is None and stop is None:
         run = self._quick_run()
         if run is not None:
           yield run
           continue
-      if self._end is None:
+      if self._end is None and stop is None:
         self._end = _read(self._reader, self._reads, need)
       if self._signature is None and self._reads:
         self._signature = self._reads[0].batch.signature
-      decision, steps = self._next_window(w)
+      decision, steps = self._next_window(w, stop)
       if steps:
         yield common.Run(steps, self._signature, self._options.batch_size)
       steps = ()
-      if decision.end == plan_lib.End.STOP:
+      if self._ended(decision):
         return
-      if decision.end == plan_lib.End.RAISE:
-        assert decision.error is not None
-        raise endings.to_exception(decision.error, self._who.process, self._end)
+
+  def _asked_stop(self) -> plan_lib.ReportedError | None:
+    """This host's stop for the next window, if one was asked for."""
+    if self._stop_at is None:
+      return None
+    return endings.stopped_error(self._who.process, self._stop_at)
+
+  def _ended(self, decision: plan_lib.Plan) -> bool:
+    """Whether the stream ended with this window (an agreed stop); raises an agreed error."""
+    if decision.end == plan_lib.End.STOP:
+      return True
+    if decision.end != plan_lib.End.RAISE:
+      return False
+    assert decision.error is not None
+    if decision.error.kind != ErrorKind.STOPPED:
+      raise endings.to_exception(decision.error, self._who.process, self._end)
+    self.stop_requested_by = decision.error.process_index
+    return True
 
   def _quick_run(self) -> common.Run | None:
     """Reads one batch; its run if a batch of its size was decided before (else None)."""
@@ -96,7 +125,9 @@ class Lockstep:
     self._position += hit[1]
     return common.Run(((self._reads.pop(), hit[0]),), self._signature, self._options.batch_size)
 
-  def _next_window(self, w: int) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
+  def _next_window(
+    self, w: int, stop: plan_lib.ReportedError | None = None
+  ) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
     """Decides the window held (or recalls its decision); its steps with this host's reads."""
     reads = self._reads
     rows = tuple(r.batch.rows for r in reads)
@@ -115,6 +146,7 @@ class Lockstep:
         self._options,
         w=w,
         position=self._position,
+        stop=stop,
       )
       yields = sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
       if key is not None and decision.error is None:
@@ -155,8 +187,12 @@ def _decide_window(
   *,
   w: int,
   position: int,
+  stop: plan_lib.ReportedError | None = None,
 ) -> tuple[plan_lib.Plan, batches_lib.Signature | None]:
   """Reports a window (all-gathered with several processes) and decides it.
+
+  A stop that any process asked for (`stop`, in its report) ends the stream
+  before the window, on every process, the lowest process named.
 
   Returns:
     The decision, and the agreed signature (learnt from a peer's report
@@ -165,6 +201,8 @@ def _decide_window(
   sig = None if signature is None else signature.to_json()
   digests = tuple(r.digest for r in reads) if who.groups else ()
   report = common.make_report(who, rows, end, sig, w == 0, digests, common.sizes_of(reads, options))
+  if stop is not None:
+    report = dataclasses.replace(report, error=stop)
   if exchange.process_count == 1:
     reports = [report]  # Nothing to exchange: skip the JSON round trip.
   else:
@@ -174,6 +212,9 @@ def _decide_window(
     reports = [c.report for c in chunks]
     if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
       signature = batches_lib.Signature.from_json(found)
+    stops = [r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED]
+    if stops:
+      return plan_lib.Plan((), plan_lib.End.RAISE, stops[0]), signature
   return common.decide(reports, options, groups=who.groups, position=position), signature
 
 

@@ -34,7 +34,6 @@ class Streamed:
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
-    threads: May move a slow source to its own thread.
     live: Tells dead peers from slow ones (default: their beats).
     read_ahead: At most this many undecided batches held (None: the
       default bound, `agreement.read_ahead_limit`).
@@ -52,7 +51,6 @@ class Streamed:
     lookahead: int,
     timeout_s: float,
     position: int,
-    threads: bool = True,
     live: liveness_lib.Liveness | None = None,
     read_ahead: int | None = None,
     job: job_stats.JobTable | None = None,
@@ -63,14 +61,19 @@ class Streamed:
     self._p = exchange.process_index
     self._n = exchange.process_count
     self._timeout_s = timeout_s
-    self._own = common.OwnReads(reader, lookahead=lookahead, threads=threads, read_ahead=read_ahead)
+    self._own = common.OwnReads(reader, lookahead=lookahead, read_ahead=read_ahead)
     self._live = live or liveness_lib.Liveness(exchange)
     self._j = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
     self._signature: batches_lib.Signature | None = None
-    self._rpc_s = 0.001
-    self._last_poll = -1.0
+    self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
+    # `request_stop(at)` sets it (any thread, a signal handler: no lock);
+    # the agreement's own thread posts the stop at its next step.
+    self._stop_at: int | None = None
+    self._stop_posted = False
+    self.stop_requested_by: int | None = None  # Set by an agreed stop.
+    self.reached_end = False  # The final decision ended the stream without an error.
     self._waiting_since: float | None = None
     self._cross = cross_wait.CrossWait(exchange, self._live, timeout_s)
     exchange_lib.stream_started(exchange.namespace)
@@ -98,26 +101,26 @@ class Streamed:
     """After the final decision's run: stop, or raise the agreed error."""
     if decision.end == End.RAISE:
       assert decision.error is not None
-      raise endings.to_exception(decision.error, self._p, self._own.end)
+      if decision.error.kind != ErrorKind.STOPPED:
+        raise endings.to_exception(decision.error, self._p, self._own.end)
+      self.stop_requested_by = decision.error.process_index
+    self.reached_end = True
 
-  def _poll_due(self) -> bool:
-    return time.monotonic() - self._last_poll >= max(common.POLL_MIN_S, 2 * self._rpc_s)
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every host to stop (`JaxBatchIterator.request_stop`); no lock, returns at once."""
+    if self._stop_at is None:
+      self._stop_at = at_batch
+
+  def _stop_due(self) -> plan_lib.ReportedError | None:
+    """A stop asked for here and not posted yet: this host reads nothing more."""
+    if self._stop_at is None or self._stop_posted:
+      return None
+    self._stop_posted = True
+    self._own.stopped = True
+    return endings.stopped_error(self._p, self._stop_at)
 
   def _timed(self, fn: Any, *args: Any) -> Any:
-    t0 = time.monotonic()
-    out = fn(*args)
-    self._last_poll = time.monotonic()
-    self._rpc_s = 0.8 * self._rpc_s + 0.2 * (self._last_poll - t0)
-    return out
-
-  def _blocking(self, fn: Any, *args: Any) -> Any:
-    """A blocking read counts as a poll: the next non-blocking one is due a poll interval later.
-
-    Without this, the first read-ahead after a blocking read that returned
-    polled again at once, before anything new could be there (2 x 4, 1,000
-    batches: process 1 made 127 non-blocking and 39 blocking decision reads
-    for 94 decisions).
-    """
+    """A store read of the peers' posts (its time marks the news as fresh)."""
     out = fn(*args)
     self._last_poll = time.monotonic()
     return out
@@ -139,12 +142,54 @@ class Streamed:
   def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
     return endings.closed_error(self._p, at_batch)
 
-  def close_stage(self) -> None:
-    """Stops waits and the read thread (from the closing thread)."""
-    self._ex.cancel()
+  def wait_for_peers_at_end(self) -> None:
+    """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
+
+    A stream that a peer left before its end (a close, a kill) never ends
+    normally here, even where every position was decided before it left:
+    this raises the error naming it and its batch. A peer that neither
+    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
+    """
+    self._ex.post_reached_end()
+    since = time.monotonic()
+    while not self._ex.wait_all_reached_end():
+      arrived = self._ex.reached_end()
+      waiting = [q for q in range(self._n) if q not in arrived]
+      for peer in waiting:
+        if self._live.dead(peer):
+          raise endings.to_exception(self._lost_at_end(peer), self._p, None)
+        note = self._live.closed(peer)
+        if note is not None and peer not in self._ex.reached_end():
+          raise RuntimeError(endings.closed_peer_message(note, self._ex.namespace))
+      if waiting and time.monotonic() - since > self._timeout_s:
+        raise endings.to_exception(self._timeout_at_end(waiting), self._p, None)
+
+  def _lost_at_end(self, peer: int) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.LOST,
+      f"process {peer} is lost: its liveness beat stopped for"
+      f" {self._live.dead_after_s:g}s before it received the last batch"
+      f" ({self._yielded} batches); it died (killed, out of memory, crashed) or froze",
+      peer,
+      self._yielded,
+      "PeerLostError",
+      (peer,),
+    )
+
+  def _timeout_at_end(self, peers: list[int]) -> plan_lib.ReportedError:
+    return plan_lib.ReportedError(
+      ErrorKind.TIMEOUT,
+      f"processes {peers} did not reach the end of the stream ({self._yielded}"
+      f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
+      " (their liveness beats are recent) but stopped iterating before the end"
+      " without closing the iterator",
+      peers[0],
+      self._yielded,
+      "PeerTimeoutError",
+      tuple(peers),
+    )
 
   def release(self) -> None:
-    self._own.close()
     self._first_decided()
 
   def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:

@@ -249,6 +249,39 @@ class KeyValueExchange:
     finally:
       self.busy_s += time.monotonic() - t0
 
+  # -- the agreed end -----------------------------------------------------------
+
+  def _end_key(self, what: str) -> str:
+    """A key of this stream's end, under the iterator's prefix: it outlives `end()`."""
+    base, generation = self._ns.rsplit("/", 1)
+    return f"{base}/{what}/{generation}"
+
+  def post_reached_end(self) -> None:
+    """Records that this process's consumer received every batch of the stream.
+
+    The process that brings the count to the process count sets the key
+    every process waits on (`wait_all_reached_end`): one write and one
+    increment per process, whatever the count.
+    """
+    key = f"{self._end_key('at_end')}/{self.process_index}"
+    self._call("posting the end", self._client.key_value_set, key, "1")
+    count = self._call(
+      "counting the end", self._client.key_value_increment, self._end_key("at_end_count"), 1
+    )
+    if count == self.process_count:
+      self._call("posting the end", self._client.key_value_set, self._end_key("all_at_end"), "1")
+
+  def wait_all_reached_end(self) -> bool:
+    """Whether every process reached the end, waiting up to `WAIT_SLICE_S`."""
+    self._check()
+    return self._blocking_get(self._end_key("all_at_end"), "waiting for the end") is not None
+
+  def reached_end(self) -> set[int]:
+    """The processes that reached the end so far (one directory read)."""
+    prefix = f"{self._end_key('at_end')}/"
+    entries = self._call("reading the end", self._client.key_value_dir_get, prefix)
+    return {int(key[len(prefix) :]) for key, _ in entries}
+
   # -- liveness ----------------------------------------------------------------
 
   def closed_note(self, process: int) -> str | None:
