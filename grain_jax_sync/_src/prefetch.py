@@ -164,8 +164,13 @@ class Prefetcher(Generic[T]):
     if self._on_close is not None:
       self._on_close()
     join(self._thread, "prefetch")
-    while not self._items.empty():  # Nothing built stays referenced.
-      self._items.get_nowait()
+    # Nothing built stays referenced. As many gets as items now: a signal
+    # handler's `interrupt` may put more meanwhile.
+    for _ in range(self._items.qsize()):
+      try:
+        self._items.get_nowait()
+      except queue.Empty:
+        break
 
   def _put(self, item: Any) -> bool:
     """Waits for room; False if the stage was stopped meanwhile."""
