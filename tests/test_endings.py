@@ -272,10 +272,11 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
   outs = testing.values(_run(scenarios_endings.run_iterator_only_one_process_makes, 1.0, d=2))
   for out in outs:
     assert out["error_type"] == "PeerTimeoutError", out
-    assert "pass the same `name=` on every process" in out["error"], out
+    assert "created or started their iterators in a different order" in out["error"], out
+    assert "or pass the same `name=` to the iterators that belong together" in out["error"]
   assert "process 1 did not report batch 0" in outs[0]["error"]
   assert "process 1 got no decision on batch 0 from process 0" in outs[1]["error"]
-  assert "it has posted no decision on this iterator yet: it did not create it" in outs[1]["error"]
+  assert "it has posted no decision on this iterator yet: its agreement thread" in outs[1]["error"]
   assert outs[1]["elapsed_s"] > 1.0 + 2 * grace - 1
 
 

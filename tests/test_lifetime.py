@@ -425,5 +425,24 @@ def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
   p0, p1 = run(scenarios_lifetime.first_next_in_another_order, prefetch)
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
-  assert "called next() on their iterators in a different order" in p0["error"]
+  assert "created or started their iterators in a different order" in p0["error"]
+  assert "call next() on them in the same order on every process" in p0["error"]
   assert p0["seconds"] < 18 and p1["seconds"] < 18, (p0, p1)
+
+
+@pytest.mark.multiprocess
+def test_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix():
+  # Host 0 makes `a` then `b`, host 1 `b` then `a`, no `name=`; both call
+  # next(a) first. The message named only the order of the next() calls,
+  # which was the same on both hosts.
+  p0, p1 = run(scenarios_lifetime.created_in_another_order_same_settings, 2)
+  assert p0["error"] == p1["error"], (p0, p1)
+  assert p0["error"].startswith(
+    "RuntimeError: process 0 waits for the first batch of iterator 'grain_jax_sync/0' and"
+    " process 1 for that of iterator 'grain_jax_sync/1', and neither has started the"
+    " other's: the processes created or started their iterators in a different order"
+  ), p0["error"]
+  assert "paired across processes by creation order unless given a `name=`" in p0["error"]
+  assert "or pass the same `name=` to the iterators that belong together" in p0["error"]
+  # At half `sync_timeout_s` (10 s here), well before a timeout.
+  assert 4 < p0["seconds"] < 9 and 4 < p1["seconds"] < 9, (p0, p1)
