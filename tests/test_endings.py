@@ -28,6 +28,8 @@ KINDS = [
   "unprintable",
   "open_fails",
   "int64",
+  "float64",
+  "float16",
   "close_before",
   "close_mid",
   "close_drop",
@@ -138,6 +140,29 @@ def test_int64_out_of_int32_range_raises_on_every_host_naming_the_value(n, d):
       f"process {n - 1}, batch 1, column 'x': value {2**40 + 1000 * (n - 1) + 17}" in (out["error"])
     )
     assert "does not fit int32" in out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("kind", "column", "value", "into", "why"),
+  [
+    ("float64", "x", "1e+300", "float32", "JAX holds float64 values in while x64 is off"),
+    ("float16", "y", "100000.0", "float16", "`dtypes` casts it to on the host"),
+  ],
+)
+def test_a_float_beyond_its_narrowed_dtype_raises_on_every_host_naming_the_value(
+  n, d, kind, column, value, into, why
+):
+  # It became inf in the global array, silently.
+  outs = _case(n, d, kind)
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 1
+    assert out["error"].startswith(
+      f"process {n - 1}, batch 1, column {column!r}: value {value} does not fit {into},"
+      f" the dtype {why} (it would become inf silently)"
+    ), out["error"]
 
 
 @pytest.mark.multiprocess
