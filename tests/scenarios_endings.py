@@ -143,6 +143,8 @@ def _data(kind: str, p: int, victim: bool) -> list[Any]:
       batches[1]["x"][7] = 1e300
   if kind == "float16" and victim:  # `dtypes` casts y to float16 on the host.
     batches[1]["y"][2, 1] = 1e5
+  if kind == "same_name":  # Every host: two leaves named "y/b".
+    batches = [{"x": b["x"], "y": {"b": b["y"]}, "y/b": b["y"]} for b in batches]
   return batches
 
 

@@ -30,6 +30,7 @@ KINDS = [
   "int64",
   "float64",
   "float16",
+  "same_name",
   "close_before",
   "close_mid",
   "close_drop",
@@ -162,6 +163,20 @@ def test_a_float_beyond_its_narrowed_dtype_raises_on_every_host_naming_the_value
     assert out["error"].startswith(
       f"process {n - 1}, batch 1, column {column!r}: value {value} does not fit {into},"
       f" the dtype {why} (it would become inf silently)"
+    ), out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_leaves_of_the_same_name_raise_on_every_host_before_any_batch(n, d):
+  # {"y": {"b": ...}, "y/b": ...}: both leaves were named "y/b" in `paddings`,
+  # `dtypes`, `pad_shapes` and messages, silently.
+  outs = _case(n, d, "same_name")
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 0
+    assert out["error"].startswith(
+      "process 0, batch 0: leaves batch['y']['b'] and batch['y/b'] have the same name 'y/b'"
     ), out["error"]
 
 
