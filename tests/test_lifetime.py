@@ -92,28 +92,50 @@ def test_every_call_that_moves_a_closed_iterator_raises_closed(call):
 # -- defects found by running the library as users do -----------------------------
 
 
-def test_a_source_with_only_next_is_read():
-  class NextOnly:  # MaxText-style: `__next__` and state, no `__iter__`.
-    def __init__(self):
-      self.i = 0
+class _NextOnly:  # MaxText-style: `__next__` and state, no `__iter__`.
+  def __init__(self):
+    self.i = 0
 
-    def __next__(self):
-      if self.i == 5:
-        raise StopIteration
-      self.i += 1
-      return {"x": np.full(8, self.i - 1, np.int32)}
+  def __next__(self):
+    if self.i == 5:
+      raise StopIteration
+    self.i += 1
+    return {"x": np.full(8, self.i - 1, np.int32)}
 
-    def get_state(self):
-      return {"i": self.i}
 
-    def set_state(self, state):
-      self.i = state["i"]
+class _NextOnlyWithState(_NextOnly):
+  def get_state(self):
+    return {"i": self.i}
 
-  with gjs.iter_jax_batches(NextOnly(), batch_size=8) as it:
+  def set_state(self, state):
+    self.i = state["i"]
+
+
+class _IterNone(_NextOnlyWithState):
+  __iter__ = None  # Python's marker for "not iterable"; `next()` takes it.
+
+
+class _IterNoneNoState(_NextOnly):
+  __iter__ = None
+
+
+@pytest.mark.parametrize("kind", [_NextOnlyWithState, _IterNone])
+def test_a_source_with_only_next_is_read_and_reset_restores_its_start(kind):
+  with gjs.iter_jax_batches(kind(), batch_size=8) as it:
     got = [first(b) for b in it]
     state = it.get_state()
-  assert got == [0, 1, 2, 3, 4]
+    it.reset()  # Was an empty stream: the same object reopened where it stood.
+    again = [first(b) for b in it]
+  assert got == again == [0, 1, 2, 3, 4]
   assert state["source"] == {"i": 5} and state["batches"] == 5
+
+
+@pytest.mark.parametrize("kind", [_NextOnly, _IterNoneNoState])
+def test_a_source_with_only_next_and_no_state_refuses_reset(kind):
+  with gjs.iter_jax_batches(kind(), batch_size=8) as it:
+    assert [first(b) for b in it] == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match=r"`reset\(\)` cannot restart an iterator of type"):
+      it.reset()
 
 
 def test_a_device_put_state_before_the_first_batch_restores_single_process():
