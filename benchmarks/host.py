@@ -14,6 +14,10 @@ for them:
   `iter_jax_batches` with the default prefetch and with
   ``prefetch_batches=0``, and ``grain.experimental.device_put`` over the same
   batches. Trials interleaved, each starting at the next variant.
+* `float_check`: the same CPU per batch for a float64 column with x64 off
+  (range-checked by the reader, cast to float32 in the transfer) against the
+  same pipeline of a float32 column, beside a 5 ms step; and the check
+  alone (internal API).
 * `memory_one`: peak RSS growth of one variant, 64 MB batches, 20 ms step;
   `benchmarks/run.py` runs each variant in its own process, interleaved.
 * `input_bound`: a Grain `DataLoader` with 2 worker processes that decode
@@ -162,6 +166,62 @@ def cpu_per_batch(
       count = n or (100 if step <= 5 else 40)
       out[f"{mb:g} MB, {step:g} ms"] = _cpu_config(mb, step / 1e3, count, trials)
   return out
+
+
+def float_check(
+  *, width: int = 256, n: int = 100, trials: int = 7, step_ms: float = 5.0
+) -> dict[str, Any]:
+  """Process CPU per batch of a float64 column with x64 off against the same pipeline of float32.
+
+  The float64 column is range-checked by the reader (no finite value may
+  become inf in float32: `reader.check_float_range`) and cast to float32 in
+  the transfer; the float32 one is neither. Beside a `step_ms` step (sleep),
+  trials interleaved, `SKIP` batches left out at each end. Also the check
+  alone on one batch (the median of 200 calls; internal API), to tell it
+  from the cast.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+  from grain_jax_sync._src import batches, build, reader
+
+  assert not jax.config.read("jax_enable_x64")
+  rows = 256
+  rng = np.random.default_rng(0)
+  f64 = [{"x": rng.normal(size=(rows, width)) * 1e3} for _ in range(4)]
+  f32 = [{"x": b["x"].astype(np.float32)} for b in f64]
+  variants = {
+    k: (lambda d=d: gjs.iter_jax_batches([d[i % 4] for i in range(n)], batch_size=rows))
+    for k, d in (("float32", f32), ("float64", f64))
+  }
+  for make in variants.values():  # Warm-up: compiles, thread pools.
+    _cpu_trial(make, 0.0)
+  cpu: dict[str, list[float]] = {k: [] for k in variants}
+  for trial in range(trials):
+    keys = list(variants)[trial % 2 :] + list(variants)[: trial % 2]
+    for k in keys:
+      c, _, got = _cpu_trial(variants[k], step_ms / 1e3, window=(SKIP, n - SKIP))
+      cpu[k].append(c / got * 1e6)
+  extra = [a - b for a, b in zip(cpu["float64"], cpu["float32"], strict=True)]
+  hb = batches.validate(f64[0], process_index=0, batch_index=0)
+  narrow = build.narrowing(hb.signature, dtypes=None)
+  assert narrow, "the float64 column is not narrowed: is x64 on?"
+  alone = []
+  for _ in range(200):
+    t0 = time.perf_counter()
+    reader.check_float_range(hb, narrow, 0, 0)
+    alone.append((time.perf_counter() - t0) * 1e6)
+  return {
+    "n": n,
+    "trials": trials,
+    "batch_bytes": f64[0]["x"].nbytes,
+    "step_ms": step_ms,
+    "float32_us": statistics.median(cpu["float32"]),
+    "extra_us": statistics.median(extra),
+    "extra_lo": min(extra),
+    "extra_hi": max(extra),
+    "check_us": statistics.median(alone),
+  }
 
 
 # -- memory ---------------------------------------------------------------------
@@ -354,7 +414,7 @@ def input_bound(
 
 # -- driver and rows (run in benchmarks/run.py's process) -----------------------
 
-NAMES = ("cpu_per_batch", "memory_peers", "input_bound")
+NAMES = ("cpu_per_batch", "float_check", "memory_peers", "input_bound")
 
 
 def run(names: list[str], quick: bool) -> dict[str, Any]:
@@ -367,6 +427,13 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
     out["cpu_per_batch"] = testing.values(
       testing.run_processes(
         cpu_per_batch, num_processes=1, devices_per_process=8, kwargs=kw, timeout_s=1800
+      )
+    )[0]
+  if "float_check" in names:
+    kw = {"n": 2 * SKIP + 20, "trials": 3} if quick else {}
+    out["float_check"] = testing.values(
+      testing.run_processes(
+        float_check, num_processes=1, devices_per_process=8, kwargs=kw, timeout_s=600
       )
     )[0]
   if "memory_peers" in names:
@@ -414,6 +481,20 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         f"{_us(r['ours'])}; prefetch_batches=0: {_us(r['ours_p0'])}",
         f"`grain.experimental.device_put`: {_us(r['grain'])}",
         "<= Grain's" if step else "-",
+      )
+    )
+  fc = res.get("float_check")
+  if fc:
+    out.append(
+      (
+        "float range check: process CPU per batch, a float64 column with x64 off over float32",
+        f"1 proc x 8 dev, 256-row batches of one {fc['batch_bytes'] / 2**20:.2f} MiB float64"
+        f" column (checked, then cast to float32 in the transfer) vs the same pipeline of"
+        f" its float32 copy; {fc['step_ms']:g} ms step (sleep); {fc['n']} batches x"
+        f" {fc['trials']} trials; float32: {fc['float32_us']:.0f} us",
+        f"{_us(fc)}; the check alone: {fc['check_us']:.0f} us per batch",
+        "-",
+        "-",
       )
     )
   mem = res.get("memory_peers")

@@ -96,10 +96,13 @@ def _print_stats(outcomes: list[Any]) -> None:
   last = outcomes[-1]
   job = [r["job"] for r in last.value if "job" in r] if last.ok else []
   if job:
-    print(
-      f"\nstats(all_hosts=True) on host {last.process_index} (slowest by source"
-      f" time: host {job[0]['slowest']}):"
+    slowest = job[0]["slowest"]
+    which = (
+      "no host slowest by source time at 0.1 ms"
+      if slowest is None
+      else f"slowest by source time: host {slowest}"
     )
+    print(f"\nstats(all_hosts=True) on host {last.process_index} ({which}):")
     _print_table(
       [(h["process_index"], h) for h in job[0]["hosts"]], (*stats.FIELDS, "padding_fraction")
     )

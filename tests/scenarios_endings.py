@@ -129,13 +129,27 @@ def _raising(batches: list[Any], at: int, exc: BaseException) -> Iterator[Any]:
     yield batch
 
 
-def _source(kind: str, p: int, victim: bool) -> Any:
+def _data(kind: str, p: int, victim: bool) -> list[Any]:
+  """The batches of case `kind` on process `p` (values out of range on the victim)."""
   # A close must land mid-stream: longer than the read-ahead (`CLOSE_LENGTH`).
   batches = scenarios.make_batches(p, [8] * (CLOSE_LENGTH if kind.startswith("close") else 6))
   if kind == "int64":  # Every host has int64 ids; the victim's batch 1 does not fit int32.
     batches = [{"x": b["x"].astype(np.int64), "y": b["y"]} for b in batches]
     if victim:
       batches[1]["x"] = batches[1]["x"] + 2**40
+  if kind == "float64":  # float64 x everywhere (float32 with x64 off); the victim's 1e300.
+    batches = [{"x": b["x"].astype(np.float64), "y": b["y"]} for b in batches]
+    if victim:
+      batches[1]["x"][7] = 1e300
+  if kind == "float16" and victim:  # `dtypes` casts y to float16 on the host.
+    batches[1]["y"][2, 1] = 1e5
+  if kind == "same_name":  # Every host: two leaves named "y/b".
+    batches = [{"x": b["x"], "y": {"b": b["y"]}, "y/b": b["y"]} for b in batches]
+  return batches
+
+
+def _source(kind: str, p: int, victim: bool) -> Any:
+  batches = _data(kind, p, victim)
   if not victim:
     return StatefulSource(batches)
   if kind == "type_error":
@@ -182,7 +196,8 @@ def run_case(c: int, kind: str) -> dict[str, Any]:
   start = time.monotonic()
   out: dict[str, Any] = {"n": 0, "rows": [], "error": None, "error_type": None}
   try:
-    it = gjs.iter_jax_batches(_source(kind, p, victim), name=f"end{c}", **KW)
+    kw = {**KW, "dtypes": {"y": np.float16}} if kind == "float16" else KW
+    it = gjs.iter_jax_batches(_source(kind, p, victim), name=f"end{c}", **kw)
   except OSError as e:  # "open_fails": this host's iterator was never built.
     return {**out, "error": str(e), "error_type": type(e).__name__, "elapsed_s": 0.0}
   if kind.startswith(("resume", "state")):

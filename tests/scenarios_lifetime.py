@@ -302,3 +302,32 @@ def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
   a.close()
   b.close()
   return {"error": error, "seconds": seconds}
+
+
+def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
+  """Host 0 makes `a` then `b`, host 1 `b` then `a`, with the same settings; both call next(a).
+
+  Paired by creation order, each host's `a` is the other's `b`, which it has
+  not started: each waits at the start of a stream the other never starts.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 10.0}
+  make = lambda: gjs.iter_jax_batches(_batches(4, p), **kw)  # noqa: E731
+  if p == 0:
+    a, b = make(), make()
+  else:
+    b, a = make(), make()
+  t0 = time.monotonic()
+  try:
+    next(a)
+    error = None
+  except Exception as e:  # noqa: BLE001 - the ending under test.
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.monotonic() - t0
+  a.close()
+  b.close()
+  return {"error": error, "seconds": seconds}

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from grain_jax_sync._src import batches
+from grain_jax_sync._src import batches, trees
 
 Point = collections.namedtuple("Point", ["a", "b"])
 
@@ -85,6 +85,43 @@ def test_validate_list_of_numbers_is_one_leaf():
 def test_validate_bad_leaf_names_process_batch_and_column(batch, match):
   with pytest.raises(ValueError, match=match):
     batches.validate(batch, process_index=1, batch_index=5)
+
+
+@pytest.mark.parametrize(
+  ("batch", "first", "second", "name"),
+  [
+    ({"a": {"b": np.zeros(2)}, "a/b": np.zeros(2)}, "batch['a']['b']", "batch['a/b']", "a/b"),
+    ({1: np.zeros(2), "1": np.zeros(2)}, "batch[1]", "batch['1']", "1"),
+    (
+      {"p": Point(np.zeros(2), np.zeros(2)), "p/a": np.zeros(2)},
+      "batch['p'].a",
+      "batch['p/a']",
+      "p/a",
+    ),
+    ({"x": [np.zeros(2)], "x/0": np.zeros(2)}, "batch['x'][0]", "batch['x/0']", "x/0"),
+  ],
+)
+def test_leaves_of_the_same_name_raise_naming_both_key_paths(batch, first, second, name):
+  with pytest.raises(ValueError) as e:
+    batches.validate(batch, process_index=1, batch_index=5)
+  assert str(e.value).startswith(
+    f"process 1, batch 5: leaves {first} and {second} have the same name {name!r}, by which"
+    " `paddings`, `dtypes`, `pad_shapes` and messages tell leaves apart"
+  ), str(e.value)
+
+
+def test_key_paths_name_every_leaf_in_leaf_order():
+  _, names, spec = batches.flatten(
+    {"b": np.zeros(1), "a": {"d": [np.zeros(1)], "c": (None, Point(np.zeros(1), np.zeros(1)))}}
+  )
+  assert names == ["a/c/1/a", "a/c/1/b", "a/d/0", "b"]
+  assert trees.key_paths(spec) == [
+    "batch['a']['c'][1].a",
+    "batch['a']['c'][1].b",
+    "batch['a']['d'][0]",
+    "batch['b']",
+  ]
+  assert trees.key_paths(batches.flatten(np.zeros(1))[2]) == ["batch"]
 
 
 def test_signature_json_round_trip_and_diff():

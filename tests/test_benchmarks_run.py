@@ -57,3 +57,11 @@ def test_host_rows_report_extra_cpu_memory_and_steps_against_their_peers():
   # The slowest host's figures: ours 10.0 (host 1), bare 8.0 (host 1).
   assert ib_row[2].startswith("10.0 steps/s (9.0..11.0) = 1.25 of bare")
   assert ib_row[3] == "bare loop over the loader: 8.0 steps/s (9.0..11.0)"
+
+
+def test_float_check_row_shows_the_extra_cpu_over_float32_and_the_check_alone():
+  fc = {"n": 100, "trials": 7, "batch_bytes": 2**19, "step_ms": 5.0, "float32_us": 229.4}
+  fc.update(extra_us=131.2, extra_lo=95.0, extra_hi=216.0, check_us=14.3)
+  (row,) = host.rows({"float_check": fc})
+  assert "one 0.50 MiB float64 column" in row[1] and "float32: 229 us" in row[1]
+  assert row[2] == "+131 us (+95..+216); the check alone: 14 us per batch"

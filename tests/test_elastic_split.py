@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grain_jax_sync._src import elastic_codec
 from grain_jax_sync._src import elastic_split as es
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
@@ -42,7 +43,9 @@ def run_job(draw_cursor, n, epochs, counts, *, shuffle, seed, keep):
       cursors = [layout.cursor(c) for layout, c in zip(job, consumed, strict=True)]
       first, splits = es.resume(job, cursors, counts[k + 1])
       # The state is JSON: what a resumed job reads back.
-      splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+      splits = elastic_codec.splits_from_json(
+        json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
+      )
   return seen
 
 
@@ -151,7 +154,7 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
     share = job[0].length
     cursors = [(0, int(c)) for c in rng.integers(share // 2, share, size=1024)]
     first, splits = es.resume(job, cursors, 1024)
-  size = len(json.dumps(es.splits_to_json(splits)))
+  size = len(json.dumps(elastic_codec.splits_to_json(splits)))
   assert size < 10_000, size
 
 
@@ -165,16 +168,18 @@ def test_a_resize_of_1024_processes_with_2_mp_prefetch_workers_each_stays_under_
     drift = int(rng.integers(-50, 50))  # The workers drift apart by a few records.
     thresholds.append((2 * int(k), 1 + 2 * (int(k) + drift)))
   first, splits = es.resume_strided(job, thresholds, 1000)
-  text = json.dumps(es.splits_to_json(splits))
+  text = json.dumps(elastic_codec.splits_to_json(splits))
   assert len(text) < 10_000, len(text)
-  assert es.splits_from_json(json.loads(text)) == splits
+  assert elastic_codec.splits_from_json(json.loads(text)) == splits
 
 
 def test_pack_ints_round_trips():
   for values in ([], [3, 1], list(range(100)), [2**40, 0, 5] * 20):
-    assert es.unpack_ints(json.loads(json.dumps(es.pack_ints(values)))) == tuple(values)
+    assert elastic_codec.unpack_ints(
+      json.loads(json.dumps(elastic_codec.pack_ints(values)))
+    ) == tuple(values)
   with pytest.raises(ValueError, match="list of ints"):
-    es.unpack_ints("nope")
+    elastic_codec.unpack_ints("nope")
 
 
 def test_a_cursor_past_its_share_is_refused():
@@ -208,7 +213,9 @@ def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epoc
         if j < t[j % width]:
           seen.append(record_of(layout, j, shuffle=True, seed=3))
     first, splits = es.resume_strided(job, thresholds, counts[k + 1])
-    splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+    splits = elastic_codec.splits_from_json(
+      json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
+    )
   assert Counter(seen) == Counter((e, r) for e in range(epochs) for r in range(n))
 
 
@@ -232,7 +239,9 @@ def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_e
   cursors = [a.cursor(c) for a, c in zip(old, consumed, strict=True)]
   assert cursors == [(2, 4), (3, 1)]
   first, splits = es.resume(old, cursors, 3)
-  splits = es.splits_from_json(json.loads(json.dumps(es.splits_to_json(splits))))
+  splits = elastic_codec.splits_from_json(
+    json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
+  )
   assert first == 2 and [e for e, _ in splits] == [2, 3]
   for layout in layouts(n, None, first, splits, 3):
     # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).

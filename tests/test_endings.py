@@ -28,6 +28,9 @@ KINDS = [
   "unprintable",
   "open_fails",
   "int64",
+  "float64",
+  "float16",
+  "same_name",
   "close_before",
   "close_mid",
   "close_drop",
@@ -138,6 +141,43 @@ def test_int64_out_of_int32_range_raises_on_every_host_naming_the_value(n, d):
       f"process {n - 1}, batch 1, column 'x': value {2**40 + 1000 * (n - 1) + 17}" in (out["error"])
     )
     assert "does not fit int32" in out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("kind", "column", "value", "into", "why"),
+  [
+    ("float64", "x", "1e+300", "float32", "JAX holds float64 values in while x64 is off"),
+    ("float16", "y", "100000.0", "float16", "`dtypes` casts it to on the host"),
+  ],
+)
+def test_a_float_beyond_its_narrowed_dtype_raises_on_every_host_naming_the_value(
+  n, d, kind, column, value, into, why
+):
+  # It became inf in the global array, silently.
+  outs = _case(n, d, kind)
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 1
+    assert out["error"].startswith(
+      f"process {n - 1}, batch 1, column {column!r}: value {value} does not fit {into},"
+      f" the dtype {why} (it would become inf silently)"
+    ), out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_leaves_of_the_same_name_raise_on_every_host_before_any_batch(n, d):
+  # {"y": {"b": ...}, "y/b": ...}: both leaves were named "y/b" in `paddings`,
+  # `dtypes`, `pad_shapes` and messages, silently.
+  outs = _case(n, d, "same_name")
+  assert len({out["error"] for out in outs}) == 1
+  for out in outs:
+    assert out["error_type"] == "ValueError" and out["n"] == 0
+    assert out["error"].startswith(
+      "process 0, batch 0: leaves batch['y']['b'] and batch['y/b'] have the same name 'y/b'"
+    ), out["error"]
 
 
 @pytest.mark.multiprocess
@@ -272,10 +312,11 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
   outs = testing.values(_run(scenarios_endings.run_iterator_only_one_process_makes, 1.0, d=2))
   for out in outs:
     assert out["error_type"] == "PeerTimeoutError", out
-    assert "pass the same `name=` on every process" in out["error"], out
+    assert "created or started their iterators in a different order" in out["error"], out
+    assert "or pass the same `name=` to the iterators that belong together" in out["error"]
   assert "process 1 did not report batch 0" in outs[0]["error"]
   assert "process 1 got no decision on batch 0 from process 0" in outs[1]["error"]
-  assert "it has posted no decision on this iterator yet: it did not create it" in outs[1]["error"]
+  assert "it has posted no decision on this iterator yet: its agreement thread" in outs[1]["error"]
   assert outs[1]["elapsed_s"] > 1.0 + 2 * grace - 1
 
 

@@ -3,8 +3,17 @@
 No module under `grain_jax_sync/` over 400 lines; no function there over 60
 lines of code (a docstring does not count: from the first statement after it
 to the end); ruff's C901 at most 10 (pyproject's `max-complexity`) everywhere
-ruff checks, with no `noqa: C901` to silence it. Pure: reads files with `ast`
-and `tokenize` and runs ruff in a subprocess; imports no JAX.
+ruff checks, with no `noqa: C901` to silence it; no import circle among the
+modules under `grain_jax_sync/` (issue 32). Pure: reads files with `ast` and
+`tokenize` and runs ruff in a subprocess; imports no JAX.
+
+Import circles: every import statement counts wherever it is, at the top, in
+a function (a lazy import) or under ``if TYPE_CHECKING:``; a circle through
+a lazy import is still two modules that each need the other. ``from pkg
+import name`` points to ``pkg.name`` where that is a module, else to
+``pkg`` (its ``__init__``). The parent packages that Python runs before a
+submodule are not counted: a package's ``__init__`` imports its own
+submodules, so every package would be a circle with its members.
 """
 
 from __future__ import annotations
@@ -136,3 +145,73 @@ def test_ruff_finds_no_function_over_complexity_10(tree):
   ]
   assert not found, "\n".join(found)
   assert proc.returncode == 0, out[-5000:]
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(node: ast.Import | ast.ImportFrom, name: str, is_package: bool) -> list[str]:
+  """The module names one import statement of module `name` names (absolute or relative)."""
+  if isinstance(node, ast.Import):
+    return [a.name for a in node.names]
+  base = node.module or ""
+  if node.level:
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    package = package[: len(package) - node.level + 1]
+    base = ".".join([*package, *([base] if base else [])])
+  return [base, *(f"{base}.{a.name}" for a in node.names)]
+
+
+def import_graph(paths: list[pathlib.Path]) -> dict[str, set[str]]:
+  """Module -> the package modules it imports, lazy and TYPE_CHECKING imports included."""
+  modules = {_module_name(p): p for p in paths}
+  graph: dict[str, set[str]] = {}
+  for name, path in modules.items():
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        continue
+      named = _imported(node, name, path.name == "__init__.py")
+      if isinstance(node, ast.ImportFrom):  # `from pkg import name`: pkg.name if a module.
+        base, *members = named
+        found = [m for m in members if m in modules]
+        edges.update(found if len(found) == len(members) else [*found, base])
+      else:
+        edges.update(named)
+    graph[name] = {m for m in edges if m in modules and m != name}
+  return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The groups of modules that import each other, directly or through others."""
+  reach: dict[str, set[str]] = {}
+  for start in graph:
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+      m = todo.pop()
+      if m not in seen:
+        seen.add(m)
+        todo.extend(graph.get(m, ()))
+    reach[start] = seen
+  groups = {frozenset(m for m in reach[n] if n in reach[m]) for n in graph if n in reach[n]}
+  return sorted(sorted(g) for g in groups)
+
+
+def test_import_graph_counts_lazy_imports_and_finds_circles():
+  graph = import_graph(MODULES)
+  # A lazy import, inside `open_source`: counted.
+  assert "grain_jax_sync._src.sources.grain" in graph["grain_jax_sync._src.sources"]
+  assert (
+    "grain_jax_sync._src.agreement.endings" in graph["grain_jax_sync._src.agreement.cross_wait"]
+  )
+  circles = import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}})
+  assert circles == [["a", "b", "c"], ["e"]]
+
+
+def test_no_import_circle_among_the_package_modules():
+  circles = import_circles(import_graph(MODULES))
+  shown = ["  " + " <-> ".join(c) for c in circles]
+  assert not circles, "import circles (lazy and TYPE_CHECKING imports count):\n" + "\n".join(shown)

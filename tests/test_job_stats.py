@@ -52,6 +52,20 @@ def test_decided_counts_rows_per_host_and_the_table_goes_to_followers():
   assert host2["padding_fraction"] == 8 / 24
 
 
+@pytest.mark.parametrize(
+  ("sources", "slowest"),
+  [
+    ([0.0, 0.00004, 0.0], None),  # Every one 0.0000 as printed: nothing tells them apart.
+    ([0.5, 0.50004, 0.1], None),  # A tie at the top, at 0.1 ms.
+    ([0.5, 0.5002, 0.1], 1),
+    ([0.00004], 0),  # One host: itself.
+  ],
+)
+def test_slowest_is_none_where_the_most_source_time_ties_at_the_printed_precision(sources, slowest):
+  hosts = [{"process_index": p, "source_s": s} for p, s in enumerate(sources)]
+  assert job_stats.slowest(hosts) == slowest
+
+
 def _own(source_s: float) -> dict:
   return {
     "batches": 0,

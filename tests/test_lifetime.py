@@ -92,28 +92,50 @@ def test_every_call_that_moves_a_closed_iterator_raises_closed(call):
 # -- defects found by running the library as users do -----------------------------
 
 
-def test_a_source_with_only_next_is_read():
-  class NextOnly:  # MaxText-style: `__next__` and state, no `__iter__`.
-    def __init__(self):
-      self.i = 0
+class _NextOnly:  # MaxText-style: `__next__` and state, no `__iter__`.
+  def __init__(self):
+    self.i = 0
 
-    def __next__(self):
-      if self.i == 5:
-        raise StopIteration
-      self.i += 1
-      return {"x": np.full(8, self.i - 1, np.int32)}
+  def __next__(self):
+    if self.i == 5:
+      raise StopIteration
+    self.i += 1
+    return {"x": np.full(8, self.i - 1, np.int32)}
 
-    def get_state(self):
-      return {"i": self.i}
 
-    def set_state(self, state):
-      self.i = state["i"]
+class _NextOnlyWithState(_NextOnly):
+  def get_state(self):
+    return {"i": self.i}
 
-  with gjs.iter_jax_batches(NextOnly(), batch_size=8) as it:
+  def set_state(self, state):
+    self.i = state["i"]
+
+
+class _IterNone(_NextOnlyWithState):
+  __iter__ = None  # Python's marker for "not iterable"; `next()` takes it.
+
+
+class _IterNoneNoState(_NextOnly):
+  __iter__ = None
+
+
+@pytest.mark.parametrize("kind", [_NextOnlyWithState, _IterNone])
+def test_a_source_with_only_next_is_read_and_reset_restores_its_start(kind):
+  with gjs.iter_jax_batches(kind(), batch_size=8) as it:
     got = [first(b) for b in it]
     state = it.get_state()
-  assert got == [0, 1, 2, 3, 4]
+    it.reset()  # Was an empty stream: the same object reopened where it stood.
+    again = [first(b) for b in it]
+  assert got == again == [0, 1, 2, 3, 4]
   assert state["source"] == {"i": 5} and state["batches"] == 5
+
+
+@pytest.mark.parametrize("kind", [_NextOnly, _IterNoneNoState])
+def test_a_source_with_only_next_and_no_state_refuses_reset(kind):
+  with gjs.iter_jax_batches(kind(), batch_size=8) as it:
+    assert [first(b) for b in it] == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match=r"`reset\(\)` cannot restart an iterator of type"):
+      it.reset()
 
 
 def test_a_device_put_state_before_the_first_batch_restores_single_process():
@@ -425,5 +447,24 @@ def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
   p0, p1 = run(scenarios_lifetime.first_next_in_another_order, prefetch)
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
-  assert "called next() on their iterators in a different order" in p0["error"]
+  assert "created or started their iterators in a different order" in p0["error"]
+  assert "call next() on them in the same order on every process" in p0["error"]
   assert p0["seconds"] < 18 and p1["seconds"] < 18, (p0, p1)
+
+
+@pytest.mark.multiprocess
+def test_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix():
+  # Host 0 makes `a` then `b`, host 1 `b` then `a`, no `name=`; both call
+  # next(a) first. The message named only the order of the next() calls,
+  # which was the same on both hosts.
+  p0, p1 = run(scenarios_lifetime.created_in_another_order_same_settings, 2)
+  assert p0["error"] == p1["error"], (p0, p1)
+  assert p0["error"].startswith(
+    "RuntimeError: process 0 waits for the first batch of iterator 'grain_jax_sync/0' and"
+    " process 1 for that of iterator 'grain_jax_sync/1', and neither has started the"
+    " other's: the processes created or started their iterators in a different order"
+  ), p0["error"]
+  assert "paired across processes by creation order unless given a `name=`" in p0["error"]
+  assert "or pass the same `name=` to the iterators that belong together" in p0["error"]
+  # At half `sync_timeout_s` (10 s here), well before a timeout.
+  assert 4 < p0["seconds"] < 9 and 4 < p1["seconds"] < 9, (p0, p1)

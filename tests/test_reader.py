@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import scenarios
 
 import grain_jax_sync as gjs
-from grain_jax_sync._src import plan, reader, sources
+from grain_jax_sync._src import batches, build, plan, reader, sources
 
 
 class _CudaLike:
@@ -112,6 +116,90 @@ def test_64_bit_values_in_range_arrive_exactly():
   data = [{"ids": np.array([lo, hi, 0, 1, -1, 5, 6, 7], np.int64)}]
   out = list(gjs.iter_jax_batches(data, batch_size=8))
   np.testing.assert_array_equal(np.asarray(out[0]["ids"]), data[0]["ids"])
+
+
+def _narrowed(batches, dtypes=None):
+  """The reader's ending over `batches` with the iterator's narrowing float casts (x64 off)."""
+  narrowing = functools.partial(build.narrowing, dtypes=dtypes)
+  return _drain(batches, narrowing=narrowing)
+
+
+def test_narrowing_names_the_leaves_a_host_cast_narrows_and_why():
+  assert not jax.config.read("jax_enable_x64")
+  sig = batches.validate(
+    {
+      "f64": np.zeros(8),
+      "f32": np.zeros(8, np.float32),
+      "keep": np.zeros(8, np.float32),
+      "i32": np.zeros(8, np.int32),
+      "u8": np.zeros(8, np.uint8),
+      "c128": np.zeros(8, np.complex128),
+    },
+    process_index=0,
+    batch_index=0,
+  ).signature
+  dtypes = {"f32": np.float16, "u8": np.float32, "i32": ml_dtypes.bfloat16}
+  got = {sig.names[n.index]: (n.dtype, n.why) for n in build.narrowing(sig, dtypes=dtypes)}
+  # Not "keep" (no cast), "i32" (bfloat16's range holds every int32), "u8"
+  # (widened on the device), "c128" (complex: not checked).
+  assert got == {
+    "f32": (np.dtype(np.float16), "`dtypes` casts it to on the host"),
+    "f64": (np.dtype(np.float32), "JAX holds float64 values in while x64 is off"),
+  }
+
+
+@pytest.mark.parametrize(
+  ("leaf", "dtypes", "value", "into", "becomes"),
+  [
+    (np.float64, None, 1e300, "float32", "inf"),  # x64 off: float64 lands as float32.
+    (np.float64, None, -1e300, "float32", "-inf"),
+    (np.float64, np.float32, 3.5e38, "float32", "inf"),
+    (np.float32, np.float16, 65520.0, "float16", "inf"),  # Rounds up past 65504.
+    (np.int32, np.float16, 70000, "float16", "inf"),
+    (np.float32, ml_dtypes.float8_e4m3fn, 500.0, "float8_e4m3fn", "nan"),
+  ],
+)
+def test_a_finite_value_a_narrowing_float_cast_would_lose_ends_naming_it(
+  leaf, dtypes, value, into, becomes
+):
+  good = np.arange(8).astype(leaf)
+  bad = good.copy()
+  bad[5] = value
+  reads, end = _narrowed([{"x": good}, {"x": bad}], None if dtypes is None else {"x": dtypes})
+  assert len(reads) == 1 and end.error is not None
+  assert end.error.kind == plan.ErrorKind.VALUE and end.error.batch_index == 1
+  assert end.error.message.startswith(
+    f"process 3, batch 1, column 'x': value {value!r} does not fit {into}, the dtype"
+  ), end.error.message
+  assert f"(it would become {becomes} silently)" in end.error.message
+  assert f"or bring the values into the {into} range (magnitude at most" in end.error.message
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_nan_and_inf_in_the_source_pass_unchanged(dtype):
+  x = np.array([np.nan, np.inf, -np.inf, 0.0, 1.5, -2.0, 65504.0, 7.0], dtype)
+  dtypes = {"x": np.float16} if dtype == np.float32 else None
+  reads, end = _narrowed([{"x": x}, {"x": np.full(8, np.nan, dtype)}], dtypes)
+  assert end.exhausted and len(reads) == 2
+  out = list(gjs.iter_jax_batches([{"x": x}], batch_size=8, dtypes=dtypes))
+  np.testing.assert_array_equal(np.asarray(out[0]["x"]).astype(np.float64), x.astype(np.float64))
+
+
+def test_only_narrowed_columns_are_checked():
+  big = np.full(8, 3e38, np.float32)  # Fits float32, would not fit float16.
+  batch = {"kept": big, "wide": big, "small": np.full(8, 60000.0, np.float32)}
+  dtypes = {"wide": np.float64, "small": np.float16}  # float64: widened on the device.
+  reads, end = _narrowed([batch, batch], dtypes)
+  assert end.exhausted and len(reads) == 2
+  batch = {**batch, "small": np.full(8, 3e38, np.float32)}
+  _, end = _narrowed([batch], dtypes)
+  assert end.error is not None and "column 'small': value 3e+38" in end.error.message
+
+
+def test_a_float64_value_beyond_float32_raises_in_one_process():
+  data = [{"x": np.zeros(8)}, {"x": np.full(8, 1e300)}]
+  with pytest.raises(ValueError, match=r"process 0, batch 1, column 'x': value 1e\+300 does"):
+    list(gjs.iter_jax_batches(data, batch_size=8))
 
 
 def test_a_type_error_from_array_is_raised_as_itself_in_one_process():

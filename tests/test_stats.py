@@ -196,3 +196,38 @@ def test_all_hosts_in_one_process_is_this_host():
   }
   assert _counts(r["own"]) == _expected_counts(0, 1)
   assert r["warnings"] == []  # No peers, no straggler.
+
+
+ENDED_CASES = [(None, 2), (1, 2), (None, 0), (0, 0)]
+
+
+@pytest.mark.multiprocess
+def test_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie():
+  # Host 1 saw host 0's wait_s and transfer_s as 0.0000 (as of the final
+  # decision, before the last batches were built and received), and named a
+  # slowest host when every source time printed as 0.0000.
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_stats.ended_figures,
+      num_processes=2,
+      devices_per_process=4,
+      args=(ENDED_CASES,),
+      timeout_s=180,
+    )
+  )
+  for c, (slow, _) in enumerate(ENDED_CASES):
+    owns = [outs[p][c]["own"] for p in range(2)]
+    for own in owns:
+      assert own["wait_s"] > 0 and own["transfer_s"] > 0, own
+    sources = [round(own["source_s"], 4) for own in owns]
+    if slow is not None:
+      assert sources[slow] > sources[1 - slow], sources  # The sleeps, 0.02 s a batch.
+    expected = None if sources[0] == sources[1] else sources.index(max(sources))
+    for p in range(2):
+      job = outs[p][c]["job"]
+      assert outs[p][c]["yielded"] == 4
+      assert job["slowest"] == expected, (c, p, job, sources)
+      peer = job["hosts"][1 - p]
+      assert _counts(peer) == _counts(owns[1 - p]), (c, p)
+      for k in ("wait_s", "source_s", "exchange_s", "transfer_s"):
+        assert peer[k] == round(owns[1 - p][k], 4), (c, p, k, peer, owns[1 - p])

@@ -24,7 +24,15 @@ import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src.leaves import row_count, to_leaf_array, where
-from grain_jax_sync._src.trees import LEAF, NONE, TreeSpec, flat_dict_keys, flatten, readable
+from grain_jax_sync._src.trees import (
+  LEAF,
+  NONE,
+  TreeSpec,
+  flat_dict_keys,
+  flatten,
+  key_paths,
+  readable,
+)
 from grain_jax_sync._src.trees import unflatten as unflatten  # Tests reach it here.
 
 # A trailing size that `pad_shapes` lets vary, as a signature records it.
@@ -217,6 +225,8 @@ def validate(
       f"{where(process_index, batch_index)}: the batch is None; expected an array"
       " or a pytree of arrays"
     )
+  if len(set(names)) != len(names):
+    _name_collision(names, spec, where(process_index, batch_index))
   leaves = [
     to_leaf_array(x, context=where(process_index, batch_index, n)) for x, n in zip(raw, names)
   ]
@@ -230,6 +240,21 @@ def validate(
     except ValueError as e:
       raise ValueError(f"{where(process_index, batch_index)}: {e}") from e
   return HostBatch(leaves=leaves, rows=rows, signature=Signature.of(leaves, names, spec, dims))
+
+
+def _name_collision(names: Sequence[str], spec: TreeSpec, context: str) -> None:
+  """Raises naming two leaves whose names are the same (``{"a": {"b": x}, "a/b": y}``)."""
+  paths = key_paths(spec)
+  first: dict[str, int] = {}
+  for k, name in enumerate(names):
+    if name in first:
+      raise ValueError(
+        f"{context}: leaves {paths[first[name]]} and {paths[k]} have the same"
+        f" name {name!r}, by which `paddings`, `dtypes`, `pad_shapes` and"
+        " messages tell leaves apart; rename a key so that no two leaves'"
+        " slash-joined paths are the same"
+      )
+    first[name] = k
 
 
 class Matcher:

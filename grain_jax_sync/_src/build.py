@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
@@ -112,6 +113,58 @@ class Layout:
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
     masks = _element_masks(sig, shapes, mask_key)
     return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks)
+
+
+def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Narrowing]:
+  """The leaves whose values are cast on the host to a float dtype of smaller range.
+
+  The dtype policy (`sharding.split_casts`) casts on the host what shrinks,
+  and with x64 off the transfer holds float64 as float32: a finite value
+  beyond the range of the dtype it lands in would become inf (or NaN)
+  silently, so the reader checks these leaves (`reader.check_float_range`).
+  Casts run on the device widen and cannot overflow; complex leaves are not
+  checked. A `dtypes` that is no dtype gives none here: `Layout.of` raises
+  it, naming the setting.
+
+  Args:
+    sig: The batch structure.
+    dtypes: The `dtypes` setting.
+
+  Returns:
+    One `reader.Narrowing` per such leaf, in leaf order.
+  """
+  src = sig.np_dtypes()
+  try:
+    want = padding.per_leaf(dtypes, sig, what="dtypes")
+    host, _ = sharding_lib.split_casts(src, want)
+  except (TypeError, ValueError):
+    return []
+  out = []
+  for k, (s, w, h) in enumerate(zip(src, want, host, strict=True)):
+    landed = np.dtype(jax.dtypes.canonicalize_dtype(h))
+    top, below = _largest(s), _largest(landed)
+    if top is None or below is None or below >= top or landed.kind in "iub":
+      continue
+    if w is not None and np.dtype(w) == landed:
+      why = "`dtypes` casts it to on the host"
+      fix = "pass a wider dtype in `dtypes`"
+    else:
+      why = f"JAX holds {s} values in while x64 is off"
+      fix = "enable x64 (jax.config.update('jax_enable_x64', True))"
+    out.append(reader_lib.Narrowing(k, landed, why, fix))
+  return out
+
+
+def _largest(dtype: np.dtype) -> float | None:
+  """The largest finite value of a real float or integer dtype (NumPy's or ml_dtypes'), else None."""
+  if dtype.kind in "cb":
+    return None
+  for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+    try:
+      return float(info(dtype).max)
+    except ValueError:
+      continue
+  return None
 
 
 def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tuple[Any, ...]:

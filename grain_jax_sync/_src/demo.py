@@ -90,5 +90,8 @@ def demo_host(batch_size: int = 8, progress_dir: str | None = None) -> list[dict
       _report_progress(progress_dir, p, i + 1)
     rows.append({"state": it.get_state()})
     rows.append({"stats": it.stats()})
-    rows.append({"job": it.stats(all_hosts=True)})  # Every host's counters, as this one sees them.
+    # Every host's counters, as this one sees them, once every host ended:
+    # each posts its figures at its end, after its last batch.
+    multihost_utils.sync_global_devices("grain_jax_sync demo: every host ended")
+    rows.append({"job": it.stats(all_hosts=True)})
   return rows

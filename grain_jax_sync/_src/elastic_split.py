@@ -29,13 +29,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grain_jax_sync._src.elastic_codec import (  # noqa: F401 - the state's codec, re-exported.
-  pack_ints,
-  splits_from_json,
-  splits_to_json,
-  unpack_ints,
-)
-
 Range = tuple[int, int]
 # A consumed cursor over a share: a prefix length, or strided thresholds (see above).
 Cursor = int | tuple[int, ...]

@@ -78,7 +78,7 @@ class JaxBatchIterator(Iterator[Any]):
       mark=Mark(0, initial, settings.batch_size, stats_lib.Delivered()),
     )
     # stats(all_hosts=True): every host's counters, through the agreement's messages.
-    self._job = job_stats.JobTable(self._life.snapshot)
+    self._job = job_stats.JobTable(self._life.snapshot, namespace)
     self._life.job = self._job
     self._finalizer = weakref.finalize(self, self._life.close)
 
@@ -148,14 +148,18 @@ class JaxBatchIterator(Iterator[Any]):
       With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
       mapping per process (``process_index``, the keys above and
       ``padding_fraction``, padded over all rows), and the process with the
-      most ``source_s``. This host's mapping is its live `stats()`. A
-      peer's lags: at process 0 its counts are those decided for it and its
-      times those it posted with its last rows (up to a window old); other
-      hosts see process 0's table as of the last decision that carried it
-      (at most once a second, every (P / 64)^2 s above 64 processes, and
-      always the final one, so the counts are exact once the stream ended).
-      One process, or the collective fallback: this host only. See
-      docs/performance.md, "Seeing the job".
+      most ``source_s`` (None where it ties with another's at 0.1 ms). This
+      host's mapping is its live `stats()`. A peer's lags: at process 0 its
+      counts are those decided for it and its times those it posted with
+      its last rows (up to a window old); other hosts see process 0's table
+      as of the last decision that carried it (at most once a second, every
+      (P / 64)^2 s above 64 processes, and always the final one, so the
+      counts are exact once the stream ended). Each host posts its times
+      again at the end of its stream; once this host's stream has ended,
+      this call reads them (one store read, until every peer's are in), so
+      a peer that ended shows its figures at its end. One process, or the
+      collective fallback: this host only. See docs/performance.md, "Seeing
+      the job".
     """
     if all_hosts:
       return self._job.view()

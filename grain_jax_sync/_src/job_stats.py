@@ -17,7 +17,12 @@ Gathered through the agreement's own messages, with no store call of its own:
 
 So a peer's row lags: its counts are those decided for it up to the last
 decision that carried the table (every batch once the stream ended), its
-times those of its last chunk.
+times those of its last chunk. The agreement's last message (the final
+decision) comes before the last batches are built and received, so the
+figures of their build and wait travel apart: each process posts its times
+once more when its stream ends (`exchange.post_times`, one store write), and
+once this host's stream has ended, `view` reads those (one directory read a
+call, until every peer's figures of that stream are in).
 
 Straggler rule (process 0's view; see `Stragglers`): a "window" ends each
 time a host's times reach process 0 (with its chunk, about once per
@@ -37,6 +42,7 @@ workers) counts too, as it held every host back then.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import statistics
 import threading
@@ -46,6 +52,7 @@ from typing import Any
 
 import jax
 
+from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import stats as stats_lib
 
@@ -83,11 +90,18 @@ class JobTable:
 
   Lives as long as the iterator (across restarts). `probe` returns this
   host's `stats()` snapshot without taking the iterator's locks (it is
-  called from the agreement thread).
+  called from the agreement thread). `namespace`: the iterator's key prefix,
+  where each process posts its times at the end of a stream (None: nothing
+  is exchanged).
   """
 
-  def __init__(self, probe: Callable[[], dict[str, Any]]):
+  def __init__(self, probe: Callable[[], dict[str, Any]], namespace: str | None = None):
     self._probe = probe
+    self._base = namespace
+    self._streams = 0  # Streams attached here.
+    self._running = False
+    # Per peer, the streams it had when it last posted its times at an end.
+    self._ends: dict[int, int] = {}
     self._lock = threading.Lock()
     self._n = 1
     self._me = jax.process_index()  # Until a stream attaches (one process: for good).
@@ -105,6 +119,8 @@ class JobTable:
     """Sizes the table for a stream's processes (keeps what it knows)."""
     with self._lock:
       self._me = process
+      self._streams += 1
+      self._running = True
       self._sent_at = time.monotonic()  # The first table one interval in (or the final one).
       if process_count != self._n:
         self._n = process_count
@@ -114,6 +130,40 @@ class JobTable:
 
   def own(self) -> dict[str, Any]:
     return self._probe()
+
+  def ended(self) -> None:
+    """This host's stream ended (its stages closed): posts its times, for the peers' `view`."""
+    with self._lock:
+      running, self._running = self._running, False
+      post = running and self._n > 1 and self._base is not None
+    if post:
+      assert self._base is not None
+      text = json.dumps([self._streams, *encode_times(self._probe())])
+      exchange_lib.post_times(self._base, text)
+
+  def _read_ends(self) -> None:
+    """Once this host's stream ended: the times each peer posted at its end, if not all in yet."""
+    with self._lock:
+      due = not self._running and self._n > 1 and self._base is not None
+      due = due and any(
+        self._ends.get(p, -1) < self._streams for p in range(self._n) if p != self._me
+      )
+    if not due:
+      return
+    assert self._base is not None
+    posted = []
+    for p, text in exchange_lib.read_times(self._base):
+      try:
+        streams, *times = json.loads(text)
+      except (TypeError, ValueError):
+        continue
+      posted.append((p, int(streams), tuple(float(t) for t in times)))
+    with self._lock:
+      for p, streams, times in posted:
+        if p != self._me and 0 <= p < self._n and len(times) == len(stats_lib.TIMES):
+          # Every figure only grows over the iterator's life: the larger is the newer.
+          self._times[p] = tuple(map(max, self._times[p], times))
+          self._ends[p] = streams
 
   # -- a process other than 0 --------------------------------------------------
 
@@ -197,7 +247,12 @@ class JobTable:
   # -- stats(all_hosts=True) ---------------------------------------------------
 
   def view(self) -> dict[str, Any]:
-    """``{"hosts": [one mapping per process], "slowest": process with the most source time}``."""
+    """``{"hosts": [one mapping per process], "slowest": process with the most source time}``.
+
+    ``slowest`` is None where the most source time ties with another host's
+    at the printed precision (0.1 ms, `encode_times`): nothing tells them apart.
+    """
+    self._read_ends()
     own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
     with self._lock:
       if self._n == 1:  # One process, or no stream over the store (collective fallback).
@@ -207,8 +262,15 @@ class JobTable:
           own if p == self._me else host_row(p, self._row_counts(p), self._times[p])
           for p in range(self._n)
         ]
-    slowest = max(hosts, key=lambda h: (h["source_s"], -h["process_index"]))
-    return {"hosts": hosts, "slowest": slowest["process_index"]}
+    return {"hosts": hosts, "slowest": slowest(hosts)}
+
+
+def slowest(hosts: Sequence[dict[str, Any]]) -> int | None:
+  """The host with the most ``source_s`` at 0.1 ms, or None if another has as much."""
+  ranked = sorted(hosts, key=lambda h: (-round(h["source_s"], 4), h["process_index"]))
+  if len(ranked) > 1 and round(ranked[0]["source_s"], 4) == round(ranked[1]["source_s"], 4):
+    return None
+  return ranked[0]["process_index"]
 
 
 class Stragglers:

@@ -275,6 +275,8 @@ class Lifetime:
       stages.close(self.mark.position, self.ending)
       with self._lock:
         self._set(finished=self._state.finished + stages.times())
+      if self.job is not None:
+        self.job.ended()  # The figures of the batches built after the final decision too.
 
   def leave(self, how: str) -> None:
     """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""

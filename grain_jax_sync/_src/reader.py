@@ -3,7 +3,8 @@
 Everything that can fail on this host alone happens here, before the batch's
 row count is posted to any peer: `next()`, validation (which converts every
 leaf with `np.asarray`, so a leaf whose `__array__` raises fails here), the
-64-bit integer range check and `source.get_state()`. Any exception, of any
+64-bit integer range check, the check that no finite value overflows a
+narrowing float cast, and `source.get_state()`. Any exception, of any
 type (KeyboardInterrupt and SystemExit raised by the source too), becomes the
 `End` value with its type name and message, at the position of the read that
 failed. So every local failure sits at a position whose row was never posted,
@@ -18,8 +19,9 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
@@ -33,6 +35,22 @@ _INT_RANGE = {
   np.dtype(np.uint64): (0, np.iinfo(np.uint32).max, "uint32"),
 }
 _WIDE = frozenset(d.name for d in _INT_RANGE)
+
+
+class Narrowing(NamedTuple):
+  """A leaf whose values are cast on the host to a float dtype of smaller range.
+
+  Attributes:
+    index: The leaf's index.
+    dtype: The float dtype its values land in.
+    why: What casts it, completing "the dtype ..." (x64 off, or `dtypes`).
+    fix: How to keep the values.
+  """
+
+  index: int
+  dtype: np.dtype
+  why: str
+  fix: str
 
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
@@ -118,6 +136,9 @@ class Reader:
     digest: Where processes share rows: the digest of a batch's leaves
       (`sharding.rows_digest`), computed here, in the reading thread.
     shapes: `pad_shapes` and its kin (`shapes.make`): the dims that may vary.
+    narrowing: The batch structure -> its leaves cast on the host to a float
+      dtype of smaller range (`build.narrowing`): their finite values must
+      stay finite.
 
   Attributes:
     source_s: Seconds spent in the source's ``next()`` and ``get_state()``
@@ -133,6 +154,7 @@ class Reader:
     start_error: BaseException | None = None,
     digest: Callable[[Sequence[np.ndarray]], str] | None = None,
     shapes: shapes_lib.Shapes | None = None,
+    narrowing: Callable[[batches_lib.Signature], Sequence[Narrowing]] | None = None,
   ):
     self._source = source
     # `pad_shapes`: which dims of which leaves vary (`shapes.leaf_dims`).
@@ -148,6 +170,8 @@ class Reader:
     # full walk (`batches.Matcher`); `_wide`: it has 64-bit integer leaves to range-check.
     self._matcher: batches_lib.Matcher | None = None
     self._wide = False
+    self._narrowing = narrowing
+    self._narrow: Sequence[Narrowing] = ()  # From the first batch: its narrowing float casts.
     self._done = False
     self._start_error = start_error
 
@@ -202,8 +226,8 @@ class Reader:
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
     hb = None if self._matcher is None else self._matcher.match(raw)
     if hb is not None:
-      if self._wide and hb.rows:
-        check_int_range(hb, self._p, index)
+      if hb.rows:
+        self._check_ranges(hb, index)
       return hb
     hb = batches_lib.validate(
       raw,
@@ -218,6 +242,8 @@ class Reader:
       self._signature = hb.signature
       self._matcher = batches_lib.Matcher.compile(raw, hb.signature)
       self._wide = self._check_int32 and any(d in _WIDE for d in hb.signature.dtypes)
+      if self._narrowing is not None:
+        self._narrow = self._narrowing(hb.signature)
     elif hb.signature is not self._signature:
       diffs = batches_lib.diff(self._signature, hb.signature)
       raise ValueError(
@@ -226,9 +252,15 @@ class Reader:
         f" [{self._signature.describe()}]); expected every batch to"
         " have the same columns, dtypes and trailing shapes"
       )
+    self._check_ranges(hb, index)
+    return hb
+
+  def _check_ranges(self, hb: batches_lib.HostBatch, index: int) -> None:
+    """The range checks of the leaves that the first batch found narrowed."""
     if self._wide:
       check_int_range(hb, self._p, index)
-    return hb
+    if self._narrow:
+      check_float_range(hb, self._narrow, self._p, index)
 
 
 def check_int_range(hb: batches_lib.HostBatch, process: int, index: int) -> None:
@@ -248,3 +280,43 @@ def check_int_range(hb: batches_lib.HostBatch, process: int, index: int) -> None
         " (jax.config.update('jax_enable_x64', True)) or bring the values"
         f" into the {kind} range"
       )
+
+
+def check_float_range(
+  hb: batches_lib.HostBatch, narrow: Sequence[Narrowing], process: int, index: int
+) -> None:
+  """Raises if a finite value of a narrowed leaf would not be finite in its float dtype.
+
+  One `min()` and one `max()` per narrowed leaf, and a cast of those two: a
+  cast is monotonic, so every value casts to a finite one when both
+  extremes do. NaN and inf are data and pass; a leaf holding them has its
+  finite values looked at instead.
+  """
+  for n in narrow:
+    leaf = hb.leaves[n.index]
+    if leaf.size == 0:
+      continue
+    extremes = np.array([leaf.min(), leaf.max()])
+    if _fits(extremes, n.dtype):
+      continue
+    finite = leaf[np.isfinite(leaf)]
+    if finite.size == 0:
+      continue
+    extremes = np.array([finite.min(), finite.max()])
+    if _fits(extremes, n.dtype):
+      continue
+    with np.errstate(over="ignore", invalid="ignore"):
+      landed = extremes.astype(n.dtype)
+    k = 0 if not np.isfinite(landed[0]) else 1
+    raise ValueError(
+      f"{leaves_lib.where(process, index, hb.signature.names[n.index])}: value"
+      f" {extremes[k]!s} does not fit {n.dtype}, the dtype {n.why} (it would become"
+      f" {landed[k]!s} silently); {n.fix} or bring the values into the"
+      f" {n.dtype} range (magnitude at most {float(ml_dtypes.finfo(n.dtype).max):.8g})"
+    )
+
+
+def _fits(extremes: np.ndarray, dtype: np.dtype) -> bool:
+  """Whether these (finite, else not) extremes cast to finite values of `dtype`."""
+  with np.errstate(over="ignore", invalid="ignore"):
+    return bool(np.isfinite(extremes.astype(dtype)).all())

@@ -25,6 +25,7 @@ one thread that runs its stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -118,6 +119,7 @@ class Stages:
       start_error=start.start_error,
       digest=sharding_lib.rows_digest if self._shares(start) else None,
       shapes=start.settings.shapes,  # `pad_shapes`: the dims whose sizes vary.
+      narrowing=functools.partial(build_lib.narrowing, dtypes=start.settings.dtypes),
     )
 
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[agreement.Run]:

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from grain_jax_sync._src import extras
+from grain_jax_sync._src import device_put_placement, extras
 from grain_jax_sync._src import iterator as iterator_lib
-
-if TYPE_CHECKING:
-  from grain_jax_sync._src.grain_dataset import Placement
 
 
 def _why_plain(device: Any) -> str:
@@ -64,7 +61,9 @@ def _normalize_state(state: Any) -> dict[str, Any]:
   }
 
 
-def _plain_first(parent: Any, settings: Any, placement: Placement) -> list[Any] | None:
+def _plain_first(
+  parent: Any, settings: Any, placement: device_put_placement.Placement
+) -> list[Any] | None:
   """Reads the first element to choose the mode: [it] where elements are placed
   one by one (as `jax.device_put` does), None for global batches (then
   `parent` is back where it was).
@@ -126,7 +125,9 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
   _parent: Any
   _assert_not_closed: Any
 
-  def __init__(self, parent: Any, settings: Any, placement: Placement, batches: Any):
+  def __init__(
+    self, parent: Any, settings: Any, placement: device_put_placement.Placement, batches: Any
+  ):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
     self._settings = settings
     self._placement = placement
@@ -202,7 +203,9 @@ class _SyncedDataset:  # The bases come with Grain (`classes`).
 
   _parent: Any  # Set by Grain's IterDataset (the other base).
 
-  def __init__(self, parent: Any, settings: Any, placement: Placement, batches: Any):
+  def __init__(
+    self, parent: Any, settings: Any, placement: device_put_placement.Placement, batches: Any
+  ):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
     self._args = (settings, placement, batches)
 

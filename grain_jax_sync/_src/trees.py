@@ -172,6 +172,35 @@ def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
   return tuple(values)
 
 
+def key_paths(spec: TreeSpec) -> list[str]:
+  """Each leaf's key path, in leaf order: ``batch['a']['b']``, ``batch[0]``, ``batch.field``.
+
+  Unlike a leaf's name (slash-joined), a key path tells apart leaves whose
+  names are the same (``{"a": {"b": x}, "a/b": y}``).
+  """
+  out: list[str] = []
+  _paths(spec, "batch", out)
+  return out
+
+
+def _paths(s: TreeSpec, prefix: str, out: list[str]) -> None:
+  if s == LEAF:
+    out.append(prefix)
+    return
+  if s == NONE:
+    return
+  if "o" in s:  # A registered node: its children by their `keystr` names.
+    children = [(f"{prefix}.{k}", sub) for k, sub in s["c"]]
+  elif "d" in s:
+    children = [(f"{prefix}[{k!r}]", sub) for k, sub in s["d"]]
+  elif "nt" in s:
+    children = [(f"{prefix}.{f}", sub) for f, sub in zip(s["f"], s["t"], strict=True)]
+  else:
+    children = [(f"{prefix}[{i}]", sub) for i, sub in enumerate(s["t"] if "t" in s else s["l"])]
+  for path, sub in children:
+    _paths(sub, path, out)
+
+
 def is_dict_spec(spec: TreeSpec) -> bool:
   return isinstance(spec, dict) and "d" in spec
 

@@ -20,8 +20,8 @@ from grain_jax_sync._src.agreement import endings
 logger = logging.getLogger(__name__)
 
 # Two processes that each wait at the start of a stream the other has not
-# started (iterators started in a different order: a stream starts at its
-# first `next()`) can never go on. Named after this long crosswise, or half
+# started (iterators created or started in a different order: a stream starts
+# at its first `next()`) can never go on. Named after this long crosswise, or half
 # `sync_timeout_s` if shorter: longer than a live peer takes between the
 # first `next()` calls of iterators it starts together (threads), on any host.
 CROSS_WAIT_S = 30.0
@@ -77,9 +77,7 @@ class CrossWait:
     message = (
       f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
       f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
-      " started the other's: the processes called next() on their iterators"
-      " in a different order (an iterator's stream starts at its first"
-      " next()); start every iterator in the same order on every process"
+      f" started the other's: {endings.order_cause()}"
     )
     error = plan_lib.ReportedError(
       plan_lib.ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,)

@@ -214,8 +214,7 @@ class Decider(Streamed):
       f" {self._j}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
       " or only just silent (its liveness beat is recent), so it may have"
       " died just now, hung in its source, paused its training loop for"
-      " longer than `sync_timeout_s`, or created its iterators in a different"
-      " order (pass the same `name=` on every process)",
+      f" longer than `sync_timeout_s`, or {endings.order_cause()}",
       peer,
       self._yielded,
       "PeerTimeoutError",

@@ -59,6 +59,23 @@ def closed_peer_message(note: str, namespace: str) -> str:
   )
 
 
+def order_cause() -> str:
+  """Why processes' iterators miss each other, and the fix: one wording wherever it may be the cause.
+
+  Iterators are paired across processes by creation order (or by `name=`),
+  and an iterator's stream starts at its first `next()`; the crosswise wait
+  and the timeouts at the start of a stream name this cause the same way.
+  """
+  return (
+    "the processes created or started their iterators in a different order"
+    " (iterators are paired across processes by creation order unless given"
+    " a `name=`, and an iterator's stream starts at its first next()): create"
+    " the iterators in the same order on every process or pass the same"
+    " `name=` to the iterators that belong together, and call next() on them"
+    " in the same order on every process"
+  )
+
+
 def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
   """The ending of a process that closed its iterator after `at_batch` batches."""
   return plan_lib.ReportedError(

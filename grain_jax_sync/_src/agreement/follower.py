@@ -125,14 +125,9 @@ class Follower(Streamed):
   def _timeout_error(self) -> plan_lib.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"
     if self._seq == 0:
-      # Nothing decided in this stream yet: process 0 may never have made
-      # this iterator, which looks the same from here.
-      cause = (
-        "it has posted no decision on this iterator yet: it did not create"
-        " it (iterators created in a different order, or a `name=` that"
-        " process 0 does not use: pass the same `name=` on every process),"
-        f" or {cause}"
-      )
+      # Nothing decided in this stream yet: process 0 may not have made or
+      # started this iterator, which looks the same from here.
+      cause = f"it has posted no decision on this iterator yet: {cause}, or {endings.order_cause()}"
     return plan_lib.ReportedError(
       ErrorKind.TIMEOUT,
       f"process {self._p} got no decision on batch {self._yielded} from"

@@ -26,6 +26,10 @@ Under ``base``, once per iterator and process, at `close()`:
   on some processes only), or where p could not post its ending.
 - ``{base}/closed_count``: the process that brings it to the process count
   deletes ``{base}``.
+- ``{base}/times/{p}``: process p's `stats()` times at the end of its last
+  stream (`post_times`), which `stats(all_hosts=True)` reads once the
+  stream has ended (the agreement's last message comes before the last
+  batches are built and received).
 
 Per decided window that is O(processes) store work in all: one chunk write
 and one decision read per process, one directory read of O(processes)
@@ -365,6 +369,41 @@ def register_close(base: str, note: str) -> None:
       client.key_value_delete(base)
   except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
     logger.debug("grain_jax_sync: could not record the close of %s: %s", base, e)
+
+
+def post_times(base: str, text: str) -> None:
+  """Posts this process's figures at the end of a stream of the iterator `base`; best effort.
+
+  ``{base}/times/{p}``, overwritten at each stream's end and deleted with
+  ``{base}`` by the last process to close the iterator.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  client = distributed_client()
+  if client is None or jax.process_count() == 1:
+    return
+  try:
+    client.key_value_set(f"{base}/times/{jax.process_index()}", text, True)
+  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
+    logger.debug("grain_jax_sync: could not post the figures of %s: %s", base, e)
+
+
+def read_times(base: str) -> list[tuple[int, str]]:
+  """Every process's figures posted under `base` (`post_times`): one directory read; best effort."""
+  client = distributed_client()
+  if client is None:
+    return []
+  try:
+    entries = client.key_value_dir_get(f"{base}/times/")
+  except Exception as e:  # noqa: BLE001 - best effort: the table keeps what it has.
+    logger.debug("grain_jax_sync: could not read the figures of %s: %s", base, e)
+    return []
+  out = []
+  for key, value in entries:
+    process = key.rsplit("/", 1)[-1]
+    if process.isdigit():
+      out.append((int(process), value))
+  return out
 
 
 def put_beat(client: Any, process: int, value: str) -> None:

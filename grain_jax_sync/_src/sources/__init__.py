@@ -11,7 +11,7 @@ from typing import Any
 
 from grain_jax_sync._src.sources import elastic
 from grain_jax_sync._src.sources.base import SourceIterator
-from grain_jax_sync._src.sources.iterable import open_iterable
+from grain_jax_sync._src.sources.iterable import next_only, open_iterable
 
 
 def open_source(source: Any) -> SourceIterator:
@@ -56,13 +56,14 @@ def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator
   Returns:
     A fresh iterator over a re-iterable `source` (a sequence, a Grain
     dataset or loader, a `tf.data.Dataset`, any iterable that is not itself
-    an iterator), else `current` restored to `initial`.
+    an iterator), else `current` restored to `initial` (an iterator, with
+    `__iter__` or `__next__` alone).
 
   Raises:
     RuntimeError: If `source` can be read only once and cannot restore its
       start (a generator, an iterator without get_state()/set_state()).
   """
-  if not isinstance(source, (SourceIterator, Iterator)):
+  if not isinstance(source, (SourceIterator, Iterator)) and not next_only(source):
     current.close()
     return open_source(source)
   if current.supports_state and initial is not None:

@@ -31,8 +31,8 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from grain_jax_sync._src import elastic_codec, extras
 from grain_jax_sync._src import elastic_split as es
-from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base, elastic_cursor
 
 FORMAT = "grain_jax_sync.elastic/1"
@@ -303,7 +303,7 @@ def export(
     "process_count": layout.count,
     "process_index": layout.index,
     "first_epoch": layout.first_epoch,
-    "splits": es.splits_to_json(layout.splits),
+    "splits": elastic_codec.splits_to_json(layout.splits),
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
@@ -363,7 +363,7 @@ def check_source_state(
     num_records,
     spec.num_epochs,
     _field(state, "first_epoch"),
-    es.splits_from_json(state.get("splits", [])),
+    elastic_codec.splits_from_json(state.get("splits", [])),
     count,
     index,
   )

@@ -41,7 +41,7 @@ class IteratorSource(base.SourceIterator):
   """Any iterable. Resumable when its iterator has get_state/set_state."""
 
   def __init__(self, iterable: Iterable[Any]):
-    if not hasattr(iterable, "__iter__") and callable(getattr(iterable, "__next__", None)):
+    if next_only(iterable):
       self._it: Any = iterable  # `__next__` alone, as MaxText-style iterators are written.
     else:
       self._it = iter(iterable)  # May have get_state/set_state.
@@ -68,6 +68,15 @@ class IteratorSource(base.SourceIterator):
     close = getattr(self._it, "close", None)
     if callable(close):
       close()
+
+
+def next_only(source: Any) -> bool:
+  """Whether `source` is an iterator with `__next__` and no `__iter__`.
+
+  No `__iter__` is a missing one or one set to None, Python's marker for
+  "not iterable" (`next()` takes such an object; `iter()` does not).
+  """
+  return getattr(source, "__iter__", None) is None and callable(getattr(source, "__next__", None))
 
 
 def open_iterable(source: Any) -> base.SourceIterator:
