@@ -113,6 +113,7 @@ class JaxBatchIterator(Iterator[Any]):
       if life.asked and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
         raise StopIteration from None  # Closed from another thread meanwhile.
       tracebacks.clear_library_frames(e)
+      tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
       raise
     if not life.receive(item, time.monotonic() - t0):
       # Closed from another thread meanwhile (its count excludes this
