@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats, sources, tracebacks
+from grain_jax_sync._src import job_stats, signal_at, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -120,6 +120,8 @@ class JaxBatchIterator(Iterator[Any]):
       # batch), or from a signal handler inside this call: no batch after
       # `close()`.
       raise StopIteration
+    if life.mark.position == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
+      signal_at.send()
     return item.value
 
   def stats(self, *, all_hosts: bool = False) -> dict[str, Any]:
