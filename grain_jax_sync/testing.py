@@ -274,9 +274,8 @@ def run_script(
   What ``python -m grain_jax_sync simulate path.py ARGS`` does: every process
   runs the script with ``sys.argv == [path, *argv]`` after
   ``jax.distributed.initialize`` has joined the processes, so a script that
-  calls ``jax.distributed.initialize()`` only when
-  ``jax.distributed.is_initialized()`` is False runs unchanged here and on a
-  real multi-host job.
+  starts with `grain_jax_sync.init_distributed()` runs unchanged here, alone
+  as one process, and on a real multi-host job.
 
   Args:
     path: A Python file.
