@@ -41,16 +41,6 @@ import numpy as np
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 def host_records(records_per_host: int) -> list[dict[str, np.ndarray]]:
   """This host's records: ids unique across hosts, host p holds 40 + 25p."""
   p = jax.process_index()
@@ -115,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--records", type=int, default=40, help="records on host 0")
   parser.add_argument("--batch-size", type=int, default=16, help="rows per host per batch")
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   mesh = global_mesh()
   records = host_records(args.records)
   a = via_device_put(records, mesh, args.batch_size)

@@ -32,16 +32,6 @@ import orbax.checkpoint as ocp
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 def keep(record: dict) -> bool:
   return int(record["id"]) % 3 != 1  # Stands in for "too long", "bad language", ...
 
@@ -82,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--batch-size", type=int, default=8, help="rows per host per batch")
   parser.add_argument("--save-at", type=int, default=3, help="steps before the preemption")
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   state = initial_state(args.records)
   steps = 0
   with (

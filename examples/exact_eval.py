@@ -36,16 +36,6 @@ import grain_jax_sync as gjs
 FEATURES, CLASSES = 16, 4
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 def dataset(num_examples: int) -> dict[str, np.ndarray]:
   """The whole split, the same on every host: integer features and labels."""
   rng = np.random.default_rng(0)
@@ -114,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--examples", type=int, default=1001, help="size of the split")
   parser.add_argument("--batch-size", type=int, default=64, help="examples per host per batch")
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   got = evaluate(args.examples, args.batch_size)
   want = single_process_count(args.examples)
   exact = all(got[k] == want[k] for k in want)

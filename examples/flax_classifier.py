@@ -35,16 +35,6 @@ from flax import nnx
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 class MLP(nnx.Module):
   """A two-layer perceptron over flattened images."""
 
@@ -125,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     "--mock-examples", type=int, default=0, help="use TFDS mock data of this size (0: if needed)"
   )
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   print("result:", json.dumps(train(args), sort_keys=True))
 
 

@@ -39,16 +39,6 @@ from jax.experimental import multihost_utils
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 def make_pipeline(records: int, batch_size: int) -> gjs.JaxBatchIterator:
   """This host's shuffled records (host p: records + 13p), agreed batches."""
   p = jax.process_index()
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--save-at", type=int, default=3, help="save after this many steps")
   parser.add_argument("--checkpoint-dir", default=None, help="shared by every host")
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   ckpt_dir = args.checkpoint_dir or shared_checkpoint_dir()
   fresh = initial_state()
 

@@ -30,16 +30,6 @@ import numpy as np
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 @jax.jit
 def sgd_step(params, batch):
   """Softmax regression; padded rows (mask False) carry no weight."""
@@ -130,5 +120,5 @@ def train(
 
 
 if __name__ == "__main__":
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   print("result:", json.dumps(train(), sort_keys=True))

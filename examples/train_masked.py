@@ -27,16 +27,6 @@ import numpy as np
 import grain_jax_sync as gjs
 
 
-def init_distributed() -> None:
-  """Joins the job's processes, unless `simulate` (or a test) already did."""
-  if jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize()  # Finds its peers on a TPU pod, SLURM, ...
-  except ValueError as e:  # "coordinator_address should be defined"
-    print(f"not a multi-host job ({e}); running as a single process")
-
-
 def host_shard(process: int, batch_size: int) -> list[dict[str, np.ndarray]]:
   """Host p holds 100 + 30 * p examples of y = 3x + 1 (uneven on purpose)."""
   rng = np.random.default_rng(process)
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--epochs", type=int, default=20)
   parser.add_argument("--batch-size", type=int, default=16, help="examples per host per step")
   args = parser.parse_args(argv)
-  init_distributed()
+  gjs.init_distributed()  # Joins the job's processes; alone, one process.
   print("result:", json.dumps(train(args.epochs, args.batch_size), sort_keys=True))
 
 

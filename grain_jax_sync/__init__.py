@@ -12,6 +12,7 @@ from grain_jax_sync._src.shard_layout import global_to_local_shape, local_to_glo
 from grain_jax_sync._src.sources.elastic import elastic_source
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline
+from grain_jax_sync._src.startup import init_distributed
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
   "elastic_source",
   "from_tf_data",
   "global_to_local_shape",
+  "init_distributed",
   "iter_jax_batches",
   "jax_sync_generator",
   "local_to_global_shape",

@@ -201,19 +201,57 @@ def _print_mesh_choice() -> None:
   print(f"batches go to: {placement.resolve_sharding().describe()}")
 
 
+def _signal_at(text: str) -> Any:
+  """``--signal PROCESS:SIGNAL:BATCH`` (e.g. ``1:SIGTERM:5``) as a `testing.SignalAt`."""
+  import signal  # pylint: disable=g-import-not-at-top
+
+  from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
+
+  process, name, batch = (text.split(":") + ["", ""])[:3]
+  name = name.upper()
+  try:
+    if name.isdigit():
+      signum = signal.Signals(int(name))
+    else:
+      signum = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    return testing.SignalAt(process=int(process), after_batch=int(batch), signal=signum)
+  except (KeyError, ValueError):
+    raise argparse.ArgumentTypeError(
+      f"expected PROCESS:SIGNAL:BATCH such as 1:SIGTERM:5, got {text!r}"
+    ) from None
+
+
+def _print_failure(o: Any) -> None:
+  print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
+  if o.traceback:
+    for line in o.traceback.rstrip("\n").splitlines():
+      print(f"[process {o.process_index}] {line}")
+
+
 def _simulate(args: argparse.Namespace) -> int:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import script_runner  # pylint: disable=g-import-not-at-top
 
-  topology = {"num_processes": args.processes, "devices_per_process": args.devices}
+  run = {
+    "num_processes": args.processes,
+    "devices_per_process": args.devices,
+    "timeout_s": args.timeout,
+    "signal_at": getattr(args, "signal", ()),
+    "echo": True,  # Every line each process writes, as it writes it.
+  }
   if args.target.endswith(".py"):
-    outcomes = testing.run_script(args.target, args.args, timeout_s=args.timeout, **topology)
+    try:
+      outcomes = testing.run_script(args.target, args.args, **run)
+    except ValueError as e:  # A missing file, a --signal for a process not started.
+      print(f"simulate: {e}", file=sys.stderr)
+      return 2
     for o in outcomes:
-      status = "ok" if o.ok else f"FAILED: {o.error_type}: {o.error_message}"
-      print(f"== process {o.process_index}: {status} ==")
-      text = o.value if o.ok else f"{o.traceback or ''}{o.log}"
-      if text:
-        print(text, end="" if text.endswith("\n") else "\n")
+      if o.ok:
+        print(f"== process {o.process_index}: ok ==")
+      elif o.error_type is None:
+        print(f"== process {o.process_index}: FAILED: exit code {o.exit_code} ==")
+      else:
+        _print_failure(o)
     return 0 if all(o.ok for o in outcomes) else 1
   kwargs = {}
   for arg in args.args:
@@ -223,9 +261,9 @@ def _simulate(args: argparse.Namespace) -> int:
       return 2
     kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
   fn = script_runner.resolve_function(args.target)
-  outcomes = testing.run_processes(fn, kwargs=kwargs, timeout_s=args.timeout, **topology)
+  outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
   for o in outcomes:
-    status = "ok" if o.ok else f"{o.error_type}: {o.error_message}"
+    status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"
     print(f"process {o.process_index}: {status}; value={o.value!r}")
   return 0 if all(o.ok for o in outcomes) else 1
 
@@ -233,26 +271,46 @@ def _simulate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m grain_jax_sync", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
-  demo = sub.add_parser("demo", help="two local hosts with uneven data")
-  demo.add_argument("--processes", type=int, default=2)
+  demo = sub.add_parser(
+    "demo",
+    help="two local hosts with uneven data",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  demo.add_argument("--processes", type=int, default=2, help="simulated hosts")
   demo.add_argument("--devices", type=int, default=4, help="CPU devices per process")
-  demo.add_argument("--batch-size", type=int, default=8)
-  demo.add_argument("--timeout", type=float, default=300.0)
+  demo.add_argument("--batch-size", type=int, default=8, help="rows per host per batch")
+  demo.add_argument("--timeout", type=float, default=300.0, help="seconds before it is stopped")
   demo.set_defaults(fn=_demo)
   doctor = sub.add_parser("doctor", help="what this machine offers")
   doctor.set_defaults(fn=_doctor)
   sim = sub.add_parser(
     "simulate",
     allow_abbrev=False,
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     help="run a script, or a function, in N local processes",
+    description="Runs a script, or a function, in N local processes of D CPU"
+    " devices each, joined by jax.distributed as hosts are. Each line a"
+    " process writes (its warnings and errors included) is shown as it is"
+    " written, labelled [process i].",
     epilog="Arguments after the target that simulate does not know (or all after"
     " `--`) go to the script as sys.argv[1:], or to the function as name=value"
     " keyword arguments.",
   )
   sim.add_argument("target", help="file.py (run as __main__), file.py:function or module:function")
-  sim.add_argument("--processes", "-n", type=int, default=2)
-  sim.add_argument("--devices", "-d", type=int, default=4)
-  sim.add_argument("--timeout", type=float, default=300.0)
+  sim.add_argument("--processes", "-n", type=int, default=2, help="simulated hosts")
+  sim.add_argument("--devices", "-d", type=int, default=4, help="CPU devices per process")
+  sim.add_argument(
+    "--timeout", type=float, default=300.0, help="seconds before every process is killed"
+  )
+  sim.add_argument(
+    "--signal",
+    type=_signal_at,
+    action="append",
+    default=argparse.SUPPRESS,  # None given: no signal (and no "(default: ...)").
+    metavar="PROCESS:SIGNAL:BATCH",
+    help="send SIGNAL to PROCESS right after its iterator delivered batch BATCH,"
+    " e.g. 1:SIGTERM:5 (repeatable, one per process)",
+  )
   sim.set_defaults(fn=_simulate)
   argv = list(sys.argv[1:] if argv is None else argv)
   passed: list[str] = []

@@ -26,18 +26,17 @@ import dataclasses
 import inspect
 import os
 import pickle
-import signal
+import signal as signal_lib
 import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import script_runner
+from grain_jax_sync._src import script_runner, sim_processes
+from grain_jax_sync._src import signal_at as signal_at_lib
 
-__all__ = ["ProcessOutcome", "run_processes", "run_script", "values"]
+__all__ = ["ProcessOutcome", "SignalAt", "run_processes", "run_script", "values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +51,8 @@ class ProcessOutcome:
     traceback: Formatted traceback of that exception.
     exit_code: The interpreter's exit code (-9 for SIGKILL).
     elapsed_s: Seconds the scenario function ran (NaN if it never returned).
-    log: The last 4,000 characters of the process's stderr.
+    log: The last 4,000 characters of what the process wrote to stdout and
+      stderr (the library's logged warnings included), in the order written.
   """
 
   process_index: int
@@ -68,6 +68,50 @@ class ProcessOutcome:
   def ok(self) -> bool:
     """True when the scenario returned and the process exited with 0."""
     return self.error_type is None and self.exit_code == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalAt:
+  """A signal that one process sends itself once it has received a given batch.
+
+  Under `run_processes(signal_at=...)` (and ``simulate --signal``), the
+  process's iterator, right after `next()` has delivered the batch that
+  makes its position `after_batch` (``get_state()["batches"] ==
+  after_batch``), sends `signal` to its own process, once: the first
+  iterator of that process to get there does. A handler the scenario
+  installed with ``signal.signal`` runs then, as when a scheduler's notice
+  arrives in a training loop; without one, the signal's default action
+  applies (SIGTERM ends the process, its outcome's ``exit_code`` is -15;
+  after ``jax.distributed.initialize`` JAX's preemption notifier has taken
+  SIGTERM instead). A handler that raises (SIGINT's KeyboardInterrupt)
+  raises from that `next()`: batch `after_batch` is then in the state but
+  never returned. Other processes are not signalled.
+
+  Attributes:
+    process: The process index that gets the signal.
+    after_batch: The position (>= 1) after which it is sent.
+    signal: The signal number; SIGTERM by default.
+  """
+
+  process: int
+  after_batch: int
+  signal: int = signal_lib.SIGTERM
+
+
+def _signal_env(signal_at: SignalAt | Sequence[SignalAt], num_processes: int) -> dict[int, str]:
+  """Each signalled process's `signal_at` environment value; raises ValueError for a bad one."""
+  wanted = [signal_at] if isinstance(signal_at, SignalAt) else list(signal_at)
+  out: dict[int, str] = {}
+  for w in wanted:
+    if not isinstance(w, SignalAt) or not 0 <= w.process < num_processes or w.process in out:
+      raise ValueError(
+        f"`signal_at` must hold SignalAt values for distinct processes in"
+        f" [0, {num_processes}), got {w!r}"
+      )
+    if w.after_batch < 1 or w.signal not in set(signal_lib.Signals):
+      raise ValueError(f"`signal_at` needs after_batch >= 1 and a signal number, got {w!r}")
+    out[w.process] = signal_at_lib.encode(w.after_batch, w.signal)
+  return out
 
 
 def _free_port() -> int:
@@ -93,15 +137,6 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   return {"module": module, "root": root, "file": path, "qualname": qualname}
 
 
-def _tail(path: str, limit: int = 4000) -> str:
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError:
-    return ""
-  return data[-limit:].decode("utf-8", "replace")
-
-
 def _check_counts(
   num_processes: int,
   devices_per_process: int,
@@ -118,81 +153,14 @@ def _check_counts(
     )
 
 
-def _process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict[str, str]:
-  """The environment of every process: ours, `env`, forced CPU devices, this package first."""
-  base_env = dict(os.environ)
-  base_env.update(env or {})
-  base_env["XLA_FLAGS"] = (
-    base_env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices_per_process}"
-  ).strip()
-  base_env["JAX_PLATFORMS"] = "cpu"
-  base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  base_env.setdefault("PYTHONUNBUFFERED", "1")
-  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  base_env["PYTHONPATH"] = os.pathsep.join(
-    [pkg_root] + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-  )
-  return base_env
-
-
-def _start_process(
-  i: int, job: dict[str, Any], workdir: str, base_env: dict[str, str]
-) -> tuple[subprocess.Popen[bytes], str]:
-  """Writes process `i`'s job file and starts it; returns the process and its log path."""
-  job_path = os.path.join(workdir, f"job_{i}.pkl")
-  with open(job_path, "wb") as f:
-    pickle.dump(job, f)
-  log_path = os.path.join(workdir, f"log_{i}.txt")
-  log = open(log_path, "wb")  # noqa: SIM115 - closed after the run.
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
-    env=base_env,
-    stdout=log,
-    stderr=subprocess.STDOUT,
-    stdin=subprocess.DEVNULL,
-    start_new_session=True,
-  )
-  log.close()
-  return proc, log_path
-
-
-def _wait_or_kill(
-  procs: list[subprocess.Popen[bytes]], paths: list[tuple[str, str]], timeout_s: float
-) -> None:
-  """Waits for every process; past `timeout_s` kills them all and raises TimeoutError."""
-  deadline = time.monotonic() + timeout_s
-  timed_out = False
-  for p in procs:
-    remaining = deadline - time.monotonic()
-    try:
-      p.wait(timeout=max(remaining, 0.01))
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      break
-  if not timed_out:
-    return
-  for p in procs:
-    if p.poll() is None:
-      try:
-        os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-      p.wait()
-  tails = "\n".join(
-    f"--- process {i} (exit {procs[i].returncode}) ---\n{_tail(log, 2000)}"
-    for i, (_, log) in enumerate(paths)
-  )
-  raise TimeoutError(
-    f"{len(procs)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
-  )
-
-
 def _outcomes(
-  procs: list[subprocess.Popen[bytes]], paths: list[tuple[str, str]]
+  procs: list[subprocess.Popen[bytes]],
+  outputs: list[sim_processes.Output],
+  results: list[str],
 ) -> list[ProcessOutcome]:
   """One outcome per finished process, from its result file, exit code and log."""
   outcomes = []
-  for i, (result_path, log_path) in enumerate(paths):
+  for i, (proc, output, result_path) in enumerate(zip(procs, outputs, results, strict=True)):
     payload: dict[str, Any] = {}
     if os.path.exists(result_path):
       with open(result_path, "rb") as f:
@@ -200,8 +168,8 @@ def _outcomes(
     outcomes.append(
       ProcessOutcome(
         process_index=i,
-        exit_code=procs[i].returncode,
-        log=_tail(log_path),
+        exit_code=proc.returncode,
+        log=sim_processes.tail(output.log_path),
         **payload,
       )
     )
@@ -220,6 +188,8 @@ def run_processes(
   heartbeat_timeout_s: int = 100,
   exit_barrier_timeout_s: float = 30.0,
   env: Mapping[str, str] | None = None,
+  signal_at: SignalAt | Sequence[SignalAt] = (),
+  echo: bool = False,
 ) -> list[ProcessOutcome]:
   """Runs ``fn(*args, **kwargs)`` in `num_processes` real JAX processes.
 
@@ -241,6 +211,11 @@ def run_processes(
       process tears down a collective a peer is still in. 0 skips the barrier
       (a process killed mid-run makes its peers wait the full timeout).
     env: Extra environment variables for every process.
+    signal_at: A `SignalAt` (or several, for distinct processes): the
+      process that sends itself a signal, and after which batch.
+    echo: Also show what each process writes as it writes it, each line
+      labelled ``[process i]``, on this process's stdout or stderr (as
+      ``simulate`` does). Either way it is kept in ``ProcessOutcome.log``.
 
   Returns:
     One ``ProcessOutcome`` per process, in process-index order.
@@ -250,12 +225,14 @@ def run_processes(
     ValueError: For bad arguments.
   """
   _check_counts(num_processes, devices_per_process, per_process_kwargs)
+  signal_env = _signal_env(signal_at, num_processes)
   spec = _function_spec(fn)
   port = _free_port()
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
   procs: list[subprocess.Popen[bytes]] = []
-  paths: list[tuple[str, str]] = []
-  base_env = _process_env(env, devices_per_process)
+  outputs: list[sim_processes.Output] = []
+  results: list[str] = []
+  base_env = sim_processes.process_env(env, devices_per_process)
   for i in range(num_processes):
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
@@ -272,11 +249,13 @@ def run_processes(
       "exit_barrier_timeout_s": exit_barrier_timeout_s,
       "result": result_path,
     }
-    proc, log_path = _start_process(i, job, workdir, base_env)
-    paths.append((result_path, log_path))
+    proc_env = base_env if i not in signal_env else {**base_env, signal_at_lib.ENV: signal_env[i]}
+    proc, output = sim_processes.start(i, job, workdir, proc_env, echo=echo)
     procs.append(proc)
-  _wait_or_kill(procs, paths, timeout_s)
-  return _outcomes(procs, paths)
+    outputs.append(output)
+    results.append(result_path)
+  sim_processes.wait_or_kill(procs, outputs, timeout_s)
+  return _outcomes(procs, outputs, results)
 
 
 def run_script(
@@ -287,15 +266,16 @@ def run_script(
   devices_per_process: int = 1,
   timeout_s: float = 120.0,
   env: Mapping[str, str] | None = None,
+  signal_at: SignalAt | Sequence[SignalAt] = (),
+  echo: bool = False,
 ) -> list[ProcessOutcome]:
   """Runs the Python file `path` as ``__main__`` in `num_processes` processes.
 
   What ``python -m grain_jax_sync simulate path.py ARGS`` does: every process
   runs the script with ``sys.argv == [path, *argv]`` after
   ``jax.distributed.initialize`` has joined the processes, so a script that
-  calls ``jax.distributed.initialize()`` only when
-  ``jax.distributed.is_initialized()`` is False runs unchanged here and on a
-  real multi-host job.
+  starts with `grain_jax_sync.init_distributed()` runs unchanged here, alone
+  as one process, and on a real multi-host job.
 
   Args:
     path: A Python file.
@@ -304,6 +284,8 @@ def run_script(
     devices_per_process: Forced CPU devices per process.
     timeout_s: Wall-clock bound for the whole run, as in `run_processes`.
     env: Extra environment variables for every process.
+    signal_at: As in `run_processes`.
+    echo: As in `run_processes`.
 
   Returns:
     One ``ProcessOutcome`` per process; its ``value`` is what the script
@@ -322,6 +304,8 @@ def run_script(
     args=(os.path.abspath(path), tuple(argv)),
     timeout_s=timeout_s,
     env=env,
+    signal_at=signal_at,
+    echo=echo,
   )
 
 

@@ -80,9 +80,7 @@ def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   kind = agreement.Decider if p == 0 else agreement.Follower
-  stage = kind(
-    read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0
-  )
+  stage = kind(read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0)
   record, yielded = [], 0
   runs = iter(stage)
   try:
@@ -438,9 +436,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = agreement.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
   kind = agreement.Decider if p == 0 else agreement.Follower
-  stage = kind(
-    read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0
-  )
+  stage = kind(read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0)
   record = []
   try:
     for run in stage:
@@ -494,5 +490,3 @@ def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
     " it at the same point"
   )
   assert agreement.closed_peer_message("not json", "ns/2").startswith("not json, without starting")
-
-

@@ -10,7 +10,8 @@ Every ```python block in docs/*.md and README.md is one of:
   not run; the line says what it needs and, where there is one, which
   example runs the same thing.
 
-README's "Example" block is run under simulate by tests/test_examples.py.
+README's "Example" block is run under simulate by tests/test_examples.py, and
+alone as one process here.
 Fences without a language (or ``text``) are commands and output, not code.
 """
 
@@ -77,6 +78,31 @@ def test_page_python_blocks_run_in_one_process(page, tmp_path):
     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
   )  # fmt: skip
   assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_readme_example_runs_alone_as_one_process(tmp_path):
+  """README's first snippet as `python example.py`: no job to join, so one process."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    code = re.search(r"## Example\n\n```python\n(.*?)```", f.read(), re.S).group(1)
+  script = tmp_path / "example.py"
+  script.write_text(code)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("JAX_COORDINATOR_ADDRESS", None)
+  proc = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # 10 batches of 32 rows, all real: no peer, so no dummy batch.
+  assert proc.stdout == "host 0: 320 real rows in 10 batches\n"
+  assert (
+    "grain_jax_sync: no multi-process job found (jax.distributed.initialize:"
+    " coordinator_address should be defined); running as one process" in proc.stderr
+  )
 
 
 SIM_BLOCKS = [

@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _cli(*args: str, timeout: float = 240) -> str:
-  """Runs `python -m grain_jax_sync ARGS` from the repository root; its stdout."""
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+  """Runs `python -m grain_jax_sync ARGS` from the repository root; asserts it succeeded."""
   proc = subprocess.run(
     [sys.executable, "-m", "grain_jax_sync", *args],
     cwd=ROOT,
@@ -29,20 +29,26 @@ def _cli(*args: str, timeout: float = 240) -> str:
   assert proc.returncode == 0, (
     f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
   )
-  return proc.stdout
+  return proc
+
+
+def _cli(*args: str, timeout: float = 240) -> str:
+  """Runs `python -m grain_jax_sync ARGS` from the repository root; its stdout."""
+  return _run(*args, timeout=timeout).stdout
+
+
+RESULT = re.compile(r"^\[process (\d+)\] result: (.*)$", re.M)
 
 
 def _simulate(script: str, *args: str, processes: int = 2, devices: int = 4) -> list[dict]:
-  """Runs a script under `simulate`; each process's ``result:`` line, in order."""
+  """Runs a script under `simulate`; each process's ``result:`` line, in process order."""
   out = _cli(
     "simulate", script, "--processes", str(processes), "--devices", str(devices), *args,
     "--timeout", "200",
   )  # fmt: skip
-  results = [
-    json.loads(line[len("result: ") :]) for line in out.splitlines() if line.startswith("result: ")
-  ]
-  assert len(results) == processes, out
-  return results
+  found = sorted((int(p), json.loads(text)) for p, text in RESULT.findall(out))
+  assert [p for p, _ in found] == list(range(processes)), out
+  return [result for _, result in found]
 
 
 @pytest.mark.multiprocess
@@ -214,3 +220,86 @@ def test_simulate_script_failure_exits_non_zero_with_the_error(tmp_path):
   )  # fmt: skip
   assert proc.returncode == 1
   assert "FAILED: builtins.RuntimeError" in proc.stdout and "'bad input'" in proc.stdout
+
+
+def test_simulate_help_shows_the_defaults():
+  out = " ".join(_cli("simulate", "--help", timeout=60).split())  # As wrapped at any width.
+  assert "simulated hosts (default: 2)" in out
+  assert "CPU devices per process (default: 4)" in out
+  assert "seconds before every process is killed (default: 300.0)" in out
+  assert "--signal PROCESS:SIGNAL:BATCH" in out and "(default: [])" not in out
+
+
+UNMASKED = """
+import jax
+import numpy as np
+import grain_jax_sync as gjs
+
+shard = [{"x": np.ones(4, np.float32)}] * (2 + jax.process_index())
+with gjs.iter_jax_batches(shard, batch_size=4, paddings=0) as it:  # No mask_key: a warning.
+  print(f"host {jax.process_index()}: {sum(1 for _ in it)} batches")
+"""
+
+
+@pytest.mark.multiprocess
+def test_simulate_shows_every_process_output_and_the_library_warnings_labelled(tmp_path):
+  script = tmp_path / "unmasked.py"
+  script.write_text(UNMASKED)
+  proc = _run("simulate", str(script), "-n", "2", "-d", "2", "--timeout", "120", timeout=180)
+  out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+  assert "[process 0] host 0: 3 batches" in out and "[process 1] host 1: 3 batches" in out
+  assert out[-2:] == ["== process 0: ok ==", "== process 1: ok =="]
+  for p in (0, 1):  # Logged by the library in processes that succeeded.
+    warned = [line for line in err if line.startswith(f"[process {p}] grain_jax_sync: `paddings`")]
+    assert len(warned) == 1 and "`mask_key` is not" in warned[0]
+
+
+SIGNALLED = """
+import signal
+import jax
+import numpy as np
+import grain_jax_sync as gjs
+
+got = []
+with gjs.iter_jax_batches([{"x": np.ones(4, np.float32)}] * 5, batch_size=4) as it:
+  signal.signal(signal.SIGINT, lambda *_: got.append(it.get_state()["batches"]))
+  n = sum(1 for _ in it)
+print(f"host {jax.process_index()}: {n} batches, SIGINT at {got}")
+"""
+
+
+@pytest.mark.multiprocess
+def test_simulate_signal_option_signals_one_process_after_its_batch(tmp_path):
+  script = tmp_path / "signalled.py"
+  script.write_text(SIGNALLED)
+  proc = _run(
+    "simulate", str(script), "-n", "2", "-d", "2", "--signal", "1:INT:2", "--timeout", "120",
+    timeout=180,
+  )  # fmt: skip
+  assert "[process 0] host 0: 5 batches, SIGINT at []" in proc.stdout
+  assert "[process 1] host 1: 5 batches, SIGINT at [2]" in proc.stdout
+  sent = "] grain_jax_sync: testing signal_at: sending SIGINT to this process after batch 2"
+  assert [line[: line.index("]") + 1] for line in proc.stderr.splitlines() if sent in line] == [
+    "[process 1]"
+  ]
+
+
+@pytest.mark.parametrize(
+  "signal_arg,error",
+  [
+    ("1:SIGFOO:2", "expected PROCESS:SIGNAL:BATCH such as 1:SIGTERM:5, got '1:SIGFOO:2'"),
+    ("1:TERM", "expected PROCESS:SIGNAL:BATCH such as 1:SIGTERM:5, got '1:TERM'"),
+    (
+      "5:TERM:2",
+      "simulate: `signal_at` must hold SignalAt values for distinct processes in [0, 2)",
+    ),
+  ],
+)
+def test_simulate_refuses_a_bad_signal_option(tmp_path, signal_arg, error):
+  script = tmp_path / "never.py"
+  script.write_text("raise AssertionError('never runs')\n")
+  proc = subprocess.run(
+    [sys.executable, "-m", "grain_jax_sync", "simulate", str(script), "--signal", signal_arg],
+    cwd=ROOT, capture_output=True, text=True, timeout=60,
+  )  # fmt: skip
+  assert proc.returncode == 2 and error in proc.stderr

@@ -25,3 +25,88 @@ def test_run_iter_two_processes_equal_batches_rows_in_process_order():
     for b, batch in enumerate(out["batches"]):
       want = np.concatenate([scenarios.rows_for(p, b, 8) for p in range(2)])
       np.testing.assert_array_equal(batch["x"], want)
+
+
+def signalled_at(num_batches: int, install_handler: bool) -> dict:
+  """Runs in every process: the positions a SIGTERM found the iterator at."""
+  import signal
+
+  import jax
+
+  import grain_jax_sync as gjs
+
+  got = []
+  shard = [{"x": np.full(4, jax.process_index(), np.float32)}] * num_batches
+  with gjs.iter_jax_batches(shard, batch_size=4) as it:
+    if install_handler:
+      signal.signal(signal.SIGTERM, lambda *_: got.append(it.get_state()["batches"]))
+    n = sum(1 for _ in it)
+  print(f"host {jax.process_index()} done")
+  return {"batches": n, "signalled_at": got}
+
+
+@pytest.mark.multiprocess
+def test_signal_at_reaches_one_process_right_after_its_batch():
+  outcomes = testing.run_processes(
+    signalled_at,
+    num_processes=2,
+    devices_per_process=2,
+    kwargs={"num_batches": 6, "install_handler": True},
+    signal_at=testing.SignalAt(process=1, after_batch=3),
+    timeout_s=120,
+  )
+  assert testing.values(outcomes) == [
+    {"batches": 6, "signalled_at": []},
+    {"batches": 6, "signalled_at": [3]},
+  ]
+  sent = "testing signal_at: sending SIGTERM to this process after batch 3"
+  assert [sent in o.log for o in outcomes] == [False, True]
+
+
+@pytest.mark.multiprocess
+def test_signal_at_without_a_handler_ends_a_lone_process():
+  (outcome,) = testing.run_processes(
+    signalled_at,
+    num_processes=1,
+    kwargs={"num_batches": 6, "install_handler": False},
+    signal_at=[testing.SignalAt(process=0, after_batch=2)],
+    timeout_s=120,
+  )
+  # No jax.distributed (one process): SIGTERM's default action, after batch 2.
+  assert not outcome.ok and outcome.exit_code == -15 and outcome.value is None
+  assert "sending SIGTERM to this process after batch 2" in outcome.log
+  assert "host 0 done" not in outcome.log
+
+
+@pytest.mark.multiprocess
+def test_echo_shows_each_process_stdout_and_stderr_labelled(capsys):
+  outcomes = testing.run_processes(
+    scenarios.run_iter,
+    num_processes=2,
+    devices_per_process=2,
+    args=([[4], [4, 4]], {"batch_size": 4, "paddings": 0}),  # Unmasked: a logged warning.
+    echo=True,
+    timeout_s=120,
+  )
+  assert [len(v["batches"]) for v in testing.values(outcomes)] == [2, 2]
+  err = capsys.readouterr().err.splitlines()
+  for p in (0, 1):
+    warned = [line for line in err if line.startswith(f"[process {p}] grain_jax_sync: `paddings`")]
+    assert len(warned) == 1, err
+    assert "`mask_key` is not" in outcomes[p].log  # Kept in the outcome too.
+
+
+@pytest.mark.parametrize(
+  "signal_at,match",
+  [
+    (testing.SignalAt(process=2, after_batch=1), r"distinct processes in \[0, 2\)"),
+    ([testing.SignalAt(1, 1), testing.SignalAt(1, 2)], r"distinct processes in \[0, 2\)"),
+    (testing.SignalAt(process=0, after_batch=0), "after_batch >= 1"),
+    (testing.SignalAt(process=0, after_batch=1, signal=999), "a signal number"),
+  ],
+)
+def test_signal_at_refuses_bad_values_before_starting(signal_at, match):
+  with pytest.raises(ValueError, match=match):
+    testing.run_processes(
+      signalled_at, num_processes=2, signal_at=signal_at, kwargs={}, timeout_s=10
+    )

@@ -149,7 +149,12 @@ def test_request_stop_ends_every_host_at_one_batch_and_resumes_exactly(n, d, pre
   # A request after the end changes nothing.
   for p, o in enumerate(outs):
     end = o["after_end"]
-    assert end == {"rows": [1000 * p + i for i in range(6)], "by": None, "batches": 6, "again": None}
+    assert end == {
+      "rows": [1000 * p + i for i in range(6)],
+      "by": None,
+      "batches": 6,
+      "again": None,
+    }
 
 
 def leave_at_batch_5(prefetch: int, length: int, step_s: float) -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats, sources, tracebacks
+from grain_jax_sync._src import job_stats, signal_at, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -115,12 +115,15 @@ class JaxBatchIterator(Iterator[Any]):
       if life.asked and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
         raise StopIteration from None  # Closed from another thread meanwhile.
       tracebacks.clear_library_frames(e)
+      tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
       raise
     if not life.receive(item, time.monotonic() - t0):
       # Closed from another thread meanwhile (its count excludes this
       # batch), or from a signal handler inside this call: no batch after
       # `close()`.
       raise StopIteration
+    if life.mark.position == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
+      signal_at.send()
     return item.value
 
   def stats(self, *, all_hosts: bool = False) -> dict[str, Any]:

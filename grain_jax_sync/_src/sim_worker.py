@@ -15,8 +15,21 @@ import pickle
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
+
+_SRC_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _from_scenario(tb: types.TracebackType | None) -> types.TracebackType | None:
+  """`tb` from the scenario's first frame on: without this worker's and runpy's frames."""
+  while tb is not None and (
+    tb.tb_frame.f_code.co_filename.startswith(_SRC_DIR)
+    or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
+  ):
+    tb = tb.tb_next
+  return tb
 
 
 def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
@@ -71,7 +84,8 @@ def run_job(job_path: str) -> None:
     payload["value"] = None
     payload["error_type"] = f"{type(e).__module__}.{type(e).__qualname__}"
     payload["error_message"] = str(e)
-    payload["traceback"] = traceback.format_exc()
+    tb = _from_scenario(e.__traceback__) or e.__traceback__
+    payload["traceback"] = "".join(traceback.format_exception(type(e), e, tb))
   try:
     with open(job["result"] + ".tmp", "wb") as f:
       pickle.dump(payload, f)

@@ -4,7 +4,7 @@ An exception that the pipeline raises to the consumer carries, in its
 traceback, the frames it went through; `clear_library_frames` clears the
 locals of the ones that belong to this package, so that the exception does
 not keep the consumer's frame (and its iterators) alive until a garbage
-collection.
+collection, and `for_user` drops them from the traceback the user reads.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import os
 import types
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SRC_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Set to "full" to keep the library's frames in the tracebacks `next()` raises.
+FULL_ENV = "GRAIN_JAX_SYNC_TRACEBACKS"
 
 
 def clear_library_frames(error: BaseException | None) -> None:
@@ -40,3 +43,62 @@ def clear_library_frames(error: BaseException | None) -> None:
         frame = frame.f_back
       tb = tb.tb_next
     error = error.__cause__ or error.__context__
+
+
+def for_user(error: BaseException) -> BaseException:
+  """`error`, as the consumer sees it: without this library's inner frames.
+
+  An ending reached the consumer through the stages' threads and queues:
+  its traceback listed the reader's, the agreement's and the prefetch's
+  frames, and for an ending raised on a peer nothing else. They are dropped
+  from `error` and from every exception chained to it; the frames of the
+  user's own code stay (a source that raised on this host keeps its own
+  frames), and so does the message, the same on every host. An implicit
+  context left with no frame of its own was the library's bookkeeping, and
+  is no longer shown. ``GRAIN_JAX_SYNC_TRACEBACKS=full`` keeps every frame
+  (for debugging the library).
+
+  Args:
+    error: The exception that `next()` is about to raise.
+
+  Returns:
+    `error` itself, its tracebacks rewritten.
+  """
+  if os.environ.get(FULL_ENV) == "full":
+    return error
+  seen: set[int] = set()
+  current: BaseException | None = error
+  while current is not None and id(current) not in seen:
+    seen.add(id(current))
+    tb = current.__traceback__
+    current.__traceback__ = _without_library(tb)
+    context = current.__context__
+    if context is not None and current.__cause__ is None and _only_library(context.__traceback__):
+      current.__suppress_context__ = True
+    current = current.__cause__ or context
+  return error
+
+
+def _is_library(frame: types.FrameType) -> bool:
+  return frame.f_code.co_filename.startswith(_SRC_DIR)
+
+
+def _only_library(tb: types.TracebackType | None) -> bool:
+  while tb is not None:
+    if not _is_library(tb.tb_frame):
+      return False
+    tb = tb.tb_next
+  return True
+
+
+def _without_library(tb: types.TracebackType | None) -> types.TracebackType | None:
+  """A copy of the traceback `tb` without the frames of this package's `_src`."""
+  kept = []
+  while tb is not None:
+    if not _is_library(tb.tb_frame):
+      kept.append(tb)
+    tb = tb.tb_next
+  out = None
+  for entry in reversed(kept):
+    out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+  return out

@@ -1,0 +1,52 @@
+"""The simulator's `signal_at`: a process signals itself once it received batch k.
+
+`grain_jax_sync.testing.run_processes(signal_at=...)` (and ``simulate
+--signal``) sets `ENV` in one process's environment. That process reads it
+once, at import; its iterators compare each delivered position with
+`AFTER_BATCH` (-1 everywhere else: one int comparison per batch), and the
+first to deliver batch k calls `send`, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+ENV = "GRAIN_JAX_SYNC_SIGNAL_AT"
+
+
+def encode(after_batch: int, signum: int) -> str:
+  """The value of `ENV` for a signal `signum` after batch `after_batch`."""
+  return f"{int(after_batch)}:{int(signum)}"
+
+
+def parse(text: str) -> tuple[int, int]:
+  """`ENV`'s value as (after_batch, signum); (-1, 0) when unset.
+
+  Raises:
+    ValueError: If `text` is not ``"BATCH:SIGNAL"`` with BATCH >= 1.
+  """
+  if not text:
+    return -1, 0
+  batch, sep, signum = text.partition(":")
+  if not sep or not batch.isdigit() or int(batch) < 1 or not signum.isdigit():
+    raise ValueError(f"`{ENV}` must be 'BATCH:SIGNAL' (BATCH >= 1, numbers), got {text!r}")
+  return int(batch), int(signum)
+
+
+AFTER_BATCH, _SIGNUM = parse(os.environ.get(ENV, ""))
+
+
+def send() -> None:
+  """Sends this process its signal, once: called after batch `AFTER_BATCH` was delivered."""
+  global AFTER_BATCH
+  at, AFTER_BATCH = AFTER_BATCH, -1
+  logger.warning(
+    "grain_jax_sync: testing signal_at: sending %s to this process after batch %d",
+    signal.Signals(_SIGNUM).name,
+    at,
+  )
+  os.kill(os.getpid(), _SIGNUM)
