@@ -38,8 +38,6 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
   out: dict[str, Any] = {"before": library_threads()}
   rows = [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0])]
   out["running"] = library_threads()
-  # The order in which `Stages.close` stops them: from the user's end back.
-  out["close_order"] = [stage.thread.name for stage in it._life._state.stages._threads]
   rows += [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0]) for _ in range(4)]
   it.close()  # Mid-stream, on every host at the same batch.
   out["rows"] = rows

@@ -173,6 +173,48 @@ def test_prefetcher_close_wakes_a_blocked_consumer():
   assert not p.thread.is_alive()
 
 
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_prefetcher_produces_at_most_its_buffer_plus_the_one_in_hand(size):
+  produced = []
+
+  def producer():
+    for i in range(100):
+      produced.append(i)
+      yield i
+
+  p = prefetch.Prefetcher(producer(), buffer_size=size)
+  deadline = time.monotonic() + 5
+  while len(produced) < size + 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.2)  # Room for a producer that would run further ahead.
+  assert len(produced) == size + 1
+  assert [next(p) for _ in range(3)] == [0, 1, 2]
+  time.sleep(0.2)
+  assert len(produced) == size + 4  # Three taken: three more produced, no more.
+  p.close()
+  assert not p.thread.is_alive()
+
+
+def test_prefetcher_interrupt_takes_no_lock_and_wakes_the_consumer():
+  # As a signal handler would: in the consumer's own thread, between two
+  # lines; the consumer's next wait ends at once with StopIteration.
+  gate = threading.Event()
+
+  def producer():
+    gate.wait(10)
+    yield 1
+
+  p = prefetch.Prefetcher(producer(), buffer_size=1)
+  p.interrupt()
+  t0 = time.monotonic()
+  with pytest.raises(StopIteration):
+    next(p)
+  assert time.monotonic() - t0 < 1.0
+  gate.set()
+  p.close()
+  assert not p.thread.is_alive()
+
+
 def test_prefetcher_rejects_zero_buffer():
   with pytest.raises(ValueError, match="buffer_size"):
     prefetch.Prefetcher(iter([]), buffer_size=0)

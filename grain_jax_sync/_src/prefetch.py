@@ -107,6 +107,8 @@ class Prefetcher(Generic[T]):
   Args:
     producer: The iterator to drain. It is advanced only in the thread.
     buffer_size: Items held ready (>= 1), besides the one being produced.
+    in_hand: Whether the item being produced comes on top of `buffer_size`
+      (True), or counts in it (False: Grain's `device_put` buffers).
     on_close: Called by `close()` before joining, to unblock the producer
       (for example to cancel an exchange wait).
     name: The thread's name.
@@ -117,6 +119,7 @@ class Prefetcher(Generic[T]):
     producer: Iterator[T],
     *,
     buffer_size: int,
+    in_hand: bool = True,
     on_close: Callable[[], None] | None = None,
     name: str = "grain_jax_sync-prefetch",
   ):
@@ -125,6 +128,7 @@ class Prefetcher(Generic[T]):
     self._size = buffer_size
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
     self._slots = threading.Semaphore(buffer_size)
+    self._early = not in_hand  # A slot is taken before producing, not after.
     # Written without a lock (`interrupt` from a signal handler).
     self._stopped = False
     self._done = False  # The consumer saw the final item (consumer only).
@@ -172,21 +176,29 @@ class Prefetcher(Generic[T]):
       except queue.Empty:
         break
 
-  def _put(self, item: Any) -> bool:
-    """Waits for room; False if the stage was stopped meanwhile."""
-    self._slots.acquire()
+  def _put(self, item: Any, *, acquired: bool = False) -> bool:
+    """Waits for room (unless taken already); False if the stage was stopped meanwhile."""
+    if not acquired:
+      self._slots.acquire()
     if self._stopped:
       return False
     self._items.put(item)
     return True
 
+  def _produce(self, producer: Iterator[Any]) -> None:
+    while True:
+      if self._early:
+        self._slots.acquire()
+        if self._stopped:
+          return
+      item = next(producer, END)
+      if not self._put(item, acquired=self._early) or item is END:
+        return
+
   def _run(self, producer: Iterator[Any]) -> None:
     try:
-      for item in producer:
-        if not self._put(item):
-          return
-      self._put(END)
+      self._produce(producer)
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
-      self._put(Raised(e))
+      self._put(Raised(e), acquired=self._early)
     finally:
       close_producer(producer)

@@ -94,6 +94,7 @@ class Stages:
     self.namespace = start.namespace if ex.form == "streamed" else None
     self.position = start.mark.position
     self.delivered = 0
+    self._at_end = False  # This host's consumer reached the agreed end.
     self._exchange: Any = ex
     self._closed = False
     self._agreement: agreement.Streamed | None = None
@@ -146,6 +147,8 @@ class Stages:
       window = s.lookahead if ex.process_count > 1 else 1
       lockstep = agreement.Lockstep(read, ex, options, who, window=window, position=self.position)
       self._stopper = lockstep
+      if ex.form == "local" and s.prefetch > 0 and s.read_ahead is not None:
+        return self._agree_thread(lockstep, s)  # `device_put`'s `cpu_buffer_size`.
       return iter(lockstep)
     kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
     self._agreement = kind(
@@ -162,10 +165,19 @@ class Stages:
     self._stopper = self._agreement
     if s.prefetch == 0:
       return iter(self._agreement)
+    return self._agree_thread(self._agreement, s)
+
+  def _agree_thread(self, runs: Any, s: settings_lib.Settings) -> Iterator[agreement.Run]:
+    """The agreement in its own thread, one decided position queued.
+
+    `device_put` sets `read_ahead` (its `cpu_buffer_size`): then, as in
+    Grain, that many positions are held ahead, the one in hand included.
+    """
     stage = prefetch_lib.Prefetcher(
-      _one_by_one(self._agreement),
-      buffer_size=AGREE_BUFFER,
-      on_close=ex.cancel,
+      _one_by_one(runs),
+      buffer_size=s.read_ahead or AGREE_BUFFER,
+      in_hand=s.read_ahead is None,
+      on_close=self._exchange_cancel,
       name=AGREE_THREAD,
     )
     return self._thread(stage)
@@ -181,6 +193,7 @@ class Stages:
     stage = prefetch_lib.Prefetcher(
       self._builder(runs),
       buffer_size=s.prefetch,
+      in_hand=s.read_ahead is None,  # `device_put`: Grain's buffers count the one in hand.
       on_close=ex.cancel if self._agreement is not None else None,
       name=BUILD_THREAD,
     )
@@ -198,6 +211,7 @@ class Stages:
         # The agreed end (exhausted or a requested stop): every peer's
         # consumer must get there too, or this host raises naming the one
         # that left.
+        self._at_end = True
         self._agreement.wait_for_peers_at_end()
       raise
     self.delivered += 1
@@ -266,6 +280,8 @@ class Stages:
       return
     try:
       self._agreement.close(at, error)
+      if not self._at_end:  # Peers may wait for it at the end: it never gets there.
+        self._agreement.leave(at, error)
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 

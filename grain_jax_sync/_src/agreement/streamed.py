@@ -145,24 +145,30 @@ class Streamed:
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
 
-    A stream that a peer left before its end (a close, a kill) never ends
-    normally here, even where every position was decided before it left:
-    this raises the error naming it and its batch. A peer that neither
-    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
+    A stream that a peer left before its end (a close, a restart, a kill)
+    never ends normally here, even where every position was decided before
+    it left: this raises the error naming it and its batch. A peer that
+    neither arrives nor leaves within `sync_timeout_s` raises
+    `PeerTimeoutError`.
     """
     self._ex.post_reached_end()
     since = time.monotonic()
     while not self._ex.wait_all_reached_end():
-      arrived = self._ex.reached_end()
-      waiting = [q for q in range(self._n) if q not in arrived]
+      notes = self._ex.end_notes()
+      left = [notes[q] for q in sorted(notes) if notes[q]]
+      if left:
+        raise RuntimeError(left[0])
+      waiting = [q for q in range(self._n) if q not in notes]
       for peer in waiting:
         if self._live.dead(peer):
           raise endings.to_exception(self._lost_at_end(peer), self._p, None)
-        note = self._live.closed(peer)
-        if note is not None and peer not in self._ex.reached_end():
-          raise RuntimeError(endings.closed_peer_message(note, self._ex.namespace))
       if waiting and time.monotonic() - since > self._timeout_s:
         raise endings.to_exception(self._timeout_at_end(waiting), self._p, None)
+
+  def leave(self, at_batch: int, error: plan_lib.ReportedError | None) -> None:
+    """Tells peers waiting at the end that this host left before it (best effort)."""
+    message = (error or self._closed_error(at_batch)).message
+    self._ex.post_left(message)
 
   def _lost_at_end(self, peer: int) -> plan_lib.ReportedError:
     return plan_lib.ReportedError(

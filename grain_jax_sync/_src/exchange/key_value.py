@@ -267,24 +267,29 @@ class KeyValueExchange:
     every process waits on (`wait_all_reached_end`): one write and one
     increment per process, whatever the count.
     """
-    key = f"{self._end_key('at_end')}/{self.process_index}"
-    self._call("posting the end", self._client.key_value_set, key, "1")
+    key = f"{self._end_key('end')}/{self.process_index}"
+    self._call("posting the end", self._client.key_value_set, key, "", True)
     count = self._call(
-      "counting the end", self._client.key_value_increment, self._end_key("at_end_count"), 1
+      "counting the end", self._client.key_value_increment, self._end_key("end_count"), 1
     )
     if count == self.process_count:
       self._call("posting the end", self._client.key_value_set, self._end_key("all_at_end"), "1")
+
+  def post_left(self, message: str) -> None:
+    """Records that this process left the stream before its end (a close, a restart)."""
+    key = f"{self._end_key('end')}/{self.process_index}"
+    self._call("posting this host's end", self._client.key_value_set, key, message, True)
 
   def wait_all_reached_end(self) -> bool:
     """Whether every process reached the end, waiting up to `WAIT_SLICE_S`."""
     self._check()
     return self._blocking_get(self._end_key("all_at_end"), "waiting for the end") is not None
 
-  def reached_end(self) -> set[int]:
-    """The processes that reached the end so far (one directory read)."""
-    prefix = f"{self._end_key('at_end')}/"
+  def end_notes(self) -> dict[int, str]:
+    """Per process that got there or left: "" (reached the end) or why it left."""
+    prefix = f"{self._end_key('end')}/"
     entries = self._call("reading the end", self._client.key_value_dir_get, prefix)
-    return {int(key[len(prefix) :]) for key, _ in entries}
+    return {int(key[len(prefix) :]): value for key, value in entries}
 
   # -- liveness ----------------------------------------------------------------
 
