@@ -89,12 +89,13 @@ def iter_jax_batches(
       (float to integer saturates, NaN becomes 0; integer to integer wraps).
     synchronize_batches: Agree across processes (a single process never
       exchanges anything).
-    synchronize_lookahead: Batches per agreement window: a process posts its
-      rows once it holds a window (at once after a read slower than 10 ms;
-      in bigger chunks, up to 16 windows, while reads are quicker), and holds
-      at most R = 32 windows (at most 64 MiB) read but not yet agreed on.
-      Agreed batches waiting to be built add up to about 4 R more with
-      `prefetch_batches` > 0 (docs/performance.md, Memory).
+    synchronize_lookahead: The agreement's read-ahead: a process holds at
+      most this many batches (and at most 64 MiB) read but not yet agreed
+      on, and posts its rows every half of it. With `prefetch_batches`, no
+      host is more than about R = `synchronize_lookahead + prefetch_batches`
+      agreed batches ahead of another, so an ending (a close, an error,
+      `request_stop()`) reaches every host within about R batches
+      (docs/performance.md, Memory).
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
     mesh: The mesh the batch lands on, over every device of the job; rows
       are split over `data_axes` and replicated over its other axes. Default:
