@@ -1,6 +1,6 @@
 """The house rules on size and complexity (issue 23), checked on the sources.
 
-No module under `grain_jax_sync/` over 400 lines; no function there over 60
+Modules are split by concept, never by length (no line cap); no function under `grain_jax_sync/` over 60
 lines of code (a docstring does not count: from the first statement after it
 to the end); ruff's C901 at most 10 (pyproject's `max-complexity`) everywhere
 ruff checks, with no `noqa: C901` to silence it; no import circle among the
@@ -31,7 +31,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "grain_jax_sync"
 TREES = ("grain_jax_sync", "benchmarks", "tests", "examples")
-MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MAX_COMPLEXITY = 10
 
@@ -87,12 +86,6 @@ def _function_at(tree: ast.AST, line: int) -> str:
     if fn.lineno <= line < fn.body[0].lineno:
       return fn.name
   return "<module>"
-
-
-@pytest.mark.parametrize("path", MODULES, ids=_rel)
-def test_module_has_at_most_400_lines(path):
-  n = len(path.read_text().splitlines())
-  assert n <= MAX_MODULE_LINES, f"{_rel(path)}: {n} lines (at most {MAX_MODULE_LINES})"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_rel)
