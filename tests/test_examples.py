@@ -113,6 +113,51 @@ def test_orbax_resume_example_resumed_stream_equals_the_uninterrupted_one(tmp_pa
   assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
 
 
+LINE = re.compile(r"^\[process (\d+)\] (loss|eval|result): (.*)$", re.M)
+
+
+def _simulate_lines(script: str, *args: str) -> list[dict[str, list]]:
+  """Runs a script under `simulate` (2 processes x 4 devices); per process, its parsed lines by kind."""
+  out = _cli("simulate", script, *args, "--timeout", "200", timeout=260)
+  found: list[dict[str, list]] = [{"loss": [], "eval": [], "result": []} for _ in range(2)]
+  for p, kind, text in LINE.findall(out):
+    found[int(p)][kind].append(json.loads(text))
+  assert [len(f["result"]) for f in found] == [1, 1], out
+  return found
+
+
+@pytest.mark.multiprocess
+def test_train_flax_orbax_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(
+  tmp_path,
+):
+  example = "examples/train_flax_orbax.py"
+  small = ["--mock-examples", "601", "--batch-size", "8", "--epochs", "2"]
+  full = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "full"), *small)
+  stopped = _simulate_lines(
+    example, "--signal", "1:SIGTERM:5", "--ckpt-dir", str(tmp_path / "ckpt"), *small
+  )
+  resumed = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "ckpt"), *small)
+  # Shards of 300 and 301 examples: 38 steps of 8 rows per host each epoch.
+  for runs in (full, stopped, resumed):
+    assert runs[0] == runs[1]  # Every host printed the same losses, evals and result.
+  assert full[0]["result"] == [{"resumed_from": 0, "step": 76, "stopped_by": None}]
+  # Every test example counted once at each epoch's end.
+  assert [(e["epoch"], e["examples"]) for e in full[0]["eval"]] == [(1, 601), (2, 601)]
+  # Process 1's SIGTERM after its batch 5 stopped every host at one step of
+  # epoch 0, within 2 * (synchronize_lookahead + prefetch_batches) batches.
+  (stop,) = stopped[0]["result"]
+  assert stop["stopped_by"] == 1 and 5 <= stop["step"] <= 5 + 2 * (10 + 2) < 38
+  assert stopped[0]["eval"] == []
+  files = sorted(os.listdir(tmp_path / "ckpt" / str(stop["step"]) / "data"))
+  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
+  # The restart continues from that step: the same losses, bit for bit, and the same evals.
+  assert resumed[0]["result"] == [{"resumed_from": stop["step"], "step": 76, "stopped_by": None}]
+  losses = stopped[0]["loss"] + resumed[0]["loss"]
+  assert [x["step"] for x in losses] == list(range(1, 77))
+  assert losses == full[0]["loss"]
+  assert resumed[0]["eval"] == full[0]["eval"]
+
+
 @pytest.mark.multiprocess
 def test_elastic_resume_example_trains_every_kept_record_once_across_2_then_3_hosts(tmp_path):
   ckpt = str(tmp_path / "ckpt")
