@@ -261,10 +261,10 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
   grace = agreement.FOLLOWER_GRACE_S
   outs = testing.values(_run(scenarios_endings.run_stuck_decider, 2 * grace + 6, 1.0))
   assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
-  # Positions 0 and 1 are decided before the hang, or not, as the decider's
-  # first poll finds process 1's chunk or not; every host got the same ones.
+  # Positions before the hang (at most 2) are decided or not, as process 1's
+  # chunks reach the decider before it; every host got the same ones.
   n = outs[0]["n"]
-  assert n in (0, 2) and outs[1]["n"] == n, outs
+  assert n in (0, 1, 2) and outs[1]["n"] == n, outs
   for p, out in enumerate(outs):
     assert out["error_type"] == "PeerTimeoutError", out
     assert f"process 1 got no decision on batch {n} from process 0" in out["error"], out
@@ -292,7 +292,7 @@ def test_close_from_another_thread_ends_that_next_and_the_peer_counts_exactly(pr
   n = closer["n"]
   assert closer["state_batches"] == n
   # Stalled: positions 0 and 1 are decided before the hang, or not.
-  assert n in (0, 2) if stall else 100 <= n < 4000, n
+  assert n in (0, 1, 2) if stall else 100 <= n < 4000, n
   assert closer["elapsed_s"] < 1.0 + 3.0
   assert peer["error_type"] == "RuntimeError", peer
   assert f"process 1 closed its iterator at batch {n}" in peer["error"], (n, peer["error"])
@@ -475,7 +475,8 @@ def test_a_refused_state_on_a_host_that_keeps_its_iterator_open_ends_its_peer_at
 def test_two_threads_sharing_one_iterator_from_its_first_batch_get_every_batch_once():
   # Both threads used to start the stream: two pipelines, two streams for
   # the peer (one taken for a restart), batch counts that differed between
-  # hosts with no error, and a build thread left after close().
+  # hosts with no error, and a build thread left after close(). Now a call
+  # during the other thread's raises at once and takes nothing: one stream.
   for out in testing.values(_run(scenarios_endings.run_two_threads, 300)):
     assert out["errors"] == [] and out["threads"] == []
     assert sorted(out["got"][0] + out["got"][1]) == list(range(300))

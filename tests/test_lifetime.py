@@ -276,7 +276,18 @@ def _from_another_thread(it):
 
 OPS = st.lists(
   st.sampled_from(
-    ["next", "next", "next", "state", "stats", "restore", "reset", "close_thread", "close_signal"]
+    [
+      "next",
+      "next",
+      "next",
+      "state",
+      "stats",
+      "restore",
+      "reset",
+      "close_thread",
+      "close_signal",
+      "stop",
+    ]
   ),
   min_size=1,
   max_size=14,
@@ -293,6 +304,7 @@ class _Schedule:
     self.received = 0
     self.saved = []  # (state, the next index after it)
     self.closed = False
+    self.stop_at = None  # Batches received when `request_stop()` was called.
 
   def apply(self, op):
     """Runs `op` on the iterator and checks what it did against the model."""
@@ -303,10 +315,14 @@ class _Schedule:
     elif op == "restore" and self.saved and not self.closed:
       state, at = self.saved[-1]
       self.it.set_state(state)
-      self.expected = at
+      self.expected, self.stop_at = at, None  # A new stream, no stop asked in it.
     elif op == "reset" and not self.closed:
       self.it.reset()
-      self.expected = 0
+      self.expected, self.stop_at = 0, None
+    elif op == "stop":
+      self.it.request_stop()  # Ends the stream a few batches on (nothing after its end).
+      if self.stop_at is None:
+        self.stop_at = self.received
     elif op == "close_thread":
       t = threading.Thread(target=self.it.close)
       t.start()
@@ -346,13 +362,18 @@ class _Schedule:
     try:
       b = next(self.it)
     except StopIteration:
-      assert self.expected == self.n or self.closed or closing
+      assert self.expected == self.n or self.closed or closing or self.stop_at is not None
+      if self.stop_at is not None and not self.closed and not closing:
+        # Stopped by the request, or at the natural end that came first.
+        assert self.it.stop_requested_by == (None if self.expected == self.n else 0)
       return
     except RuntimeError as e:
       assert (self.closed or closing) and str(e) == "the iterator is closed"
       return
     assert not self.closed
     assert first(b) == self.expected
+    # One process: decided at most the queued and the one in hand ahead of a stop.
+    assert self.stop_at is None or self.received - self.stop_at < 2 + 2 + 1
     self.expected += 1
     self.received += 1
 

@@ -202,3 +202,6 @@ class Prefetcher(Generic[T]):
       self._put(Raised(e), acquired=self._early)
     finally:
       close_producer(producer)
+      # The error's traceback holds this frame, which may still run when the
+      # consumer clears the library's frames: it must not hold the stream.
+      del producer

@@ -41,13 +41,13 @@ class Narrowing(NamedTuple):
   """A leaf whose values are cast on the host to a float dtype of smaller range.
 
   Attributes:
-    index: The leaf's index.
+    leaf: The leaf's index.
     dtype: The float dtype its values land in.
     why: What casts it, completing "the dtype ..." (x64 off, or `dtypes`).
     fix: How to keep the values.
   """
 
-  index: int
+  leaf: int
   dtype: np.dtype
   why: str
   fix: str

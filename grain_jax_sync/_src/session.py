@@ -177,7 +177,9 @@ class Stages:
       _one_by_one(runs),
       buffer_size=s.read_ahead or AGREE_BUFFER,
       in_hand=s.read_ahead is None,
-      on_close=self._exchange_cancel,
+      # The exchange's own method: a bound method of these stages would make
+      # a cycle that outlives a dropped iterator until a garbage collection.
+      on_close=getattr(self._exchange, "cancel", None),
       name=AGREE_THREAD,
     )
     return self._thread(stage)
