@@ -293,7 +293,7 @@ def check_float_range(
   finite values looked at instead.
   """
   for n in narrow:
-    leaf = hb.leaves[n.index]
+    leaf = hb.leaves[n.leaf]
     if leaf.size == 0:
       continue
     extremes = np.array([leaf.min(), leaf.max()])
@@ -309,7 +309,7 @@ def check_float_range(
       landed = extremes.astype(n.dtype)
     k = 0 if not np.isfinite(landed[0]) else 1
     raise ValueError(
-      f"{leaves_lib.where(process, index, hb.signature.names[n.index])}: value"
+      f"{leaves_lib.where(process, index, hb.signature.names[n.leaf])}: value"
       f" {extremes[k]!s} does not fit {n.dtype}, the dtype {n.why} (it would become"
       f" {landed[k]!s} silently); {n.fix} or bring the values into the"
       f" {n.dtype} range (magnitude at most {float(ml_dtypes.finfo(n.dtype).max):.8g})"
