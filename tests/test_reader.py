@@ -139,7 +139,7 @@ def test_narrowing_names_the_leaves_a_host_cast_narrows_and_why():
     batch_index=0,
   ).signature
   dtypes = {"f32": np.float16, "u8": np.float32, "i32": ml_dtypes.bfloat16}
-  got = {sig.names[n.index]: (n.dtype, n.why) for n in build.narrowing(sig, dtypes=dtypes)}
+  got = {sig.names[n.leaf]: (n.dtype, n.why) for n in build.narrowing(sig, dtypes=dtypes)}
   # Not "keep" (no cast), "i32" (bfloat16's range holds every int32), "u8"
   # (widened on the device), "c128" (complex: not checked).
   assert got == {
