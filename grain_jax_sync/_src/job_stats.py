@@ -131,11 +131,11 @@ class JobTable:
   def own(self) -> dict[str, Any]:
     return self._probe()
 
-  def ended(self) -> None:
+  def ended(self, *, post: bool = True) -> None:
     """This host's stream ended (its stages closed): posts its times, for the peers' `view`."""
     with self._lock:
       running, self._running = self._running, False
-      post = running and self._n > 1 and self._base is not None
+      post = post and running and self._n > 1 and self._base is not None
     if post:
       assert self._base is not None
       text = json.dumps([self._streams, *encode_times(self._probe())])

@@ -276,7 +276,10 @@ class Lifetime:
       with self._lock:
         self._set(finished=self._state.finished + stages.times())
       if self.job is not None:
-        self.job.ended()  # The figures of the batches built after the final decision too.
+        # The figures of the batches built after the final decision too;
+        # posted for the peers only after an agreed end (an error ends every
+        # host, and its keys would outlive an iterator never closed).
+        self.job.ended(post=stages.reached_end)
 
   def leave(self, how: str) -> None:
     """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""

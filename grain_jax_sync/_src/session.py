@@ -95,6 +95,7 @@ class Stages:
     self.position = start.mark.position
     self.delivered = 0
     self._at_end = False  # This host's consumer reached the agreed end.
+    self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange: Any = ex
     self._closed = False
     self._agreement: agreement.Streamed | None = None
@@ -208,6 +209,8 @@ class Stages:
   def __next__(self) -> build_lib.Item:
     try:
       item = next(self._items)
+    except exchange_lib.Cancelled:
+      raise
     except StopIteration:
       if self._agreement is not None and self._agreement.reached_end:
         # The agreed end (exhausted or a requested stop): every peer's
@@ -215,6 +218,9 @@ class Stages:
         # that left.
         self._at_end = True
         self._agreement.wait_for_peers_at_end()
+      raise
+    except BaseException:
+      self._failed = True
       raise
     self.delivered += 1
     return item
@@ -228,6 +234,11 @@ class Stages:
   def at(self) -> int:
     """This host's position: output batches before the next one."""
     return self.position + self.delivered
+
+  @property
+  def reached_end(self) -> bool:
+    """Whether this host's consumer reached the stream's agreed end (not an error)."""
+    return self._at_end
 
   def trailing_drops(self) -> int:
     """Positions dropped after the last item; exact once the stream ended."""
@@ -282,7 +293,7 @@ class Stages:
       return
     try:
       self._agreement.close(at, error)
-      if not self._at_end:  # Peers may wait for it at the end: it never gets there.
+      if not self._at_end and not self._failed:  # Peers may wait at the end: it never gets there.
         self._agreement.leave(at, error)
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
