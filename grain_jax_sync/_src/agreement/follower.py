@@ -77,9 +77,7 @@ class Follower(Streamed):
     """
     stop = self._stop_due()
     if stop is not None:
-      self._unposted.clear()
-      self._digests.clear()
-      self._sizes.clear()
+      # An ending's report carries no rows (`_post`): unposted rows are void.
       self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
       self._read()
