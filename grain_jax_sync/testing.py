@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import script_runner, sim_processes
+from grain_jax_sync._src import script_runner, sim_processes, sim_worker
 from grain_jax_sync._src import signal_at as signal_at_lib
 
 __all__ = ["ProcessOutcome", "SignalAt", "run_processes", "run_script", "values"]
@@ -137,6 +137,18 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   return {"module": module, "root": root, "file": path, "qualname": qualname}
 
 
+def _check_not_loading() -> None:
+  """Refuses a run started while a simulated process imports the scenario's file."""
+  loading = os.environ.get(sim_worker.LOADING_ENV)
+  if loading is not None:
+    raise RuntimeError(
+      f"run_processes() was called while a simulated process imported {loading!r}"
+      " to find the function to run: that file starts its run when imported, so"
+      " every process would start it again. Put the file's top-level code under"
+      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
+    )
+
+
 def _check_counts(
   num_processes: int,
   devices_per_process: int,
@@ -223,8 +235,11 @@ def run_processes(
   Raises:
     TimeoutError: When the run does not finish within `timeout_s`.
     ValueError: For bad arguments.
+    RuntimeError: When called while a simulated process imports the file of
+      a scenario (a script with no ``if __name__ == "__main__":`` guard).
   """
   _check_counts(num_processes, devices_per_process, per_process_kwargs)
+  _check_not_loading()
   signal_env = _signal_env(signal_at, num_processes)
   spec = _function_spec(fn)
   port = _free_port()

@@ -58,3 +58,35 @@ def test_init_distributed_under_the_simulator_keeps_the_joined_processes():
   outcomes = testing.run_processes(joined, num_processes=2, timeout_s=120)
   assert testing.values(outcomes) == [(True, 2), (True, 2)]
   assert all("running as one process" not in o.log for o in outcomes)
+
+
+def test_a_script_without_a_main_guard_fails_once_instead_of_starting_processes_without_end(
+  tmp_path,
+):
+  # Each simulated process imports the scenario's file to find the function:
+  # a file that starts its run at import would start it again in every
+  # process. The run is refused in the processes, and the script ends.
+  script = tmp_path / "unguarded.py"
+  script.write_text(
+    "from grain_jax_sync import testing\n"
+    "def job():\n"
+    "  return 1\n"
+    "outs = testing.run_processes(job, num_processes=2, timeout_s=60)\n"
+    "print('ERRORS', [(o.error_type, o.value) for o in outs])\n"
+    "print('MESSAGE', outs[0].error_message)\n"
+  )
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("GRAIN_JAX_SYNC_SIM_LOADING", None)
+  out = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.count("ERRORS") == 1  # The parent's run only: no process started another.
+  assert "ERRORS [('builtins.RuntimeError', None), ('builtins.RuntimeError', None)]" in out.stdout
+  assert "starts its run when imported" in out.stdout
+  assert 'if __name__ == "__main__":' in out.stdout

@@ -255,13 +255,19 @@ class Builder:
     self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     self.transfer_s = 0.0
     self.dropped = 0
+    self._done = 0  # Positions handed on or dropped.
+
+  def done(self) -> int:
+    """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
+    return self._done
 
   def __call__(self, runs: Iterable[agreement.Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
         item = self.step(read, step, run.signature, run.batch_size)
         if item is not None:
-          yield item
+          yield item  # Resumed once the item is handed on (queued, or taken).
+        self._done += 1
 
   def step(
     self,

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # read of its last beat, which lags the death by up to 2 * BEAT_S (the beat
 # period plus the read period), plus one decision hop: about 10 s, inside the
 # 15 s promise and well before JAX's 100 s heartbeat.
-BEAT_S = 1.0
+BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
 DEAD_AFTER_S = 8.0
 
 

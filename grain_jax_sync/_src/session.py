@@ -104,8 +104,8 @@ class Stages:
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)
-    runs = self._agree(start, read)
     self._builder = build_lib.Builder(s, start.placement, start.mark.state)
+    runs = self._agree(start, read)
     self._counted = (read, ex)  # Each counts its own time (`times`).
     self._items = self._build(start, runs)
 
@@ -161,6 +161,8 @@ class Stages:
       timeout_s=s.sync_timeout_s,
       position=self.position,
       read_ahead=s.read_ahead,
+      # With a build thread, what it has not built counts in the read-ahead.
+      built=self._builder.done if s.prefetch > 0 else None,
       job=start.job,
     )
     self._stopper = self._agreement
@@ -171,13 +173,15 @@ class Stages:
   def _agree_thread(self, runs: Any, s: settings_lib.Settings) -> Iterator[agreement.Run]:
     """The agreement in its own thread, one decided position queued.
 
-    `device_put` sets `read_ahead` (its `cpu_buffer_size`): then, as in
-    Grain, that many positions are held ahead, the one in hand included.
+    The thread takes its slot before it asks the agreement for the next
+    position, so the agreement runs on only once the build thread has taken
+    the last one. `device_put` sets `read_ahead` (its `cpu_buffer_size`):
+    then, as in Grain, that many positions are held ahead.
     """
     stage = prefetch_lib.Prefetcher(
       _one_by_one(runs),
       buffer_size=s.read_ahead or AGREE_BUFFER,
-      in_hand=s.read_ahead is None,
+      in_hand=False,
       # The exchange's own method: a bound method of these stages would make
       # a cycle that outlives a dropped iterator until a garbage collection.
       on_close=getattr(self._exchange, "cancel", None),

@@ -32,8 +32,26 @@ def _from_scenario(tb: types.TracebackType | None) -> types.TracebackType | None
   return tb
 
 
+LOADING_ENV = "GRAIN_JAX_SYNC_SIM_LOADING"
+
+
 def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
   """Imports the scenario function named by `spec`, by module name or else by file path."""
+  obj: Any = None
+  # `testing.run_processes` refuses to start processes while this is set: a
+  # script that starts its run at import would start it again in every
+  # process, and so on without end.
+  os.environ[LOADING_ENV] = spec.get("file") or spec.get("module", "")
+  try:
+    obj = _import(spec)
+  finally:
+    os.environ.pop(LOADING_ENV, None)
+  for part in spec["qualname"].split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def _import(spec: Mapping[str, str]) -> Any:
   obj: Any = None
   if "module" in spec:
     if spec["root"] not in sys.path:
@@ -50,8 +68,6 @@ def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
     obj = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = obj
     module_spec.loader.exec_module(obj)
-  for part in spec["qualname"].split("."):
-    obj = getattr(obj, part)
   return obj
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
@@ -154,9 +154,11 @@ class OwnReads:
     *,
     lookahead: int,
     read_ahead: int | None = None,
+    built: Callable[[], int] | None = None,
   ):
     self._reader = reader
     self._cap = read_ahead
+    self._built = built
     self.lookahead = lookahead
     self.limit = lookahead if read_ahead is None else max(2, min(lookahead, read_ahead))
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
@@ -166,7 +168,20 @@ class OwnReads:
     self.stopped = False  # A stop was asked for here: read nothing more.
 
   def room(self) -> bool:
-    return self.end is None and not self.stopped and len(self.pending) < self.limit
+    """Whether to read another batch: the read-ahead counts what is not built yet.
+
+    With a build thread (`built`: positions it has handed on), a decided
+    position it has not handed on yet (queued to it, or in its hands) takes
+    a place of the read-ahead, so that a host holds at most `limit` positions
+    between its reads and its built batches, and at most
+    `synchronize_lookahead + prefetch_batches` beyond its consumer. At least
+    2 stay undecided, so that process 0 always has a position to decide
+    (`read_ahead_limit`).
+    """
+    if self.end is not None or self.stopped:
+      return False
+    held = 0 if self._built is None else self.count - len(self.pending) - self._built()
+    return len(self.pending) < max(2, self.limit - held)
 
   def read(self) -> reader_lib.Read | reader_lib.End:
     item = next(self._reader)

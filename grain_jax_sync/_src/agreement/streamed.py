@@ -7,7 +7,7 @@ The streamed agreement runs over the key-value store: process 0 decides
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
@@ -37,6 +37,8 @@ class Streamed:
     live: Tells dead peers from slow ones (default: their beats).
     read_ahead: At most this many undecided batches held (None: the
       default bound, `agreement.read_ahead_limit`).
+    built: Positions the build thread has built, where one runs (its
+      decided positions not built yet count in the read-ahead).
     job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
       chunks and decisions; None: none kept.
   """
@@ -53,6 +55,7 @@ class Streamed:
     position: int,
     live: liveness_lib.Liveness | None = None,
     read_ahead: int | None = None,
+    built: Callable[[], int] | None = None,
     job: job_stats.JobTable | None = None,
   ):
     self._ex = exchange
@@ -61,7 +64,7 @@ class Streamed:
     self._p = exchange.process_index
     self._n = exchange.process_count
     self._timeout_s = timeout_s
-    self._own = common.OwnReads(reader, lookahead=lookahead, read_ahead=read_ahead)
+    self._own = common.OwnReads(reader, lookahead=lookahead, read_ahead=read_ahead, built=built)
     self._live = live or liveness_lib.Liveness(exchange)
     self._j = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).

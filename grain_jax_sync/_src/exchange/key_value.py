@@ -50,9 +50,12 @@ from grain_jax_sync._src.exchange.streams import KEY_ROOT
 
 logger = logging.getLogger(__name__)
 
-# A blocking store read waits at most this long before the waiter checks for
-# close(), its deadline and the awaited peer's beat.
-WAIT_SLICE_S = 0.25
+# The liveness period (`liveness.BEAT_S` is this value). A blocking store read
+# waits at most this long before the waiter checks for close(), its deadline
+# and the awaited peer's beat. A peer's beat is read at most once a period, so
+# a shorter slice would only add wakes: a waiting thread wakes once a period
+# and otherwise for news only, on any host.
+WAIT_SLICE_S = 1.0
 # Chunks and decisions are keyed in groups of this many and deleted a group at
 # a time (one store call instead of 16): on 2 busy cores each store call costs
 # 0.2-6 ms, and per-key deletes were a fifth of a process's store time.
