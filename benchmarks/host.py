@@ -414,7 +414,13 @@ def input_bound(
 
 # -- driver and rows (run in benchmarks/run.py's process) -----------------------
 
-NAMES = ("cpu_per_batch", "float_check", "memory_peers", "input_bound")
+
+def cpu_per_batch_hosts(*, n: int = 100, trials: int = 7) -> dict[str, Any]:
+  """`cpu_per_batch` on each of several hosts, 0.8 MB batches beside a 20 ms step."""
+  return cpu_per_batch(sizes_mb=(0.8,), steps_ms=(20.0,), n=n, trials=trials)
+
+
+NAMES = ("cpu_per_batch", "cpu_per_batch_hosts", "float_check", "memory_peers", "input_bound")
 
 
 def run(names: list[str], quick: bool) -> dict[str, Any]:
@@ -429,6 +435,13 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
         cpu_per_batch, num_processes=1, devices_per_process=8, kwargs=kw, timeout_s=1800
       )
     )[0]
+  if "cpu_per_batch_hosts" in names:
+    kw = {"n": 2 * SKIP + 4, "trials": 1} if quick else {}
+    out["cpu_per_batch_hosts"] = testing.values(
+      testing.run_processes(
+        cpu_per_batch_hosts, num_processes=2, devices_per_process=4, kwargs=kw, timeout_s=1800
+      )
+    )
   if "float_check" in names:
     kw = {"n": 2 * SKIP + 20, "trials": 3} if quick else {}
     out["float_check"] = testing.values(
@@ -483,6 +496,19 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         "<= Grain's" if step else "-",
       )
     )
+  for p, per_host in enumerate(res.get("cpu_per_batch_hosts", [])):
+    for cfg, r in per_host.items():
+      out.append(
+        (
+          "CPU per batch beside a step, 2 hosts: process CPU over the bare loop",
+          f"2 proc x 4 dev, process {p}, 256-row uint8 batches of {cfg} step (sleep);"
+          f" {r['n']} batches x {r['trials']} trials, counted between batch {SKIP} and"
+          f" {r['n'] - SKIP}; bare loop {r['bare']['cpu_us']:.0f} us",
+          f"{_us(r['ours'])}; prefetch_batches=0: {_us(r['ours_p0'])}",
+          f"`grain.experimental.device_put`: {_us(r['grain'])}",
+          "<= +177 us; prefetch_batches=0: <= +230 us (the former layout)",
+        )
+      )
   fc = res.get("float_check")
   if fc:
     out.append(
