@@ -6,9 +6,14 @@ from grain_jax_sync._src.compat import jax_sync_generator
 from grain_jax_sync._src.exchange import PeerLostError, PeerTimeoutError
 from grain_jax_sync._src.grain_dataset import device_put
 from grain_jax_sync._src.iterator import JaxBatchIterator
-from grain_jax_sync._src.meshes import default_mesh, default_sharding
-from grain_jax_sync._src.placement import DataShardInfo, data_shard_info
-from grain_jax_sync._src.shard_layout import global_to_local_shape, local_to_global_shape
+from grain_jax_sync._src.placement import (
+  DataShardInfo,
+  data_shard_info,
+  default_mesh,
+  default_sharding,
+  global_to_local_shape,
+  local_to_global_shape,
+)
 from grain_jax_sync._src.sources.elastic import elastic_source
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline

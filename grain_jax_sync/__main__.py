@@ -190,15 +190,15 @@ def _parse_value(text: str) -> Any:
 def _print_mesh_choice() -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
-  from grain_jax_sync._src import meshes, placement  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
 
-  order, reason = meshes.default_device_order(jax.devices())
+  order, reason = placement.default_device_order(jax.devices())
   ids = [d.id for d in order]
   shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
   slices = sorted({s for d in order if (s := getattr(d, "slice_index", None)) is not None})
   print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
   print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
-  print(f"batches go to: {placement.resolve_sharding().describe()}")
+  print(f"batches go to: {placement.resolve_placement().describe()}")
 
 
 def _signal_at(text: str) -> Any:

@@ -11,7 +11,7 @@ import scenarios_perf
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
-from grain_jax_sync._src import padding, sharding
+from grain_jax_sync._src import build, padding
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -29,14 +29,14 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
   ],
 )
 def test_split_casts_shrinks_on_host_grows_on_device(src, want, host, device):
-  h, d = sharding.split_casts([np.dtype(src)], [want])
+  h, d = build.split_casts([np.dtype(src)], [want])
   assert h == [np.dtype(host)]
   assert d == [None if device is None else np.dtype(device)]
 
 
 def test_bytes_handed_to_the_transfer_halve_for_float32_to_bfloat16():
   leaf = np.ones((256, 1024), np.float32)
-  host, _ = sharding.split_casts([leaf.dtype], [BF16])
+  host, _ = build.split_casts([leaf.dtype], [BF16])
   sent = padding.fill_leaf(leaf, target=256, shape=(1024,), dtype=host[0], pad=None)
   assert sent.dtype == BF16
   assert sent.nbytes * 2 == leaf.nbytes
@@ -124,7 +124,7 @@ def test_a_host_cast_converts_out_of_range_floats_as_the_device_does(src, want):
 
   with np.errstate(over="ignore"):
     leaf = OUT_OF_RANGE.astype(src)
-  host, device = sharding.split_casts([leaf.dtype], [want])
+  host, device = build.split_casts([leaf.dtype], [want])
   assert device == [None]  # Narrower or equal: cast on the host.
   sent = padding.fill_leaf(leaf, target=9, shape=(), dtype=host[0], pad=None)
   want_values = np.asarray(jnp.asarray(leaf).astype(want))

@@ -20,8 +20,9 @@ import scenarios_elastic as se
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
-from grain_jax_sync._src import elastic_split as es
-from grain_jax_sync._src.sources import elastic
+from grain_jax_sync._src.sources.elastic import source as source_lib
+from grain_jax_sync._src.sources.elastic import split as es
+from grain_jax_sync._src.sources.elastic import state as state_lib
 
 N = 160
 
@@ -90,13 +91,13 @@ def orbax_states(directory, step):
 
 def predicted(states, count, *, n=N, shuffle=True, seed=5):
   """The unmasked ids of each global batch after restoring `states` on `count` processes."""
-  spec = elastic.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
-  olds, cursors = [], []
+  spec = source_lib.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
+  olds, positions = [], []
   for s in states:
-    layout, position, _ = elastic.check_source_state(s["source"], spec, n)
+    layout, position, _ = state_lib.check_source_state(s["source"], spec, n)
     olds.append(layout)
-    cursors.append(layout.cursor(position))
-  first, splits = es.resume(olds, cursors, count)
+    positions.append((position,))
+  first, splits = es.resume(olds, positions)
   hosts = []
   for p in range(count):
     layout = es.Layout(n, 1, first, splits, count, p)

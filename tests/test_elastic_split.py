@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grain_jax_sync._src import elastic_codec
-from grain_jax_sync._src import elastic_split as es
+from grain_jax_sync._src.sources.elastic import split as es
+from grain_jax_sync._src.sources.elastic import state as state_lib
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -40,12 +40,10 @@ def run_job(draw_cursor, n, epochs, counts, *, shuffle, seed, keep):
         if keep(record):
           seen.append((epoch, record))
     if not last:
-      cursors = [layout.cursor(c) for layout, c in zip(job, consumed, strict=True)]
-      first, splits = es.resume(job, cursors, counts[k + 1])
+      positions = [(c,) for c in consumed]
+      first, splits = es.resume(job, positions)
       # The state is JSON: what a resumed job reads back.
-      splits = elastic_codec.splits_from_json(
-        json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
-      )
+      splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   return seen
 
 
@@ -74,16 +72,15 @@ def test_every_record_of_every_epoch_exactly_once_across_resizes(
 
 @PROPERTY_SETTINGS
 @given(n=st.integers(0, 200), history=st.data(), count=st.integers(1, 12))
-def test_resplit_shares_exactly_what_the_cursors_left(n, history, count):
+def test_a_resize_shares_exactly_what_the_cursors_left(n, history, count):
   old_count = history.draw(st.integers(1, 12))
   old = es.shares(n, (), old_count)
   cursors = [history.draw(st.integers(0, es.total(s))) for s in old]
-  new_history, new = es.resplit((), cursors, count, num_records=n)
+  new = es.shares(n, [(old_count, tuple(cursors))], count)
   left = [p for s, c in zip(old, cursors, strict=True) for p in expand(s)[c:]]
   assert [p for s in new for p in expand(s)] == left
   sizes = [es.total(s) for s in new]
   assert max(sizes) - min(sizes) <= 1
-  assert new_history == [(old_count, tuple(cursors))]
 
 
 def expand(ranges):
@@ -107,7 +104,7 @@ def test_shuffled_order_is_deterministic_given_seed_and_epoch():
 
 def test_a_later_epoch_uses_the_new_split():
   job = layouts(12, 2, 0, (), 2)
-  first, splits = es.resume(job, [(0, 3), (0, 6)], 3)  # Process 1 finished epoch 0.
+  first, splits = es.resume(job, [(3,), (6,)])  # Process 1 finished epoch 0 (6 records).
   assert first == 0
   new = layouts(12, 2, first, splits, 3)
   # Epoch 0: the 3 records process 0 left, over 3 processes; epoch 1 fresh, 3-way.
@@ -118,7 +115,7 @@ def test_a_later_epoch_uses_the_new_split():
 def test_resize_at_an_epoch_boundary_keeps_both_epochs():
   job = layouts(8, 3, 0, (), 2)
   # Process 0 is in epoch 1 (2 of 4 read); process 1 still in epoch 0 (1 of 4).
-  first, splits = es.resume(job, [(1, 2), (0, 1)], 1)
+  first, splits = es.resume(job, [(4 + 2,), (1,)])  # Stream positions: 4 per epoch.
   (new,) = layouts(8, 3, first, splits, 1)
   got = [new.locate(j) for j in range(new.length)]
   epoch0 = [p for e, p in got if e == 0]
@@ -152,9 +149,9 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
   for _ in range(resizes):
     job = layouts(n, 1, first, splits, 1024)
     share = job[0].length
-    cursors = [(0, int(c)) for c in rng.integers(share // 2, share, size=1024)]
-    first, splits = es.resume(job, cursors, 1024)
-  size = len(json.dumps(elastic_codec.splits_to_json(splits)))
+    positions = [(int(c),) for c in rng.integers(share // 2, share, size=1024)]
+    first, splits = es.resume(job, positions)
+  size = len(json.dumps(state_lib.splits_to_json(splits)))
   assert size < 10_000, size
 
 
@@ -167,19 +164,19 @@ def test_a_resize_of_1024_processes_with_2_mp_prefetch_workers_each_stays_under_
   for k in rng.integers(share // 4, share // 2, size=1024):
     drift = int(rng.integers(-50, 50))  # The workers drift apart by a few records.
     thresholds.append((2 * int(k), 1 + 2 * (int(k) + drift)))
-  first, splits = es.resume_strided(job, thresholds, 1000)
-  text = json.dumps(elastic_codec.splits_to_json(splits))
+  first, splits = es.resume(job, thresholds)
+  text = json.dumps(state_lib.splits_to_json(splits))
   assert len(text) < 10_000, len(text)
-  assert elastic_codec.splits_from_json(json.loads(text)) == splits
+  assert state_lib.splits_from_json(json.loads(text)) == splits
 
 
 def test_pack_ints_round_trips():
   for values in ([], [3, 1], list(range(100)), [2**40, 0, 5] * 20):
-    assert elastic_codec.unpack_ints(
-      json.loads(json.dumps(elastic_codec.pack_ints(values)))
-    ) == tuple(values)
+    assert state_lib.unpack_ints(json.loads(json.dumps(state_lib.pack_ints(values)))) == tuple(
+      values
+    )
   with pytest.raises(ValueError, match="list of ints"):
-    elastic_codec.unpack_ints("nope")
+    state_lib.unpack_ints("nope")
 
 
 def test_a_cursor_past_its_share_is_refused():
@@ -212,10 +209,8 @@ def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epoc
       for j in range(layout.length):
         if j < t[j % width]:
           seen.append(record_of(layout, j, shuffle=True, seed=3))
-    first, splits = es.resume_strided(job, thresholds, counts[k + 1])
-    splits = elastic_codec.splits_from_json(
-      json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
-    )
+    first, splits = es.resume(job, thresholds)
+    splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   assert Counter(seen) == Counter((e, r) for e in range(epochs) for r in range(n))
 
 
@@ -238,10 +233,8 @@ def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_e
   seen = [record_of(a, j, shuffle=True, seed=seed) for a, c in zip(old, consumed) for j in range(c)]
   cursors = [a.cursor(c) for a, c in zip(old, consumed, strict=True)]
   assert cursors == [(2, 4), (3, 1)]
-  first, splits = es.resume(old, cursors, 3)
-  splits = elastic_codec.splits_from_json(
-    json.loads(json.dumps(elastic_codec.splits_to_json(splits)))
-  )
+  first, splits = es.resume(old, [(c,) for c in consumed])
+  splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   assert first == 2 and [e for e, _ in splits] == [2, 3]
   for layout in layouts(n, None, first, splits, 3):
     # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).

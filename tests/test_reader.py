@@ -1,8 +1,9 @@
-"""The reader stage: every local failure becomes one ending, at the failed read."""
+"""The reader stage: each local failure becomes one ending, at the failed read; row digests."""
 
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import ml_dtypes
@@ -210,3 +211,60 @@ def test_a_type_error_from_array_is_raised_as_itself_in_one_process():
   with pytest.raises(TypeError, match="can't convert cuda"):
     next(it)
   it.close()
+
+
+# -- the row digest that processes sharing a data shard compare -------------------
+
+
+def _batch(seed=0, rows=16):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 255, (rows, 8, 8, 3), dtype=np.uint8), np.arange(rows, dtype=np.int32)]
+
+
+def test_rows_digest_equal_rows_equal_digest_any_layout():
+  a = _batch()
+  b = [np.asfortranarray(a[0]), a[1].astype(">i4").astype(np.int32)]  # Same values, other layout.
+  assert reader.rows_digest(a) == reader.rows_digest(b)
+  assert len(reader.rows_digest(a)) == 16
+
+
+@pytest.mark.parametrize(
+  "change",
+  [
+    lambda x, y: (x, y[::-1].copy()),  # Another order (another shuffle).
+    lambda x, y: (x, y + 16),  # Another shard.
+    lambda x, y: (x[:8], y[:8]),  # Fewer rows.
+    lambda x, y: (x, y.astype(np.int64)),  # Another dtype.
+    lambda x, y: (x.reshape(16, 8, 24), y),  # Another shape.
+  ],
+)
+def test_rows_digest_differs_for_other_rows(change):
+  x, y = _batch()
+  assert reader.rows_digest([x, y]) != reader.rows_digest(list(change(x, y)))
+
+
+def test_rows_digest_large_leaves_are_sampled_but_see_each_sampled_row():
+  rng = np.random.default_rng(1)
+  big = rng.integers(0, 255, (256, 64, 64, 3), dtype=np.uint8)  # 3 MiB: sampled.
+  assert big.nbytes > reader.DIGEST_FULL_BYTES
+  base = reader.rows_digest([big])
+  other = big.copy()
+  other[255, 0, 0, 0] ^= 1  # The last row and its first element are always sampled.
+  assert reader.rows_digest([other]) != base
+  shuffled = big[rng.permutation(256)]
+  assert reader.rows_digest([shuffled]) != base
+  bf16 = big[:, :1, :1, 0].astype(ml_dtypes.bfloat16)
+  assert reader.rows_digest([bf16]) == reader.rows_digest([bf16.copy()])
+
+
+def test_rows_digest_is_cheap_for_a_large_batch():
+  big = np.zeros((256, 224, 224, 3), np.uint8)  # 38.5 MB of images.
+  labels = np.zeros(256, np.int32)
+  reader.rows_digest([big, labels])
+  start = time.perf_counter()
+  for _ in range(5):
+    reader.rows_digest([big, labels])
+  per_call = (time.perf_counter() - start) / 5
+  # The digest reads a bounded sample (64 rows x 1 KiB), not the batch: far
+  # below this bound on any host, where hashing the whole batch would not be.
+  assert per_call < 0.02, per_call

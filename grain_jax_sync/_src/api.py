@@ -156,5 +156,5 @@ def iter_jax_batches(
     shape_mask_keys=shape_mask_keys,
     process_count=jax.process_count(),
   )
-  placement = placement_lib.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+  placement = placement_lib.resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
   return JaxBatchIterator(source, settings=settings, placement=placement)

@@ -1,9 +1,10 @@
 """The build stage: decided runs -> global batches (pad, dummy, mask, cast, transfer).
 
-`Layout` is computed once from the agreed structure (the same on every host);
+`Layout` is computed once from the agreed structure (the same on every host),
+with the dtype policy (`split_casts`: shrink on the host, grow on the device);
 `Builder` applies each decided step to this host's read (or to no read: a
 dummy batch) and makes the global arrays with one
-`sharding.to_global_leaves` call per batch.
+`transfer.to_global_leaves` call per batch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -20,10 +21,9 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
-from grain_jax_sync._src import padding, trees
+from grain_jax_sync._src import padding, transfer, trees
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src import sharding as sharding_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
   from grain_jax_sync._src import agreement
@@ -52,6 +52,41 @@ class Item:
   batch_size: int | None = None
 
 
+def split_casts(
+  src: Sequence[np.dtype], want: Sequence[Any]
+) -> tuple[list[np.dtype], list[np.dtype | None]]:
+  """The dtype policy: shrink on the host, grow on the device.
+
+  A cast to a dtype of fewer or equal bytes (float32 -> bfloat16, int64 ->
+  int32) runs on the host before the transfer, so fewer bytes cross the link.
+  A cast to a wider dtype (uint8 -> float32) runs on the device after it.
+
+  Args:
+    src: Each leaf's dtype as read.
+    want: Each leaf's requested dtype, or None to keep it.
+
+  Returns:
+    (host_dtypes, device_dtypes): the dtype each leaf is transferred in, and
+    the dtype to cast to on the device afterwards (None for no device cast).
+  """
+  host: list[np.dtype] = []
+  device: list[np.dtype | None] = []
+  for s, w in zip(src, want):
+    if w is None:
+      host.append(s)
+      device.append(None)
+      continue
+    w = np.dtype(w) if not isinstance(w, np.dtype) else w
+    w = np.dtype(jax.dtypes.canonicalize_dtype(w))
+    if w.itemsize <= s.itemsize:
+      host.append(w)
+      device.append(None)
+    else:
+      host.append(s)
+      device.append(w)
+  return host, device
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Per-leaf host dtypes, device dtypes and pad values; the same on every host."""
@@ -78,7 +113,7 @@ class Layout:
   ) -> Layout:
     want = padding.per_leaf(dtypes, sig, what="dtypes")
     try:
-      host, device = sharding_lib.split_casts(sig.np_dtypes(), want)
+      host, device = split_casts(sig.np_dtypes(), want)
     except TypeError as e:
       raise ValueError(f"`dtypes` has a value that is not a dtype: {e}") from e
     for name, w in zip(sig.names, want, strict=True):
@@ -118,7 +153,7 @@ class Layout:
 def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Narrowing]:
   """The leaves whose values are cast on the host to a float dtype of smaller range.
 
-  The dtype policy (`sharding.split_casts`) casts on the host what shrinks,
+  The dtype policy (`split_casts`) casts on the host what shrinks,
   and with x64 off the transfer holds float64 as float32: a finite value
   beyond the range of the dtype it lands in would become inf (or NaN)
   silently, so the reader checks these leaves (`reader.check_float_range`).
@@ -136,7 +171,7 @@ def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Nar
   src = sig.np_dtypes()
   try:
     want = padding.per_leaf(dtypes, sig, what="dtypes")
-    host, _ = sharding_lib.split_casts(src, want)
+    host, _ = split_casts(src, want)
   except (TypeError, ValueError):
     return []
   out = []
@@ -250,7 +285,7 @@ class Builder:
     self._state = start_state
     self._layout: Layout | None = None
     # Per row count (and agreed sizes): every leaf's (and the masks') sharding and global shape.
-    self._targets: dict[Any, sharding_lib.Targets] = {}
+    self._targets: dict[Any, transfer.Targets] = {}
     # `pad_shapes`: per agreed sizes, each leaf's trailing shape.
     self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     self.transfer_s = 0.0
@@ -332,10 +367,10 @@ class Builder:
     key = (step.rows, step.sizes) if step.sizes else step.rows
     targets = self._targets.get(key)
     if targets is None:
-      targets = sharding_lib.global_targets([x.shape for x in local], self._placement)
+      targets = transfer.global_targets([x.shape for x in local], self._placement)
       self._targets[key] = targets
     # The one seam where local rows become global arrays.
-    out = sharding_lib.to_global_leaves(local, self._placement, device, targets=targets)
+    out = transfer.to_global_leaves(local, self._placement, device, targets=targets)
     masks = [out.pop() for _ in layout.masks][::-1]
     mask = out.pop() if mask_key is not None else None
     if layout.keys is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from grain_jax_sync._src import api, meshes
+from grain_jax_sync._src import api, placement
 
 REFERENCE_BATCH_SIZE = 256
 
@@ -116,7 +116,7 @@ def jax_sync_generator(
     dtypes=dtypes,
     synchronize_batches=synchronize_batches,
     synchronize_lookahead=synchronize_lookahead,
-    sharding=meshes.default_sharding(),
+    sharding=placement.default_sharding(),
     prefetch_batches=prefetch_batches,
     pad_shapes=pad_shapes,
     shape_buckets=shape_buckets,

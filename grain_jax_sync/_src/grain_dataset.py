@@ -8,7 +8,7 @@ per-host batches: same first arguments, global `jax.Array`s out, and the
 iterator is a `grain.DatasetIterator` whose JSON `get_state`/`set_state` are
 the `JaxBatchIterator`'s, so Grain's checkpoint handlers save and restore it
 (that dataset and iterator are in `synced_dataset.py`). Here: the arguments,
-`device` resolved once (`device_put_placement`), and the pipeline composed.
+`device` resolved once (`placement.resolve_device_put`), and the pipeline composed.
 
 Grain is imported when `device_put` is first called, never by
 ``import grain_jax_sync``.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from grain_jax_sync._src import device_put_placement, extras, synced_dataset
+from grain_jax_sync._src import extras, synced_dataset
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import settings as settings_lib
@@ -139,7 +139,7 @@ def device_put(
   ):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"`{arg}` must be an int >= 0, got {value!r}")
-  placement = device_put_placement.resolve(device, mesh, data_axes, sharding)
+  placement = placement_lib.resolve_device_put(device, mesh, data_axes, sharding)
   # Checked now rather than at the first `iter()`; no store, no thread.
   settings = settings_lib.make(
     batch_size=batch_size,
@@ -159,10 +159,10 @@ def device_put(
     shape_mask_keys=shape_mask_keys,
     process_count=jax.process_count(),
   )
-  batches = placement_lib.resolve_sharding(mesh=None, data_axes=None, sharding=placement.sharding)
+  batches = placement.batches
   settings_lib.check_divisible(settings, batches.local_shards, batches.describe_local())
   if cpu_buffer_size > 0 and device_buffer_size == 0:
     # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = synced_dataset.classes()
-  return synced(ds, settings, placement, batches)
+  return synced(ds, settings, placement)

@@ -23,7 +23,7 @@ from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.sources import elastic_state
+from grain_jax_sync._src.sources import elastic
 
 Settings = settings_lib.Settings
 STATE_VERSION = settings_lib.STATE_VERSION
@@ -234,7 +234,7 @@ class JaxBatchIterator(Iterator[Any]):
     try:
       # A list of every old process's state (issue 24): this process's, or
       # for an elastic source on another count, a re-split one.
-      state = elastic_state.for_this_process(
+      state = elastic.for_this_process(
         self._source, state, process_index=p, process_count=jax.process_count()
       )
       batches, source_state = settings_lib.check_state(

@@ -1,30 +1,386 @@
-"""Where a batch's rows go: shardings, data shards, processes that share rows.
+"""Where a batch's rows go: meshes, shard layout, and each process's share.
 
-`resolve_sharding` turns the user's `mesh`/`data_axes`/`sharding` (or the
-context or default mesh) into a `BatchPlacement`: the sharding, the data
-shards this process holds, and which processes feed identical rows. The
-global batch has rows per data shard x data shards, so processes that hold the
-same data shards (a model axis across processes) do not add to it
-(`shard_layout.py` says which processes hold which blocks). No `jax.Array`
-is made here (`sharding.py` does that).
+One concept, in the order a placement is resolved:
+
+* Meshes: the default mesh (1-D, one ``"data"`` axis over every device of
+  the job, in a topology-aware order), the mesh set by `jax.set_mesh`, and
+  the axes a mesh splits rows over.
+* Shard layout: along each dimension a sharding splits an array into blocks;
+  `dim_layout` says which processes hold which blocks (processes that hold
+  the same blocks, a model axis across processes, form one group and feed
+  the same data). `local_to_global_shape` and `global_to_local_shape` apply
+  the rule of `jax.make_array_from_process_local_data` to shapes.
+* `resolve_placement` turns the user's `mesh`/`data_axes`/`sharding` (or
+  the context or default mesh) into a `BatchPlacement`: the sharding, the
+  data shards this process holds, and which processes feed identical rows
+  (`shared_rows_error` says how they did not). The global batch has rows per
+  data shard x data shards, so processes that hold the same data shards do
+  not add to it.
+* `resolve_device_put`: `device_put`'s `device` argument, resolved once.
+
+No `jax.Array` is made here (`transfer.py` does that).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-from grain_jax_sync._src import meshes
-from grain_jax_sync._src.shard_layout import cut, local_to_global_shape
-from grain_jax_sync._src.shard_layout import dim_layout as _dim_layout  # Tests reach it here.
+from grain_jax_sync._src import settings as settings_lib
 
 logger = logging.getLogger(__name__)
+
+
+# -- meshes: the default device order, the context mesh and the data axes -------
+
+DATA_AXIS = "data"
+
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_once(message: str) -> None:
+  """Logs `message` at INFO the first time this process sees it."""
+  with _logged_lock:
+    if message in _logged:
+      return
+    _logged.add(message)
+  logger.info("%s", message)
+
+
+def _ordered_fallback(devices: Sequence[Any]) -> np.ndarray:
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  out = np.empty(len(ordered), dtype=object)
+  out[:] = ordered
+  return out
+
+
+def _slice_indices(devices: Sequence[Any]) -> list[Any]:
+  return sorted({s for s in (getattr(d, "slice_index", None) for d in devices) if s is not None})
+
+
+def default_device_order(devices: Sequence[Any]) -> tuple[np.ndarray, str]:
+  """The devices of the default 1-D data mesh, in order, and why that order.
+
+  Args:
+    devices: Every device of the job (`jax.devices()`); any objects with
+      ``id``, ``process_index`` and the attributes `mesh_utils` reads
+      (``slice_index``, ``platform``, ``device_kind``, ``coords``...).
+
+  Returns:
+    (order, reason): a 1-D object array of the devices, and a sentence that
+    says which rule chose it.
+  """
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+
+  devices = list(devices)
+  n = len(devices)
+  slices = _slice_indices(devices)
+  if len(slices) > 1:
+    per_slice = n // len(slices)
+    try:
+      order = mesh_utils.create_hybrid_device_mesh((per_slice,), (len(slices),), devices)
+      return np.asarray(order, dtype=object).reshape(-1), (
+        f"devices report {len(slices)} slice_index values: create_hybrid_device_mesh,"
+        f" data parallelism across the {len(slices)} slices of {per_slice} devices"
+      )
+    except Exception as e:  # noqa: BLE001 - any failure falls back, with the reason.
+      return _ordered_fallback(devices), (
+        f"devices report {len(slices)} slice_index values but create_hybrid_device_mesh"
+        f" failed ({type(e).__name__}: {e}); devices ordered by process, then id"
+      )
+  try:
+    order = mesh_utils.create_device_mesh((n,), devices)
+    return np.asarray(order, dtype=object).reshape(-1), (
+      "one slice: create_device_mesh (topology-aware order)"
+    )
+  except Exception as e:  # noqa: BLE001 - any failure falls back, with the reason.
+    return _ordered_fallback(devices), (
+      f"create_device_mesh failed ({type(e).__name__}: {e}); devices ordered by process, then id"
+    )
+
+
+def default_mesh(axis_name: str = DATA_AXIS) -> jax.sharding.Mesh:
+  """The default mesh: 1-D over every device of the job, topology-aware.
+
+  One slice: `mesh_utils.create_device_mesh`; several (devices with
+  different ``slice_index``): `mesh_utils.create_hybrid_device_mesh` with data
+  parallelism across slices; otherwise devices ordered by process, then id.
+  The choice and its reason are logged once at INFO.
+
+  Args:
+    axis_name: The mesh axis name.
+
+  Returns:
+    A 1-D ``jax.sharding.Mesh`` with axis `axis_name`.
+
+  Example:
+
+    >>> mesh = default_mesh()
+    >>> mesh.shape
+    OrderedDict([('data', 8)])
+  """
+  order, reason = default_device_order(jax.devices())
+  log_once(
+    f"grain_jax_sync: default mesh: 1-D {axis_name!r} axis over {len(order)} devices; {reason}"
+  )
+  return jax.sharding.Mesh(order, (axis_name,))
+
+
+def default_sharding(axis_name: str = DATA_AXIS) -> jax.sharding.NamedSharding:
+  """Rows split over the default mesh (`default_mesh`): 1-D over every device.
+
+  Args:
+    axis_name: The mesh axis name.
+
+  Returns:
+    ``NamedSharding(default_mesh(axis_name), PartitionSpec(axis_name))``.
+
+  Example:
+
+    >>> sharding = default_sharding()
+    >>> sharding.spec == jax.sharding.PartitionSpec("data")
+    True
+  """
+  mesh = default_mesh(axis_name)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+
+
+def context_mesh() -> jax.sharding.Mesh | None:
+  """The concrete mesh set by `jax.set_mesh` (or `jax.sharding.use_mesh`), if any.
+
+  Read in the calling thread: JAX keeps the context per thread.
+  """
+  get = getattr(jax.sharding, "get_mesh", None)
+  if get is None:  # Older JAX: the same value, not yet public.
+    from jax._src import mesh as mesh_src  # pylint: disable=g-import-not-at-top
+
+    get = getattr(mesh_src, "get_concrete_mesh", None)
+  if get is None:
+    return None
+  try:
+    mesh = get()
+  except ValueError:  # Inside a trace: there is no concrete mesh to use.
+    return None
+  if mesh is None or getattr(mesh, "empty", False) or not getattr(mesh, "axis_names", ()):
+    return None
+  return mesh
+
+
+def data_axes_of(mesh: jax.sharding.Mesh, data_axes: str | Sequence[str] | None) -> tuple[str, ...]:
+  """The mesh axes the rows are split over, checked against the mesh.
+
+  Args:
+    mesh: The mesh.
+    data_axes: An axis name, a sequence of them, or None for ``"data"`` where
+      the mesh has it and every axis otherwise.
+
+  Returns:
+    The axis names, in order (major to minor).
+
+  Raises:
+    ValueError: If an axis is not in the mesh, repeated, or none is given.
+  """
+  names = tuple(mesh.axis_names)
+  if data_axes is None:
+    return (DATA_AXIS,) if DATA_AXIS in names else names
+  axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+  if not axes:
+    raise ValueError(
+      f"`data_axes` must name at least one axis of the mesh {dict(mesh.shape)}, got {data_axes!r}"
+    )
+  unknown = [a for a in axes if a not in names]
+  if unknown or len(set(axes)) != len(axes):
+    raise ValueError(
+      f"`data_axes` must be distinct axis names of the mesh {dict(mesh.shape)},"
+      f" got {data_axes!r}" + (f" ({unknown!r} not in the mesh)" if unknown else "")
+    )
+  return axes
+
+
+def data_spec(mesh: jax.sharding.Mesh, data_axes: Any = None) -> jax.sharding.PartitionSpec:
+  """``PartitionSpec`` with rows over `data_axes`, replicated over the rest."""
+  axes = data_axes_of(mesh, data_axes)
+  return jax.sharding.PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+
+# -- shard layout: which processes hold which blocks, and the shapes that follow --
+
+
+@dataclasses.dataclass(frozen=True)
+class DimLayout:
+  """How one dimension of a sharding splits into blocks and who holds them."""
+
+  num_blocks: int  # Distinct blocks along the dimension (data shards for rows).
+  groups: tuple[tuple[int, ...], ...]  # Processes holding the same blocks, by first block.
+  group_blocks: tuple[tuple[int, ...], ...]  # The blocks of each group, ascending.
+
+  def group_of(self, process_index: int) -> int:
+    """The group that holds `process_index`'s blocks; raises if it holds none."""
+    for k, procs in enumerate(self.groups):
+      if process_index in procs:
+        return k
+    raise ValueError(f"process {process_index} holds no device of the sharding")
+
+
+def _start(index: Any) -> int:
+  """Where a slice of an index map starts (0 for a whole dimension)."""
+  return (index.start or 0) if isinstance(index, slice) else 0
+
+
+@functools.lru_cache(maxsize=256)
+def dim_layout(sharding: jax.sharding.Sharding, dim: int, ndim: int) -> DimLayout:
+  """Blocks of `dim` and the processes that hold each, for any sharding."""
+  index_map = sharding.devices_indices_map((sharding.num_devices,) * ndim)
+  starts = sorted({_start(idx[dim]) for idx in index_map.values()})
+  block_of = {s: k for k, s in enumerate(starts)}
+  held: dict[int, set[int]] = collections.defaultdict(set)
+  for device, idx in index_map.items():
+    # jaxlib's Device stub does not declare `process_index`.
+    process: int = device.process_index  # type: ignore[attr-defined]
+    held[process].add(block_of[_start(idx[dim])])
+  owners: dict[frozenset[int], list[int]] = collections.defaultdict(list)
+  for p in sorted(held):
+    owners[frozenset(held[p])].append(p)
+  counts = sorted({len(b) for b in owners})
+  covered = sum(len(b) for b in owners)
+  if len(counts) > 1 or covered != len(starts):
+    detail = "; ".join(f"processes {ps} hold {sorted(b)}" for b, ps in list(owners.items())[:8])
+    raise ValueError(
+      f"the sharding {sharding} splits dimension {dim} into {len(starts)} blocks"
+      f" that processes hold unevenly ({detail}); expected every process to hold"
+      " the same number of blocks, and any two processes the same blocks or"
+      " none in common. Order the mesh devices so that each process's devices"
+      " form whole blocks"
+    )
+  ordered = sorted(owners, key=min)
+  return DimLayout(
+    num_blocks=len(starts),
+    groups=tuple(tuple(owners[b]) for b in ordered),
+    group_blocks=tuple(tuple(sorted(b)) for b in ordered),
+  )
+
+
+@functools.lru_cache(maxsize=256)
+def cut(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
+  """`sharding` for a leaf of rank `ndim`: a longer spec is cut to the rank."""
+  if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > ndim:
+    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[:ndim])
+    return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+  return sharding
+
+
+def _as_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
+  """`sharding` itself, or a mesh as rows over its data axes; raises for anything else."""
+  if isinstance(sharding, jax.sharding.Mesh):
+    return jax.sharding.NamedSharding(sharding, data_spec(sharding))
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  raise ValueError(
+    f"`{what}` must be a jax.sharding.Sharding or a jax.sharding.Mesh, got"
+    f" {type(sharding).__qualname__}: {sharding!r:.200}"
+  )
+
+
+def local_to_global_shape(
+  local_shape: Sequence[int], sharding: jax.sharding.Sharding | jax.sharding.Mesh
+) -> tuple[int, ...]:
+  """The global shape of an array built from this process's `local_shape` data.
+
+  The rule of `jax.make_array_from_process_local_data`: along each dimension
+  the process holds some blocks of the sharding; the global size is the local
+  size times the number of distinct sets of blocks that processes hold.
+  Processes that hold the same blocks (a model axis across processes) feed the
+  same data and do not add to the global size. A spec longer than the rank is
+  cut to it; a `Mesh` means rows over its data axes (``"data"`` or all).
+
+  Args:
+    local_shape: The shape of this process's data.
+    sharding: The sharding of the global array, or a mesh.
+
+  Returns:
+    The global shape.
+
+  Raises:
+    ValueError: If a local size does not divide among the blocks this process
+      holds, or the sharding is not uniform across processes.
+
+  Example:
+
+    >>> # 2 processes x 4 devices, mesh (data=4, model=2), model inside a process:
+    >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
+    (16, 3)
+  """
+  return _local_to_global(_as_sharding(sharding, "sharding"), tuple(local_shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_to_global(
+  sharding: jax.sharding.Sharding, local_shape: tuple[int, ...]
+) -> tuple[int, ...]:
+  s = cut(sharding, len(local_shape))
+  pi = jax.process_index()
+  out = []
+  for dim, size in enumerate(local_shape):
+    lay = dim_layout(s, dim, len(local_shape))
+    held = len(lay.group_blocks[lay.group_of(pi)])
+    if size % held:
+      raise ValueError(
+        f"dimension {dim} has {size} entries on process {pi}, not divisible by"
+        f" the {held} blocks of the sharding that it holds ({s}); expected a"
+        f" multiple of {held}"
+      )
+    out.append(size // held * lay.num_blocks)
+  return tuple(out)
+
+
+def global_to_local_shape(
+  global_shape: Sequence[int], sharding: jax.sharding.Sharding | jax.sharding.Mesh
+) -> tuple[int, ...]:
+  """The shape of this process's data for a global array of `global_shape`.
+
+  The inverse of `local_to_global_shape`.
+
+  Args:
+    global_shape: The shape of the global array.
+    sharding: Its sharding, or a mesh (rows over its data axes).
+
+  Returns:
+    The shape of the data this process feeds.
+
+  Raises:
+    ValueError: If a global size does not divide among the sharding's blocks.
+
+  Example:
+
+    >>> global_to_local_shape((16, 3), NamedSharding(mesh, P("data")))
+    (8, 3)
+  """
+  s = cut(_as_sharding(sharding, "sharding"), len(global_shape))
+  pi = jax.process_index()
+  out = []
+  for dim, size in enumerate(global_shape):
+    lay = dim_layout(s, dim, len(global_shape))
+    if size % lay.num_blocks:
+      raise ValueError(
+        f"dimension {dim} has {size} entries, not divisible by the"
+        f" {lay.num_blocks} blocks of the sharding ({s}); expected a multiple of"
+        f" {lay.num_blocks}"
+      )
+    out.append(size // lay.num_blocks * len(lay.group_blocks[lay.group_of(pi)]))
+  return tuple(out)
+
+
+# -- the placement of every batch: the sharding and this process's share ---------
 
 
 class DataShardInfo(NamedTuple):
@@ -43,7 +399,8 @@ class DataShardInfo(NamedTuple):
 class BatchPlacement:
   """Where every batch goes: the sharding and this process's data shards.
 
-  Built once per iterator by `resolve_sharding`; `to_global_leaves` takes it.
+  Built once per iterator by `resolve_placement`; `transfer.to_global_leaves`
+  takes it.
   A *data shard* is a block of rows on the devices (one per index of the data
   axes). This process holds `local_blocks` of them; its local rows, split into
   ``len(local_blocks)`` equal parts, go in order to those blocks, which need
@@ -165,7 +522,7 @@ def _check_trailing_whole(sharding: jax.sharding.Sharding, what: str) -> None:
   for dim in range(1, ndim):
     if sharding.spec[dim] is None:
       continue
-    lay = _dim_layout(sharding, dim, ndim)  # Raises where processes hold blocks unevenly.
+    lay = dim_layout(sharding, dim, ndim)  # Raises where processes hold blocks unevenly.
     if len(lay.groups) > 1:
       held = "; ".join(
         f"processes {list(ps)} hold {list(b)}"
@@ -183,7 +540,7 @@ def placement_for(sharding: jax.sharding.Sharding, chosen_by: str) -> BatchPlace
   """The `BatchPlacement` of a sharding, checked for this job."""
   _check_covers(sharding, chosen_by)
   _check_trailing_whole(sharding, chosen_by)
-  lay = _dim_layout(cut(sharding, 1), 0, 1)
+  lay = dim_layout(cut(sharding, 1), 0, 1)
   group = lay.group_of(jax.process_index())
   placement = BatchPlacement(
     sharding=sharding,
@@ -194,7 +551,7 @@ def placement_for(sharding: jax.sharding.Sharding, chosen_by: str) -> BatchPlace
     groups=lay.groups,
     chosen_by=chosen_by,
   )
-  meshes.log_once(f"grain_jax_sync: batches go to {placement.describe()}", logger)
+  log_once(f"grain_jax_sync: batches go to {placement.describe()}")
   return placement
 
 
@@ -205,7 +562,7 @@ def _named(mesh: Any, spec: jax.sharding.PartitionSpec, what: str) -> jax.shardi
     raise ValueError(f"{what} {spec} does not fit the mesh {dict(mesh.shape)}: {e}") from e
 
 
-def resolve_sharding(
+def resolve_placement(
   *,
   mesh: jax.sharding.Mesh | None = None,
   data_axes: str | Sequence[str] | None = None,
@@ -215,7 +572,7 @@ def resolve_sharding(
 
   In order: a full `sharding`; `mesh` with rows over `data_axes` (or a
   `sharding` PartitionSpec applied to it); the mesh set by `jax.set_mesh`;
-  `meshes.default_mesh()`. A mesh alone splits rows over `data_axes`
+  `default_mesh()`. A mesh alone splits rows over `data_axes`
   (default ``"data"`` if the mesh has it, else every axis) and replicates them
   over the other axes.
 
@@ -253,13 +610,13 @@ def resolve_sharding(
       )
     chosen_by = "the `mesh` argument"
   else:
-    mesh = meshes.context_mesh()
+    mesh = context_mesh()
     chosen_by = "the context mesh (jax.set_mesh)"
     if mesh is None:
-      mesh = meshes.default_mesh()
+      mesh = default_mesh()
       chosen_by = "the default mesh"
   if sharding is None:
-    spec = meshes.data_spec(mesh, data_axes)
+    spec = data_spec(mesh, data_axes)
     what = "`data_axes`"
   else:
     spec, what = sharding, "`sharding`"
@@ -294,7 +651,178 @@ def data_shard_info(
     DataShardInfo(shard_index=0, shard_count=1)
   """
   if isinstance(mesh_or_sharding, jax.sharding.Mesh):
-    p = resolve_sharding(mesh=mesh_or_sharding, data_axes=data_axes)
+    p = resolve_placement(mesh=mesh_or_sharding, data_axes=data_axes)
   else:
-    p = resolve_sharding(sharding=mesh_or_sharding, data_axes=data_axes)
+    p = resolve_placement(sharding=mesh_or_sharding, data_axes=data_axes)
   return DataShardInfo(p.shard_index, p.shard_count)
+
+
+# -- identical rows where processes share a data shard ----------------------------
+
+
+def shared_rows_error(
+  digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
+) -> str | None:
+  """The error when processes that share a data shard fed different rows.
+
+  Args:
+    digests: Per process index, `reader.rows_digest` of the rows it fed at this
+      batch, or None where it fed none (a dummy batch).
+    groups: `BatchPlacement.groups`: per input shard, the processes feeding it.
+    batch_index: The output batch, for the message.
+
+  Returns:
+    The message for every host to raise as ValueError, or None if they agree.
+  """
+  for shard, procs in enumerate(groups):
+    fed = {p: digests[p] for p in procs if digests[p] is not None}
+    ended = [p for p in procs if digests[p] is None]
+    head = (
+      f"batch {batch_index}: processes {list(procs)} hold the same data shards"
+      f" (input shard {shard}) and must feed identical rows, but"
+    )
+    if fed and ended:
+      # A dummy batch on one replica and real rows on another would make a
+      # global array whose copies differ from process to process.
+      return (
+        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
+        f" {_processes(list(fed))} had one. Processes that share data shards must"
+        f" feed the same number of batches: load {_LOAD_SHARD}"
+      )
+    if len(set(fed.values())) > 1:
+      detail = ", ".join(f"process {p}: {d}" for p, d in fed.items())
+      return f"{head} their rows differ (row digests {detail}). Load {_LOAD_SHARD}"
+  return None
+
+
+_LOAD_SHARD = (
+  "the data with grain_jax_sync.data_shard_info(mesh) as the shard"
+  " (tfds_pipeline(mesh=...) does) and the same seed on every process"
+)
+
+
+def _processes(ps: Sequence[int]) -> str:
+  return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"
+
+
+# -- device_put's `device`, resolved once ------------------------------------------
+
+_ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec, jax.Device)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePutPlacement:
+  """Where `device_put` puts elements: its `device` argument, resolved once.
+
+  `device` (or `mesh`/`data_axes`/`sharding`) is resolved in the caller's
+  thread, so that the mesh set by `jax.set_mesh` around `device_put` is the
+  one used. `grain_dataset` resolves it; the dataset's iterator
+  (`synced_dataset`) applies it.
+
+  Attributes:
+    batches: Where global batches go. Under a `device` that places elements
+      as they are (`per_leaf`), the context or default mesh's placement.
+    per_leaf: True if `device` places each element as it is, as
+      `jax.device_put` does (None, or a pytree of different placements; one
+      process only).
+    element: What `jax.device_put` gets for an element placed as it is (an
+      unbatched element, or any element under a per-leaf `device`).
+  """
+
+  batches: BatchPlacement
+  per_leaf: bool
+  element: Any
+
+  @property
+  def sharding(self) -> jax.sharding.Sharding | None:
+    """The one sharding of every leaf of a global batch (None if `per_leaf`)."""
+    return None if self.per_leaf else self.batches.sharding
+
+
+def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> BatchPlacement:
+  """`device_put`'s `device` (or `mesh`/`data_axes`/`sharding`) as one placement."""
+  if isinstance(device, jax.Device):
+    if jax.process_count() > 1:
+      raise ValueError(
+        f"`device` is the single device {device}, but there are"
+        f" {jax.process_count()} processes; pass a sharding (or mesh) that"
+        " spans every process's devices, e.g. grain_jax_sync.default_mesh()"
+      )
+    device = jax.sharding.SingleDeviceSharding(device)
+  if device is not None:
+    if mesh is not None or sharding is not None:
+      raise ValueError("pass `device`, or `mesh`/`sharding`, not both")
+    if isinstance(device, jax.sharding.Mesh):
+      mesh = device  # Rows over the data axes, replicated over the rest.
+    elif isinstance(device, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+      sharding = device
+    else:
+      raise _usage_error(device)
+  return resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
+
+
+def _usage_error(device: Any) -> ValueError:
+  return ValueError(
+    "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
+    " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
+    f" got {type(device).__qualname__}: {device!r:.200}"
+  )
+
+
+def _placed_as_is(element: Any) -> DevicePutPlacement:
+  """Elements placed as `jax.device_put(element, element)` places them (one process)."""
+  return DevicePutPlacement(resolve_placement(), True, element)
+
+
+def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> DevicePutPlacement:
+  """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread.
+
+  `device` left unset means `mesh`/`sharding`, else the `jax.set_mesh` mesh,
+  else `default_mesh()`. None, or None inside a pytree, means what it means
+  to `jax.device_put` (the default device) on one process, so that Grain's
+  calls place as Grain does; on several processes, where a global batch
+  spans every host's devices, it is taken as unset.
+
+  Raises:
+    ValueError: For a `device` that is no placement, conflicting arguments,
+      or one that cannot place global batches on several processes.
+  """
+  multi = jax.process_count() > 1
+  if device is None and not multi:
+    if mesh is not None or sharding is not None or data_axes is not None:
+      raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
+    return _placed_as_is(None)  # As `jax.device_put(element, None)`.
+  if device is settings_lib.UNSET or device is None:
+    device = None
+  elif not multi and any(x is None for x in _leaves_and_nones(device)):
+    # A pytree with the default device for some leaves: placed as it is.
+    return _placed_as_is(device)
+  if device is None or isinstance(device, _ONE_PLACEMENT):
+    one = _resolve_one(device, mesh, data_axes, sharding)
+    if isinstance(device, jax.sharding.Mesh):
+      # An unbatched element has no row dimension to split: replicate it.
+      element: Any = jax.sharding.NamedSharding(device, jax.sharding.PartitionSpec())
+    else:
+      # As `jax.device_put(element, device)` places it (None: the default device).
+      element = device if device is None or isinstance(device, jax.Device) else one.sharding
+    return DevicePutPlacement(one, False, element)
+  leaves = _leaves_and_nones(device)
+  if not leaves or not all(x is None or isinstance(x, _ONE_PLACEMENT) for x in leaves):
+    raise _usage_error(device)
+  placements = [_resolve_one(x, mesh, data_axes, sharding) for x in leaves]
+  shardings = [p.sharding for p in placements]
+  if all(x == shardings[0] for x in shardings):
+    return DevicePutPlacement(placements[0], False, device)
+  if multi:
+    raise ValueError(
+      f"`device` is a pytree of {len(set(shardings))} different shardings, but"
+      f" there are {jax.process_count()} processes; global batches need one"
+      " sharding for every leaf (rows split over every process's devices):"
+      " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
+    )
+  return _placed_as_is(device)
+
+
+def _leaves_and_nones(tree: Any) -> list[Any]:
+  """`tree`'s leaves, None included (`jax.tree_util` drops None as an empty node)."""
+  return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)

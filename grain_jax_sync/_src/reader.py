@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -60,7 +61,7 @@ class Read:
   Attributes:
     batch: The batch.
     state: The source state right after it.
-    digest: `sharding.rows_digest` of its rows, where processes share rows.
+    digest: `rows_digest` of its rows, where processes share rows.
   """
 
   batch: batches_lib.HostBatch
@@ -134,7 +135,7 @@ class Reader:
       (JAX holds 64-bit integers as 32-bit ones while x64 is off).
     start_error: An error to end with before reading (a malformed state).
     digest: Where processes share rows: the digest of a batch's leaves
-      (`sharding.rows_digest`), computed here, in the reading thread.
+      (`rows_digest`), computed here, in the reading thread.
     shapes: `pad_shapes` and its kin (`shapes.make`): the dims that may vary.
     narrowing: The batch structure -> its leaves cast on the host to a float
       dtype of smaller range (`build.narrowing`): their finite values must
@@ -320,3 +321,46 @@ def _fits(extremes: np.ndarray, dtype: np.dtype) -> bool:
   """Whether these (finite, else not) extremes cast to finite values of `dtype`."""
   with np.errstate(over="ignore", invalid="ignore"):
     return bool(np.isfinite(extremes.astype(dtype)).all())
+
+
+# -- identical rows where processes share a data shard ----------------------------
+
+# Leaves up to this size are hashed whole; a larger leaf is sampled, so that a
+# leaf's digest reads a bounded number of bytes whatever its size and the
+# check costs little beside reading and transferring the rows on any host.
+DIGEST_FULL_BYTES = 256 << 10
+# Larger leaves: at most this many rows, evenly spaced (first and last kept), and
+# at most this many bytes of each (evenly strided elements).
+DIGEST_SAMPLE_ROWS = 64
+DIGEST_ROW_BYTES = 1024
+
+
+def rows_digest(leaves: Sequence[np.ndarray]) -> str:
+  """A cheap digest of a batch's rows, to compare across processes.
+
+  Hashes each leaf's dtype and shape, and its bytes: whole up to
+  `DIGEST_FULL_BYTES`, else a strided sample of rows and of each row's
+  elements. Equal rows give equal digests; rows loaded from another shard
+  or another shuffle differ in the sample with near certainty. Processes that
+  share a data shard compare them (`placement.shared_rows_error`).
+
+  Args:
+    leaves: The batch's leaves, rows first.
+
+  Returns:
+    16 hex digits.
+  """
+  h = hashlib.blake2b(digest_size=8)
+  for leaf in leaves:
+    a = np.asarray(leaf)
+    h.update(f"{a.dtype.str}{a.shape};".encode())
+    if a.nbytes <= DIGEST_FULL_BYTES or a.ndim == 0:
+      h.update(np.ascontiguousarray(a).tobytes())
+      continue
+    rows = a.shape[0]
+    picks = np.unique(np.linspace(0, rows - 1, min(rows, DIGEST_SAMPLE_ROWS)).astype(np.int64))
+    per_row = max(1, a[0].size)
+    stride = max(1, -(-per_row * a.itemsize // DIGEST_ROW_BYTES))
+    for r in picks:
+      h.update(np.ascontiguousarray(a[r].reshape(-1)[::stride]).tobytes())
+  return h.hexdigest()

@@ -39,7 +39,6 @@ from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import settings as settings_lib
-from grain_jax_sync._src import sharding as sharding_lib
 from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ class Stages:
       process_index=self._exchange.process_index,
       check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start.start_error,
-      digest=sharding_lib.rows_digest if self._shares(start) else None,
+      digest=reader.rows_digest if self._shares(start) else None,
       shapes=start.settings.shapes,  # `pad_shapes`: the dims whose sizes vary.
       narrowing=functools.partial(build_lib.narrowing, dtypes=start.settings.dtypes),
     )

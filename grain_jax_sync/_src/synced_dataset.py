@@ -20,8 +20,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from grain_jax_sync._src import device_put_placement, extras
+from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
+from grain_jax_sync._src import placement as placement_lib
 
 
 def _why_plain(device: Any) -> str:
@@ -62,7 +63,7 @@ def _normalize_state(state: Any) -> dict[str, Any]:
 
 
 def _plain_first(
-  parent: Any, settings: Any, placement: device_put_placement.Placement
+  parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement
 ) -> list[Any] | None:
   """Reads the first element to choose the mode: [it] where elements are placed
   one by one (as `jax.device_put` does), None for global batches (then
@@ -125,13 +126,10 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
   _parent: Any
   _assert_not_closed: Any
 
-  def __init__(
-    self, parent: Any, settings: Any, placement: device_put_placement.Placement, batches: Any
-  ):
+  def __init__(self, parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
     self._settings = settings
     self._placement = placement
-    self._batches = batches  # The resolved `placement.BatchPlacement` of global batches.
     self._jax: iterator_lib.JaxBatchIterator | None = None
     self._plain = False  # Elements placed one by one, as jax.device_put does.
     self._first: list[Any] = []  # The element read to choose the mode.
@@ -149,7 +147,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def _start_batches(self) -> None:
     self._jax = iterator_lib.JaxBatchIterator(
-      self._parent, settings=self._settings, placement=self._batches
+      self._parent, settings=self._settings, placement=self._placement.batches
     )
     if self._restored is not None:
       self._jax.set_state(self._restored)
@@ -203,11 +201,9 @@ class _SyncedDataset:  # The bases come with Grain (`classes`).
 
   _parent: Any  # Set by Grain's IterDataset (the other base).
 
-  def __init__(
-    self, parent: Any, settings: Any, placement: device_put_placement.Placement, batches: Any
-  ):
+  def __init__(self, parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
-    self._args = (settings, placement, batches)
+    self._args = (settings, placement)
 
   def __iter__(self) -> Any:
     return classes()[1](self._parent.__iter__(), *self._args)

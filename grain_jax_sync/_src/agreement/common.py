@@ -10,9 +10,9 @@ from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import liveness
+from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src import sharding as sharding_lib
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def decide(
 
   The first yielded position whose rows differ within a group of processes
   that share a data shard ends the plan: the steps before it stand, and every
-  host raises the same ValueError (`sharding.shared_rows_error`).
+  host raises the same ValueError (`placement.shared_rows_error`).
   """
   plan = plan_lib.decide(reports, options, position=position)
   if not groups:
@@ -118,7 +118,7 @@ def decide(
     if step.action != plan_lib.Action.YIELD:
       continue
     digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
-    message = sharding_lib.shared_rows_error(digests, groups, index)
+    message = placement_lib.shared_rows_error(digests, groups, index)
     if message is not None:
       error = plan_lib.ReportedError(ErrorKind.VALUE, message, -1, index)
       return dataclasses.replace(plan, steps=plan.steps[:i], end=plan_lib.End.RAISE, error=error)

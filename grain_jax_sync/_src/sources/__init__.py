@@ -28,7 +28,7 @@ def open_source(source: Any) -> SourceIterator:
   if isinstance(source, SourceIterator):
     return source
   if isinstance(source, elastic.ElasticSource):
-    return source.open()
+    return elastic.open_stream(source)
   module = type(source).__module__ or ""
   if module.startswith("grain"):
     from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top

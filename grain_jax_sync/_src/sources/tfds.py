@@ -232,7 +232,7 @@ def _input_shard(
   """(index, count) of the input shard to read: explicit, from a mesh, or per process."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from grain_jax_sync._src import meshes, placement  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
 
   by_mesh = mesh is not None or sharding is not None or data_axes is not None
   if by_mesh and (process_index is not None or process_count is not None):
@@ -240,9 +240,9 @@ def _input_shard(
       "pass `process_index`/`process_count`, or `mesh`/`data_axes`/`sharding`, not both"
     )
   if by_mesh or (
-    process_index is None and process_count is None and meshes.context_mesh() is not None
+    process_index is None and process_count is None and placement.context_mesh() is not None
   ):
-    p = placement.resolve_sharding(mesh=mesh, data_axes=data_axes, sharding=sharding)
+    p = placement.resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
     return p.shard_index, p.shard_count
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count

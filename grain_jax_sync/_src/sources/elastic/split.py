@@ -13,7 +13,7 @@ A resize appends ``(old_count, cursors)`` to the epoch's split history; the
 shares of the next job are the even split of what the old shares left. The
 history replays to the current split, so a state never lists records: it
 holds the history (a few ints per process per resize) and a cursor
-(`elastic_codec` writes the history as compact JSON).
+(`state.py` writes the history as compact JSON).
 
 A cursor may also be strided: a tuple ``(t_0, .., t_{W-1})`` says that share
 position ``i`` is consumed when ``i < t_{i % W}`` (what `W` workers that each
@@ -126,26 +126,6 @@ def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[l
       raise ValueError(f"a resize from {old_count} processes lists {len(cursors)} cursors")
     left = remaining(even_split(left, old_count), cursors)
   return even_split(left, count)
-
-
-def resplit(
-  history: Sequence[Resize], cursors: Sequence[int], new_count: int, *, num_records: int
-) -> tuple[list[Resize], list[list[Range]]]:
-  """Re-splits what an epoch's current split left over `new_count` processes.
-
-  Args:
-    history: The epoch's resizes so far (the current split is theirs, over
-      ``len(cursors)`` processes).
-    cursors: Each current process's consumed cursor over its share.
-    new_count: The next job's process count.
-    num_records: Records in the epoch.
-
-  Returns:
-    (the new history, each new process's share): exactly the positions not
-    yet consumed, each in one share.
-  """
-  new_history = [*history, (len(cursors), tuple(int(c) for c in cursors))]
-  return new_history, shares(num_records, new_history, new_count)
 
 
 @functools.lru_cache(maxsize=4)
@@ -277,16 +257,6 @@ class Layout:
       return self._fresh, self._listed + (epoch - self._end) * self._period
     raise ValueError(f"epoch {epoch} is not in this stream")
 
-  def offset(self, epoch: int) -> int:
-    """The stream index of `epoch`'s first position (past the stream: its length)."""
-    try:
-      return self._entry(epoch)[1]
-    except ValueError:
-      return self.length
-
-  def share_length(self, epoch: int) -> int:
-    return total(self._entry(epoch)[0])
-
   def epoch_cursor(self, epoch: int, thresholds: Sequence[int]) -> Cursor:
     """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``)."""
     share, offset = self._entry(epoch)
@@ -301,35 +271,23 @@ class Layout:
 
 
 def resume(
-  olds: Sequence[Layout], cursors: Sequence[tuple[int, int]], new_count: int
+  olds: Sequence[Layout], thresholds: Sequence[Sequence[int]]
 ) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
-  """The next job's (first epoch, splits) from every old process's layout and cursor.
+  """The next job's (first epoch, splits) from every old process's layout and stream thresholds.
+
+  Stream index ``j`` of old process ``p`` is consumed when
+  ``j < thresholds[p][j % len(thresholds[p])]`` (``(position,)``: a prefix).
+  The histories hold the old job; the next job's process count splits them.
 
   Args:
     olds: Each old process's layout, in process order (one job: the same
       first epoch and splits).
-    cursors: Each old process's (epoch, cursor in that epoch's share).
-    new_count: The next job's process count.
+    thresholds: Each old process's stream thresholds.
 
   Returns:
     (first epoch, per-epoch histories) for `Layout`: every epoch some old
     process had not finished gets the old job's cursors as a resize.
   """
-  positions = []
-  for layout, (epoch, cursor) in zip(olds, cursors, strict=True):
-    positions.append((layout.offset(epoch) + cursor,))
-  return resume_strided(olds, positions, new_count)
-
-
-def resume_strided(
-  olds: Sequence[Layout], thresholds: Sequence[Sequence[int]], new_count: int
-) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
-  """`resume` from each old process's stream thresholds (``(position,)``: a prefix).
-
-  Stream index ``j`` of old process ``p`` is consumed when
-  ``j < thresholds[p][j % len(thresholds[p])]``.
-  """
-  del new_count  # The histories hold the old job; the new count splits them.
   spans = [layout.epoch_span(t) for layout, t in zip(olds, thresholds, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)

@@ -4,7 +4,7 @@
 `for_this_process` before its checks (`settings.check_state`). A list of every
 old process's state on the same process count picks this process's own; on
 another count, an elastic source re-splits what the old job left
-(`elastic_split.resume`), and any other source refuses with a message that
+(`split.resume`), and any other source refuses with a message that
 points to `elastic_source`. Pure Python (no JAX, no Grain).
 """
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import elastic_split as es
-from grain_jax_sync._src.sources import elastic
+from grain_jax_sync._src.sources.elastic import state as state_lib
+from grain_jax_sync._src.sources.elastic.split import Layout, resume
+from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
 NOT_ELASTIC = (
   "{what} cannot be re-split over another process count ({reason}); build the"
@@ -65,7 +66,7 @@ def for_this_process(source: Any, state: Any, *, process_index: int, process_cou
     ValueError: If the list is not one job's, or the source cannot be
       re-split over another count (naming the reason).
   """
-  is_elastic = isinstance(source, elastic.ElasticIterator)
+  is_elastic = isinstance(source, ElasticIterator)
   if isinstance(state, Mapping):
     old = state.get("process_count")
     if is_elastic and isinstance(old, int) and old != process_count:
@@ -109,18 +110,14 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
 
 
 def _resplit(
-  source: elastic.ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
+  source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
-  olds: list[es.Layout] = []
+  olds: list[Layout] = []
   cursors: list[tuple[int, ...]] = []
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
-    layout, position, _ = elastic.check_source_state(
-      s["source"],
-      source._spec,
-      source._num_records,  # pylint: disable=protected-access
-    )
+    layout, position, _ = state_lib.check_source_state(s["source"], source.spec, source.num_records)
     if s["source"].get("resplittable") is False:
       why = s["source"].get("why_not_resplittable", "packing, mixing")
       raise ValueError(
@@ -138,12 +135,11 @@ def _resplit(
       )
     olds.append(layout)
     cursors.append(_thresholds(s["source"], i, position, layout.length))
-  first, splits = es.resume_strided(olds, cursors, count)
-  layout = es.Layout(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
-  spec = source._spec  # pylint: disable=protected-access
+  first, splits = resume(olds, cursors)
+  layout = Layout(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   return {
     **states[0],
     "process_index": p,
     "process_count": count,
-    "source": elastic.export(layout, 0, None, spec),
+    "source": state_lib.export(layout, 0, None, source.spec),
   }

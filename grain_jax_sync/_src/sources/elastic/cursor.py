@@ -13,7 +13,6 @@ from typing import Any
 
 TAG = "grain_jax_sync_elastic_stream"
 SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
-_TAG, _SLICE = TAG, SLICE
 _INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
 _PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
 _NOT_ALONE = "its Grain state holds more than its parent's: packing, mixing"
@@ -23,8 +22,8 @@ Why = str | None  # Why a cursor is not exact (None: it is).
 def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
   """Every tag inside a Grain state, with why its path keeps more than the cursor."""
   if isinstance(state, Mapping):
-    if _TAG in state:
-      return [(state, why or (None if set(state) <= {_TAG, _SLICE} else _NOT_ALONE))]
+    if TAG in state:
+      return [(state, why or (None if set(state) <= {TAG, SLICE} else _NOT_ALONE))]
     if all(k in state for k in _INTERLEAVE):
       # mp_prefetch: each worker's state as of the last element it delivered;
       # the other fields say which worker is next (no records).
@@ -64,8 +63,8 @@ def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
   if not tags:
     return None
   why = next((w for _, w in tags if w is not None), None)
-  sliced = [(t[_SLICE], int(t[_TAG]["next_index"])) for t, _ in tags if _SLICE in t]
-  plain = [int(t[_TAG]["next_index"]) for t, _ in tags if _SLICE not in t]
+  sliced = [(t[SLICE], int(t[TAG]["next_index"])) for t, _ in tags if SLICE in t]
+  plain = [int(t[TAG]["next_index"]) for t, _ in tags if SLICE not in t]
   if not sliced:
     if len(plain) > 1 and any(plain):
       return (min(plain),), why or "it reads the stream more than once"

@@ -1,0 +1,187 @@
+"""A process's elastic state as JSON: its split history and its cursor, checked on restore.
+
+`export` writes what `ElasticIterator.export_state` returns: the job's split
+(the process count, this process's index, each epoch's resize history), the
+consumed stream position (and each `mp_prefetch` worker's threshold), and
+Grain's own state for a resume on the same count. A resize's cursors are
+written compactly: ints (a short list as is, a long one as base64 of zlib'd
+deltas), or, strided, each cursor's width and all its thresholds.
+`check_source_state` reads one back, naming the field that does not fit.
+Pure Python and NumPy (no JAX, no Grain).
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync._src.sources.elastic.source import ElasticSource
+from grain_jax_sync._src.sources.elastic.split import Cursor, Layout, Resize
+
+FORMAT = "grain_jax_sync.elastic/1"
+
+
+# -- the split history, compactly --------------------------------------------------
+
+
+def pack_ints(values: Sequence[int]) -> Any:
+  """Ints for a state: a short list as is, a long one as base64 of zlib'd deltas."""
+  if len(values) <= 16:
+    return [int(v) for v in values]
+  a = np.asarray(values, dtype=np.int64)
+  deltas = np.diff(a, prepend=np.int64(0))
+  return "z:" + base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 9)).decode()
+
+
+def unpack_ints(packed: Any) -> tuple[int, ...]:
+  """The inverse of `pack_ints`."""
+  if isinstance(packed, str) and packed.startswith("z:"):
+    raw = zlib.decompress(base64.b64decode(packed[2:]))
+    return tuple(int(v) for v in np.cumsum(np.frombuffer(raw, dtype="<i8")))
+  if not isinstance(packed, list) or not all(isinstance(v, int) for v in packed):
+    raise ValueError(f"expected a list of ints, got {packed!r:.100}")
+  return tuple(packed)
+
+
+def _row_to_json(row: Sequence[Cursor]) -> Any:
+  """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds."""
+  if all(isinstance(c, int) for c in row):
+    return pack_ints([int(c) for c in row])  # type: ignore[arg-type]  # ints, checked above.
+  cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
+  return {
+    "widths": pack_ints([len(c) for c in cursors]),
+    "strided": pack_ints([t for c in cursors for t in c]),
+  }
+
+
+def _row_from_json(value: Any) -> tuple[Cursor, ...]:
+  """The inverse of `_row_to_json`."""
+  if not isinstance(value, Mapping):
+    return unpack_ints(value)
+  widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
+  if any(w < 1 for w in widths) or sum(widths) != len(flat):
+    raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
+  out: list[Cursor] = []
+  at = 0
+  for w in widths:
+    out.append(flat[at] if w == 1 else tuple(flat[at : at + w]))
+    at += w
+  return tuple(out)
+
+
+def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
+  """Per-epoch split histories (`Layout.splits`) as JSON."""
+  return [[e, [[n, _row_to_json(c)] for n, c in h]] for e, h in splits]
+
+
+def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
+  """The inverse of `splits_to_json`; raises `ValueError` on anything else."""
+  try:
+    return tuple((int(e), tuple((int(n), _row_from_json(c)) for n, c in h)) for e, h in value)
+  except (TypeError, ValueError, KeyError, zlib.error) as e:
+    raise ValueError(f"`splits` is not a split history ({e})") from e
+
+
+# -- a process's state ---------------------------------------------------------------
+
+
+def export(
+  layout: Layout,
+  consumed: int | tuple[int, ...],
+  grain_state: Any,
+  spec: ElasticSource,
+  *,
+  why_not: str | None = None,
+) -> dict:
+  """A process's JSON source state, with stream thresholds (or a position) `consumed`.
+
+  `why_not`: why the cursor cannot be re-split (None: it can; see
+  `cursor.find_position`). ``position`` is the consumed prefix; ``strided`` the
+  thresholds of `mp_prefetch` workers, when there are several.
+  """
+  thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
+  position = min(min(thresholds), layout.length)
+  epoch, cursor = layout.cursor(position)
+  out = {
+    "format": FORMAT,
+    "num_records": layout.num_records,
+    "shuffle": spec.shuffle,
+    "seed": spec.seed,
+    "num_epochs": layout.num_epochs,
+    "process_count": layout.count,
+    "process_index": layout.index,
+    "first_epoch": layout.first_epoch,
+    "splits": splits_to_json(layout.splits),
+    "position": position,
+    "epoch": epoch,
+    "cursor": cursor,
+    "resplittable": why_not is None,
+    "grain": grain_state,
+  }
+  if len(thresholds) > 1:
+    out["strided"] = [int(t) for t in thresholds]
+  if why_not is not None:
+    out["why_not_resplittable"] = why_not
+  return out
+
+
+def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
+  if key not in state:
+    raise ValueError(f"`state['source']` has no {key!r} field; expected an elastic source's state")
+  value = state[key]
+  if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    raise ValueError(f"`state['source'][{key!r}]` must be an int >= 0, got {value!r:.100}")
+  if kind is bool and not isinstance(value, bool):
+    raise ValueError(f"`state['source'][{key!r}]` must be a bool, got {value!r:.100}")
+  return value
+
+
+def check_source_state(
+  state: Any, spec: ElasticSource, num_records: int
+) -> tuple[Layout, int, Any]:
+  """(layout, stream index, Grain state or None) of an exported state, checked against `spec`.
+
+  Raises:
+    ValueError: Naming the field that is missing, ill-typed or differs from
+      the source's (record count, shuffle, seed, an epoch past `num_epochs`).
+  """
+  if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+    raise ValueError(
+      f"`state['source']` is not an elastic source's state (no 'format': {FORMAT!r});"
+      " was it saved from another source?"
+    )
+  for key, now in (("num_records", num_records), ("shuffle", spec.shuffle), ("seed", spec.seed)):
+    saved = _field(state, key, bool if key == "shuffle" else int)
+    if saved != now:
+      raise ValueError(
+        f"`state['source'][{key!r}]` is {saved!r}, but this elastic source has {key}={now!r};"
+        " restore with the records and options the state was saved with"
+      )
+  epoch = _field(state, "epoch")
+  if spec.num_epochs is not None and epoch >= spec.num_epochs:
+    raise ValueError(
+      f"`state['source']['epoch']` is {epoch}, but this elastic source has"
+      f" num_epochs={spec.num_epochs}"
+    )
+  count = _field(state, "process_count")
+  index = _field(state, "process_index")
+  if count < 1 or index >= count:
+    raise ValueError(f"`state['source']` names process {index} of {count}")
+  layout = Layout(
+    num_records,
+    spec.num_epochs,
+    _field(state, "first_epoch"),
+    splits_from_json(state.get("splits", [])),
+    count,
+    index,
+  )
+  position = _field(state, "position")
+  if position > layout.length:
+    raise ValueError(
+      f"`state['source']['position']` is {position}, past this process's {layout.length} records"
+    )
+  return layout, position, state.get("grain")

@@ -1,0 +1,205 @@
+"""One process's stream of an elastic source: a Grain pipeline over its share of each epoch.
+
+`open_stream` opens an `ElasticSource` on this process as ``_Stream`` (a
+`MapDataset` of its records, in the order of its share of each epoch,
+`split.Layout`) -> ``to_iter_dataset()`` -> ``_Cursor`` (tags the stream index
+in the state) -> the user's transform. Grain nests a parent's state in its
+iterators' states (map, filter and batch pass it up as it was after the last
+element they took), so the tag inside the state kept after each delivered
+batch is the exact consumed cursor as of that batch. Under `mp_prefetch`,
+each worker slices ``_Cursor`` (`set_slice`) and its tag says which stride of
+the stream it reads; Grain keeps each worker's state as of its last delivered
+element, so the host's cursor is one threshold per worker
+(`cursor.find_position`). Packing's state holds its parent's at the start of
+the packed batch it is emitting: exact once that batch is all delivered.
+`get_state()` copies Grain's state (as a Grain source does); the cursor is
+looked up only when a state is exported (`state.export`).
+
+Grain is imported when the source is opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from grain_jax_sync._src import extras
+from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
+from grain_jax_sync._src.sources.elastic import state as state_lib
+from grain_jax_sync._src.sources.elastic.source import ElasticSource
+from grain_jax_sync._src.sources.elastic.split import Layout, epoch_order
+
+
+def open_stream(spec: ElasticSource) -> ElasticIterator:
+  """`spec` opened on this process: its share of each epoch, through the transform."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return ElasticIterator(spec, index=jax.process_index(), count=jax.process_count())
+
+
+def _worker_slice(sl: slice, sequential: bool, length: int) -> tuple[slice, tuple[int, int, bool]]:
+  """(the stream slice, its tag) of an mp_prefetch worker's `sl` over `length` indices."""
+  if sl.stop is not None:
+    raise ValueError(f"an elastic source's stream takes a worker's slice, got {sl}")
+  worker, workers = sl.start or 0, sl.step or 1
+  if not sequential:
+    return slice(worker, None, workers), (worker, workers, False)
+  size, extra = divmod(length, workers)  # A block, as Grain's sequential slices.
+  start = worker * size + min(worker, extra)
+  return slice(start, start + size + (1 if worker < extra else 0)), (start, 1, True)
+
+
+@functools.cache
+def _classes() -> tuple[type, type]:
+  """(_Stream, _Cursor), built on first use (Grain loads lazily)."""
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
+
+  class Stream(grain.MapDataset):
+    """This process's records, in stream order: `records[order[position]]`."""
+
+    def __init__(self, records: Any, layout: Layout, shuffle: bool, seed: int):
+      super().__init__(records)
+      self._layout = layout
+      self._shuffle = shuffle
+      self._seed = seed
+
+    def __len__(self) -> int:
+      return self._layout.length
+
+    def __getitem__(self, j):
+      if isinstance(j, slice):
+        return self.slice(j)
+      epoch, pos = self._layout.locate(j)
+      order = epoch_order(
+        self._layout.num_records, shuffle=self._shuffle, seed=self._seed, epoch=epoch
+      )
+      return self._parent[pos if order is None else int(order[pos])]
+
+    def __str__(self) -> str:
+      return f"ElasticStream(process {self._layout.index} of {self._layout.count})"
+
+  return Stream, _cursor_class(grain)
+
+
+def _cursor_class(grain: Any) -> type:
+  """The `Cursor` dataset (see `_classes`)."""
+
+  class CursorIterator(grain.DatasetIterator):
+    def __init__(self, parent, sliced):
+      super().__init__(parent)
+      self._sliced = sliced
+
+    def __next__(self):
+      return next(self._parent)
+
+    def get_state(self):
+      state = {cursor_lib.TAG: self._parent.get_state()}
+      if self._sliced is not None:
+        state[cursor_lib.SLICE] = list(self._sliced)
+      return state
+
+    def set_state(self, state):
+      self._parent.set_state(state[cursor_lib.TAG])
+
+  class Cursor(grain.IterDataset):
+    """Tags the stream's state, so the cursor can be found in the transform's.
+
+    `mp_prefetch` slices it in each worker (`set_slice`): the tag then says
+    which stream indices the worker reads (every `step`-th from `start`).
+    """
+
+    def __init__(self, parent, length: int):
+      super().__init__(parent)
+      self._length = length
+      self._sliced: tuple[int, int, bool] | None = None
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+      if self._sliced is not None:
+        raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
+      parent_slice, self._sliced = _worker_slice(sl, sequential_slice, self._length)
+      self._parent.set_slice(parent_slice, False)
+
+    def __iter__(self):
+      return CursorIterator(self._parent.__iter__(), self._sliced)
+
+  return Cursor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+  layout: Layout
+  grain: Any
+
+
+class ElasticIterator(base.SourceIterator):
+  """One process's iterator over an `ElasticSource`.
+
+  Attributes:
+    spec: The source it opened.
+    num_records: Records per epoch.
+  """
+
+  supports_state = True
+
+  def __init__(self, spec: ElasticSource, *, index: int, count: int):
+    self.spec = spec
+    self.num_records = len(spec.records)
+    self.description = f"an elastic source of {self.num_records} records"
+    self._it: Any = None
+    self._open(Layout(self.num_records, spec.num_epochs, 0, (), count, index))
+
+  def _open(self, layout: Layout) -> None:
+    grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
+    stream_cls, cursor_cls = _classes()
+    records = self.spec.records
+    if not isinstance(records, grain.MapDataset):
+      records = grain.MapDataset.source(records)
+    ds = cursor_cls(
+      stream_cls(records, layout, self.spec.shuffle, self.spec.seed).to_iter_dataset(),
+      layout.length,
+    )
+    if self.spec.transform is not None:
+      ds = self.spec.transform(ds)
+      if not isinstance(ds, grain.IterDataset):
+        raise ValueError(f"`transform` must return a grain.IterDataset, got {type(ds).__name__}")
+    self.close()
+    self._layout = layout
+    self._it = iter(ds)
+
+  def __next__(self) -> Any:
+    return next(self._it)
+
+  def get_state(self) -> Any:
+    return _Snapshot(self._layout, self._kept(self._it.get_state()))
+
+  def export_state(self, state: Any) -> Any:
+    if not isinstance(state, _Snapshot):
+      return super().export_state(state)  # Already exported (restored by set_state).
+    found = cursor_lib.find_position(state.grain)
+    if found is None:
+      raise RuntimeError(
+        f"the state of {self.description} does not hold its stream's position:"
+        " `transform` must build on the IterDataset it is given with Grain"
+        " transformations that nest their parent's state (map, filter, batch)"
+      )
+    return state_lib.export(state.layout, found[0], state.grain, self.spec, why_not=found[1])
+
+  def set_state(self, state: Any) -> None:
+    layout, position, grain_state = state_lib.check_source_state(state, self.spec, self.num_records)
+    if layout.count != self._layout.count or layout.index != self._layout.index:
+      raise ValueError(
+        f"`state['source']` is process {layout.index} of {layout.count}'s, but this is"
+        f" process {self._layout.index} of {self._layout.count}"
+      )
+    self._open(layout)
+    if grain_state is not None:
+      self._it.set_state(base.decode_state(grain_state))
+    elif position:
+      raise ValueError("`state['source']['position']` must be 0 without a Grain state")
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if callable(close):
+      close()

@@ -1,0 +1,51 @@
+"""transfer.py: NumPy -> global jax.Array, as `make_array_from_process_local_data` makes it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grain_jax_sync._src import placement, transfer
+
+
+def _leaves(rows=16):
+  rng = np.random.default_rng(0)
+  return [
+    rng.integers(0, 255, (rows, 8, 8, 3), dtype=np.uint8),
+    np.arange(rows, dtype=np.int32),
+    np.arange(rows * 5, dtype=np.float32).reshape(rows, 5),
+  ]
+
+
+@pytest.mark.parametrize(
+  "spec", [("data",), ("data", None), (("data", "model"),), (None,)], ids=str
+)
+def test_to_global_leaves_in_one_process_equals_make_array_from_process_local_data(spec):
+  # One process puts the batch with `jax.device_put`, which is what
+  # `make_array_from_process_local_data` does there: same values, shapes,
+  # shardings and per-device rows, for any spec over a 2-D mesh.
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  place = placement.placement_for(NamedSharding(mesh, PartitionSpec(*spec)), "test")
+  assert place.single_process
+  leaves = _leaves()
+  ours = transfer.to_global_leaves(leaves, place)
+  shardings, shapes = transfer.global_targets([x.shape for x in leaves], place)
+  want = jax.make_array_from_process_local_data(shardings, leaves, shapes)
+  for got, ref, host in zip(ours, want, leaves, strict=True):
+    assert got.shape == ref.shape == host.shape
+    assert got.sharding == ref.sharding
+    np.testing.assert_array_equal(np.asarray(got), host)
+    for a, b in zip(got.addressable_shards, ref.addressable_shards, strict=True):
+      assert a.device == b.device and a.index == b.index
+      np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_to_global_leaves_casts_on_the_device_where_asked():
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  place = placement.placement_for(NamedSharding(mesh, PartitionSpec("data")), "test")
+  leaves = _leaves()
+  out = transfer.to_global_leaves(leaves, place, [np.dtype(np.float32), None, None])
+  assert [x.dtype for x in out] == [np.float32, np.int32, np.float32]
+  np.testing.assert_array_equal(np.asarray(out[0]), leaves[0].astype(np.float32))
