@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import settings as settings_lib
 
 _ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.PartitionSpec, jax.Device)
 
@@ -86,7 +86,7 @@ def resolve(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> Placement:
     if mesh is not None or sharding is not None or data_axes is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
     return Placement(None, True, None)  # As `jax.device_put(element, None)`.
-  if device is settings_lib.UNSET or device is None:
+  if device is options_lib.UNSET or device is None:
     device = None
   elif not multi and any(x is None for x in _leaves_and_nones(device)):
     # A pytree with the default device for some leaves: placed as it is.
