@@ -136,6 +136,13 @@ def test_device_put_checks_iter_jax_batches_arguments_up_front():
     gjs.device_put(_batches().to_iter_dataset(), batch_size=6, paddings=0)
 
 
+def test_device_put_refuses_prefetch_batches_its_device_buffer_size_stands_for():
+  with pytest.raises(
+    TypeError, match=r"device_put\(\) got an unexpected keyword argument .prefetch_batches."
+  ):
+    gjs.device_put(_batches().to_iter_dataset(), prefetch_batches=1)
+
+
 def test_device_put_rejects_non_grain_datasets():
   with pytest.raises(
     ValueError, match=r"`ds` must be a grain.IterDataset or grain.MapDataset, got list"

@@ -268,8 +268,8 @@ class Builder:
   """Turns decided runs into `Item`s (global batches with their state).
 
   Args:
-    settings: The iterator's settings (`paddings`, `dtypes`, `mask_key`,
-      `batch_size`).
+    options: The iterator's options (`paddings`, `dtypes`, `mask_key`,
+      `pad_shapes`).
     placement: Where the rows go (`placement.BatchPlacement`).
     start_state: The source state before the first read.
 
@@ -279,8 +279,8 @@ class Builder:
       read at the end of the stream for drops after the last one).
   """
 
-  def __init__(self, settings: Any, placement: Any, start_state: Any):
-    self._s = settings
+  def __init__(self, options: Any, placement: Any, start_state: Any):
+    self._options = options
     self._placement = placement
     self._state = start_state
     self._layout: Layout | None = None
@@ -343,10 +343,10 @@ class Builder:
     if self._layout is None:
       self._layout = Layout.of(
         sig,
-        dtypes=self._s.dtypes,
-        paddings=self._s.paddings,
-        mask_key=self._s.mask_key,
-        shapes=self._s.shapes,
+        dtypes=self._options.dtypes,
+        paddings=self._options.paddings,
+        mask_key=self._options.mask_key,
+        shapes=self._options.pad_shapes,
       )
     layout = self._layout
     shapes = sig.shapes
@@ -356,7 +356,7 @@ class Builder:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
     local = _local_leaves(read, step, sig, layout, shapes)
     device = layout.device
-    mask_key = self._s.mask_key
+    mask_key = self._options.mask_key
     if mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
       device = [*device, None]

@@ -69,24 +69,20 @@ def jax_sync_generator(
   Batches land on the 1-D default mesh (`default_sharding()`), as in the
   reference, even inside `jax.set_mesh`.
 
+  Every argument but `batch_iterable` is the option of its name, documented
+  under `Options` in the API reference, with the reference's default
+  where it has one. `pad_shapes`, `shape_buckets` and `shape_mask_keys` (the
+  one mask this wrapper adds) are not in the reference; on several hosts
+  `pad_shapes` needs `synchronize_batches=True`.
+
   Args:
     batch_iterable: Per-host batches: NumPy arrays or dicts of them.
-    drop_last: Stop at the shortest host; drop a short last batch.
-    batch_size: Per-host rows that padding fills to and `drop_last`
-      compares with. Not passed, or None: the largest host batch of the
-      first batch, agreed across hosts; batches of equal size keep it.
-    paddings: Scalar or per-column padding values; None disables padding.
-    dtypes: A dtype or per-column dtypes for the output arrays.
-    synchronize_batches: Agree on batch counts and shapes across hosts.
-    synchronize_lookahead: Batches per agreement window (as in `iter_jax_batches`).
-    prefetch_batches: Batches prepared ahead in a background thread; 0 (the
-      default, as the reference) reads and converts in the caller's thread.
-    pad_shapes: Not in the reference: the dims whose sizes may vary across
-      hosts and batches, padded with `paddings` to the agreed size (as in
-      `iter_jax_batches`; needs `synchronize_batches=True` on several hosts).
-    shape_buckets: As in `iter_jax_batches`.
-    shape_mask_keys: As in `iter_jax_batches` (dict batches): element masks,
-      the one mask this wrapper adds (the reference has none).
+    batch_size: Not passed (the reference's 256), or None: the largest host
+      batch of the first batch, agreed across hosts; batches of equal size
+      keep it.
+    synchronize_batches: Off by default, as in the reference.
+    prefetch_batches: 0 by default, as in the reference: the caller's
+      thread reads and converts.
 
   Yields:
     Batches of global `jax.Array` values with the input's structure.

@@ -16,14 +16,13 @@ Grain is imported when `device_put` is first called, never by
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import jax
 
 from grain_jax_sync._src import extras, synced_dataset
-from grain_jax_sync._src import iterator as iterator_lib
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import settings as settings_lib
 
 if TYPE_CHECKING:
   import grain
@@ -31,25 +30,14 @@ if TYPE_CHECKING:
 
 def device_put(
   ds: Any,
-  device: Any = iterator_lib.UNSET,
+  device: Any = options_lib.UNSET,
   *,
   cpu_buffer_size: int = 4,
   device_buffer_size: int = 2,
-  batch_size: int | None = None,
-  drop_last: bool = False,
-  paddings: Any = None,
-  mask_key: str | None = iterator_lib.UNSET,
-  dtypes: Any = None,
-  synchronize_batches: bool = True,
-  synchronize_lookahead: int = 10,
   mesh: jax.sharding.Mesh | None = None,
   data_axes: str | tuple[str, ...] | None = None,
   sharding: jax.sharding.Sharding | jax.sharding.PartitionSpec | None = None,
-  sync_timeout_s: float = 600.0,
-  name: str | None = None,
-  pad_shapes: Any = None,
-  shape_buckets: Any = None,
-  shape_mask_keys: Any = None,
+  **options: Unpack[options_lib.CommonKeywords],
 ) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
@@ -88,26 +76,17 @@ def device_put(
       built ones (as Grain's host prefetch buffer).
     device_buffer_size: Global batches built ahead on the devices (a thread);
       0 builds in the caller's thread (with Grain's host prefetch thread of
-      `cpu_buffer_size`, as Grain's `device_put`).
-    batch_size: As in `iter_jax_batches`: rows per host batch that
-      `paddings` fill to and `drop_last` compares with; default: the largest
-      host batch of the first position, agreed across hosts.
-    drop_last: As in `iter_jax_batches`.
-    paddings: As in `iter_jax_batches`.
-    mask_key: As in `iter_jax_batches`.
-    dtypes: As in `iter_jax_batches`.
-    synchronize_batches: As in `iter_jax_batches`.
-    synchronize_lookahead: As in `iter_jax_batches`.
-    mesh: As in `iter_jax_batches` (instead of `device`).
+      `cpu_buffer_size`, as Grain's `device_put`). It stands for
+      `iter_jax_batches`'s `prefetch_batches`.
+    mesh: As in `iter_jax_batches`, instead of `device`.
     data_axes: As in `iter_jax_batches`: the mesh axes the rows are split
       over; default ``"data"`` if the mesh has it, else every axis.
-    sharding: As in `iter_jax_batches` (instead of `device`).
-    sync_timeout_s: As in `iter_jax_batches`.
-    name: As in `iter_jax_batches`.
-    pad_shapes: As in `iter_jax_batches`: the dims whose sizes may vary
-      (Grain batches padded per batch), padded to the size agreed per batch.
-    shape_buckets: As in `iter_jax_batches`.
-    shape_mask_keys: As in `iter_jax_batches`.
+    sharding: As in `iter_jax_batches`, instead of `device`.
+    **options: The options of `iter_jax_batches` but `prefetch_batches`
+      (here `device_buffer_size`), each documented with its default under
+      `Options` in the API reference; `batch_size`'s default is the largest
+      host batch of the first position, agreed across hosts, and
+      `pad_shapes` pads Grain's batches per batch to the size agreed for it.
 
   Returns:
     A `grain.IterDataset` of global `jax.Array` batches.
@@ -141,28 +120,18 @@ def device_put(
       raise ValueError(f"`{arg}` must be an int >= 0, got {value!r}")
   placement = placement_lib.resolve_device_put(device, mesh, data_axes, sharding)
   # Checked now rather than at the first `iter()`; no store, no thread.
-  settings = settings_lib.make(
-    batch_size=batch_size,
-    drop_last=drop_last,
-    paddings=paddings,
-    mask_key=mask_key,
-    dtypes=dtypes,
-    synchronize_batches=synchronize_batches,
-    synchronize_lookahead=synchronize_lookahead,
+  checked = options_lib.make(
+    "device_put",
+    options,
+    process_count=jax.process_count(),
     prefetch_batches=device_buffer_size,
-    sync_timeout_s=sync_timeout_s,
-    name=name,
     # As Grain's: at most `cpu_buffer_size` batches read ahead of the built ones.
     read_ahead=max(1, cpu_buffer_size) if device_buffer_size > 0 else None,
-    pad_shapes=pad_shapes,
-    shape_buckets=shape_buckets,
-    shape_mask_keys=shape_mask_keys,
-    process_count=jax.process_count(),
   )
   batches = placement.batches
-  settings_lib.check_divisible(settings, batches.local_shards, batches.describe_local())
+  options_lib.check_divisible(checked, batches.local_shards, batches.describe_local())
   if cpu_buffer_size > 0 and device_buffer_size == 0:
     # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = synced_dataset.classes()
-  return synced(ds, settings, placement)
+  return synced(ds, checked, placement)

@@ -18,15 +18,13 @@ import jax
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import job_stats, signal_at, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import session as session_lib
-from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.sources import elastic
 
-Settings = settings_lib.Settings
-STATE_VERSION = settings_lib.STATE_VERSION
 Mark = session_lib.Mark
 
 
@@ -35,9 +33,10 @@ class JaxBatchIterator(Iterator[Any]):
 
   Build it with `iter_jax_batches` (or get one from `device_put`'s and
   `jax_sync_generator`'s pipelines): that function is the public constructor,
-  with keyword options checked and documented there. The class is exported
-  for type annotations and ``isinstance`` checks; its ``__init__`` takes an
-  internal settings object and may change between releases.
+  with keyword options checked there (`options.Options` documents them). The
+  class is exported for type annotations and ``isinstance`` checks; its
+  ``__init__`` takes an internal options value and may change between
+  releases.
 
   Supports `get_state`/`set_state` for exact resume, `close()` and use as a
   context manager.
@@ -47,18 +46,18 @@ class JaxBatchIterator(Iterator[Any]):
     self,
     source: Any,
     *,
-    settings: Settings,
+    options: options_lib.Options,
     placement: placement_lib.BatchPlacement,
   ):
-    settings_lib.check_divisible(settings, placement.local_shards, placement.describe_local())
-    self._settings = settings
+    options_lib.check_divisible(options, placement.local_shards, placement.describe_local())
+    self._options = options
     self._placement = placement
     self._origin = source  # Reopened by reset().
     # Named at construction, so that a process that never iterates still
     # counts this iterator (and can tell its peers it closed or failed).
     namespace = None
-    if settings.synchronize and jax.process_count() > 1:
-      namespace = exchange_lib.new_namespace(settings.name)
+    if options.synchronize_batches and jax.process_count() > 1:
+      namespace = exchange_lib.new_namespace(options.name)
     try:
       self._source = sources.open_source(source)
       initial = self._source.get_state() if self._source.supports_state else None
@@ -66,16 +65,16 @@ class JaxBatchIterator(Iterator[Any]):
       # Peers would wait `sync_timeout_s` for a host that never reports.
       end = reader_lib.failed(jax.process_index(), 0, 0, e, "opening its source")
       first = None if namespace is None else f"{namespace}/1"
-      session_lib.end_unstarted(settings, first, 0, end.error)
+      session_lib.end_unstarted(options, first, 0, end.error)
       raise
     self._initial = initial
     # Holds no reference to this iterator: its finalizer closes it.
     self._life = lifetime_lib.Lifetime(
-      settings=settings,
+      options=options,
       placement=placement,
       source=self._source,
       namespace=namespace,
-      mark=Mark(0, initial, settings.batch_size, stats_lib.Delivered()),
+      mark=Mark(0, initial, options.batch_size, stats_lib.Delivered()),
     )
     # stats(all_hosts=True): every host's counters, through the agreement's messages.
     self._job = job_stats.JobTable(self._life.snapshot, namespace)
@@ -187,14 +186,14 @@ class JaxBatchIterator(Iterator[Any]):
       self._source.get_state()  # Raises with the source's description.
     mark = self._life.mark
     state = {
-      "version": STATE_VERSION,
+      "version": options_lib.STATE_VERSION,
       "batches": mark.position,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
-      "settings": self._settings.digest(),
+      "settings": self._options.digest(),
       "source": self._source.export_state(mark.state),
     }
-    if self._settings.batch_size is None and mark.batch_size is not None:
+    if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
     return state
 
@@ -237,15 +236,15 @@ class JaxBatchIterator(Iterator[Any]):
       state = elastic.for_this_process(
         self._source, state, process_index=p, process_count=jax.process_count()
       )
-      batches, source_state = settings_lib.check_state(
-        state, settings=self._settings, process_index=p, process_count=jax.process_count()
+      batches, source_state = options_lib.check_state(
+        state, options=self._options, process_index=p, process_count=jax.process_count()
       )
-      batch_size = settings_lib.pinned_batch_size(state)
+      batch_size = options_lib.pinned_batch_size(state)
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
     self._leave("restored a state (set_state())")
-    batch_size = batch_size or self._settings.batch_size
+    batch_size = batch_size or self._options.batch_size
     self._restart(Mark(batches, source_state, batch_size, self._delivered()))
 
   def _delivered(self) -> stats_lib.Delivered:
@@ -301,7 +300,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._life.source = self._source
     initial = self._source.get_state() if self._source.supports_state else None
     self._initial = initial
-    self._restart(Mark(0, initial, self._settings.batch_size, self._delivered()))
+    self._restart(Mark(0, initial, self._options.batch_size, self._delivered()))
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 
@@ -340,7 +339,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._leave("restored a state (local_iterator.set_state())")
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._restart(Mark(0, source_state, self._settings.batch_size, self._delivered()))
+    self._restart(Mark(0, source_state, self._options.batch_size, self._delivered()))
 
   def _restart(self, mark: Mark) -> None:
     """Stops the running stages; the next `next()` starts a new stream at `mark`."""
@@ -414,8 +413,3 @@ class JaxBatchIterator(Iterator[Any]):
   def placement(self) -> placement_lib.BatchPlacement:
     """Where the rows go: the data shards this process feeds, and with whom."""
     return self._placement
-
-
-# The default of `mask_key` (not given) and its warning live with the settings.
-UNSET: Any = settings_lib.UNSET
-warn_if_unmasked = settings_lib.warn_if_unmasked

@@ -86,7 +86,7 @@ class Lifetime:
   """The sessions of one iterator; holds no reference to it (its finalizer closes this).
 
   Args:
-    settings: The iterator's settings.
+    options: The iterator's options (`options.Options`).
     placement: Where the rows go.
     source: The opened source (replaced by `reset()`), closed at the close.
     namespace: The iterator's key prefix (None: nothing is exchanged).
@@ -96,13 +96,13 @@ class Lifetime:
   def __init__(
     self,
     *,
-    settings: Any,
+    options: Any,
     placement: Any,
     source: Any,
     namespace: str | None,
     mark: Mark,
   ):
-    self._settings = settings
+    self._options = options
     self._placement = placement
     self.source = source
     self._namespace = namespace
@@ -234,7 +234,7 @@ class Lifetime:
       ns = None if self._namespace is None else f"{self._namespace}/{self.generation}"
       start_error, self.start_error = self.start_error, None
       start = session_lib.Start(
-        self._settings, self._placement, self.source, self.mark, start_error, ns, self.job
+        self._options, self._placement, self.source, self.mark, start_error, ns, self.job
       )
       stages = session_lib.Stages(start)
       self.pending_start = False
@@ -318,7 +318,7 @@ class Lifetime:
     if self._state.stages is None and self._namespace is not None and self.pending_start:
       self.generation += 1
       ns = f"{self._namespace}/{self.generation}"
-      session_lib.end_unstarted(self._settings, ns, self.mark.position, self.ending)
+      session_lib.end_unstarted(self._options, ns, self.mark.position, self.ending)
 
   def times(self) -> stats_lib.Times:
     state = self._state  # One value: no lock.
@@ -394,7 +394,7 @@ class Lifetime:
       self.stop()
       self.end_unstarted()
       stream = f"{self._namespace}/{self.generation}"
-      if self._namespace is not None and self._settings.synchronize:
+      if self._namespace is not None and self._options.synchronize_batches:
         message = f"process {jax.process_index()} closed its iterator at batch {at}"
         exchange_lib.register_close(self._namespace, json.dumps([stream, message]))
       if self._namespace is not None:

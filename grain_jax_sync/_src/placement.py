@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from grain_jax_sync._src import settings as settings_lib
+from grain_jax_sync._src import options as options_lib
 
 logger = logging.getLogger(__name__)
 
@@ -792,7 +792,7 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
     if mesh is not None or sharding is not None or data_axes is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
     return _placed_as_is(None)  # As `jax.device_put(element, None)`.
-  if device is settings_lib.UNSET or device is None:
+  if device is options_lib.UNSET or device is None:
     device = None
   elif not multi and any(x is None for x in _leaves_and_nones(device)):
     # A pytree with the default device for some leaves: placed as it is.

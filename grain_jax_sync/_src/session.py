@@ -35,10 +35,10 @@ import jax
 from grain_jax_sync._src import agreement, liveness, reader, sources
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
-from grain_jax_sync._src import settings as settings_lib
 from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Mark(NamedTuple):
 class Start:
   """Everything one (re)start is built from."""
 
-  settings: settings_lib.Settings
+  options: options_lib.Options
   placement: placement_lib.BatchPlacement
   source: sources.SourceIterator
   mark: Mark
@@ -85,9 +85,11 @@ class Stages:
   """The stages of one start, composed in the diagram's order (`compose`)."""
 
   def __init__(self, start: Start):
-    s = start.settings
+    options = start.options
     # Any: the exchange's `form` says which it is (no isinstance checks).
-    ex: Any = exchange_lib.make_exchange(synchronize=s.synchronize, namespace=start.namespace)
+    ex: Any = exchange_lib.make_exchange(
+      synchronize=options.synchronize_batches, namespace=start.namespace
+    )
     if ex.form == "streamed":
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.namespace = start.namespace if ex.form == "streamed" else None
@@ -103,7 +105,7 @@ class Stages:
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)
-    self._builder = build_lib.Builder(s, start.placement, start.mark.state)
+    self._builder = build_lib.Builder(options, start.placement, start.mark.state)
     runs = self._agree(start, read)
     self._counted = (read, ex)  # Each counts its own time (`times`).
     self._items = self._build(start, runs)
@@ -119,23 +121,23 @@ class Stages:
       check_int32=not jax.config.read("jax_enable_x64"),
       start_error=start.start_error,
       digest=reader.rows_digest if self._shares(start) else None,
-      shapes=start.settings.shapes,  # `pad_shapes`: the dims whose sizes vary.
-      narrowing=functools.partial(build_lib.narrowing, dtypes=start.settings.dtypes),
+      shapes=start.options.pad_shapes,  # `pad_shapes`: the dims whose sizes vary.
+      narrowing=functools.partial(build_lib.narrowing, dtypes=start.options.dtypes),
     )
 
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[agreement.Run]:
     """The agreement's form, as the exchange's `form` picks it: decided runs."""
-    s, ex = start.settings, self._exchange
+    options, ex = start.options, self._exchange
     who = agreement.Identity(
       process=ex.process_index,
       devices=start.placement.local_shards,
-      # The settings and the sharding (not saved in a state: a resumed job
+      # The options and the sharding (not saved in a state: a resumed job
       # may run on another mesh, but its processes must share one).
-      config={**s.digest(), **start.placement.fingerprint()},
+      config={**options.digest(), **start.placement.fingerprint()},
       resume=self.position,
       groups=start.placement.groups if self._shares(start) else (),
     )
-    options = s.options(batch_size=start.mark.batch_size)
+    plan_options = options.plan_options(batch_size=start.mark.batch_size)
     ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
     if ended is not None:
       # This host already posted its ending to this stream (the crosswise
@@ -144,32 +146,34 @@ class Stages:
     if ex.form != "streamed":
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
-      window = s.lookahead if ex.process_count > 1 else 1
-      lockstep = agreement.Lockstep(read, ex, options, who, window=window, position=self.position)
+      window = options.synchronize_lookahead if ex.process_count > 1 else 1
+      lockstep = agreement.Lockstep(
+        read, ex, plan_options, who, window=window, position=self.position
+      )
       self._stopper = lockstep
-      if ex.form == "local" and s.prefetch > 0 and s.read_ahead is not None:
-        return self._agree_thread(lockstep, s)  # `device_put`'s `cpu_buffer_size`.
+      if ex.form == "local" and options.prefetch_batches > 0 and options.read_ahead is not None:
+        return self._agree_thread(lockstep, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(lockstep)
     kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
     self._agreement = kind(
       read,
       ex,
-      options,
+      plan_options,
       who,
-      lookahead=s.lookahead,
-      timeout_s=s.sync_timeout_s,
+      lookahead=options.synchronize_lookahead,
+      timeout_s=options.sync_timeout_s,
       position=self.position,
-      read_ahead=s.read_ahead,
+      read_ahead=options.read_ahead,
       # With a build thread, what it has not built counts in the read-ahead.
-      built=self._builder.done if s.prefetch > 0 else None,
+      built=self._builder.done if options.prefetch_batches > 0 else None,
       job=start.job,
     )
     self._stopper = self._agreement
-    if s.prefetch == 0:
+    if options.prefetch_batches == 0:
       return iter(self._agreement)
-    return self._agree_thread(self._agreement, s)
+    return self._agree_thread(self._agreement, options)
 
-  def _agree_thread(self, runs: Any, s: settings_lib.Settings) -> Iterator[agreement.Run]:
+  def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[agreement.Run]:
     """The agreement in its own thread, one decided position queued.
 
     The thread takes its slot before it asks the agreement for the next
@@ -179,7 +183,7 @@ class Stages:
     """
     stage = prefetch_lib.Prefetcher(
       _one_by_one(runs),
-      buffer_size=s.read_ahead or AGREE_BUFFER,
+      buffer_size=options.read_ahead or AGREE_BUFFER,
       in_hand=False,
       # The exchange's own method: a bound method of these stages would make
       # a cycle that outlives a dropped iterator until a garbage collection.
@@ -190,16 +194,16 @@ class Stages:
 
   def _build(self, start: Start, runs: Iterator[agreement.Run]) -> Iterator[build_lib.Item]:
     """Built items: in a thread `prefetch_batches` ahead, or inline."""
-    s, ex = start.settings, self._exchange
+    options, ex = start.options, self._exchange
     # The collective fallback runs in the caller's thread only; a stream this
     # host already ended raises at once.
     inline = ex.form == "collective" or exchange_lib.pre_ended(start.namespace) is not None
-    if s.prefetch == 0 or inline:
+    if options.prefetch_batches == 0 or inline:
       return self._builder(runs)
     stage = prefetch_lib.Prefetcher(
       self._builder(runs),
-      buffer_size=s.prefetch,
-      in_hand=s.read_ahead is None,  # `device_put`: Grain's buffers count the one in hand.
+      buffer_size=options.prefetch_batches,
+      in_hand=options.read_ahead is None,  # `device_put`: Grain's buffers count the one in hand.
       on_close=ex.cancel if self._agreement is not None else None,
       name=BUILD_THREAD,
     )
@@ -315,7 +319,7 @@ def _raising(error: BaseException) -> Iterator[agreement.Run]:
 
 
 def end_unstarted(
-  settings: settings_lib.Settings,
+  options: options_lib.Options,
   namespace: str | None,
   position: int,
   error: plan_lib.ReportedError | None,
@@ -324,7 +328,9 @@ def end_unstarted(
   if namespace is None or exchange_lib.pre_ended(namespace) is not None:
     return  # Nothing to tell, or told already.
   try:
-    ex: Any = exchange_lib.make_exchange(synchronize=settings.synchronize, namespace=namespace)
+    ex: Any = exchange_lib.make_exchange(
+      synchronize=options.synchronize_batches, namespace=namespace
+    )
     if ex.form == "streamed":
       agreement.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).

@@ -22,6 +22,7 @@ import numpy as np
 
 from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 
 
@@ -52,7 +53,7 @@ def _normalize_state(state: Any) -> dict[str, Any]:
   """
   if isinstance(state, Mapping) and "version" in state and "source" in state:
     return dict(state)
-  # Version 1: a state that carries no settings digest to compare.
+  # Version 1: a state that carries no digest of the options to compare.
   return {
     "version": 1,
     "batches": 0,
@@ -63,7 +64,7 @@ def _normalize_state(state: Any) -> dict[str, Any]:
 
 
 def _plain_first(
-  parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement
+  parent: Any, options: options_lib.Options, placement: placement_lib.DevicePutPlacement
 ) -> list[Any] | None:
   """Reads the first element to choose the mode: [it] where elements are placed
   one by one (as `jax.device_put` does), None for global batches (then
@@ -83,13 +84,13 @@ def _plain_first(
   if first is None or not (why or placement.per_leaf):
     parent.set_state(before)  # The engine reads it again.
     return None
-  options = [k for k in ("paddings", "dtypes") if getattr(settings, k) is not None]
-  options += [k for k in ("mask_key", "drop_last") if getattr(settings, k)]
-  options += ["pad_shapes"] if settings.shapes is not None else []
-  if options:
+  given = [k for k in ("paddings", "dtypes") if getattr(options, k) is not None]
+  given += [k for k in ("mask_key", "drop_last") if getattr(options, k)]
+  given += ["pad_shapes"] if options.pad_shapes is not None else []
+  if given:
     why = f"the first element is unbatched ({why})" if why else None
     raise ValueError(
-      f"`{'`, `'.join(options)}` need global batches, but"
+      f"`{'`, `'.join(given)}` need global batches, but"
       f" {why or _why_plain(placement.element)}, so"
       " elements are placed one by one as jax.device_put places them."
       " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
@@ -97,14 +98,14 @@ def _plain_first(
   return [first]
 
 
-def _plain_state(count: int, settings: Any, source: Any) -> dict[str, Any]:
+def _plain_state(count: int, options: options_lib.Options, source: Any) -> dict[str, Any]:
   """The state of an iterator that places elements one by one (or has not chosen yet)."""
   return {
-    "version": iterator_lib.STATE_VERSION,
+    "version": options_lib.STATE_VERSION,
     "batches": count,
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
-    "settings": settings.digest(),
+    "settings": options.digest(),
     "source": source,
   }
 
@@ -126,9 +127,9 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
   _parent: Any
   _assert_not_closed: Any
 
-  def __init__(self, parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement):
+  def __init__(self, parent: Any, options: Any, placement: placement_lib.DevicePutPlacement):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
-    self._settings = settings
+    self._options = options
     self._placement = placement
     self._jax: iterator_lib.JaxBatchIterator | None = None
     self._plain = False  # Elements placed one by one, as jax.device_put does.
@@ -138,7 +139,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def _choose(self) -> None:
     """Reads the first element to choose: global batches or plain placement."""
-    first = _plain_first(self._parent, self._settings, self._placement)
+    first = _plain_first(self._parent, self._options, self._placement)
     if first is None:
       self._start_batches()
       return
@@ -147,7 +148,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def _start_batches(self) -> None:
     self._jax = iterator_lib.JaxBatchIterator(
-      self._parent, settings=self._settings, placement=self._placement.batches
+      self._parent, options=self._options, placement=self._placement.batches
     )
     if self._restored is not None:
       self._jax.set_state(self._restored)
@@ -167,7 +168,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       return self._jax.get_state()
     if self._first:  # Read to choose the mode, not yet returned.
       raise RuntimeError("internal: state asked between choosing and returning")
-    return _plain_state(self._count, self._settings, self._parent.get_state())
+    return _plain_state(self._count, self._options, self._parent.get_state())
 
   def set_state(self, state: Any) -> None:
     state = _normalize_state(state)
@@ -201,9 +202,9 @@ class _SyncedDataset:  # The bases come with Grain (`classes`).
 
   _parent: Any  # Set by Grain's IterDataset (the other base).
 
-  def __init__(self, parent: Any, settings: Any, placement: placement_lib.DevicePutPlacement):
+  def __init__(self, parent: Any, options: Any, placement: placement_lib.DevicePutPlacement):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
-    self._args = (settings, placement)
+    self._args = (options, placement)
 
   def __iter__(self) -> Any:
     return classes()[1](self._parent.__iter__(), *self._args)

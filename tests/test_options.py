@@ -1,12 +1,18 @@
-"""Resume states: malformed or foreign states are refused, naming the field, before the source moves."""
+"""The options, made and checked once under their public names; resume states checked.
+
+Malformed or foreign states are refused, naming the field, before the source moves.
+"""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 import scenarios
 
 import grain_jax_sync as gjs
+from grain_jax_sync._src import options as options_lib
 
 
 class Recorder:
@@ -94,3 +100,38 @@ def test_state_records_the_settings_and_resumes():
   assert source.moved
   np.testing.assert_array_equal(np.asarray(next(it)["x"]), scenarios.rows_for(0, 1, 8))
   it.close()
+
+
+def test_make_holds_the_options_under_their_public_names():
+  keywords = {"prefetch_batches": 0, "synchronize_lookahead": 3, "synchronize_batches": False}
+  options = options_lib.make("iter_jax_batches", keywords, process_count=1)
+  assert (options.prefetch_batches, options.synchronize_lookahead) == (0, 3)
+  assert options.synchronize_batches is False
+  assert (options.batch_size, options.sync_timeout_s, options.pad_shapes) == (None, 600.0, None)
+  # The digest's keys are the public names too: states saved before still resume.
+  digest = ["batch_size", "drop_last", "dtypes", "mask_key", "paddings", "synchronize_lookahead"]
+  assert sorted(options.digest()) == digest
+
+
+@pytest.mark.parametrize(
+  ("keywords", "needle"),
+  [
+    ({"batch_size": 0}, "`batch_size` must be a positive int, got 0"),
+    ({"synchronize_lookahead": 0}, "`synchronize_lookahead` must be a positive int, got 0"),
+    ({"prefetch_batches": -1}, "`prefetch_batches` must be an int >= 0, got -1"),
+    ({"sync_timeout_s": 0}, "`sync_timeout_s` must be > 0, got 0"),
+    ({"mask_key": 3}, "`mask_key` must be a str or None, got 3"),
+    ({"shape_buckets": {"x": [4]}}, "`shape_buckets` needs `pad_shapes`"),
+  ],
+)
+def test_iter_jax_batches_checks_each_option_naming_it(keywords, needle):
+  with pytest.raises(ValueError, match=re.escape(needle)):
+    gjs.iter_jax_batches([], **keywords)
+
+
+@pytest.mark.parametrize("name", ["prefetch", "read_ahead", "process_count"])
+def test_an_unknown_keyword_raises_as_python_words_it(name):
+  with pytest.raises(
+    TypeError, match=rf"iter_jax_batches\(\) got an unexpected keyword argument '{name}'"
+  ):
+    gjs.iter_jax_batches([], **{name: 1})

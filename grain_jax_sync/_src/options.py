@@ -1,0 +1,369 @@
+"""The options: one frozen value, made and checked once; its digest; the state check.
+
+`iter_jax_batches`, `device_put` and `jax_sync_generator` hand their keyword
+options to `make`, which checks them once, under their public names, and
+returns one frozen `Options` (no store, no thread). `Options` documents every
+option, once. The digest of the options that every host must share goes into
+the first exchange and into each resume state, which `check_state` checks.
+
+Pure Python and NumPy; no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+import numpy as np
+
+from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import shapes as shapes_lib
+
+logger = logging.getLogger(__name__)
+
+# 2 adds "settings" (the digest of the options) to the state; 1 is still read.
+STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+
+
+class _Unset:
+  """The default of `mask_key`: not given (an explicit None silences the warning)."""
+
+  def __repr__(self) -> str:
+    return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+  """The options of `iter_jax_batches`, `device_put` and `jax_sync_generator`, checked.
+
+  Each is the keyword argument of its name, documented here once, with
+  `iter_jax_batches`'s default (`device_put` and `jax_sync_generator` say
+  where theirs differ). `make` checks them, once.
+
+  Attributes:
+    batch_size: Rows per process per batch that padding fills to and
+      `drop_last` compares with; batches larger than it pass through when
+      every process has one of the same size. None (the default): the
+      largest host batch of the first position, agreed across processes
+      (and saved with the state); a short batch that is not its host's last
+      then raises naming both sizes. Without `paddings` and `drop_last`
+      every batch keeps its size (host batches must be equal).
+    drop_last: Stop when any process runs out; drop a short last batch on
+      every process (a short batch mid-stream raises, naming both sizes).
+      Default False.
+    paddings: Fill value for padded rows and dummy batches: a scalar or a dict
+      of column name (or prefix) to scalar. None (the default) disables
+      padding. A value must be one of its column's output dtype (as it lands
+      on the device: int64 is int32 with x64 off): -1 for uint8, 0.5 for an
+      integer or 1e6 for float16 raise a `ValueError` naming the column.
+    mask_key: If set, dict batches get a boolean ``(rows,)`` column of that
+      name: True for real rows, False for padding and dummy batches. Left
+      unset (the default) with `paddings`, one warning is logged that padded
+      rows look real; pass None to silence it.
+    dtypes: Output dtype: one dtype or a dict of column name to dtype (None,
+      the default: the input's). Narrowing casts run on the host before the
+      transfer, widening casts on the device after it; either way the values
+      are `jax.Array.astype`'s (float to integer saturates, NaN becomes 0;
+      integer to integer wraps).
+    synchronize_batches: Agree across processes (a single process never
+      exchanges anything). Default True.
+    synchronize_lookahead: The agreement's read-ahead (default 10): a process
+      holds at most this many batches (and at most 64 MiB) read but not yet
+      agreed on, and posts its rows every half of it. With
+      `prefetch_batches`, no host is more than about R =
+      `synchronize_lookahead + prefetch_batches` agreed batches ahead of
+      another, so an ending (a close, an error, `request_stop()`) reaches
+      every host within about R batches (docs/performance.md, Memory).
+    prefetch_batches: Batches prepared ahead in a background thread (0: none).
+      Default 2.
+    sync_timeout_s: Seconds (default 600) to wait for a live peer (one whose
+      liveness beat goes on: a slow source, a long checkpoint save or
+      compile) before every process raises `PeerTimeoutError` naming it. A
+      dead peer (no beat for 8 s) is named within about 10 s whatever this is.
+    name: Names the exchange keys; needed only when processes do not create
+      their iterators in the same order. Iterators of one name are counted
+      (a new one each epoch is fine): every process creates as many. Default
+      None.
+    pad_shapes: The dims (>= 1) whose sizes may differ across hosts and
+      batches: a dict of column name (or prefix) to a dim or a tuple of dims
+      (``{"tokens": 1}``), or a dim (tuple) for a bare-array batch. At each
+      batch every host pads them with `paddings` (required) to the largest
+      size on any host. Everything else still must match. See docs/shapes.md.
+      None (the default): every dim must match. Held checked, with
+      `shape_buckets` and `shape_mask_keys`, as one `shapes.Shapes`.
+    shape_buckets: Per column of `pad_shapes`, ascending sizes
+      (``{"tokens": [128, 256, 512]}``): the agreed size is rounded up to the
+      next one (so a jitted step sees at most that many shapes); a size above
+      the last raises the same ValueError on every host.
+    shape_mask_keys: Per column of `pad_shapes`, the key of a boolean element
+      mask added to dict batches (``{"tokens": "tokens_mask"}``), shaped like
+      the padded leaf up to its last named dim: True for real elements, False
+      for padded elements and for padded and dummy rows.
+    read_ahead: Not an option of `iter_jax_batches`: `device_put`'s
+      `cpu_buffer_size` as the bound on batches read but not yet built (None:
+      the agreement's own bound, `agreement.read_ahead_limit`).
+  """
+
+  batch_size: int | None = None
+  drop_last: bool = False
+  paddings: Any = None
+  mask_key: str | None = None  # `make` turns a `mask_key` left unset into None.
+  dtypes: Any = None
+  synchronize_batches: bool = True
+  synchronize_lookahead: int = 10
+  prefetch_batches: int = 2
+  sync_timeout_s: float = 600.0
+  name: str | None = None
+  pad_shapes: shapes_lib.Shapes | None = None
+  read_ahead: int | None = None
+
+  def digest(self) -> dict[str, Any]:
+    """What every host must agree on (compared in the first exchange)."""
+    digest = {
+      "batch_size": self.batch_size,
+      "drop_last": self.drop_last,
+      "paddings": _describe(self.paddings),
+      "mask_key": self.mask_key,
+      "dtypes": _describe(self.dtypes),
+      "synchronize_lookahead": self.synchronize_lookahead,
+    }
+    if self.pad_shapes is not None:  # Only when set: states saved without it still resume.
+      digest["pad_shapes"] = self.pad_shapes.describe()
+    return plan_lib.settings_digest(digest)
+
+  def plan_options(self, batch_size: int | None = None) -> plan_lib.Options:
+    """The options `plan.decide` takes.
+
+    Args:
+      batch_size: The agreed full batch size, where known (`plan.pin`:
+        given, or derived from the first position and restored with a
+        state); `self.batch_size` when given.
+    """
+    derived = self.batch_size is None and batch_size is not None
+    return plan_lib.Options(
+      batch_size=batch_size if self.batch_size is None else self.batch_size,
+      drop_last=self.drop_last,
+      pad=self.paddings is not None,
+      wait_for_last=True,
+      derived=derived,
+      shapes=self.pad_shapes,
+    )
+
+
+class CommonKeywords(TypedDict, total=False):
+  """The options `device_put` takes by keyword, for type checkers (`Options` documents them)."""
+
+  batch_size: int | None
+  drop_last: bool
+  paddings: Any
+  mask_key: str | None
+  dtypes: Any
+  synchronize_batches: bool
+  synchronize_lookahead: int
+  sync_timeout_s: float
+  name: str | None
+  pad_shapes: Any
+  shape_buckets: Any
+  shape_mask_keys: Any
+
+
+class Keywords(CommonKeywords, total=False):
+  """The options `iter_jax_batches` takes: `device_put`'s and `prefetch_batches`."""
+
+  prefetch_batches: int
+
+
+def make(
+  function: str, keywords: Mapping[str, Any], *, process_count: int, **fixed: Any
+) -> Options:
+  """Makes and checks the options of `function` from its keyword arguments, once.
+
+  Touches no store and starts no thread. An option not given takes the
+  default of `Options` (`mask_key`: left unset, which warns with `paddings`).
+
+  Args:
+    function: The entry point, for messages (``"iter_jax_batches"``, ...).
+    keywords: Its keyword options, under their public names (`Keywords`).
+    process_count: The processes of the job (`pad_shapes` needs agreement
+      on several).
+    **fixed: Options that `function` sets itself (`device_put`:
+      `prefetch_batches` and `read_ahead`); a caller may not pass them.
+
+  Raises:
+    TypeError: For a keyword that is not an option of `function`, as Python
+      words it.
+    ValueError: Naming the argument and the value.
+  """
+  for key in keywords:
+    if key not in Keywords.__optional_keys__ or key in fixed:
+      raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
+  unset = {"mask_key": UNSET, "shape_buckets": None, "shape_mask_keys": None}
+  given = {**dataclasses.asdict(Options()), **unset, **keywords, **fixed}
+  paddings = given["paddings"]
+  mask_key = _warn_if_unmasked(paddings, given["mask_key"])
+  if mask_key is not None and not isinstance(mask_key, str):
+    raise ValueError(f"`mask_key` must be a str or None, got {mask_key!r}")
+  sync_timeout_s = given["sync_timeout_s"]
+  if not (isinstance(sync_timeout_s, (int, float)) and sync_timeout_s > 0):
+    raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
+  batch_size, read_ahead = given["batch_size"], given["read_ahead"]
+  synchronize_batches = bool(given["synchronize_batches"])
+  return Options(
+    batch_size=None if batch_size is None else _positive("batch_size", batch_size),
+    drop_last=bool(given["drop_last"]),
+    paddings=paddings,
+    mask_key=mask_key,
+    dtypes=given["dtypes"],
+    synchronize_batches=synchronize_batches,
+    synchronize_lookahead=_positive("synchronize_lookahead", given["synchronize_lookahead"]),
+    prefetch_batches=_positive("prefetch_batches", given["prefetch_batches"], minimum=0),
+    sync_timeout_s=float(sync_timeout_s),
+    name=given["name"],
+    read_ahead=None if read_ahead is None else _positive("read_ahead", read_ahead, minimum=0),
+    pad_shapes=shapes_lib.make(
+      given["pad_shapes"],
+      given["shape_buckets"],
+      given["shape_mask_keys"],
+      paddings,
+      synchronized=synchronize_batches or process_count == 1,
+    ),
+  )
+
+
+def _warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
+  """Logs one warning if `paddings` is given and `mask_key` was left unset.
+
+  Args:
+    paddings: The `paddings` argument.
+    mask_key: The `mask_key` argument, `UNSET` if not given.
+
+  Returns:
+    `mask_key` with `UNSET` resolved to None.
+  """
+  if mask_key is UNSET:
+    if paddings is not None:
+      logger.warning(
+        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
+        " rows and dummy batches are indistinguishable from real rows (a loss"
+        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
+        " boolean mask column, or `mask_key=None` to silence this warning"
+      )
+    return None
+  return mask_key
+
+
+def _describe(x: Any) -> Any:
+  if x is None:
+    return None
+  if isinstance(x, Mapping):
+    return {str(k): _describe(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+  if isinstance(x, (np.generic, np.ndarray)):
+    # A NumPy value, not a dtype: np.dtype(np.float32(1)) is float32, which
+    # would hide different padding values.
+    return repr(np.asarray(x).tolist())
+  try:
+    return np.dtype(x).name
+  except TypeError:
+    return repr(x)
+
+
+def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
+  if key not in state:
+    raise ValueError(
+      f"`state` has no {key!r} field; expected a dict from JaxBatchIterator.get_state()"
+    )
+  value = state[key]
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"`state[{key!r}]` must be an int >= {minimum}, got {value!r:.100}")
+  return int(value)
+
+
+def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
+  """The derived full batch size saved with `state` (optional key), or None."""
+  if "batch_size" not in state:
+    return None
+  return _int_field(state, "batch_size", minimum=1)
+
+
+def check_state(
+  state: Any, *, options: Options, process_index: int, process_count: int
+) -> tuple[int, Any]:
+  """Checks `state` (from `set_state`) against this process and `options`, touching nothing.
+
+  Returns:
+    (output batches before the resume point, the source's state).
+
+  Raises:
+    ValueError: Naming the field that is missing, ill-typed or different.
+  """
+  if not isinstance(state, Mapping):
+    raise ValueError(
+      f"`state` must be a dict from JaxBatchIterator.get_state(), got a {type(state).__name__}"
+    )
+  version = state.get("version")
+  if version not in _READABLE_VERSIONS:
+    raise ValueError(
+      f"`state['version']` is {version!r:.50}; this library reads state versions"
+      f" {list(_READABLE_VERSIONS)} (a state from another version of grain_jax_sync?)"
+    )
+  batches = _int_field(state, "batches")
+  if _int_field(state, "process_count") != process_count:
+    # Elastic sources turn another count's states into this one's before this check.
+    raise ValueError(
+      f"`state` was taken with process_count={state['process_count']}, but this"
+      f" process has process_count={process_count}: this source cannot be re-split"
+      " over another process count; each process must restore its own state with the"
+      " same process count, or build the pipeline with"
+      " grain_jax_sync.elastic_source(records, transform) to resume on any count"
+    )
+  if _int_field(state, "process_index") != process_index:
+    raise ValueError(
+      f"`state` was taken with process_index={state['process_index']}, but this process"
+      f" has process_index={process_index}; each process must restore its own state"
+      " (or pass the list of every process's state)"
+    )
+  if "source" not in state:
+    raise ValueError("`state` has no 'source' field; expected a dict from get_state()")
+  if version >= 2:
+    saved = state.get("settings")
+    if not isinstance(saved, Mapping):
+      raise ValueError(f"`state['settings']` must be a dict, got {saved!r:.100}")
+    current = options.digest()
+    if dict(saved) != current:
+      keys = sorted(set(saved) | set(current))
+      diffs = [
+        f"{k}: {saved.get(k)!r} vs {current.get(k)!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+      ]
+      raise ValueError(
+        f"`state` was saved by an iterator with other settings ({'; '.join(diffs)},"
+        " saved vs now); build the iterator with the settings it was saved with"
+      )
+  return batches, state["source"]
+
+
+def _positive(arg: str, value: Any, *, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"`{arg}` must be {kind}, got {value!r}")
+  return int(value)
+
+
+def check_divisible(options: Options, shards: int, describe: str) -> None:
+  """With `paddings`, `batch_size` must split evenly over this process's data shards.
+
+  The one place a given `batch_size` is checked; a derived one is checked by
+  `plan.pin` when the agreement decides it.
+  """
+  size = options.batch_size
+  if options.paddings is not None and size is not None and size % shards:
+    raise ValueError(
+      f"`batch_size` must be divisible by {describe} when `paddings` is given, got {size}"
+    )
