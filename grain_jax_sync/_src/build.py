@@ -20,13 +20,12 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
-from grain_jax_sync._src import padding, trees
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages, padding, trees
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src import sharding as sharding_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
-  from grain_jax_sync._src import agreement
+  from grain_jax_sync._src.agreement import common as agreement_common
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ class Item:
     real: This host's real rows in it (0: a dummy batch).
     rows: This host's rows in it, padding included.
     dropped: Positions dropped on every host since the previous item.
-    batch_size: The full batch size it was judged by (given, or derived).
   """
 
   value: Any
@@ -49,7 +47,6 @@ class Item:
   real: int = 0
   rows: int = 0
   dropped: int = 0
-  batch_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +193,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
 
 def _local_leaves(
   read: reader_lib.Read | None,
-  step: plan_lib.Step,
+  step: messages.Step,
   sig: batches_lib.Signature,
   layout: Layout,
   shapes: Any,
@@ -234,7 +231,7 @@ class Builder:
 
   Args:
     settings: The iterator's settings (`paddings`, `dtypes`, `mask_key`,
-      `batch_size`).
+      `pad_shapes`).
     placement: Where the rows go (`placement.BatchPlacement`).
     start_state: The source state before the first read.
 
@@ -245,7 +242,7 @@ class Builder:
   """
 
   def __init__(self, settings: Any, placement: Any, start_state: Any):
-    self._s = settings
+    self._settings = settings
     self._placement = placement
     self._state = start_state
     self._layout: Layout | None = None
@@ -261,10 +258,10 @@ class Builder:
     """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
     return self._done
 
-  def __call__(self, runs: Iterable[agreement.Run]) -> Iterator[Item]:
+  def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
-        item = self.step(read, step, run.signature, run.batch_size)
+        item = self.step(read, step, run.signature)
         if item is not None:
           yield item  # Resumed once the item is handed on (queued, or taken).
         self._done += 1
@@ -272,26 +269,20 @@ class Builder:
   def step(
     self,
     read: reader_lib.Read | None,
-    step: plan_lib.Step,
+    step: messages.Step,
     sig: batches_lib.Signature | None,
-    batch_size: int | None = None,
   ) -> Item | None:
     """One decided position: its `Item`, or None where it is dropped.
-
-    `batch_size` is the run's full batch size (`agreement.Run.batch_size`), carried on
-    to the item.
 
     Positions must be given in order (the state after each is tracked here),
     by one thread: the build thread, or the caller without prefetch.
     """
     if read is not None:
       self._state = read.state
-    if step.action == plan_lib.Action.DROP:
+    if step.action == messages.Action.DROP:
       logger.warning(
-        "grain_jax_sync: drop_last dropped a batch on every host (this"
-        " host's real rows %d, full batch size %s)",
+        "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
         0 if read is None else read.batch.rows,
-        batch_size,
       )
       self.dropped += 1
       return None
@@ -301,17 +292,17 @@ class Builder:
     self.transfer_s += time.monotonic() - t0
     real = 0 if read is None else read.batch.rows
     dropped, self.dropped = self.dropped, 0
-    return Item(value, self._state, real, step.rows, dropped, batch_size)
+    return Item(value, self._state, real, step.rows, dropped)
 
-  def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
+  def build(self, read: reader_lib.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
     if self._layout is None:
       self._layout = Layout.of(
         sig,
-        dtypes=self._s.dtypes,
-        paddings=self._s.paddings,
-        mask_key=self._s.mask_key,
-        shapes=self._s.shapes,
+        dtypes=self._settings.dtypes,
+        paddings=self._settings.paddings,
+        mask_key=self._settings.mask_key,
+        shapes=self._settings.shapes,
       )
     layout = self._layout
     shapes = sig.shapes
@@ -321,7 +312,7 @@ class Builder:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
     local = _local_leaves(read, step, sig, layout, shapes)
     device = layout.device
-    mask_key = self._s.mask_key
+    mask_key = self._settings.mask_key
     if mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
       device = [*device, None]
