@@ -13,19 +13,19 @@ barrier), with no devices. Every client gets its own
 the simulation drives the real agreement pieces over many windows of
 `--lookahead` batch positions:
 
-1. every process other than 0 posts its rows as one `ledger.Chunk` (the
+1. every process other than 0 posts its rows as one `messages.Chunk` (the
    follower's post, with its ack and, in the first one, its signature and
    settings digest);
 2. process 0, the decider, reads every new chunk with one directory read,
    adds them to its `ledger.Ledger` (and their times to the
-   `stats(all_hosts=True)` table), decides the window as `agreement.Decider`
-   does (`Ledger.full_plan` where every batch is full, else `plan.decide`
-   over `Ledger.window_reports`) and posts one `ledger.Decision`;
+   `stats(all_hosts=True)` table), decides the window as `decider.Decider`
+   does (`plan.decide` over `Ledger.window_reports`) and posts one
+   `messages.Decision`;
 3. every process other than 0 reads that decision, parses it, and deletes its
    chunks (a group at a time) as the follower does; process 0 deletes
    decisions every process has acknowledged.
 
-The stage classes (`agreement.Decider`, `agreement.Follower`) are not run
+The stage classes (`decider.Decider`, `follower.Follower`) are not run
 themselves: one of them per client means 1,024 Python threads polling one
 interpreter on a shared core, which would measure the GIL, not the store.
 The client calls of steps 1 and 3 are spread over `--threads` worker threads
@@ -56,11 +56,12 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import agreement, job_stats
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import job_stats, messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.agreement import common
+from grain_jax_sync._src.agreement import ledger as ledger_lib
 
 # Rows per batch in the simulated reports (any value: only the encoding length
 # depends on it).
@@ -171,7 +172,7 @@ def _shutdown(service: Any, clients: list[Any]) -> None:
 class _Follower:
   """The follower's side of one window: post rows, read the decision, delete."""
 
-  def __init__(self, ex: exchange_lib.KeyValueExchange, who: agreement.Identity):
+  def __init__(self, ex: exchange_lib.KeyValueExchange, who: common.Identity):
     self.ex = ex
     self.who = who
     self.posted = 0
@@ -180,10 +181,10 @@ class _Follower:
 
   def post(self, rows: tuple[int, ...]) -> None:
     first = self.posted == 0
-    report = agreement.make_report(self.who, rows, None, SIGNATURE if first else None, first)
+    report = common.make_report(self.who, rows, None, SIGNATURE if first else None, first)
     # The stage times a follower adds for `stats(all_hosts=True)` (new each window).
     times = (0.001 * self.seq, 0.002 * self.posted, 0.0005 * self.seq, 0.0001 * self.posted)
-    chunk = ledger_lib.Chunk(start=self.posted, ack=self.seq, report=report, times=times)
+    chunk = messages.Chunk(start=self.posted, ack=self.seq, report=report, times=times)
     self.chunks.append((self.ex.post_chunk(chunk.to_json()), self.posted))
     self.posted += len(rows)
 
@@ -192,7 +193,7 @@ class _Follower:
     text = self.ex.try_decision(self.seq)
     while text is None:
       text = self.ex.wait_decision(self.seq)
-    decision = ledger_lib.Decision.from_json(text)
+    decision = messages.Decision.from_json(text)
     self.seq += 1
     done = decided + len(decision.steps)
     read = None
@@ -206,7 +207,7 @@ class _Follower:
 class _Decider:
   """Process 0's side: one directory read, the ledger, `plan.decide`, one post."""
 
-  def __init__(self, ex: exchange_lib.KeyValueExchange, who: agreement.Identity):
+  def __init__(self, ex: exchange_lib.KeyValueExchange, who: common.Identity):
     self.ex = ex
     self.n = ex.process_count
     self.led = ledger_lib.Ledger(self.n)
@@ -216,7 +217,7 @@ class _Decider:
     self.seq = 0
     self.acked = 0
     self.who = who
-    # `stats(all_hosts=True)`'s table, fed as `agreement.Decider` feeds it.
+    # `stats(all_hosts=True)`'s table, fed as `decider.Decider` feeds it.
     own = dict.fromkeys(stats_lib.FIELDS, 0)
     self.job = job_stats.JobTable(lambda: dict(own, source_s=0.001 * self.seq))
     self.job.attach(0, self.n)
@@ -249,18 +250,14 @@ class _Decider:
       if size >= len(rows):
         break
     t0 = time.perf_counter()
-    # As `agreement.Decider._plan` does: full batches everywhere need no reports.
-    plan = self.led.full_plan(self.j) if self.j > 0 else None
-    if plan is None:
-      reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
-      plan = plan_lib.decide(reports, self.options, position=self.j)
-      if plan.error is None and any(s.rows == plan.batch_size for s in plan.steps):
-        self.led.set_full(plan.batch_size)
+    # As `decider.Decider._plan` does.
+    reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
+    plan = plan_lib.decide(reports, self.options, position=self.j)
     self.job.decided(plan.steps)
     self.job.check_stragglers()
-    table = self.job.rows_to_send(final=plan.end != plan_lib.End.CONTINUE)
+    table = self.job.rows_to_send(final=plan.end != messages.Outcome.CONTINUE)
     sig = SIGNATURE if self.j == 0 else None
-    decision = ledger_lib.Decision(self.j, plan.steps, plan.end, plan.error, sig, table=table)
+    decision = messages.Decision(self.j, plan.steps, plan.end, plan.error, sig, table=table)
     text = decision.to_json()
     cpu += time.perf_counter() - t0
     self.ex.post_decision(self.seq, text)
@@ -286,7 +283,7 @@ def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str,
     )
     for i, c in enumerate(raw)
   ]
-  whos = [agreement.Identity(process=i, devices=1, config=CONFIG, resume=0) for i in range(n)]
+  whos = [common.Identity(process=i, devices=1, config=CONFIG, resume=0) for i in range(n)]
   decider = _Decider(exchanges[0], whos[0])
   followers = [_Follower(ex, who) for ex, who in zip(exchanges[1:], whos[1:], strict=True)]
   rows = (ROWS,) * lookahead

@@ -36,14 +36,14 @@ from hypothesis import strategies as st
 from memory_store import MemoryStore
 
 from grain_jax_sync._src import (
-  agreement,
   exchange,
-  ledger,
+  messages,
   plan,
   reader,
   sharding,
   sources,
 )
+from grain_jax_sync._src.agreement import common, decider, endings, follower, ledger
 
 OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
@@ -78,8 +78,8 @@ def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
     sources.open_source(_source(p, spec, seed)), process_index=p, check_int32=False
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
-  who = agreement.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = agreement.Decider if p == 0 else agreement.Follower
+  who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
+  kind = decider.Decider if p == 0 else follower.Follower
   stage = kind(read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0)
   record, yielded = [], 0
   runs = iter(stage)
@@ -88,7 +88,7 @@ def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
       for r, step in run.steps:
         ids = None if r is None else np.asarray(r.batch.leaves[0]).tolist()
         record.append((step.action.value, step.rows, ids))
-        yielded += step.action == plan.Action.YIELD
+        yielded += step.action == messages.Action.YIELD
         if spec["ending"] == "closed" and yielded >= spec["at"]:
           raise _Closed()
     out[p] = ("stop", record, None)
@@ -135,7 +135,9 @@ def _expected(n, hosts, options=OPTIONS):
       e = OSError(f"disk on fire at batch {h['at']}")
       end = reader.failed(p, position, h["at"], e, f"reading batch {h['at']} from its source")
       error = end.error
-    reports.append(plan.Report(process_index=p, rows=rows, exhausted=error is None, error=error))
+    reports.append(
+      messages.Report(process_index=p, rows=rows, exhausted=error is None, error=error)
+    )
   return plan.decide(reports, options)
 
 
@@ -188,25 +190,25 @@ def _check_schedule(schedule, options):
   store, out = _run(n, hosts, lookahead, seed, options)
   assert store.keys() == []  # Nothing left behind.
   ended = [p for p in range(n) if out[p][0] != "closed"]
-  outcomes, messages = _check_one_ending(n, hosts, out, ended)
+  outcomes, texts = _check_one_ending(n, hosts, out, ended)
   steps = _check_same_positions(n, out)
   _check_rows_at_most_once(n, hosts, out, outcomes, options)
-  _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, messages)
+  _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, texts)
 
 
 def _check_one_ending(n, hosts, out, ended):
   """Every process that ended ends the same way, with one message; returns both."""
   outcomes = {out[p][0] for p in ended}
   assert len(outcomes) <= 1, {p: out[p][0] for p in range(n)}
-  messages = set()
+  texts = set()
   for p in ended:
     e = out[p][2]
     if isinstance(e, OSError):  # The failing process: its own exception.
       assert hosts[p]["ending"] == "failed"
     elif e is not None:
-      messages.add(str(e))
-  assert len(messages) <= 1, messages
-  return outcomes, messages
+      texts.add(str(e))
+  assert len(texts) <= 1, texts
+  return outcomes, texts
 
 
 def _check_same_positions(n, out):
@@ -232,7 +234,7 @@ def _check_rows_at_most_once(n, hosts, out, outcomes, options):
       assert got == fed
 
 
-def _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, messages):
+def _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, texts):
   """The streamed decisions are `plan.decide`'s (a prefix of them when a run was cut short)."""
   want = _expected(n, hosts, options)
   want_steps = [(s.action.value, s.rows) for s in want.steps]
@@ -243,9 +245,9 @@ def _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, me
     assert steps == want_steps[: len(steps)]
   else:
     assert steps == want_steps
-    assert outcomes == ({"stop"} if want.end == plan.End.STOP else {"raise"})
-    if want.error is not None and want.error.kind == plan.ErrorKind.VALUE:
-      assert messages == {want.error.message}
+    assert outcomes == ({"stop"} if want.end == messages.Outcome.STOP else {"raise"})
+    if want.error is not None and want.error.kind == messages.ErrorKind.VALUE:
+      assert texts == {want.error.message}
 
 
 def test_decisions_are_o1_per_position_and_chunks_go_to_process_0_only():
@@ -263,14 +265,14 @@ class _Recording(MemoryStore):
 
   def __init__(self):
     super().__init__()
-    self.chunks: list[ledger.Chunk] = []
-    self.decisions: list[ledger.Decision] = []
+    self.chunks: list[messages.Chunk] = []
+    self.decisions: list[messages.Decision] = []
 
   def key_value_set(self, key, value, allow_overwrite=False):
     if "/s/" in key:
-      self.chunks.append(ledger.Chunk.from_json(value))
+      self.chunks.append(messages.Chunk.from_json(value))
     elif "/d/" in key:
-      self.decisions.append(ledger.Decision.from_json(value))
+      self.decisions.append(messages.Decision.from_json(value))
     super().key_value_set(key, value, allow_overwrite)
 
 
@@ -353,42 +355,42 @@ def test_a_chunk_that_does_not_parse_raises_naming_the_process():
 # -- processes that share rows: digests beside the decision ----------------------
 
 
-def _shared_reports(digests_1: tuple[str, ...]) -> list[plan.Report]:
+def _shared_reports(digests_1: tuple[str, ...]) -> list[messages.Report]:
   rows = (8, 8, 8)
   return [
-    plan.Report(process_index=0, rows=rows, exhausted=True, digests=("a", "b", "c")),
-    plan.Report(process_index=1, rows=rows, exhausted=True, digests=digests_1),
-    plan.Report(process_index=2, rows=rows, exhausted=True, digests=("x", "y", "z")),
+    messages.Report(process_index=0, rows=rows, exhausted=True, digests=("a", "b", "c")),
+    messages.Report(process_index=1, rows=rows, exhausted=True, digests=digests_1),
+    messages.Report(process_index=2, rows=rows, exhausted=True, digests=("x", "y", "z")),
   ]
 
 
 def test_shared_rows_that_agree_decide_as_plan_decide():
   reports = _shared_reports(("a", "b", "c"))
-  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
+  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
   assert got == plan.decide(reports, OPTIONS, position=4)
-  assert got.end == plan.End.STOP and len(got.steps) == 3
+  assert got.end == messages.Outcome.STOP and len(got.steps) == 3
 
 
 def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   reports = _shared_reports(("a", "b", "C"))
-  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
-  assert len(got.steps) == 2 and got.end == plan.End.RAISE
-  assert got.error is not None and got.error.kind == plan.ErrorKind.VALUE
+  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
+  assert len(got.steps) == 2 and got.end == messages.Outcome.RAISE
+  assert got.error is not None and got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(
     "batch 6: processes [0, 1] hold the same data shards (input shard 0) and must feed"
   )
   assert "process 0: c, process 1: C" in got.error.message
   # Without groups (no shared rows) the digests are not looked at.
-  assert agreement.decide(reports, OPTIONS, groups=(), position=4).end == plan.End.STOP
+  assert common.decide(reports, OPTIONS, groups=(), position=4).end == messages.Outcome.STOP
 
 
 def test_a_group_of_dummy_batches_is_not_compared():
   # Process 2, alone in its group, reads 3 batches; the pair (0, 1) one each.
   reports = _shared_reports(("a",))
   for p in (0, 1):
-    reports[p] = plan.Report(process_index=p, rows=(8,), exhausted=True, digests=("a",))
-  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
-  assert got.end == plan.End.STOP
+    reports[p] = messages.Report(process_index=p, rows=(8,), exhausted=True, digests=("a",))
+  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  assert got.end == messages.Outcome.STOP
   assert [(s.real_rows[0], s.real_rows[1], s.real_rows[2]) for s in got.steps] == [
     (8, 8, 8),
     (0, 0, 8),
@@ -400,10 +402,10 @@ def test_a_dummy_batch_beside_its_replicas_rows_raises_naming_both():
   # Process 1 ran out; process 0, which holds the same shards, did not: the
   # plan stands up to batch 0 and every host raises the same error.
   reports = _shared_reports(("a",))
-  reports[1] = plan.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
-  got = agreement.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
-  assert got.end == plan.End.RAISE and len(got.steps) == 1
-  assert got.error.kind == plan.ErrorKind.VALUE
+  reports[1] = messages.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
+  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  assert got.end == messages.Outcome.RAISE and len(got.steps) == 1
+  assert got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(
     "batch 1: processes [0, 1] hold the same data shards (input shard 0) and must feed"
     " identical rows, but process 1 had no batch 1 (its source ended) while process 0 had one"
@@ -414,8 +416,8 @@ def test_digests_travel_in_chunks_and_the_ledger_keeps_them_per_position():
   led = ledger.Ledger(2, digests=True)
   led.add_rows(0, 8, "a")
   led.add_rows(0, 8, "b")
-  sent = plan.Report(process_index=1, rows=(8, 8), digests=("a", "c"))
-  led.add(ledger.Chunk.from_json(ledger.Chunk(start=0, ack=0, report=sent).to_json()))
+  sent = messages.Report(process_index=1, rows=(8, 8), digests=("a", "c"))
+  led.add(messages.Chunk.from_json(messages.Chunk(start=0, ack=0, report=sent).to_json()))
   reports = led.window_reports(0, led.window(0), with_config=False)
   assert [r.digests for r in reports] == [("a", "b"), ("a", "c")]
   led.forget(1)
@@ -434,8 +436,8 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
     digest=sharding.rows_digest,
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
-  who = agreement.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
-  kind = agreement.Decider if p == 0 else agreement.Follower
+  who = common.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
+  kind = decider.Decider if p == 0 else follower.Follower
   stage = kind(read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0)
   record = []
   try:
@@ -482,11 +484,11 @@ def test_shared_rows_are_compared_in_the_streamed_agreement(n, batches, lookahea
 def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
   note = json.dumps(["ns/1", "process 1 closed its iterator at batch 40"])
   # Closed in this stream without posting its ending (a stage thread of its blocked).
-  assert agreement.closed_peer_message(note, "ns/1") == "process 1 closed its iterator at batch 40"
+  assert endings.closed_peer_message(note, "ns/1") == "process 1 closed its iterator at batch 40"
   # Closed in an earlier stream: it never started this one.
-  assert agreement.closed_peer_message(note, "ns/2") == (
+  assert endings.closed_peer_message(note, "ns/2") == (
     "process 1 closed its iterator at batch 40, without starting the stream that"
     " other processes restarted (reset(), set_state()): every process must restart"
     " it at the same point"
   )
-  assert agreement.closed_peer_message("not json", "ns/2").startswith("not json, without starting")
+  assert endings.closed_peer_message("not json", "ns/2").startswith("not json, without starting")

@@ -15,7 +15,7 @@ import scenarios
 import scenarios_endings
 
 from grain_jax_sync import testing
-from grain_jax_sync._src import agreement
+from grain_jax_sync._src.agreement import common
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 180
@@ -258,7 +258,7 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
   # source for 26 s; with `sync_timeout_s`=1 the follower posts a timed-out
   # ending after 1 + FOLLOWER_GRACE_S and raises it one grace later; process 0
   # raises the same error once its source returns.
-  grace = agreement.FOLLOWER_GRACE_S
+  grace = common.FOLLOWER_GRACE_S
   outs = testing.values(_run(scenarios_endings.run_stuck_decider, 2 * grace + 6, 1.0))
   assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
   # Positions before the hang (at most 2) are decided or not, as process 1's
@@ -308,7 +308,7 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
   # ending after `sync_timeout_s` + FOLLOWER_GRACE_S and raises it one grace
   # later, naming the iterator that process 0 did not create before a stuck
   # source. Process 0 times out at once, waiting for reports in its own stream.
-  grace = agreement.FOLLOWER_GRACE_S
+  grace = common.FOLLOWER_GRACE_S
   outs = testing.values(_run(scenarios_endings.run_iterator_only_one_process_makes, 1.0, d=2))
   for out in outs:
     assert out["error_type"] == "PeerTimeoutError", out

@@ -6,36 +6,36 @@ import logging
 
 import pytest
 
-from grain_jax_sync._src import job_stats, ledger
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import job_stats, messages
+from grain_jax_sync._src.agreement import ledger
 
-Y, D = plan_lib.Action.YIELD, plan_lib.Action.DROP
+Y, D = messages.Action.YIELD, messages.Action.DROP
 
 
 def test_chunk_carries_times_only_when_given():
-  report = plan_lib.Report(process_index=3, rows=(8, 5), exhausted=True, signature={"x": 1})
-  plain = ledger.Chunk(start=4, ack=2, report=report)
-  timed = ledger.Chunk(start=4, ack=2, report=report, times=(0.5, 1.25, 0.0, 2.0))
+  report = messages.Report(process_index=3, rows=(8, 5), exhausted=True, signature={"x": 1})
+  plain = messages.Chunk(start=4, ack=2, report=report)
+  timed = messages.Chunk(start=4, ack=2, report=report, times=(0.5, 1.25, 0.0, 2.0))
   assert '"t"' not in plain.to_json()
-  assert ledger.Chunk.from_json(plain.to_json()) == plain
-  assert ledger.Chunk.from_json(timed.to_json()) == timed
+  assert messages.Chunk.from_json(plain.to_json()) == plain
+  assert messages.Chunk.from_json(timed.to_json()) == timed
 
 
 def test_decision_carries_the_table_only_when_given():
-  steps = (plan_lib.Step(Y, 8, ()),) * 3
+  steps = (messages.Step(Y, 8, ()),) * 3
   table = ((0, 3, 24, 0, 0, 0, 0.1, 0.2, 0.3, 0.4), (2, 3, 20, 4, 0, 1, 0.0, 9.5, 0.0, 0.0))
-  plain = ledger.Decision(7, steps, plan_lib.End.CONTINUE, batch_size=8)
-  with_table = ledger.Decision(7, steps, plan_lib.End.STOP, batch_size=8, table=table)
+  plain = messages.Decision(7, steps, messages.Outcome.CONTINUE, batch_size=8)
+  with_table = messages.Decision(7, steps, messages.Outcome.STOP, batch_size=8, table=table)
   assert '"t"' not in plain.to_json()
-  assert ledger.Decision.from_json(plain.to_json()) == plain
-  assert ledger.Decision.from_json(with_table.to_json()) == with_table
+  assert messages.Decision.from_json(plain.to_json()) == plain
+  assert messages.Decision.from_json(with_table.to_json()) == with_table
 
 
 def test_decided_counts_rows_per_host_and_the_table_goes_to_followers():
   decider = job_stats.JobTable(lambda: _own(0.0))
   decider.attach(0, 3)
-  full = plan_lib.Step(Y, 8, (8, 8, 8))
-  decider.decided((full, full, plan_lib.Step(Y, 8, (8, 5, 0)), plan_lib.Step(D, 0, (8, 8, 3))))
+  full = messages.Step(Y, 8, (8, 8, 8))
+  decider.decided((full, full, messages.Step(Y, 8, (8, 5, 0)), messages.Step(D, 0, (8, 8, 3))))
   decider.add_times([(2, (0.0, 7.0, 0.0, 0.0))])
   rows = decider.rows_to_send(final=True)
   assert rows is not None and [r[0] for r in rows] == [0, 1, 2]
@@ -115,34 +115,19 @@ def test_straggler_streak_needs_fresh_figures_in_a_row():
 @pytest.mark.parametrize(
   "report",
   [
-    plan_lib.Report(process_index=1, rows=(8, 8, 5)),  # Rows only: the quick path.
-    plan_lib.Report(process_index=1, rows=(8, 3), exhausted=True, signature={"x": 1}),
-    plan_lib.Report(process_index=1, rows=(8,), config={"b": 8}, resume=0, more=True),
+    messages.Report(process_index=1, rows=(8, 8, 5)),
+    messages.Report(process_index=1, rows=(8, 3), exhausted=True, signature={"x": 1}),
+    messages.Report(process_index=1, rows=(8,), config={"b": 8}, resume=0, more=True),
   ],
 )
 def test_ledger_add_json_records_what_add_records(report):
-  chunk = ledger.Chunk(start=0, ack=3, report=report, times=(0.0, 1.5, 0.0, 0.25))
+  chunk = messages.Chunk(start=0, ack=3, report=report, times=(0.0, 1.5, 0.0, 0.25))
   a, b = ledger.Ledger(2), ledger.Ledger(2)
   for led in (a, b):
     led.add_rows(0, 8)
-    led.set_full(8)
   a.add(chunk)
   assert b.add_json(chunk.to_json()) == (1, (0.0, 1.5, 0.0, 0.25))
   assert (a.count(1), a.ack(1), a.ended(1)) == (b.count(1), b.ack(1), b.ended(1))
   assert a.window_reports(0, 3, with_config=True) == b.window_reports(0, 3, with_config=True)
-  assert a.full_plan(0) == b.full_plan(0)
-  with pytest.raises(ledger.ProtocolError):
+  with pytest.raises(messages.ProtocolError):
     b.add_json('{"v": 2, "s": 0, "a": 0, "R": {"p": 1}}')
-
-
-def test_full_plan_decides_full_positions_as_plan_decide_does():
-  led = ledger.Ledger(3)
-  for p in range(3):
-    led.add(ledger.Chunk(0, 0, plan_lib.Report(process_index=p, rows=(8, 8, 8, 5, 8)[: 5 - p])))
-  assert led.full_plan(0) is None  # Before plan.decide judged the full size.
-  led.set_full(8)
-  full = led.full_plan(0)
-  options = plan_lib.Options(batch_size=8, drop_last=False, pad=True)
-  decided = plan_lib.decide(led.window_reports(0, 3, with_config=False), options)
-  assert full is not None and full.steps == decided.steps[:3] and len(full.steps) == 3
-  assert led.full_plan(3) is None  # Short batches, and process 2 has not posted position 3.

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src.agreement import ledger as ledger_lib
 
 
 def chunk(p, start, rows, *, exhausted=False, error=None, ack=0, sig=None):
-  return ledger_lib.Chunk(
+  return messages.Chunk(
     start=start,
     ack=ack,
-    report=plan_lib.Report(
+    report=messages.Report(
       process_index=p, rows=tuple(rows), exhausted=exhausted, error=error, signature=sig
     ),
   )
@@ -22,9 +23,9 @@ def chunk(p, start, rows, *, exhausted=False, error=None, ack=0, sig=None):
 
 
 def test_chunk_json_round_trip():
-  err = plan_lib.ReportedError(plan_lib.ErrorKind.SOURCE, "boom", 1, 3, "KeyError")
+  err = messages.ReportedError(messages.ErrorKind.SOURCE, "boom", 1, 3, "KeyError")
   c = chunk(1, 3, [8, 4], error=err, ack=2, sig={"spec": "x", "leaves": []})
-  assert ledger_lib.Chunk.from_json(c.to_json()) == c
+  assert messages.Chunk.from_json(c.to_json()) == c
 
 
 def test_window_is_what_every_process_has_reported():
@@ -53,8 +54,8 @@ def test_window_reports_end_of_stream_inside_window():
   assert reports[0].rows == (8, 8, 8) and not reports[0].exhausted
   assert reports[1].rows == (8,) and reports[1].exhausted
   plan = plan_lib.decide(reports, plan_lib.Options(batch_size=8, drop_last=True, pad=False))
-  assert [s.action for s in plan.steps] == [plan_lib.Action.YIELD]
-  assert plan.end == plan_lib.End.STOP
+  assert [s.action for s in plan.steps] == [messages.Action.YIELD]
+  assert plan.end == messages.Outcome.STOP
 
 
 def test_window_when_every_stream_ended_includes_the_end():
@@ -66,7 +67,7 @@ def test_window_when_every_stream_ended_includes_the_end():
     led.window_reports(0, 3, with_config=False),
     plan_lib.Options(batch_size=8, drop_last=False, pad=False),
   )
-  assert len(plan.steps) == 2 and plan.end == plan_lib.End.STOP
+  assert len(plan.steps) == 2 and plan.end == messages.Outcome.STOP
 
 
 def test_window_reports_match_a_windowed_exchange():
@@ -78,7 +79,7 @@ def test_window_reports_match_a_windowed_exchange():
   opts = plan_lib.Options(batch_size=8, drop_last=False, pad=True)
   whole = plan_lib.decide(led.window_reports(0, led.window(0), with_config=False), opts)
   windowed = plan_lib.decide(
-    [plan_lib.Report(process_index=p, rows=tuple(r), exhausted=True) for p, r in rows.items()],
+    [messages.Report(process_index=p, rows=tuple(r), exhausted=True) for p, r in rows.items()],
     opts,
   )
   assert whole == windowed

@@ -21,9 +21,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grain_jax_sync._src import padding
+from grain_jax_sync._src import messages, padding
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.plan import Action, End, ErrorKind, Options, Report
+from grain_jax_sync._src.messages import Action, ErrorKind, Outcome, Report, ReportedError
+from grain_jax_sync._src.plan import Options
 
 SIG = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int64", []]]}
 PAD_VALUE = -1
@@ -48,8 +49,8 @@ class Run:
 
   yields: list[list[tuple[int, int | None, np.ndarray, np.ndarray]]]
   dropped: list[list[int | None]]
-  end: End
-  error: plan_lib.ReportedError | None
+  end: Outcome
+  error: ReportedError | None
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class _Hosts:
   fail: tuple[int, int] | None
   next_batch: list[int]
   exhausted: list[bool]
-  errors: list[plan_lib.ReportedError | None]
+  errors: list[ReportedError | None]
   reads: list[list[int]]  # Read, not decided yet.
 
   @classmethod
@@ -78,9 +79,7 @@ class _Hosts:
         self.exhausted[h] = True
         break
       if fail is not None and fail == (h, b):
-        self.errors[h] = plan_lib.ReportedError(
-          ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError"
-        )
+        self.errors[h] = ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, b, "OSError")
         break
       self.reads[h].append(b)
       self.next_batch[h] += 1
@@ -127,7 +126,7 @@ def _act(plan: plan_lib.Plan, hosts: _Hosts, options: Options, run: Run) -> int:
 
 
 def _built(
-  h: int, b: int | None, step: plan_lib.Step, sizes: list[list[int]], options: Options
+  h: int, b: int | None, step: messages.Step, sizes: list[list[int]], options: Options
 ) -> tuple[int, int | None, np.ndarray, np.ndarray]:
   """Host `h`'s (target rows, source batch, padded leaf, mask) for a yielded step."""
   real = None if b is None else row_ids(h, b, sizes[h][b])
@@ -155,13 +154,13 @@ def simulate(
   """Plays the window protocol; `fail` = (host, batch) whose read raises.
 
   Each host holds the batches it read and that are not decided yet; after
-  `End.WAIT` they are reported again, and each waiting host reads one more.
+  `Outcome.WAIT` they are reported again, and each waiting host reads one more.
   """
   n = len(sizes)
   hosts = _Hosts.start(sizes, fail)
   waiting: tuple[int, ...] = ()
   position = 0
-  run = Run([], [], End.CONTINUE, None)
+  run = Run([], [], Outcome.CONTINUE, None)
   for window in range(1000):
     reports = []
     # Every live host reports the same positions; a waiting host needs one more.
@@ -174,11 +173,11 @@ def simulate(
     position += _act(plan, hosts, options, run)
     hosts.reads = [r[len(plan.steps) :] for r in hosts.reads]
     waiting = plan.waiting
-    if plan.end == End.WAIT:
+    if plan.end == Outcome.WAIT:
       assert waiting and all(not hosts.exhausted[h] and hosts.errors[h] is None for h in waiting)
       continue
-    assert not any(hosts.reads) or plan.end != End.CONTINUE  # Every read position decided.
-    if plan.end != End.CONTINUE:
+    assert not any(hosts.reads) or plan.end != Outcome.CONTINUE  # Every read position decided.
+    if plan.end != Outcome.CONTINUE:
       run.end, run.error = plan.end, plan.error
       return run
   raise AssertionError("the protocol did not end")
@@ -211,7 +210,7 @@ def test_padding_with_mask_every_real_row_once_every_padded_row_masked(case):
   sizes, batch_size, devices, lookahead = case
   options = Options(batch_size=batch_size, drop_last=False, pad=True)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices)
-  assert run.end == End.STOP and run.error is None
+  assert run.end == Outcome.STOP and run.error is None
   assert len(run.yields) == max((len(s) for s in sizes), default=0)
   seen = []
   for row in run.yields:
@@ -258,9 +257,9 @@ def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad, k
   assert [row[0][1] for row in run.yields] == kept
   assert [per_host[0] for per_host in run.dropped] == dropped
   if failing is None:
-    assert run.end == End.STOP and run.error is None
+    assert run.end == Outcome.STOP and run.error is None
   else:
-    assert run.end == End.RAISE and run.error.kind == ErrorKind.VALUE
+    assert run.end == Outcome.RAISE and run.error.kind == ErrorKind.VALUE
     assert f"batch {len(kept)}: " in run.error.message
     assert f"fewer than the full batch size {batch_size}" in run.error.message
   for row in run.yields:
@@ -305,7 +304,7 @@ def test_without_batch_size_a_fixed_size_source_never_yields_zero_batches(case, 
   options = Options(None, drop_last="drop" in mode, pad="pad" in mode, wait_for_last=not peek)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=peek)
   full = max(s[0] for s in sizes)  # The largest host batch of the first position.
-  assert run.end == End.STOP and run.error is None
+  assert run.end == Outcome.STOP and run.error is None
   assert {target for row in run.yields for target, *_ in row} <= {full}
   if options.drop_last:
     shortest = min(len(s) for s in sizes)
@@ -345,13 +344,13 @@ def test_no_host_yields_more_than_the_longest_host_and_errors_are_shared(case, m
     assert any(b is not None for _, b, _, _ in row)  # Never an all-dummy batch.
   if fail is not None:
     assert len(run.yields) + len(run.dropped) <= fail[1]
-  if run.end == End.RAISE:
+  if run.end == Outcome.RAISE:
     assert run.error is not None
     if run.error.kind == ErrorKind.SOURCE:
       assert fail is not None and run.error.process_index == fail[0]
       assert run.error.batch_index == fail[1]
   else:
-    assert run.end == End.STOP and run.error is None
+    assert run.end == Outcome.STOP and run.error is None
     if fail is not None:  # Only drop_last may stop before reaching the failure.
       assert options.drop_last
       assert min(len(s) for s in sizes) <= fail[1]
@@ -367,11 +366,11 @@ def test_strict_mode_yields_only_equal_batches_or_raises_value_error(case):
     len({s[k] for s in sizes}) == 1 for k in range(len(sizes[0]))
   )
   if equal:
-    assert run.end == End.STOP and len(run.yields) == len(sizes[0])
+    assert run.end == Outcome.STOP and len(run.yields) == len(sizes[0])
     for row in run.yields:
       assert all(mask.all() for *_, mask in row)
   else:
-    assert run.end == End.RAISE and run.error.kind == ErrorKind.VALUE
+    assert run.end == Outcome.RAISE and run.error.kind == ErrorKind.VALUE
     assert run.error.message.startswith(
       (
         "Uneven number of batches detected across JAX workers",
@@ -391,7 +390,7 @@ def test_source_failure_yields_every_batch_before_it_then_raises_everywhere(case
   k = data.draw(st.integers(0, len(sizes[h]) - 1))
   options = Options(batch_size=batch_size, drop_last=False, pad=True)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, fail=(h, k))
-  assert run.end == End.RAISE
+  assert run.end == Outcome.RAISE
   assert (run.error.kind, run.error.process_index, run.error.batch_index) == (
     ErrorKind.SOURCE,
     h,
@@ -430,7 +429,7 @@ def window_reports(draw):
     rows = tuple(draw(st.lists(sizes, max_size=12)))
     error = None
     if draw(st.integers(0, 4)) == 0:
-      error = plan_lib.ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, len(rows), "OSError")
+      error = ReportedError(ErrorKind.SOURCE, f"host {h} broke", h, len(rows), "OSError")
     reports.append(
       Report(
         process_index=h,
@@ -498,7 +497,6 @@ def _element_ids(host: int, batch: int, rows: int, length: int) -> np.ndarray:
 @PROPERTY_SETTINGS
 @given(shape_cases())
 def test_shapes_every_real_element_once_every_padded_element_masked(case):
-  from grain_jax_sync._src import ledger as ledger_lib
   from grain_jax_sync._src import shapes as shapes_lib
 
   hosts, batch_size, buckets = case
@@ -516,17 +514,17 @@ def test_shapes_every_real_element_once_every_padded_element_masked(case):
   ]
   plan = plan_lib.decide([Report.from_json(r.to_json()) for r in reports], options)
   # Every host acts on the decision as it travels (sizes in the codec).
-  decision = ledger_lib.Decision(0, plan.steps, plan.end, plan.error)
-  steps = ledger_lib.Decision.from_json(decision.to_json()).steps
+  decision = messages.Decision(0, plan.steps, plan.end, plan.error)
+  steps = messages.Decision.from_json(decision.to_json()).steps
   assert [s.sizes for s in steps] == [s.sizes for s in plan.steps]
   longest = max(len(b) for b in hosts)
   lengths = [max(b[j][1] for b in hosts if j < len(b)) for j in range(longest)]
   above = [j for j, ln in enumerate(lengths) if buckets and ln > buckets[-1]]
   if above:
-    assert plan.end == End.RAISE and len(steps) == above[0]
+    assert plan.end == Outcome.RAISE and len(steps) == above[0]
     assert f"size {lengths[above[0]]} at batch {above[0]}" in plan.error.message
   else:
-    assert plan.end == End.STOP and len(steps) == longest
+    assert plan.end == Outcome.STOP and len(steps) == longest
   seen: list[int] = []
   for j, step in enumerate(steps):
     assert step.action == Action.YIELD and step.rows == batch_size

@@ -12,7 +12,7 @@ import pytest
 import scenarios
 
 import grain_jax_sync as gjs
-from grain_jax_sync._src import batches, build, plan, reader, sources
+from grain_jax_sync._src import batches, build, messages, reader, sources
 
 
 class _CudaLike:
@@ -61,28 +61,28 @@ def _raising(batches, at, exc):
     (
       lambda b: b[:1] + [{"x": b[1]["x"], "y": _CudaLike()}] + b[2:],
       1,
-      plan.ErrorKind.SOURCE,
+      messages.ErrorKind.SOURCE,
       "converting batch 1",
       "TypeError",
     ),
     (
       lambda b: _raising(b, 2, KeyboardInterrupt("stop")),
       2,
-      plan.ErrorKind.SOURCE,
+      messages.ErrorKind.SOURCE,
       "reading batch 2 from its source",
       "KeyboardInterrupt",
     ),
     (
       lambda b: _raising(b, 1, SystemExit("bye")),
       1,
-      plan.ErrorKind.SOURCE,
+      messages.ErrorKind.SOURCE,
       "reading batch 1 from its source",
       "SystemExit",
     ),
     (
       lambda b: _StateFails(b, 2),
       2,
-      plan.ErrorKind.SOURCE,
+      messages.ErrorKind.SOURCE,
       "taking the source state after batch 2",
       "OSError",
     ),
@@ -168,7 +168,7 @@ def test_a_finite_value_a_narrowing_float_cast_would_lose_ends_naming_it(
   bad[5] = value
   reads, end = _narrowed([{"x": good}, {"x": bad}], None if dtypes is None else {"x": dtypes})
   assert len(reads) == 1 and end.error is not None
-  assert end.error.kind == plan.ErrorKind.VALUE and end.error.batch_index == 1
+  assert end.error.kind == messages.ErrorKind.VALUE and end.error.batch_index == 1
   assert end.error.message.startswith(
     f"process 3, batch 1, column 'x': value {value!r} does not fit {into}, the dtype"
   ), end.error.message

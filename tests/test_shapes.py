@@ -19,9 +19,10 @@ import scenarios_shapes as sc
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import shapes as shapes_lib
+from grain_jax_sync._src.agreement import ledger as ledger_lib
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 240
@@ -271,7 +272,7 @@ def test_signature_leaves_named_dims_out():
 
 
 def _report(p, rows, sizes):
-  return plan_lib.Report(p, rows=rows, sizes=sizes, signature=_SIG, exhausted=True)
+  return messages.Report(p, rows=rows, sizes=sizes, signature=_SIG, exhausted=True)
 
 
 _SIG = {"spec": {"d": [["tokens", "*"]]}, "leaves": [["tokens", "int32", [-1]]]}
@@ -287,7 +288,7 @@ def test_decide_agrees_on_the_max_bucketed(buckets, want):
     _report(2, (4, 4), ((1,), (3,))),
   ]
   plan = plan_lib.decide(reports, options)
-  assert [s.sizes for s in plan.steps] == want and plan.end == plan_lib.End.STOP
+  assert [s.sizes for s in plan.steps] == want and plan.end == messages.Outcome.STOP
 
 
 def test_decide_above_last_bucket_raises_at_that_step():
@@ -295,21 +296,21 @@ def test_decide_above_last_bucket_raises_at_that_step():
   options = plan_lib.Options(batch_size=4, drop_last=False, pad=True, shapes=shapes)
   reports = [_report(0, (4, 4), ((3,), (2,))), _report(1, (4, 4), ((5,), (12,)))]
   plan = plan_lib.decide(reports, options, position=5)
-  assert len(plan.steps) == 1 and plan.end == plan_lib.End.RAISE
+  assert len(plan.steps) == 1 and plan.end == messages.Outcome.RAISE
   assert plan.error.message.startswith("column 'tokens' dim 1: size 12 at batch 6 (process 1)")
   assert "[4, 8]" in plan.error.message
 
 
 def test_wire_unchanged_when_off_and_sizes_round_trip():
-  off = plan_lib.Report(0, rows=(4, 4))
+  off = messages.Report(0, rows=(4, 4))
   assert "z" not in off.to_json()
-  on = plan_lib.Report(0, rows=(4, 4), sizes=((3, 1), (7, 2)))
-  assert plan_lib.Report.from_json(on.to_json()).sizes == ((3, 1), (7, 2))
-  steps = tuple(plan_lib.Step(plan_lib.Action.YIELD, 4, (), s) for s in ((8,), (8,), (16,)))
-  text = ledger_lib.Decision(0, steps, plan_lib.End.CONTINUE).to_json()
-  assert [s.sizes for s in ledger_lib.Decision.from_json(text).steps] == [(8,), (8,), (16,)]
-  plain = (plan_lib.Step(plan_lib.Action.YIELD, 4, ()),) * 2
-  assert '"st":[["yield",4,2]]' in ledger_lib.Decision(0, plain, plan_lib.End.STOP).to_json()
+  on = messages.Report(0, rows=(4, 4), sizes=((3, 1), (7, 2)))
+  assert messages.Report.from_json(on.to_json()).sizes == ((3, 1), (7, 2))
+  steps = tuple(messages.Step(messages.Action.YIELD, 4, (), s) for s in ((8,), (8,), (16,)))
+  text = messages.Decision(0, steps, messages.Outcome.CONTINUE).to_json()
+  assert [s.sizes for s in messages.Decision.from_json(text).steps] == [(8,), (8,), (16,)]
+  plain = (messages.Step(messages.Action.YIELD, 4, ()),) * 2
+  assert '"st":[["yield",4,2]]' in messages.Decision(0, plain, messages.Outcome.STOP).to_json()
 
 
 def test_jitted_step_compiles_once_per_bucket():
@@ -339,8 +340,8 @@ def test_ledger_keeps_sizes_beside_rows():
   led = ledger_lib.Ledger(2, sizes=True)
   led.add_rows(0, 4, None, (7,))
   led.add_rows(0, 4, None, (9,))
-  report = plan_lib.Report(1, rows=(4, 3), sizes=((12,), (2,)), exhausted=True)
-  led.add(ledger_lib.Chunk.from_json(ledger_lib.Chunk(0, 0, report).to_json()))
+  report = messages.Report(1, rows=(4, 3), sizes=((12,), (2,)), exhausted=True)
+  led.add(messages.Chunk.from_json(messages.Chunk(0, 0, report).to_json()))
   reports = led.window_reports(0, 2, with_config=False)
   assert [r.sizes for r in reports] == [((7,), (9,)), ((12,), (2,))]
   led.forget(1)

@@ -21,12 +21,11 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
-from grain_jax_sync._src import padding, transfer, trees
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages, padding, transfer, trees
 from grain_jax_sync._src import reader as reader_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
-  from grain_jax_sync._src import agreement
+  from grain_jax_sync._src.agreement import common as agreement_common
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ class Item:
     real: This host's real rows in it (0: a dummy batch).
     rows: This host's rows in it, padding included.
     dropped: Positions dropped on every host since the previous item.
-    batch_size: The full batch size it was judged by (given, or derived).
   """
 
   value: Any
@@ -49,7 +47,6 @@ class Item:
   real: int = 0
   rows: int = 0
   dropped: int = 0
-  batch_size: int | None = None
 
 
 def split_casts(
@@ -231,7 +228,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
 
 def _local_leaves(
   read: reader_lib.Read | None,
-  step: plan_lib.Step,
+  step: messages.Step,
   sig: batches_lib.Signature,
   layout: Layout,
   shapes: Any,
@@ -296,10 +293,10 @@ class Builder:
     """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
     return self._done
 
-  def __call__(self, runs: Iterable[agreement.Run]) -> Iterator[Item]:
+  def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:
       for read, step in run.steps:
-        item = self.step(read, step, run.signature, run.batch_size)
+        item = self.step(read, step, run.signature)
         if item is not None:
           yield item  # Resumed once the item is handed on (queued, or taken).
         self._done += 1
@@ -307,26 +304,20 @@ class Builder:
   def step(
     self,
     read: reader_lib.Read | None,
-    step: plan_lib.Step,
+    step: messages.Step,
     sig: batches_lib.Signature | None,
-    batch_size: int | None = None,
   ) -> Item | None:
     """One decided position: its `Item`, or None where it is dropped.
-
-    `batch_size` is the run's full batch size (`agreement.Run.batch_size`), carried on
-    to the item.
 
     Positions must be given in order (the state after each is tracked here),
     by one thread: the build thread, or the caller without prefetch.
     """
     if read is not None:
       self._state = read.state
-    if step.action == plan_lib.Action.DROP:
+    if step.action == messages.Action.DROP:
       logger.warning(
-        "grain_jax_sync: drop_last dropped a batch on every host (this"
-        " host's real rows %d, full batch size %s)",
+        "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
         0 if read is None else read.batch.rows,
-        batch_size,
       )
       self.dropped += 1
       return None
@@ -336,9 +327,9 @@ class Builder:
     self.transfer_s += time.monotonic() - t0
     real = 0 if read is None else read.batch.rows
     dropped, self.dropped = self.dropped, 0
-    return Item(value, self._state, real, step.rows, dropped, batch_size)
+    return Item(value, self._state, real, step.rows, dropped)
 
-  def build(self, read: reader_lib.Read | None, step: plan_lib.Step, sig: Any) -> Any:
+  def build(self, read: reader_lib.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
     if self._layout is None:
       self._layout = Layout.of(

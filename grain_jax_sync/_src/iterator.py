@@ -116,7 +116,7 @@ class JaxBatchIterator(Iterator[Any]):
       tracebacks.clear_library_frames(e)
       tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
       raise
-    if not life.receive(item, time.monotonic() - t0):
+    if not life.receive(item, time.monotonic() - t0, stages.batch_size):
       # Closed from another thread meanwhile (its count excludes this
       # batch), or from a signal handler inside this call: no batch after
       # `close()`.

@@ -3,13 +3,13 @@
 Gathered through the agreement's own messages, with no store call of its own:
 
 * each process other than 0 adds its stage times (`stats.TIMES`) to the
-  chunk it posts anyway (`ledger.Chunk.times`), only when they changed since
+  chunk it posts anyway (`messages.Chunk.times`), only when they changed since
   its last chunk;
 * process 0, the decider, counts every host's decided batches, real, padded
   and dummy rows and drops from the steps it decides (`Step.real_rows`:
   exact, O(processes) per run of identical steps), keeps the newest times of
   every host, and puts the rows that changed into a decision
-  (`ledger.Decision.table`) at most once per `TABLE_EVERY_S` (longer with
+  (`messages.Decision.table`) at most once per `TABLE_EVERY_S` (longer with
   more processes, so that the bytes all followers read stay bounded per
   second) and always into the final one;
 * every process merges those rows into its `JobTable`; its own row is always
@@ -53,7 +53,7 @@ from typing import Any
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import stats as stats_lib
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class JobTable:
     return times
 
   def merge(self, rows: Sequence[Sequence[Any]]) -> None:
-    """Takes the rows of a decision (`ledger.Decision.table`)."""
+    """Takes the rows of a decision (`messages.Decision.table`)."""
     k = len(COUNTS)
     with self._lock:
       for row in rows:
@@ -196,7 +196,7 @@ class JobTable:
           self._changed.add(process)
           self.stragglers.seen(process)
 
-  def decided(self, steps: Sequence[plan_lib.Step]) -> None:
+  def decided(self, steps: Sequence[messages.Step]) -> None:
     """Counts decided steps for every host (`Step.real_rows`, process order)."""
     if not steps:
       return
@@ -205,8 +205,8 @@ class JobTable:
         self._count(step, sum(1 for _ in same))
       self._changed.update(range(self._n))
 
-  def _count(self, step: plan_lib.Step, run: int) -> None:
-    if step.action == plan_lib.Action.DROP:
+  def _count(self, step: messages.Step, run: int) -> None:
+    if step.action == messages.Action.DROP:
       self._shared[4] += run
       return
     if step.real_rows.count(step.rows) == len(step.real_rows) == self._n:

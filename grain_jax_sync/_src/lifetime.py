@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import stats as stats_lib
@@ -116,7 +116,7 @@ class Lifetime:
     self._closed = threading.Event()
     self.mark = mark
     self.generation = 0  # Streams started or ended so far; names their keys.
-    self.ending: plan_lib.ReportedError | None = None  # Posted by the next stop.
+    self.ending: messages.ReportedError | None = None  # Posted by the next stop.
     self.start_error: BaseException | None = None  # Raised by the next start.
     self.refusal: str | None = None  # A refused state's error, raised by `next()`.
     self.exhausted = False
@@ -185,8 +185,10 @@ class Lifetime:
     if self._asked and not self._closed.is_set():
       self.close()
 
-  def receive(self, item: Any, wait_s: float) -> bool:
+  def receive(self, item: Any, wait_s: float, batch_size: int | None) -> bool:
     """Counts a batch in the mark, unless a close came first (then it is dropped).
+
+    `batch_size` is the stream's agreed full batch size (`session.Stages.batch_size`).
 
     In the call: the mark is replaced whole, so readers in other threads
     see the old mark or the new one, never a mix.
@@ -194,7 +196,7 @@ class Lifetime:
     if self._asked:
       return False
     d = self.mark.delivered.added(item.real, item.rows, item.dropped, wait_s)
-    self.mark = Mark(self.mark.position + 1, item.state, item.batch_size, d)
+    self.mark = Mark(self.mark.position + 1, item.state, batch_size, d)
     return True
 
   def waited(self, wait_s: float, dropped: int) -> None:
@@ -284,8 +286,8 @@ class Lifetime:
   def leave(self, how: str) -> None:
     """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""
     p, at = jax.process_index(), self.mark.position
-    self.ending = plan_lib.ReportedError(
-      plan_lib.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
+    self.ending = messages.ReportedError(
+      messages.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
     )
     self.stop()
     self.ending = None
@@ -299,7 +301,7 @@ class Lifetime:
     waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
     `next()` raises the same error.
     """
-    self.ending = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, message, jax.process_index(), 0)
+    self.ending = messages.ReportedError(messages.ErrorKind.VALUE, message, jax.process_index(), 0)
     if self.running:
       self.stop()
     else:

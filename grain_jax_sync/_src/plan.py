@@ -1,13 +1,16 @@
-"""The agreement decision: per-host window reports -> one plan for every host.
+"""The agreement decision: every host's reports -> one plan, and its errors.
 
-Every host reads up to a window of batches, reports what it got (`Report`), and
-receives every host's report. `decide` is a pure function of those reports and
-the options, so every host computes the same `Plan` and acts on its own row of
-it: yield its real batch (padded if needed), yield a dummy batch, drop the
-position, stop, or raise the same error.
-
-The reports and their wire form are in `reports.py` (named here as well:
-`plan.Report`), the errors and their messages in `plan_errors.py`.
+Every host reads batches and reports what it got (`messages.Report`), and
+process 0 (or every host, in lockstep) decides with `decide`. It is a pure
+function of those reports and the options, so every host acts on the same
+`Plan`, each on its own row of it: yield its real batch (padded if needed),
+yield a dummy batch, drop the position, stop, or raise the same error. The
+errors are built here too: hosts given different settings, resume positions
+or batch structures, an uneven number of batches, uneven or oversized
+batches, a short batch that is not its host's last, and a batch size the
+local devices do not divide. Each is a `messages.ReportedError` of kind
+VALUE that every host raises as the same ValueError; the messages name the
+processes and batches involved and the option that fixes them.
 
 No JAX and no I/O here.
 """
@@ -15,52 +18,22 @@ No JAX and no I/O here.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import plan_errors as errors_lib
+from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import shapes as shapes_lib
-
-# The decision's input, named here as well (`plan.Report`, ...).
-from grain_jax_sync._src.reports import ErrorKind as ErrorKind
-from grain_jax_sync._src.reports import Report as Report
-from grain_jax_sync._src.reports import ReportedError as ReportedError
-
-
-class Action(enum.StrEnum):
-  YIELD = "yield"  # Every host yields `rows` rows (real, padded or dummy).
-  DROP = "drop"  # Every host discards its batch at this position.
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-  """One window position, the same on every host.
-
-  Attributes:
-    action: Yield or drop.
-    rows: Rows each host yields (the padded size); 0 for a drop.
-    real_rows: Real rows per process (0 where the process yields a dummy).
-    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims
-      (leaf by leaf, as `Report.sizes`): every host pads to them.
-  """
-
-  action: Action
-  rows: int
-  real_rows: tuple[int, ...]
-  sizes: tuple[int, ...] = ()
-
-
-class End(enum.StrEnum):
-  CONTINUE = "continue"  # Read another window.
-  STOP = "stop"  # The stream is over on every host.
-  RAISE = "raise"  # Every host raises `Plan.error` after the steps.
-  # The next position holds a short batch that may or may not be its host's
-  # last (`Options.wait_for_last`): decide again from there once every process
-  # in `Plan.waiting` has reported one more batch or its end.
-  WAIT = "wait"
+from grain_jax_sync._src.messages import (
+  Action,
+  Decision,
+  ErrorKind,
+  Outcome,
+  Report,
+  ReportedError,
+  Step,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +43,16 @@ class Plan:
   Attributes:
     steps: One step per decided position, in order.
     end: What happens after the steps.
-    error: The error every host raises when `end` is `End.RAISE`.
+    error: The error every host raises when `end` is `Outcome.RAISE`.
     batch_size: The full batch size the steps were judged by: the one given,
       or the one derived from the first position when `Options.batch_size` is
       None (None if no position was reached).
-    waiting: With `End.WAIT`, the processes whose next batch (or end) is
+    waiting: With `Outcome.WAIT`, the processes whose next batch (or end) is
       needed to decide the position after the steps.
   """
 
   steps: tuple[Step, ...]
-  end: End
+  end: Outcome
   error: ReportedError | None = None
   batch_size: int | None = None
   waiting: tuple[int, ...] = ()
@@ -98,7 +71,7 @@ class Options:
     wait_for_last: Where the outcome of a short batch depends on whether it
       is its host's last and the reports do not say (it ends its host's
       report, which is not marked `exhausted`, `error` or `more`), end the
-      plan with `End.WAIT` instead of taking it as the last.
+      plan with `Outcome.WAIT` instead of taking it as the last.
     derived: `batch_size` was derived from the first position (set by `pin`);
       a derived size is a guess, so a short batch that is not its host's last
       raises even with `pad`.
@@ -114,11 +87,12 @@ class Options:
   shapes: shapes_lib.Shapes | None = None
 
 
-def pin(options: Options, plan: Plan) -> Options:
+def pin(options: Options, plan: Plan | Decision) -> Options:
   """The options for the next `decide` call: the derived batch size pinned.
 
-  Call it after every `decide` (and save the pinned size with the resume
-  state), so that later positions are judged by the first position's size.
+  Call it after every `decide` (a process that does not decide: after every
+  decision it reads), so that later positions are judged by the first
+  position's size; the stream saves it with its resume state.
   """
   if options.batch_size is None and plan.batch_size is not None:
     return dataclasses.replace(options, batch_size=plan.batch_size, derived=True)
@@ -146,35 +120,35 @@ def _size_step(
   i: int,
   options: Options,
   *,
-  full: int,
+  batch_size: int,
   derived: bool,
   index: int,
 ) -> Step | ReportedError | _Wait:
   """The size rules for position `i`: yield (padded, passed through), drop or error.
 
-  A batch of `full` rows is full. With `paddings` or `drop_last`, a batch larger
-  than `full` passes through unpadded when every host has a batch of exactly
+  A batch of `batch_size` rows is full. With `paddings` or `drop_last`, a batch larger
+  than `batch_size` passes through unpadded when every host has a batch of exactly
   that size (as in the reference), and is an error otherwise. A position whose
   short batches are all their hosts' last is dropped (`drop_last`) or padded
   (`paddings`). A short batch that is not its host's last raises, except that
   `paddings` with a given `batch_size` pads it (as the reference does).
   Without either option every host's batch must have the same size.
   """
-  if all(i < len(r.rows) and r.rows[i] == full for r in reports):
-    return Step(Action.YIELD, full, (full,) * len(reports))  # Every batch full: the rules agree.
+  if all(i < len(r.rows) and r.rows[i] == batch_size for r in reports):  # Full: the rules agree.
+    return Step(Action.YIELD, batch_size, (batch_size,) * len(reports))
   has = [i < len(r.rows) for r in reports]
   rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
   real = [x for x, h in zip(rows, has, strict=True) if h]
   even = all(has) and min(real) == max(real)
   if not (options.pad or options.drop_last):
     if not even:
-      return errors_lib.uneven_sizes_error(reports, rows, has, index)
+      return uneven_sizes_error(reports, rows, has, index)
     return Step(Action.YIELD, real[0], tuple(rows))
-  if max(real) > full:
+  if max(real) > batch_size:
     if even:  # Every host has the same larger batch: it passes through.
       return Step(Action.YIELD, real[0], tuple(rows))
-    return errors_lib.larger_error(reports, rows, has, full=full, derived=derived, index=index)
-  short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < full]
+    return larger_error(reports, rows, has, batch_size=batch_size, derived=derived, index=index)
+  short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < batch_size]
   early = [(r, x) for r, x in short if not _is_last(r, i)]
   unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
   matters = options.drop_last or derived  # Else padded, last or not.
@@ -186,12 +160,19 @@ def _size_step(
     return _Wait(unknown)
   if refused:
     r, x = early[0]
-    return errors_lib.short_error(
-      reports, rows, has, p=r.process_index, x=x, full=full, derived=derived, index=index
+    return short_error(
+      reports,
+      rows,
+      has,
+      p=r.process_index,
+      x=x,
+      batch_size=batch_size,
+      derived=derived,
+      index=index,
     )
   if short and options.drop_last and not early:
     return Step(Action.DROP, 0, tuple(rows))
-  return Step(Action.YIELD, full, tuple(rows))
+  return Step(Action.YIELD, batch_size, tuple(rows))
 
 
 def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
@@ -238,7 +219,7 @@ def agree_sizes(
       if isinstance(sizes, shapes_lib.Above):
         message = shapes_lib.above_message(layout, sizes, per_host, index)
         return dataclasses.replace(
-          plan, steps=tuple(steps), end=End.RAISE, error=errors_lib.value_error(message, -1, index)
+          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, -1, index)
         )
       step = Step(step.action, step.rows, step.real_rows, sizes)
       index += 1
@@ -260,13 +241,9 @@ def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 
   Returns:
     The plan; identical on every host given identical reports.
   """
-  error = (
-    errors_lib.config_error(reports)
-    or errors_lib.resume_error(reports)
-    or errors_lib.signature_error(reports)
-  )
+  error = config_error(reports) or resume_error(reports) or signature_error(reports)
   if error is not None:
-    return Plan((), End.RAISE, error)
+    return Plan((), Outcome.RAISE, error)
   window = max((len(r.rows) for r in reports), default=0)
   walk = _Walk(reports, options, position)
   while walk.i <= window:
@@ -275,7 +252,7 @@ def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 
     end = walk.full_run() or walk.end_here() or walk.step()
     if end is not None:
       return end
-  return walk.plan(End.CONTINUE)
+  return walk.plan(Outcome.CONTINUE)
 
 
 class _Walk:
@@ -284,25 +261,25 @@ class _Walk:
   def __init__(self, reports: Sequence[Report], options: Options, position: int):
     self.reports = reports
     self.options = options
-    self.full = options.batch_size
-    self.derived = self.full is None or options.derived
+    self.batch_size = options.batch_size
+    self.derived = self.batch_size is None or options.derived
     self.i = 0  # The next position of the window to decide.
     self.steps: list[Step] = []
     self.index = position  # Output batches before position i (for messages), kept as it goes.
     self.divisible: set[int] = set()  # Row counts every process's devices divide.
 
-  def plan(self, end: End, error: ReportedError | None = None) -> Plan:
+  def plan(self, end: Outcome, error: ReportedError | None = None) -> Plan:
     """The plan of the steps so far, ending with `end`."""
-    return Plan(tuple(self.steps), end, error, batch_size=self.full)
+    return Plan(tuple(self.steps), end, error, batch_size=self.batch_size)
 
   def full_run(self) -> Plan | None:
     """Decides the positions from `i` on where every host's batch is full (or raises)."""
-    if self.full is None or not (run := _full_run(self.reports, self.i, self.full)):
+    if self.batch_size is None or not (run := _full_run(self.reports, self.i, self.batch_size)):
       return None
     # One shared step each, as `_size_step` would decide them one by one.
-    if (error := self._divisibility_error(self.full)) is not None:
-      return self.plan(End.RAISE, error)
-    step = Step(Action.YIELD, self.full, (self.full,) * len(self.reports))
+    if (error := self._divisibility_error(self.batch_size)) is not None:
+      return self.plan(Outcome.RAISE, error)
+    step = Step(Action.YIELD, self.batch_size, (self.batch_size,) * len(self.reports))
     self.steps.extend(itertools.repeat(step, run))
     self.index += run
     self.i += run
@@ -313,32 +290,32 @@ class _Walk:
     reports, i = self.reports, self.i
     failed = [r.error for r in reports if r.error is not None and len(r.rows) == i]
     if failed:
-      return self.plan(End.RAISE, failed[0])
+      return self.plan(Outcome.RAISE, failed[0])
     has = [i < len(r.rows) for r in reports]
     if not any(has):
       # Every source ended (or every host read a full window: read another).
-      return self.plan(End.STOP if all(r.exhausted for r in reports) else End.CONTINUE)
+      return self.plan(Outcome.STOP if all(r.exhausted for r in reports) else Outcome.CONTINUE)
     if not all(has):
       if self.options.drop_last:
-        return self.plan(End.STOP)
+        return self.plan(Outcome.STOP)
       if not self.options.pad:
-        return self.plan(End.RAISE, errors_lib.uneven_count_error(reports, has, self.index))
+        return self.plan(Outcome.RAISE, uneven_count_error(reports, has, self.index))
     return None
 
   def step(self) -> Plan | None:
     """Decides position `i` by the size rules: its step added, or the plan's end."""
     reports, i = self.reports, self.i
-    if self.full is None:
-      self.full = max(r.rows[i] for r in reports if i < len(r.rows))
+    if self.batch_size is None:
+      self.batch_size = max(r.rows[i] for r in reports if i < len(r.rows))
     step = _size_step(
-      reports, i, self.options, full=self.full, derived=self.derived, index=self.index
+      reports, i, self.options, batch_size=self.batch_size, derived=self.derived, index=self.index
     )
     if isinstance(step, ReportedError):
-      return self.plan(End.RAISE, step)
+      return self.plan(Outcome.RAISE, step)
     if isinstance(step, _Wait):
-      return dataclasses.replace(self.plan(End.WAIT), waiting=step.processes)
+      return dataclasses.replace(self.plan(Outcome.WAIT), waiting=step.processes)
     if step.action == Action.YIELD and (error := self._divisibility_error(step.rows)):
-      return self.plan(End.RAISE, error)
+      return self.plan(Outcome.RAISE, error)
     self.steps.append(step)
     self.index += step.action == Action.YIELD
     self.i += 1
@@ -348,27 +325,28 @@ class _Walk:
     """The error if some process's devices do not divide `rows` (each count checked once)."""
     if rows in self.divisible:
       return None
-    error = errors_lib.divisibility_error(self.reports, rows, self.index)
+    error = divisibility_error(self.reports, rows, self.index)
     if error is None:
       self.divisible.add(rows)
     return error
 
 
-def _full_run(reports: Sequence[Report], i: int, full: int) -> int:
-  """How many positions from `i` on hold a batch of `full` rows on every host.
+def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
+  """How many positions from `i` on hold a batch of `batch_size` rows on every host.
 
-  A quick stream's common case, compared a slice at a time instead of
+  The one fast path for full batches, shared by every form of the agreement:
+  a quick stream's common case, compared a slice at a time instead of
   position by position (no error can sit there: a report's error follows
   its last row).
   """
   n = min(len(r.rows) for r in reports) - i
   if n <= 0:
     return 0
-  want = (full,) * n
+  want = (batch_size,) * n
   for r in reports:
     got = r.rows[i : i + n]
     if got != want:
-      n = next((k for k, x in enumerate(got) if x != full), n)
+      n = next((k for k, x in enumerate(got) if x != batch_size), n)
       if not n:
         return 0
       want = want[:n]
@@ -378,3 +356,194 @@ def _full_run(reports: Sequence[Report], i: int, full: int) -> int:
 def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:
   """A JSON-stable copy of the settings that every host must share."""
   return json.loads(json.dumps(settings, sort_keys=True, default=repr))
+
+
+# -- the errors --------------------------------------------------------------------
+
+# The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
+# match on them, so every message of the same kind starts with them.
+UNEVEN_COUNT = "Uneven number of batches detected across JAX workers"
+UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
+NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
+
+
+def value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
+  """A ValueError that every host raises with `message`."""
+  return ReportedError(ErrorKind.VALUE, message, process_index, batch_index)
+
+
+def config_error(reports: Sequence[Report]) -> ReportedError | None:
+  """The error for processes given different settings, if any were."""
+  configs = [(r.process_index, r.config) for r in reports if r.config is not None]
+  if len(configs) < 2:
+    return None
+  p0, c0 = configs[0]
+  for p, c in configs[1:]:
+    if c != c0:
+      keys = sorted(set(c0) | set(c))
+      differ = [k for k in keys if c0.get(k) != c.get(k)]
+      diffs = [f"{k}: {c0.get(k)!r} vs {c.get(k)!r}" for k in differ]
+      mesh = any(k.startswith("sharding") for k in differ)
+      return value_error(
+        f"processes {p0} and {p} were given different settings"
+        f" ({'; '.join(diffs)}); every process must build the iterator with"
+        " the same arguments"
+        + (
+          ". If every process was given the same arguments, the processes"
+          " created their iterators in a different order (iterators are paired"
+          " by creation order): create them in the same order, or pass the"
+          " same `name=` to each pair"
+          if not mesh
+          else ""
+        )
+        + (
+          ", and the same mesh: the same devices in the same order (build it"
+          " from jax.devices() in the same way everywhere, e.g."
+          " grain_jax_sync.default_mesh())"
+          if mesh
+          else ""
+        )
+      )
+  return None
+
+
+def resume_error(reports: Sequence[Report]) -> ReportedError | None:
+  """The error for processes resuming from different positions, if they do."""
+  resumes = [(r.process_index, r.resume) for r in reports if r.resume is not None]
+  if len({b for _, b in resumes}) < 2:
+    return None
+  where = ", ".join(f"process {p} at batch {b}" for p, b in resumes)
+  return value_error(
+    f"the processes resume from different positions ({where}); every process"
+    " must restore its state from the same checkpoint step"
+  )
+
+
+def signature_error(reports: Sequence[Report]) -> ReportedError | None:
+  """The error for processes whose batches differ in structure, if any do."""
+  sigs = [(r.process_index, r.signature) for r in reports if r.signature is not None]
+  if len(sigs) < 2:
+    return None
+  p0, s0 = sigs[0]
+  for p, s in sigs[1:]:
+    if s != s0:
+      a = batches_lib.Signature.from_json(s0)
+      b = batches_lib.Signature.from_json(s)
+      diffs = batches_lib.diff(a, b) or ["tree structure differs"]
+      return value_error(
+        f"processes {p0} and {p} yield batches of different structure:"
+        f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
+        f" process {p0} has [{a.describe()}], process {p} has"
+        f" [{b.describe()}]. Every host must yield the same columns,"
+        " dtypes and trailing shapes"
+      )
+  return None
+
+
+def _fmt(processes: Sequence[int]) -> str:
+  """'process 1' or 'processes 1, 2'."""
+  return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
+
+
+def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: int) -> ReportedError:
+  """Some hosts ran out of batches at batch `index` while others did not."""
+  out = [r.process_index for r, h in zip(reports, has, strict=True) if not h]
+  left = [r.process_index for r, h in zip(reports, has, strict=True) if h]
+  return value_error(
+    f"{UNEVEN_COUNT}: {_fmt(out)} ran out of data at batch {index} while"
+    f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
+    " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
+    " to fill the missing batches with masked dummy batches"
+  )
+
+
+def _sizes(reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool]) -> str:
+  """Each process's rows at one position ('none' where it has no batch)."""
+  return ", ".join(
+    f"process {r.process_index}: {x if h else 'none'}"
+    for r, x, h in zip(reports, rows, has, strict=True)
+  )
+
+
+def _full_name(derived: bool) -> str:
+  """Where the full batch size came from, for messages."""
+  if derived:
+    return "the largest host batch of the first batch, as `batch_size` was not given"
+  return "`batch_size`"
+
+
+def uneven_sizes_error(
+  reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool], index: int
+) -> ReportedError:
+  """Host batches of different sizes at batch `index`, with neither `paddings` nor `drop_last`."""
+  real = [x for x, h in zip(rows, has, strict=True) if h]
+  return value_error(
+    f"{UNEVEN_SIZES} at batch {index}: host batch sizes range from"
+    f" {min(real)} to {max(real)} ({_sizes(reports, rows, has)}). Pass"
+    " `paddings` to pad every batch to the full batch size, or"
+    " `drop_last=True` to drop a short last batch"
+  )
+
+
+def larger_error(
+  reports: Sequence[Report],
+  rows: Sequence[int],
+  has: Sequence[bool],
+  *,
+  batch_size: int,
+  derived: bool,
+  index: int,
+) -> ReportedError:
+  """A batch larger than the full batch size that not every host shares."""
+  p, x = next((r.process_index, x) for r, x in zip(reports, rows, strict=True) if x > batch_size)
+  return value_error(
+    f"{UNEVEN_SIZES} at batch {index}: process {p} has {x} rows, more"
+    f" than the full batch size {batch_size} ({_full_name(derived)}), and not"
+    f" every host has a batch of that size ({_sizes(reports, rows, has)})."
+    " Padding only fills batches up to the full size; batch every host's"
+    " source with the same batch size"
+  )
+
+
+def short_error(
+  reports: Sequence[Report],
+  rows: Sequence[int],
+  has: Sequence[bool],
+  *,
+  p: int,
+  x: int,
+  batch_size: int,
+  derived: bool,
+  index: int,
+) -> ReportedError:
+  """Process `p`'s short batch of `x` rows that is not its last, where it cannot be padded."""
+  real = [y for y, h in zip(rows, has, strict=True) if h]
+  prefix = f"{UNEVEN_SIZES}: " if min(real) != max(real) else ""
+  sizes = _sizes(reports, rows, has)
+  fix = (
+    "Pass `batch_size` (with `paddings`, short batches are then padded)"
+    if derived
+    else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
+  )
+  return value_error(
+    f"{prefix}process {p}, batch {index}: {x} rows, fewer than the full"
+    f" batch size {batch_size} ({_full_name(derived)}), and it is not the last"
+    f" batch of process {p}; only a host's last batch may be short ({sizes})."
+    f" {fix}, or batch the source so that only its last batch is short"
+  )
+
+
+def divisibility_error(reports: Sequence[Report], target: int, index: int) -> ReportedError | None:
+  """The error for `target` rows per host that a process's data shards do not divide."""
+  for r in reports:
+    if target % r.local_devices:
+      return value_error(
+        f"The local batch size ({target}) {NOT_DIVISIBLE}"
+        f" ({r.local_devices}) of process {r.process_index}: batch {index}"
+        f" has {target} rows per host, not divisible by process"
+        f" {r.process_index}'s {r.local_devices} data shards (one per local"
+        " device, fewer where a model axis replicates rows). Pass `paddings`"
+        " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
+        " multiple of that count"
+      )
+  return None

@@ -27,9 +27,8 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages, sources
 from grain_jax_sync._src import shapes as shapes_lib
-from grain_jax_sync._src import sources
 
 _INT_RANGE = {
   np.dtype(np.int64): (np.iinfo(np.int32).min, np.iinfo(np.int32).max, "int32"),
@@ -80,7 +79,7 @@ class End:
   """
 
   position: int
-  error: plan_lib.ReportedError | None = None
+  error: messages.ReportedError | None = None
   exception: BaseException | None = None
 
   @property
@@ -113,10 +112,10 @@ def failed(
   own exception, the others a RuntimeError naming it.
   """
   if data and isinstance(e, ValueError):
-    error = plan_lib.ReportedError(plan_lib.ErrorKind.VALUE, _text(e), process, batch_index)
+    error = messages.ReportedError(messages.ErrorKind.VALUE, _text(e), process, batch_index)
   else:
-    error = plan_lib.ReportedError(
-      plan_lib.ErrorKind.SOURCE,
+    error = messages.ReportedError(
+      messages.ErrorKind.SOURCE,
       f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
       process,
       batch_index,

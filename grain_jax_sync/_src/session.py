@@ -32,14 +32,15 @@ from typing import Any, NamedTuple
 
 import jax
 
-from grain_jax_sync._src import agreement, liveness, reader, sources
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import liveness, messages, reader, sources
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.agreement import decider, endings, follower, lockstep, streamed
+from grain_jax_sync._src.agreement.common import Identity, Run
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +93,14 @@ class Stages:
     )
     if ex.form == "streamed":
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
-    self.namespace = start.namespace if ex.form == "streamed" else None
     self.position = start.mark.position
-    self.delivered = 0
     self._at_end = False  # This host's consumer reached the agreed end.
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange: Any = ex
     self._closed = False
-    self._agreement: agreement.Streamed | None = None
+    self._agreement: streamed.Streamed | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
-    self._stopper: agreement.Streamed | agreement.Lockstep | None = None
+    self._stopper: streamed.Streamed | lockstep.Lockstep | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)
@@ -125,10 +124,10 @@ class Stages:
       narrowing=functools.partial(build_lib.narrowing, dtypes=start.options.dtypes),
     )
 
-  def _agree(self, start: Start, read: reader.Reader) -> Iterator[agreement.Run]:
+  def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
     """The agreement's form, as the exchange's `form` picks it: decided runs."""
     options, ex = start.options, self._exchange
-    who = agreement.Identity(
+    who = Identity(
       process=ex.process_index,
       devices=start.placement.local_shards,
       # The options and the sharding (not saved in a state: a resumed job
@@ -141,20 +140,18 @@ class Stages:
     ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
     if ended is not None:
       # This host already posted its ending to this stream (the crosswise
-      # wait, `agreement.Streamed`): the stream raises it, with no exchange.
+      # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
     if ex.form != "streamed":
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = options.synchronize_lookahead if ex.process_count > 1 else 1
-      lockstep = agreement.Lockstep(
-        read, ex, plan_options, who, window=window, position=self.position
-      )
-      self._stopper = lockstep
+      stepper = lockstep.Lockstep(read, ex, plan_options, who, window=window, position=self.position)
+      self._stopper = stepper
       if ex.form == "local" and options.prefetch_batches > 0 and options.read_ahead is not None:
-        return self._agree_thread(lockstep, options)  # `device_put`'s `cpu_buffer_size`.
-      return iter(lockstep)
-    kind = agreement.Decider if ex.process_index == 0 else agreement.Follower
+        return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
+      return iter(stepper)
+    kind = decider.Decider if ex.process_index == 0 else follower.Follower
     self._agreement = kind(
       read,
       ex,
@@ -173,7 +170,7 @@ class Stages:
       return iter(self._agreement)
     return self._agree_thread(self._agreement, options)
 
-  def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[agreement.Run]:
+  def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[Run]:
     """The agreement in its own thread, one decided position queued.
 
     The thread takes its slot before it asks the agreement for the next
@@ -192,7 +189,7 @@ class Stages:
     )
     return self._thread(stage)
 
-  def _build(self, start: Start, runs: Iterator[agreement.Run]) -> Iterator[build_lib.Item]:
+  def _build(self, start: Start, runs: Iterator[Run]) -> Iterator[build_lib.Item]:
     """Built items: in a thread `prefetch_batches` ahead, or inline."""
     options, ex = start.options, self._exchange
     # The collective fallback runs in the caller's thread only; a stream this
@@ -229,18 +226,12 @@ class Stages:
     except BaseException:
       self._failed = True
       raise
-    self.delivered += 1
     return item
 
   def times(self) -> stats_lib.Times:
     """The stages' time so far (each written by its own thread only)."""
     read, ex = self._counted
     return stats_lib.Times(read.source_s, ex.busy_s, self._builder.transfer_s)
-
-  @property
-  def at(self) -> int:
-    """This host's position: output batches before the next one."""
-    return self.position + self.delivered
 
   @property
   def reached_end(self) -> bool:
@@ -263,6 +254,11 @@ class Stages:
       self._stopper.request_stop(at_batch)
 
   @property
+  def batch_size(self) -> int | None:
+    """The agreed full batch size (given, or derived from the first position); None until known."""
+    return None if self._stopper is None else self._stopper.batch_size
+
+  @property
   def stop_requested_by(self) -> int | None:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self._stopper is None else self._stopper.stop_requested_by
@@ -281,7 +277,7 @@ class Stages:
     if self._agreement is not None:
       self._agreement.release()
 
-  def close(self, at: int, error: plan_lib.ReportedError | None = None) -> None:
+  def close(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
 
     Args:
@@ -306,14 +302,14 @@ class Stages:
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
 
-def _one_by_one(runs: Iterator[agreement.Run]) -> Iterator[agreement.Run]:
+def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:
   """Each decided position as a run of its own, so that queues bound positions."""
   for run in runs:
     for step in run.steps:
-      yield agreement.Run((step,), run.signature, run.batch_size)
+      yield Run((step,), run.signature)
 
 
-def _raising(error: BaseException) -> Iterator[agreement.Run]:
+def _raising(error: BaseException) -> Iterator[Run]:
   raise error
   yield  # pragma: no cover - a generator that raises at its first `next()`.
 
@@ -322,7 +318,7 @@ def end_unstarted(
   options: options_lib.Options,
   namespace: str | None,
   position: int,
-  error: plan_lib.ReportedError | None,
+  error: messages.ReportedError | None,
 ) -> None:
   """Posts this host's ending of a stream it never started, where peers may wait in it."""
   if namespace is None or exchange_lib.pre_ended(namespace) is not None:
@@ -332,6 +328,6 @@ def end_unstarted(
       synchronize=options.synchronize_batches, namespace=namespace
     )
     if ex.form == "streamed":
-      agreement.post_end(ex, position, error)
+      endings.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

@@ -4,7 +4,7 @@
 ``{"audio": (1, 2)}``) whose sizes may differ between hosts and positions.
 The structure signature records those dims as varying (size -1, see
 `batches.Signature`), so hosts compare everything else; each host reports its
-sizes of them per batch beside its rows (`plan.Report.sizes`), and
+sizes of them per batch beside its rows (`messages.Report.sizes`), and
 `plan.decide` agrees, per yielded position, on the maximum over hosts, rounded
 up to the column's next bucket (`shape_buckets=`). Every host pads to that
 size (`padding.fill_leaf`) and, where `shape_mask_keys=` asks, adds an element

@@ -1,12 +1,13 @@
 """The agreement protocol: this host's reads + the exchange -> decided runs.
 
-Two forms, one decision (`plan.decide`):
+Two forms, one decision (`plan.decide`); import each name from its module:
 
-* `Lockstep`: every process reads a window, the reports are all-gathered and
+* `lockstep.Lockstep`: every process reads a window, the reports are all-gathered and
   every process decides the same plan. One process (no exchange) and the
   collective fallback (which runs in the caller's thread) use it.
-* Streamed (`decider.Decider` on process 0, `follower.Follower` on the
-  others): the key-value store. Every process other than 0 posts its rows
+* Streamed (`decider.Decider` on process 0, with its `ledger.Ledger`;
+  `follower.Follower` on the others; `streamed.Streamed`, what both share):
+  the key-value store. Every process other than 0 posts its rows
   (and its ending) in chunks as it reads; process 0, the decider, reads every
   chunk, decides each position as soon as every process's row (or ending) for
   it is known and posts the decision; every process, process 0 included, acts
@@ -19,49 +20,3 @@ with the rows; closed (posted by `Streamed.close`), timed out and lost (found
 by the decider while it waits) end the stream at once. A process posts its
 ending before it raises or stops, and yields only decided positions.
 """
-
-from grain_jax_sync._src.agreement.common import (
-  FOLLOWER_GRACE_S,
-  READ_AHEAD_BYTES,
-  Identity,
-  OwnReads,
-  Run,
-  decide,
-  make_report,
-  read_ahead_limit,
-  sizes_of,
-)
-from grain_jax_sync._src.agreement.cross_wait import CROSS_WAIT_S
-from grain_jax_sync._src.agreement.decider import Decider
-from grain_jax_sync._src.agreement.endings import (
-  closed_error,
-  closed_peer_message,
-  post_end,
-  stopped_error,
-  to_exception,
-)
-from grain_jax_sync._src.agreement.follower import Follower
-from grain_jax_sync._src.agreement.lockstep import Lockstep
-from grain_jax_sync._src.agreement.streamed import Streamed
-
-__all__ = [
-  "CROSS_WAIT_S",
-  "FOLLOWER_GRACE_S",
-  "READ_AHEAD_BYTES",
-  "Decider",
-  "Follower",
-  "Identity",
-  "Lockstep",
-  "OwnReads",
-  "Run",
-  "Streamed",
-  "closed_error",
-  "closed_peer_message",
-  "decide",
-  "make_report",
-  "post_end",
-  "stopped_error",
-  "read_ahead_limit",
-  "sizes_of",
-  "to_exception",
-]

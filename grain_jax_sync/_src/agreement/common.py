@@ -9,15 +9,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import liveness
+from grain_jax_sync._src import liveness, messages
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 
 logger = logging.getLogger(__name__)
-
-ErrorKind = plan_lib.ErrorKind
-
 
 # Undecided batches a process holds: max(2, min(`synchronize_lookahead`,
 # READ_AHEAD_BYTES // bytes of the first batch)). The read-ahead is the
@@ -77,8 +74,8 @@ def make_report(
   first: bool,
   digests: tuple[str | None, ...] = (),
   sizes: tuple[tuple[int, ...], ...] = (),
-) -> plan_lib.Report:
-  return plan_lib.Report(
+) -> messages.Report:
+  return messages.Report(
     process_index=who.process,
     rows=rows,
     exhausted=end is not None and end.exhausted,
@@ -98,7 +95,7 @@ def sizes_of(reads: Any, options: plan_lib.Options) -> tuple[tuple[int, ...], ..
 
 
 def decide(
-  reports: list[plan_lib.Report],
+  reports: list[messages.Report],
   options: plan_lib.Options,
   *,
   groups: tuple[tuple[int, ...], ...],
@@ -115,13 +112,15 @@ def decide(
     return plan
   index = position
   for i, step in enumerate(plan.steps):
-    if step.action != plan_lib.Action.YIELD:
+    if step.action != messages.Action.YIELD:
       continue
     digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
     message = placement_lib.shared_rows_error(digests, groups, index)
     if message is not None:
-      error = plan_lib.ReportedError(ErrorKind.VALUE, message, -1, index)
-      return dataclasses.replace(plan, steps=plan.steps[:i], end=plan_lib.End.RAISE, error=error)
+      error = messages.ReportedError(messages.ErrorKind.VALUE, message, -1, index)
+      return dataclasses.replace(
+        plan, steps=plan.steps[:i], end=messages.Outcome.RAISE, error=error
+      )
     index += 1
   return plan
 
@@ -136,13 +135,10 @@ class Run:
   Attributes:
     steps: Per position, this host's read (None: a dummy) and the decision.
     signature: The agreed batch structure (None while no host has a batch).
-    batch_size: The full batch size the steps were judged by (given, or
-      derived from the first position); None if not known yet.
   """
 
-  steps: tuple[tuple[reader_lib.Read | None, plan_lib.Step], ...]
+  steps: tuple[tuple[reader_lib.Read | None, messages.Step], ...]
   signature: batches_lib.Signature | None
-  batch_size: int | None = None
 
 
 class OwnReads:

@@ -14,7 +14,7 @@ import time
 
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness as liveness_lib
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src.agreement import endings
 
 logger = logging.getLogger(__name__)
@@ -39,12 +39,12 @@ class CrossWait:
   def __init__(
     self, exchange: exchange_lib.KeyValueExchange, live: liveness_lib.Liveness, timeout_s: float
   ):
-    self._ex = exchange
+    self._exchange = exchange
     self._live = live
     self._timeout_s = timeout_s
     self._since: float | None = None  # Since when a peer waits crosswise.
 
-  def check(self, peer: int, at_batch: int) -> plan_lib.ReportedError | None:
+  def check(self, peer: int, at_batch: int) -> messages.ReportedError | None:
     """The error once `peer` has waited long enough at the start of a stream not started here.
 
     Called while this process waits for `peer` before anything is decided
@@ -52,13 +52,15 @@ class CrossWait:
     the peer each find it (the peer from process 0's beat), and name the
     pair the same way: the same message on both.
     """
-    exchange_lib.waiting_first(self._ex.namespace, True)
+    exchange_lib.waiting_first(self._exchange.namespace, True)
     # Streams of iterators made here but not started: an iterator never made
     # here is the timeout's case (created on some processes only).
     theirs = [
       t
       for t in self._live.waiting(peer)
-      if t != self._ex.namespace and exchange_lib.is_created(t) and not exchange_lib.is_started(t)
+      if t != self._exchange.namespace
+      and exchange_lib.is_created(t)
+      and not exchange_lib.is_started(t)
     ]
     now = time.monotonic()
     if not theirs:
@@ -70,30 +72,30 @@ class CrossWait:
       return None
     return self._end_both(peer, theirs[0], at_batch)
 
-  def _end_both(self, peer: int, theirs: str, at_batch: int) -> plan_lib.ReportedError:
+  def _end_both(self, peer: int, theirs: str, at_batch: int) -> messages.ReportedError:
     """The crosswise error, posted also to the peer's stream, where it waits."""
-    waits = sorted([(self._ex.process_index, self._ex.namespace), (peer, theirs)])
+    waits = sorted([(self._exchange.process_index, self._exchange.namespace), (peer, theirs)])
     (a, sa), (b, sb) = waits
     message = (
       f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
       f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
       f" started the other's: {endings.order_cause()}"
     )
-    error = plan_lib.ReportedError(
-      plan_lib.ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,)
+    error = messages.ReportedError(
+      messages.ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,)
     )
     # The same ending in the peer's stream, where it waits: whichever of the
     # two finds it first, both raise this message (not a close of the other).
     exchange_lib.pre_end(theirs, message)
     try:
-      endings.post_end(self._ex.sibling(theirs), 0, error)
+      endings.post_end(self._exchange.sibling(theirs), 0, error)
     except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
       logger.warning("grain_jax_sync: could not post the ending to %s: %s", theirs, e)
     return error
 
   def done(self) -> None:
     """This process no longer waits for its stream's first decision."""
-    exchange_lib.waiting_first(self._ex.namespace, False)
+    exchange_lib.waiting_first(self._exchange.namespace, False)
 
 
 def _iterator(namespace: str) -> str:

@@ -9,19 +9,13 @@ import json
 import logging
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import ledger as ledger_lib
-from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src.messages import Chunk, Decision, ErrorKind, Outcome, Report, ReportedError
 
 logger = logging.getLogger(__name__)
 
-ErrorKind = plan_lib.ErrorKind
-End = plan_lib.End
 
-
-def to_exception(
-  error: plan_lib.ReportedError, process: int, own: reader_lib.End | None
-) -> BaseException:
+def to_exception(error: ReportedError, process: int, own: reader_lib.End | None) -> BaseException:
   """The exception this host raises for an agreed error."""
   if own is not None and own.exception is not None and own.error == error:
     return own.exception  # This host's own failure: its own exception.
@@ -76,9 +70,9 @@ def order_cause() -> str:
   )
 
 
-def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
+def closed_error(process: int, at_batch: int) -> ReportedError:
   """The ending of a process that closed its iterator after `at_batch` batches."""
-  return plan_lib.ReportedError(
+  return ReportedError(
     ErrorKind.CLOSED,
     f"process {process} closed its iterator at batch {at_batch}",
     process,
@@ -87,13 +81,13 @@ def closed_error(process: int, at_batch: int) -> plan_lib.ReportedError:
   )
 
 
-def stopped_error(process: int, at_batch: int) -> plan_lib.ReportedError:
+def stopped_error(process: int, at_batch: int) -> ReportedError:
   """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
 
   Every host ends its stream normally at the first position not yet
   decided when the request reaches the agreement; nothing is raised.
   """
-  return plan_lib.ReportedError(
+  return ReportedError(
     ErrorKind.STOPPED,
     f"process {process} requested a stop after batch {at_batch}",
     process,
@@ -102,9 +96,7 @@ def stopped_error(process: int, at_batch: int) -> plan_lib.ReportedError:
   )
 
 
-def post_end(
-  ex: exchange_lib.KeyValueExchange, at_batch: int, error: plan_lib.ReportedError | None
-) -> None:
+def post_end(ex: exchange_lib.KeyValueExchange, at_batch: int, error: ReportedError | None) -> None:
   """Posts this host's ending (closed, or `error`) to a stream it never started.
 
   Process 0 posts it as the stream's first and final decision, any other
@@ -115,10 +107,10 @@ def post_end(
   error = error or closed_error(p, at_batch)
   try:
     if p == 0:
-      final = ledger_lib.Decision(0, (), End.RAISE, error)
+      final = Decision(0, (), Outcome.RAISE, error)
       ex.post_decision(0, final.to_json(), final=True)
     else:
-      report = plan_lib.Report(process_index=p, error=error, local_devices=1)
-      ex.post_chunk(ledger_lib.Chunk(start=0, ack=0, report=report).to_json(), final=True)
+      report = Report(process_index=p, error=error, local_devices=1)
+      ex.post_chunk(Chunk(start=0, ack=0, report=report).to_json(), final=True)
   finally:
     ex.end()

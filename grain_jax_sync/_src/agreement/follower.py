@@ -4,7 +4,7 @@ A `Follower` posts its rows (and its ending) in chunks as it reads, reads
 process 0's decisions in order, and hands each decided run on. It never
 decides anything itself: when process 0 is dead (no beat) it raises naming
 it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
-(`agreement.FOLLOWER_GRACE_S`) it posts a timed-out ending and raises it.
+(`common.FOLLOWER_GRACE_S`) it posts a timed-out ending and raises it.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import ledger as ledger_lib
-from grain_jax_sync._src import plan as plan_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src import reports as reports_lib
-from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
-from grain_jax_sync._src.agreement.streamed import End, ErrorKind, Streamed
+from grain_jax_sync._src.agreement.streamed import Streamed
+from grain_jax_sync._src.messages import Outcome
 
 
 class Follower(Streamed):
@@ -36,7 +34,7 @@ class Follower(Streamed):
     self._sent_first = False
     self._sent_signature = False
     self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
-    self._gave_up: plan_lib.ReportedError | None = None
+    self._gave_up: messages.ReportedError | None = None
 
   def __iter__(self) -> Iterator[common.Run]:
     while True:
@@ -50,21 +48,21 @@ class Follower(Streamed):
       self._first_decided()
       run = self._apply(decision)
       self._release()
-      if decision.end != End.CONTINUE:
-        self._ex.end()
+      if decision.end != Outcome.CONTINUE:
+        self._exchange.end()
       if run is not None:
         yield run
-      if decision.end != End.CONTINUE:
+      if decision.end != Outcome.CONTINUE:
         self._finish(decision)
         return
 
-  def _parse(self, text: str) -> ledger_lib.Decision:
+  def _parse(self, text: str) -> messages.Decision:
     try:
-      return ledger_lib.Decision.from_json(text)
-    except ledger_lib.ProtocolError as e:
-      self._ex.end()
-      if e.version != wire.PROTOCOL_VERSION and e.version is not None:
-        raise ValueError(wire.version_error(0, e.version, self._p)) from e
+      return messages.Decision.from_json(text)
+    except messages.ProtocolError as e:
+      self._exchange.end()
+      if e.version != messages.PROTOCOL_VERSION and e.version is not None:
+        raise ValueError(messages.version_error(0, e.version, self._process)) from e
       raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
 
   def _next_decision(self) -> str | None:
@@ -83,32 +81,32 @@ class Follower(Streamed):
       self._read()
       return None
     self._flush()
-    text = self._timed(self._ex.try_decision, self._seq)
+    text = self._timed(self._exchange.try_decision, self._seq)
     if text is not None:
       return text
     return self._wait()
 
   def _wait(self) -> str | None:
     if self._live.dead(0):
-      self._ex.end()
+      self._exchange.end()
       raise exchange_lib.PeerLostError(
         f"process 0 is lost: its liveness beat stopped for"
-        f" {self._live.dead_after_s:g}s while process {self._p} waited for"
+        f" {self._live.dead_after_s:g}s while process {self._process} waited for"
         f" its decision on batch {self._yielded}; process 0 hosts the"
         " coordination service, so the job must be restarted",
         (0,),
       )
     note = self._live.closed(0)
     if note is not None:
-      text = self._timed(self._ex.try_decision, self._seq)  # Its ending here, if any.
+      text = self._timed(self._exchange.try_decision, self._seq)  # Its ending here, if any.
       if text is not None:
         return text
-      self._ex.end()
-      raise RuntimeError(endings.closed_peer_message(note, self._ex.namespace))
+      self._exchange.end()
+      raise RuntimeError(endings.closed_peer_message(note, self._exchange.namespace))
     if self._seq == 0 and (cross := self._cross_wait(0)) is not None:
       self._post(final=True, error=cross)
-      self._ex.end()
-      raise endings.to_exception(cross, self._p, None)
+      self._exchange.end()
+      raise endings.to_exception(cross, self._process, None)
     waited = self._waited_s()
     limit = self._timeout_s + common.FOLLOWER_GRACE_S
     if self._gave_up is None and waited > limit:
@@ -116,22 +114,22 @@ class Follower(Streamed):
       self._gave_up = self._timeout_error()
       self._post(final=True, error=self._gave_up)
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
-      self._ex.end()
-      raise endings.to_exception(self._gave_up, self._p, None)
-    return self._timed(self._ex.wait_decision, self._seq)
+      self._exchange.end()
+      raise endings.to_exception(self._gave_up, self._process, None)
+    return self._timed(self._exchange.wait_decision, self._seq)
 
-  def _timeout_error(self) -> plan_lib.ReportedError:
+  def _timeout_error(self) -> messages.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"
     if self._seq == 0:
       # Nothing decided in this stream yet: process 0 may not have made or
       # started this iterator, which looks the same from here.
       cause = f"it has posted no decision on this iterator yet: {cause}, or {endings.order_cause()}"
-    return plan_lib.ReportedError(
-      ErrorKind.TIMEOUT,
-      f"process {self._p} got no decision on batch {self._yielded} from"
+    return messages.ReportedError(
+      messages.ErrorKind.TIMEOUT,
+      f"process {self._process} got no decision on batch {self._yielded} from"
       f" process 0 within `sync_timeout_s`={self._timeout_s:g}s (+"
       f" {common.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}",
-      self._p,
+      self._process,
       self._yielded,
       "PeerTimeoutError",
       (0,),
@@ -155,7 +153,7 @@ class Follower(Streamed):
     if self._unposted or final:
       self._post(final=False, error=None)
 
-  def _post(self, *, final: bool, error: plan_lib.ReportedError | None) -> None:
+  def _post(self, *, final: bool, error: messages.ReportedError | None) -> None:
     """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
     end = self._own.end if not self._end_posted else None
     sig = None
@@ -172,10 +170,12 @@ class Follower(Streamed):
       tuple(self._sizes),
     )
     if error is not None:
-      report = plan_lib.Report(process_index=self._p, error=error, local_devices=self._who.devices)
+      report = messages.Report(
+        process_index=self._process, error=error, local_devices=self._who.devices
+      )
     times = self._job.times_to_post() if self._job is not None else None
-    chunk = ledger_lib.Chunk(start=self._posted, ack=self._seq, report=report, times=times)
-    seq = self._ex.post_chunk(chunk.to_json(), final=final)
+    chunk = messages.Chunk(start=self._posted, ack=self._seq, report=report, times=times)
+    seq = self._exchange.post_chunk(chunk.to_json(), final=final)
     self._sent_first = True
     if report.rows:
       self._chunks.append((seq, self._posted))
@@ -188,20 +188,20 @@ class Follower(Streamed):
   def _release(self) -> None:
     """Deletes own chunks the decider has read (a later position is decided)."""
     read = None
-    while self._chunks and self._chunks[0][1] < self._j:
+    while self._chunks and self._chunks[0][1] < self._decided:
       read = self._chunks.popleft()[0] + 1
     if read is not None:
-      self._ex.delete_chunks(read)
+      self._exchange.delete_chunks(read)
 
-  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
     """Posts this host's ending (closed, or `error`) as its final chunk."""
-    if self._ex.ended:
+    if self._exchange.ended:
       return
     try:
-      if not self._end_posted or error is None or error.kind in reports_lib.ABORTS:
+      if not self._end_posted or error is None or error.kind in messages.ABORTS:
         self._unposted.clear()
         self._digests.clear()
         self._sizes.clear()
         self._post(final=True, error=error or self._closed_error(at_batch))
     finally:
-      self._ex.end()
+      self._exchange.end()

@@ -13,27 +13,22 @@ from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src import wire
 from grain_jax_sync._src.agreement import common, endings
+from grain_jax_sync._src.messages import ErrorKind, Outcome
 
 logger = logging.getLogger(__name__)
-
-ErrorKind = plan_lib.ErrorKind
-
-
-# -- lockstep ----------------------------------------------------------------------
 
 
 class Lockstep:
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
   Iterating it yields decided runs, one window per pass, in order. On
-  `End.WAIT` the undecided reads are kept and every process reads at least
-  one more batch (or its end) before the next decision, which starts at the
-  first undecided position.
+  `Outcome.WAIT` the undecided reads are kept and every process reads at
+  least one more batch (or its end) before the next decision, which starts at
+  the first undecided position.
   """
 
   def __init__(
@@ -46,28 +41,21 @@ class Lockstep:
     window: int,
     position: int,
   ):
-    self._reader, self._ex, self._options, self._who = reader, exchange, options, who
+    self._reader, self._exchange, self._options, self._who = reader, exchange, options, who
     self._window = window
     self._position = position
     self._signature: batches_lib.Signature | None = None
     self._end: reader_lib.End | None = None
     self._reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
-    # One process, mid-stream: a window of the same sizes gets the same plan
-    # (an error-free plan does not depend on the position). Not with
-    # `pad_shapes`: the plan depends on the sizes too (and they take many values).
-    self._alone = exchange.process_count == 1 and not who.groups and options.shapes is None
-    self._memo: dict[tuple[tuple[int, ...], plan_lib.Options], tuple[plan_lib.Plan, int]] = {}
-    # One process, one batch per window, mid-stream: the decided step and its
-    # yield count per row count, for the current `options` (cleared when they
-    # change). A batch of a known size is yielded without building a window
-    # (about 4 of the 8 us the window costs per batch).
-    self._quick: dict[int, tuple[plan_lib.Step, int]] | None = (
-      {} if self._alone and window == 1 else None
-    )
     # `request_stop(at)` sets it (any thread, a signal handler: no lock); the
     # next window carries it, and every process stops before that window.
     self._stop_at: int | None = None
     self.stop_requested_by: int | None = None  # Set by an agreed stop.
+
+  @property
+  def batch_size(self) -> int | None:
+    """The agreed full batch size (given, or derived from the first position); None until known."""
+    return self._options.batch_size
 
   def request_stop(self, at_batch: int) -> None:
     """Asks every process to stop before the next window; no lock, returns at once."""
@@ -77,27 +65,21 @@ class Lockstep:
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
       stop = self._asked_stop()
-      if stop is not None and self._ex.process_count == 1:
+      if stop is not None and self._exchange.process_count == 1:
         self.stop_requested_by = stop.process_index
         return
-      need = max(self._window, len(self._reads) + 1)  # Counted before a quick read.
-      if self._quick and not self._reads and self._end is None and stop is None:
-        run = self._quick_run()
-        if run is not None:
-          yield run
-          continue
       if self._end is None and stop is None:
-        self._end = _read(self._reader, self._reads, need)
+        self._end = _read(self._reader, self._reads, max(self._window, len(self._reads) + 1))
       if self._signature is None and self._reads:
         self._signature = self._reads[0].batch.signature
       decision, steps = self._next_window(w, stop)
       if steps:
-        yield common.Run(steps, self._signature, self._options.batch_size)
+        yield common.Run(steps, self._signature)
       steps = ()
       if self._ended(decision):
         return
 
-  def _asked_stop(self) -> plan_lib.ReportedError | None:
+  def _asked_stop(self) -> messages.ReportedError | None:
     """This host's stop for the next window, if one was asked for."""
     if self._stop_at is None:
       return None
@@ -105,9 +87,9 @@ class Lockstep:
 
   def _ended(self, decision: plan_lib.Plan) -> bool:
     """Whether the stream ended with this window (an agreed stop); raises an agreed error."""
-    if decision.end == plan_lib.End.STOP:
+    if decision.end == Outcome.STOP:
       return True
-    if decision.end != plan_lib.End.RAISE:
+    if decision.end != Outcome.RAISE:
       return False
     assert decision.error is not None
     if decision.error.kind != ErrorKind.STOPPED:
@@ -115,52 +97,27 @@ class Lockstep:
     self.stop_requested_by = decision.error.process_index
     return True
 
-  def _quick_run(self) -> common.Run | None:
-    """Reads one batch; its run if a batch of its size was decided before (else None)."""
-    assert self._quick is not None
-    self._end = _read(self._reader, self._reads, 1)
-    hit = self._quick.get(self._reads[0].batch.rows) if self._end is None else None
-    if hit is None:
-      return None
-    self._position += hit[1]
-    return common.Run(((self._reads.pop(), hit[0]),), self._signature, self._options.batch_size)
-
   def _next_window(
-    self, w: int, stop: plan_lib.ReportedError | None = None
+    self, w: int, stop: messages.ReportedError | None = None
   ) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
-    """Decides the window held (or recalls its decision); its steps with this host's reads."""
+    """Decides the window held; its steps with this host's reads."""
     reads = self._reads
-    rows = tuple(r.batch.rows for r in reads)
-    key = (rows, self._options) if self._alone and w and self._end is None else None
-    known = self._memo.get(key) if key is not None else None
-    if known is not None:
-      decision, yields = known
-    else:
-      decision, self._signature = _decide_window(
-        reads,
-        rows,
-        self._end,
-        self._signature,
-        self._who,
-        self._ex,
-        self._options,
-        w=w,
-        position=self._position,
-        stop=stop,
-      )
-      yields = sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
-      if key is not None and decision.error is None:
-        self._memo[key] = (decision, yields)
-    pinned = plan_lib.pin(self._options, decision)
-    if self._quick is not None and pinned is not self._options:
-      self._quick.clear()
-    elif self._quick is not None and key is not None and _repeatable(decision):
-      self._quick[rows[0]] = (decision.steps[0], yields)
-    self._options = pinned
+    decision, self._signature = _decide_window(
+      reads,
+      self._end,
+      self._signature,
+      self._who,
+      self._exchange,
+      self._options,
+      w=w,
+      position=self._position,
+      stop=stop,
+    )
+    self._options = plan_lib.pin(self._options, decision)
     steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
-    self._position += yields
+    self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
     n = len(decision.steps)
-    self._reads = reads[n:] if decision.end == plan_lib.End.WAIT else []
+    self._reads = reads[n:] if decision.end == Outcome.WAIT else []
     return decision, steps
 
 
@@ -178,7 +135,6 @@ def _read(
 
 def _decide_window(
   reads: list[reader_lib.Read],
-  rows: tuple[int, ...],
   end: reader_lib.End | None,
   signature: batches_lib.Signature | None,
   who: common.Identity,
@@ -187,7 +143,7 @@ def _decide_window(
   *,
   w: int,
   position: int,
-  stop: plan_lib.ReportedError | None = None,
+  stop: messages.ReportedError | None = None,
 ) -> tuple[plan_lib.Plan, batches_lib.Signature | None]:
   """Reports a window (all-gathered with several processes) and decides it.
 
@@ -198,6 +154,7 @@ def _decide_window(
     The decision, and the agreed signature (learnt from a peer's report
     where this process has read no batch yet).
   """
+  rows = tuple(r.batch.rows for r in reads)
   sig = None if signature is None else signature.to_json()
   digests = tuple(r.digest for r in reads) if who.groups else ()
   report = common.make_report(who, rows, end, sig, w == 0, digests, common.sizes_of(reads, options))
@@ -206,37 +163,30 @@ def _decide_window(
   if exchange.process_count == 1:
     reports = [report]  # Nothing to exchange: skip the JSON round trip.
   else:
-    chunk = ledger_lib.Chunk(start=position, ack=w, report=report)
+    chunk = messages.Chunk(start=position, ack=w, report=report)
     chunks = _parse_all(exchange.all_gather(w, chunk.to_json()))
     _check_in_step(chunks)
     reports = [c.report for c in chunks]
-    if signature is None and (found := ledger_lib.signature_of(reports)) is not None:
+    if signature is None and (found := messages.signature_of(reports)) is not None:
       signature = batches_lib.Signature.from_json(found)
     stops = [r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED]
     if stops:
-      return plan_lib.Plan((), plan_lib.End.RAISE, stops[0]), signature
+      return plan_lib.Plan((), Outcome.RAISE, stops[0]), signature
   return common.decide(reports, options, groups=who.groups, position=position), signature
 
 
-def _repeatable(decision: plan_lib.Plan) -> bool:
-  """Whether a one-batch window's decision holds for any later batch of its size."""
-  return (
-    decision.error is None and len(decision.steps) == 1 and decision.end == plan_lib.End.CONTINUE
-  )
-
-
-def _parse_all(payloads: list[str]) -> list[ledger_lib.Chunk]:
+def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
   """Every process's chunk, or the same ValueError on every host."""
   versions: dict[int, Any] = {}
   chunks = []
   for p, text in enumerate(payloads):
     try:
-      chunks.append(ledger_lib.Chunk.from_json(text))
-    except ledger_lib.ProtocolError as e:
+      chunks.append(messages.Chunk.from_json(text))
+    except messages.ProtocolError as e:
       versions[p] = e.version
   if versions:
     shown = ", ".join(
-      f"process {p}: {versions.get(p, wire.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
+      f"process {p}: {versions.get(p, messages.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
     )
     raise ValueError(
       "the processes run different versions of the grain_jax_sync agreement"
@@ -245,7 +195,7 @@ def _parse_all(payloads: list[str]) -> list[ledger_lib.Chunk]:
   return chunks
 
 
-def _check_in_step(chunks: list[ledger_lib.Chunk]) -> None:
+def _check_in_step(chunks: list[messages.Chunk]) -> None:
   """Under the collective exchange, every window must start at the same batch.
 
   A process that restarted its stream (`reset()`, `set_state()` or a new

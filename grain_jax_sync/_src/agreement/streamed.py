@@ -12,15 +12,11 @@ from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats
-from grain_jax_sync._src import ledger as ledger_lib
+from grain_jax_sync._src import job_stats, messages
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, cross_wait, endings
-
-ErrorKind = plan_lib.ErrorKind
-End = plan_lib.End
 
 
 class Streamed:
@@ -36,7 +32,7 @@ class Streamed:
     position: Output batches before the first one (the resume position).
     live: Tells dead peers from slow ones (default: their beats).
     read_ahead: At most this many undecided batches held (None: the
-      default bound, `agreement.read_ahead_limit`).
+      default bound, `common.read_ahead_limit`).
     built: Positions the build thread has built, where one runs (its
       decided positions not built yet count in the read-ahead).
     job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
@@ -58,15 +54,15 @@ class Streamed:
     built: Callable[[], int] | None = None,
     job: job_stats.JobTable | None = None,
   ):
-    self._ex = exchange
+    self._exchange = exchange
     self._options = options
     self._who = who
-    self._p = exchange.process_index
-    self._n = exchange.process_count
+    self._process = exchange.process_index
+    self._process_count = exchange.process_count
     self._timeout_s = timeout_s
     self._own = common.OwnReads(reader, lookahead=lookahead, read_ahead=read_ahead, built=built)
     self._live = live or liveness_lib.Liveness(exchange)
-    self._j = 0  # Positions decided.
+    self._decided = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
     self._signature: batches_lib.Signature | None = None
@@ -82,30 +78,36 @@ class Streamed:
     exchange_lib.stream_started(exchange.namespace)
     self._job = job
     if job is not None:
-      job.attach(self._p, self._n)
+      job.attach(self._process, self._process_count)
 
-  def _apply(self, decision: ledger_lib.Decision) -> common.Run | None:
-    """This host's reads for a decision, as a run for the builder."""
+  @property
+  def batch_size(self) -> int | None:
+    """The agreed full batch size (given, or derived from the first position); None until known."""
+    return self._options.batch_size
+
+  def _apply(self, decision: messages.Decision) -> common.Run | None:
+    """This host's reads for a decision, as a run for the builder; the batch size pinned."""
+    self._options = plan_lib.pin(self._options, decision)
     if self._signature is None:
       if self._own.signature is not None:
         self._signature = self._own.signature
       elif decision.signature is not None:
         self._signature = batches_lib.Signature.from_json(decision.signature)
-    reads = self._own.take(self._j, len(decision.steps))
-    self._j += len(decision.steps)
-    self._yielded += sum(1 for s in decision.steps if s.action == plan_lib.Action.YIELD)
+    reads = self._own.take(self._decided, len(decision.steps))
+    self._decided += len(decision.steps)
+    self._yielded += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
     self._waiting_since = None
     if not decision.steps:
       return None
     steps = tuple(zip(reads, decision.steps, strict=True))
-    return common.Run(steps, self._signature, decision.batch_size)
+    return common.Run(steps, self._signature)
 
-  def _finish(self, decision: ledger_lib.Decision) -> None:
+  def _finish(self, decision: messages.Decision) -> None:
     """After the final decision's run: stop, or raise the agreed error."""
-    if decision.end == End.RAISE:
+    if decision.end == messages.Outcome.RAISE:
       assert decision.error is not None
-      if decision.error.kind != ErrorKind.STOPPED:
-        raise endings.to_exception(decision.error, self._p, self._own.end)
+      if decision.error.kind != messages.ErrorKind.STOPPED:
+        raise endings.to_exception(decision.error, self._process, self._own.end)
       self.stop_requested_by = decision.error.process_index
     self.reached_end = True
 
@@ -114,13 +116,13 @@ class Streamed:
     if self._stop_at is None:
       self._stop_at = at_batch
 
-  def _stop_due(self) -> plan_lib.ReportedError | None:
+  def _stop_due(self) -> messages.ReportedError | None:
     """A stop asked for here and not posted yet: this host reads nothing more."""
     if self._stop_at is None or self._stop_posted:
       return None
     self._stop_posted = True
     self._own.stopped = True
-    return endings.stopped_error(self._p, self._stop_at)
+    return endings.stopped_error(self._process, self._stop_at)
 
   def _timed(self, fn: Any, *args: Any) -> Any:
     """A store read of the peers' posts (its time marks the news as fresh)."""
@@ -134,7 +136,7 @@ class Streamed:
       self._waiting_since = now
     return now - self._waiting_since
 
-  def _cross_wait(self, peer: int) -> plan_lib.ReportedError | None:
+  def _cross_wait(self, peer: int) -> messages.ReportedError | None:
     """The error once `peer` waits crosswise long enough (`cross_wait.CrossWait.check`)."""
     return self._cross.check(peer, self._yielded)
 
@@ -142,8 +144,8 @@ class Streamed:
     """This stream has its first decision: no longer a crosswise wait."""
     self._cross.done()
 
-  def _closed_error(self, at_batch: int) -> plan_lib.ReportedError:
-    return endings.closed_error(self._p, at_batch)
+  def _closed_error(self, at_batch: int) -> messages.ReportedError:
+    return endings.closed_error(self._process, at_batch)
 
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
@@ -154,28 +156,28 @@ class Streamed:
     neither arrives nor leaves within `sync_timeout_s` raises
     `PeerTimeoutError`.
     """
-    self._ex.post_reached_end()
+    self._exchange.post_reached_end()
     since = time.monotonic()
-    while not self._ex.wait_all_reached_end():
-      notes = self._ex.end_notes()
+    while not self._exchange.wait_all_reached_end():
+      notes = self._exchange.end_notes()
       left = [notes[q] for q in sorted(notes) if notes[q]]
       if left:
         raise RuntimeError(left[0])
-      waiting = [q for q in range(self._n) if q not in notes]
+      waiting = [q for q in range(self._process_count) if q not in notes]
       for peer in waiting:
         if self._live.dead(peer):
-          raise endings.to_exception(self._lost_at_end(peer), self._p, None)
+          raise endings.to_exception(self._lost_at_end(peer), self._process, None)
       if waiting and time.monotonic() - since > self._timeout_s:
-        raise endings.to_exception(self._timeout_at_end(waiting), self._p, None)
+        raise endings.to_exception(self._timeout_at_end(waiting), self._process, None)
 
-  def leave(self, at_batch: int, error: plan_lib.ReportedError | None) -> None:
+  def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
     """Tells peers waiting at the end that this host left before it (best effort)."""
     message = (error or self._closed_error(at_batch)).message
-    self._ex.post_left(message)
+    self._exchange.post_left(message)
 
-  def _lost_at_end(self, peer: int) -> plan_lib.ReportedError:
-    return plan_lib.ReportedError(
-      ErrorKind.LOST,
+  def _lost_at_end(self, peer: int) -> messages.ReportedError:
+    return messages.ReportedError(
+      messages.ErrorKind.LOST,
       f"process {peer} is lost: its liveness beat stopped for"
       f" {self._live.dead_after_s:g}s before it received the last batch"
       f" ({self._yielded} batches); it died (killed, out of memory, crashed) or froze",
@@ -185,9 +187,9 @@ class Streamed:
       (peer,),
     )
 
-  def _timeout_at_end(self, peers: list[int]) -> plan_lib.ReportedError:
-    return plan_lib.ReportedError(
-      ErrorKind.TIMEOUT,
+  def _timeout_at_end(self, peers: list[int]) -> messages.ReportedError:
+    return messages.ReportedError(
+      messages.ErrorKind.TIMEOUT,
       f"processes {peers} did not reach the end of the stream ({self._yielded}"
       f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
       " (their liveness beats are recent) but stopped iterating before the end"
@@ -201,6 +203,6 @@ class Streamed:
   def release(self) -> None:
     self._first_decided()
 
-  def close(self, at_batch: int, error: plan_lib.ReportedError | None = None) -> None:
+  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
     """Posts this host's ending (`Decider` and `Follower` each post their own)."""
     raise NotImplementedError

@@ -1,13 +1,12 @@
-"""What every process has reported, per batch position, for the pipelined exchange.
+"""Process 0's record of what every process reported, per batch position.
 
-In the pipelined exchange each process posts the row counts of the batches it
-has read as soon as it reads them (a `Chunk`: one or more consecutive
-positions), and every process decides position ``j`` with `plan.decide` once it
-knows, for every process, either the rows of its batch ``j`` or that its stream
-ended (or failed) before ``j``. `Ledger` keeps that knowledge and turns each
-known run of positions into the window reports that `plan.decide` takes.
-The messages' wire form is in `wire.py` (`Chunk`, `Decision` and
-`ProtocolError` are named here as well: `ledger.Chunk`).
+In the streamed agreement each process posts the row counts of the batches it
+has read as soon as it reads them (a `messages.Chunk`: one or more
+consecutive positions), and process 0 (`decider.Decider`) decides position
+``j`` with `plan.decide` once it knows, for every process, either the rows of
+its batch ``j`` or that its stream ended (or failed) before ``j``. `Ledger`
+keeps that knowledge and turns each known run of positions into the window
+reports that `plan.decide` takes.
 
 Pure Python: no JAX, no I/O.
 """
@@ -18,17 +17,7 @@ import collections
 import itertools
 from typing import Any
 
-from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import reports as reports_lib
-from grain_jax_sync._src import wire
-
-# The messages, named here as well (`ledger.Chunk`, ...).
-from grain_jax_sync._src.wire import Chunk as Chunk
-from grain_jax_sync._src.wire import Decision as Decision
-from grain_jax_sync._src.wire import ProtocolError as ProtocolError
-
-# A report's keys when it carries rows only (`Ledger.add_json`'s quick path).
-_ROWS_ONLY = frozenset(("p", "r", "x", "d"))
+from grain_jax_sync._src import messages
 
 
 class Ledger:
@@ -42,7 +31,7 @@ class Ledger:
   """
 
   def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
-    self._n = process_count
+    self._process_count = process_count
     self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
     # Parallel to `_rows` where digests are kept (None: a process sent none).
     self._digests: list[collections.deque[str | None]] | None = None
@@ -53,18 +42,14 @@ class Ledger:
     if sizes:
       self._sizes = [collections.deque() for _ in range(process_count)]
     self._base = [0] * process_count  # Position of _rows[p][0].
-    self._end: list[reports_lib.Report | None] = [None] * process_count
+    self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
-    self.abort: reports_lib.ReportedError | None = None
-    # Once `plan.decide` has judged the full batch size (`set_full`): per
-    # process, the positions of its rows of another size, for `full_plan`.
-    self._full: int | None = None
-    self._odd: list[collections.deque[int]] = []
+    self.abort: messages.ReportedError | None = None
 
   def count(self, p: int) -> int:
     """Positions process `p` has reported rows for."""
@@ -77,7 +62,7 @@ class Ledger:
     """Whether process `p`'s stream ended (exhausted or failed)."""
     return self._end[p] is not None
 
-  def add(self, chunk: Chunk) -> None:
+  def add(self, chunk: messages.Chunk) -> None:
     """Records one chunk; chunks of a process must arrive in order.
 
     Raises:
@@ -85,7 +70,7 @@ class Ledger:
     """
     r = chunk.report
     p = r.process_index
-    if r.error is not None and r.error.kind in reports_lib.ABORTS:
+    if r.error is not None and r.error.kind in messages.ABORTS:
       self.abort = self.abort or r.error
       return
     self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)
@@ -99,21 +84,14 @@ class Ledger:
       self._resume[p] = r.resume
 
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
-    """`Chunk.from_json` (raises its ProtocolError), then `add`: returns the
-    chunk's process and times. A chunk of rows only is recorded from its JSON
-    without building its report (2/3 of the decider's time per chunk)."""
-    obj = wire.load(text, "report")
-    try:
-      r, times = obj["R"], obj.get("t")
-      times = None if times is None else tuple(map(float, times))
-      if r.keys() == _ROWS_ONLY and r["x"] is False:
-        self._extend(r["p"], obj["s"], tuple(r["r"]), (), obj["a"], r["d"])
-        return r["p"], times
-      chunk = Chunk(obj["s"], obj["a"], reports_lib.Report.from_obj(r), times)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-      raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
+    """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
+
+    Returns:
+      The chunk's process and its times.
+    """
+    chunk = messages.Chunk.from_json(text)
     self.add(chunk)
-    return chunk.report.process_index, times
+    return chunk.report.process_index, chunk.times
 
   def _extend(
     self,
@@ -123,16 +101,13 @@ class Ledger:
     digests: Any,
     ack: int,
     devices: int,
-    sizes: Any = (),
+    sizes: Any,
   ) -> None:
     if start != self.count(p) or self._end[p] is not None:
       raise RuntimeError(
         f"internal: process {p} posted positions from {start}, expected"
         f" {self.count(p)} (ended: {self._end[p] is not None})"
       )
-    if self._full is not None and rows.count(self._full) != len(rows):
-      at = self.count(p)
-      self._odd[p].extend(at + i for i, x in enumerate(rows) if x != self._full)
     self._rows[p].extend(rows)
     if self._digests is not None:
       got = digests[: len(rows)]
@@ -147,15 +122,13 @@ class Ledger:
     self, p: int, rows: int, digest: str | None = None, sizes: tuple[int, ...] = ()
   ) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
-    if self._full is not None and rows != self._full:
-      self._odd[p].append(self.count(p))
     self._rows[p].append(rows)
     if self._digests is not None:
       self._digests[p].append(digest)
     if self._sizes is not None:
       self._sizes[p].append(sizes)
 
-  def end(self, report: reports_lib.Report) -> None:
+  def end(self, report: messages.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
     p = report.process_index
     self._end[p] = report
@@ -197,9 +170,7 @@ class Ledger:
       return max(0, min(live))
     return self.furthest() - position + 1
 
-  def window_reports(
-    self, position: int, size: int, *, with_config: bool
-  ) -> list[reports_lib.Report]:
+  def window_reports(self, position: int, size: int, *, with_config: bool) -> list[messages.Report]:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.
 
     A process whose stream ends inside the window reports its remaining rows
@@ -209,7 +180,7 @@ class Ledger:
     out = []
     last = position + size
     islice = itertools.islice
-    for p in range(self._n):
+    for p in range(self._process_count):
       base = self._base[p]
       count = base + len(self._rows[p])
       stop = min(count, last)
@@ -225,7 +196,7 @@ class Ledger:
       # known to be the process's last (`Options.wait_for_last`).
       end = self._end[p] if count <= last else None
       out.append(
-        reports_lib.Report(
+        messages.Report(
           process_index=p,
           rows=rows,
           exhausted=end.exhausted if end is not None else False,
@@ -243,42 +214,13 @@ class Ledger:
 
   def missing(self, position: int) -> list[int]:
     """Processes whose batch (or end) at `position` is not known yet."""
-    return [p for p in range(self._n) if position >= self.count(p) and self._end[p] is None]
-
-  def set_full(self, full: int) -> None:
-    """Starts `full_plan` once `plan.decide` yielded batches of `full` rows (the pinned size)."""
-    if self._full == full:
-      return
-    self._full = full
-    self._odd = [
-      collections.deque(b + i for i, x in enumerate(rows) if x != full)
-      for b, rows in zip(self._base, self._rows, strict=True)
+    return [
+      p for p in range(self._process_count) if position >= self.count(p) and self._end[p] is None
     ]
-
-  def full_plan(self, position: int) -> plan_lib.Plan | None:
-    """`plan.decide`'s steps for the positions from `position` on where every
-    process holds a full batch, in O(processes) without reports; None before
-    `set_full` or if the next position is not full everywhere. No error sits
-    in such a run (a report's error follows its last row); digests are not
-    compared, so callers whose processes share rows do not use it."""
-    full = self._full
-    if full is None or self._sizes is not None:  # Sizes that vary: `plan.decide` agrees them.
-      return None
-    run = min(
-      (odd[0] if odd else b + len(rows)) - position
-      for b, rows, odd in zip(self._base, self._rows, self._odd, strict=True)
-    )
-    if run <= 0:
-      return None
-    step = plan_lib.Step(plan_lib.Action.YIELD, full, (full,) * self._n)
-    return plan_lib.Plan((step,) * run, plan_lib.End.CONTINUE, batch_size=full)
 
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""
-    for odd in self._odd:
-      while odd and odd[0] < position:
-        odd.popleft()
-    for p in range(self._n):
+    for p in range(self._process_count):
       rows = self._rows[p]
       drop = min(position - self._base[p], len(rows))
       if drop <= 0:
@@ -295,11 +237,3 @@ class Ledger:
         else:
           for _ in range(drop):
             q.popleft()
-
-
-def signature_of(reports: Any) -> dict[str, Any] | None:
-  """The first structure any report carries."""
-  for r in reports:
-    if r.signature is not None:
-      return r.signature
-  return None

@@ -1,0 +1,378 @@
+"""What a host reports and what process 0 decides, and their wire form.
+
+Every host reads batches and reports what it got (`Report`): the row count of
+each batch, how its stream ended (`ReportedError` for an error), and, in its
+first report, its structure and settings. `plan.decide` takes one report per
+host and decides, position by position, one `Step` each and an `Outcome`
+after them. In the streamed agreement every process posts its reports as
+`Chunk`s (consecutive positions of its stream) and process 0 posts what it
+decided as `Decision`s (run-length encoded steps). Both are compact JSON that
+carries `PROTOCOL_VERSION`: a host on another version raises `ProtocolError`,
+and every host raises the same `version_error`.
+
+Pure Python: no JAX, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# Carried in every chunk and decision; hosts on another version raise the same
+# clear error instead of misreading each other. 1 was the windowed protocol;
+# 3 added the requested stop (`ErrorKind.STOPPED`).
+PROTOCOL_VERSION = 3
+
+
+class ErrorKind(enum.StrEnum):
+  """How a reported error is raised on each host."""
+
+  # Bad data or settings: every host raises ValueError with the same text.
+  VALUE = "value"
+  # The source itself raised: the failing host re-raises its own exception,
+  # the others raise RuntimeError naming the failing process.
+  SOURCE = "source"
+  # A process closed (or dropped) its iterator: the others raise RuntimeError.
+  CLOSED = "closed"
+  # A live process did not report within `sync_timeout_s`: PeerTimeoutError.
+  TIMEOUT = "timeout"
+  # A process stopped its liveness beat (it died): PeerLostError.
+  LOST = "lost"
+  # A process asked every host to stop (`request_stop()`): every host ends
+  # its stream normally at the same position; nothing is raised.
+  STOPPED = "stopped"
+
+
+# Endings that end the stream at once, whatever positions are still undecided
+# (rows a process posted beyond such an ending are void).
+ABORTS = frozenset({ErrorKind.CLOSED, ErrorKind.TIMEOUT, ErrorKind.LOST, ErrorKind.STOPPED})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportedError:
+  """An error one host hit while reading its window."""
+
+  kind: ErrorKind
+  message: str
+  process_index: int
+  batch_index: int
+  type_name: str = "ValueError"
+  # Processes the ending is about (TIMEOUT and LOST: the awaited ones).
+  missing: tuple[int, ...] = ()
+
+  def to_json(self) -> list[Any]:
+    return [
+      self.kind.value,
+      self.message,
+      self.process_index,
+      self.batch_index,
+      self.type_name,
+      list(self.missing),
+    ]
+
+  @classmethod
+  def from_json(cls, obj: Sequence[Any]) -> ReportedError:
+    kind, message, pi, bi, tn, *rest = obj
+    missing = tuple(rest[0]) if rest else ()
+    return cls(ErrorKind(kind), message, pi, bi, tn, missing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What one host read in one window.
+
+  Attributes:
+    process_index: The reporting process.
+    rows: Row count of each batch read in this window, in order.
+    exhausted: True if the source ended after those batches.
+    error: Set if reading or validating the batch after `rows` failed.
+    signature: The host's batch structure, once it has seen a batch.
+    local_devices: The data shards the host's local devices hold (its local
+      rows divide among them): ``jax.local_device_count()`` unless a model
+      axis replicates rows.
+    config: The host's settings (first window only), compared across hosts.
+    more: True if the host holds at least one more batch after `rows` (it
+      read ahead). Without it the last of `rows` counts as the host's last
+      batch when a short batch is judged.
+    resume: The output batch the host resumes at (first window only),
+      compared across hosts.
+    digests: Where processes share rows: a digest of the rows of each batch
+      in `rows` (`sharding.rows_digest`), compared beside `decide`
+      (`agreement.common.decide`); empty otherwise.
+    sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
+      dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
+  """
+
+  process_index: int
+  rows: tuple[int, ...] = ()
+  exhausted: bool = False
+  error: ReportedError | None = None
+  signature: dict[str, Any] | None = None
+  local_devices: int = 1
+  config: dict[str, Any] | None = None
+  more: bool = False
+  resume: int | None = None
+  digests: tuple[str | None, ...] = ()
+  sizes: tuple[tuple[int, ...], ...] = ()
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_obj(), separators=(",", ":"))
+
+  def to_obj(self) -> dict[str, Any]:
+    """The report as a JSON-ready object (only the fields that differ from their defaults)."""
+    obj: dict[str, Any] = {
+      "p": self.process_index,
+      "r": list(self.rows),
+      "x": self.exhausted,
+      "d": self.local_devices,
+    }
+    if self.error is not None:
+      obj["e"] = self.error.to_json()
+    if self.signature is not None:
+      obj["s"] = self.signature
+    if self.config is not None:
+      obj["c"] = self.config
+    if self.more:
+      obj["m"] = True
+    if self.resume is not None:
+      obj["b"] = self.resume
+    if self.digests:
+      obj["h"] = list(self.digests)
+    if self.sizes:
+      obj["z"] = [list(z) for z in self.sizes]
+    return obj
+
+  @classmethod
+  def from_json(cls, text: str) -> Report:
+    return cls.from_obj(json.loads(text))
+
+  @classmethod
+  def from_obj(cls, obj: Mapping[str, Any]) -> Report:
+    error = ReportedError.from_json(obj["e"]) if "e" in obj else None
+    return cls(
+      process_index=obj["p"],
+      rows=tuple(obj["r"]),
+      exhausted=obj["x"],
+      error=error,
+      signature=obj.get("s"),
+      local_devices=obj["d"],
+      config=obj.get("c"),
+      more=obj.get("m", False),
+      resume=obj.get("b"),
+      digests=tuple(obj.get("h", ())),
+      sizes=tuple(tuple(z) for z in obj.get("z", ())),
+    )
+
+
+def signature_of(reports: Iterable[Report]) -> dict[str, Any] | None:
+  """The first structure any report carries."""
+  for r in reports:
+    if r.signature is not None:
+      return r.signature
+  return None
+
+
+# -- the decision ------------------------------------------------------------------
+
+
+class Action(enum.StrEnum):
+  YIELD = "yield"  # Every host yields `rows` rows (real, padded or dummy).
+  DROP = "drop"  # Every host discards its batch at this position.
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One decided position, the same on every host.
+
+  Attributes:
+    action: Yield or drop.
+    rows: Rows each host yields (the padded size); 0 for a drop.
+    real_rows: Real rows per process (0 where the process yields a dummy);
+      empty in a step read from a `Decision`.
+    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims
+      (leaf by leaf, as `Report.sizes`): every host pads to them.
+  """
+
+  action: Action
+  rows: int
+  real_rows: tuple[int, ...]
+  sizes: tuple[int, ...] = ()
+
+
+class Outcome(enum.StrEnum):
+  """What every host does after a decision's steps."""
+
+  CONTINUE = "continue"  # Read on and decide the next positions.
+  STOP = "stop"  # The stream is over on every host.
+  RAISE = "raise"  # Every host raises the decision's error after the steps.
+  # The next position holds a short batch that may or may not be its host's
+  # last (`plan.Options.wait_for_last`): decide again from there once every
+  # process in `plan.Plan.waiting` has reported one more batch or its end.
+  WAIT = "wait"
+
+
+# -- the wire form -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One post: consecutive positions of one process.
+
+  Attributes:
+    start: The position of ``report.rows[0]`` (the process's count of
+      non-empty batches read before this chunk).
+    ack: Positions the poster had decided when posting; peers release their
+      chunks that end at or before the smallest ack they have seen.
+    report: The rows read, and the end of the stream if it was reached
+      (exhausted or error), plus signature/config/device count.
+    times: The poster's stage times (`stats.TIMES` order), for the
+      cross-host view (`job_stats`); None when unchanged since its last chunk.
+  """
+
+  start: int
+  ack: int
+  report: Report
+  times: tuple[float, ...] | None = None
+
+  def to_json(self) -> str:
+    # The report as a nested object (one parse at the decider, not two).
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
+    obj["R"] = self.report.to_obj()
+    if self.times is not None:
+      obj["t"] = list(self.times)
+    return json.dumps(obj, separators=(",", ":"))
+
+  @classmethod
+  def from_json(cls, text: str) -> Chunk:
+    """Parses a chunk.
+
+    Raises:
+      ProtocolError: If it comes from another protocol version or does not parse.
+    """
+    obj = load(text, "report")
+    try:
+      times = tuple(map(float, obj["t"])) if "t" in obj else None
+      return cls(obj["s"], obj["a"], Report.from_obj(obj["R"]), times)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ProtocolError(f"a report that does not parse ({type(e).__name__}: {e})") from e
+
+
+class ProtocolError(ValueError):
+  """A message from a peer that this version cannot read.
+
+  Attributes:
+    version: The peer's protocol version, where it could be read.
+  """
+
+  def __init__(self, message: str, version: Any = None):
+    super().__init__(message)
+    self.version = version
+
+
+def load(text: str, what: str) -> dict[str, Any]:
+  """A message's JSON object, checked for this protocol version."""
+  try:
+    obj = json.loads(text)
+  except ValueError as e:
+    raise ProtocolError(f"a {what} that is not JSON ({e})") from e
+  version = obj.get("v") if isinstance(obj, dict) else None
+  if version != PROTOCOL_VERSION:
+    raise ProtocolError(f"a {what} of protocol version {version!r}", version)
+  return obj
+
+
+def version_error(peer: int, version: Any, reader: int) -> str:
+  """The message, the same on every host, for peers on another protocol version."""
+  versions = sorted({peer: version, reader: PROTOCOL_VERSION}.items())
+  shown = ", ".join(f"process {p}: {v!r}" for p, v in versions)
+  return (
+    "the processes run different versions of the grain_jax_sync agreement"
+    f" protocol ({shown}); every process must run the same version of the library"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What process 0 decided for a run of positions; every process reads it.
+
+  O(1) per position: (action, rows) per position, run-length encoded, not the
+  per-process rows.
+
+  Attributes:
+    start: The first position decided.
+    steps: The decided positions, in order.
+    end: Whether the stream goes on, stops or raises after them.
+    error: The error every host raises (with `Outcome.RAISE`).
+    signature: The agreed batch structure, sent once (in the first decision
+      that knows it).
+    batch_size: The agreed full batch size (given, or derived from the first
+      position), sent once (in the first decision that knows it): every host
+      judges by it and saves it with its state.
+    table: Rows of the cross-host view that changed (`job_stats`): per
+      process, its index, decided counts and latest times; None if not sent.
+  """
+
+  start: int
+  steps: tuple[Step, ...]
+  end: Outcome
+  error: ReportedError | None = None
+  signature: dict[str, Any] | None = None
+  batch_size: int | None = None
+  table: tuple[tuple[Any, ...], ...] | None = None
+
+  def to_json(self) -> str:
+    runs: list[list[Any]] = []
+    for s in self.steps:
+      if (
+        runs
+        and runs[-1][0] == s.action.value
+        and runs[-1][1] == s.rows
+        and _sizes(runs[-1]) == s.sizes
+      ):
+        runs[-1][2] += 1
+      else:  # The agreed sizes (`pad_shapes`) only where there are some.
+        runs.append(
+          [s.action.value, s.rows, 1, list(s.sizes)] if s.sizes else [s.action.value, s.rows, 1]
+        )
+    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
+    if self.error is not None:
+      obj["x"] = self.error.to_json()
+    if self.signature is not None:
+      obj["g"] = self.signature
+    if self.batch_size is not None:
+      obj["b"] = self.batch_size
+    if self.table is not None:
+      obj["t"] = [list(row) for row in self.table]
+    return json.dumps(obj, separators=(",", ":"))
+
+  @classmethod
+  def from_json(cls, text: str) -> Decision:
+    """Parses a decision.
+
+    Raises:
+      ProtocolError: If it comes from another protocol version or does not parse.
+    """
+    obj = load(text, "decision")
+    try:
+      steps = tuple(  # One shared (frozen) step per run of equal positions.
+        itertools.chain.from_iterable(
+          itertools.repeat(Step(Action(a), rows, (), _sizes(run)), n)
+          for run in obj["st"]
+          for a, rows, n in (run[:3],)
+        )
+      )
+      error = ReportedError.from_json(obj["x"]) if "x" in obj else None
+      table = tuple(tuple(row) for row in obj["t"]) if "t" in obj else None
+      end = Outcome(obj["e"])
+      return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
+
+
+def _sizes(run: list[Any]) -> tuple[int, ...]:
+  """A decision run's agreed sizes (a 4th entry with `pad_shapes`)."""
+  return tuple(run[3]) if len(run) > 3 else ()
