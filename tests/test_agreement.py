@@ -40,7 +40,6 @@ from grain_jax_sync._src import (
   messages,
   plan,
   reader,
-  sharding,
   sources,
 )
 from grain_jax_sync._src.agreement import common, decider, endings, follower, ledger
@@ -433,7 +432,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
     sources.open_source(iter(data)),
     process_index=p,
     check_int32=False,
-    digest=sharding.rows_digest,
+    digest=reader.rows_digest,
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config=None, resume=0, groups=groups)

@@ -182,3 +182,17 @@ def test_every_file_the_docs_name_under_examples_exists():
       named |= set(re.findall(r"examples/([a-z_]+\.py)", f.read()))
   assert named, "the docs name no example"
   assert not sorted(n for n in named if not os.path.isfile(os.path.join(ROOT, "examples", n)))
+
+
+def test_internals_walk_names_only_modules_that_exist():
+  # docs/internals.md walks one batch through the code, one module a line: a
+  # renamed or merged module must take its new name there too.
+  with open(os.path.join(ROOT, "docs", "internals.md")) as f:
+    text = f.read()
+  walk = text[text.index("## One batch, step by step") : text.index("## Data flow")]
+  names = set(re.findall(r"(?<![\w/.])((?:[a-z_]+/)*[a-z_]+\.py)\b", walk))
+  assert {"iterator.py", "reader.py", "build.py", "transfer.py", "plan.py"} <= names
+  src = os.path.join(ROOT, "grain_jax_sync", "_src")
+  modules = {n for n in names if not n.startswith("tests/")}
+  missing = sorted(n for n in modules if not os.path.isfile(os.path.join(src, n)))
+  assert not missing, f"docs/internals.md names modules that do not exist: {missing}"
