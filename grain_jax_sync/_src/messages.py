@@ -101,7 +101,7 @@ class Report:
     resume: The output batch the host resumes at (first window only),
       compared across hosts.
     digests: Where processes share rows: a digest of the rows of each batch
-      in `rows` (`sharding.rows_digest`), compared beside `decide`
+      in `rows` (`reader.rows_digest`), compared beside `decide`
       (`agreement.common.decide`); empty otherwise.
     sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
       dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
