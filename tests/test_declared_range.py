@@ -9,6 +9,7 @@ downloads and takes minutes.)
 
 import os
 import re
+import subprocess
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,27 @@ def test_ci_runs_the_oldest_step_after_the_readme_command():
   readme = _read("README.md")
   command = re.search(r"Run the tests .*?```\n(.*?)\n```", readme, re.S).group(1)
   lines = [x for x in _read(".ci", "run").splitlines() if x and not x.startswith(("#", "set "))]
-  assert lines.index(command) < lines.index("bash .ci/oldest.sh")
+  assert lines.index(f"({command})") < lines.index("bash .ci/oldest.sh")
+
+
+def test_ci_fails_and_stops_when_a_step_of_the_readme_command_fails(tmp_path):
+  # `set -e` does not stop inside an && list: a lint failure once skipped the
+  # tests and CI still passed. A `python3` that fails `ruff format --check`:
+  # the run must fail, before the tests and the oldest-versions step.
+  log = tmp_path / "calls"
+  stub = tmp_path / "python3"
+  stub.write_text(
+    '#!/bin/sh\necho "$@" >> "$CALLS"\ncase "$*" in *"ruff format"*) exit 1;; esac\nexit 0\n'
+  )
+  stub.chmod(0o755)
+  env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", CALLS=str(log))
+  out = subprocess.run(
+    ["bash", os.path.join(ROOT, ".ci", "run")], env=env, capture_output=True, timeout=60
+  )
+  calls = log.read_text()
+  assert out.returncode != 0
+  assert "-m ruff format --check ." in calls
+  assert "pytest" not in calls and "venv" not in calls
 
 
 def test_readme_states_the_tested_range():

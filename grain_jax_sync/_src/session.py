@@ -146,7 +146,9 @@ class Stages:
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = options.synchronize_lookahead if ex.process_count > 1 else 1
-      stepper = lockstep.Lockstep(read, ex, plan_options, who, window=window, position=self.position)
+      stepper = lockstep.Lockstep(
+        read, ex, plan_options, who, window=window, position=self.position
+      )
       self._stopper = stepper
       if ex.form == "local" and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
