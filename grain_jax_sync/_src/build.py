@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -288,10 +289,16 @@ class Builder:
     self.transfer_s = 0.0
     self.dropped = 0
     self._done = 0  # Positions handed on or dropped.
+    self._advanced = threading.Condition()  # Notified as `_done` grows.
 
   def done(self) -> int:
     """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
     return self._done
+
+  def wait_done(self, beyond: int, timeout_s: float) -> None:
+    """Blocks until more than `beyond` positions are done, or `timeout_s` passes."""
+    with self._advanced:
+      self._advanced.wait_for(lambda: self._done > beyond, timeout_s)
 
   def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:
@@ -299,7 +306,9 @@ class Builder:
         item = self.step(read, step, run.signature)
         if item is not None:
           yield item  # Resumed once the item is handed on (queued, or taken).
-        self._done += 1
+        with self._advanced:
+          self._done += 1
+          self._advanced.notify()
 
   def step(
     self,

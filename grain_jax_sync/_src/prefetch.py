@@ -175,6 +175,9 @@ class Prefetcher(Generic[T]):
         self._items.get_nowait()
       except queue.Empty:
         break
+    # The drain may have taken the wake-up before a consumer in another
+    # thread got it: one more, which holds nothing.
+    self._items.put(_WAKE)
 
   def _put(self, item: Any, *, acquired: bool = False) -> bool:
     """Waits for room (unless taken already); False if the stage was stopped meanwhile."""

@@ -164,7 +164,7 @@ class Stages:
       position=self.position,
       read_ahead=options.read_ahead,
       # With a build thread, what it has not built counts in the read-ahead.
-      built=self._builder.done if options.prefetch_batches > 0 else None,
+      built=self._builder if options.prefetch_batches > 0 else None,
       job=start.job,
     )
     self._stopper = self._agreement
@@ -181,7 +181,7 @@ class Stages:
     then, as in Grain, that many positions are held ahead.
     """
     stage = prefetch_lib.Prefetcher(
-      _one_by_one(runs),
+      iter(runs) if options.read_ahead is None else _one_by_one(runs),
       buffer_size=options.read_ahead or AGREE_BUFFER,
       in_hand=False,
       # The exchange's own method: a bound method of these stages would make

@@ -6,9 +6,10 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness, messages
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
@@ -141,6 +142,16 @@ class Run:
   signature: batches_lib.Signature | None
 
 
+class Built(Protocol):
+  """The build thread's progress (`build.Builder`), as the read-ahead counts it."""
+
+  def done(self) -> int:
+    """Positions handed on (or dropped)."""
+
+  def wait_done(self, beyond: int, timeout_s: float) -> None:
+    """Blocks until more than `beyond` positions are done, or `timeout_s` passes."""
+
+
 class OwnReads:
   """This host's undecided reads, read by the agreement itself (one place, any host)."""
 
@@ -150,7 +161,7 @@ class OwnReads:
     *,
     lookahead: int,
     read_ahead: int | None = None,
-    built: Callable[[], int] | None = None,
+    built: Built | None = None,
   ):
     self._reader = reader
     self._cap = read_ahead
@@ -162,22 +173,64 @@ class OwnReads:
     self.end: reader_lib.End | None = None
     self.signature: batches_lib.Signature | None = None
     self.stopped = False  # A stop was asked for here: read nothing more.
+    # Full: read again once half the read-ahead is free (`room`).
+    self._refill = False
 
   def room(self) -> bool:
     """Whether to read another batch: the read-ahead counts what is not built yet.
 
-    With a build thread (`built`: positions it has handed on), a decided
+    With a build thread (`built`: the positions it has handed on), a decided
     position it has not handed on yet (queued to it, or in its hands) takes
     a place of the read-ahead, so that a host holds at most `limit` positions
     between its reads and its built batches, and at most
     `synchronize_lookahead + prefetch_batches` beyond its consumer. At least
     2 stay undecided, so that process 0 always has a position to decide
-    (`read_ahead_limit`).
+    (`read_ahead_limit`). Once full, this host reads again when half the
+    read-ahead is free: the reads, posts and decisions then come in runs of
+    half a read-ahead, not one per batch the consumer takes.
     """
     if self.end is not None or self.stopped:
       return False
-    held = 0 if self._built is None else self.count - len(self.pending) - self._built()
-    return len(self.pending) < max(2, self.limit - held)
+    held = 0 if self._built is None else self.count - len(self.pending) - self._built.done()
+    free = max(2, self.limit - held) - len(self.pending)
+    if self._refill and free * 2 < self.limit:
+      return False
+    self._refill = free <= 0
+    return not self._refill
+
+  def due(self, unposted: int) -> bool:
+    """Whether `unposted` reads are to be posted (on process 0: decided) now.
+
+    A round of the exchange carries half the read-ahead, so that it
+    completes while the build thread works through the half decided
+    before. Where the build thread has taken every decided position, it
+    waits on the agreement: then each read goes at once. Both rules hold on
+    any host; no timer decides.
+    """
+    if unposted == 0:
+      return False
+    if unposted * 2 >= self.limit:
+      return True
+    return self._built is not None and self.count - len(self.pending) == self._built.done()
+
+  def waits_on_build(self) -> bool:
+    """Whether the room this host waits for comes from the build thread, not from a decision.
+
+    True where nothing it posted awaits a decision and the build thread
+    holds decided positions: `wait_for_room` then blocks until it takes
+    them, instead of posting a read or two to have something to wait on.
+    """
+    return self._built is not None and self.count - len(self.pending) > self._built.done()
+
+  def wait_for_room(self, check: Callable[[], None]) -> None:
+    """Blocks until `room()`, as the build thread takes decided positions.
+
+    `check` raises where the iterator is closed; it runs once per liveness
+    period (`exchange.WAIT_SLICE_S`), the one periodic wake, on any host.
+    """
+    while not self.room() and self.waits_on_build():
+      check()
+      self._built.wait_done(self._built.done(), exchange_lib.WAIT_SLICE_S)
 
   def read(self) -> reader_lib.Read | reader_lib.End:
     item = next(self._reader)

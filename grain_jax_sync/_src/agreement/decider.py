@@ -82,8 +82,8 @@ class Decider(Streamed):
         return None  # Deciding again before a waited process has news would spin.
       self._wait = None
     size = self._ledger.window(self._decided)
-    if size == 0:
-      return None
+    if size == 0 or (self._own.room() and not self._own.due(size)):
+      return None  # Read on: decided in runs (`common.OwnReads.due`).
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
     plan = common.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
     self._options = plan_lib.pin(self._options, plan)
@@ -145,10 +145,13 @@ class Decider(Streamed):
     peer still awaited: no timer decides when to look, on any host.
     """
     missing = self._needed()
-    if self._process in missing or self._own.room():
+    if self._process in missing:
       self._read()
       return
-    if self._absorb(self._timed(self._exchange.read_chunks)):
+    if self._own.room():
+      if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
+        return
+      self._read()  # Nothing new: read on, and look again half a read-ahead later.
       return
     peer = missing[0]
     if self._live.dead(peer):
@@ -169,7 +172,18 @@ class Decider(Streamed):
     else:
       self._absorb(self._timed(self._exchange.wait_chunk, peer))
 
+  def _look_due(self) -> bool:
+    """Whether to look at the peers' posts before reading on.
+
+    Where the build thread has taken every decided position, the consumer is
+    about to wait on this decision: look once per half read-ahead read (a
+    follower posts as often, `common.OwnReads.due`). Otherwise this host
+    reads until its read-ahead is full and then waits for the peers.
+    """
+    return not self._own.waits_on_build() and self._own.due(self._reads_since_look)
+
   def _read(self) -> None:
+    self._reads_since_look += 1
     item = self._own.read()
     if isinstance(item, reader_lib.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()

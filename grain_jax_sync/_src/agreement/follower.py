@@ -78,12 +78,18 @@ class Follower(Streamed):
       # An ending's report carries no rows (`_post`): unposted rows are void.
       self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
-      self._read()
+      if self._read() and not self._own.waits_on_build():
+        # Posted, with nothing decided left to build: the decision on what
+        # was posted before may be there.
+        return self._timed(self._exchange.try_decision, self._seq)
       return None
-    self._flush()
-    text = self._timed(self._exchange.try_decision, self._seq)
-    if text is not None:
-      return text
+    if self._posted <= self._decided and self._own.end is None:
+      if self._own.waits_on_build():
+        self._own.wait_for_room(self._exchange.check)  # Posts come in runs, not a batch each.
+        return None
+      self._flush()
+    elif self._own.end is not None:
+      self._flush()
     return self._wait()
 
   def _wait(self) -> str | None:
@@ -135,18 +141,21 @@ class Follower(Streamed):
       (0,),
     )
 
-  def _read(self) -> None:
+  def _read(self) -> bool:
+    """Reads one batch; True where it then posted (`common.OwnReads.due`)."""
     item = self._own.read()
     if isinstance(item, reader_lib.End):
       self._flush()
-      return
+      return False
     self._unposted.append(item.batch.rows)
     if self._who.groups:
       self._digests.append(item.digest)
     if self._options.shapes is not None:
       self._sizes.append(item.batch.sizes)
-    if len(self._unposted) * 2 >= self._own.limit:
-      self._flush()  # Half the read-ahead: process 0 decides it while this host reads on.
+    if self._own.due(len(self._unposted)):
+      self._flush()  # Process 0 decides it while this host reads on.
+      return True
+    return False
 
   def _flush(self) -> None:
     final = self._own.end is not None and not self._end_posted

@@ -7,7 +7,7 @@ The streamed agreement runs over the key-value store: process 0 decides
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
@@ -51,7 +51,7 @@ class Streamed:
     position: int,
     live: liveness_lib.Liveness | None = None,
     read_ahead: int | None = None,
-    built: Callable[[], int] | None = None,
+    built: common.Built | None = None,
     job: job_stats.JobTable | None = None,
   ):
     self._exchange = exchange
@@ -66,6 +66,7 @@ class Streamed:
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
     self._signature: batches_lib.Signature | None = None
+    self._reads_since_look = 0  # Own reads since the peers' posts were last read.
     self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
     # `request_stop(at)` sets it (any thread, a signal handler: no lock);
     # the agreement's own thread posts the stop at its next step.
@@ -128,6 +129,7 @@ class Streamed:
     """A store read of the peers' posts (its time marks the news as fresh)."""
     out = fn(*args)
     self._last_poll = time.monotonic()
+    self._reads_since_look = 0
     return out
 
   def _waited_s(self) -> float:

@@ -156,7 +156,8 @@ class KeyValueExchange:
     finally:
       self.busy_s += time.monotonic() - t0
 
-  def _check(self) -> None:
+  def check(self) -> None:
+    """Raises `Cancelled` once the iterator is closed (`cancel`)."""
     if self._cancel.is_set():
       raise Cancelled()
 
@@ -169,7 +170,7 @@ class KeyValueExchange:
     `cancel()`.
     """
     if not final:
-      self._check()
+      self.check()
     seq = self._chunks_posted
     key = f"{self._ns}/s/{self.process_index}/{seq // CHUNK_GROUP}/{seq}"
     self._call(f"posting chunk {seq}", self._client.key_value_set, key, payload)
@@ -184,7 +185,7 @@ class KeyValueExchange:
 
   def read_chunks(self) -> list[tuple[int, str]]:
     """New chunks of every peer, in order per process (one directory read)."""
-    self._check()
+    self.check()
     prefix = f"{self._ns}/s/"
     entries = self._call("reading the peers' chunks", self._client.key_value_dir_get, prefix)
     # Looks up each process's next keys (O(processes + new chunks)) instead of
@@ -202,19 +203,28 @@ class KeyValueExchange:
     return out
 
   def wait_chunk(self, process: int) -> list[tuple[int, str]]:
-    """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones."""
-    self._check()
+    """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones.
+
+    With one peer, the chunk waited for is all there is to read; with more,
+    one directory read brings every peer's news (O(1) calls per wait at any
+    process count).
+    """
+    self.check()
     seq = self._next[process]
     key = f"{self._ns}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
-    if self._blocking_get(key, f"waiting for process {process}") is None:
+    value = self._blocking_get(key, f"waiting for process {process}")
+    if value is None:
       return []
-    return self.read_chunks()
+    if self.process_count > 2:
+      return self.read_chunks()
+    self._next[process] = seq + 1
+    return [(process, value)]
 
   # -- decisions (process 0 writes, every other process reads) -----------------
 
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
-      self._check()
+      self.check()
     key = f"{self._ns}/d/{seq // GROUP}/{seq}"
     self._call(f"posting decision {seq}", self._client.key_value_set, key, payload)
 
@@ -226,7 +236,7 @@ class KeyValueExchange:
 
   def try_decision(self, seq: int) -> str | None:
     """Decision `seq` if it is posted, without waiting."""
-    self._check()
+    self.check()
     self.ops += 1
     t0 = time.monotonic()
     try:
@@ -240,7 +250,7 @@ class KeyValueExchange:
 
   def wait_decision(self, seq: int) -> str | None:
     """Decision `seq`, waiting up to `WAIT_SLICE_S` for it."""
-    self._check()
+    self.check()
     key = f"{self._ns}/d/{seq // GROUP}/{seq}"
     return self._blocking_get(key, "waiting for process 0's decision")
 
@@ -285,7 +295,7 @@ class KeyValueExchange:
 
   def wait_all_reached_end(self) -> bool:
     """Whether every process reached the end, waiting up to `WAIT_SLICE_S`."""
-    self._check()
+    self.check()
     return self._blocking_get(self._end_key("all_at_end"), "waiting for the end") is not None
 
   def end_notes(self) -> dict[int, str]:
