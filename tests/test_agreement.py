@@ -39,6 +39,7 @@ from grain_jax_sync._src import (
   exchange,
   messages,
   plan,
+  prefetch,
   reader,
   sources,
 )
@@ -300,6 +301,64 @@ def test_a_slow_source_is_posted_by_the_same_rule_as_a_quick_one():
   hosts = [{"rows": [8] * 6, "ending": "exhausted", "at": 0, "read_s": 0.012}] * 2
   store = _run_recorded(hosts, 4)
   assert [len(c.report.rows) for c in store.chunks if c.report.rows] == [2, 2, 2]
+
+
+class _BuildProgress:
+  """The build thread's progress as the read-ahead counts it (`common.Built`): one position a step."""
+
+  def __init__(self):
+    self._done = 0
+    self._advanced = threading.Condition()
+
+  def done(self):
+    return self._done
+
+  def wait_done(self, beyond, timeout_s):
+    with self._advanced:
+      self._advanced.wait_for(lambda: self._done > beyond, timeout_s)
+
+  def advance(self):
+    with self._advanced:
+      self._done += 1
+      self._advanced.notify()
+
+
+def _host_beside_a_step(p, n, store, rows, lookahead, step_s, out):
+  """The agreement in its own thread, as the session runs it, and a consumer that steps."""
+  spec = {"rows": [8] * rows, "ending": "exhausted", "at": 0, "read_s": 0.0}
+  read = reader.Reader(sources.open_source(_source(p, spec, p)), process_index=p, check_int32=False)
+  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
+  who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
+  kind = decider.Decider if p == 0 else follower.Follower
+  built = _BuildProgress()
+  stage = kind(read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0, built=built)
+  runs = prefetch.Prefetcher(iter(stage), buffer_size=1, in_hand=False)
+  ids = []
+  for run in runs:
+    for r, _ in run.steps:
+      time.sleep(step_s)  # The training step, then the build thread takes the next one.
+      ids.append(int(np.asarray(r.batch.leaves[0])[0]))
+      built.advance()
+  runs.close()
+  out[p] = ids
+
+
+def test_beside_a_step_a_quick_source_is_posted_and_decided_in_runs_of_half_the_read_ahead():
+  # Lookahead 10 beside a 4 ms step: once the build thread holds decided
+  # positions, each host waits for it to take half the read-ahead and then
+  # posts (process 0: decides) 5 at a time, not one batch per batch taken.
+  store, out = _Recording(), {}
+  _in_threads(2, lambda p: (_host_beside_a_step, (p, 2, store, 80, 10, 0.004, out)))
+  for p in (0, 1):
+    assert out[p] == [100_000 * p + 100 * b for b in range(80)]  # Every batch, in order.
+  sizes = [len(c.report.rows) for c in store.chunks if c.report.rows]
+  decided = [len(d.steps) for d in store.decisions if d.steps]
+  assert sum(sizes) == 80 and sum(decided) == 80
+  assert max(decided) <= 10, decided  # Never beyond what every host has read.
+  # The first reads go at once (nothing decided yet); then runs of 5, and
+  # what is left at the end.
+  for runs in (sizes, decided):
+    assert all(k == 5 for k in runs[4:-1]) and len(runs) <= 80 // 5 + 4, runs
 
 
 def _run_some(n, store, hosts, runners):
