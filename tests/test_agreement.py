@@ -315,7 +315,8 @@ class _BuildProgress:
 
   def wait_done(self, beyond, timeout_s):
     with self._advanced:
-      self._advanced.wait_for(lambda: self._done > beyond, timeout_s)
+      if self._done <= beyond:
+        self._advanced.wait(timeout_s)
 
   def advance(self):
     with self._advanced:

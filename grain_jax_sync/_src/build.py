@@ -296,9 +296,15 @@ class Builder:
     return self._done
 
   def wait_done(self, beyond: int, timeout_s: float) -> None:
-    """Blocks until more than `beyond` positions are done, or `timeout_s` passes."""
+    """Blocks until more than `beyond` positions are done, `wake()`, or `timeout_s` passes."""
     with self._advanced:
-      self._advanced.wait_for(lambda: self._done > beyond, timeout_s)
+      if self._done <= beyond:
+        self._advanced.wait(timeout_s)
+
+  def wake(self) -> None:
+    """Wakes a `wait_done` (the iterator is closing). Its lock is held only by the build thread."""
+    with self._advanced:
+      self._advanced.notify_all()
 
   def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:

@@ -290,6 +290,7 @@ class Stages:
       return
     self._closed = True
     self._exchange_cancel()
+    self._builder.wake()  # The agreement thread may wait for the build thread's room.
     self.halt()
     if self._agreement is None:
       return
