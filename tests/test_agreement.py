@@ -345,21 +345,22 @@ def _host_beside_a_step(p, n, store, rows, lookahead, step_s, out):
 
 
 def test_beside_a_step_a_quick_source_is_posted_and_decided_in_runs_of_half_the_read_ahead():
-  # Lookahead 10 beside a 4 ms step: once the build thread holds decided
+  # Lookahead 10 beside a 10 ms step: once the build thread holds decided
   # positions, each host waits for it to take half the read-ahead and then
   # posts (process 0: decides) 5 at a time, not one batch per batch taken.
   store, out = _Recording(), {}
-  _in_threads(2, lambda p: (_host_beside_a_step, (p, 2, store, 80, 10, 0.004, out)))
+  _in_threads(2, lambda p: (_host_beside_a_step, (p, 2, store, 60, 10, 0.01, out)))
   for p in (0, 1):
-    assert out[p] == [100_000 * p + 100 * b for b in range(80)]  # Every batch, in order.
+    assert out[p] == [100_000 * p + 100 * b for b in range(60)]  # Every batch, in order.
   sizes = [len(c.report.rows) for c in store.chunks if c.report.rows]
   decided = [len(d.steps) for d in store.decisions if d.steps]
-  assert sum(sizes) == 80 and sum(decided) == 80
+  assert sum(sizes) == 60 and sum(decided) == 60
   assert max(decided) <= 10, decided  # Never beyond what every host has read.
   # The first reads go at once (nothing decided yet); then runs of 5, and
-  # what is left at the end.
+  # what is left at the end (one batch per batch taken would be 60 runs).
+  assert max(sizes) <= 5, sizes
   for runs in (sizes, decided):
-    assert all(k == 5 for k in runs[4:-1]) and len(runs) <= 80 // 5 + 4, runs
+    assert runs.count(5) >= 6 and len(runs) <= 24, runs
 
 
 def _run_some(n, store, hosts, runners):
