@@ -336,14 +336,9 @@ def check_state(
       raise ValueError(f"`state['settings']` must be a dict, got {saved!r:.100}")
     current = options.digest()
     if dict(saved) != current:
-      keys = sorted(set(saved) | set(current))
-      diffs = [
-        f"{k}: {saved.get(k)!r} vs {current.get(k)!r}"
-        for k in keys
-        if saved.get(k) != current.get(k)
-      ]
+      diffs = plan_lib.settings_diff(saved, current)
       raise ValueError(
-        f"`state` was saved by an iterator with other settings ({'; '.join(diffs)},"
+        f"`state` was saved by an iterator with other settings ({'; '.join(diffs.values())},"
         " saved vs now); build the iterator with the settings it was saved with"
       )
   return batches, state["source"]

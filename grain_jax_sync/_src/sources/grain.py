@@ -50,30 +50,14 @@ class GrainIteratorSource(base.SourceIterator):
     return _local_iterator_class()(owner)
 
 
-class GrainLoaderSource(base.SourceIterator):
+class GrainLoaderSource(GrainIteratorSource):
   """A `grain.DataLoader` iterator; its JSON-bytes state is kept as a dict."""
 
-  supports_state = True
-
-  def __init__(self, iterator: Any, *, description: str):
-    self._it = iterator
-    self.description = description
-
-  def __next__(self) -> Any:
-    return next(self._it)
-
   def get_state(self) -> Any:
-    raw = self._it.get_state()
-    try:
-      return json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
-    except (ValueError, AttributeError):  # Not JSON: keep the bytes (base64).
-      return base.encode_state(raw)
+    return _from_json_bytes(self._it.get_state())
 
   def set_state(self, state: Any) -> None:
-    state = base.decode_state(state)
-    if not isinstance(state, (bytes, bytearray)):
-      state = json.dumps(state, indent=4).encode("utf-8")
-    self._it.set_state(state)
+    self._it.set_state(_to_json_bytes(state))
 
   def close(self) -> None:
     # DataLoaderIterator (Grain 0.2.18) has no close(); its dataset iterator
@@ -86,6 +70,22 @@ class GrainLoaderSource(base.SourceIterator):
 
   def local_iterator(self, owner: Any) -> Any:
     return LocalLoaderIterator(owner)
+
+
+def _from_json_bytes(raw: Any) -> Any:
+  """A `DataLoaderIterator` state (JSON bytes) as a dict; bytes that are not JSON as base64."""
+  try:
+    return json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
+  except (ValueError, AttributeError):
+    return base.encode_state(raw)
+
+
+def _to_json_bytes(state: Any) -> bytes:
+  """The inverse of `_from_json_bytes`: the JSON bytes a `DataLoaderIterator` takes."""
+  state = base.decode_state(state)
+  if isinstance(state, (bytes, bytearray)):
+    return bytes(state)
+  return json.dumps(state, indent=4).encode("utf-8")
 
 
 _NOT_ITERABLE = (
@@ -147,17 +147,10 @@ class LocalLoaderIterator:
     raise TypeError(_NOT_ITERABLE)
 
   def get_state(self) -> bytes:
-    state = base.decode_state(self._owner.local_state())
-    if isinstance(state, (bytes, bytearray)):
-      return bytes(state)
-    return json.dumps(state, indent=4).encode("utf-8")
+    return _to_json_bytes(self._owner.local_state())
 
   def set_state(self, state: bytes) -> None:
-    try:
-      loaded = json.loads(state.decode("utf-8") if isinstance(state, (bytes, bytearray)) else state)
-    except (ValueError, AttributeError):
-      loaded = base.encode_state(state)
-    self._owner.restore_local(loaded)
+    self._owner.restore_local(_from_json_bytes(state))
 
   def start_prefetch(self) -> None:
     """Nothing to start: the stream starts on the next batch."""
