@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from grain_jax_sync._src import extras
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import base
 
 if TYPE_CHECKING:
@@ -174,10 +175,7 @@ def tfds_pipeline(
     ...   state = train_step(state, batch)
   """
   _check_reader(reader, elastic, (process_index, process_count, mesh, data_axes, sharding))
-  if (
-    isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
-  ):
-    raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+  batch_size = options_lib.checked_int("batch_size", batch_size)
   if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
     raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
   if not 0 <= int(seed) < 2**32:
@@ -192,7 +190,7 @@ def tfds_pipeline(
   req = _Request(
     name=name,
     split=split,
-    batch_size=int(batch_size),
+    batch_size=batch_size,
     shuffle=bool(shuffle),
     seed=int(seed) if elastic else process_seed(seed, process_index),
     num_epochs=num_epochs,
