@@ -105,12 +105,11 @@ def run_job(job_path: str) -> None:
     tb = _from_scenario(e.__traceback__) or e.__traceback__
     payload["traceback"] = "".join(traceback.format_exception(type(e), e, tb))
   try:
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
+    data = pickle.dumps(payload)
   except Exception:  # noqa: BLE001 - an unpicklable value.
-    payload["value"] = repr(payload.get("value"))
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
+    data = pickle.dumps({**payload, "value": repr(payload.get("value"))})
+  with open(job["result"] + ".tmp", "wb") as f:
+    f.write(data)
   os.replace(job["result"] + ".tmp", job["result"])
   sys.stdout.flush()
   sys.stderr.flush()
