@@ -197,9 +197,11 @@ def tfds_pipeline(
     drop_remainder=bool(drop_remainder),
     map_fn=map_fn,
     drop_unsupported=drop_unsupported,
-    data_dir=data_dir,
-    download=download,
-    builder_kwargs=dict(builder_kwargs or {}),
+    load={
+      "data_dir": data_dir,
+      "download": download,
+      "builder_kwargs": dict(builder_kwargs) if builder_kwargs else None,
+    },
     process_index=int(process_index),
     process_count=int(process_count),
   )
@@ -260,9 +262,7 @@ class _Request:
   drop_remainder: bool
   map_fn: Callable[[Any], Any] | None
   drop_unsupported: bool
-  data_dir: str | None
-  download: bool
-  builder_kwargs: dict[str, Any]
+  load: dict[str, Any]  # What `tfds.data_source` and `tfds.load` both take.
   process_index: int
   process_count: int
 
@@ -292,13 +292,7 @@ def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
 
 def _data_source(tfds: Any, r: _Request) -> Any:
   try:
-    source = tfds.data_source(
-      r.name,
-      split=r.split,
-      data_dir=r.data_dir,
-      download=r.download,
-      builder_kwargs=r.builder_kwargs or None,
-    )
+    source = tfds.data_source(r.name, split=r.split, **r.load)
   except ImportError as e:
     raise ImportError(
       f"tfds.data_source({r.name!r}) needs an optional dependency that could not be"
@@ -365,11 +359,9 @@ def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
   ds = tfds.load(
     r.name,
     split=sub,
-    data_dir=r.data_dir,
-    download=r.download,
-    builder_kwargs=r.builder_kwargs or None,
     shuffle_files=r.shuffle,
     read_config=tfds.ReadConfig(shuffle_seed=r.seed),
+    **r.load,
   )
   if r.drop_unsupported:
     ds = tf_data.drop_unsupported_columns(ds)
