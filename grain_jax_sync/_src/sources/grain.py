@@ -23,7 +23,7 @@ from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 
-class GrainIteratorSource(base.SourceIterator):
+class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`)."""
 
   supports_state = True
@@ -31,20 +31,6 @@ class GrainIteratorSource(base.SourceIterator):
   def __init__(self, iterator: Any, *, description: str):
     self._it = iterator
     self.description = description
-
-  def __next__(self) -> Any:
-    return next(self._it)
-
-  def get_state(self) -> Any:
-    return self._kept(self._it.get_state())  # A copy, never the live state.
-
-  def set_state(self, state: Any) -> None:
-    self._it.set_state(base.decode_state(state))
-
-  def close(self) -> None:
-    close = getattr(self._it, "close", None)
-    if callable(close):
-      close()
 
   def local_iterator(self, owner: Any) -> Any:
     return _local_iterator_class()(owner)
