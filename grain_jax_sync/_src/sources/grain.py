@@ -79,13 +79,34 @@ _NOT_ITERABLE = (
 )
 
 
+class _LocalFace:
+  """What a source's iterator is, seen through the agreed stream: a checkpoint face.
+
+  Args:
+    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
+  """
+
+  def __init__(self, owner: Any):
+    super().__init__()  # Grain's `DatasetIterator`, where it is the other base.
+    self._owner = owner
+
+  def __iter__(self) -> Any:
+    return self
+
+  def __next__(self) -> Any:
+    raise TypeError(_NOT_ITERABLE)
+
+  def start_prefetch(self) -> None:
+    """Nothing to start: the stream starts on the next batch."""
+
+
 @functools.cache
 def _local_iterator_class() -> type:
   """A `grain.DatasetIterator` subclass, built on first use (Grain loads lazily)."""
   # Any: Grain's class is a base here, and Grain ships no type information.
   grain: Any = extras.require("grain", needed_by="a Grain source")
 
-  class LocalIterator(grain.DatasetIterator):
+  class LocalIterator(_LocalFace, grain.DatasetIterator):
     """The source's `DatasetIterator`, as seen through the agreed stream.
 
     `get_state()` is the source state after the last batch the consumer
@@ -94,21 +115,11 @@ def _local_iterator_class() -> type:
     ``iterator.local_iterator``) saves and restores it unchanged.
     """
 
-    def __init__(self, owner: Any):
-      super().__init__()
-      self._owner = owner
-
-    def __next__(self) -> Any:
-      raise TypeError(_NOT_ITERABLE)
-
     def get_state(self) -> dict[str, Any]:
       return self._owner.local_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
       self._owner.restore_local(state)
-
-    def start_prefetch(self) -> None:
-      """Nothing to start: the stream starts on the next batch."""
 
     def __str__(self) -> str:
       return "grain_jax_sync.LocalIterator"
@@ -116,30 +127,14 @@ def _local_iterator_class() -> type:
   return LocalIterator
 
 
-class LocalLoaderIterator:
-  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream.
-
-  Args:
-    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
-  """
-
-  def __init__(self, owner: Any):
-    self._owner = owner
-
-  def __iter__(self) -> LocalLoaderIterator:
-    return self
-
-  def __next__(self) -> Any:
-    raise TypeError(_NOT_ITERABLE)
+class LocalLoaderIterator(_LocalFace):
+  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream."""
 
   def get_state(self) -> bytes:
     return _to_json_bytes(self._owner.local_state())
 
   def set_state(self, state: bytes) -> None:
     self._owner.restore_local(_from_json_bytes(state))
-
-  def start_prefetch(self) -> None:
-    """Nothing to start: the stream starts on the next batch."""
 
 
 def open_grain(source: Any) -> base.SourceIterator | None:
