@@ -29,7 +29,7 @@ import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -64,7 +64,7 @@ def _ordered_fallback(devices: Sequence[Any]) -> np.ndarray:
   return out
 
 
-def slice_indices(devices: Sequence[Any]) -> list[Any]:
+def slice_indices(devices: Iterable[Any]) -> list[Any]:
   """The distinct ``slice_index`` values the devices report, ascending (none on CPU)."""
   return sorted({s for s in (getattr(d, "slice_index", None) for d in devices) if s is not None})
 
