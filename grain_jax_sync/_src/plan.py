@@ -219,7 +219,7 @@ def agree_sizes(
       if isinstance(sizes, shapes_lib.Above):
         message = shapes_lib.above_message(layout, sizes, per_host, index)
         return dataclasses.replace(
-          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, -1, index)
+          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, index)
         )
       step = Step(step.action, step.rows, step.real_rows, sizes)
       index += 1
@@ -373,9 +373,9 @@ UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
 NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
 
 
-def value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
-  """A ValueError that every host raises with `message`."""
-  return ReportedError(ErrorKind.VALUE, message, process_index, batch_index)
+def value_error(message: str, batch_index: int = -1) -> ReportedError:
+  """A ValueError that every host raises with `message` (no one process's: process -1)."""
+  return ReportedError(ErrorKind.VALUE, message, -1, batch_index)
 
 
 def config_error(reports: Sequence[Report]) -> ReportedError | None:
