@@ -195,7 +195,7 @@ def _print_mesh_choice() -> None:
   order, reason = placement.default_device_order(jax.devices())
   ids = [d.id for d in order]
   shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
-  slices = sorted({s for d in order if (s := getattr(d, "slice_index", None)) is not None})
+  slices = placement.slice_indices(order)
   print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
   print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
   print(f"batches go to: {placement.resolve_placement().describe()}")

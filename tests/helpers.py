@@ -8,9 +8,20 @@ import time
 import pytest
 
 from grain_jax_sync import testing
+from grain_jax_sync._src import messages
 
 MULTI = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 180
+
+
+def wire(report: messages.Report) -> str:
+  """A report as it travels between hosts: inside a chunk."""
+  return messages.Chunk(start=0, ack=0, report=report).to_json()
+
+
+def unwire(text: str) -> messages.Report:
+  """The report a host reads from `wire`'s text."""
+  return messages.Chunk.from_json(text).report
 
 
 def wait_for_no_threads(deadline_s=10.0):

@@ -22,7 +22,7 @@ Point = collections.namedtuple("Point", ["a", "b"])
 )
 def test_flatten_unflatten_round_trip(batch):
   leaves, names, spec = batches.flatten(batch)
-  rebuilt = batches.unflatten(spec, leaves)
+  rebuilt = trees.unflatten(spec, leaves)
   assert type(rebuilt) is type(batch)
   l2, n2, s2 = batches.flatten(rebuilt)
   assert n2 == names and s2 == spec
@@ -56,7 +56,7 @@ def test_validate_big_endian_becomes_native_and_bfloat16_is_numeric():
 def test_none_is_an_empty_node_as_in_jax():
   hb = batches.validate({"x": np.arange(3), "n": None}, process_index=0, batch_index=0)
   assert hb.signature.names == ("x",) and hb.rows == 3
-  rebuilt = batches.unflatten(hb.signature.spec, hb.leaves)
+  rebuilt = trees.unflatten(hb.signature.spec, hb.leaves)
   assert rebuilt["n"] is None and rebuilt["x"].tolist() == [0, 1, 2]
   with pytest.raises(ValueError, match=r"process 1, batch 5: the batch is None; expected an"):
     batches.validate(None, process_index=1, batch_index=5)
@@ -149,7 +149,7 @@ def test_validate_leaves_no_reference_cycle_holding_arrays():
   gc.disable()
   try:
     hb = batches.validate({"a": x, "b": (x, [x])}, process_index=0, batch_index=0)
-    rebuilt = batches.unflatten(hb.signature.spec, hb.leaves)
+    rebuilt = trees.unflatten(hb.signature.spec, hb.leaves)
     del hb, rebuilt, x
     assert ref() is None  # Freed by reference counting alone.
   finally:

@@ -1,9 +1,16 @@
 """Unit tests of the agreement decision (pure, no JAX)."""
 
 import pytest
+from helpers import unwire, wire
 
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.messages import Action, ErrorKind, Outcome, Report, ReportedError
+from grain_jax_sync._src.messages import (
+  Action,
+  ErrorKind,
+  Outcome,
+  Report,
+  ReportedError,
+)
 from grain_jax_sync._src.plan import Options
 
 SIG = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int32", []]]}
@@ -143,10 +150,8 @@ def test_decide_derives_full_size_from_largest_host_batch_of_first_position():
 
 
 def test_decide_derived_full_size_is_the_same_on_every_host_and_pinned_by_the_caller():
-  wire = [rep(0, [8, 8]).to_json(), rep(1, [5, 8]).to_json()]
-  plans = [
-    plan_lib.decide([Report.from_json(w) for w in wire], DERIVED_PAD, position=0) for _ in range(2)
-  ]
+  texts = [wire(rep(0, [8, 8])), wire(rep(1, [5, 8]))]
+  plans = [plan_lib.decide([unwire(w) for w in texts], DERIVED_PAD, position=0) for _ in range(2)]
   assert plans[0] == plans[1]
   # Process 1's short first batch is followed by another: an error naming both sizes.
   assert plans[0].end == Outcome.RAISE and plans[0].batch_size == 8
@@ -242,9 +247,9 @@ def test_decide_empty_host_gets_dummies_with_padding():
 def test_report_json_round_trip():
   err = ReportedError(ErrorKind.VALUE, "bad", 1, 3, "ValueError")
   r = rep(1, [8, 4], True, error=err, config={"a": 1}, d=4)
-  assert Report.from_json(r.to_json()) == r
+  assert unwire(wire(r)) == r
   r = rep(0, [8], more=True)
-  assert Report.from_json(r.to_json()) == r and r.to_json() != rep(0, [8]).to_json()
+  assert unwire(wire(r)) == r and wire(r) != wire(rep(0, [8]))
 
 
 WAIT_DROP = Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True)

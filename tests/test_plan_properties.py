@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from helpers import unwire, wire
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,9 +103,9 @@ class _Hosts:
 
 def _decide(reports: list[Report], options: Options, position: int) -> plan_lib.Plan:
   """Every host decides on its own deserialized copy of every report: one plan."""
-  wire = [r.to_json() for r in reports]
+  texts = [wire(r) for r in reports]
   plans = [
-    plan_lib.decide([Report.from_json(w) for w in wire], options, position=position)
+    plan_lib.decide([unwire(w) for w in texts], options, position=position)
     for _ in range(len(reports))
   ]
   assert all(p == plans[0] for p in plans), "hosts computed different plans"
@@ -512,7 +513,7 @@ def test_shapes_every_real_element_once_every_padded_element_masked(case):
     )
     for h, batches in enumerate(hosts)
   ]
-  plan = plan_lib.decide([Report.from_json(r.to_json()) for r in reports], options)
+  plan = plan_lib.decide([unwire(wire(r)) for r in reports], options)
   # Every host acts on the decision as it travels (sizes in the codec).
   decision = messages.Decision(0, plan.steps, plan.end, plan.error)
   steps = messages.Decision.from_json(decision.to_json()).steps

@@ -33,7 +33,6 @@ from grain_jax_sync._src.trees import (
   key_paths,
   readable,
 )
-from grain_jax_sync._src.trees import unflatten as unflatten  # Tests reach it here.
 
 # A trailing size that `pad_shapes` lets vary, as a signature records it.
 VARYING = -1

@@ -175,11 +175,7 @@ def checkpoint_save(iterator: Any) -> grain.checkpoint.CheckpointSave:
     >>> mngr.save(step, args=ocp.args.Composite(
     ...     data=checkpoint_save(it), params=ocp.args.StandardSave(params)))
   """
-  save, _ = _grain_args()
-  item = _item(iterator)
-  if isinstance(item, _GrainStateAdapter):
-    return _elastic_args()[0](item)  # The same files, with the restore's handler.
-  return save(item)
+  return _args(iterator, 0)
 
 
 def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
@@ -206,10 +202,11 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
     >>> mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
     ...     data=checkpoint_restore(it)))
   """
-  _, restore = _grain_args()
+  return _args(iterator, 1)
+
+
+def _args(iterator: Any, which: int) -> Any:
+  """Save (`which` 0) or restore (1) arguments; a `JaxBatchIterator`'s, with the elastic handler."""
+  plain = _grain_args()[which]
   item = _item(iterator)
-  if isinstance(item, _GrainStateAdapter):
-    # Grain's handler, which also restores from another process count's
-    # files: every old process's state, for an elastic source.
-    return _elastic_args()[1](item)
-  return restore(item)
+  return _elastic_args()[which](item) if isinstance(item, _GrainStateAdapter) else plain(item)

@@ -13,8 +13,6 @@ from typing import Any
 
 from grain_jax_sync._src import api, placement
 
-REFERENCE_BATCH_SIZE = 256
-
 
 class _DefaultBatchSize(int):
   """The reference's default `batch_size` (256), told apart from a passed 256."""
@@ -23,7 +21,7 @@ class _DefaultBatchSize(int):
     return repr(int(self))
 
 
-_DEFAULT_BATCH_SIZE = _DefaultBatchSize(REFERENCE_BATCH_SIZE)
+_DEFAULT_BATCH_SIZE = _DefaultBatchSize(256)
 
 
 def _full_batch_size(batch_size: Any) -> int | None:

@@ -112,12 +112,8 @@ def device_put(
     raise ValueError(
       f"`ds` must be a grain.IterDataset or grain.MapDataset, got {type(ds).__qualname__}"
     )
-  for arg, value in (
-    ("cpu_buffer_size", cpu_buffer_size),
-    ("device_buffer_size", device_buffer_size),
-  ):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f"`{arg}` must be an int >= 0, got {value!r}")
+  cpu_buffer_size = options_lib.checked_int("cpu_buffer_size", cpu_buffer_size, minimum=0)
+  device_buffer_size = options_lib.checked_int("device_buffer_size", device_buffer_size, minimum=0)
   placement = placement_lib.resolve_device_put(device, mesh, data_axes, sharding)
   # Checked now rather than at the first `iter()`; no store, no thread.
   checked = options_lib.make(

@@ -128,9 +128,6 @@ class JobTable:
         self._shared = [0] * len(COUNTS)
         self._times = [(0.0,) * len(stats_lib.TIMES) for _ in range(process_count)]
 
-  def own(self) -> dict[str, Any]:
-    return self._probe()
-
   def ended(self, *, post: bool = True) -> None:
     """This host's stream ended (its stages closed): posts its times, for the peers' `view`."""
     with self._lock:

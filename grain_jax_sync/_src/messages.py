@@ -119,9 +119,6 @@ class Report:
   digests: tuple[str | None, ...] = ()
   sizes: tuple[tuple[int, ...], ...] = ()
 
-  def to_json(self) -> str:
-    return json.dumps(self.to_obj(), separators=(",", ":"))
-
   def to_obj(self) -> dict[str, Any]:
     """The report as a JSON-ready object (only the fields that differ from their defaults)."""
     obj: dict[str, Any] = {
@@ -145,10 +142,6 @@ class Report:
     if self.sizes:
       obj["z"] = [list(z) for z in self.sizes]
     return obj
-
-  @classmethod
-  def from_json(cls, text: str) -> Report:
-    return cls.from_obj(json.loads(text))
 
   @classmethod
   def from_obj(cls, obj: Mapping[str, Any]) -> Report:

@@ -215,17 +215,17 @@ def make(
   batch_size, read_ahead = given["batch_size"], given["read_ahead"]
   synchronize_batches = bool(given["synchronize_batches"])
   return Options(
-    batch_size=None if batch_size is None else _positive("batch_size", batch_size),
+    batch_size=None if batch_size is None else checked_int("batch_size", batch_size),
     drop_last=bool(given["drop_last"]),
     paddings=paddings,
     mask_key=mask_key,
     dtypes=given["dtypes"],
     synchronize_batches=synchronize_batches,
-    synchronize_lookahead=_positive("synchronize_lookahead", given["synchronize_lookahead"]),
-    prefetch_batches=_positive("prefetch_batches", given["prefetch_batches"], minimum=0),
+    synchronize_lookahead=checked_int("synchronize_lookahead", given["synchronize_lookahead"]),
+    prefetch_batches=checked_int("prefetch_batches", given["prefetch_batches"], minimum=0),
     sync_timeout_s=float(sync_timeout_s),
     name=given["name"],
-    read_ahead=None if read_ahead is None else _positive("read_ahead", read_ahead, minimum=0),
+    read_ahead=None if read_ahead is None else checked_int("read_ahead", read_ahead, minimum=0),
     pad_shapes=shapes_lib.make(
       given["pad_shapes"],
       given["shape_buckets"],
@@ -336,20 +336,16 @@ def check_state(
       raise ValueError(f"`state['settings']` must be a dict, got {saved!r:.100}")
     current = options.digest()
     if dict(saved) != current:
-      keys = sorted(set(saved) | set(current))
-      diffs = [
-        f"{k}: {saved.get(k)!r} vs {current.get(k)!r}"
-        for k in keys
-        if saved.get(k) != current.get(k)
-      ]
+      diffs = plan_lib.settings_diff(saved, current)
       raise ValueError(
-        f"`state` was saved by an iterator with other settings ({'; '.join(diffs)},"
+        f"`state` was saved by an iterator with other settings ({'; '.join(diffs.values())},"
         " saved vs now); build the iterator with the settings it was saved with"
       )
   return batches, state["source"]
 
 
-def _positive(arg: str, value: Any, *, minimum: int = 1) -> int:
+def checked_int(arg: str, value: Any, *, minimum: int = 1) -> int:
+  """`value` as an int, or a ValueError naming the argument `arg` if it is no int >= `minimum`."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}, got {value!r}")

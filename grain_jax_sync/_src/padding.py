@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import shapes as shapes_lib
 from grain_jax_sync._src import trees
 
 
@@ -52,18 +53,10 @@ def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list
   out: list[Any] = []
   used: set[str] = set()
   for name in names:
-    parts = name.split("/")
-    hit = None
-    for n in range(len(parts), 0, -1):
-      prefix = "/".join(parts[:n])
-      if prefix in keys:
-        hit = prefix
-        break
+    hit = shapes_lib.column_of(name, keys)
     if hit is not None:
       used.add(hit)
-      out.append(keys[hit])
-    else:
-      out.append(None)
+    out.append(None if hit is None else keys[hit])
   unknown = sorted(set(keys) - used)
   if unknown:
     raise ValueError(
@@ -236,6 +229,4 @@ def element_mask(
 
 def mask(real_rows: int, target: int) -> np.ndarray:
   """Boolean (target,) array: True for real rows, False for padding."""
-  m = np.zeros((target,), np.bool_)
-  m[:real_rows] = True
-  return m
+  return np.arange(target) < real_rows

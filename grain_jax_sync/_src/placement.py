@@ -29,7 +29,7 @@ import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -64,7 +64,8 @@ def _ordered_fallback(devices: Sequence[Any]) -> np.ndarray:
   return out
 
 
-def _slice_indices(devices: Sequence[Any]) -> list[Any]:
+def slice_indices(devices: Iterable[Any]) -> list[Any]:
+  """The distinct ``slice_index`` values the devices report, ascending (none on CPU)."""
   return sorted({s for s in (getattr(d, "slice_index", None) for d in devices) if s is not None})
 
 
@@ -84,29 +85,29 @@ def default_device_order(devices: Sequence[Any]) -> tuple[np.ndarray, str]:
 
   devices = list(devices)
   n = len(devices)
-  slices = _slice_indices(devices)
+  slices = slice_indices(devices)
   if len(slices) > 1:
     per_slice = n // len(slices)
-    try:
-      order = mesh_utils.create_hybrid_device_mesh((per_slice,), (len(slices),), devices)
-      return np.asarray(order, dtype=object).reshape(-1), (
-        f"devices report {len(slices)} slice_index values: create_hybrid_device_mesh,"
-        f" data parallelism across the {len(slices)} slices of {per_slice} devices"
-      )
-    except Exception as e:  # noqa: BLE001 - any failure falls back, with the reason.
-      return _ordered_fallback(devices), (
-        f"devices report {len(slices)} slice_index values but create_hybrid_device_mesh"
-        f" failed ({type(e).__name__}: {e}); devices ordered by process, then id"
-      )
-  try:
-    order = mesh_utils.create_device_mesh((n,), devices)
-    return np.asarray(order, dtype=object).reshape(-1), (
-      "one slice: create_device_mesh (topology-aware order)"
+    seen = f"devices report {len(slices)} slice_index values"
+    make = functools.partial(
+      mesh_utils.create_hybrid_device_mesh, (per_slice,), (len(slices),), devices
     )
+    chosen = (
+      f"{seen}: create_hybrid_device_mesh, data parallelism across the"
+      f" {len(slices)} slices of {per_slice} devices"
+    )
+    failed = f"{seen} but create_hybrid_device_mesh failed"
+  else:
+    make = functools.partial(mesh_utils.create_device_mesh, (n,), devices)
+    chosen = "one slice: create_device_mesh (topology-aware order)"
+    failed = "create_device_mesh failed"
+  try:
+    order = make()
   except Exception as e:  # noqa: BLE001 - any failure falls back, with the reason.
     return _ordered_fallback(devices), (
-      f"create_device_mesh failed ({type(e).__name__}: {e}); devices ordered by process, then id"
+      f"{failed} ({type(e).__name__}: {e}); devices ordered by process, then id"
     )
+  return np.asarray(order, dtype=object).reshape(-1), chosen
 
 
 def default_mesh(axis_name: str = DATA_AXIS) -> jax.sharding.Mesh:

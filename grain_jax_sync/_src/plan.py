@@ -219,7 +219,7 @@ def agree_sizes(
       if isinstance(sizes, shapes_lib.Above):
         message = shapes_lib.above_message(layout, sizes, per_host, index)
         return dataclasses.replace(
-          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, -1, index)
+          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, index)
         )
       step = Step(step.action, step.rows, step.real_rows, sizes)
       index += 1
@@ -358,6 +358,12 @@ def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:
   return json.loads(json.dumps(settings, sort_keys=True, default=repr))
 
 
+def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, str]:
+  """Per key where two settings digests differ, ``"key: a vs b"``, in key order."""
+  keys = sorted(set(a) | set(b))
+  return {k: f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)}
+
+
 # -- the errors --------------------------------------------------------------------
 
 # The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
@@ -367,9 +373,9 @@ UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
 NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
 
 
-def value_error(message: str, process_index: int = -1, batch_index: int = -1) -> ReportedError:
-  """A ValueError that every host raises with `message`."""
-  return ReportedError(ErrorKind.VALUE, message, process_index, batch_index)
+def value_error(message: str, batch_index: int = -1) -> ReportedError:
+  """A ValueError that every host raises with `message` (no one process's: process -1)."""
+  return ReportedError(ErrorKind.VALUE, message, -1, batch_index)
 
 
 def config_error(reports: Sequence[Report]) -> ReportedError | None:
@@ -380,29 +386,21 @@ def config_error(reports: Sequence[Report]) -> ReportedError | None:
   p0, c0 = configs[0]
   for p, c in configs[1:]:
     if c != c0:
-      keys = sorted(set(c0) | set(c))
-      differ = [k for k in keys if c0.get(k) != c.get(k)]
-      diffs = [f"{k}: {c0.get(k)!r} vs {c.get(k)!r}" for k in differ]
-      mesh = any(k.startswith("sharding") for k in differ)
+      diffs = settings_diff(c0, c)
+      fix = (
+        ", and the same mesh: the same devices in the same order (build it"
+        " from jax.devices() in the same way everywhere, e.g."
+        " grain_jax_sync.default_mesh())"
+        if any(k.startswith("sharding") for k in diffs)
+        else ". If every process was given the same arguments, the processes"
+        " created their iterators in a different order (iterators are paired"
+        " by creation order): create them in the same order, or pass the"
+        " same `name=` to each pair"
+      )
       return value_error(
         f"processes {p0} and {p} were given different settings"
-        f" ({'; '.join(diffs)}); every process must build the iterator with"
-        " the same arguments"
-        + (
-          ". If every process was given the same arguments, the processes"
-          " created their iterators in a different order (iterators are paired"
-          " by creation order): create them in the same order, or pass the"
-          " same `name=` to each pair"
-          if not mesh
-          else ""
-        )
-        + (
-          ", and the same mesh: the same devices in the same order (build it"
-          " from jax.devices() in the same way everywhere, e.g."
-          " grain_jax_sync.default_mesh())"
-          if mesh
-          else ""
-        )
+        f" ({'; '.join(diffs.values())}); every process must build the iterator with"
+        f" the same arguments{fix}"
       )
   return None
 

@@ -90,10 +90,9 @@ class End:
 def _text(e: BaseException) -> str:
   """`str(e)`, or a stand-in where the exception's own `__str__` fails."""
   try:
-    text = str(e)
+    return str(e)
   except Exception as inner:  # noqa: BLE001 - the ending must still be posted.
     return f"<str() of the exception raised {type(inner).__qualname__}>"
-  return text
 
 
 def failed(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import io
 import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from grain_jax_sync._src import sim_worker
 
 
 class _Tee(io.TextIOBase):
@@ -85,13 +86,8 @@ def resolve_function(target: str) -> Callable[..., Any]:
     if not os.path.isfile(module):
       raise ValueError(f"`target` {target!r} names the file {module!r}, which does not exist")
     path = os.path.abspath(module)
-    mod_name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
     sys.path.insert(0, os.path.dirname(path))
-    spec.loader.exec_module(mod)
+    mod: Any = sim_worker.import_file(path)
   else:
     mod = importlib.import_module(module)
   fn = getattr(mod, name, None)

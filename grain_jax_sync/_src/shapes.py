@@ -18,10 +18,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-ROOT_NAME = "<batch>"  # As `batches.ROOT_NAME` (imported by batches, not from it).
+from grain_jax_sync._src.trees import ROOT_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def _per_column(arg: str, value: Any, named: set[str]) -> dict[str, Any]:
   return {str(c): v for c, v in value.items()}
 
 
-def _column_of(name: str, columns: Sequence[str]) -> str | None:
+def column_of(name: str, columns: Collection[str]) -> str | None:
   """The longest column (a leaf's path or a prefix of it) that names leaf `name`."""
   parts = name.split("/")
   for n in range(len(parts), 0, -1):
@@ -179,7 +179,7 @@ def leaf_dims(
   out: list[tuple[int, ...]] = []
   used: set[str] = set()
   for name, rank in zip(names, ranks, strict=True):
-    column = _column_of(name, columns) if names != (ROOT_NAME,) else columns[0]
+    column = column_of(name, columns) if names != (ROOT_NAME,) else columns[0]
     if column is None:
       out.append(())
       continue
@@ -229,7 +229,7 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
     if names == (ROOT_NAME,):  # A bare array: its one entry, whatever its key.
       column: str | None = columns[0] if columns else None
     else:
-      column = _column_of(name, columns)
+      column = column_of(name, columns)
     for t, s in enumerate(shape):
       if s == -1:
         out_names.append(f"column {name!r} dim {t + 1}")

@@ -60,15 +60,18 @@ def _import(spec: Mapping[str, str]) -> Any:
       obj = importlib.import_module(spec["module"])
     except ImportError:
       obj = None
-  if obj is None:
-    path = spec["file"]
-    name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    obj = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = obj
-    module_spec.loader.exec_module(obj)
-  return obj
+  return import_file(spec["file"]) if obj is None else obj
+
+
+def import_file(path: str) -> types.ModuleType:
+  """Imports the Python file `path` under a ``__gjs_scenario_`` name (one per file name)."""
+  name = "__gjs_scenario_" + os.path.splitext(os.path.basename(path))[0]
+  module_spec = importlib.util.spec_from_file_location(name, path)
+  assert module_spec is not None and module_spec.loader is not None
+  module = importlib.util.module_from_spec(module_spec)
+  sys.modules[name] = module
+  module_spec.loader.exec_module(module)
+  return module
 
 
 def run_job(job_path: str) -> None:
@@ -76,7 +79,6 @@ def run_job(job_path: str) -> None:
   with open(job_path, "rb") as f:
     job = pickle.load(f)
   payload: dict[str, Any] = {}
-  code = 0
   try:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -103,12 +105,11 @@ def run_job(job_path: str) -> None:
     tb = _from_scenario(e.__traceback__) or e.__traceback__
     payload["traceback"] = "".join(traceback.format_exception(type(e), e, tb))
   try:
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
+    data = pickle.dumps(payload)
   except Exception:  # noqa: BLE001 - an unpicklable value.
-    payload["value"] = repr(payload.get("value"))
-    with open(job["result"] + ".tmp", "wb") as f:
-      pickle.dump(payload, f)
+    data = pickle.dumps({**payload, "value": repr(payload.get("value"))})
+  with open(job["result"] + ".tmp", "wb") as f:
+    f.write(data)
   os.replace(job["result"] + ".tmp", job["result"])
   sys.stdout.flush()
   sys.stderr.flush()
@@ -131,7 +132,7 @@ def run_job(job_path: str) -> None:
       pass
   # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
   # was killed would hold every other process there for the shutdown timeout.
-  os._exit(code)
+  os._exit(0)
 
 
 if __name__ == "__main__":

@@ -53,14 +53,7 @@ def _normalize_state(state: Any) -> dict[str, Any]:
   """
   if isinstance(state, Mapping) and "version" in state and "source" in state:
     return dict(state)
-  # Version 1: a state that carries no digest of the options to compare.
-  return {
-    "version": 1,
-    "batches": 0,
-    "process_index": jax.process_index(),
-    "process_count": jax.process_count(),
-    "source": state,
-  }
+  return _state(0, state)
 
 
 def _plain_first(
@@ -98,16 +91,17 @@ def _plain_first(
   return [first]
 
 
-def _plain_state(count: int, options: options_lib.Options, source: Any) -> dict[str, Any]:
-  """The state of an iterator that places elements one by one (or has not chosen yet)."""
-  return {
-    "version": options_lib.STATE_VERSION,
+def _state(count: int, source: Any, options: options_lib.Options | None = None) -> dict[str, Any]:
+  """A `JaxBatchIterator` state at batch `count`; without `options`, version 1 (no options digest)."""
+  state = {
+    "version": 1 if options is None else options_lib.STATE_VERSION,
     "batches": count,
     "process_index": jax.process_index(),
     "process_count": jax.process_count(),
-    "settings": options.digest(),
-    "source": source,
   }
+  if options is not None:
+    state["settings"] = options.digest()
+  return {**state, "source": source}
 
 
 class _SyncedIterator:  # The bases come with Grain (`classes`).
@@ -168,7 +162,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       return self._jax.get_state()
     if self._first:  # Read to choose the mode, not yet returned.
       raise RuntimeError("internal: state asked between choosing and returning")
-    return _plain_state(self._count, self._options, self._parent.get_state())
+    return _state(self._count, self._parent.get_state(), self._options)
 
   def set_state(self, state: Any) -> None:
     state = _normalize_state(state)
@@ -221,7 +215,7 @@ def classes() -> tuple[type, type]:
   iterator = type(
     "SyncedDatasetIterator",
     (_SyncedIterator, grain.DatasetIterator),
-    {"_MUTATES_ELEMENT_SPEC": True, "__doc__": _SyncedIterator.__doc__},
+    {"__doc__": _SyncedIterator.__doc__},
   )
   dataset = type(
     "SyncedIterDataset", (_SyncedDataset, grain.IterDataset), {"__doc__": _SyncedDataset.__doc__}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 import types
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -84,11 +85,7 @@ def _is_library(frame: types.FrameType) -> bool:
 
 
 def _only_library(tb: types.TracebackType | None) -> bool:
-  while tb is not None:
-    if not _is_library(tb.tb_frame):
-      return False
-    tb = tb.tb_next
-  return True
+  return all(_is_library(frame) for frame, _ in traceback.walk_tb(tb))
 
 
 def _without_library(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -83,6 +83,34 @@ class SourceIterator:
     return None
 
 
+class WrappedIterator(SourceIterator):
+  """A source over another iterator, `_it`: resumable through its own get_state/set_state.
+
+  Subclasses set `_it`, `description` and `supports_state`.
+  """
+
+  _it: Any
+
+  def __next__(self) -> Any:
+    return next(self._it)
+
+  def get_state(self) -> Any:
+    if not self.supports_state:
+      return super().get_state()
+    return self._kept(self._it.get_state())  # A copy, never the live state.
+
+  def set_state(self, state: Any) -> None:
+    if not self.supports_state:
+      super().set_state(state)
+      return
+    self._it.set_state(decode_state(state))
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if callable(close):
+      close()
+
+
 _TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
 
 

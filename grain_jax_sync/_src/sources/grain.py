@@ -23,7 +23,7 @@ from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 
 
-class GrainIteratorSource(base.SourceIterator):
+class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`)."""
 
   supports_state = True
@@ -32,48 +32,18 @@ class GrainIteratorSource(base.SourceIterator):
     self._it = iterator
     self.description = description
 
-  def __next__(self) -> Any:
-    return next(self._it)
-
-  def get_state(self) -> Any:
-    return self._kept(self._it.get_state())  # A copy, never the live state.
-
-  def set_state(self, state: Any) -> None:
-    self._it.set_state(base.decode_state(state))
-
-  def close(self) -> None:
-    close = getattr(self._it, "close", None)
-    if callable(close):
-      close()
-
   def local_iterator(self, owner: Any) -> Any:
     return _local_iterator_class()(owner)
 
 
-class GrainLoaderSource(base.SourceIterator):
+class GrainLoaderSource(GrainIteratorSource):
   """A `grain.DataLoader` iterator; its JSON-bytes state is kept as a dict."""
 
-  supports_state = True
-
-  def __init__(self, iterator: Any, *, description: str):
-    self._it = iterator
-    self.description = description
-
-  def __next__(self) -> Any:
-    return next(self._it)
-
   def get_state(self) -> Any:
-    raw = self._it.get_state()
-    try:
-      return json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
-    except (ValueError, AttributeError):  # Not JSON: keep the bytes (base64).
-      return base.encode_state(raw)
+    return _from_json_bytes(self._it.get_state())
 
   def set_state(self, state: Any) -> None:
-    state = base.decode_state(state)
-    if not isinstance(state, (bytes, bytearray)):
-      state = json.dumps(state, indent=4).encode("utf-8")
-    self._it.set_state(state)
+    self._it.set_state(_to_json_bytes(state))
 
   def close(self) -> None:
     # DataLoaderIterator (Grain 0.2.18) has no close(); its dataset iterator
@@ -88,9 +58,46 @@ class GrainLoaderSource(base.SourceIterator):
     return LocalLoaderIterator(owner)
 
 
+def _from_json_bytes(raw: Any) -> Any:
+  """A `DataLoaderIterator` state (JSON bytes) as a dict; bytes that are not JSON as base64."""
+  try:
+    return json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
+  except (ValueError, AttributeError):
+    return base.encode_state(raw)
+
+
+def _to_json_bytes(state: Any) -> bytes:
+  """The inverse of `_from_json_bytes`: the JSON bytes a `DataLoaderIterator` takes."""
+  state = base.decode_state(state)
+  if isinstance(state, (bytes, bytearray)):
+    return bytes(state)
+  return json.dumps(state, indent=4).encode("utf-8")
+
+
 _NOT_ITERABLE = (
   "`local_iterator` is for checkpointing (get_state/set_state); iterate the JaxBatchIterator itself"
 )
+
+
+class _LocalFace:
+  """What a source's iterator is, seen through the agreed stream: a checkpoint face.
+
+  Args:
+    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
+  """
+
+  def __init__(self, owner: Any):
+    super().__init__()  # Grain's `DatasetIterator`, where it is the other base.
+    self._owner = owner
+
+  def __iter__(self) -> Any:
+    return self
+
+  def __next__(self) -> Any:
+    raise TypeError(_NOT_ITERABLE)
+
+  def start_prefetch(self) -> None:
+    """Nothing to start: the stream starts on the next batch."""
 
 
 @functools.cache
@@ -99,7 +106,7 @@ def _local_iterator_class() -> type:
   # Any: Grain's class is a base here, and Grain ships no type information.
   grain: Any = extras.require("grain", needed_by="a Grain source")
 
-  class LocalIterator(grain.DatasetIterator):
+  class LocalIterator(_LocalFace, grain.DatasetIterator):
     """The source's `DatasetIterator`, as seen through the agreed stream.
 
     `get_state()` is the source state after the last batch the consumer
@@ -108,21 +115,11 @@ def _local_iterator_class() -> type:
     ``iterator.local_iterator``) saves and restores it unchanged.
     """
 
-    def __init__(self, owner: Any):
-      super().__init__()
-      self._owner = owner
-
-    def __next__(self) -> Any:
-      raise TypeError(_NOT_ITERABLE)
-
     def get_state(self) -> dict[str, Any]:
       return self._owner.local_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
       self._owner.restore_local(state)
-
-    def start_prefetch(self) -> None:
-      """Nothing to start: the stream starts on the next batch."""
 
     def __str__(self) -> str:
       return "grain_jax_sync.LocalIterator"
@@ -130,37 +127,14 @@ def _local_iterator_class() -> type:
   return LocalIterator
 
 
-class LocalLoaderIterator:
-  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream.
-
-  Args:
-    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
-  """
-
-  def __init__(self, owner: Any):
-    self._owner = owner
-
-  def __iter__(self) -> LocalLoaderIterator:
-    return self
-
-  def __next__(self) -> Any:
-    raise TypeError(_NOT_ITERABLE)
+class LocalLoaderIterator(_LocalFace):
+  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream."""
 
   def get_state(self) -> bytes:
-    state = base.decode_state(self._owner.local_state())
-    if isinstance(state, (bytes, bytearray)):
-      return bytes(state)
-    return json.dumps(state, indent=4).encode("utf-8")
+    return _to_json_bytes(self._owner.local_state())
 
   def set_state(self, state: bytes) -> None:
-    try:
-      loaded = json.loads(state.decode("utf-8") if isinstance(state, (bytes, bytearray)) else state)
-    except (ValueError, AttributeError):
-      loaded = base.encode_state(state)
-    self._owner.restore_local(loaded)
-
-  def start_prefetch(self) -> None:
-    """Nothing to start: the stream starts on the next batch."""
+    self._owner.restore_local(_from_json_bytes(state))
 
 
 def open_grain(source: Any) -> base.SourceIterator | None:

@@ -37,7 +37,7 @@ class SequenceSource(base.SourceIterator):
     self._i = index
 
 
-class IteratorSource(base.SourceIterator):
+class IteratorSource(base.WrappedIterator):
   """Any iterable. Resumable when its iterator has get_state/set_state."""
 
   def __init__(self, iterable: Iterable[Any]):
@@ -49,25 +49,6 @@ class IteratorSource(base.SourceIterator):
       getattr(self._it, "set_state", None)
     )
     self.description = f"an iterator of type {type(self._it).__qualname__}"
-
-  def __next__(self) -> Any:
-    return next(self._it)
-
-  def get_state(self) -> Any:
-    if not self.supports_state:
-      return super().get_state()
-    return self._kept(self._it.get_state())  # A copy, never the live state.
-
-  def set_state(self, state: Any) -> None:
-    if not self.supports_state:
-      super().set_state(state)
-      return
-    self._it.set_state(base.decode_state(state))
-
-  def close(self) -> None:
-    close = getattr(self._it, "close", None)
-    if callable(close):
-      close()
 
 
 def next_only(source: Any) -> bool:

@@ -71,19 +71,7 @@ def unsupported_columns(element_spec: Any) -> list[tuple[str, tuple[Any, ...], s
   """Returns (column name, path, what it is) for every non-dense leaf."""
   leaves: list[tuple[str, tuple[Any, ...], Any]] = []
   _walk(element_spec, "", leaves, ())
-  out = []
-  for name, path, spec in leaves:
-    why = _problem(spec)
-    if why is not None:
-      out.append((name, path, why))
-  return out
-
-
-def _drop_paths(element: Any, paths: list[tuple[Any, ...]]) -> Any:
-  """Returns `element` without the dict entries at `paths` (traced by tf.data)."""
-  if paths and not isinstance(element, Mapping):
-    raise AssertionError("only dict entries can be dropped")
-  return base.drop_dict_paths(element, paths)
+  return [(name, path, why) for name, path, spec in leaves if (why := _problem(spec)) is not None]
 
 
 def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:
@@ -135,7 +123,8 @@ def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
     "grain_jax_sync: dropping tf.data columns that cannot become jax.Arrays: %s",
     ", ".join(f"{n} ({why})" for n, _, why in bad),
   )
-  return dataset.map(lambda e: _drop_paths(e, paths))
+  # Every path is a dict entry (`stuck` above), traced by tf.data.
+  return dataset.map(lambda e: base.drop_dict_paths(e, paths))
 
 
 def _to_numpy(t: Any) -> Any:

@@ -97,13 +97,6 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
   )
 
 
-def to_bytes(variant: Any) -> bytes:
-  """The snapshot as bytes (one ``serialize_tensor`` of the variant)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  return tf.io.serialize_tensor(variant).numpy()
-
-
 def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
   """The JSON form of `snapshot`.
 
@@ -117,9 +110,11 @@ def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
   Raises:
     RuntimeError: If the snapshot holds an error, or its state is over `limit`.
   """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   if snapshot.error is not None:
     raise RuntimeError(snapshot.error)
-  data = to_bytes(snapshot.variant)
+  data = tf.io.serialize_tensor(snapshot.variant).numpy()  # One call for the whole variant.
   check_size(len(data), limit)
   return {
     KEY: base64.b64encode(data).decode("ascii"),

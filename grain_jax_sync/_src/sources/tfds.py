@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from grain_jax_sync._src import extras
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import base
 
 if TYPE_CHECKING:
@@ -174,10 +175,7 @@ def tfds_pipeline(
     ...   state = train_step(state, batch)
   """
   _check_reader(reader, elastic, (process_index, process_count, mesh, data_axes, sharding))
-  if (
-    isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
-  ):
-    raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
+  batch_size = options_lib.checked_int("batch_size", batch_size)
   if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
     raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
   if not 0 <= int(seed) < 2**32:
@@ -192,16 +190,18 @@ def tfds_pipeline(
   req = _Request(
     name=name,
     split=split,
-    batch_size=int(batch_size),
+    batch_size=batch_size,
     shuffle=bool(shuffle),
     seed=int(seed) if elastic else process_seed(seed, process_index),
     num_epochs=num_epochs,
     drop_remainder=bool(drop_remainder),
     map_fn=map_fn,
     drop_unsupported=drop_unsupported,
-    data_dir=data_dir,
-    download=download,
-    builder_kwargs=dict(builder_kwargs or {}),
+    load={
+      "data_dir": data_dir,
+      "download": download,
+      "builder_kwargs": dict(builder_kwargs) if builder_kwargs else None,
+    },
     process_index=int(process_index),
     process_count=int(process_count),
   )
@@ -262,9 +262,7 @@ class _Request:
   drop_remainder: bool
   map_fn: Callable[[Any], Any] | None
   drop_unsupported: bool
-  data_dir: str | None
-  download: bool
-  builder_kwargs: dict[str, Any]
+  load: dict[str, Any]  # What `tfds.data_source` and `tfds.load` both take.
   process_index: int
   process_count: int
 
@@ -294,13 +292,7 @@ def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
 
 def _data_source(tfds: Any, r: _Request) -> Any:
   try:
-    source = tfds.data_source(
-      r.name,
-      split=r.split,
-      data_dir=r.data_dir,
-      download=r.download,
-      builder_kwargs=r.builder_kwargs or None,
-    )
+    source = tfds.data_source(r.name, split=r.split, **r.load)
   except ImportError as e:
     raise ImportError(
       f"tfds.data_source({r.name!r}) needs an optional dependency that could not be"
@@ -367,11 +359,9 @@ def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
   ds = tfds.load(
     r.name,
     split=sub,
-    data_dir=r.data_dir,
-    download=r.download,
-    builder_kwargs=r.builder_kwargs or None,
     shuffle_files=r.shuffle,
     read_config=tfds.ReadConfig(shuffle_seed=r.seed),
+    **r.load,
   )
   if r.drop_unsupported:
     ds = tf_data.drop_unsupported_columns(ds)

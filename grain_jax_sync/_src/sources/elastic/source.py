@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from grain_jax_sync._src import options as options_lib
+
 
 @dataclasses.dataclass(frozen=True, eq=False)  # `records` may be unhashable.
 class ElasticSource:
@@ -67,8 +69,7 @@ def elastic_source(
     isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
   ):
     raise ValueError(f"`num_epochs` must be an int >= 1 or None (forever), got {num_epochs!r}")
-  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-    raise ValueError(f"`seed` must be an int >= 0, got {seed!r}")
+  seed = options_lib.checked_int("seed", seed, minimum=0)
   if transform is not None and not callable(transform):
     raise ValueError(f"`transform` must be callable or None, got {type(transform).__name__}")
   try:

@@ -133,7 +133,7 @@ class _Snapshot:
   grain: Any
 
 
-class ElasticIterator(base.SourceIterator):
+class ElasticIterator(base.WrappedIterator):
   """One process's iterator over an `ElasticSource`.
 
   Attributes:
@@ -168,9 +168,6 @@ class ElasticIterator(base.SourceIterator):
     self._layout = layout
     self._it = iter(ds)
 
-  def __next__(self) -> Any:
-    return next(self._it)
-
   def get_state(self) -> Any:
     return _Snapshot(self._layout, self._kept(self._it.get_state()))
 
@@ -198,8 +195,3 @@ class ElasticIterator(base.SourceIterator):
       self._it.set_state(base.decode_state(grain_state))
     elif position:
       raise ValueError("`state['source']['position']` must be 0 without a Grain state")
-
-  def close(self) -> None:
-    close = getattr(self._it, "close", None)
-    if callable(close):
-      close()
