@@ -228,9 +228,10 @@ class OwnReads:
     `check` raises where the iterator is closed; it runs once per liveness
     period (`exchange.WAIT_SLICE_S`), the one periodic wake, on any host.
     """
-    while not self.room() and self.waits_on_build():
+    built = self._built
+    while built is not None and not self.room() and self.waits_on_build():
       check()
-      self._built.wait_done(self._built.done(), exchange_lib.WAIT_SLICE_S)
+      built.wait_done(built.done(), exchange_lib.WAIT_SLICE_S)
 
   def read(self) -> reader_lib.Read | reader_lib.End:
     item = next(self._reader)
