@@ -96,7 +96,8 @@ _TWO = {
 }
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  """The command line, parsed; `--write` with `--only` is refused (a partial table)."""
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
@@ -117,7 +118,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = _parse(argv)
+  args = parse_args(argv)
   q = args.quick
   names = set(args.only or [*_ONE, *_TWO, *host.NAMES])
   kw1 = {k: (v if q else {}) for k, v in _ONE.items() if k in names}

@@ -97,21 +97,6 @@ class FailingSource:
       yield b
 
 
-def run_failing(
-  sizes: list[list[int]], fail_at: dict[int, int], kwargs: dict[str, Any]
-) -> dict[str, Any]:
-  """Process p's source raises at batch fail_at[p] (if given)."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  data = make_batches(p, sizes[p])
-  source = FailingSource(data, fail_at[p]) if p in fail_at else data
-  with gjs.iter_jax_batches(source, **kwargs) as it:
-    return consume(it)
-
-
 def structured_batches(process: int, variant: str, n_batches: int = 2) -> list[Any]:
   """Batches whose structure depends on `variant` (per process)."""
   out = []
@@ -137,36 +122,3 @@ def run_structured(variant_by_process: list[str], kwargs: dict[str, Any]) -> dic
   data = structured_batches(p, variant_by_process[p])
   with gjs.iter_jax_batches(data, **kwargs) as it:
     return consume(it)
-
-
-def run_resume(sizes: list[list[int]], kwargs: dict[str, Any], k: int) -> dict[str, Any]:
-  """An uninterrupted run vs state after k batches restored in a fresh iterator."""
-  import json
-
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  data = make_batches(p, sizes[p])
-  with gjs.iter_jax_batches(data, **kwargs) as it:
-    full = consume(it)
-  with gjs.iter_jax_batches(data, **kwargs) as it:
-    first = consume(it, limit=k)
-    state = json.loads(json.dumps(it.get_state()))
-    # Prefetched-but-unconsumed batches must not leak into the state.
-  with gjs.iter_jax_batches(data, **kwargs) as it2:
-    it2.set_state(state)
-    rest = consume(it2)
-  return {"full": full, "first": first, "rest": rest, "state": state}
-
-
-def collective_all_gather(windows: int) -> list[list[str]]:
-  """The device fallback transport: payloads of different lengths per process."""
-  import jax
-
-  from grain_jax_sync._src import exchange
-
-  p = jax.process_index()
-  ex = exchange.CollectiveExchange(process_index=p, process_count=jax.process_count())
-  return [ex.all_gather(w, f"w{w}-p{p}-" + "x" * (p * 7 + w)) for w in range(windows)]

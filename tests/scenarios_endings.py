@@ -270,51 +270,6 @@ def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[st
   return out
 
 
-def _hanging(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
-  for b, batch in enumerate(batches):
-    if b == at:
-      time.sleep(seconds)  # Alive (its liveness beat goes on), but stuck in its source.
-    yield batch
-
-
-def run_stuck_decider(seconds: float, sync_timeout_s: float) -> dict[str, Any]:
-  """Process 0 (the decider) hangs in its source at batch 2 for `seconds`."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  batches = scenarios.make_batches(p, [8] * LATE_LENGTH)
-  src = _hanging(batches, 2, seconds) if p == 0 else batches
-  kw = dict(KW, sync_timeout_s=sync_timeout_s)
-  it = gjs.iter_jax_batches(src, name="stuck_decider", **kw)
-  out = drain(it)
-  it.close()
-  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
-  return out
-
-
-def run_kill_default(victim: int, kill_at: int = 2) -> dict[str, Any]:
-  """Process `victim` SIGKILLs itself at its batch `kill_at`; default settings everywhere."""
-  import jax
-  from jax._src import distributed
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  jax.devices()
-  distributed.global_state.client.wait_at_barrier("killdef/start", 60_000)
-  src = scenarios_faults.batch_source(p, [8] * 6, kill_at=kill_at if p == victim else None)
-  it = gjs.iter_jax_batches(src, batch_size=8, name="killdef")
-  out = drain(it)
-  start = time.monotonic()
-  it.close()
-  out["close_s"] = time.monotonic() - start
-  if p == 0:
-    time.sleep(3.0)  # Process 0 hosts the store: let the others finish first.
-  return out
-
-
 # -- many iterators broken off ------------------------------------------------------
 
 
@@ -355,30 +310,6 @@ def run_many(count: int) -> dict[str, Any]:
   client.wait_at_barrier("many/looked", 60_000)
   threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
   return {"keys": keys, "ended": ended, "threads": threads}
-
-
-def run_collective_fallback() -> dict[str, Any]:
-  """Iterates with no key-value client: the collective fallback, in the caller's thread."""
-  import jax
-  from jax._src import distributed
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  client = distributed.global_state.client
-  distributed.global_state.client = None  # As without jax.distributed's store.
-  try:
-    data = scenarios.make_batches(p, [[8, 8, 4], [8, 8]][p])
-    it = gjs.iter_jax_batches(data, batch_size=8, paddings=0, mask_key="mask")
-    first = next(it)
-    threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax")]
-    out = scenarios.consume(it)
-    out["batches"].insert(0, scenarios.gather(first))
-    it.close()
-  finally:
-    distributed.global_state.client = client
-  out["threads_while_iterating"] = threads
-  return out
 
 
 def run_collective_reset_peer(resetter: int) -> dict[str, Any]:
@@ -580,46 +511,12 @@ def run_two_threads(length: int) -> dict[str, Any]:
   return {"got": got, "errors": errors, "threads": left}
 
 
-def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
-  """A new iterator each epoch under one `name=`; process 1's steps are slow.
-
-  Epoch e has 3 + e batches of value 100 * e + b on every host.
-  """
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  out = []
-  for e in range(epochs):
-    data = [{"x": np.full(8, 100 * e + b, np.int32)} for b in range(3 + e)]
-    it = gjs.iter_jax_batches(data, batch_size=8, name="train", prefetch_batches=0)
-    got: list[int] = []
-    error = None
-    try:
-      for batch in it:
-        got.append(int(np.asarray(batch["x"].addressable_shards[0].data)[0]))
-        if p == 1:
-          time.sleep(slow_s)
-    except Exception as ex:  # noqa: BLE001 - returned to the test.
-      error = f"{type(ex).__name__}: {ex}"
-    it.close()
-    out.append((e, got, error))
-  return out
-
-
-def run_iterator_only_one_process_makes(sync_timeout_s: float) -> dict[str, Any]:
-  """Each process makes an iterator of a name the other does not use."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  batches = scenarios.make_batches(p, [8] * 4)
-  it = gjs.iter_jax_batches(batches, name=f"only{p}", sync_timeout_s=sync_timeout_s)
-  out = drain(it)
-  it.close()
-  return out
+def hanging(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
+  """`batches`, stuck `seconds` before batch `at` (alive: its liveness beat goes on)."""
+  for b, batch in enumerate(batches):
+    if b == at:
+      time.sleep(seconds)  # Alive (its liveness beat goes on), but stuck in its source.
+    yield batch
 
 
 def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str, Any]:
@@ -636,7 +533,7 @@ def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str,
 
   p = jax.process_index()
   batches = scenarios.make_batches(p, [8] * 4000)
-  src = _hanging(batches, 2, 6.0) if (stall and p == 0) else batches
+  src = hanging(batches, 2, 6.0) if (stall and p == 0) else batches
   it = gjs.iter_jax_batches(src, name="close_thread", prefetch_batches=prefetch, **KW)
   reached = threading.Event()
   if p == 1:

@@ -166,7 +166,7 @@ _HOSTILE_LEAVES: dict[str, Callable[[np.ndarray, int], Any]] = {
 }
 
 
-def _hostile_leaf(kind: str, n: int) -> Any:
+def hostile_leaf(kind: str, n: int) -> Any:
   """A bad (or unusual but valid) `y` column with `n` rows."""
   base = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
   if kind not in _HOSTILE_LEAVES:
@@ -204,14 +204,14 @@ def run_hostile(
     kwargs: dict[str, Any] = {"batch_size": batch_size, "name": f"hostile{k}"}
     if kind in EVERY_HOST_KINDS:
       for b in data:
-        b["y"] = _hostile_leaf(kind, batch_size)
+        b["y"] = hostile_leaf(kind, batch_size)
     elif kind.startswith("too_big"):
       if p == bad_process:
         data[bad_batch] = scenarios.make_batches(p, [batch_size * 2])[0]
       if kind == "too_big_padded":
         kwargs.update(paddings=0, mask_key="mask")
     elif p == bad_process:
-      data[bad_batch] = {**data[bad_batch], "y": _hostile_leaf(kind, batch_size)}
+      data[bad_batch] = {**data[bad_batch], "y": hostile_leaf(kind, batch_size)}
     it = gjs.iter_jax_batches(data, **kwargs)
     out = _outcome(it)
     it.close()
@@ -261,14 +261,16 @@ def run_kill(
 # -- conservation over real Grain pipelines ----------------------------------------
 
 
-def grain_shard(kind: str, process: int, count: int, num_records: int, batch: int) -> Any:
+def grain_shard(
+  kind: str, process: int, count: int, num_records: int, batch: int, worker_count: int = 0
+) -> Any:
   """This process's shard of records ``0..num_records-1`` as a Grain pipeline.
 
   ``"map_slices"``: uneven contiguous `MapDataset` slices (process p gets a
   share proportional to p + 1). ``"loader"``: a `DataLoader` over a
-  `RangeDataSource` with `ShardOptions` (Grain's own near-even split).
-  Records become ``{"id": int32, "v": float32 (2,)}``; batches keep the
-  remainder.
+  `RangeDataSource` with `ShardOptions` (Grain's own near-even split), with
+  `worker_count` worker processes. Records become ``{"id": int32, "v":
+  float32 (2,)}``; batches keep the remainder.
   """
   import grain
 
@@ -293,7 +295,7 @@ def grain_shard(kind: str, process: int, count: int, num_records: int, batch: in
     data_source=grain.sources.RangeDataSource(0, num_records, 1),
     sampler=sampler,
     operations=[ToRecord(), grain.transforms.Batch(batch)],
-    worker_count=0,
+    worker_count=worker_count,
   )
 
 

@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 import numpy as np
-import scenarios
 
 
-def _batches(n: int, p: int) -> list[dict[str, np.ndarray]]:
+def host_batches(n: int, p: int) -> list[dict[str, np.ndarray]]:
+  """Host `p`'s `n` batches of 8 rows: batch i holds 100 * p + i."""
   return [{"x": np.full((8,), 100 * p + i, np.int32)} for i in range(n)]
 
 
@@ -73,7 +73,7 @@ def _iterate_until_the_peer_ends(kw: dict[str, Any]) -> dict[str, Any]:
   """Process 0: iterates until the stream ends; what it got, the error and how long it took."""
   import grain_jax_sync as gjs
 
-  it = gjs.iter_jax_batches(_batches(200, 0), **kw)
+  it = gjs.iter_jax_batches(host_batches(200, 0), **kw)
   got = []
   t0 = time.monotonic()
   try:
@@ -110,53 +110,6 @@ def _threads_left(wait_s: float) -> list[str]:
       return []
     time.sleep(0.05)
   return left
-
-
-def created_in_another_order() -> dict[str, Any]:
-  """Host 0 makes `a` (batch_size 8) then `b` (4); host 1 makes `b` then `a`."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  data = _batches(4, p)
-  make_a = lambda: gjs.iter_jax_batches(data, batch_size=8)  # noqa: E731
-  make_b = lambda: gjs.iter_jax_batches([{"x": d["x"][:4]} for d in data], batch_size=4)  # noqa: E731
-  if p == 0:
-    a, b = make_a(), make_b()
-  else:
-    b, a = make_b(), make_a()
-  mine = a if p == 0 else b  # Each host's first iterator: paired by creation order.
-  try:
-    next(mine)
-    error = None
-  except ValueError as e:
-    error = str(e)
-  a.close()
-  b.close()
-  return {"error": error}
-
-
-def state_before_the_first_batch_of_device_put() -> dict[str, Any]:
-  """A step-0 checkpoint of `device_put` restores on every host."""
-  import grain
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  ds = grain.MapDataset.range(100 * p, 100 * p + 48).batch(8).map(lambda x: {"x": x})
-  synced = gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask")
-  it = iter(synced)
-  state = it.get_state()
-  rows = lambda b: np.asarray(scenarios.gather(b["x"])).reshape(-1)[::8].tolist()  # noqa: E731
-  first = [rows(next(it)) for _ in range(2)]
-  it.close()
-  it2 = iter(synced)
-  it2.set_state(state)
-  again = [rows(next(it2)) for _ in range(2)]
-  it2.close()
-  return {"first": first, "again": again, "state": state}
 
 
 def _checkpoint(it: Any) -> tuple[Any, Any]:
@@ -237,7 +190,7 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
   closer = rng.choice([None, 0, 1])
   ops.insert(rng.randrange(len(ops)), "close")
   kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 60.0}
-  it = gjs.iter_jax_batches(_batches(20, p), name=f"schedule-{seed}", **kw)
+  it = gjs.iter_jax_batches(host_batches(20, p), name=f"schedule-{seed}", **kw)
   host = _HostSchedule(it, p)
   for op in ops:
     if host.step(op, closer):
@@ -280,54 +233,3 @@ def random_schedules(seeds: list[int], prefetch: int) -> list[dict[str, Any]]:
   import jax
 
   return [_one_schedule(seed, prefetch, jax.process_index()) for seed in seeds]
-
-
-def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
-  """Both hosts make `a` then `b`; host 0 first calls next(a), host 1 next(b)."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 20.0}
-  a = gjs.iter_jax_batches(_batches(4, p), **kw)
-  b = gjs.iter_jax_batches(_batches(4, p), **kw)
-  t0 = time.monotonic()
-  try:
-    next(a if p == 0 else b)
-    error = None
-  except Exception as e:  # noqa: BLE001 - the ending under test.
-    error = f"{type(e).__name__}: {e}"
-  seconds = time.monotonic() - t0
-  a.close()
-  b.close()
-  return {"error": error, "seconds": seconds}
-
-
-def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
-  """Host 0 makes `a` then `b`, host 1 `b` then `a`, with the same settings; both call next(a).
-
-  Paired by creation order, each host's `a` is the other's `b`, which it has
-  not started: each waits at the start of a stream the other never starts.
-  """
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 10.0}
-  make = lambda: gjs.iter_jax_batches(_batches(4, p), **kw)  # noqa: E731
-  if p == 0:
-    a, b = make(), make()
-  else:
-    b, a = make(), make()
-  t0 = time.monotonic()
-  try:
-    next(a)
-    error = None
-  except Exception as e:  # noqa: BLE001 - the ending under test.
-    error = f"{type(e).__name__}: {e}"
-  seconds = time.monotonic() - t0
-  a.close()
-  b.close()
-  return {"error": error, "seconds": seconds}

@@ -1,4 +1,4 @@
-"""Batches that are pytree nodes registered with `jax.tree_util` (run in simulated hosts)."""
+"""Batches that are pytree nodes registered with `jax.tree_util` (for tests in one process or many)."""
 
 from __future__ import annotations
 
@@ -25,19 +25,4 @@ def make(process: int, sizes: list[int], tag: str = "train") -> list[Batch]:
   for b, n in enumerate(sizes):
     x = scenarios.rows_for(process, b, n).astype(np.int32)
     out.append(Batch(x, {"y": np.stack([x, -x], axis=1).astype(np.float32), "none": None}, tag))
-  return out
-
-
-def run(
-  per_process_sizes: list[list[int]], kwargs: dict[str, Any], tags: list[str]
-) -> dict[str, Any]:
-  """iter_jax_batches over `Batch` batches; host p's static field is tags[p]."""
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  with gjs.iter_jax_batches(make(p, per_process_sizes[p], tags[p]), **kwargs) as it:
-    out = scenarios.consume(it)
-  out["types"] = [type(b).__name__ for b in out["batches"]]
-  out["tags"] = [b.tag for b in out["batches"]]
-  out["batches"] = [{"x": b.x, "y": b.extra["y"], "none": b.extra["none"]} for b in out["batches"]]
   return out

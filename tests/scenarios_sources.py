@@ -121,36 +121,6 @@ def _to_example() -> Any:
   return ToExample()
 
 
-def run_grain(kind: str, sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
-  """Drains a Grain source through iter_jax_batches (or device_put)."""
-  import grain_jax_sync as gjs
-
-  src = grain_source(kind, sizes)
-  batches, error = [], None
-  try:
-    with gjs.iter_jax_batches(src, **kwargs) as it:
-      for b in it:
-        batches.append(gather(b))
-  except Exception as e:  # noqa: BLE001 - returned to the test.
-    error = f"{type(e).__name__}: {e}"
-  out = summarize(batches)
-  out["error"] = error
-  return out
-
-
-def run_device_put(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
-  import grain_jax_sync as gjs
-
-  ds = gjs.device_put(grain_source("iterdataset", sizes), gjs.default_sharding(), **kwargs)
-  import grain
-
-  it = iter(ds)
-  batches = [gather(b) for b in it]
-  out = summarize(batches)
-  out["is_grain"] = isinstance(ds, grain.IterDataset) and isinstance(it, grain.DatasetIterator)
-  return out
-
-
 # -- resume ----------------------------------------------------------------------
 
 
@@ -248,24 +218,6 @@ def orbax_resume(kind: str, sizes: list[int], k: int, kwargs: dict[str, Any], di
 # -- tf.data ---------------------------------------------------------------------
 
 
-def run_tf(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
-  import tensorflow as tf
-
-  import grain_jax_sync as gjs
-
-  ids = my_ids(sizes)
-  ds = tf.data.Dataset.from_tensor_slices(
-    {
-      "id": ids,
-      "feat": {"x": np.stack([ids, -ids], 1).astype(np.float32)},
-      "pair": (ids.astype(np.int32), (2 * ids).astype(np.int32)),
-    }
-  ).batch(BATCH)
-  with gjs.iter_jax_batches(ds, **kwargs) as it:
-    batches = [gather(b) for b in it]
-  return summarize(batches)
-
-
 # -- TFDS ------------------------------------------------------------------------
 
 
@@ -338,28 +290,3 @@ def build_tiny_ids(data_dir: str, num_examples: int, file_format: str) -> None:
         yield i, {"id": i, "x": np.array([i, -i], np.float32)}
 
   TinyIds(data_dir=data_dir, file_format=file_format).download_and_prepare()
-
-
-def run_tfds_files(reader: str, data_dir: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-  """tfds_pipeline over the prepared "tiny_ids" files with either reader."""
-  import sys
-
-  import grain_jax_sync as gjs
-
-  ds = gjs.tfds_pipeline(
-    "tiny_ids", split="train", batch_size=BATCH, reader=reader, data_dir=data_dir, shuffle=True
-  )
-  ids, masks, xs_ok = [], [], True
-  with gjs.iter_jax_batches(ds, **kwargs) as it:
-    for b in it:
-      g = gather(b)
-      ids.append(g["id"].tolist())
-      masks.append(g["mask"].tolist())
-      real = g["mask"]
-      xs_ok = xs_ok and np.array_equal(g["x"][real], np.stack([g["id"], -g["id"]], 1)[real])
-  return {
-    "ids": ids,
-    "mask": masks,
-    "x_ok": bool(xs_ok),
-    "tensorflow_imported": "tensorflow" in sys.modules,
-  }

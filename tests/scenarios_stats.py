@@ -140,34 +140,3 @@ def straggler(slow: int) -> dict[str, Any]:
       }
   finally:
     log.removeHandler(captured)
-
-
-def stragglers(slowed: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-  """`straggler` once per slowed host, in order (the same on every process)."""
-  return {slow: straggler(slow) for slow in slowed}
-
-
-def ended_figures(cases: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
-  """Per (slowed host or None, prefetch_batches): own stats() at the end, then every host's view.
-
-  Host p reads 3 + p batches (the last short); every host asks for the
-  cross-host view only once every host has ended (a barrier), so each
-  peer's figures at its end are posted.
-  """
-  import jax
-  from jax.experimental import multihost_utils
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  out = []
-  for c, (slow, prefetch) in enumerate(cases):
-    data: Any = scenarios.make_batches(p, [8] * (2 + p) + [5])
-    if p == slow:
-      data = SlowSource(data)
-    with gjs.iter_jax_batches(data, **PADDED, prefetch_batches=prefetch) as it:
-      n = sum(1 for _ in it)
-      own = it.stats()
-      multihost_utils.sync_global_devices(f"ended_figures {c}")
-      out.append({"yielded": n, "own": own, "job": it.stats(all_hosts=True)})
-  return out

@@ -10,15 +10,15 @@ from benchmarks import host, run  # noqa: E402 - the repository root, from any d
 
 
 def test_only_selects_workloads_and_refuses_write_and_unknown_names():
-  assert run._parse(["--only", "cpu_per_batch", "--only", "overhead"]).only == [
+  assert run.parse_args(["--only", "cpu_per_batch", "--only", "overhead"]).only == [
     "cpu_per_batch",
     "overhead",
   ]
-  assert run._parse([]).only is None
+  assert run.parse_args([]).only is None
   with pytest.raises(SystemExit):
-    run._parse(["--only", "nonesuch"])
+    run.parse_args(["--only", "nonesuch"])
   with pytest.raises(SystemExit):  # A partial table must not replace RESULTS.md.
-    run._parse(["--write", "--only", "overhead"])
+    run.parse_args(["--write", "--only", "overhead"])
 
 
 def test_host_rows_report_extra_cpu_memory_and_steps_against_their_peers():

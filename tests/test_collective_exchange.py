@@ -1,9 +1,19 @@
 """The process_allgather fallback transport, across real processes."""
 
 import pytest
-import scenarios
 
 from grain_jax_sync import testing
+
+
+def collective_all_gather(windows: int) -> list[list[str]]:
+  """In each process: gathers payloads of a different length per process and window."""
+  import jax
+
+  from grain_jax_sync._src import exchange
+
+  p = jax.process_index()
+  ex = exchange.CollectiveExchange(process_index=p, process_count=jax.process_count())
+  return [ex.all_gather(w, f"w{w}-p{p}-" + "x" * (p * 7 + w)) for w in range(windows)]
 
 
 @pytest.mark.multiprocess
@@ -11,11 +21,7 @@ from grain_jax_sync import testing
 def test_collective_all_gather_returns_every_payload_in_process_order(n, d):
   outs = testing.values(
     testing.run_processes(
-      scenarios.collective_all_gather,
-      num_processes=n,
-      devices_per_process=d,
-      args=(3,),
-      timeout_s=180,
+      collective_all_gather, num_processes=n, devices_per_process=d, args=(3,), timeout_s=180
     )
   )
   want = [[f"w{w}-p{p}-" + "x" * (p * 7 + w) for p in range(n)] for w in range(3)]

@@ -2,13 +2,15 @@
 
 `.ci/oldest.sh` installs pinned versions and runs the smoke tests and the demo
 there; these checks keep its pins equal to `pyproject.toml`'s lower bounds,
-keep it called by `.ci/run` after the README's test command, and keep the
-README stating the range. (The venv run itself is CI's, not pytest's: it
-downloads and takes minutes.)
+run `.ci/run` (its commands stubbed) to see that it runs the README's test
+command and then the oldest step, and keep the README stating the range.
+(The venv run itself is CI's, not pytest's: it downloads and takes minutes.)
 """
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import tomllib
 
@@ -50,31 +52,44 @@ def test_oldest_pins_are_the_declared_lower_bounds():
         assert spec == f"grain>={bounds['grain']}", (name, spec)
 
 
-def test_ci_runs_the_oldest_step_after_the_readme_command():
+def _run_ci(tmp_path, failing: str = "") -> tuple[int, list[str]]:
+  """Runs `.ci/run` with `python3` and `bash` stubbed; returns its exit code and their calls.
+
+  Each stub records its arguments and succeeds, except a `python3` call that
+  contains `failing` (when given).
+  """
+  log = tmp_path / "calls"
+  stub = '#!/bin/sh\necho "$(basename "$0") $*" >> "$CALLS"\n'
+  if failing:
+    stub += f'case "$*" in *"{failing}"*) exit 1;; esac\n'
+  for name in ("python3", "bash"):
+    (tmp_path / name).write_text(stub + "exit 0\n")
+    (tmp_path / name).chmod(0o755)
+  env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", CALLS=str(log))
+  out = subprocess.run(
+    [shutil.which("bash"), os.path.join(ROOT, ".ci", "run")],
+    env=env, capture_output=True, timeout=60,
+  )  # fmt: skip
+  return out.returncode, log.read_text().splitlines() if log.exists() else []
+
+
+def test_ci_runs_the_readme_command_then_the_oldest_step(tmp_path):
   readme = _read("README.md")
   command = re.search(r"Run the tests .*?```\n(.*?)\n```", readme, re.S).group(1)
-  lines = [x for x in _read(".ci", "run").splitlines() if x and not x.startswith(("#", "set "))]
-  assert lines.index(f"({command})") < lines.index("bash .ci/oldest.sh")
+  steps = [" ".join(shlex.split(step)) for step in command.split("&&")]
+  code, calls = _run_ci(tmp_path)
+  assert code == 0
+  assert calls == [*steps, "bash .ci/oldest.sh"]
 
 
 def test_ci_fails_and_stops_when_a_step_of_the_readme_command_fails(tmp_path):
   # `set -e` does not stop inside an && list: a lint failure once skipped the
   # tests and CI still passed. A `python3` that fails `ruff format --check`:
   # the run must fail, before the tests and the oldest-versions step.
-  log = tmp_path / "calls"
-  stub = tmp_path / "python3"
-  stub.write_text(
-    '#!/bin/sh\necho "$@" >> "$CALLS"\ncase "$*" in *"ruff format"*) exit 1;; esac\nexit 0\n'
-  )
-  stub.chmod(0o755)
-  env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", CALLS=str(log))
-  out = subprocess.run(
-    ["bash", os.path.join(ROOT, ".ci", "run")], env=env, capture_output=True, timeout=60
-  )
-  calls = log.read_text()
-  assert out.returncode != 0
-  assert "-m ruff format --check ." in calls
-  assert "pytest" not in calls and "venv" not in calls
+  code, calls = _run_ci(tmp_path, failing="ruff format")
+  assert code != 0
+  assert calls[-1] == "python3 -m ruff format --check ."
+  assert not [c for c in calls if "pytest" in c or "oldest" in c]
 
 
 def test_readme_states_the_tested_range():

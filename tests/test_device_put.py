@@ -3,6 +3,7 @@
 import inspect
 import json
 import time
+from typing import Any
 
 import grain
 import jax
@@ -18,11 +19,22 @@ SIZES = [13, 6]
 PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
 
 
+def run_device_put(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+
+  ds = gjs.device_put(ss.grain_source("iterdataset", sizes), gjs.default_sharding(), **kwargs)
+
+  it = iter(ds)
+  batches = [ss.gather(b) for b in it]
+  out = ss.summarize(batches)
+  out["is_grain"] = isinstance(ds, grain.IterDataset) and isinstance(it, grain.DatasetIterator)
+  return out
+
+
 @pytest.mark.multiprocess
 def test_device_put_two_processes_uneven_shards_every_example_once():
   outs = testing.values(
     testing.run_processes(
-      ss.run_device_put, num_processes=2, devices_per_process=4, args=(SIZES, PADDED), timeout_s=120
+      run_device_put, num_processes=2, devices_per_process=4, args=(SIZES, PADDED), timeout_s=120
     )
   )
   assert outs[0] == outs[1]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
-import scenarios_perf
+import scenarios
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -83,11 +84,35 @@ def test_values_equal_whether_cast_on_host_or_on_device_single_process(prefetch_
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
 
 
+def dtype_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Float32/float64/int64/uint8 columns through the dtype policy and after."""
+  import jax
+
+  p = jax.process_index()
+  rng = np.random.default_rng(p)
+  data = [
+    {
+      "f32": rng.normal(size=(n, 3)).astype(np.float32) * 1000,
+      "f64": rng.normal(size=(n,)) * 1e6,
+      "i64": rng.integers(-(2**30), 2**30, size=(n,)),
+      "u8": rng.integers(0, 256, size=(n, 2), dtype=np.uint8),
+    }
+    for n in (8, 8, 4)
+  ]
+  dtypes = {"f32": ml_dtypes.bfloat16, "f64": np.float32, "i64": np.int32, "u8": np.float32}
+  policy = [scenarios.gather(b) for b in gjs.iter_jax_batches(data, dtypes=dtypes, **kwargs)]
+  after = [
+    scenarios.gather({k: v.astype(dtypes[k]) for k, v in b.items()})
+    for b in gjs.iter_jax_batches(data, **kwargs)
+  ]
+  return {"policy": policy, "after": after}
+
+
 @pytest.mark.multiprocess
 def test_values_equal_whether_cast_on_host_or_on_device_two_processes():
   outs = testing.values(
     testing.run_processes(
-      scenarios_perf.dtype_values,
+      dtype_values,
       num_processes=2,
       devices_per_process=4,
       args=({"batch_size": 8, "paddings": 0},),

@@ -9,10 +9,15 @@ that a host that closed or died cannot hang a peer in a gather).
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 import scenarios
 import scenarios_endings
+import scenarios_faults
 
 from grain_jax_sync import testing
 from grain_jax_sync._src.agreement import common
@@ -252,6 +257,23 @@ def test_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout(cas
   assert outs[0]["elapsed_s"] < 2.0 + 5.0
 
 
+def run_stuck_decider(seconds: float, sync_timeout_s: float) -> dict[str, Any]:
+  """Process 0 (the decider) hangs in its source at batch 2 for `seconds`."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  batches = scenarios.make_batches(p, [8] * scenarios_endings.LATE_LENGTH)
+  src = scenarios_endings.hanging(batches, 2, seconds) if p == 0 else batches
+  kw = dict(scenarios_endings.KW, sync_timeout_s=sync_timeout_s)
+  it = gjs.iter_jax_batches(src, name="stuck_decider", **kw)
+  out = scenarios_endings.drain(it)
+  it.close()
+  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
+  return out
+
+
 @pytest.mark.multiprocess
 def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout():
   # Process 0 is alive (its beat goes on) but its agreement thread hangs in its
@@ -259,7 +281,7 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
   # ending after 1 + FOLLOWER_GRACE_S and raises it one grace later; process 0
   # raises the same error once its source returns.
   grace = common.FOLLOWER_GRACE_S
-  outs = testing.values(_run(scenarios_endings.run_stuck_decider, 2 * grace + 6, 1.0))
+  outs = testing.values(_run(run_stuck_decider, 2 * grace + 6, 1.0))
   assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
   # Positions before the hang (at most 2) are decided or not, as process 1's
   # chunks reach the decider before it; every host got the same ones.
@@ -302,6 +324,20 @@ def test_close_from_another_thread_ends_that_next_and_the_peer_counts_exactly(pr
     assert out["threads"] == []
 
 
+def run_iterator_only_one_process_makes(sync_timeout_s: float) -> dict[str, Any]:
+  """Each process makes an iterator of a name the other does not use."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  batches = scenarios.make_batches(p, [8] * 4)
+  it = gjs.iter_jax_batches(batches, name=f"only{p}", sync_timeout_s=sync_timeout_s)
+  out = scenarios_endings.drain(it)
+  it.close()
+  return out
+
+
 @pytest.mark.multiprocess
 def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_follower():
   # Process 1 waits for decisions that never come: it posts its timed-out
@@ -309,7 +345,7 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
   # later, naming the iterator that process 0 did not create before a stuck
   # source. Process 0 times out at once, waiting for reports in its own stream.
   grace = common.FOLLOWER_GRACE_S
-  outs = testing.values(_run(scenarios_endings.run_iterator_only_one_process_makes, 1.0, d=2))
+  outs = testing.values(_run(run_iterator_only_one_process_makes, 1.0, d=2))
   for out in outs:
     assert out["error_type"] == "PeerTimeoutError", out
     assert "created or started their iterators in a different order" in out["error"], out
@@ -318,6 +354,27 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
   assert "process 1 got no decision on batch 0 from process 0" in outs[1]["error"]
   assert "it has posted no decision on this iterator yet: its agreement thread" in outs[1]["error"]
   assert outs[1]["elapsed_s"] > 1.0 + 2 * grace - 1
+
+
+def run_kill_default(victim: int, kill_at: int = 2) -> dict[str, Any]:
+  """Process `victim` SIGKILLs itself at its batch `kill_at`; default settings everywhere."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  jax.devices()
+  distributed.global_state.client.wait_at_barrier("killdef/start", 60_000)
+  src = scenarios_faults.batch_source(p, [8] * 6, kill_at=kill_at if p == victim else None)
+  it = gjs.iter_jax_batches(src, batch_size=8, name="killdef")
+  out = scenarios_endings.drain(it)
+  start = time.monotonic()
+  it.close()
+  out["close_s"] = time.monotonic() - start
+  if p == 0:
+    time.sleep(3.0)  # Process 0 hosts the store: let the others finish first.
+  return out
 
 
 @pytest.mark.multiprocess
@@ -333,9 +390,7 @@ def test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_fo
 )
 def test_killed_host_with_default_settings_is_named_within_15_s(n, d, kill_at):
   victim = 1
-  outcomes = _run(
-    scenarios_endings.run_kill_default, victim, kill_at, n=n, d=d, exit_barrier_timeout_s=0
-  )
+  outcomes = _run(run_kill_default, victim, kill_at, n=n, d=d, exit_barrier_timeout_s=0)
   assert outcomes[victim].exit_code == -9
   for o in outcomes:
     if o.process_index == victim:
@@ -368,9 +423,33 @@ def test_sixty_iterators_broken_off_early_leave_no_key_on_any_host():
     assert sum(out["ended"].values()) == 60
 
 
+def run_collective_fallback() -> dict[str, Any]:
+  """Iterates with no key-value client: the collective fallback, in the caller's thread."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  client = distributed.global_state.client
+  distributed.global_state.client = None  # As without jax.distributed's store.
+  try:
+    data = scenarios.make_batches(p, [[8, 8, 4], [8, 8]][p])
+    it = gjs.iter_jax_batches(data, batch_size=8, paddings=0, mask_key="mask")
+    first = next(it)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax")]
+    out = scenarios.consume(it)
+    out["batches"].insert(0, scenarios.gather(first))
+    it.close()
+  finally:
+    distributed.global_state.client = client
+  out["threads_while_iterating"] = threads
+  return out
+
+
 @pytest.mark.multiprocess
 def test_collective_fallback_runs_in_the_callers_thread_and_agrees():
-  for out in testing.values(_run(scenarios_endings.run_collective_fallback)):
+  for out in testing.values(_run(run_collective_fallback)):
     assert out["threads_while_iterating"] == []  # No collective from a background thread.
     assert out["error"] is None and len(out["batches"]) == 3
     for b, batch in enumerate(out["batches"]):
@@ -482,6 +561,34 @@ def test_two_threads_sharing_one_iterator_from_its_first_batch_get_every_batch_o
     assert sorted(out["got"][0] + out["got"][1]) == list(range(300))
 
 
+def run_named_epochs(epochs: int, slow_s: float) -> list[tuple[int, list[int], str | None]]:
+  """A new iterator each epoch under one `name=`; process 1's steps are slow.
+
+  Epoch e has 3 + e batches of value 100 * e + b on every host.
+  """
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  out = []
+  for e in range(epochs):
+    data = [{"x": np.full(8, 100 * e + b, np.int32)} for b in range(3 + e)]
+    it = gjs.iter_jax_batches(data, batch_size=8, name="train", prefetch_batches=0)
+    got: list[int] = []
+    error = None
+    try:
+      for batch in it:
+        got.append(int(np.asarray(batch["x"].addressable_shards[0].data)[0]))
+        if p == 1:
+          time.sleep(slow_s)
+    except Exception as ex:  # noqa: BLE001 - returned to the test.
+      error = f"{type(ex).__name__}: {ex}"
+    it.close()
+    out.append((e, got, error))
+  return out
+
+
 @pytest.mark.multiprocess
 def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # Iterators of one `name=` are counted: epoch e's keys are not epoch e-1's,
@@ -489,7 +596,7 @@ def test_a_new_iterator_each_epoch_under_one_name_reads_no_stale_keys():
   # errors, ALREADY_EXISTS from the store, or a hang).
   outs = testing.values(
     testing.run_processes(
-      scenarios_endings.run_named_epochs,
+      run_named_epochs,
       num_processes=2,
       devices_per_process=2,
       args=(4, 0.15),

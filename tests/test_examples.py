@@ -188,9 +188,25 @@ def test_readme_example_runs_as_written_under_simulate(tmp_path):
   assert "host 1: 672 real rows in 11 batches" in out
 
 
+# `python -m grain_jax_sync` as if tqdm were not installed.
+WITHOUT_TQDM = (
+  "import runpy, sys; sys.modules['tqdm'] = None;"
+  " runpy.run_module('grain_jax_sync', run_name='__main__', alter_sys=True)"
+)
+
+
 @pytest.mark.multiprocess
-def test_demo_command_prints_agreed_batches():
-  out = _cli("demo")
+def test_demo_command_prints_agreed_batches_and_plain_progress_without_tqdm():
+  proc = subprocess.run(
+    [sys.executable, "-c", WITHOUT_TQDM, "demo"],
+    cwd=ROOT, capture_output=True, text=True, timeout=240,
+  )  # fmt: skip
+  assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+  out = proc.stdout
+  # Progress, on stderr: plain lines of batches summed over the 2 hosts, rising to 6/6.
+  progress = [line for line in proc.stderr.splitlines() if line.startswith("batches (all hosts)")]
+  done = [int(re.fullmatch(r"batches \(all hosts\): (\d+)/6", line)[1]) for line in progress]
+  assert done and done == sorted(set(done)) and done[-1] == 6, progress
   assert "every host yielded 3 batches; 27 of 27 records seen once each: True" in out
   assert (
     "batch 2: global (16,) features bfloat16; this host: 0 real + 8 padded rows; global mask sum 1"
@@ -209,17 +225,6 @@ def test_demo_command_prints_agreed_batches():
   assert job[1].split()[:6] == ["0", "3", "10", "14", "1", "0"]
   assert job[2].split()[:6] == ["1", "3", "17", "7", "0", "0"]
   assert job[1].split()[-1] == f"{14 / 24:.4f}"
-
-
-def test_demo_progress_is_plain_text_without_tqdm(monkeypatch, capsys):
-  from grain_jax_sync import __main__ as cli
-
-  monkeypatch.setitem(sys.modules, "tqdm", None)  # As if tqdm were not installed.
-  bar = cli._Progress(6, "batches (all hosts)")
-  for done in (0, 2, 2, 6):
-    bar.update(done)
-  bar.close()
-  assert capsys.readouterr().err == "batches (all hosts): 2/6\nbatches (all hosts): 6/6\n"
 
 
 def test_doctor_reports_devices_and_extras(capsys):

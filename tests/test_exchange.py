@@ -7,7 +7,10 @@ test_ledger.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import scenarios
 import scenarios_perf
 
 from grain_jax_sync import testing
@@ -25,14 +28,6 @@ def run(fn, *args, n=2, d=4, **kwargs):
 
 
 # -- one process ---------------------------------------------------------------------
-
-
-def test_single_process_takes_the_no_exchange_fast_path():
-  from grain_jax_sync._src import exchange
-
-  ex = exchange.make_exchange(synchronize=True, namespace=None)
-  assert isinstance(ex, exchange.LocalExchange)
-  assert ex.all_gather(0, "report") == ["report"]
 
 
 def test_make_exchange_single_process_is_local():
@@ -61,6 +56,31 @@ def test_chunks_up_decisions_down_release_and_end_round_trip(n):
     assert o["left_after_end"] == []
 
 
+def keys_after_iteration(sizes: list[list[int]], kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Drains an iterator, then lists what is left in the key-value store."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  it = gjs.iter_jax_batches(scenarios.make_batches(p, sizes[p]), **kwargs)
+  n, error = 0, None
+  try:
+    for _ in it:
+      n += 1
+  except ValueError as e:
+    error = type(e).__name__
+  it.close()
+  client = exchange.distributed_client()
+  client.wait_at_barrier("keys_after_iteration", 30_000)
+  left = [
+    k
+    for k, _ in client.key_value_dir_get("grain_jax_sync/")
+    if not k.startswith(scenarios_perf.BEATS)
+  ]
+  return {"batches": n, "error": error, "left": left}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
   ("kw", "batches", "error"),
@@ -75,16 +95,37 @@ def test_chunks_up_decisions_down_release_and_end_round_trip(n):
 )
 def test_no_keys_left_after_a_full_iteration(kw, batches, error):
   sizes = [[8] * 30, [8] * 27 + [4]]
-  outs = run(scenarios_perf.keys_after_iteration, sizes, {"batch_size": 8, **kw})
+  outs = run(keys_after_iteration, sizes, {"batch_size": 8, **kw})
   for o in outs:
     assert o["batches"] == batches
     assert o["error"] == error
     assert o["left"] == []
 
 
+def peer_never_comes(timeout_s: float) -> dict[str, Any]:
+  """Process 0 iterates; process 1 never builds its iterator."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  if jax.process_index() != 0:
+    return {"type": None, "threads": scenarios_perf.library_threads()}
+  it = gjs.iter_jax_batches(
+    scenarios.make_batches(0, [8] * 4), batch_size=8, sync_timeout_s=timeout_s
+  )
+  out: dict[str, Any] = {"type": None}
+  try:
+    next(it)
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out = {"type": type(e).__qualname__, "message": str(e), "missing": getattr(e, "missing", None)}
+  it.close()
+  out["threads"] = scenarios_perf.library_threads()
+  return out
+
+
 @pytest.mark.multiprocess
 def test_missing_peer_times_out_naming_it():
-  outs = run(scenarios_perf.peer_never_comes, 2.0)
+  outs = run(peer_never_comes, 2.0)
   o = outs[0]
   assert o["type"] == "PeerTimeoutError"
   assert "process 1 did not report" in o["message"]

@@ -117,7 +117,7 @@ def test_hostile_leaf_on_one_host_raises_same_error_on_every_host(kind):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", VALID_ONE_BATCH)
 def test_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
-  odd = np.asarray(scenarios_faults._hostile_leaf(kind, B), np.float32)
+  odd = np.asarray(scenarios_faults.hostile_leaf(kind, B), np.float32)
   for out in _outs(kind):
     assert out["error"] is None and out["n"] == 3
     for b, y in enumerate(out["batches"]):
@@ -133,7 +133,7 @@ def test_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
 def test_bool_and_python_lists_on_every_host_convert(kind, dtype):
   # Lists of floats become float64 in NumPy and float32 on the device (JAX
   # without x64), the same on every host.
-  local = np.asarray(scenarios_faults._hostile_leaf(kind, B))
+  local = np.asarray(scenarios_faults.hostile_leaf(kind, B))
   for out in _outs(kind):
     assert out["error"] is None and out["n"] == 3
     for y in out["batches"]:
@@ -146,7 +146,7 @@ def test_bool_and_python_lists_on_every_host_convert(kind, dtype):
 
 @pytest.mark.parametrize("kind", [*VALID_ONE_BATCH, "bool", "list_of_lists"])
 def test_single_process_valid_kinds_keep_values(kind):
-  leaf = scenarios_faults._hostile_leaf(kind, 8)
+  leaf = scenarios_faults.hostile_leaf(kind, 8)
   with gjs.iter_jax_batches([{"y": leaf}], batch_size=8) as it:
     (batch,) = list(it)
   np.testing.assert_array_equal(np.asarray(batch["y"]), np.asarray(leaf))
@@ -155,7 +155,7 @@ def test_single_process_valid_kinds_keep_values(kind):
 @pytest.mark.parametrize("kind", list(INVALID))
 def test_single_process_invalid_kinds_raise_naming_batch_and_column(kind):
   batches = scenarios.make_batches(0, [8, 8])
-  batches[1] = {**batches[1], "y": scenarios_faults._hostile_leaf(kind, 8)}
+  batches[1] = {**batches[1], "y": scenarios_faults.hostile_leaf(kind, 8)}
   with gjs.iter_jax_batches(batches, batch_size=8) as it:
     next(it)
     with pytest.raises(ValueError) as info:

@@ -171,13 +171,7 @@ def test_grain_dataloader_workers_stop_on_close():
 
   if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
     flags.FLAGS.mark_as_parsed()
-  loader = scenarios_faults.grain_shard("loader", 0, 1, 64, 8)
-  loader = type(loader)(
-    data_source=loader._data_source,  # noqa: SLF001 - same pipeline, one worker.
-    sampler=loader._sampler,  # noqa: SLF001
-    operations=loader._operations,  # noqa: SLF001
-    worker_count=1,
-  )
+  loader = scenarios_faults.grain_shard("loader", 0, 1, 64, 8, worker_count=1)
   before = _workers()
   it = gjs.iter_jax_batches(loader, batch_size=8)
   batch = next(it)

@@ -7,9 +7,12 @@ jax.distributed with gloo). Every check reads the rows of the global arrays.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import scenarios
+import scenarios_pytree
 from helpers import MULTI, run
 
 import grain_jax_sync as gjs
@@ -221,12 +224,25 @@ def test_empty_host_compat_generator_synchronized():
     np.testing.assert_array_equal(out["batches"][0]["x"], expected_x(sizes, [0, None], 8, 0))
 
 
+def run_failing(
+  sizes: list[list[int]], fail_at: dict[int, int], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+  """In each process: process p's source raises at batch fail_at[p] (if given)."""
+  import jax
+
+  p = jax.process_index()
+  data = scenarios.make_batches(p, sizes[p])
+  source = scenarios.FailingSource(data, fail_at[p]) if p in fail_at else data
+  with gjs.iter_jax_batches(source, **kwargs) as it:
+    return scenarios.consume(it)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("n", "d"), MULTI)
 def test_source_failure_raises_promptly_on_every_host(n, d):
   sizes = [[8, 8, 8]] * n
   outs = testing.values(
-    run(scenarios.run_failing, n, d, sizes, {1: 2}, {"batch_size": 8, "synchronize_lookahead": 10})
+    run(run_failing, n, d, sizes, {1: 2}, {"batch_size": 8, "synchronize_lookahead": 10})
   )
   assert outs[1]["error_type"] == "KeyError" and "record 2 is missing" in outs[1]["error"]
   for p, out in enumerate(outs):
@@ -293,8 +309,6 @@ def test_empty_batches_are_skipped():
 
 
 def test_a_registered_dataclass_batch_keeps_its_type_static_fields_and_none_leaves():
-  import scenarios_pytree
-
   data = scenarios_pytree.make(0, [8, 8, 5], tag="eval")
   with gjs.iter_jax_batches(data, batch_size=8, paddings={"x": -1, "extra": 0}) as it:
     got = list(it)
@@ -306,21 +320,34 @@ def test_a_registered_dataclass_batch_keeps_its_type_static_fields_and_none_leav
 
 
 def test_a_registered_dataclass_batch_names_its_columns_in_errors():
-  import scenarios_pytree
-
   data = scenarios_pytree.make(0, [8, 8])
   data[1].extra["y"] = data[1].extra["y"].astype(np.float64)
   with pytest.raises(ValueError, match=r"batch 1.*column 'extra/y'.*float32"):
     list(gjs.iter_jax_batches(data, batch_size=8))
 
 
+def run_dataclass_batches(
+  per_process_sizes: list[list[int]], kwargs: dict[str, Any], tags: list[str]
+) -> dict[str, Any]:
+  """In each process: iter_jax_batches over `Batch` batches; host p's static field is tags[p]."""
+  import jax
+
+  p = jax.process_index()
+  with gjs.iter_jax_batches(
+    scenarios_pytree.make(p, per_process_sizes[p], tags[p]), **kwargs
+  ) as it:
+    out = scenarios.consume(it)
+  out["types"] = [type(b).__name__ for b in out["batches"]]
+  out["tags"] = [b.tag for b in out["batches"]]
+  out["batches"] = [{"x": b.x, "y": b.extra["y"], "none": b.extra["none"]} for b in out["batches"]]
+  return out
+
+
 @pytest.mark.multiprocess
 def test_two_processes_registered_dataclass_batches_and_an_empty_host():
-  import scenarios_pytree
-
   sizes = [[8, 8], []]  # Process 1 builds dummy Batches from process 0's structure.
   kwargs = {"batch_size": 8, "paddings": 0}
-  outs = testing.values(run(scenarios_pytree.run, 2, 4, sizes, kwargs, ["train", "train"]))
+  outs = testing.values(run(run_dataclass_batches, 2, 4, sizes, kwargs, ["train", "train"]))
   for out in outs:
     assert out["error"] is None, out["error"]
     assert out["types"] == ["Batch", "Batch"] and out["tags"] == ["train", "train"]
@@ -329,7 +356,7 @@ def test_two_processes_registered_dataclass_batches_and_an_empty_host():
       assert batch["y"].shape == (16, 2) and batch["none"] is None
   # A static field that differs between hosts is a different structure: the
   # same error on every host.
-  outs = testing.values(run(scenarios_pytree.run, 2, 4, [[8], [8]], kwargs, ["train", "eval"]))
+  outs = testing.values(run(run_dataclass_batches, 2, 4, [[8], [8]], kwargs, ["train", "eval"]))
   assert outs[0]["error"] == outs[1]["error"] and "structure" in outs[0]["error"]
   assert "Batch[('train',)]" in outs[0]["error"] and "Batch[('eval',)]" in outs[0]["error"]
   assert "'p':" not in outs[0]["error"]  # Named by the node, not by its pickled treedef.

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 import grain
 import numpy as np
@@ -154,9 +155,28 @@ def test_a_device_put_state_before_the_first_batch_restores_single_process():
   it.close()
 
 
+def state_before_the_first_batch_of_device_put() -> dict[str, Any]:
+  """A step-0 checkpoint of `device_put` restores on every host."""
+  import jax
+
+  p = jax.process_index()
+  ds = grain.MapDataset.range(100 * p, 100 * p + 48).batch(8).map(lambda x: {"x": x})
+  synced = gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask")
+  it = iter(synced)
+  state = it.get_state()
+  rows = lambda b: np.asarray(scenarios.gather(b["x"])).reshape(-1)[::8].tolist()  # noqa: E731
+  first = [rows(next(it)) for _ in range(2)]
+  it.close()
+  it2 = iter(synced)
+  it2.set_state(state)
+  again = [rows(next(it2)) for _ in range(2)]
+  it2.close()
+  return {"first": first, "again": again, "state": state}
+
+
 @pytest.mark.multiprocess
 def test_a_device_put_state_before_the_first_batch_restores_two_processes():
-  outs = run(scenarios_lifetime.state_before_the_first_batch_of_device_put)
+  outs = run(state_before_the_first_batch_of_device_put)
   for o in outs:
     assert o["state"]["batches"] == 0
     assert o["first"] == o["again"] == [[0, 100], [8, 108]]
@@ -179,9 +199,32 @@ def test_no_traceback_at_interpreter_exit_from_grain_closing_an_open_iterator():
   assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def created_in_another_order() -> dict[str, Any]:
+  """Host 0 makes `a` (batch_size 8) then `b` (4); host 1 makes `b` then `a`."""
+  import jax
+
+  p = jax.process_index()
+  data = scenarios_lifetime.host_batches(4, p)
+  make_a = lambda: gjs.iter_jax_batches(data, batch_size=8)  # noqa: E731
+  make_b = lambda: gjs.iter_jax_batches([{"x": d["x"][:4]} for d in data], batch_size=4)  # noqa: E731
+  if p == 0:
+    a, b = make_a(), make_b()
+  else:
+    b, a = make_b(), make_a()
+  mine = a if p == 0 else b  # Each host's first iterator: paired by creation order.
+  try:
+    next(mine)
+    error = None
+  except ValueError as e:
+    error = str(e)
+  a.close()
+  b.close()
+  return {"error": error}
+
+
 @pytest.mark.multiprocess
 def test_iterators_created_in_another_order_name_creation_order_on_every_host():
-  outs = run(scenarios_lifetime.created_in_another_order)
+  outs = run(created_in_another_order)
   for o in outs:
     assert o["error"] is not None
     assert "created their iterators in a different order" in o["error"], o["error"]
@@ -458,6 +501,26 @@ def test_random_schedules_on_two_processes_end_the_same_way(prefetch):
       assert [v for v, _ in a["got"]] == [v for v, _ in b["got"]]
 
 
+def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
+  """Both hosts make `a` then `b`; host 0 first calls next(a), host 1 next(b)."""
+  import jax
+
+  p = jax.process_index()
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 20.0}
+  a = gjs.iter_jax_batches(scenarios_lifetime.host_batches(4, p), **kw)
+  b = gjs.iter_jax_batches(scenarios_lifetime.host_batches(4, p), **kw)
+  t0 = time.monotonic()
+  try:
+    next(a if p == 0 else b)
+    error = None
+  except Exception as e:  # noqa: BLE001 - the ending under test.
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.monotonic() - t0
+  a.close()
+  b.close()
+  return {"error": error, "seconds": seconds}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
@@ -465,7 +528,7 @@ def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
   # `sync_timeout_s` process 0 raised PeerTimeoutError (whose hint did not
   # fit) and process 1 another error. Now both name the cause, at half
   # `sync_timeout_s` (20 s here) at the latest.
-  p0, p1 = run(scenarios_lifetime.first_next_in_another_order, prefetch)
+  p0, p1 = run(first_next_in_another_order, prefetch)
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
   assert "created or started their iterators in a different order" in p0["error"]
@@ -473,12 +536,39 @@ def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
   assert p0["seconds"] < 18 and p1["seconds"] < 18, (p0, p1)
 
 
+def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
+  """Host 0 makes `a` then `b`, host 1 `b` then `a`, with the same settings; both call next(a).
+
+  Paired by creation order, each host's `a` is the other's `b`, which it has
+  not started: each waits at the start of a stream the other never starts.
+  """
+  import jax
+
+  p = jax.process_index()
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 10.0}
+  make = lambda: gjs.iter_jax_batches(scenarios_lifetime.host_batches(4, p), **kw)  # noqa: E731
+  if p == 0:
+    a, b = make(), make()
+  else:
+    b, a = make(), make()
+  t0 = time.monotonic()
+  try:
+    next(a)
+    error = None
+  except Exception as e:  # noqa: BLE001 - the ending under test.
+    error = f"{type(e).__name__}: {e}"
+  seconds = time.monotonic() - t0
+  a.close()
+  b.close()
+  return {"error": error, "seconds": seconds}
+
+
 @pytest.mark.multiprocess
 def test_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix():
   # Host 0 makes `a` then `b`, host 1 `b` then `a`, no `name=`; both call
   # next(a) first. The message named only the order of the next() calls,
   # which was the same on both hosts.
-  p0, p1 = run(scenarios_lifetime.created_in_another_order_same_settings, 2)
+  p0, p1 = run(created_in_another_order_same_settings, 2)
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith(
     "RuntimeError: process 0 waits for the first batch of iterator 'grain_jax_sync/0' and"

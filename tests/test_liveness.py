@@ -43,8 +43,13 @@ def test_the_first_beat_is_written_before_the_beat_starts_its_thread():
   assert store.key_value_dir_get(exchange.beat_key(3)) == []  # Deleted on stop.
 
 
+def _beat_threads() -> set[threading.Thread]:
+  return {t for t in threading.enumerate() if t.name.startswith("gjs-beat-")}
+
+
 def test_the_beat_goes_on_until_stopped():
   store = MemoryStore()
+  before = _beat_threads()
   beat = liveness.Beat(store, 0)
   try:
     deadline = time.monotonic() + 10 * liveness.BEAT_S
@@ -52,9 +57,11 @@ def test_the_beat_goes_on_until_stopped():
       assert time.monotonic() < deadline, "the beat did not advance"
       time.sleep(0.05)
     assert int(store.key_value_try_get(exchange.beat_key(0))) >= 2
+    assert _beat_threads() - before  # Its own thread beats.
   finally:
     beat.stop()
-  assert not beat._thread.is_alive()
+  assert not _beat_threads() - before  # Stopped: its thread has ended.
+  assert store.key_value_dir_get(exchange.beat_key(0)) == []  # And its key is gone.
 
 
 def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool]]:

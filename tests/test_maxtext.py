@@ -8,10 +8,12 @@ tests run that loop unchanged.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import grain
 import numpy as np
 import pytest
+import scenarios
 import scenarios_dropin
 
 import grain_jax_sync as gjs
@@ -138,11 +140,34 @@ def test_a_local_iterator_restore_mid_stream_counts_batches_from_zero_again():
   it.close()
 
 
+def run_local_restore_mid_run() -> dict[str, Any]:
+  """Both restore a `local_iterator` state saved a batch earlier into their running iterators."""
+  import jax
+
+  p = jax.process_index()
+
+  def ds() -> Any:
+    rows = grain.MapDataset.range(64).map(lambda i: {"x": np.int32(i + 1000 * p)})
+    return rows.batch(8).to_iter_dataset()
+
+  it = gjs.iter_jax_batches(ds(), batch_size=8)
+  for _ in range(3):
+    next(it)
+  saved = it.local_iterator.get_state()
+  next(it)
+  it.local_iterator.set_state(saved)
+  out = scenarios.consume(it)
+  out["rows"] = [b["x"].tolist() for b in out.pop("batches")]
+  out["count"] = it.get_state()["batches"]
+  it.close()
+  return out
+
+
 @pytest.mark.multiprocess
 def test_hosts_restoring_a_local_state_mid_run_resume_its_rows_and_count_from_zero():
   outs = testing.values(
     testing.run_processes(
-      scenarios_dropin.run_local_restore_mid_run,
+      run_local_restore_mid_run,
       num_processes=2,
       devices_per_process=4,
       timeout_s=120,
@@ -164,12 +189,37 @@ def test_local_iterator_is_none_for_a_list_and_not_iterable_for_grain():
   it.close()
 
 
+def run_reset_peer(resetter: int, prefetch: int) -> dict[str, Any]:
+  """Process `resetter` resets after one batch; its peer, still iterating, raises naming it."""
+  import jax
+
+  p = jax.process_index()
+  # Longer than the resetter reads ahead and holds decided (about 4 x 32
+  # windows + 2: its agreement, its queue and its build stage), so that the
+  # reset lands mid-stream.
+  data = scenarios.make_batches(p, [8] * 400)
+  it = gjs.iter_jax_batches(data, synchronize_lookahead=2, prefetch_batches=prefetch)
+  next(it)
+  if p == resetter:
+    it.reset()
+    it.close()
+    return {"reset": True}
+  out: dict[str, Any] = {"batches": 1, "error": None, "error_type": None}
+  try:
+    for _ in it:  # No collective here: the resetter is gone.
+      out["batches"] += 1
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out["error"], out["error_type"] = str(e), type(e).__name__
+  it.close()
+  return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("resetter", [0, 1])
 def test_reset_while_a_peer_iterates_raises_on_the_peer_naming_the_process(resetter):
   outs = testing.values(
     testing.run_processes(
-      scenarios_dropin.run_reset_peer,
+      run_reset_peer,
       num_processes=2,
       devices_per_process=4,
       args=(resetter, 2),

@@ -1,4 +1,4 @@
-"""The options, made and checked once under their public names; resume states checked.
+"""The options, checked under their public names; resume states checked.
 
 Malformed or foreign states are refused, naming the field, before the source moves.
 """
@@ -12,7 +12,6 @@ import pytest
 import scenarios
 
 import grain_jax_sync as gjs
-from grain_jax_sync._src import options as options_lib
 
 
 class Recorder:
@@ -102,15 +101,30 @@ def test_state_records_the_settings_and_resumes():
   it.close()
 
 
-def test_make_holds_the_options_under_their_public_names():
-  keywords = {"prefetch_batches": 0, "synchronize_lookahead": 3, "synchronize_batches": False}
-  options = options_lib.make("iter_jax_batches", keywords, process_count=1)
-  assert (options.prefetch_batches, options.synchronize_lookahead) == (0, 3)
-  assert options.synchronize_batches is False
-  assert (options.batch_size, options.sync_timeout_s, options.pad_shapes) == (None, 600.0, None)
-  # The digest's keys are the public names too: states saved before still resume.
-  digest = ["batch_size", "drop_last", "dtypes", "mask_key", "paddings", "synchronize_lookahead"]
-  assert sorted(options.digest()) == digest
+def test_a_state_saved_before_resumes():
+  # As `get_state()` saved it, written out: its settings are keyed by the
+  # public option names, so a state saved by an earlier run still resumes.
+  saved = {
+    "version": 2,
+    "batches": 1,
+    "process_index": 0,
+    "process_count": 1,
+    "settings": {
+      "batch_size": 8,
+      "drop_last": False,
+      "dtypes": None,
+      "mask_key": None,
+      "paddings": None,
+      "synchronize_lookahead": 10,
+    },
+    "source": {"i": 1},
+  }
+  assert _state() == saved  # Still saved so today.
+  source = Recorder()
+  it = _fresh(source=source)
+  it.set_state(saved)
+  np.testing.assert_array_equal(np.asarray(next(it)["x"]), scenarios.rows_for(0, 1, 8))
+  it.close()
 
 
 @pytest.mark.parametrize(

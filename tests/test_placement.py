@@ -10,7 +10,9 @@ encode their input shard: 1000 * shard + 10 * batch + row.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import os
+import subprocess
+import sys
 
 import grain
 import jax
@@ -26,6 +28,7 @@ from grain_jax_sync import testing
 from grain_jax_sync._src import placement
 
 TIMEOUT = 240
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mesh(shape=(4, 2), axes=("data", "model")):
@@ -306,19 +309,27 @@ def test_default_order_uneven_slices_fall_back_to_process_then_id():
   assert "2 slice_index values but create_hybrid_device_mesh failed" in reason
 
 
-def test_default_mesh_is_1d_over_every_device_and_logs_why(caplog):
-  placement._logged.clear()
-  with caplog.at_level(logging.INFO, logger="grain_jax_sync"):
-    mesh = gjs.default_mesh()
-    gjs.default_mesh()
+def test_default_mesh_is_1d_over_every_device_and_logs_why_once_per_process():
+  mesh = gjs.default_mesh()
   assert mesh.axis_names == ("data",) and mesh.devices.shape == (8,)
   assert set(mesh.devices.flat) == set(jax.devices())
-  logged = [r.getMessage() for r in caplog.records if "default mesh" in r.getMessage()]
-  assert logged == [
+  assert gjs.default_sharding().spec == PartitionSpec("data")
+  # Once per process: a fresh interpreter, whose first call logs.
+  code = (
+    "import logging, sys\n"
+    "logging.basicConfig(stream=sys.stdout, level=logging.INFO, format='%(message)s')\n"
+    "import grain_jax_sync as gjs\n"
+    "gjs.default_mesh(); gjs.default_mesh(); gjs.default_sharding()\n"
+  )
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [line for line in proc.stdout.splitlines() if "default mesh" in line] == [
     "grain_jax_sync: default mesh: 1-D 'data' axis over 8 devices;"
     " one slice: create_device_mesh (topology-aware order)"
   ]
-  assert gjs.default_sharding().spec == PartitionSpec("data")
 
 
 @pytest.mark.parametrize(

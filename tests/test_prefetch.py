@@ -9,6 +9,8 @@ import gc
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -223,6 +225,24 @@ def test_prefetcher_rejects_zero_buffer():
 # -- several processes ----------------------------------------------------------
 
 
+def consume_with_state(
+  sizes: list[list[int]], kwargs: dict[str, Any], *, k: int, delay_s: list[float] | None = None
+) -> dict[str, Any]:
+  """Consumes `k` batches; returns them (gathered) and the state after them."""
+
+  p = jax.process_index()
+  data = scenarios.make_batches(p, sizes[p])
+  it = gjs.iter_jax_batches(data, **kwargs)
+  got = []
+  for _ in range(k):
+    got.append(scenarios.gather(next(it)))
+  if delay_s is not None:
+    time.sleep(delay_s[p])  # Let the prefetch thread run ahead.
+  state = it.get_state()
+  it.close()
+  return {"batches": got, "state": state, "threads": scenarios_perf.library_threads()}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("k", [1, 4])
 def test_state_after_k_batches_equals_no_prefetch_two_processes(k):
@@ -231,7 +251,7 @@ def test_state_after_k_batches_equals_no_prefetch_two_processes(k):
   outs = {}
   for pf in (0, 2):
     outs[pf] = run(
-      scenarios_perf.consume_with_state,
+      consume_with_state,
       sizes,
       {**kw, "prefetch_batches": pf},
       k=k,
@@ -244,6 +264,20 @@ def test_state_after_k_batches_equals_no_prefetch_two_processes(k):
       np.testing.assert_array_equal(a["x"], b["x"])
       np.testing.assert_array_equal(a["m"], b["m"])
     assert outs[2][p]["threads"] == []
+
+
+def consume_all(
+  sizes: list[list[int]], kwargs: dict[str, Any], *, delay_s: list[float]
+) -> dict[str, Any]:
+  """Drains an iterator over a source that sleeps `delay_s[process]` per batch."""
+
+  p = jax.process_index()
+  data = scenarios.make_batches(p, sizes[p])
+  it = gjs.iter_jax_batches(scenarios_perf.slow(data, delay_s[p]), **kwargs)
+  out = scenarios.consume(it)
+  it.close()
+  out["threads"] = scenarios_perf.library_threads()
+  return out
 
 
 @pytest.mark.multiprocess
@@ -260,8 +294,8 @@ def test_decisions_do_not_depend_on_timing_two_processes(kw):
   # Process 0 reads slowly, process 1 quickly; uneven sizes and counts.
   sizes = [[8, 4, 8, 8, 6, 8, 8], [8, 8, 8, 2, 8]]
   base = {"batch_size": 8, "paddings": -1, "mask_key": "m"}
-  want = run(scenarios_perf.consume_all, sizes, base, delay_s=[0.0, 0.0])
-  got = run(scenarios_perf.consume_all, sizes, {**base, **kw}, delay_s=[0.01, 0.0])
+  want = run(consume_all, sizes, base, delay_s=[0.0, 0.0])
+  got = run(consume_all, sizes, {**base, **kw}, delay_s=[0.01, 0.0])
   for w, g in zip(want, got, strict=True):
     assert g["error"] is None and w["error"] is None
     assert len(g["batches"]) == len(w["batches"]) == 7
@@ -271,21 +305,84 @@ def test_decisions_do_not_depend_on_timing_two_processes(kw):
     assert g["threads"] == []
 
 
+def _endless(process: int, delay_s: float) -> Iterator[Any]:
+  """Batches of 8 rows, one every `delay_s`, without end."""
+  b = 0
+  while True:
+    time.sleep(delay_s)
+    yield {"x": scenarios.rows_for(process, b, 8).astype(np.int32)}
+    b += 1
+
+
+def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Takes 2 batches of an endless source, then closes or drops the iterator.
+
+  Endless, so that the stage threads are still up (blocked on full buffers)
+  when it stops: the agreement and build stages together hold up to a few
+  hundred batches read ahead, and a finite source could be read to its end.
+  """
+
+  from grain_jax_sync._src import exchange
+
+  p = jax.process_index()
+  it = gjs.iter_jax_batches(_endless(p, 0.001), **kwargs)
+  next(it)
+  next(it)
+  time.sleep(0.2)  # The threads are up and blocked on a full queue.
+  during = scenarios_perf.library_threads()
+  # A peer's close ends this host's stream (and its agreement thread): every
+  # process looks before any closes.
+  exchange.distributed_client().wait_at_barrier(f"half_way/{mode}/looked", 30_000)
+  if mode == "close":
+    it.close()
+  else:
+    del it
+    gc.collect()
+  return {"during": during, "after": scenarios_perf.library_threads()}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["close", "drop"])
 def test_stopped_half_way_leaves_no_thread_two_processes(mode):
-  outs = run(scenarios_perf.stop_half_way, mode, {"batch_size": 8, "prefetch_batches": 2})
+  outs = run(stop_half_way, mode, {"batch_size": 8, "prefetch_batches": 2})
   for o in outs:
     assert "grain_jax_sync-prefetch" in o["during"]
     assert "grain_jax_sync-agree" in o["during"]
     assert o["after"] == []
 
 
+def _failing_source(process: int, fail_process: int, at: int) -> Iterator[Any]:
+  for b, batch in enumerate(scenarios.make_batches(process, [8] * 6)):
+    if process == fail_process and b == at:
+      raise KeyError(f"bad record {b}")
+    yield batch
+
+
+def source_error(kwargs: dict[str, Any], *, fail_process: int = 0, at: int = 3) -> dict[str, Any]:
+  """The source of `fail_process` raises KeyError at batch `at`."""
+
+  p = jax.process_index()
+  it = gjs.iter_jax_batches(_failing_source(p, fail_process, at), **kwargs)
+  got = 0
+  out: dict[str, Any] = {}
+  try:
+    for _ in it:
+      got += 1
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    out["type"] = type(e).__qualname__
+    out["message"] = str(e)
+    out["frames"] = [f.name for f in traceback.extract_tb(e.__traceback__)]
+  it.close()
+  out["got"] = got
+  out["threads"] = scenarios_perf.library_threads()
+  return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("prefetch_batches", [0, 2])
 def test_source_exception_reraised_with_traceback_two_processes(prefetch_batches):
   outs = run(
-    scenarios_perf.source_error,
+    source_error,
     {"batch_size": 8, "prefetch_batches": prefetch_batches},
     fail_process=1,
     at=3,

@@ -8,18 +8,22 @@ a restart (`reset`, `set_state`) stopping the old start before the new one runs.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
-import scenarios_session
-from scenarios_session import library_threads
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import session
 
 TIMEOUT = 180
+
+
+def library_threads() -> list[str]:
+  return sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-"))
 
 
 def _no_threads(deadline_s=10.0):
@@ -72,12 +76,31 @@ def test_a_restart_stops_the_old_start_before_the_new_one_runs(how):
   assert _no_threads() == []
 
 
+def stage_threads(prefetch: int) -> dict[str, Any]:
+  """In each process: the threads of one start: before, while it runs, its close order, after."""
+  import jax
+
+  p = jax.process_index()
+  # A long stream: the agreement thread, held back by the bounded read-ahead,
+  # still runs when the threads are looked at.
+  data = ({"x": np.full(8, 100 * p + i, np.int32)} for i in range(100_000))
+  it = gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch, sync_timeout_s=60.0)
+  out: dict[str, Any] = {"before": library_threads()}
+  rows = [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0])]
+  out["running"] = library_threads()
+  rows += [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0]) for _ in range(4)]
+  it.close()  # Mid-stream, on every host at the same batch.
+  out["rows"] = rows
+  out["after"] = _no_threads()
+  return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch):
   outs = testing.values(
     testing.run_processes(
-      scenarios_session.stage_threads,
+      stage_threads,
       num_processes=2,
       devices_per_process=4,
       args=(prefetch,),

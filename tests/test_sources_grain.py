@@ -1,6 +1,7 @@
 """Grain sources: DataLoader, IterDataset, MapDataset and started iterators."""
 
 import json
+from typing import Any
 
 import grain
 import numpy as np
@@ -18,12 +19,28 @@ def _unmasked(out):
   return [i for ids, mask in zip(out["ids"], out["mask"]) for i, m in zip(ids, mask) if m]
 
 
+def run_grain(kind: str, sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Drains a Grain source through iter_jax_batches (or device_put)."""
+
+  src = ss.grain_source(kind, sizes)
+  batches, error = [], None
+  try:
+    with gjs.iter_jax_batches(src, **kwargs) as it:
+      for b in it:
+        batches.append(ss.gather(b))
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    error = f"{type(e).__name__}: {e}"
+  out = ss.summarize(batches)
+  out["error"] = error
+  return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["dataloader", "iterdataset", "mapdataset", "iterdataset_raw"])
 def test_grain_source_two_processes_uneven_shards_every_example_once(kind):
   outs = testing.values(
     testing.run_processes(
-      ss.run_grain,
+      run_grain,
       num_processes=2,
       devices_per_process=4,
       args=(kind, SIZES, PADDED),

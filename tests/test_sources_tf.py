@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,12 +21,28 @@ def tf():
   return pytest.importorskip("tensorflow")
 
 
+def run_tf(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+  import tensorflow as tf
+
+  ids = ss.my_ids(sizes)
+  ds = tf.data.Dataset.from_tensor_slices(
+    {
+      "id": ids,
+      "feat": {"x": np.stack([ids, -ids], 1).astype(np.float32)},
+      "pair": (ids.astype(np.int32), (2 * ids).astype(np.int32)),
+    }
+  ).batch(ss.BATCH)
+  with gjs.iter_jax_batches(ds, **kwargs) as it:
+    batches = [ss.gather(b) for b in it]
+  return ss.summarize(batches)
+
+
 @pytest.mark.multiprocess
 def test_tf_data_two_processes_uneven_shards_every_example_once():
   sizes = [13, 6]
   outs = testing.values(
     testing.run_processes(
-      ss.run_tf,
+      run_tf,
       num_processes=2,
       devices_per_process=4,
       args=(sizes, {"batch_size": 4, "paddings": 0, "mask_key": "mask"}),

@@ -8,7 +8,10 @@ what must hold whatever the machine's speed (a slow source's sleeps are in
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import scenarios
 import scenarios_stats
 
 from grain_jax_sync import testing
@@ -173,12 +176,17 @@ def _check_job(outs: list[dict], n: int, slowed: tuple[int, ...]) -> None:
         assert r["warnings"] == []
 
 
+def stragglers(slowed: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+  """`scenarios_stats.straggler` once per slowed host, in order (the same on every process)."""
+  return {slow: scenarios_stats.straggler(slow) for slow in slowed}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("processes", "devices", "slowed"), [(2, 4, (1, 0)), (4, 2, (2, 0))])
 def test_all_hosts_names_the_slowed_host_with_exact_counts(processes, devices, slowed):
   outs = testing.values(
     testing.run_processes(
-      scenarios_stats.stragglers,
+      stragglers,
       num_processes=processes,
       devices_per_process=devices,
       args=(slowed,),
@@ -201,6 +209,32 @@ def test_all_hosts_in_one_process_is_this_host():
 ENDED_CASES = [(None, 2), (1, 2), (None, 0), (0, 0)]
 
 
+def ended_figures(cases: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
+  """Per (slowed host or None, prefetch_batches): own stats() at the end, then every host's view.
+
+  Host p reads 3 + p batches (the last short); every host asks for the
+  cross-host view only once every host has ended (a barrier), so each
+  peer's figures at its end are posted.
+  """
+  import jax
+  from jax.experimental import multihost_utils
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  out = []
+  for c, (slow, prefetch) in enumerate(cases):
+    data: Any = scenarios.make_batches(p, [8] * (2 + p) + [5])
+    if p == slow:
+      data = scenarios_stats.SlowSource(data)
+    with gjs.iter_jax_batches(data, **scenarios_stats.PADDED, prefetch_batches=prefetch) as it:
+      n = sum(1 for _ in it)
+      own = it.stats()
+      multihost_utils.sync_global_devices(f"ended_figures {c}")
+      out.append({"yielded": n, "own": own, "job": it.stats(all_hosts=True)})
+  return out
+
+
 @pytest.mark.multiprocess
 def test_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie():
   # Host 1 saw host 0's wait_s and transfer_s as 0.0000 (as of the final
@@ -208,7 +242,7 @@ def test_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a
   # slowest host when every source time printed as 0.0000.
   outs = testing.values(
     testing.run_processes(
-      scenarios_stats.ended_figures,
+      ended_figures,
       num_processes=2,
       devices_per_process=4,
       args=(ENDED_CASES,),

@@ -1,5 +1,7 @@
 """tfds_pipeline: a TFDS name and split in, this process's batches out."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 import scenarios_sources as ss
@@ -119,6 +121,29 @@ def test_tfds_pipeline_checks_arguments(kwargs, message):
     gjs.tfds_pipeline("mnist", **args)
 
 
+def run_tfds_files(reader: str, data_dir: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """tfds_pipeline over the prepared "tiny_ids" files with either reader."""
+  import sys
+
+  ds = gjs.tfds_pipeline(
+    "tiny_ids", split="train", batch_size=ss.BATCH, reader=reader, data_dir=data_dir, shuffle=True
+  )
+  ids, masks, xs_ok = [], [], True
+  with gjs.iter_jax_batches(ds, **kwargs) as it:
+    for b in it:
+      g = ss.gather(b)
+      ids.append(g["id"].tolist())
+      masks.append(g["mask"].tolist())
+      real = g["mask"]
+      xs_ok = xs_ok and np.array_equal(g["x"][real], np.stack([g["id"], -g["id"]], 1)[real])
+  return {
+    "ids": ids,
+    "mask": masks,
+    "x_ok": bool(xs_ok),
+    "tensorflow_imported": "tensorflow" in sys.modules,
+  }
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("reader", ["data_source", "tf_data"])
 def test_tfds_real_files_two_processes_every_example_once(reader, tmp_path):
@@ -129,7 +154,7 @@ def test_tfds_real_files_two_processes_every_example_once(reader, tmp_path):
   ss.build_tiny_ids(str(tmp_path), 13, fmt)
   outs = testing.values(
     testing.run_processes(
-      ss.run_tfds_files,
+      run_tfds_files,
       num_processes=2,
       devices_per_process=4,
       args=(reader, str(tmp_path), PADDED),

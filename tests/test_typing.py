@@ -1,4 +1,8 @@
-"""The package is typed: `python -m mypy -p grain_jax_sync` passes with pyproject's config."""
+"""The package is typed: `python -m mypy -p grain_jax_sync` passes with pyproject's config.
+
+That the installed wheel's `py.typed` makes mypy read its annotations is
+`tests/test_clean_venv.py::test_mypy_finds_the_installed_package_typed`.
+"""
 
 import os
 import subprocess
@@ -18,7 +22,3 @@ def test_mypy_finds_no_issue_in_the_package():
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-5000:]
   assert "Success: no issues found" in out and "note:" not in out, out[-5000:]
-
-
-def test_the_package_ships_its_py_typed_marker():
-  assert os.path.isfile(os.path.join(ROOT, "grain_jax_sync", "py.typed"))
