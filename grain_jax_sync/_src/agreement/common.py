@@ -191,8 +191,7 @@ class OwnReads:
     """
     if self.end is not None or self.stopped:
       return False
-    held = 0 if self._built is None else self.count - len(self.pending) - self._built.done()
-    free = max(2, self.limit - held) - len(self.pending)
+    free = max(2, self.limit - (self._held() or 0)) - len(self.pending)
     if self._refill and free * 2 < self.limit:
       return False
     self._refill = free <= 0
@@ -211,16 +210,22 @@ class OwnReads:
       return False
     if unposted * 2 >= self.limit:
       return True
-    return self._built is not None and self.count - len(self.pending) == self._built.done()
+    return self._held() == 0
+
+  def _held(self) -> int | None:
+    """Decided positions the build thread has not handed on yet; None without a build thread."""
+    if self._built is None:
+      return None
+    return self.count - len(self.pending) - self._built.done()
 
   def waits_on_build(self) -> bool:
-    """Whether the room this host waits for comes from the build thread, not from a decision.
+    """Whether the build thread holds decided positions, so that room comes as it takes them.
 
-    True where nothing it posted awaits a decision and the build thread
-    holds decided positions: `wait_for_room` then blocks until it takes
-    them, instead of posting a read or two to have something to wait on.
+    A follower with nothing awaiting a decision then waits for it
+    (`wait_for_room`) instead of posting a read or two to have something
+    to wait on.
     """
-    return self._built is not None and self.count - len(self.pending) > self._built.done()
+    return (self._held() or 0) > 0
 
   def wait_for_room(self, check: Callable[[], None]) -> None:
     """Blocks until `room()`, as the build thread takes decided positions.
