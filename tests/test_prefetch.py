@@ -9,6 +9,7 @@ import gc
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -413,3 +414,65 @@ def test_batches_deleted_by_the_consumer_do_not_stop_the_thread():
   assert got == [float(i) for i in range(30)]
   wait_for_no_threads()
   assert not scenarios_perf.library_threads()
+
+
+def drop_three_while_the_fourth_is_read(kind: str, slow: int | None = None) -> dict[str, Any]:
+  """Takes and drops 3 batches while the 4th is read; what is still held then.
+
+  With `slow` (a process index), that process's read of the 4th takes 6 s
+  and the others check while their agreement waits on it. Else every host's
+  source blocks on its 4th until the check is done.
+  """
+  import grain
+
+  gate, alive = threading.Event(), set()
+  p = jax.process_index()
+
+  def make(i):
+    if i == 3 and slow is None:
+      assert gate.wait(30)
+    if i == 3 and slow == p:
+      time.sleep(6)
+    x = np.full((16, 4), i, np.float32)
+    alive.add(i)
+    weakref.finalize(x, alive.discard, i)
+    return {"x": x}
+
+  if kind == "iter_jax_batches":
+    it = gjs.iter_jax_batches((make(i) for i in range(5)), batch_size=16)
+  else:
+    ds = grain.MapDataset.range(5).map(make)
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    it = iter(gjs.device_put(ds, gjs.default_sharding(), cpu_buffer_size=4, device_buffer_size=2))
+  got, dropped = [], []
+  for _ in range(3):
+    batch = next(it)
+    got.append(float(np.asarray(batch["x"].addressable_data(0))[0, 0]))
+    dropped.append(weakref.ref(batch["x"]))
+    del batch
+  end = time.monotonic() + 3
+  while (alive & {0, 1, 2} or any(r() for r in dropped)) and time.monotonic() < end:
+    gc.collect()
+    time.sleep(0.01)
+  host, built = sorted(alive & {0, 1, 2}), [i for i, r in enumerate(dropped) if r() is not None]
+  gate.set()
+  got += [float(np.asarray(b["x"].addressable_data(0))[0, 0]) for b in it]
+  return {"got": got, "host": host, "built": built}
+
+
+@pytest.mark.parametrize("kind", ["iter_jax_batches", "device_put"])
+def test_a_batch_the_consumer_dropped_is_freed_while_the_source_reads_the_next(kind):
+  # Host batches and global batches are large: once built, a host batch is
+  # the library's no more, and once taken and dropped, a global batch is
+  # freed, even while every thread waits on a slow read of the next.
+  out = drop_three_while_the_fourth_is_read(kind)
+  assert out == {"got": [0.0, 1.0, 2.0, 3.0, 4.0], "host": [], "built": []}
+
+
+@pytest.mark.multiprocess
+def test_a_batch_the_consumer_dropped_is_freed_while_the_decider_waits_on_a_peer():
+  # Across the exchange: process 0's decider, waiting on process 1's slow
+  # read, holds no run it handed to its build thread.
+  p0, p1 = run(drop_three_while_the_fourth_is_read, "iter_jax_batches", slow=1)
+  assert p0 == {"got": [0.0, 1.0, 2.0, 3.0, 4.0], "host": [], "built": []}
+  assert p1["got"] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -308,10 +308,17 @@ class Builder:
 
   def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:
-      for read, step in run.steps:
-        item = self.step(read, step, run.signature)
+      # Each host batch is let go once it is built, not held to the end of
+      # its run or while the next run is awaited: a source batch lives only
+      # until its global batch exists.
+      steps, sig = taken(run.steps), run.signature
+      del run
+      for read, step in steps:
+        item = self.step(read, step, sig)
+        del read
         if item is not None:
           yield item  # Resumed once the item is handed on (queued, or taken).
+        del item
         with self._advanced:
           self._done += 1
           self._advanced.notify()
@@ -388,3 +395,11 @@ class Builder:
     for (_, name), m in zip(layout.masks, masks, strict=True):
       tree[name] = m
     return tree
+
+
+def taken(steps: Any) -> Iterator[Any]:
+  """`steps` in order, each dropped from the list as it is given."""
+  left = list(reversed(steps))
+  del steps
+  while left:
+    yield left.pop()

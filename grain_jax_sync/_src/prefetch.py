@@ -195,8 +195,12 @@ class Prefetcher(Generic[T]):
         if self._stopped:
           return
       item = next(producer, END)
-      if not self._put(item, acquired=self._early) or item is END:
+      end = item is END
+      if not self._put(item, acquired=self._early) or end:
         return
+      # Not held while the next one is produced: a batch handed on is the
+      # consumer's alone, so it is freed as soon as the consumer drops it.
+      del item
 
   def _run(self, producer: Iterator[Any]) -> None:
     try:

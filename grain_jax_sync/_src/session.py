@@ -308,8 +308,11 @@ class Stages:
 def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:
   """Each decided position as a run of its own, so that queues bound positions."""
   for run in runs:
-    for step in run.steps:
-      yield Run((step,), run.signature)
+    steps, sig = build_lib.taken(run.steps), run.signature
+    del run  # Each position is held by its own run only.
+    for step in steps:
+      yield Run((step,), sig)
+      del step
 
 
 def _raising(error: BaseException) -> Iterator[Run]:

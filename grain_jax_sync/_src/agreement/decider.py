@@ -68,6 +68,7 @@ class Decider(Streamed):
         self._exchange.end()
       if run is not None:
         yield run
+        run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
       if decision.end != Outcome.CONTINUE:
         self._finish(decision)
         return

@@ -52,6 +52,7 @@ class Follower(Streamed):
         self._exchange.end()
       if run is not None:
         yield run
+        run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
       if decision.end != Outcome.CONTINUE:
         self._finish(decision)
         return
