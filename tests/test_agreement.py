@@ -45,7 +45,7 @@ from grain_jax_sync._src import (
 )
 from grain_jax_sync._src.agreement import common, decider, endings, follower, ledger
 
-OPTIONS = plan.Options(batch_size=8, drop_last=False, pad=True)
+OPTIONS = plan.Rules(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
 STALL_S = 1.2
 EXAMPLES = 40
@@ -171,10 +171,10 @@ def test_every_process_ends_the_same_way_and_rows_are_conserved(schedule):
 # Where a short batch's fate depends on whether it is its host's last: the
 # decider waits for that host's next batch (or end), never guesses.
 WAITING = [
-  plan.Options(batch_size=None, drop_last=False, pad=True, wait_for_last=True),
-  plan.Options(batch_size=None, drop_last=True, pad=False, wait_for_last=True),
-  plan.Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True),
-  plan.Options(batch_size=8, drop_last=True, pad=True, wait_for_last=True),
+  plan.Rules(batch_size=None, drop_last=False, pad=True, wait_for_last=True),
+  plan.Rules(batch_size=None, drop_last=True, pad=False, wait_for_last=True),
+  plan.Rules(batch_size=8, drop_last=True, pad=False, wait_for_last=True),
+  plan.Rules(batch_size=8, drop_last=True, pad=True, wait_for_last=True),
 ]
 
 

@@ -94,15 +94,15 @@ def predicted(states, count, *, n=N, shuffle=True, seed=5):
   spec = source_lib.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
   olds, positions = [], []
   for s in states:
-    layout, position, _ = state_lib.check_source_state(s["source"], spec, n)
-    olds.append(layout)
+    epoch_shares, position, _ = state_lib.check_source_state(s["source"], spec, n)
+    olds.append(epoch_shares)
     positions.append((position,))
   first, splits = es.resume(olds, positions)
   hosts = []
   for p in range(count):
-    layout = es.Layout(n, 1, first, splits, count, p)
+    epoch_shares = es.EpochShares(n, 1, first, splits, count, p)
     order = es.epoch_order(n, shuffle=shuffle, seed=seed, epoch=0)
-    ids = [int(order[layout.locate(j)[1]]) for j in range(layout.length)]
+    ids = [int(order[epoch_shares.locate(j)[1]]) for j in range(epoch_shares.length)]
     ids = [i for i in ids if se.keep(i)]
     hosts.append([ids[k : k + se.BATCH] for k in range(0, len(ids), se.BATCH)])
   longest = max(len(h) for h in hosts)

@@ -17,12 +17,12 @@ PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
 
 
 def layouts(n, epochs, first, splits, count):
-  return [es.Layout(n, epochs, first, splits, count, i) for i in range(count)]
+  return [es.EpochShares(n, epochs, first, splits, count, i) for i in range(count)]
 
 
-def record_of(layout, j, *, shuffle, seed):
-  epoch, pos = layout.locate(j)
-  order = es.epoch_order(layout.num_records, shuffle=shuffle, seed=seed, epoch=epoch)
+def record_of(epoch_shares, j, *, shuffle, seed):
+  epoch, pos = epoch_shares.locate(j)
+  order = es.epoch_order(epoch_shares.num_records, shuffle=shuffle, seed=seed, epoch=epoch)
   return epoch, int(pos if order is None else order[pos])
 
 
@@ -34,9 +34,9 @@ def run_job(draw_cursor, n, epochs, counts, *, shuffle, seed, keep):
     job = layouts(n, epochs, first, splits, count)
     last = k == len(counts) - 1
     consumed = [j.length if last else draw_cursor(j.length) for j in job]
-    for layout, c in zip(job, consumed, strict=True):
+    for epoch_shares, c in zip(job, consumed, strict=True):
       for j in range(c):
-        epoch, record = record_of(layout, j, shuffle=shuffle, seed=seed)
+        epoch, record = record_of(epoch_shares, j, shuffle=shuffle, seed=seed)
         if keep(record):
           seen.append((epoch, record))
     if not last:
@@ -126,8 +126,8 @@ def test_resize_at_an_epoch_boundary_keeps_both_epochs():
 
 
 def test_cursor_at_the_end_and_at_epoch_boundaries():
-  (layout,) = layouts(4, 2, 0, (), 1)
-  assert [layout.cursor(j) for j in range(9)] == [
+  (epoch_shares,) = layouts(4, 2, 0, (), 1)
+  assert [epoch_shares.cursor(j) for j in range(9)] == [
     (0, 0),
     (0, 1),
     (0, 2),
@@ -139,7 +139,7 @@ def test_cursor_at_the_end_and_at_epoch_boundaries():
     (1, 4),
   ]
   with pytest.raises(IndexError):
-    layout.locate(8)
+    epoch_shares.locate(8)
 
 
 @pytest.mark.parametrize("resizes", [1, 2])
@@ -197,18 +197,20 @@ def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epoc
   for k, count in enumerate(counts):
     job = layouts(n, epochs, first, splits, count)
     if k == len(counts) - 1:
-      for layout in job:
-        seen += [record_of(layout, j, shuffle=True, seed=3) for j in range(layout.length)]
+      for epoch_shares in job:
+        seen += [
+          record_of(epoch_shares, j, shuffle=True, seed=3) for j in range(epoch_shares.length)
+        ]
       break
     thresholds = []
-    for layout in job:
+    for epoch_shares in job:
       width = data.draw(st.integers(1, 4))
-      reads = [len(range(w, layout.length, width)) for w in range(width)]
+      reads = [len(range(w, epoch_shares.length, width)) for w in range(width)]
       t = tuple(w + data.draw(st.integers(0, r)) * width for w, r in zip(range(width), reads))
       thresholds.append(t)
-      for j in range(layout.length):
+      for j in range(epoch_shares.length):
         if j < t[j % width]:
-          seen.append(record_of(layout, j, shuffle=True, seed=3))
+          seen.append(record_of(epoch_shares, j, shuffle=True, seed=3))
     first, splits = es.resume(job, thresholds)
     splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   assert Counter(seen) == Counter((e, r) for e in range(epochs) for r in range(n))
@@ -236,11 +238,13 @@ def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_e
   first, splits = es.resume(old, [(c,) for c in consumed])
   splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   assert first == 2 and [e for e, _ in splits] == [2, 3]
-  for layout in layouts(n, None, first, splits, 3):
+  for epoch_shares in layouts(n, None, first, splits, 3):
     # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).
-    listed = sum(es.total(s) for _, s, _ in layout.epochs)
-    assert layout.length == listed + es.FOREVER
-    per_epoch = es.total(es.shares(n, (), 3)[layout.index])
-    assert layout.cursor(listed + per_epoch + 1) == (5, 1)
-    seen += [record_of(layout, j, shuffle=True, seed=seed) for j in range(listed + 2 * per_epoch)]
+    listed = sum(es.total(s) for _, s, _ in epoch_shares.epochs)
+    assert epoch_shares.length == listed + es.FOREVER
+    per_epoch = es.total(es.shares(n, (), 3)[epoch_shares.index])
+    assert epoch_shares.cursor(listed + per_epoch + 1) == (5, 1)
+    seen += [
+      record_of(epoch_shares, j, shuffle=True, seed=seed) for j in range(listed + 2 * per_epoch)
+    ]
   assert Counter(seen) == Counter((e, r) for e in range(6) for r in range(n))

@@ -53,7 +53,7 @@ def test_window_reports_end_of_stream_inside_window():
   reports = led.window_reports(0, 3, with_config=False)
   assert reports[0].rows == (8, 8, 8) and not reports[0].exhausted
   assert reports[1].rows == (8,) and reports[1].exhausted
-  plan = plan_lib.decide(reports, plan_lib.Options(batch_size=8, drop_last=True, pad=False))
+  plan = plan_lib.decide(reports, plan_lib.Rules(batch_size=8, drop_last=True, pad=False))
   assert [s.action for s in plan.steps] == [messages.Action.YIELD]
   assert plan.end == messages.Outcome.STOP
 
@@ -65,7 +65,7 @@ def test_window_when_every_stream_ended_includes_the_end():
   assert led.window(0) == 3
   plan = plan_lib.decide(
     led.window_reports(0, 3, with_config=False),
-    plan_lib.Options(batch_size=8, drop_last=False, pad=False),
+    plan_lib.Rules(batch_size=8, drop_last=False, pad=False),
   )
   assert len(plan.steps) == 2 and plan.end == messages.Outcome.STOP
 
@@ -76,7 +76,7 @@ def test_window_reports_match_a_windowed_exchange():
   led = ledger_lib.Ledger(2)
   led.add(chunk(0, 0, rows[0], exhausted=True))
   led.add(chunk(1, 0, rows[1], exhausted=True))
-  opts = plan_lib.Options(batch_size=8, drop_last=False, pad=True)
+  opts = plan_lib.Rules(batch_size=8, drop_last=False, pad=True)
   whole = plan_lib.decide(led.window_reports(0, led.window(0), with_config=False), opts)
   windowed = plan_lib.decide(
     [messages.Report(process_index=p, rows=tuple(r), exhausted=True) for p, r in rows.items()],

@@ -11,7 +11,7 @@ from grain_jax_sync._src.messages import (
   Report,
   ReportedError,
 )
-from grain_jax_sync._src.plan import Options
+from grain_jax_sync._src.plan import Rules
 
 SIG = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int32", []]]}
 SIG_F = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "float32", []]]}
@@ -24,10 +24,10 @@ def rep(p, rows, exhausted=False, **kw):
   )
 
 
-PAD = Options(batch_size=8, drop_last=False, pad=True)
-DROP = Options(batch_size=8, drop_last=True, pad=False)
-STRICT = Options(batch_size=8, drop_last=False, pad=False)
-PAD_DROP = Options(batch_size=8, drop_last=True, pad=True)
+PAD = Rules(batch_size=8, drop_last=False, pad=True)
+DROP = Rules(batch_size=8, drop_last=True, pad=False)
+STRICT = Rules(batch_size=8, drop_last=False, pad=False)
+PAD_DROP = Rules(batch_size=8, drop_last=True, pad=True)
 
 
 def test_decide_full_windows_continue_yield_all():
@@ -127,11 +127,11 @@ def test_decide_passed_through_batch_checked_for_divisibility():
 
 # -- the full batch size ---------------------------------------------------------------
 
-DERIVED_DROP = Options(batch_size=None, drop_last=True, pad=False)
-DERIVED_PAD = Options(batch_size=None, drop_last=False, pad=True)
+DERIVED_DROP = Rules(batch_size=None, drop_last=True, pad=False)
+DERIVED_PAD = Rules(batch_size=None, drop_last=False, pad=True)
 
 
-@pytest.mark.parametrize("options", [DERIVED_DROP, DERIVED_PAD, Options(None, False, False)])
+@pytest.mark.parametrize("options", [DERIVED_DROP, DERIVED_PAD, Rules(None, False, False)])
 def test_decide_without_batch_size_yields_equal_batches_of_any_size(options):
   p = plan_lib.decide([rep(0, [3, 3, 3], True), rep(1, [3, 3, 3], True)], options)
   assert [(s.action, s.rows) for s in p.steps] == [(Action.YIELD, 3)] * 3
@@ -170,7 +170,7 @@ def test_decide_derived_full_size_is_the_same_on_every_host_and_pinned_by_the_ca
   ("options", "how"),
   [
     (DROP, "(`batch_size`)"),
-    (Options(None, drop_last=True, pad=True), "as `batch_size` was not given"),
+    (Rules(None, drop_last=True, pad=True), "as `batch_size` was not given"),
     (DERIVED_PAD, "as `batch_size` was not given"),
   ],
 )
@@ -252,7 +252,7 @@ def test_report_json_round_trip():
   assert unwire(wire(r)) == r and wire(r) != wire(rep(0, [8]))
 
 
-WAIT_DROP = Options(batch_size=8, drop_last=True, pad=False, wait_for_last=True)
+WAIT_DROP = Rules(batch_size=8, drop_last=True, pad=False, wait_for_last=True)
 
 
 def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
@@ -269,10 +269,10 @@ def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
 @pytest.mark.parametrize(
   ("options", "waits"),
   [
-    (Options(8, drop_last=False, pad=True, wait_for_last=True), False),  # Padded either way.
-    (Options(None, drop_last=False, pad=True, wait_for_last=True), True),
-    (Options(8, drop_last=True, pad=True, wait_for_last=True), True),
-    (Options(8, drop_last=True, pad=False), False),  # Not asked to wait: taken as last.
+    (Rules(8, drop_last=False, pad=True, wait_for_last=True), False),  # Padded either way.
+    (Rules(None, drop_last=False, pad=True, wait_for_last=True), True),
+    (Rules(8, drop_last=True, pad=True, wait_for_last=True), True),
+    (Rules(8, drop_last=True, pad=False), False),  # Not asked to wait: taken as last.
   ],
 )
 def test_decide_waits_only_where_being_the_last_changes_the_outcome(options, waits):

@@ -8,7 +8,7 @@ on its row of the plan, building the padded leaf and the mask with the real
 every host; with padding and a mask every real row appears exactly once and
 every padded row is masked; with `drop_last` no padded row appears and exactly
 the documented batches are dropped; no host ever yields more batches than the
-longest host has. With `Options.batch_size=None` the simulated producer pins
+longest host has. With `Rules.batch_size=None` the simulated producer pins
 the full size the first plan derived, as the iterator does; with `peek` every
 host also reports whether it holds another batch (`Report.more`).
 """
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from grain_jax_sync._src import messages, padding
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.messages import Action, ErrorKind, Outcome, Report, ReportedError
-from grain_jax_sync._src.plan import Options
+from grain_jax_sync._src.plan import Rules
 
 SIG = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int64", []]]}
 PAD_VALUE = -1
@@ -85,7 +85,7 @@ class _Hosts:
       self.reads[h].append(b)
       self.next_batch[h] += 1
 
-  def report(self, h: int, window: int, options: Options, devices: int, peek: bool) -> Report:
+  def report(self, h: int, window: int, options: Rules, devices: int, peek: bool) -> Report:
     """Host `h`'s report of what it holds."""
     sizes, next_batch = self.sizes, self.next_batch
     more = next_batch[h] < len(sizes[h]) and self.fail != (h, next_batch[h])
@@ -101,7 +101,7 @@ class _Hosts:
     )
 
 
-def _decide(reports: list[Report], options: Options, position: int) -> plan_lib.Plan:
+def _decide(reports: list[Report], options: Rules, position: int) -> plan_lib.Plan:
   """Every host decides on its own deserialized copy of every report: one plan."""
   texts = [wire(r) for r in reports]
   plans = [
@@ -112,7 +112,7 @@ def _decide(reports: list[Report], options: Options, position: int) -> plan_lib.
   return plans[0]
 
 
-def _act(plan: plan_lib.Plan, hosts: _Hosts, options: Options, run: Run) -> int:
+def _act(plan: plan_lib.Plan, hosts: _Hosts, options: Rules, run: Run) -> int:
   """Every host acts on its row of `plan` (drops, or yields a padded leaf); returns the yields."""
   n = len(hosts.sizes)
   yielded = 0
@@ -127,7 +127,7 @@ def _act(plan: plan_lib.Plan, hosts: _Hosts, options: Options, run: Run) -> int:
 
 
 def _built(
-  h: int, b: int | None, step: messages.Step, sizes: list[list[int]], options: Options
+  h: int, b: int | None, step: messages.Step, sizes: list[list[int]], options: Rules
 ) -> tuple[int, int | None, np.ndarray, np.ndarray]:
   """Host `h`'s (target rows, source batch, padded leaf, mask) for a yielded step."""
   real = None if b is None else row_ids(h, b, sizes[h][b])
@@ -145,7 +145,7 @@ def _built(
 
 def simulate(
   sizes: list[list[int]],
-  options: Options,
+  options: Rules,
   *,
   lookahead: int,
   devices: int = 1,
@@ -209,7 +209,7 @@ def _all_real_rows(sizes):
 @given(scenarios())
 def test_padding_with_mask_every_real_row_once_every_padded_row_masked(case):
   sizes, batch_size, devices, lookahead = case
-  options = Options(batch_size=batch_size, drop_last=False, pad=True)
+  options = Rules(batch_size=batch_size, drop_last=False, pad=True)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices)
   assert run.end == Outcome.STOP and run.error is None
   assert len(run.yields) == max((len(s) for s in sizes), default=0)
@@ -252,7 +252,7 @@ def _drop_last_rule(sizes, batch_size, pad):
 @given(scenarios(), st.booleans(), st.sampled_from(["peek", "wait", "both"]))
 def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad, know):
   sizes, batch_size, devices, lookahead = case
-  options = Options(batch_size, drop_last=True, pad=pad, wait_for_last=know != "peek")
+  options = Rules(batch_size, drop_last=True, pad=pad, wait_for_last=know != "peek")
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=know != "wait")
   kept, dropped, failing = _drop_last_rule(sizes, batch_size, pad)
   assert [row[0][1] for row in run.yields] == kept
@@ -275,7 +275,7 @@ def test_drop_last_keeps_full_batches_drops_short_last_ones_exactly(case, pad, k
 @given(scenarios(), st.booleans())
 def test_drop_last_without_peek_never_pads_without_paddings(case, pad):
   sizes, batch_size, devices, lookahead = case
-  options = Options(batch_size=batch_size, drop_last=True, pad=pad)
+  options = Rules(batch_size=batch_size, drop_last=True, pad=pad)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices)
   # Without `more` a short batch at the end of a report counts as last: it may
   # be dropped instead of raising, but is never yielded with padding it was not
@@ -302,7 +302,7 @@ def batched_sources(draw):
 @given(batched_sources(), st.sampled_from(["pad", "drop", "pad_drop"]))
 def test_without_batch_size_a_fixed_size_source_never_yields_zero_batches(case, mode):
   sizes, fixed, devices, lookahead, peek = case
-  options = Options(None, drop_last="drop" in mode, pad="pad" in mode, wait_for_last=not peek)
+  options = Rules(None, drop_last="drop" in mode, pad="pad" in mode, wait_for_last=not peek)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, peek=peek)
   full = max(s[0] for s in sizes)  # The largest host batch of the first position.
   assert run.end == Outcome.STOP and run.error is None
@@ -326,7 +326,7 @@ def test_without_batch_size_a_fixed_size_source_never_yields_zero_batches(case, 
 def test_no_host_yields_more_than_the_longest_host_and_errors_are_shared(case, mode, data):
   sizes, batch_size, devices, lookahead = case
   derived = data.draw(st.booleans())
-  options = Options(
+  options = Rules(
     batch_size=None if derived else batch_size,
     drop_last="drop" in mode,
     pad="pad" in mode,
@@ -361,7 +361,7 @@ def test_no_host_yields_more_than_the_longest_host_and_errors_are_shared(case, m
 @given(scenarios())
 def test_strict_mode_yields_only_equal_batches_or_raises_value_error(case):
   sizes, batch_size, devices, lookahead = case
-  run = simulate(sizes, Options(batch_size, drop_last=False, pad=False), lookahead=lookahead)
+  run = simulate(sizes, Rules(batch_size, drop_last=False, pad=False), lookahead=lookahead)
   del devices
   equal = len({len(s) for s in sizes}) <= 1 and all(
     len({s[k] for s in sizes}) == 1 for k in range(len(sizes[0]))
@@ -389,7 +389,7 @@ def test_source_failure_yields_every_batch_before_it_then_raises_everywhere(case
     return
   h = data.draw(st.sampled_from(hosts))
   k = data.draw(st.integers(0, len(sizes[h]) - 1))
-  options = Options(batch_size=batch_size, drop_last=False, pad=True)
+  options = Rules(batch_size=batch_size, drop_last=False, pad=True)
   run = simulate(sizes, options, lookahead=lookahead, devices=devices, fail=(h, k))
   assert run.end == Outcome.RAISE
   assert (run.error.kind, run.error.process_index, run.error.batch_index) == (
@@ -406,7 +406,7 @@ def test_source_failure_yields_every_batch_before_it_then_raises_everywhere(case
 def test_waiting_for_the_last_batch_decides_as_knowing_it(case, mode, derived):
   """`wait_for_last` without `more` reaches the same outcome as `more` everywhere."""
   sizes, batch_size, devices, lookahead = case
-  base = Options(None if derived else batch_size, drop_last="drop" in mode, pad="pad" in mode)
+  base = Rules(None if derived else batch_size, drop_last="drop" in mode, pad="pad" in mode)
   waited = simulate(
     sizes, dataclasses.replace(base, wait_for_last=True), lookahead=lookahead, devices=devices
   )
@@ -445,7 +445,7 @@ def window_reports(draw):
     )
   pad, drop_last = draw(st.sampled_from([(False, False), (True, False), (False, True)]))
   batch_size = draw(st.sampled_from([full, None]))
-  options = Options(
+  options = Rules(
     batch_size=batch_size,
     pad=pad,
     drop_last=drop_last,
@@ -502,7 +502,7 @@ def test_shapes_every_real_element_once_every_padded_element_masked(case):
 
   hosts, batch_size, buckets = case
   shapes = shapes_lib.make({"tokens": 1}, buckets and {"tokens": buckets}, None, PAD_VALUE)
-  options = Options(batch_size=batch_size, drop_last=False, pad=True, shapes=shapes)
+  options = Rules(batch_size=batch_size, drop_last=False, pad=True, shapes=shapes)
   reports = [
     Report(
       h,

@@ -203,7 +203,7 @@ class Outcome(enum.StrEnum):
   STOP = "stop"  # The stream is over on every host.
   RAISE = "raise"  # Every host raises the decision's error after the steps.
   # The next position holds a short batch that may or may not be its host's
-  # last (`plan.Options.wait_for_last`): decide again from there once every
+  # last (`plan.Rules.wait_for_last`): decide again from there once every
   # process in `plan.Plan.waiting` has reported one more batch or its end.
   WAIT = "wait"
 

@@ -137,8 +137,8 @@ class Options:
       digest["pad_shapes"] = self.pad_shapes.describe()
     return plan_lib.settings_digest(digest)
 
-  def plan_options(self, batch_size: int | None = None) -> plan_lib.Options:
-    """The options `plan.decide` takes.
+  def rules(self, batch_size: int | None = None) -> plan_lib.Rules:
+    """The rules `plan.decide` applies under these options.
 
     Args:
       batch_size: The agreed full batch size, where known (`plan.pin`:
@@ -146,7 +146,7 @@ class Options:
         state); `self.batch_size` when given.
     """
     derived = self.batch_size is None and batch_size is not None
-    return plan_lib.Options(
+    return plan_lib.Rules(
       batch_size=batch_size if self.batch_size is None else self.batch_size,
       drop_last=self.drop_last,
       pad=self.paddings is not None,

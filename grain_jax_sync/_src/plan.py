@@ -2,7 +2,7 @@
 
 Every host reads batches and reports what it got (`messages.Report`), and
 process 0 (or every host, in lockstep) decides with `decide`. It is a pure
-function of those reports and the options, so every host acts on the same
+function of those reports and the rules, so every host acts on the same
 `Plan`, each on its own row of it: yield its real batch (padded if needed),
 yield a dummy batch, drop the position, stop, or raise the same error. The
 errors are built here too: hosts given different settings, resume positions
@@ -45,7 +45,7 @@ class Plan:
     end: What happens after the steps.
     error: The error every host raises when `end` is `Outcome.RAISE`.
     batch_size: The full batch size the steps were judged by: the one given,
-      or the one derived from the first position when `Options.batch_size` is
+      or the one derived from the first position when `Rules.batch_size` is
       None (None if no position was reached).
     waiting: With `Outcome.WAIT`, the processes whose next batch (or end) is
       needed to decide the position after the steps.
@@ -59,8 +59,8 @@ class Plan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-  """The settings that `decide` needs; identical on every host.
+class Rules:
+  """The rules `decide` applies, from the options; identical on every host.
 
   Attributes:
     batch_size: Rows of a full host batch: what `paddings` fill to and what
@@ -87,16 +87,16 @@ class Options:
   shapes: shapes_lib.Shapes | None = None
 
 
-def pin(options: Options, plan: Plan | Decision) -> Options:
-  """The options for the next `decide` call: the derived batch size pinned.
+def pin(rules: Rules, plan: Plan | Decision) -> Rules:
+  """The rules for the next `decide` call: the derived batch size pinned.
 
   Call it after every `decide` (a process that does not decide: after every
   decision it reads), so that later positions are judged by the first
   position's size; the stream saves it with its resume state.
   """
-  if options.batch_size is None and plan.batch_size is not None:
-    return dataclasses.replace(options, batch_size=plan.batch_size, derived=True)
-  return options
+  if rules.batch_size is None and plan.batch_size is not None:
+    return dataclasses.replace(rules, batch_size=plan.batch_size, derived=True)
+  return rules
 
 
 def _is_last(report: Report, i: int) -> bool:
@@ -118,7 +118,7 @@ class _Wait:
 def _size_step(
   reports: Sequence[Report],
   i: int,
-  options: Options,
+  rules: Rules,
   *,
   batch_size: int,
   derived: bool,
@@ -140,7 +140,7 @@ def _size_step(
   rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
   real = [x for x, h in zip(rows, has, strict=True) if h]
   even = all(has) and min(real) == max(real)
-  if not (options.pad or options.drop_last):
+  if not (rules.pad or rules.drop_last):
     if not even:
       return uneven_sizes_error(reports, rows, has, index)
     return Step(Action.YIELD, real[0], tuple(rows))
@@ -151,12 +151,12 @@ def _size_step(
   short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < batch_size]
   early = [(r, x) for r, x in short if not _is_last(r, i)]
   unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
-  matters = options.drop_last or derived  # Else padded, last or not.
-  refused = early and (derived or not options.pad)
+  matters = rules.drop_last or derived  # Else padded, last or not.
+  refused = early and (derived or not rules.pad)
   # Wait where the outcome, or the process the error names (the first one
   # whose short batch is not its last), is not known yet.
   named = early[0][0].process_index if early else -1
-  if unknown and matters and options.wait_for_last and (not refused or unknown[0] < named):
+  if unknown and matters and rules.wait_for_last and (not refused or unknown[0] < named):
     return _Wait(unknown)
   if refused:
     r, x = early[0]
@@ -170,29 +170,29 @@ def _size_step(
       derived=derived,
       index=index,
     )
-  if short and options.drop_last and not early:
+  if short and rules.drop_last and not early:
     return Step(Action.DROP, 0, tuple(rows))
   return Step(Action.YIELD, batch_size, tuple(rows))
 
 
-def decide(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
+def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read.
 
-  With `Options.shapes`, each yielded step carries the agreed sizes of the
+  With `Rules.shapes`, each yielded step carries the agreed sizes of the
   varying dims (`agree_sizes`).
 
   Args:
     reports: One report per process, in process order.
-    options: The shared settings (see `decide_rows`).
+    rules: The shared settings (see `decide_rows`).
     position: Number of batches yielded before this window (for messages).
 
   Returns:
     The plan; identical on every host given identical reports.
   """
-  plan = decide_rows(reports, options, position=position)
-  if options.shapes is None or not plan.steps:
+  plan = decide_rows(reports, rules, position=position)
+  if rules.shapes is None or not plan.steps:
     return plan
-  return agree_sizes(plan, reports, options.shapes, position=position)
+  return agree_sizes(plan, reports, rules.shapes, position=position)
 
 
 def agree_sizes(
@@ -227,15 +227,15 @@ def agree_sizes(
   return dataclasses.replace(plan, steps=tuple(steps))
 
 
-def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 0) -> Plan:
+def decide_rows(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read (rows, not sizes).
 
   Args:
     reports: One report per process, in process order.
-    options: The shared settings. With ``options.batch_size=None`` the full
+    rules: The shared settings. With ``rules.batch_size=None`` the full
       batch size is the largest host batch of the window's first position
       (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes ``pin(options, plan)`` from then on.
+      passes ``pin(rules, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
 
   Returns:
@@ -245,7 +245,7 @@ def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 
   if error is not None:
     return Plan((), Outcome.RAISE, error)
   window = max((len(r.rows) for r in reports), default=0)
-  walk = _Walk(reports, options, position)
+  walk = _Walk(reports, rules, position)
   while walk.i <= window:
     # A run of full positions first (it stops where a position is not full
     # everywhere, at or before `window`), then that position by the rules.
@@ -258,11 +258,11 @@ def decide_rows(reports: Sequence[Report], options: Options, *, position: int = 
 class _Walk:
   """`decide_rows` going through a window's positions in order, adding one step each."""
 
-  def __init__(self, reports: Sequence[Report], options: Options, position: int):
+  def __init__(self, reports: Sequence[Report], rules: Rules, position: int):
     self.reports = reports
-    self.options = options
-    self.batch_size = options.batch_size
-    self.derived = self.batch_size is None or options.derived
+    self.rules = rules
+    self.batch_size = rules.batch_size
+    self.derived = self.batch_size is None or rules.derived
     self.i = 0  # The next position of the window to decide.
     self.steps: list[Step] = []
     self.index = position  # Output batches before position i (for messages), kept as it goes.
@@ -296,9 +296,9 @@ class _Walk:
       # Every source ended (or every host read a full window: read another).
       return self.plan(Outcome.STOP if all(r.exhausted for r in reports) else Outcome.CONTINUE)
     if not all(has):
-      if self.options.drop_last:
+      if self.rules.drop_last:
         return self.plan(Outcome.STOP)
-      if not self.options.pad:
+      if not self.rules.pad:
         return self.plan(Outcome.RAISE, uneven_count_error(reports, has, self.index))
     return None
 
@@ -308,7 +308,7 @@ class _Walk:
     if self.batch_size is None:
       self.batch_size = max(r.rows[i] for r in reports if i < len(r.rows))
     step = _size_step(
-      reports, i, self.options, batch_size=self.batch_size, derived=self.derived, index=self.index
+      reports, i, self.rules, batch_size=self.batch_size, derived=self.derived, index=self.index
     )
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)

@@ -136,7 +136,7 @@ class Stages:
       resume=self.position,
       groups=start.placement.groups if self._shares(start) else (),
     )
-    plan_options = options.plan_options(batch_size=start.mark.batch_size)
+    rules = options.rules(batch_size=start.mark.batch_size)
     ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
     if ended is not None:
       # This host already posted its ending to this stream (the crosswise
@@ -146,9 +146,7 @@ class Stages:
       # One process, or each process alone: one read per batch (lazy); the
       # collective fallback runs in the caller's thread only.
       window = options.synchronize_lookahead if ex.process_count > 1 else 1
-      stepper = lockstep.Lockstep(
-        read, ex, plan_options, who, window=window, position=self.position
-      )
+      stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
       self._stopper = stepper
       if ex.form == "local" and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
@@ -157,7 +155,7 @@ class Stages:
     self._agreement = kind(
       read,
       ex,
-      plan_options,
+      rules,
       who,
       lookahead=options.synchronize_lookahead,
       timeout_s=options.sync_timeout_s,

@@ -26,7 +26,7 @@ from grain_jax_sync._src.trees import ROOT_NAME
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-  """The three options, validated and hashable (part of `plan.Options`).
+  """The three options, validated and hashable (part of `plan.Rules`).
 
   Attributes:
     dims: (column, dims) pairs: the dims (>= 1; 0 is the row dim) that may vary.

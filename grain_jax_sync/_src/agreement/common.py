@@ -35,7 +35,7 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int, cap: int | None = No
   """Undecided batches a process may hold: one window, capped by bytes and by `cap`.
 
   At least 2: a short batch is decided only once its host's next batch (or
-  end) is known (`plan.Options.wait_for_last`).
+  end) is known (`plan.Rules.wait_for_last`).
   """
   limit = min(lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes))
   if cap is not None:
@@ -90,14 +90,14 @@ def make_report(
   )
 
 
-def sizes_of(reads: Any, options: plan_lib.Options) -> tuple[tuple[int, ...], ...]:
+def sizes_of(reads: Any, rules: plan_lib.Rules) -> tuple[tuple[int, ...], ...]:
   """The reads' sizes of the varying dims for a report (`pad_shapes`); () without."""
-  return () if options.shapes is None else tuple(r.batch.sizes for r in reads)
+  return () if rules.shapes is None else tuple(r.batch.sizes for r in reads)
 
 
 def decide(
   reports: list[messages.Report],
-  options: plan_lib.Options,
+  rules: plan_lib.Rules,
   *,
   groups: tuple[tuple[int, ...], ...],
   position: int,
@@ -108,7 +108,7 @@ def decide(
   that share a data shard ends the plan: the steps before it stand, and every
   host raises the same ValueError (`placement.shared_rows_error`).
   """
-  plan = plan_lib.decide(reports, options, position=position)
+  plan = plan_lib.decide(reports, rules, position=position)
   if not groups:
     return plan
   index = position

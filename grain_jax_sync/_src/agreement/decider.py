@@ -28,7 +28,7 @@ class Decider(Streamed):
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._ledger = ledger_lib.Ledger(
-      self._process_count, digests=bool(self._who.groups), sizes=self._options.shapes is not None
+      self._process_count, digests=bool(self._who.groups), sizes=self._rules.shapes is not None
     )
     who = self._who
     self._ledger.set_own(
@@ -86,8 +86,8 @@ class Decider(Streamed):
     if size == 0 or (self._own.room() and not self._own.due(size)):
       return None  # Read on: decided in runs (`common.OwnReads.due`).
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
-    plan = common.decide(reports, self._options, groups=self._who.groups, position=self._yielded)
-    self._options = plan_lib.pin(self._options, plan)
+    plan = common.decide(reports, self._rules, groups=self._who.groups, position=self._yielded)
+    self._rules = plan_lib.pin(self._rules, plan)
     return plan
 
   def _news_stale(self) -> bool:
@@ -123,8 +123,8 @@ class Decider(Streamed):
       self._job.check_stragglers()  # Process 0's own times are fresh here.
       table = self._job.rows_to_send(final=plan.end != Outcome.CONTINUE)
     batch_size = None  # Sent once, in the first decision that knows it.
-    if not self._sent_batch_size and self._options.batch_size is not None:
-      batch_size = self._options.batch_size
+    if not self._sent_batch_size and self._rules.batch_size is not None:
+      batch_size = self._rules.batch_size
       self._sent_batch_size = True
     decision = messages.Decision(
       self._decided, plan.steps, plan.end, plan.error, sig, batch_size, table

@@ -151,7 +151,7 @@ class Follower(Streamed):
     self._unposted.append(item.batch.rows)
     if self._who.groups:
       self._digests.append(item.digest)
-    if self._options.shapes is not None:
+    if self._rules.shapes is not None:
       self._sizes.append(item.batch.sizes)
     if self._own.due(len(self._unposted)):
       self._flush()  # Process 0 decides it while this host reads on.

@@ -193,7 +193,7 @@ class Ledger:
       if self._sizes is not None and stop > position:
         sizes = tuple(islice(self._sizes[p], position - base, stop - base))
       # An end right after the window's last row counts too: that row is then
-      # known to be the process's last (`Options.wait_for_last`).
+      # known to be the process's last (`plan.Rules.wait_for_last`).
       end = self._end[p] if count <= last else None
       out.append(
         messages.Report(

@@ -35,13 +35,13 @@ class Lockstep:
     self,
     reader: Iterator[reader_lib.Read | reader_lib.End],
     exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
-    options: plan_lib.Options,
+    rules: plan_lib.Rules,
     who: common.Identity,
     *,
     window: int,
     position: int,
   ):
-    self._reader, self._exchange, self._options, self._who = reader, exchange, options, who
+    self._reader, self._exchange, self._rules, self._who = reader, exchange, rules, who
     self._window = window
     self._position = position
     self._signature: batches_lib.Signature | None = None
@@ -55,7 +55,7 @@ class Lockstep:
   @property
   def batch_size(self) -> int | None:
     """The agreed full batch size (given, or derived from the first position); None until known."""
-    return self._options.batch_size
+    return self._rules.batch_size
 
   def request_stop(self, at_batch: int) -> None:
     """Asks every process to stop before the next window; no lock, returns at once."""
@@ -108,12 +108,12 @@ class Lockstep:
       self._signature,
       self._who,
       self._exchange,
-      self._options,
+      self._rules,
       w=w,
       position=self._position,
       stop=stop,
     )
-    self._options = plan_lib.pin(self._options, decision)
+    self._rules = plan_lib.pin(self._rules, decision)
     steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
     self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
     n = len(decision.steps)
@@ -139,7 +139,7 @@ def _decide_window(
   signature: batches_lib.Signature | None,
   who: common.Identity,
   exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
-  options: plan_lib.Options,
+  rules: plan_lib.Rules,
   *,
   w: int,
   position: int,
@@ -157,7 +157,7 @@ def _decide_window(
   rows = tuple(r.batch.rows for r in reads)
   sig = None if signature is None else signature.to_json()
   digests = tuple(r.digest for r in reads) if who.groups else ()
-  report = common.make_report(who, rows, end, sig, w == 0, digests, common.sizes_of(reads, options))
+  report = common.make_report(who, rows, end, sig, w == 0, digests, common.sizes_of(reads, rules))
   if stop is not None:
     report = dataclasses.replace(report, error=stop)
   if exchange.process_count == 1:
@@ -172,7 +172,7 @@ def _decide_window(
     stops = [r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED]
     if stops:
       return plan_lib.Plan((), Outcome.RAISE, stops[0]), signature
-  return common.decide(reports, options, groups=who.groups, position=position), signature
+  return common.decide(reports, rules, groups=who.groups, position=position), signature
 
 
 def _parse_all(payloads: list[str]) -> list[messages.Chunk]:

@@ -25,7 +25,7 @@ class Streamed:
   Args:
     reader: This host's reader.
     exchange: The key-value exchange of this iterator.
-    options: The settings `plan.decide` needs.
+    rules: The settings `plan.decide` needs.
     who: This process's identity (devices, settings digest, resume position).
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
@@ -43,7 +43,7 @@ class Streamed:
     self,
     reader: Iterator[reader_lib.Read | reader_lib.End],
     exchange: exchange_lib.KeyValueExchange,
-    options: plan_lib.Options,
+    rules: plan_lib.Rules,
     who: common.Identity,
     *,
     lookahead: int,
@@ -55,7 +55,7 @@ class Streamed:
     job: job_stats.JobTable | None = None,
   ):
     self._exchange = exchange
-    self._options = options
+    self._rules = rules
     self._who = who
     self._process = exchange.process_index
     self._process_count = exchange.process_count
@@ -84,11 +84,11 @@ class Streamed:
   @property
   def batch_size(self) -> int | None:
     """The agreed full batch size (given, or derived from the first position); None until known."""
-    return self._options.batch_size
+    return self._rules.batch_size
 
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
-    self._options = plan_lib.pin(self._options, decision)
+    self._rules = plan_lib.pin(self._rules, decision)
     if self._signature is None:
       if self._own.signature is not None:
         self._signature = self._own.signature

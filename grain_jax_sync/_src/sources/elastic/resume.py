@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grain_jax_sync._src.sources.elastic import state as state_lib
-from grain_jax_sync._src.sources.elastic.split import Layout, resume
+from grain_jax_sync._src.sources.elastic.split import EpochShares, resume
 from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
 NOT_ELASTIC = (
@@ -112,12 +112,14 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
 def _resplit(
   source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
-  olds: list[Layout] = []
+  olds: list[EpochShares] = []
   cursors: list[tuple[int, ...]] = []
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
-    layout, position, _ = state_lib.check_source_state(s["source"], source.spec, source.num_records)
+    epoch_shares, position, _ = state_lib.check_source_state(
+      s["source"], source.spec, source.num_records
+    )
     if s["source"].get("resplittable") is False:
       why = s["source"].get("why_not_resplittable", "packing, mixing")
       raise ValueError(
@@ -126,20 +128,25 @@ def _resplit(
         " in the batches delivered. Resume it on the same process count, or re-split a"
         " transform of map, filter, batch and mp_prefetch"
       )
-    if layout.count != len(states) or layout.index != i:
-      raise ValueError(f"`state[{i}]['source']` is process {layout.index} of {layout.count}'s")
-    if i and (layout.first_epoch, layout.splits) != (olds[0].first_epoch, olds[0].splits):
+    if epoch_shares.count != len(states) or epoch_shares.index != i:
+      raise ValueError(
+        f"`state[{i}]['source']` is process {epoch_shares.index} of {epoch_shares.count}'s"
+      )
+    if i and (epoch_shares.first_epoch, epoch_shares.splits) != (
+      olds[0].first_epoch,
+      olds[0].splits,
+    ):
       raise ValueError(
         f"`state[{i}]['source']` has another split history than process 0's: the states"
         " are not from one job"
       )
-    olds.append(layout)
-    cursors.append(_thresholds(s["source"], i, position, layout.length))
+    olds.append(epoch_shares)
+    cursors.append(_thresholds(s["source"], i, position, epoch_shares.length))
   first, splits = resume(olds, cursors)
-  layout = Layout(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
+  epoch_shares = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   return {
     **states[0],
     "process_index": p,
     "process_count": count,
-    "source": state_lib.export(layout, 0, None, source.spec),
+    "source": state_lib.export(epoch_shares, 0, None, source.spec),
   }

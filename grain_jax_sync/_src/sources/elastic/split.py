@@ -111,7 +111,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
   """Every process's share of an epoch after `history`, split over `count` processes.
 
-  Cached (the caller must not change the lists): every process's layout of one
+  Cached (the caller must not change the lists): every process's epoch_shares of one
   job asks for the same split.
   """
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
@@ -146,7 +146,7 @@ FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epoc
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class EpochShares:
   """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
 
   With ``num_epochs=None`` the epochs go on forever: the epochs a resize
@@ -271,30 +271,32 @@ class Layout:
 
 
 def resume(
-  olds: Sequence[Layout], thresholds: Sequence[Sequence[int]]
+  olds: Sequence[EpochShares], thresholds: Sequence[Sequence[int]]
 ) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
-  """The next job's (first epoch, splits) from every old process's layout and stream thresholds.
+  """The next job's (first epoch, splits) from every old process's epoch_shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
   ``j < thresholds[p][j % len(thresholds[p])]`` (``(position,)``: a prefix).
   The histories hold the old job; the next job's process count splits them.
 
   Args:
-    olds: Each old process's layout, in process order (one job: the same
+    olds: Each old process's epoch_shares, in process order (one job: the same
       first epoch and splits).
     thresholds: Each old process's stream thresholds.
 
   Returns:
-    (first epoch, per-epoch histories) for `Layout`: every epoch some old
+    (first epoch, per-epoch histories) for `EpochShares`: every epoch some old
     process had not finished gets the old job's cursors as a resize.
   """
-  spans = [layout.epoch_span(t) for layout, t in zip(olds, thresholds, strict=True)]
+  spans = [epoch_shares.epoch_span(t) for epoch_shares, t in zip(olds, thresholds, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
   for epoch in range(first, end + 1):
-    row = tuple(layout.epoch_cursor(epoch, t) for layout, t in zip(olds, thresholds, strict=True))
+    row = tuple(
+      epoch_shares.epoch_cursor(epoch, t) for epoch_shares, t in zip(olds, thresholds, strict=True)
+    )
     splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).
   splits.extend((e, h) for e, h in sorted(base.items()) if e > last)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src.sources.elastic.source import ElasticSource
-from grain_jax_sync._src.sources.elastic.split import Cursor, Layout, Resize
+from grain_jax_sync._src.sources.elastic.split import Cursor, EpochShares, Resize
 
 FORMAT = "grain_jax_sync.elastic/1"
 
@@ -74,7 +74,7 @@ def _row_from_json(value: Any) -> tuple[Cursor, ...]:
 
 
 def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
-  """Per-epoch split histories (`Layout.splits`) as JSON."""
+  """Per-epoch split histories (`EpochShares.splits`) as JSON."""
   return [[e, [[n, _row_to_json(c)] for n, c in h]] for e, h in splits]
 
 
@@ -90,7 +90,7 @@ def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
 
 
 def export(
-  layout: Layout,
+  epoch_shares: EpochShares,
   consumed: int | tuple[int, ...],
   grain_state: Any,
   spec: ElasticSource,
@@ -104,18 +104,18 @@ def export(
   thresholds of `mp_prefetch` workers, when there are several.
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
-  position = min(min(thresholds), layout.length)
-  epoch, cursor = layout.cursor(position)
+  position = min(min(thresholds), epoch_shares.length)
+  epoch, cursor = epoch_shares.cursor(position)
   out = {
     "format": FORMAT,
-    "num_records": layout.num_records,
+    "num_records": epoch_shares.num_records,
     "shuffle": spec.shuffle,
     "seed": spec.seed,
-    "num_epochs": layout.num_epochs,
-    "process_count": layout.count,
-    "process_index": layout.index,
-    "first_epoch": layout.first_epoch,
-    "splits": splits_to_json(layout.splits),
+    "num_epochs": epoch_shares.num_epochs,
+    "process_count": epoch_shares.count,
+    "process_index": epoch_shares.index,
+    "first_epoch": epoch_shares.first_epoch,
+    "splits": splits_to_json(epoch_shares.splits),
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
@@ -142,8 +142,8 @@ def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
 
 def check_source_state(
   state: Any, spec: ElasticSource, num_records: int
-) -> tuple[Layout, int, Any]:
-  """(layout, stream index, Grain state or None) of an exported state, checked against `spec`.
+) -> tuple[EpochShares, int, Any]:
+  """(epoch_shares, stream index, Grain state or None) of an exported state, checked against `spec`.
 
   Raises:
     ValueError: Naming the field that is missing, ill-typed or differs from
@@ -171,7 +171,7 @@ def check_source_state(
   index = _field(state, "process_index")
   if count < 1 or index >= count:
     raise ValueError(f"`state['source']` names process {index} of {count}")
-  layout = Layout(
+  epoch_shares = EpochShares(
     num_records,
     spec.num_epochs,
     _field(state, "first_epoch"),
@@ -180,8 +180,8 @@ def check_source_state(
     index,
   )
   position = _field(state, "position")
-  if position > layout.length:
+  if position > epoch_shares.length:
     raise ValueError(
-      f"`state['source']['position']` is {position}, past this process's {layout.length} records"
+      f"`state['source']['position']` is {position}, past this process's {epoch_shares.length} records"
     )
-  return layout, position, state.get("grain")
+  return epoch_shares, position, state.get("grain")
