@@ -210,14 +210,6 @@ class OwnReads:
       return False
     if unposted * 2 >= self.limit:
       return True
-    return self.build_idle()
-
-  def build_idle(self) -> bool:
-    """Whether the build thread holds no decided position: its consumer waits on the next decision.
-
-    False without a build thread (inline, the consumer's own `next()` drives
-    the agreement in runs).
-    """
     return self._held() == 0
 
   def _held(self) -> int | None:

@@ -141,18 +141,15 @@ class Decider(Streamed):
     """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
 
     This host reads while it holds fewer than its read-ahead of undecided
-    batches and its build thread has decided work: a read is work the job
-    needs anyway, and the read-ahead bounds it. Where the build thread has
-    taken every decided position, its consumer waits on the next decision,
-    which a read of this host's next batch would delay by that read: then,
-    as when the read-ahead is full, it blocks on the first peer still
-    awaited. No timer decides when to look, on any host.
+    batches: a read is work the job needs anyway, and the read-ahead bounds
+    it. Only then does it look at the store, once, and block on the first
+    peer still awaited: no timer decides when to look, on any host.
     """
     missing = self._needed()
     if self._process in missing:
       self._read()
       return
-    if self._own.room() and not (missing and self._own.build_idle()):
+    if self._own.room():
       if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
         return
       self._read()  # Nothing new: read on, and look again half a read-ahead later.

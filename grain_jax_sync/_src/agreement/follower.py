@@ -79,10 +79,10 @@ class Follower(Streamed):
       # An ending's report carries no rows (`_post`): unposted rows are void.
       self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
-      if self._read() and self._own.build_idle():
-        # Posted, with nothing decided left to build: the consumer waits on
-        # this decision, which reading on would delay by a read.
-        return self._wait()
+      if self._read() and not self._own.waits_on_build():
+        # Posted, with nothing decided left to build: the decision on what
+        # was posted before may be there.
+        return self._timed(self._exchange.try_decision, self._seq)
       return None
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
