@@ -212,7 +212,7 @@ class _Decider:
     self.n = ex.process_count
     self.led = ledger_lib.Ledger(self.n)
     self.led.set_own(0, signature=SIGNATURE, devices=1, config=CONFIG, resume=0)
-    self.options = plan_lib.Options(batch_size=ROWS, drop_last=False, pad=False)
+    self.options = plan_lib.Rules(batch_size=ROWS, drop_last=False, pad=False)
     self.j = 0
     self.seq = 0
     self.acked = 0

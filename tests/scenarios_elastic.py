@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -101,12 +102,17 @@ def elastic_job(
   num_epochs: int = 1,
   workers: int = 0,
   pack: bool = False,
+  stop_at: int | None = None,
 ) -> dict[str, Any]:
   """One job: restore the previous job's state, read `steps` global batches (None: all), save.
 
+  With `stop_at`, the last process sends itself SIGTERM once it has read
+  that many batches; its handler calls `request_stop()` (docs/multihost.md's
+  recipe), and every host reads on until its stream ends.
+
   Returns:
-    The global batches read ({"id", "x", "mask"} lists) and the batch count
-    the iterator resumed at.
+    The global batches read ({"id", "x", "mask"} lists), the batch count
+    the iterator resumed at, and the process whose request stopped it.
   """
   import jax
   import orbax.checkpoint as ocp
@@ -122,10 +128,15 @@ def elastic_job(
     else:
       mngr.restore(mngr.latest_step(), args=ocp.args.Composite(data=gjs.checkpoint_restore(it)))
   resumed_at = it.get_state()["batches"]
+  asker = stop_at is not None and p == jax.process_count() - 1
+  if asker:
+    signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
   out = []
   for b in it:
     g = gather(b)
     out.append({k: np.asarray(v).tolist() for k, v in g.items()})
+    if asker and len(out) == stop_at:
+      os.kill(os.getpid(), signal.SIGTERM)
     if steps is not None and len(out) == steps:
       break
   if mngr is not None:
@@ -138,7 +149,7 @@ def elastic_job(
     with open(os.path.join(folder, f"state_{p}.json"), "w") as f:
       json.dump(it.get_state(), f)
   it.close()
-  return {"batches": out, "resumed_at": resumed_at}
+  return {"batches": out, "resumed_at": resumed_at, "stopped_by": it.stop_requested_by}
 
 
 def refusals(n: int, directory: str) -> dict[str, str]:

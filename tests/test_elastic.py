@@ -28,10 +28,20 @@ N = 160
 
 
 def run_chain(
-  counts, steps, directory, mode, *, shuffle=False, n=N, num_epochs=1, workers=0, pack=False
+  counts,
+  steps,
+  directory,
+  mode,
+  *,
+  shuffle=False,
+  n=N,
+  num_epochs=1,
+  workers=0,
+  pack=False,
+  first_job=0,
 ):
   jobs = []
-  for job, (count, k) in enumerate(zip(counts, steps, strict=True)):
+  for job, (count, k) in enumerate(zip(counts, steps, strict=True), start=first_job):
     outs = testing.values(
       testing.run_processes(
         se.elastic_job,
@@ -81,6 +91,30 @@ def test_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(mode, tmp_path):
     state = orbax_states(str(tmp_path), 6)[0]
     assert len(orbax_states(str(tmp_path), 6)) == 4
   assert [c for c, _ in state["source"]["splits"][0][1]] == [2, 4, 2, 1, 2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_requested_stop_saves_one_position_that_resumes_on_another_count(tmp_path):
+  # A SIGTERM handler on host 1 asks for the stop after its batch 3: both
+  # hosts end at one batch and save; a job of 3 processes goes on from
+  # there, and over both jobs every record is read once.
+  n, bound = 800, 3 + 2 * (10 + 2)
+  first = testing.values(
+    testing.run_processes(
+      se.elastic_job,
+      num_processes=2,
+      devices_per_process=1,
+      args=(0, n, None, str(tmp_path), "json"),
+      kwargs={"stop_at": 3},
+      timeout_s=120,
+    )
+  )
+  assert first[0] == first[1]
+  assert first[0]["stopped_by"] == 1 and 3 <= len(first[0]["batches"]) <= bound
+  (second,) = run_chain([3], [None], str(tmp_path), "json", n=n, first_job=1)
+  assert second["stopped_by"] is None
+  check_exactly_once([first[0], second], [2, 3], n=n)
 
 
 def orbax_states(directory, step):

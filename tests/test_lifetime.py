@@ -509,9 +509,14 @@ def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
   kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 20.0}
   a = gjs.iter_jax_batches(scenarios_lifetime.host_batches(4, p), **kw)
   b = gjs.iter_jax_batches(scenarios_lifetime.host_batches(4, p), **kw)
+  return _first_next_ending(a if p == 0 else b, a, b)
+
+
+def _first_next_ending(first: Any, a: Any, b: Any) -> dict[str, Any]:
+  """The error (or None) of `next(first)` and how long it took; then closes `a` and `b`."""
   t0 = time.monotonic()
   try:
-    next(a if p == 0 else b)
+    next(first)
     error = None
   except Exception as e:  # noqa: BLE001 - the ending under test.
     error = f"{type(e).__name__}: {e}"
@@ -551,16 +556,7 @@ def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
     a, b = make(), make()
   else:
     b, a = make(), make()
-  t0 = time.monotonic()
-  try:
-    next(a)
-    error = None
-  except Exception as e:  # noqa: BLE001 - the ending under test.
-    error = f"{type(e).__name__}: {e}"
-  seconds = time.monotonic() - t0
-  a.close()
-  b.close()
-  return {"error": error, "seconds": seconds}
+  return _first_next_ending(a, a, b)
 
 
 @pytest.mark.multiprocess

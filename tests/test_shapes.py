@@ -282,7 +282,7 @@ _SIG = {"spec": {"d": [["tokens", "*"]]}, "leaves": [["tokens", "int32", [-1]]]}
 @pytest.mark.parametrize(("buckets", "want"), [(None, [(9,), (3,)]), ([4, 8, 16], [(16,), (4,)])])
 def test_decide_agrees_on_the_max_bucketed(buckets, want):
   shapes = shapes_lib.make({"tokens": 1}, buckets and {"tokens": buckets}, None, 0)
-  options = plan_lib.Options(batch_size=4, drop_last=False, pad=True, shapes=shapes)
+  options = plan_lib.Rules(batch_size=4, drop_last=False, pad=True, shapes=shapes)
   reports = [
     _report(0, (4, 4), ((9,), (2,))),
     _report(1, (4,), ((5,),)),
@@ -294,7 +294,7 @@ def test_decide_agrees_on_the_max_bucketed(buckets, want):
 
 def test_decide_above_last_bucket_raises_at_that_step():
   shapes = shapes_lib.make({"tokens": 1}, {"tokens": [4, 8]}, None, 0)
-  options = plan_lib.Options(batch_size=4, drop_last=False, pad=True, shapes=shapes)
+  options = plan_lib.Rules(batch_size=4, drop_last=False, pad=True, shapes=shapes)
   reports = [_report(0, (4, 4), ((3,), (2,))), _report(1, (4, 4), ((5,), (12,)))]
   plan = plan_lib.decide(reports, options, position=5)
   assert len(plan.steps) == 1 and plan.end == messages.Outcome.RAISE
