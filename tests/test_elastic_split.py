@@ -16,7 +16,7 @@ from grain_jax_sync._src.sources.elastic import state as state_lib
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
 
 
-def layouts(n, epochs, first, splits, count):
+def job_shares(n, epochs, first, splits, count):
   return [es.EpochShares(n, epochs, first, splits, count, i) for i in range(count)]
 
 
@@ -31,7 +31,7 @@ def run_job(draw_cursor, n, epochs, counts, *, shuffle, seed, keep):
   seen = []
   first, splits = 0, ()
   for k, count in enumerate(counts):
-    job = layouts(n, epochs, first, splits, count)
+    job = job_shares(n, epochs, first, splits, count)
     last = k == len(counts) - 1
     consumed = [j.length if last else draw_cursor(j.length) for j in job]
     for epoch_shares, c in zip(job, consumed, strict=True):
@@ -103,20 +103,20 @@ def test_shuffled_order_is_deterministic_given_seed_and_epoch():
 
 
 def test_a_later_epoch_uses_the_new_split():
-  job = layouts(12, 2, 0, (), 2)
+  job = job_shares(12, 2, 0, (), 2)
   first, splits = es.resume(job, [(3,), (6,)])  # Process 1 finished epoch 0 (6 records).
   assert first == 0
-  new = layouts(12, 2, first, splits, 3)
+  new = job_shares(12, 2, first, splits, 3)
   # Epoch 0: the 3 records process 0 left, over 3 processes; epoch 1 fresh, 3-way.
   assert [es.total(n.epochs[0][1]) for n in new] == [1, 1, 1]
   assert [n.epochs[1][1] for n in new] == [[(0, 4)], [(4, 8)], [(8, 12)]]
 
 
 def test_resize_at_an_epoch_boundary_keeps_both_epochs():
-  job = layouts(8, 3, 0, (), 2)
+  job = job_shares(8, 3, 0, (), 2)
   # Process 0 is in epoch 1 (2 of 4 read); process 1 still in epoch 0 (1 of 4).
   first, splits = es.resume(job, [(4 + 2,), (1,)])  # Stream positions: 4 per epoch.
-  (new,) = layouts(8, 3, first, splits, 1)
+  (new,) = job_shares(8, 3, first, splits, 1)
   got = [new.locate(j) for j in range(new.length)]
   epoch0 = [p for e, p in got if e == 0]
   epoch1 = [p for e, p in got if e == 1]
@@ -126,7 +126,7 @@ def test_resize_at_an_epoch_boundary_keeps_both_epochs():
 
 
 def test_cursor_at_the_end_and_at_epoch_boundaries():
-  (epoch_shares,) = layouts(4, 2, 0, (), 1)
+  (epoch_shares,) = job_shares(4, 2, 0, (), 1)
   assert [epoch_shares.cursor(j) for j in range(9)] == [
     (0, 0),
     (0, 1),
@@ -147,7 +147,7 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
   rng = np.random.default_rng(0)
   n, first, splits = 10_000_000, 0, ()
   for _ in range(resizes):
-    job = layouts(n, 1, first, splits, 1024)
+    job = job_shares(n, 1, first, splits, 1024)
     share = job[0].length
     positions = [(int(c),) for c in rng.integers(share // 2, share, size=1024)]
     first, splits = es.resume(job, positions)
@@ -158,7 +158,7 @@ def test_state_stays_under_10_kb_at_1024_processes(resizes):
 def test_a_resize_of_1024_processes_with_2_mp_prefetch_workers_each_stays_under_10_kb():
   rng = np.random.default_rng(0)
   n = 10_000_000
-  job = layouts(n, 1, 0, (), 1024)
+  job = job_shares(n, 1, 0, (), 1024)
   share = job[0].length
   thresholds = []
   for k in rng.integers(share // 4, share // 2, size=1024):
@@ -195,7 +195,7 @@ def test_strided_cursors_of_mp_prefetch_workers_resplit_exactly_the_rest(n, epoc
   """Each old process's W workers read every W-th stream index: consumed iff j < T[j % W]."""
   seen, first, splits = [], 0, ()
   for k, count in enumerate(counts):
-    job = layouts(n, epochs, first, splits, count)
+    job = job_shares(n, epochs, first, splits, count)
     if k == len(counts) - 1:
       for epoch_shares in job:
         seen += [
@@ -228,7 +228,7 @@ def test_a_strided_cursor_leaves_the_positions_above_each_worker_s_threshold():
 
 def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_each():
   n, seed = 11, 4
-  old = layouts(n, None, 0, (), 2)
+  old = job_shares(n, None, 0, (), 2)
   assert old[0].length == es.FOREVER and old[0].locate(6 * 3 + 2) == (3, 2)  # Share 0: 0..5.
   # Process 0 is in epoch 2, process 1 already in epoch 3.
   consumed = [6 * 2 + 4, 5 * 3 + 1]
@@ -238,7 +238,7 @@ def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_e
   first, splits = es.resume(old, [(c,) for c in consumed])
   splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
   assert first == 2 and [e for e, _ in splits] == [2, 3]
-  for epoch_shares in layouts(n, None, first, splits, 3):
+  for epoch_shares in job_shares(n, None, first, splits, 3):
     # The re-split rest of epochs 2 and 3, then 2 fresh epochs of 11 over 3 (4, 4, 3).
     listed = sum(es.total(s) for _, s, _ in epoch_shares.epochs)
     assert epoch_shares.length == listed + es.FOREVER

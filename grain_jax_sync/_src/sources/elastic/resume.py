@@ -117,9 +117,7 @@ def _resplit(
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
-    epoch_shares, position, _ = state_lib.check_source_state(
-      s["source"], source.spec, source.num_records
-    )
+    old, position, _ = state_lib.check_source_state(s["source"], source.spec, source.num_records)
     if s["source"].get("resplittable") is False:
       why = s["source"].get("why_not_resplittable", "packing, mixing")
       raise ValueError(
@@ -128,25 +126,20 @@ def _resplit(
         " in the batches delivered. Resume it on the same process count, or re-split a"
         " transform of map, filter, batch and mp_prefetch"
       )
-    if epoch_shares.count != len(states) or epoch_shares.index != i:
-      raise ValueError(
-        f"`state[{i}]['source']` is process {epoch_shares.index} of {epoch_shares.count}'s"
-      )
-    if i and (epoch_shares.first_epoch, epoch_shares.splits) != (
-      olds[0].first_epoch,
-      olds[0].splits,
-    ):
+    if old.count != len(states) or old.index != i:
+      raise ValueError(f"`state[{i}]['source']` is process {old.index} of {old.count}'s")
+    if i and (old.first_epoch, old.splits) != (olds[0].first_epoch, olds[0].splits):
       raise ValueError(
         f"`state[{i}]['source']` has another split history than process 0's: the states"
         " are not from one job"
       )
-    olds.append(epoch_shares)
-    cursors.append(_thresholds(s["source"], i, position, epoch_shares.length))
+    olds.append(old)
+    cursors.append(_thresholds(s["source"], i, position, old.length))
   first, splits = resume(olds, cursors)
-  epoch_shares = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
+  new = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   return {
     **states[0],
     "process_index": p,
     "process_count": count,
-    "source": state_lib.export(epoch_shares, 0, None, source.spec),
+    "source": state_lib.export(new, 0, None, source.spec),
   }

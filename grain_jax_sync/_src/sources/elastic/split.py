@@ -111,8 +111,8 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
   """Every process's share of an epoch after `history`, split over `count` processes.
 
-  Cached (the caller must not change the lists): every process's epoch_shares of one
-  job asks for the same split.
+  Cached (the caller must not change the lists): every process of one job asks
+  for the same split.
   """
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
@@ -273,14 +273,14 @@ class EpochShares:
 def resume(
   olds: Sequence[EpochShares], thresholds: Sequence[Sequence[int]]
 ) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
-  """The next job's (first epoch, splits) from every old process's epoch_shares and stream thresholds.
+  """The next job's (first epoch, splits) from every old process's shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
   ``j < thresholds[p][j % len(thresholds[p])]`` (``(position,)``: a prefix).
   The histories hold the old job; the next job's process count splits them.
 
   Args:
-    olds: Each old process's epoch_shares, in process order (one job: the same
+    olds: Each old process's shares of epochs, in process order (one job: the same
       first epoch and splits).
     thresholds: Each old process's stream thresholds.
 
@@ -288,15 +288,13 @@ def resume(
     (first epoch, per-epoch histories) for `EpochShares`: every epoch some old
     process had not finished gets the old job's cursors as a resize.
   """
-  spans = [epoch_shares.epoch_span(t) for epoch_shares, t in zip(olds, thresholds, strict=True)]
+  spans = [old.epoch_span(t) for old, t in zip(olds, thresholds, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
   for epoch in range(first, end + 1):
-    row = tuple(
-      epoch_shares.epoch_cursor(epoch, t) for epoch_shares, t in zip(olds, thresholds, strict=True)
-    )
+    row = tuple(old.epoch_cursor(epoch, t) for old, t in zip(olds, thresholds, strict=True))
     splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).
   splits.extend((e, h) for e, h in sorted(base.items()) if e > last)

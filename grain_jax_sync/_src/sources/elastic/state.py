@@ -90,7 +90,7 @@ def splits_from_json(value: Any) -> tuple[tuple[int, tuple[Resize, ...]], ...]:
 
 
 def export(
-  epoch_shares: EpochShares,
+  shares: EpochShares,
   consumed: int | tuple[int, ...],
   grain_state: Any,
   spec: ElasticSource,
@@ -104,18 +104,18 @@ def export(
   thresholds of `mp_prefetch` workers, when there are several.
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
-  position = min(min(thresholds), epoch_shares.length)
-  epoch, cursor = epoch_shares.cursor(position)
+  position = min(min(thresholds), shares.length)
+  epoch, cursor = shares.cursor(position)
   out = {
     "format": FORMAT,
-    "num_records": epoch_shares.num_records,
+    "num_records": shares.num_records,
     "shuffle": spec.shuffle,
     "seed": spec.seed,
-    "num_epochs": epoch_shares.num_epochs,
-    "process_count": epoch_shares.count,
-    "process_index": epoch_shares.index,
-    "first_epoch": epoch_shares.first_epoch,
-    "splits": splits_to_json(epoch_shares.splits),
+    "num_epochs": shares.num_epochs,
+    "process_count": shares.count,
+    "process_index": shares.index,
+    "first_epoch": shares.first_epoch,
+    "splits": splits_to_json(shares.splits),
     "position": position,
     "epoch": epoch,
     "cursor": cursor,
@@ -143,7 +143,7 @@ def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
 def check_source_state(
   state: Any, spec: ElasticSource, num_records: int
 ) -> tuple[EpochShares, int, Any]:
-  """(epoch_shares, stream index, Grain state or None) of an exported state, checked against `spec`.
+  """(shares, stream index, Grain state or None) of an exported state, checked against `spec`.
 
   Raises:
     ValueError: Naming the field that is missing, ill-typed or differs from
@@ -171,7 +171,7 @@ def check_source_state(
   index = _field(state, "process_index")
   if count < 1 or index >= count:
     raise ValueError(f"`state['source']` names process {index} of {count}")
-  epoch_shares = EpochShares(
+  shares = EpochShares(
     num_records,
     spec.num_epochs,
     _field(state, "first_epoch"),
@@ -180,8 +180,8 @@ def check_source_state(
     index,
   )
   position = _field(state, "position")
-  if position > epoch_shares.length:
+  if position > shares.length:
     raise ValueError(
-      f"`state['source']['position']` is {position}, past this process's {epoch_shares.length} records"
+      f"`state['source']['position']` is {position}, past this process's {shares.length} records"
     )
-  return epoch_shares, position, state.get("grain")
+  return shares, position, state.get("grain")

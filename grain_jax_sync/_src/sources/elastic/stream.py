@@ -59,26 +59,26 @@ def _classes() -> tuple[type, type]:
   class Stream(grain.MapDataset):
     """This process's records, in stream order: `records[order[position]]`."""
 
-    def __init__(self, records: Any, epoch_shares: EpochShares, shuffle: bool, seed: int):
+    def __init__(self, records: Any, shares: EpochShares, shuffle: bool, seed: int):
       super().__init__(records)
-      self._epoch_shares = epoch_shares
+      self._shares = shares
       self._shuffle = shuffle
       self._seed = seed
 
     def __len__(self) -> int:
-      return self._epoch_shares.length
+      return self._shares.length
 
     def __getitem__(self, j):
       if isinstance(j, slice):
         return self.slice(j)
-      epoch, pos = self._epoch_shares.locate(j)
+      epoch, pos = self._shares.locate(j)
       order = epoch_order(
-        self._epoch_shares.num_records, shuffle=self._shuffle, seed=self._seed, epoch=epoch
+        self._shares.num_records, shuffle=self._shuffle, seed=self._seed, epoch=epoch
       )
       return self._parent[pos if order is None else int(order[pos])]
 
     def __str__(self) -> str:
-      return f"ElasticStream(process {self._epoch_shares.index} of {self._epoch_shares.count})"
+      return f"ElasticStream(process {self._shares.index} of {self._shares.count})"
 
   return Stream, _cursor_class(grain)
 
@@ -129,7 +129,7 @@ def _cursor_class(grain: Any) -> type:
 
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
-  epoch_shares: EpochShares
+  shares: EpochShares
   grain: Any
 
 
@@ -150,26 +150,26 @@ class ElasticIterator(base.WrappedIterator):
     self._it: Any = None
     self._open(EpochShares(self.num_records, spec.num_epochs, 0, (), count, index))
 
-  def _open(self, epoch_shares: EpochShares) -> None:
+  def _open(self, shares: EpochShares) -> None:
     grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
     stream_cls, cursor_cls = _classes()
     records = self.spec.records
     if not isinstance(records, grain.MapDataset):
       records = grain.MapDataset.source(records)
     ds = cursor_cls(
-      stream_cls(records, epoch_shares, self.spec.shuffle, self.spec.seed).to_iter_dataset(),
-      epoch_shares.length,
+      stream_cls(records, shares, self.spec.shuffle, self.spec.seed).to_iter_dataset(),
+      shares.length,
     )
     if self.spec.transform is not None:
       ds = self.spec.transform(ds)
       if not isinstance(ds, grain.IterDataset):
         raise ValueError(f"`transform` must return a grain.IterDataset, got {type(ds).__name__}")
     self.close()
-    self._epoch_shares = epoch_shares
+    self._shares = shares
     self._it = iter(ds)
 
   def get_state(self) -> Any:
-    return _Snapshot(self._epoch_shares, self._kept(self._it.get_state()))
+    return _Snapshot(self._shares, self._kept(self._it.get_state()))
 
   def export_state(self, state: Any) -> Any:
     if not isinstance(state, _Snapshot):
@@ -181,21 +181,16 @@ class ElasticIterator(base.WrappedIterator):
         " `transform` must build on the IterDataset it is given with Grain"
         " transformations that nest their parent's state (map, filter, batch)"
       )
-    return state_lib.export(state.epoch_shares, found[0], state.grain, self.spec, why_not=found[1])
+    return state_lib.export(state.shares, found[0], state.grain, self.spec, why_not=found[1])
 
   def set_state(self, state: Any) -> None:
-    epoch_shares, position, grain_state = state_lib.check_source_state(
-      state, self.spec, self.num_records
-    )
-    if (
-      epoch_shares.count != self._epoch_shares.count
-      or epoch_shares.index != self._epoch_shares.index
-    ):
+    shares, position, grain_state = state_lib.check_source_state(state, self.spec, self.num_records)
+    if shares.count != self._shares.count or shares.index != self._shares.index:
       raise ValueError(
-        f"`state['source']` is process {epoch_shares.index} of {epoch_shares.count}'s, but this is"
-        f" process {self._epoch_shares.index} of {self._epoch_shares.count}"
+        f"`state['source']` is process {shares.index} of {shares.count}'s, but this is"
+        f" process {self._shares.index} of {self._shares.count}"
       )
-    self._open(epoch_shares)
+    self._open(shares)
     if grain_state is not None:
       self._it.set_state(base.decode_state(grain_state))
     elif position:
