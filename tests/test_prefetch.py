@@ -451,7 +451,7 @@ def drop_three_while_the_fourth_is_read(kind: str, slow: int | None = None) -> d
     dropped.append(weakref.ref(batch["x"]))
     del batch
   end = time.monotonic() + 3
-  while (alive & {0, 1, 2} or any(r() for r in dropped)) and time.monotonic() < end:
+  while (alive & {0, 1, 2} or any(r() is not None for r in dropped)) and time.monotonic() < end:
     gc.collect()
     time.sleep(0.01)
   host, built = sorted(alive & {0, 1, 2}), [i for i, r in enumerate(dropped) if r() is not None]
