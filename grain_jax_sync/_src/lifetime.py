@@ -116,7 +116,6 @@ class Lifetime:
     self._closed = threading.Event()
     self.mark = mark
     self.generation = 0  # Streams started or ended so far; names their keys.
-    self.ending: messages.ReportedError | None = None  # Posted by the next stop.
     self.start_error: BaseException | None = None  # Raised by the next start.
     self.refusal: str | None = None  # A refused state's error, raised by `next()`.
     self.exhausted = False
@@ -267,14 +266,14 @@ class Lifetime:
     self._stop_at = None  # A request ended (or would have ended) the old stream only.
     self.stopped_by = None
 
-  def stop(self) -> None:
-    """Stops the running stages (posting `ending`, or closed); the next `stages()` restarts."""
+  def stop(self, ending: messages.ReportedError | None = None) -> None:
+    """Stops the running stages, posting `ending` (default: closed); the next `stages()` restarts."""
     with self._lock:
       stages = self._state.stages
       phase = Phase.IDLE if self._state.phase is Phase.RUNNING else self._state.phase
       self._set(stages=None, phase=phase)
     if stages is not None:
-      stages.close(self.mark.position, self.ending)
+      stages.close(self.mark.position, ending)
       with self._lock:
         self._set(finished=self._state.finished + stages.times())
       if self.job is not None:
@@ -286,11 +285,11 @@ class Lifetime:
   def leave(self, how: str) -> None:
     """Stops the running stream with this host's ending "process p {how} at batch i". In a turn."""
     p, at = jax.process_index(), self.mark.position
-    self.ending = messages.ReportedError(
-      messages.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
+    self.stop(
+      messages.ReportedError(
+        messages.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
+      )
     )
-    self.stop()
-    self.ending = None
 
   def refuse(self, message: str) -> None:
     """Makes a refused state's error this host's ending; `next()` raises it. In a turn.
@@ -301,26 +300,25 @@ class Lifetime:
     waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
     `next()` raises the same error.
     """
-    self.ending = messages.ReportedError(messages.ErrorKind.VALUE, message, jax.process_index(), 0)
+    ending = messages.ReportedError(messages.ErrorKind.VALUE, message, jax.process_index(), 0)
     if self.running:
-      self.stop()
+      self.stop(ending)
     else:
       # The peers wait in the stream this host would have started: end it
       # there now; a later restart takes the stream after it, as theirs do.
-      self.end_unstarted()
-    self.ending = None
+      self.end_unstarted(ending)
     self.pending_start = True
     self.refusal = message
 
-  def end_unstarted(self) -> None:
-    """Posts `ending` (or closed) to the stream this host would start next; in a turn.
+  def end_unstarted(self, ending: messages.ReportedError | None = None) -> None:
+    """Posts `ending` (default: closed) to the stream this host would start next; in a turn.
 
     A later restart takes the stream after it, as the peers' do.
     """
     if self._state.stages is None and self._namespace is not None and self.pending_start:
       self.generation += 1
       ns = f"{self._namespace}/{self.generation}"
-      session_lib.end_unstarted(self._options, ns, self.mark.position, self.ending)
+      session_lib.end_unstarted(self._options, ns, self.mark.position, ending)
 
   def times(self) -> stats_lib.Times:
     state = self._state  # One value: no lock.
@@ -392,8 +390,7 @@ class Lifetime:
     """Stops the stages, posts this host's ending, closes the source; holds the turn. Once."""
     try:
       at = self.mark.position
-      self.ending = None  # Closed: the peers raise "process p closed its iterator".
-      self.stop()
+      self.stop()  # Closed: the peers raise "process p closed its iterator".
       self.end_unstarted()
       stream = f"{self._namespace}/{self.generation}"
       if self._namespace is not None and self._options.synchronize_batches:

@@ -87,16 +87,15 @@ class Stages:
 
   def __init__(self, start: Start):
     options = start.options
-    # Any: the exchange's `form` says which it is (no isinstance checks).
-    ex: Any = exchange_lib.make_exchange(
+    ex = exchange_lib.make_exchange(
       synchronize=options.synchronize_batches, namespace=start.namespace
     )
-    if ex.form == "streamed":
+    if isinstance(ex, exchange_lib.KeyValueExchange):
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.position = start.mark.position
     self._at_end = False  # This host's consumer reached the agreed end.
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
-    self._exchange: Any = ex
+    self._exchange = ex
     self._closed = False
     self._agreement: streamed.Streamed | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
@@ -111,7 +110,7 @@ class Stages:
 
   def _shares(self, start: Start) -> bool:
     """Whether processes that share rows compare them (wherever reports are exchanged)."""
-    return start.placement.shares_rows and self._exchange.form != "local"
+    return start.placement.shares_rows and self._exchange.process_count > 1
 
   def _reader(self, start: Start) -> reader.Reader:
     return reader.Reader(
@@ -125,7 +124,7 @@ class Stages:
     )
 
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
-    """The agreement's form, as the exchange's `form` picks it: decided runs."""
+    """The agreement of the form the exchange picks: decided runs."""
     options, ex = start.options, self._exchange
     who = Identity(
       process=ex.process_index,
@@ -137,18 +136,20 @@ class Stages:
       groups=start.placement.groups if self._shares(start) else (),
     )
     rules = options.rules(batch_size=start.mark.batch_size)
-    ended = exchange_lib.pre_ended(start.namespace) if ex.form == "streamed" else None
+    streamed = isinstance(ex, exchange_lib.KeyValueExchange)
+    ended = exchange_lib.pre_ended(start.namespace) if streamed else None
     if ended is not None:
       # This host already posted its ending to this stream (the crosswise
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
-    if ex.form != "streamed":
-      # One process, or each process alone: one read per batch (lazy); the
-      # collective fallback runs in the caller's thread only.
+    if not isinstance(ex, exchange_lib.KeyValueExchange):
+      # Lockstep. One process, or each process alone: one read per batch
+      # (lazy); the collective fallback runs in the caller's thread only.
       window = options.synchronize_lookahead if ex.process_count > 1 else 1
       stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
       self._stopper = stepper
-      if ex.form == "local" and options.prefetch_batches > 0 and options.read_ahead is not None:
+      local = ex.process_count == 1
+      if local and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
     kind = decider.Decider if ex.process_index == 0 else follower.Follower
@@ -194,14 +195,17 @@ class Stages:
     options, ex = start.options, self._exchange
     # The collective fallback runs in the caller's thread only; a stream this
     # host already ended raises at once.
-    inline = ex.form == "collective" or exchange_lib.pre_ended(start.namespace) is not None
+    inline = (
+      isinstance(ex, exchange_lib.CollectiveExchange)
+      or exchange_lib.pre_ended(start.namespace) is not None
+    )
     if options.prefetch_batches == 0 or inline:
       return self._builder(runs)
     stage = prefetch_lib.Prefetcher(
       self._builder(runs),
       buffer_size=options.prefetch_batches,
       in_hand=options.read_ahead is None,  # `device_put`: Grain's buffers count the one in hand.
-      on_close=ex.cancel if self._agreement is not None else None,
+      on_close=ex.cancel if isinstance(ex, exchange_lib.KeyValueExchange) else None,
       name=BUILD_THREAD,
     )
     return self._thread(stage)
@@ -328,10 +332,8 @@ def end_unstarted(
   if namespace is None or exchange_lib.pre_ended(namespace) is not None:
     return  # Nothing to tell, or told already.
   try:
-    ex: Any = exchange_lib.make_exchange(
-      synchronize=options.synchronize_batches, namespace=namespace
-    )
-    if ex.form == "streamed":
+    ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
+    if isinstance(ex, exchange_lib.KeyValueExchange):
       endings.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

@@ -84,7 +84,6 @@ class PeerLostError(RuntimeError):
 class LocalExchange:
   """No communication: each process decides alone."""
 
-  form = "local"  # The agreement's form: lockstep, nothing exchanged.
   busy_s = 0.0  # Nothing is exchanged.
 
   def __init__(self, process_index: int = 0):

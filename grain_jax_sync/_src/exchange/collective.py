@@ -18,8 +18,6 @@ class CollectiveExchange:
   `KeyValueExchange`.
   """
 
-  form = "collective"  # The agreement's form: lockstep, in the caller's thread only.
-
   def __init__(self, *, process_index: int, process_count: int):
     self.process_index = process_index
     self.process_count = process_count

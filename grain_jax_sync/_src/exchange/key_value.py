@@ -112,8 +112,6 @@ class KeyValueExchange:
     process_count: How many processes take part.
   """
 
-  form = "streamed"  # The agreement's form: one decider, followers.
-
   def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int):
     self._client = client
     self._ns = namespace
