@@ -20,12 +20,9 @@ from grain_jax_sync._src import job_stats, signal_at, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.session import Mark
 from grain_jax_sync._src.sources import elastic
-
-Mark = session_lib.Mark
 
 
 class JaxBatchIterator(Iterator[Any]):
@@ -58,15 +55,7 @@ class JaxBatchIterator(Iterator[Any]):
     namespace = None
     if options.synchronize_batches and jax.process_count() > 1:
       namespace = exchange_lib.new_namespace(options.name)
-    try:
-      self._source = sources.open_source(source)
-      initial = self._source.get_state() if self._source.supports_state else None
-    except BaseException as e:
-      # Peers would wait `sync_timeout_s` for a host that never reports.
-      end = reader_lib.failed(jax.process_index(), 0, 0, e, "opening its source")
-      first = None if namespace is None else f"{namespace}/1"
-      session_lib.end_unstarted(options, first, 0, end.error)
-      raise
+    self._source, initial = lifetime_lib.open_source(source, options, namespace)
     self._initial = initial
     # Holds no reference to this iterator: its finalizer closes it.
     self._life = lifetime_lib.Lifetime(

@@ -46,15 +46,34 @@ from typing import Any, NamedTuple
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, reader, sources
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.session import Mark
 
 logger = logging.getLogger(__name__)
 
-Mark = session_lib.Mark
 CLOSER_THREAD = "grain_jax_sync-close"
+
+
+def open_source(
+  origin: Any, options: Any, namespace: str | None
+) -> tuple[sources.SourceIterator, Any]:
+  """Opens the source and reads its first state (None without states).
+
+  Where either fails, this host's ending goes to the first stream before the
+  error is raised: its peers would otherwise wait `sync_timeout_s` for a host
+  that never reports.
+  """
+  try:
+    source = sources.open_source(origin)
+    return source, source.get_state() if source.supports_state else None
+  except BaseException as e:
+    end = reader.failed(jax.process_index(), 0, 0, e, "opening its source")
+    first = None if namespace is None else f"{namespace}/1"
+    session_lib.end_unstarted(options, first, 0, end.error)
+    raise
 
 
 class Phase(enum.Enum):

@@ -54,7 +54,7 @@ class Times:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Delivered:
-  """What the consumer received; a value, replaced whole with each batch (`lifetime.Mark`).
+  """What the consumer received; a value, replaced whole with each batch (`session.Mark`).
 
   Attributes:
     batches: Global batches received.
