@@ -45,7 +45,7 @@ from grain_jax_sync._src import (
 )
 from grain_jax_sync._src.agreement import common, decider, endings, follower, ledger
 
-OPTIONS = plan.Rules(batch_size=8, drop_last=False, pad=True)
+RULES = plan.Rules(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
 STALL_S = 1.2
 EXAMPLES = 40
@@ -73,14 +73,14 @@ def _source(p, spec, seed):
     yield {"x": _ids(p, b, n)}
 
 
-def _host(p, n, store, spec, lookahead, seed, out, options=OPTIONS):
+def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
   read = reader.Reader(
     sources.open_source(_source(p, spec, seed)), process_index=p, check_int32=False
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   kind = decider.Decider if p == 0 else follower.Follower
-  stage = kind(read, ex, options, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0)
+  stage = kind(read, ex, rules, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0)
   record, yielded = [], 0
   runs = iter(stage)
   try:
@@ -121,7 +121,7 @@ def schedules(draw):
   return n, hosts, draw(st.integers(1, 4)), draw(st.integers(0, 2**16))
 
 
-def _expected(n, hosts, options=OPTIONS):
+def _expected(n, hosts, rules=RULES):
   """`plan.decide` over every process's whole report (what a windowed exchange decides)."""
   reports = []
   for p, h in enumerate(hosts):
@@ -138,7 +138,7 @@ def _expected(n, hosts, options=OPTIONS):
     reports.append(
       messages.Report(process_index=p, rows=rows, exhausted=error is None, error=error)
     )
-  return plan.decide(reports, options)
+  return plan.decide(reports, rules)
 
 
 def _in_threads(n, args_of):
@@ -151,10 +151,10 @@ def _in_threads(n, args_of):
   assert not any(t.is_alive() for t in threads), "a simulated process hangs"
 
 
-def _run(n, hosts, lookahead, seed, options=OPTIONS):
+def _run(n, hosts, lookahead, seed, rules=RULES):
   store = MemoryStore()
   out: dict = {}
-  _in_threads(n, lambda p: (_host, (p, n, store, hosts[p], lookahead, seed + p, out, options)))
+  _in_threads(n, lambda p: (_host, (p, n, store, hosts[p], lookahead, seed + p, out, rules)))
   return store, out
 
 
@@ -165,7 +165,7 @@ def _real_ids(record):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules())
 def test_every_process_ends_the_same_way_and_rows_are_conserved(schedule):
-  _check_schedule(schedule, OPTIONS)
+  _check_schedule(schedule, RULES)
 
 
 # Where a short batch's fate depends on whether it is its host's last: the
@@ -180,20 +180,20 @@ WAITING = [
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules(), st.sampled_from(WAITING))
-def test_waiting_for_the_last_batch_decides_as_if_every_end_were_known(schedule, options):
-  _check_schedule(schedule, options)
+def test_waiting_for_the_last_batch_decides_as_if_every_end_were_known(schedule, rules):
+  _check_schedule(schedule, rules)
 
 
-def _check_schedule(schedule, options):
+def _check_schedule(schedule, rules):
   """Runs one schedule over the in-memory store and checks every property, in turn."""
   n, hosts, lookahead, seed = schedule
-  store, out = _run(n, hosts, lookahead, seed, options)
+  store, out = _run(n, hosts, lookahead, seed, rules)
   assert store.keys() == []  # Nothing left behind.
   ended = [p for p in range(n) if out[p][0] != "closed"]
   outcomes, texts = _check_one_ending(n, hosts, out, ended)
   steps = _check_same_positions(n, out)
-  _check_rows_at_most_once(n, hosts, out, outcomes, options)
-  _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, texts)
+  _check_rows_at_most_once(n, hosts, out, outcomes, rules)
+  _check_decided_as_planned(n, hosts, out, ended, rules, steps, outcomes, texts)
 
 
 def _check_one_ending(n, hosts, out, ended):
@@ -223,20 +223,20 @@ def _check_same_positions(n, out):
   return steps
 
 
-def _check_rows_at_most_once(n, hosts, out, outcomes, options):
+def _check_rows_at_most_once(n, hosts, out, outcomes, rules):
   """Real rows: at most once, in source order; exactly once without error or close."""
   for p in range(n):
     got = _real_ids(out[p][1])
     fed = [i for b, x in enumerate(hosts[p]["rows"]) for i in _ids(p, b, x).tolist()]
     assert got == fed[: len(got)]
     stopped = outcomes == {"stop"} and all(out[q][0] != "closed" for q in range(n))
-    if stopped and not options.drop_last:  # `drop_last` stops at the shortest host.
+    if stopped and not rules.drop_last:  # `drop_last` stops at the shortest host.
       assert got == fed
 
 
-def _check_decided_as_planned(n, hosts, out, ended, options, steps, outcomes, texts):
+def _check_decided_as_planned(n, hosts, out, ended, rules, steps, outcomes, texts):
   """The streamed decisions are `plan.decide`'s (a prefix of them when a run was cut short)."""
-  want = _expected(n, hosts, options)
+  want = _expected(n, hosts, rules)
   want_steps = [(s.action.value, s.rows) for s in want.steps]
   aborted = any(out[p][0] == "closed" for p in range(n)) or any(
     isinstance(out[p][2], exchange.PeerTimeoutError) for p in ended
@@ -332,7 +332,7 @@ def _host_beside_a_step(p, n, store, rows, lookahead, step_s, out):
   who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   kind = decider.Decider if p == 0 else follower.Follower
   built = _BuildProgress()
-  stage = kind(read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0, built=built)
+  stage = kind(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0, position=0, built=built)
   runs = prefetch.Prefetcher(iter(stage), buffer_size=1, in_hand=False)
   ids = []
   for run in runs:
@@ -426,14 +426,14 @@ def _shared_reports(digests_1: tuple[str, ...]) -> list[messages.Report]:
 
 def test_shared_rows_that_agree_decide_as_plan_decide():
   reports = _shared_reports(("a", "b", "c"))
-  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
-  assert got == plan.decide(reports, OPTIONS, position=4)
+  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=4)
+  assert got == plan.decide(reports, RULES, position=4)
   assert got.end == messages.Outcome.STOP and len(got.steps) == 3
 
 
 def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   reports = _shared_reports(("a", "b", "C"))
-  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=4)
+  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=4)
   assert len(got.steps) == 2 and got.end == messages.Outcome.RAISE
   assert got.error is not None and got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(
@@ -441,7 +441,7 @@ def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   )
   assert "process 0: c, process 1: C" in got.error.message
   # Without groups (no shared rows) the digests are not looked at.
-  assert common.decide(reports, OPTIONS, groups=(), position=4).end == messages.Outcome.STOP
+  assert common.decide(reports, RULES, groups=(), position=4).end == messages.Outcome.STOP
 
 
 def test_a_group_of_dummy_batches_is_not_compared():
@@ -449,7 +449,7 @@ def test_a_group_of_dummy_batches_is_not_compared():
   reports = _shared_reports(("a",))
   for p in (0, 1):
     reports[p] = messages.Report(process_index=p, rows=(8,), exhausted=True, digests=("a",))
-  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=0)
   assert got.end == messages.Outcome.STOP
   assert [(s.real_rows[0], s.real_rows[1], s.real_rows[2]) for s in got.steps] == [
     (8, 8, 8),
@@ -463,7 +463,7 @@ def test_a_dummy_batch_beside_its_replicas_rows_raises_naming_both():
   # plan stands up to batch 0 and every host raises the same error.
   reports = _shared_reports(("a",))
   reports[1] = messages.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
-  got = common.decide(reports, OPTIONS, groups=((0, 1), (2,)), position=0)
+  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=0)
   assert got.end == messages.Outcome.RAISE and len(got.steps) == 1
   assert got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(
@@ -498,7 +498,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
   kind = decider.Decider if p == 0 else follower.Follower
-  stage = kind(read, ex, OPTIONS, who, lookahead=lookahead, timeout_s=5.0, position=0)
+  stage = kind(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0, position=0)
   record = []
   try:
     for run in stage:

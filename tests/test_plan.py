@@ -42,7 +42,7 @@ def test_decide_all_exhausted_stop():
 
 
 @pytest.mark.parametrize(
-  ("options", "end", "steps"),
+  ("rules", "end", "steps"),
   [
     (
       PAD,
@@ -53,8 +53,8 @@ def test_decide_all_exhausted_stop():
     (STRICT, Outcome.RAISE, [(Action.YIELD, 8, (8, 8))]),
   ],
 )
-def test_decide_uneven_counts_by_option(options, end, steps):
-  p = plan_lib.decide([rep(0, [8, 8, 3], True), rep(1, [8], True)], options)
+def test_decide_uneven_counts_by_option(rules, end, steps):
+  p = plan_lib.decide([rep(0, [8, 8, 3], True), rep(1, [8], True)], rules)
   assert p.end == end
   assert [(s.action, s.rows, s.real_rows) for s in p.steps] == steps
   if end == Outcome.RAISE:
@@ -84,9 +84,9 @@ def test_decide_drop_last_drops_short_last_batch_everywhere():
   assert p.end == Outcome.STOP
 
 
-@pytest.mark.parametrize("options", [PAD, DROP, PAD_DROP])
-def test_decide_larger_batches_on_every_host_pass_through(options):
-  p = plan_lib.decide([rep(0, [12, 8], True), rep(1, [12, 8], True)], options)
+@pytest.mark.parametrize("rules", [PAD, DROP, PAD_DROP])
+def test_decide_larger_batches_on_every_host_pass_through(rules):
+  p = plan_lib.decide([rep(0, [12, 8], True), rep(1, [12, 8], True)], rules)
   assert [(s.action, s.rows, s.real_rows) for s in p.steps] == [
     (Action.YIELD, 12, (12, 12)),
     (Action.YIELD, 8, (8, 8)),
@@ -94,9 +94,9 @@ def test_decide_larger_batches_on_every_host_pass_through(options):
   assert p.end == Outcome.STOP
 
 
-@pytest.mark.parametrize("options", [PAD, DROP, PAD_DROP])
-def test_decide_larger_batch_on_one_host_raises_naming_both_sizes(options):
-  p = plan_lib.decide([rep(0, [9]), rep(1, [8])], options)
+@pytest.mark.parametrize("rules", [PAD, DROP, PAD_DROP])
+def test_decide_larger_batch_on_one_host_raises_naming_both_sizes(rules):
+  p = plan_lib.decide([rep(0, [9]), rep(1, [8])], rules)
   assert p.end == Outcome.RAISE and p.error.kind == ErrorKind.VALUE
   assert p.error.message.startswith(
     "Uneven batch sizes detected across JAX workers at batch 0: process 0 has 9 rows, more"
@@ -131,9 +131,9 @@ DERIVED_DROP = Rules(batch_size=None, drop_last=True, pad=False)
 DERIVED_PAD = Rules(batch_size=None, drop_last=False, pad=True)
 
 
-@pytest.mark.parametrize("options", [DERIVED_DROP, DERIVED_PAD, Rules(None, False, False)])
-def test_decide_without_batch_size_yields_equal_batches_of_any_size(options):
-  p = plan_lib.decide([rep(0, [3, 3, 3], True), rep(1, [3, 3, 3], True)], options)
+@pytest.mark.parametrize("rules", [DERIVED_DROP, DERIVED_PAD, Rules(None, False, False)])
+def test_decide_without_batch_size_yields_equal_batches_of_any_size(rules):
+  p = plan_lib.decide([rep(0, [3, 3, 3], True), rep(1, [3, 3, 3], True)], rules)
   assert [(s.action, s.rows) for s in p.steps] == [(Action.YIELD, 3)] * 3
   assert p.end == Outcome.STOP and p.batch_size == 3
 
@@ -167,15 +167,15 @@ def test_decide_derived_full_size_is_the_same_on_every_host_and_pinned_by_the_ca
 
 
 @pytest.mark.parametrize(
-  ("options", "how"),
+  ("rules", "how"),
   [
     (DROP, "(`batch_size`)"),
     (Rules(None, drop_last=True, pad=True), "as `batch_size` was not given"),
     (DERIVED_PAD, "as `batch_size` was not given"),
   ],
 )
-def test_decide_short_batch_that_is_not_the_last_raises_naming_both_sizes(options, how):
-  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 8, 8])], options)
+def test_decide_short_batch_that_is_not_the_last_raises_naming_both_sizes(rules, how):
+  p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 8, 8])], rules)
   assert [s.rows for s in p.steps] == [8] and p.end == Outcome.RAISE
   msg = p.error.message
   assert msg.startswith(
@@ -190,11 +190,11 @@ def test_decide_short_batch_on_every_host_that_is_not_the_last_raises_without_pr
   assert p.end == Outcome.RAISE and p.error.message.startswith("process 0, batch 0: 4 rows, fewer")
 
 
-@pytest.mark.parametrize("options", [PAD, PAD_DROP])
-def test_decide_short_batch_with_given_batch_size_and_paddings_is_padded_anywhere(options):
-  p = plan_lib.decide([rep(0, [8, 5, 8, 3], True), rep(1, [8, 8, 8], True)], options)
+@pytest.mark.parametrize("rules", [PAD, PAD_DROP])
+def test_decide_short_batch_with_given_batch_size_and_paddings_is_padded_anywhere(rules):
+  p = plan_lib.decide([rep(0, [8, 5, 8, 3], True), rep(1, [8, 8, 8], True)], rules)
   want = [(Action.YIELD, 8, (8, 8)), (Action.YIELD, 8, (5, 8)), (Action.YIELD, 8, (8, 8))]
-  if options.drop_last:  # Stops where process 1 ran out.
+  if rules.drop_last:  # Stops where process 1 ran out.
     assert [(s.action, s.rows, s.real_rows) for s in p.steps] == want
   else:
     assert [(s.action, s.rows, s.real_rows) for s in p.steps] == [
@@ -267,7 +267,7 @@ def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
 
 
 @pytest.mark.parametrize(
-  ("options", "waits"),
+  ("rules", "waits"),
   [
     (Rules(8, drop_last=False, pad=True, wait_for_last=True), False),  # Padded either way.
     (Rules(None, drop_last=False, pad=True, wait_for_last=True), True),
@@ -275,8 +275,8 @@ def test_decide_waits_for_a_short_batch_whose_host_may_have_more():
     (Rules(8, drop_last=True, pad=False), False),  # Not asked to wait: taken as last.
   ],
 )
-def test_decide_waits_only_where_being_the_last_changes_the_outcome(options, waits):
-  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], options)
+def test_decide_waits_only_where_being_the_last_changes_the_outcome(rules, waits):
+  p = plan_lib.decide([rep(0, [8, 5]), rep(1, [8, 8])], rules)
   assert (p.end == Outcome.WAIT) == waits
   assert p.waiting == ((0,) if waits else ())
 
