@@ -74,9 +74,8 @@ class JaxBatchIterator(Iterator[Any]):
     return self
 
   def __next__(self) -> Any:
-    # One call at a time: another thread's call in progress raises at once
-    # (two threads starting the stream would start two streams for the
-    # peers), and so does a call inside this thread's own `next()`.
+    # `_in_turn`, written out: an error's traceback then shows the user one
+    # frame of this library, this one (`tracebacks.for_user`).
     life = self._life
     life.take_turn("next()")
     try:
@@ -210,6 +209,12 @@ class JaxBatchIterator(Iterator[Any]):
     self._in_turn("set_state()", self._set_state, state)
 
   def _in_turn(self, what: str, fn: Any, *args: Any) -> None:
+    """Runs call `what` as this thread's turn.
+
+    One call at a time: another thread's call in progress raises at once
+    (two threads starting the stream would start two streams for the
+    peers), and so does a call inside this thread's own `next()`.
+    """
     life = self._life
     life.take_turn(what)
     try:
@@ -232,16 +237,9 @@ class JaxBatchIterator(Iterator[Any]):
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
-    self._leave("restored a state (set_state())")
+    self._life.leave("restored a state (set_state())")
     batch_size = batch_size or self._options.batch_size
-    self._restart(Mark(batches, source_state, batch_size, self._delivered()))
-
-  def _delivered(self) -> stats_lib.Delivered:
-    return self._life.mark.delivered
-
-  def _leave(self, how: str) -> None:
-    """Ends the running stream here: a peer still in it raises naming this process."""
-    self._life.leave(how)
+    self._life.restart(Mark(batches, source_state, batch_size, self._life.mark.delivered))
 
   def _refused(self, e: ValueError) -> ValueError:
     """Makes a refused state this host's ending (its peers raise it too); see `Lifetime.refuse`."""
@@ -263,7 +261,7 @@ class JaxBatchIterator(Iterator[Any]):
       ) from e
     except Exception as e:
       self._life.start_error = e  # Halted: the next start raises it, on every host.
-      self._restart(self._life.mark)
+      self._life.restart(self._life.mark)
       raise
 
   def reset(self) -> None:
@@ -284,12 +282,12 @@ class JaxBatchIterator(Iterator[Any]):
     self._in_turn("reset()", self._reset)
 
   def _reset(self) -> None:
-    self._leave("reset its iterator")
+    self._life.leave("reset its iterator")
     self._source = sources.reopen(self._origin, self._source, self._initial)
     self._life.source = self._source
     initial = self._source.get_state() if self._source.supports_state else None
     self._initial = initial
-    self._restart(Mark(0, initial, self._options.batch_size, self._delivered()))
+    self._life.restart(Mark(0, initial, self._options.batch_size, self._life.mark.delivered))
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 
@@ -325,15 +323,10 @@ class JaxBatchIterator(Iterator[Any]):
       self._set_source_state(source_state)
     except ValueError as e:
       raise self._refused(e) from e
-    self._leave("restored a state (local_iterator.set_state())")
+    self._life.leave("restored a state (local_iterator.set_state())")
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._restart(Mark(0, source_state, self._options.batch_size, self._delivered()))
-
-  def _restart(self, mark: Mark) -> None:
-    """Stops the running stages; the next `next()` starts a new stream at `mark`."""
-    self._life.stop()
-    self._life.restart(mark)
+    self._life.restart(Mark(0, source_state, self._options.batch_size, self._life.mark.delivered))
 
   # -- lifetime ----------------------------------------------------------------
 

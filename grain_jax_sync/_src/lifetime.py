@@ -277,7 +277,8 @@ class Lifetime:
       stages.halt()
 
   def restart(self, mark: Mark) -> None:
-    """After `stop()`: the next `stages()` starts a new stream at `mark`. In a turn."""
+    """Stops the running stages; the next `stages()` starts a new stream at `mark`. In a turn."""
+    self.stop()
     self.mark = mark
     self.refusal = None
     self.exhausted = False

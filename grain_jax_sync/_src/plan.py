@@ -134,8 +134,6 @@ def _size_step(
   `paddings` with a given `batch_size` pads it (as the reference does).
   Without either option every host's batch must have the same size.
   """
-  if all(i < len(r.rows) and r.rows[i] == batch_size for r in reports):  # Full: the rules agree.
-    return Step(Action.YIELD, batch_size, (batch_size,) * len(reports))
   has = [i < len(r.rows) for r in reports]
   rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
   real = [x for x, h in zip(rows, has, strict=True) if h]

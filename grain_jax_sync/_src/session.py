@@ -93,7 +93,7 @@ class Stages:
     if isinstance(ex, exchange_lib.KeyValueExchange):
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.position = start.mark.position
-    self._at_end = False  # This host's consumer reached the agreed end.
+    self.reached_end = False  # This host's consumer reached the agreed end (not an error).
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
     self._closed = False
@@ -224,7 +224,7 @@ class Stages:
         # The agreed end (exhausted or a requested stop): every peer's
         # consumer must get there too, or this host raises naming the one
         # that left.
-        self._at_end = True
+        self.reached_end = True
         self._agreement.wait_for_peers_at_end()
       raise
     except BaseException:
@@ -236,11 +236,6 @@ class Stages:
     """The stages' time so far (each written by its own thread only)."""
     read, ex = self._counted
     return stats_lib.Times(read.source_s, ex.busy_s, self._builder.transfer_s)
-
-  @property
-  def reached_end(self) -> bool:
-    """Whether this host's consumer reached the stream's agreed end (not an error)."""
-    return self._at_end
 
   def trailing_drops(self) -> int:
     """Positions dropped after the last item; exact once the stream ended."""
@@ -301,8 +296,8 @@ class Stages:
       return
     try:
       self._agreement.close(at, error)
-      if not self._at_end and not self._failed:  # Peers may wait at the end: it never gets there.
-        self._agreement.leave(at, error)
+      if not self.reached_end and not self._failed:
+        self._agreement.leave(at, error)  # Peers may wait at the end: it never gets there.
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 

@@ -43,6 +43,7 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int, cap: int | None = No
   return max(2, limit)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Identity:
   """What a process says about itself in its first report.
 
@@ -51,20 +52,11 @@ class Identity:
   digests and `decide` compares them.
   """
 
-  def __init__(
-    self,
-    *,
-    process: int,
-    devices: int,
-    config: Any,
-    resume: int,
-    groups: tuple[tuple[int, ...], ...] = (),
-  ):
-    self.process = process
-    self.devices = devices
-    self.config = config
-    self.resume = resume
-    self.groups = groups
+  process: int
+  devices: int
+  config: Any
+  resume: int
+  groups: tuple[tuple[int, ...], ...] = ()
 
 
 def make_report(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grain_jax_sync._src.exchange.streams import KEY_ROOT
@@ -91,6 +92,23 @@ def _is_not_found(e: Exception) -> bool:
   return "not_found" in text or "not found" in text
 
 
+def _not_posted(e: Exception) -> bool:
+  """A blocking read that found nothing within its slice."""
+  return _is_deadline(e) or _is_not_found(e)
+
+
+def _any(e: Exception) -> bool:
+  """A best-effort read: not posted yet, or the store is gone."""
+  del e
+  return True
+
+
+def _logged(e: Exception) -> bool:
+  """A best-effort write or delete: its failure is only logged."""
+  logger.debug("grain_jax_sync: a best-effort store call failed: %s", e)
+  return True
+
+
 def store_failed(e: BaseException, doing: str) -> RuntimeError:
   """The error for a key-value store call that failed outright."""
   return RuntimeError(
@@ -134,25 +152,27 @@ class KeyValueExchange:
   def ended(self) -> bool:
     return self._ended
 
-  def _call(self, doing: str, fn: Any, *args: Any) -> Any:
+  def _call(
+    self, doing: str, fn: Any, *args: Any, absent: Callable[[Exception], bool] | None = None
+  ) -> Any:
+    """One store call, counted and timed.
+
+    An error for which `absent` holds reads as None (a key not posted yet,
+    a best-effort call); any other raises, naming what was being done.
+    """
     self.ops += 1
     t0 = time.monotonic()
     try:
       return fn(*args)
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
+      if absent is not None and absent(e):
+        return None
       raise store_failed(e, doing) from e
     finally:
       self.busy_s += time.monotonic() - t0
 
   def _delete(self, key: str) -> None:
-    self.ops += 1
-    t0 = time.monotonic()
-    try:
-      self._client.key_value_delete(key)
-    except Exception as e:  # noqa: BLE001 - best effort.
-      logger.debug("could not delete %s: %s", key, e)
-    finally:
-      self.busy_s += time.monotonic() - t0
+    self._call(f"deleting {key}", self._client.key_value_delete, key, absent=_logged)
 
   def check(self) -> None:
     """Raises `Cancelled` once the iterator is closed (`cancel`)."""
@@ -235,16 +255,9 @@ class KeyValueExchange:
   def try_decision(self, seq: int) -> str | None:
     """Decision `seq` if it is posted, without waiting."""
     self.check()
-    self.ops += 1
-    t0 = time.monotonic()
-    try:
-      return self._client.key_value_try_get(f"{self._ns}/d/{seq // GROUP}/{seq}")
-    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
-      if _is_not_found(e):
-        return None
-      raise store_failed(e, f"reading decision {seq}") from e
-    finally:
-      self.busy_s += time.monotonic() - t0
+    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
+    get = self._client.key_value_try_get
+    return self._call(f"reading decision {seq}", get, key, absent=_is_not_found)
 
   def wait_decision(self, seq: int) -> str | None:
     """Decision `seq`, waiting up to `WAIT_SLICE_S` for it."""
@@ -253,16 +266,8 @@ class KeyValueExchange:
     return self._blocking_get(key, "waiting for process 0's decision")
 
   def _blocking_get(self, key: str, doing: str) -> str | None:
-    self.ops += 1
-    t0 = time.monotonic()
-    try:
-      return self._client.blocking_key_value_get(key, int(WAIT_SLICE_S * 1000))
-    except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
-      if _is_deadline(e) or _is_not_found(e):
-        return None
-      raise store_failed(e, doing) from e
-    finally:
-      self.busy_s += time.monotonic() - t0
+    get, slice_ms = self._client.blocking_key_value_get, int(WAIT_SLICE_S * 1000)
+    return self._call(doing, get, key, slice_ms, absent=_not_posted)
 
   # -- the agreed end -----------------------------------------------------------
 
@@ -306,25 +311,13 @@ class KeyValueExchange:
 
   def closed_note(self, process: int) -> str | None:
     """What `process` wrote when it closed this iterator (`register_close`), or None."""
-    self.ops += 1
-    t0 = time.monotonic()
-    try:
-      return self._client.key_value_try_get(closed_key(self._ns.rsplit("/", 1)[0], process))
-    except Exception:  # noqa: BLE001 - not closed (not found), or the store is gone.
-      return None
-    finally:
-      self.busy_s += time.monotonic() - t0
+    key = closed_key(self._ns.rsplit("/", 1)[0], process)
+    return self._call("reading a close", self._client.key_value_try_get, key, absent=_any)
 
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
-    self.ops += 1
-    t0 = time.monotonic()
-    try:
-      return self._client.key_value_try_get(beat_key(process))
-    except Exception:  # noqa: BLE001 - not beating yet, or the store is gone.
-      return None
-    finally:
-      self.busy_s += time.monotonic() - t0
+    key = beat_key(process)
+    return self._call("reading a beat", self._client.key_value_try_get, key, absent=_any)
 
   # -- the end -----------------------------------------------------------------
 
