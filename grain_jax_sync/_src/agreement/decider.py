@@ -61,7 +61,7 @@ class Decider(Streamed):
         self._absorb(self._timed(self._exchange.read_chunks))
         continue  # Decide again with what the peers posted meanwhile.
       decision = self._post(plan)
-      self._first_decided()
+      self._cross.done()  # Decided: no longer a crosswise wait.
       run = self._apply(decision)
       self._ledger.forget(self._decided)
       if decision.end != Outcome.CONTINUE:
@@ -115,7 +115,7 @@ class Decider(Streamed):
   def _post(self, plan: plan_lib.Plan) -> messages.Decision:
     sig = None
     if not self._sent_signature and plan.steps:
-      sig = self._ledger_signature()
+      sig = messages.signature_of(self._ledger.window_reports(self._decided, 0, with_config=False))
       self._sent_signature = sig is not None
     table = None
     if self._job is not None:
@@ -132,10 +132,6 @@ class Decider(Streamed):
     self._exchange.post_decision(self._seq, decision.to_json())
     self._seq += 1
     return decision
-
-  def _ledger_signature(self) -> dict[str, Any] | None:
-    reports = self._ledger.window_reports(self._decided, 0, with_config=False)
-    return messages.signature_of(reports)
 
   def _advance(self) -> None:
     """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
@@ -168,7 +164,7 @@ class Decider(Streamed):
         )
     elif self._waited_s() > self._timeout_s:
       self._abort = self._timeout(peer)
-    elif self._decided == 0 and (cross := self._cross_wait(peer)) is not None:
+    elif self._decided == 0 and (cross := self._cross.check(peer, self._yielded)) is not None:
       self._abort = cross
     else:
       self._absorb(self._timed(self._exchange.wait_chunk, peer))
@@ -257,7 +253,7 @@ class Decider(Streamed):
     if self._exchange.ended:
       return
     final = messages.Decision(
-      self._decided, (), Outcome.RAISE, error or self._closed_error(at_batch)
+      self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
     )
     try:
       self._exchange.post_decision(self._seq, final.to_json(), final=True)

@@ -45,7 +45,7 @@ class Follower(Streamed):
       if decision.table is not None and self._job is not None:
         self._job.merge(decision.table)
       self._seq += 1
-      self._first_decided()
+      self._cross.done()  # Decided: no longer a crosswise wait.
       run = self._apply(decision)
       self._release()
       if decision.end != Outcome.CONTINUE:
@@ -110,7 +110,7 @@ class Follower(Streamed):
         return text
       self._exchange.end()
       raise RuntimeError(endings.closed_peer_message(note, self._exchange.namespace))
-    if self._seq == 0 and (cross := self._cross_wait(0)) is not None:
+    if self._seq == 0 and (cross := self._cross.check(0, self._yielded)) is not None:
       self._post(final=True, error=cross)
       self._exchange.end()
       raise endings.to_exception(cross, self._process, None)
@@ -212,6 +212,6 @@ class Follower(Streamed):
         self._unposted.clear()
         self._digests.clear()
         self._sizes.clear()
-        self._post(final=True, error=error or self._closed_error(at_batch))
+        self._post(final=True, error=error or endings.closed_error(self._process, at_batch))
     finally:
       self._exchange.end()

@@ -138,17 +138,6 @@ class Streamed:
       self._waiting_since = now
     return now - self._waiting_since
 
-  def _cross_wait(self, peer: int) -> messages.ReportedError | None:
-    """The error once `peer` waits crosswise long enough (`cross_wait.CrossWait.check`)."""
-    return self._cross.check(peer, self._yielded)
-
-  def _first_decided(self) -> None:
-    """This stream has its first decision: no longer a crosswise wait."""
-    self._cross.done()
-
-  def _closed_error(self, at_batch: int) -> messages.ReportedError:
-    return endings.closed_error(self._process, at_batch)
-
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
 
@@ -174,7 +163,7 @@ class Streamed:
 
   def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
     """Tells peers waiting at the end that this host left before it (best effort)."""
-    message = (error or self._closed_error(at_batch)).message
+    message = (error or endings.closed_error(self._process, at_batch)).message
     self._exchange.post_left(message)
 
   def _lost_at_end(self, peer: int) -> messages.ReportedError:
@@ -203,7 +192,7 @@ class Streamed:
     )
 
   def release(self) -> None:
-    self._first_decided()
+    self._cross.done()  # No longer a crosswise wait.
 
   def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
     """Posts this host's ending (`Decider` and `Follower` each post their own)."""
