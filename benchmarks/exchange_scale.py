@@ -181,7 +181,15 @@ class _Follower:
 
   def post(self, rows: tuple[int, ...]) -> None:
     first = self.posted == 0
-    report = common.make_report(self.who, rows, None, SIGNATURE if first else None, first)
+    who = self.who
+    report = messages.Report(
+      process_index=who.process,
+      rows=rows,
+      signature=SIGNATURE if first else None,
+      local_devices=who.devices,
+      config=who.config if first else None,
+      resume=who.resume if first else None,
+    )
     # The stage times a follower adds for `stats(all_hosts=True)` (new each window).
     times = (0.001 * self.seq, 0.002 * self.posted, 0.0005 * self.seq, 0.0001 * self.posted)
     chunk = messages.Chunk(start=self.posted, ack=self.seq, report=report, times=times)
@@ -212,7 +220,7 @@ class _Decider:
     self.n = ex.process_count
     self.led = ledger_lib.Ledger(self.n)
     self.led.set_own(0, signature=SIGNATURE, devices=1, config=CONFIG, resume=0)
-    self.options = plan_lib.Rules(batch_size=ROWS, drop_last=False, pad=False)
+    self.rules = plan_lib.Rules(batch_size=ROWS, drop_last=False, pad=False)
     self.j = 0
     self.seq = 0
     self.acked = 0
@@ -252,7 +260,7 @@ class _Decider:
     t0 = time.perf_counter()
     # As `decider.Decider._plan` does.
     reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
-    plan = plan_lib.decide(reports, self.options, position=self.j)
+    plan = plan_lib.decide(reports, self.rules, position=self.j)
     self.job.decided(plan.steps)
     self.job.check_stragglers()
     table = self.job.rows_to_send(final=plan.end != messages.Outcome.CONTINUE)

@@ -278,14 +278,25 @@ def load(text: str, what: str) -> dict[str, Any]:
   return obj
 
 
-def version_error(peer: int, version: Any, reader: int) -> str:
-  """The message, the same on every host, for peers on another protocol version."""
-  versions = sorted({peer: version, reader: PROTOCOL_VERSION}.items())
-  shown = ", ".join(f"process {p}: {v!r}" for p, v in versions)
+def version_error(versions: Mapping[int, Any], processes: Iterable[int]) -> str:
+  """The message, the same on every host, for processes on another protocol version.
+
+  Args:
+    versions: The other version each process posted, by process.
+    processes: The processes to show (the others run this version).
+  """
+  shown = ", ".join(f"process {p}: {versions.get(p, PROTOCOL_VERSION)!r}" for p in processes)
   return (
     "the processes run different versions of the grain_jax_sync agreement"
     f" protocol ({shown}); every process must run the same version of the library"
   )
+
+
+def unreadable_error(peer: int, e: ProtocolError, reader: int) -> str:
+  """The message for a post of `peer` that process `reader` cannot read."""
+  if e.version != PROTOCOL_VERSION and e.version is not None:
+    return version_error({peer: e.version}, sorted({peer, reader}))
+  return f"process {peer} posted {e}; every process must run the same version of the library"
 
 
 @dataclasses.dataclass(frozen=True)

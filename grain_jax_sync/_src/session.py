@@ -40,7 +40,7 @@ from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import decider, endings, follower, lockstep, streamed
-from grain_jax_sync._src.agreement.common import Identity, Run
+from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Stages:
     self._closed = False
     self._agreement: streamed.Streamed | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
-    self._stopper: streamed.Streamed | lockstep.Lockstep | None = None
+    self._stopper: Agreement | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from grain_jax_sync._src import batches as batches_lib
@@ -14,6 +14,7 @@ from grain_jax_sync._src import liveness, messages
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src.agreement import endings
 
 logger = logging.getLogger(__name__)
 
@@ -61,30 +62,29 @@ class Identity:
 
 def make_report(
   who: Identity,
-  rows: tuple[int, ...],
+  reads: Sequence[reader_lib.Read],
+  rules: plan_lib.Rules,
   end: reader_lib.End | None,
   sig: Any,
   first: bool,
-  digests: tuple[str | None, ...] = (),
-  sizes: tuple[tuple[int, ...], ...] = (),
 ) -> messages.Report:
+  """This host's report of `reads` (and its `end`, once read).
+
+  Each read's row count; its rows' digest where processes share rows
+  (`who.groups`); its sizes of the varying dims with `pad_shapes`.
+  """
   return messages.Report(
     process_index=who.process,
-    rows=rows,
+    rows=tuple(r.batch.rows for r in reads),
     exhausted=end is not None and end.exhausted,
     error=None if end is None else end.error,
     signature=sig,
     local_devices=who.devices,
     config=who.config if first else None,
     resume=who.resume if first else None,
-    digests=digests,
-    sizes=sizes,
+    digests=tuple(r.digest for r in reads) if who.groups else (),
+    sizes=() if rules.shapes is None else tuple(r.batch.sizes for r in reads),
   )
-
-
-def sizes_of(reads: Any, rules: plan_lib.Rules) -> tuple[tuple[int, ...], ...]:
-  """The reads' sizes of the varying dims for a report (`pad_shapes`); () without."""
-  return () if rules.shapes is None else tuple(r.batch.sizes for r in reads)
 
 
 def decide(
@@ -116,6 +116,47 @@ def decide(
       )
     index += 1
   return plan
+
+
+class Agreement:
+  """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
+
+  `request_stop` may come from any thread or a signal handler: it sets one
+  field, takes no lock and returns at once; the agreement's own thread
+  posts the stop at its next step.
+  """
+
+  def __init__(self, rules: plan_lib.Rules, who: Identity):
+    self._rules = rules
+    self._who = who
+    self._stop_at: int | None = None  # `request_stop`: the batches received then.
+    self.stop_requested_by: int | None = None  # Set by an agreed stop.
+
+  @property
+  def batch_size(self) -> int | None:
+    """The agreed full batch size (given, or derived from the first position); None until known."""
+    return self._rules.batch_size
+
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every host to stop (`JaxBatchIterator.request_stop`); no lock, returns at once."""
+    if self._stop_at is None:
+      self._stop_at = at_batch
+
+  def _agreed_end(
+    self, end: messages.Outcome, error: messages.ReportedError | None, own: reader_lib.End | None
+  ) -> bool:
+    """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
+
+    `own` is this host's end of its source, if it read one (a source error
+    raised here keeps its own traceback).
+    """
+    if end != messages.Outcome.RAISE:
+      return end == messages.Outcome.STOP
+    assert error is not None
+    if error.kind != messages.ErrorKind.STOPPED:
+      raise endings.to_exception(error, self._who.process, own)
+    self.stop_requested_by = error.process_index
+    return True
 
 
 # -- this host's reads, for the streamed form --------------------------------------

@@ -184,7 +184,7 @@ class Decider(Streamed):
     item = self._own.read()
     if isinstance(item, reader_lib.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()
-      self._ledger.end(common.make_report(self._who, (), item, sig, False))
+      self._ledger.end(common.make_report(self._who, (), self._rules, item, sig, False))
       return
     if self._own.count == 1:
       self._ledger.set_own(
@@ -202,11 +202,7 @@ class Decider(Streamed):
       try:
         q, times = self._ledger.add_json(text)
       except messages.ProtocolError as e:
-        message = messages.version_error(p, e.version, self._process)
-        if e.version == messages.PROTOCOL_VERSION or e.version is None:
-          message = (
-            f"process {p} posted {e}; every process must run the same version of the library"
-          )
+        message = messages.unreadable_error(p, e, self._process)
         self._abort = messages.ReportedError(messages.ErrorKind.VALUE, message, p, self._yielded)
         return True
       if times is not None:

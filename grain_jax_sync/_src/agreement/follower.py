@@ -27,9 +27,7 @@ class Follower(Streamed):
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._posted = 0  # Own positions posted.
-    self._unposted: list[int] = []
-    self._digests: list[str | None] = []  # Parallel to `_unposted` where rows are shared.
-    self._sizes: list[tuple[int, ...]] = []  # Parallel to `_unposted` with `pad_shapes`.
+    self._unposted: list[reader_lib.Read] = []  # Read, not posted yet (also in `_own.pending`).
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
@@ -62,9 +60,7 @@ class Follower(Streamed):
       return messages.Decision.from_json(text)
     except messages.ProtocolError as e:
       self._exchange.end()
-      if e.version != messages.PROTOCOL_VERSION and e.version is not None:
-        raise ValueError(messages.version_error(0, e.version, self._process)) from e
-      raise ValueError(f"process 0 posted {e}; every process must run the same version") from e
+      raise ValueError(messages.unreadable_error(0, e, self._process)) from e
 
   def _next_decision(self) -> str | None:
     """A decision if one is posted; else reads ahead (posting as it goes) or waits.
@@ -148,11 +144,7 @@ class Follower(Streamed):
     if isinstance(item, reader_lib.End):
       self._flush()
       return False
-    self._unposted.append(item.batch.rows)
-    if self._who.groups:
-      self._digests.append(item.digest)
-    if self._rules.shapes is not None:
-      self._sizes.append(item.batch.sizes)
+    self._unposted.append(item)
     if self._own.due(len(self._unposted)):
       self._flush()  # Process 0 decides it while this host reads on.
       return True
@@ -171,13 +163,7 @@ class Follower(Streamed):
       sig = self._own.signature.to_json()
       self._sent_signature = True
     report = common.make_report(
-      self._who,
-      tuple(self._unposted),
-      end,
-      sig,
-      not self._sent_first,
-      tuple(self._digests),
-      tuple(self._sizes),
+      self._who, self._unposted, self._rules, end, sig, not self._sent_first
     )
     if error is not None:
       report = messages.Report(
@@ -191,8 +177,6 @@ class Follower(Streamed):
       self._chunks.append((seq, self._posted))
     self._posted += len(report.rows)
     self._unposted.clear()
-    self._digests.clear()
-    self._sizes.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
 
   def _release(self) -> None:
@@ -210,8 +194,6 @@ class Follower(Streamed):
     try:
       if not self._end_posted or error is None or error.kind in messages.ABORTS:
         self._unposted.clear()
-        self._digests.clear()
-        self._sizes.clear()
         self._post(final=True, error=error or endings.closed_error(self._process, at_batch))
     finally:
       self._exchange.end()

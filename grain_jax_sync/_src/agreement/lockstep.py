@@ -22,13 +22,14 @@ from grain_jax_sync._src.messages import ErrorKind, Outcome
 logger = logging.getLogger(__name__)
 
 
-class Lockstep:
+class Lockstep(common.Agreement):
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
   Iterating it yields decided runs, one window per pass, in order. On
   `Outcome.WAIT` the undecided reads are kept and every process reads at
   least one more batch (or its end) before the next decision, which starts at
-  the first undecided position.
+  the first undecided position. A requested stop rides in the next window's
+  report: every process stops before that window.
   """
 
   def __init__(
@@ -41,26 +42,13 @@ class Lockstep:
     window: int,
     position: int,
   ):
-    self._reader, self._exchange, self._rules, self._who = reader, exchange, rules, who
+    super().__init__(rules, who)
+    self._reader, self._exchange = reader, exchange
     self._window = window
     self._position = position
     self._signature: batches_lib.Signature | None = None
     self._end: reader_lib.End | None = None
     self._reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
-    # `request_stop(at)` sets it (any thread, a signal handler: no lock); the
-    # next window carries it, and every process stops before that window.
-    self._stop_at: int | None = None
-    self.stop_requested_by: int | None = None  # Set by an agreed stop.
-
-  @property
-  def batch_size(self) -> int | None:
-    """The agreed full batch size (given, or derived from the first position); None until known."""
-    return self._rules.batch_size
-
-  def request_stop(self, at_batch: int) -> None:
-    """Asks every process to stop before the next window; no lock, returns at once."""
-    if self._stop_at is None:
-      self._stop_at = at_batch
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
@@ -87,15 +75,7 @@ class Lockstep:
 
   def _ended(self, decision: plan_lib.Plan) -> bool:
     """Whether the stream ended with this window (an agreed stop); raises an agreed error."""
-    if decision.end == Outcome.STOP:
-      return True
-    if decision.end != Outcome.RAISE:
-      return False
-    assert decision.error is not None
-    if decision.error.kind != ErrorKind.STOPPED:
-      raise endings.to_exception(decision.error, self._who.process, self._end)
-    self.stop_requested_by = decision.error.process_index
-    return True
+    return self._agreed_end(decision.end, decision.error, self._end)
 
   def _next_window(
     self, w: int, stop: messages.ReportedError | None = None
@@ -154,10 +134,8 @@ def _decide_window(
     The decision, and the agreed signature (learnt from a peer's report
     where this process has read no batch yet).
   """
-  rows = tuple(r.batch.rows for r in reads)
   sig = None if signature is None else signature.to_json()
-  digests = tuple(r.digest for r in reads) if who.groups else ()
-  report = common.make_report(who, rows, end, sig, w == 0, digests, common.sizes_of(reads, rules))
+  report = common.make_report(who, reads, rules, end, sig, w == 0)
   if stop is not None:
     report = dataclasses.replace(report, error=stop)
   if exchange.process_count == 1:
@@ -185,13 +163,7 @@ def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
     except messages.ProtocolError as e:
       versions[p] = e.version
   if versions:
-    shown = ", ".join(
-      f"process {p}: {versions.get(p, messages.PROTOCOL_VERSION)!r}" for p in range(len(payloads))
-    )
-    raise ValueError(
-      "the processes run different versions of the grain_jax_sync agreement"
-      f" protocol ({shown}); every process must run the same version of the library"
-    )
+    raise ValueError(messages.version_error(versions, range(len(payloads))))
   return chunks
 
 

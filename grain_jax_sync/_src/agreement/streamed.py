@@ -19,7 +19,7 @@ from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, cross_wait, endings
 
 
-class Streamed:
+class Streamed(common.Agreement):
   """What the decider and the followers share: own reads, the runs, the ending.
 
   Args:
@@ -54,9 +54,8 @@ class Streamed:
     built: common.Built | None = None,
     job: job_stats.JobTable | None = None,
   ):
+    super().__init__(rules, who)
     self._exchange = exchange
-    self._rules = rules
-    self._who = who
     self._process = exchange.process_index
     self._process_count = exchange.process_count
     self._timeout_s = timeout_s
@@ -68,11 +67,7 @@ class Streamed:
     self._signature: batches_lib.Signature | None = None
     self._reads_since_look = 0  # Own reads since the peers' posts were last read.
     self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
-    # `request_stop(at)` sets it (any thread, a signal handler: no lock);
-    # the agreement's own thread posts the stop at its next step.
-    self._stop_at: int | None = None
     self._stop_posted = False
-    self.stop_requested_by: int | None = None  # Set by an agreed stop.
     self.reached_end = False  # The final decision ended the stream without an error.
     self._waiting_since: float | None = None
     self._cross = cross_wait.CrossWait(exchange, self._live, timeout_s)
@@ -80,11 +75,6 @@ class Streamed:
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
-
-  @property
-  def batch_size(self) -> int | None:
-    """The agreed full batch size (given, or derived from the first position); None until known."""
-    return self._rules.batch_size
 
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
@@ -105,17 +95,7 @@ class Streamed:
 
   def _finish(self, decision: messages.Decision) -> None:
     """After the final decision's run: stop, or raise the agreed error."""
-    if decision.end == messages.Outcome.RAISE:
-      assert decision.error is not None
-      if decision.error.kind != messages.ErrorKind.STOPPED:
-        raise endings.to_exception(decision.error, self._process, self._own.end)
-      self.stop_requested_by = decision.error.process_index
-    self.reached_end = True
-
-  def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop (`JaxBatchIterator.request_stop`); no lock, returns at once."""
-    if self._stop_at is None:
-      self._stop_at = at_batch
+    self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _stop_due(self) -> messages.ReportedError | None:
     """A stop asked for here and not posted yet: this host reads nothing more."""
