@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import scenarios_elastic as se
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -25,6 +26,180 @@ from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic import state as state_lib
 
 N = 160
+
+# The scenarios, one job per `run_processes` call. Records carry an id; the
+# transform drops ids with ``id % 3 == 1`` and batches by `BATCH`.
+BATCH = 4
+PAD = -1
+
+
+def keep(i: int) -> bool:
+  return i % 3 != 1
+
+
+def records(n: int) -> list[dict[str, Any]]:
+  return [{"id": np.int64(i)} for i in range(n)]
+
+
+def tokens(i: int) -> int:
+  return 1 + i % 3
+
+
+def pack_tokens(ds: Any, batch: int) -> Any:
+  """Records as `tokens(id)` tokens of value ``id + 1`` (0 pads), packed `batch` bins at a time."""
+  import grain
+
+  ds = ds.filter(lambda r: keep(int(r["id"])))
+  ds = ds.map(lambda r: {"tok": np.full(tokens(int(r["id"])), r["id"] + 1, np.int64)})
+  # As many bins as rows per batch: every batch ends a packed batch (the cursor is exact).
+  ds = grain.experimental.FirstFitPackIterDataset(
+    ds, length_struct={"tok": 8}, num_packing_bins=batch
+  )
+  return ds.batch(batch)
+
+
+def transform(ds: Any, batch: int = BATCH, workers: int = 0, pack: bool = False) -> Any:
+  if pack:
+    return pack_tokens(ds, batch)
+  ds = ds.map(lambda r: {"id": r["id"], "x": np.float32(2 * r["id"])})
+  ds = ds.filter(lambda r: keep(int(r["id"]))).batch(batch)
+  if workers:  # Grain's multiprocess prefetch: each worker reads every `workers`-th record.
+    import grain
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return ds
+
+
+def make_iterator(
+  n: int,
+  *,
+  shuffle: bool,
+  seed: int = 5,
+  num_epochs: int = 1,
+  batch: int = BATCH,
+  workers: int = 0,
+  pack: bool = False,
+) -> Any:
+  import grain_jax_sync as gjs
+
+  shaped = functools.partial(transform, batch=batch, workers=workers, pack=pack)
+  src = gjs.elastic_source(records(n), shaped, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
+  return gjs.iter_jax_batches(src, batch_size=batch, paddings=PAD, mask_key="mask")
+
+
+def gather(tree: Any) -> Any:
+  import jax
+  from jax.experimental import multihost_utils
+
+  return jax.tree_util.tree_map(
+    lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree
+  )
+
+
+def _json_states(directory: str, job: int) -> list[Any]:
+  folder = os.path.join(directory, f"job{job}")
+  names = sorted(os.listdir(folder), key=lambda s: int(s.split("_")[1].split(".")[0]))
+  return [json.load(open(os.path.join(folder, name))) for name in names]
+
+
+def elastic_job(
+  job: int,
+  n: int,
+  steps: int | None,
+  directory: str,
+  mode: str,
+  shuffle: bool = False,
+  num_epochs: int = 1,
+  workers: int = 0,
+  pack: bool = False,
+  stop_at: int | None = None,
+) -> dict[str, Any]:
+  """One job: restore the previous job's state, read `steps` global batches (None: all), save.
+
+  With `stop_at`, the last process sends itself SIGTERM once it has read
+  that many batches; its handler calls `request_stop()` (docs/multihost.md's
+  recipe), and every host reads on until its stream ends.
+
+  Returns:
+    The global batches read ({"id", "x", "mask"} lists), the batch count
+    the iterator resumed at, and the process whose request stopped it.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  it = make_iterator(n, shuffle=shuffle, num_epochs=num_epochs, workers=workers, pack=pack)
+  mngr = ocp.CheckpointManager(os.path.join(directory, "ckpt")) if mode == "orbax" else None
+  if job:
+    if mngr is None:
+      it.set_state(_json_states(directory, job - 1))
+    else:
+      mngr.restore(mngr.latest_step(), args=ocp.args.Composite(data=gjs.checkpoint_restore(it)))
+  resumed_at = it.get_state()["batches"]
+  asker = stop_at is not None and p == jax.process_count() - 1
+  if asker:
+    signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
+  out = []
+  for b in it:
+    g = gather(b)
+    out.append({k: np.asarray(v).tolist() for k, v in g.items()})
+    if asker and len(out) == stop_at:
+      os.kill(os.getpid(), signal.SIGTERM)
+    if steps is not None and len(out) == steps:
+      break
+  if mngr is not None:
+    mngr.save(job + 1, args=ocp.args.Composite(data=gjs.checkpoint_save(it)))
+    mngr.wait_until_finished()
+    mngr.close()
+  else:
+    folder = os.path.join(directory, f"job{job}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"state_{p}.json"), "w") as f:
+      json.dump(it.get_state(), f)
+  it.close()
+  return {"batches": out, "resumed_at": resumed_at, "stopped_by": it.stop_requested_by}
+
+
+def refusals(n: int, directory: str) -> dict[str, str]:
+  """The errors of states that do not fit, from a 1-process job's states, on 2 processes."""
+  import grain_jax_sync as gjs
+
+  states = _json_states(directory, 0)
+  out = {}
+  for name, kwargs in (("seed", {"seed": 6}), ("num_records", {"n": n + 1})):
+    args = {"n": n, "shuffle": True, **kwargs}
+    it = make_iterator(args.pop("n"), **args)
+    try:
+      it.set_state(states)
+    except ValueError as e:
+      out[name] = str(e)
+    it.close()
+  it = make_iterator(n, shuffle=True, num_epochs=1)
+  mid_epoch = dict(states[0], source=dict(states[0]["source"], epoch=1))
+  try:
+    it.set_state([mid_epoch])
+  except ValueError as e:
+    out["epoch"] = str(e)
+  it.close()
+  # Not elastic: a Grain MapDataset split by hand.
+  import grain
+  import jax
+
+  ds = grain.MapDataset.source(records(n))[jax.process_index() :: jax.process_count()]
+  it = gjs.iter_jax_batches(
+    transform(ds.to_iter_dataset()), batch_size=BATCH, paddings=PAD, mask_key="mask"
+  )
+  try:
+    it.set_state(states)
+  except ValueError as e:
+    out["not_elastic"] = str(e)
+  it.close()
+  return out
 
 
 def run_chain(
@@ -44,7 +219,7 @@ def run_chain(
   for job, (count, k) in enumerate(zip(counts, steps, strict=True), start=first_job):
     outs = testing.values(
       testing.run_processes(
-        se.elastic_job,
+        elastic_job,
         num_processes=count,
         devices_per_process=1,
         args=(job, n, k, directory, mode, shuffle, num_epochs, workers, pack),
@@ -61,11 +236,11 @@ def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
   for job, count in zip(jobs, counts, strict=True):
     for b in job["batches"]:
       ids, x, mask = (np.asarray(b[k]) for k in ("id", "x", "mask"))
-      assert ids.shape == (se.BATCH * count,)
-      assert np.all(ids[~mask] == se.PAD) and np.all(x[~mask] == se.PAD)
+      assert ids.shape == (BATCH * count,)
+      assert np.all(ids[~mask] == PAD) and np.all(x[~mask] == PAD)
       assert np.array_equal(x[mask], 2 * ids[mask])
       seen += ids[mask].tolist()
-  expected = Counter({i: num_epochs for i in range(n) if se.keep(i)})
+  expected = Counter({i: num_epochs for i in range(n) if keep(i)})
   assert Counter(seen) == expected
   # Each job resumes at the batch count the previous one reached.
   at = 0
@@ -102,7 +277,7 @@ def test_a_requested_stop_saves_one_position_that_resumes_on_another_count(tmp_p
   n, bound = 800, 3 + 2 * (10 + 2)
   first = testing.values(
     testing.run_processes(
-      se.elastic_job,
+      elastic_job,
       num_processes=2,
       devices_per_process=1,
       args=(0, n, None, str(tmp_path), "json"),
@@ -125,7 +300,7 @@ def orbax_states(directory, step):
 
 def predicted(states, count, *, n=N, shuffle=True, seed=5):
   """The unmasked ids of each global batch after restoring `states` on `count` processes."""
-  spec = source_lib.ElasticSource(se.records(n), se.transform, shuffle, seed, 1)
+  spec = source_lib.ElasticSource(records(n), transform, shuffle, seed, 1)
   olds, positions = [], []
   for s in states:
     epoch_shares, position, _ = state_lib.check_source_state(s["source"], spec, n)
@@ -137,8 +312,8 @@ def predicted(states, count, *, n=N, shuffle=True, seed=5):
     epoch_shares = es.EpochShares(n, 1, first, splits, count, p)
     order = es.epoch_order(n, shuffle=shuffle, seed=seed, epoch=0)
     ids = [int(order[epoch_shares.locate(j)[1]]) for j in range(epoch_shares.length)]
-    ids = [i for i in ids if se.keep(i)]
-    hosts.append([ids[k : k + se.BATCH] for k in range(0, len(ids), se.BATCH)])
+    ids = [i for i in ids if keep(i)]
+    hosts.append([ids[k : k + BATCH] for k in range(0, len(ids), BATCH)])
   longest = max(len(h) for h in hosts)
   return [sum((h[b] for h in hosts if b < len(h)), []) for b in range(longest)]
 
@@ -199,11 +374,11 @@ def test_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly(t
   for job, count in zip(jobs, counts, strict=True):
     for b in job["batches"]:
       tok, mask = np.asarray(b["tok"]), np.asarray(b["mask"])
-      assert tok.shape == (se.BATCH * count, 8)
-      assert np.all(tok[~mask] == se.PAD)
+      assert tok.shape == (BATCH * count, 8)
+      assert np.all(tok[~mask] == PAD)
       seen.update(int(t) - 1 for t in tok[mask].ravel() if t > 0)
   # Every kept record's tokens once (a record's tokens stay in one bin).
-  assert seen == Counter({i: se.tokens(i) for i in range(N) if se.keep(i)})
+  assert seen == Counter({i: tokens(i) for i in range(N) if keep(i)})
   assert len(jobs[0]["batches"]) == 2 and jobs[1]["resumed_at"] == 2
 
 
@@ -213,7 +388,7 @@ def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
   run_chain([1], [2], str(tmp_path), "json", shuffle=True)
   outs = testing.values(
     testing.run_processes(
-      se.refusals, num_processes=2, devices_per_process=1, args=(N, str(tmp_path)), timeout_s=120
+      refusals, num_processes=2, devices_per_process=1, args=(N, str(tmp_path)), timeout_s=120
     )
   )
   for p, out in enumerate(outs):
@@ -236,9 +411,9 @@ def ids_of(it):
 
 
 def test_same_count_resume_is_grains_own_exact_resume_in_one_process():
-  it = se.make_iterator(N, shuffle=True, batch=8)
+  it = make_iterator(N, shuffle=True, batch=8)
   full = ids_of(it)
-  it = se.make_iterator(N, shuffle=True, batch=8)
+  it = make_iterator(N, shuffle=True, batch=8)
   head = ids_of(b for _, b in zip(range(3), it))
   state = it.get_state()
   it.close()
@@ -246,14 +421,14 @@ def test_same_count_resume_is_grains_own_exact_resume_in_one_process():
     "grain_jax_sync_elastic_stream": {"next_index": state["source"]["position"]}
   }
   for given in (state, [state]):  # One state, or the list of every process's.
-    resumed = se.make_iterator(N, shuffle=True, batch=8)
+    resumed = make_iterator(N, shuffle=True, batch=8)
     resumed.set_state(json.loads(json.dumps(given)))
     assert head + ids_of(resumed) == full
-  assert sorted(full) == [i for i in range(N) if se.keep(i)]
+  assert sorted(full) == [i for i in range(N) if keep(i)]
 
 
 def test_one_state_of_a_bigger_job_asks_for_the_list():
-  it = se.make_iterator(N, shuffle=False, batch=8)
+  it = make_iterator(N, shuffle=False, batch=8)
   state = dict(it.get_state(), process_count=2)
   with pytest.raises(ValueError, match="one process's state of a job of 2 processes.*the list"):
     it.set_state(state)
@@ -380,20 +555,20 @@ def test_sequential_mp_prefetch_resumes_on_the_same_count_and_refuses_a_resplit(
     flags.FLAGS.mark_as_parsed()
 
   def blocks(ds):  # Each worker reads a block of the stream, not every other record.
-    ds = se.transform(ds, batch=8)
+    ds = transform(ds, batch=8)
     return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2), sequential_slice=True)
 
-  src = gjs.elastic_source(se.records(64), blocks)
-  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  src = gjs.elastic_source(records(64), blocks)
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=PAD, mask_key="mask")
   full = ids_of(it)
   it.close()
-  assert sorted(full) == [i for i in range(64) if se.keep(i)]
-  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  assert sorted(full) == [i for i in range(64) if keep(i)]
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=PAD, mask_key="mask")
   head = ids_of(b for _, b in zip(range(3), it))
   state = json.loads(json.dumps(it.get_state()))
   it.close()
   assert state["source"]["resplittable"] is False
-  it = gjs.iter_jax_batches(src, batch_size=8, paddings=se.PAD, mask_key="mask")
+  it = gjs.iter_jax_batches(src, batch_size=8, paddings=PAD, mask_key="mask")
   it.set_state(state)
   assert head + ids_of(it) == full  # Grain's own state: exact on the same count.
   with pytest.raises(ValueError, match=r"cannot be re-split.*sequential_slice=True"):
@@ -402,8 +577,8 @@ def test_sequential_mp_prefetch_resumes_on_the_same_count_and_refuses_a_resplit(
 
 
 def test_num_epochs_none_repeats_forever_each_epoch_shuffled_anew_and_resumes():
-  kept = [i for i in range(20) if se.keep(i)]  # 13 records, batches of 8 straddle epochs.
-  it = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  kept = [i for i in range(20) if keep(i)]  # 13 records, batches of 8 straddle epochs.
+  it = make_iterator(20, shuffle=True, num_epochs=None, batch=8)
   head = ids_of(b for _, b in zip(range(2), it))
   state = json.loads(json.dumps(it.get_state()))
   tail = ids_of(b for _, b in zip(range(3), it))
@@ -412,7 +587,7 @@ def test_num_epochs_none_repeats_forever_each_epoch_shuffled_anew_and_resumes():
   seen = head + tail
   epochs = [seen[k : k + len(kept)] for k in range(0, 3 * len(kept), len(kept))]
   assert all(sorted(e) == kept for e in epochs) and epochs[0] != epochs[1]
-  resumed = se.make_iterator(20, shuffle=True, num_epochs=None, batch=8)
+  resumed = make_iterator(20, shuffle=True, num_epochs=None, batch=8)
   resumed.set_state(state)
   assert ids_of(b for _, b in zip(range(3), resumed)) == tail
   resumed.close()

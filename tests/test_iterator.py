@@ -7,12 +7,13 @@ jax.distributed with gloo). Every check reads the rows of the global arrays.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 import scenarios
-import scenarios_pytree
 from helpers import MULTI, run
 
 import grain_jax_sync as gjs
@@ -308,11 +309,30 @@ def test_empty_batches_are_skipped():
 # -- batches that are registered pytree nodes ---------------------------------------
 
 
+# Registered at import (JAX at the top: grain_jax_sync imports it anyway).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+  """A batch as a registered dataclass, with a static field and a None leaf."""
+
+  x: np.ndarray
+  extra: dict[str, Any]
+  tag: str = dataclasses.field(default="train", metadata={"static": True})
+
+
+def make(process: int, sizes: list[int], tag: str = "train") -> list[Batch]:
+  out = []
+  for b, n in enumerate(sizes):
+    x = scenarios.rows_for(process, b, n).astype(np.int32)
+    out.append(Batch(x, {"y": np.stack([x, -x], axis=1).astype(np.float32), "none": None}, tag))
+  return out
+
+
 def test_a_registered_dataclass_batch_keeps_its_type_static_fields_and_none_leaves():
-  data = scenarios_pytree.make(0, [8, 8, 5], tag="eval")
+  data = make(0, [8, 8, 5], tag="eval")
   with gjs.iter_jax_batches(data, batch_size=8, paddings={"x": -1, "extra": 0}) as it:
     got = list(it)
-  assert [type(b) for b in got] == [scenarios_pytree.Batch] * 3
+  assert [type(b) for b in got] == [Batch] * 3
   assert all(b.tag == "eval" and b.extra["none"] is None for b in got)
   assert np.asarray(got[2].x).tolist() == [20, 21, 22, 23, 24, -1, -1, -1]
   np.testing.assert_array_equal(np.asarray(got[1].extra["y"])[:, 1], -np.arange(10, 18))
@@ -320,7 +340,7 @@ def test_a_registered_dataclass_batch_keeps_its_type_static_fields_and_none_leav
 
 
 def test_a_registered_dataclass_batch_names_its_columns_in_errors():
-  data = scenarios_pytree.make(0, [8, 8])
+  data = make(0, [8, 8])
   data[1].extra["y"] = data[1].extra["y"].astype(np.float64)
   with pytest.raises(ValueError, match=r"batch 1.*column 'extra/y'.*float32"):
     list(gjs.iter_jax_batches(data, batch_size=8))
@@ -333,9 +353,7 @@ def run_dataclass_batches(
   import jax
 
   p = jax.process_index()
-  with gjs.iter_jax_batches(
-    scenarios_pytree.make(p, per_process_sizes[p], tags[p]), **kwargs
-  ) as it:
+  with gjs.iter_jax_batches(make(p, per_process_sizes[p], tags[p]), **kwargs) as it:
     out = scenarios.consume(it)
   out["types"] = [type(b).__name__ for b in out["batches"]]
   out["tags"] = [b.tag for b in out["batches"]]

@@ -11,10 +11,12 @@ run in this process.
 from __future__ import annotations
 
 import bisect
+import json
+from typing import Any
 
 import numpy as np
 import pytest
-import scenarios_shapes as sc
+import scenarios
 from helpers import unwire, wire
 
 import grain_jax_sync as gjs
@@ -28,6 +30,194 @@ from grain_jax_sync._src.agreement import ledger as ledger_lib
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 240
 CASES = ["plain", "resume", "tf", "grain", "above", "other_dim"]
+
+# The scenarios, run in every process: each case returns this host's source
+# batches as NumPy (read a second time, for the expectation) and every output
+# batch gathered to NumPy.
+BUCKETS = [8, 16, 32, 64]
+PAD = -1
+KW: dict[str, Any] = {
+  "batch_size": 4,
+  "paddings": PAD,
+  "mask_key": "mask",
+  "pad_shapes": {"tokens": 1, "feats": 1},
+  "shape_buckets": {"tokens": BUCKETS},
+  "shape_mask_keys": {"tokens": "tokens_mask", "feats": "feats_mask"},
+  "synchronize_lookahead": 2,
+}
+
+
+def length(p: int, b: int) -> int:
+  """This host's sequence length at batch `b`: 1 to 40, different on every host."""
+  return 1 + (7 * p + 13 * b + 3 * p * b) % 40
+
+
+def plain_batches(p: int, n: int | None = None) -> list[dict[str, np.ndarray]]:
+  """Host `p`: 6 + p batches of 4 rows (the last of 3), each of its own length."""
+  count = 6 + p if n is None else n
+  out = []
+  for b in range(count):
+    rows = 3 if b == count - 1 else 4
+    ln = length(p, b)
+    tokens = (
+      100000 * (p + 1) + 1000 * b + 50 * np.arange(rows)[:, None] + np.arange(ln) + 1
+    ).astype(np.int32)
+    feats = np.stack([tokens, -tokens], axis=-1).astype(np.float32)
+    out.append({"tokens": tokens, "feats": feats, "label": np.arange(rows, dtype=np.int32) + b})
+  return out
+
+
+def _tf_source(p: int) -> Any:
+  import tensorflow as tf
+
+  def gen():
+    for i in range(10 + 3 * p):
+      ln = 1 + (5 * p + 3 * i) % 20
+      yield np.arange(ln, dtype=np.int32) + 100000 * (p + 1) + 100 * i + 1
+
+  ds = tf.data.Dataset.from_generator(gen, output_signature=tf.TensorSpec([None], tf.int32))
+  ds = ds.map(lambda s: {"tokens": s, "label": tf.shape(s)[0]})
+  return ds.padded_batch(4, padding_values={"tokens": 0, "label": 0})
+
+
+def _pad_rows(items: list[np.ndarray]) -> dict[str, np.ndarray]:
+  """A Grain `batch_fn`: pads each batch to its own longest sequence."""
+  ln = max(len(x) for x in items)
+  tokens = np.zeros((len(items), ln), np.int32)
+  for r, x in enumerate(items):
+    tokens[r, : len(x)] = x
+  return {"tokens": tokens, "label": np.asarray([len(x) for x in items], np.int32)}
+
+
+def grain_source(p: int) -> Any:
+  import grain
+
+  seqs = [
+    np.arange(1 + (3 * p + 7 * i) % 30, dtype=np.int32) + 100000 * (p + 1) + 100 * i + 1
+    for i in range(12 + 2 * p)
+  ]
+  return grain.MapDataset.source(seqs).batch(4, batch_fn=_pad_rows)
+
+
+def _consume(it: Any, step: Any = None, limit: int | None = None) -> dict[str, Any]:
+  return scenarios.consume(_Stepped(it, step), limit)
+
+
+class _Stepped:
+  """Iterates `it`, calling a jitted `step` on each batch (compile counting)."""
+
+  def __init__(self, it: Any, step: Any):
+    self._it = it
+    self._step = step
+
+  def __iter__(self):
+    for batch in self._it:
+      if self._step is not None:
+        self._step(batch["tokens"], batch["tokens_mask"]).block_until_ready()
+      yield batch
+
+
+def _plain(p: int) -> dict[str, Any]:
+  import jax
+  import jax.numpy as jnp
+
+  import grain_jax_sync as gjs
+
+  traces = []
+
+  def body(t: Any, m: Any) -> Any:
+    traces.append(t.shape)  # Python runs here once per trace: once per compile.
+    return jnp.where(m, t, 0).sum()
+
+  step = jax.jit(body)
+  with gjs.iter_jax_batches(plain_batches(p), **KW) as it:
+    out = _consume(it, step)
+  out["src"] = plain_batches(p)
+  out["compiled"] = len(traces)
+  return out
+
+
+def _resume(p: int) -> dict[str, Any]:
+  import grain_jax_sync as gjs
+
+  data = plain_batches(p)
+  with gjs.iter_jax_batches(data, **KW) as it:
+    full = _consume(it)
+  with gjs.iter_jax_batches(data, **KW) as it:
+    first = _consume(it, limit=3)
+    state = json.loads(json.dumps(it.get_state()))
+  with gjs.iter_jax_batches(data, **KW) as it:
+    it.set_state(state)
+    rest = _consume(it)
+  other = dict(KW, shape_buckets={"tokens": [16, 64]})
+  with gjs.iter_jax_batches(data, **other) as it:
+    try:
+      it.set_state(state)
+      refused = None
+    except ValueError as e:
+      refused = str(e)
+  return {"full": full, "first": first, "rest": rest, "refused": refused}
+
+
+def _tf(p: int) -> dict[str, Any]:
+  import grain_jax_sync as gjs
+
+  kw = dict(KW, pad_shapes={"tokens": 1}, shape_mask_keys={"tokens": "tokens_mask"})
+  with gjs.iter_jax_batches(_tf_source(p), **kw) as it:
+    out = _consume(it)
+  out["src"] = list(_tf_source(p).as_numpy_iterator())
+  return out
+
+
+def _grain(p: int) -> dict[str, Any]:
+  import grain_jax_sync as gjs
+
+  kw = dict(KW, pad_shapes={"tokens": 1}, shape_mask_keys={"tokens": "tokens_mask"})
+  kw.pop("synchronize_lookahead")
+  ds = gjs.device_put(grain_source(p).to_iter_dataset(), **kw)
+  out = _consume(iter(ds))
+  src = grain_source(p)
+  out["src"] = [src[i] for i in range(len(src))]
+  return out
+
+
+def _above(p: int, n: int) -> dict[str, Any]:
+  import grain_jax_sync as gjs
+
+  data = plain_batches(p)
+  if p == n - 1:  # The last host's batch 2 is longer than the last bucket.
+    data[2] = {k: np.concatenate([v] * 20, axis=1) if v.ndim > 1 else v for k, v in data[2].items()}
+  with gjs.iter_jax_batches(data, **KW) as it:
+    return _consume(it)
+
+
+def _other_dim(p: int, n: int) -> dict[str, Any]:
+  """A dim that `pad_shapes` does not name still has to match."""
+  import grain_jax_sync as gjs
+
+  data = plain_batches(p)
+  if p == n - 1:
+    data = [dict(b, feats=np.concatenate([b["feats"]] * 2, axis=2)) for b in data]
+  with gjs.iter_jax_batches(data, **KW) as it:
+    return _consume(it)
+
+
+def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
+  """Runs each case in turn on this host."""
+  import jax
+
+  p, n = jax.process_index(), jax.process_count()
+  runs = {
+    "plain": lambda: _plain(p),
+    "resume": lambda: _resume(p),
+    "tf": lambda: _tf(p),
+    "grain": lambda: _grain(p),
+    "above": lambda: _above(p, n),
+    "other_dim": lambda: _other_dim(p, n),
+  }
+  return [runs[c]() for c in cases]
+
+
 _RUNS: dict = {}
 
 
@@ -36,7 +226,7 @@ def _run(n, d):
     try:
       outs = testing.values(
         testing.run_processes(
-          sc.run_shapes, num_processes=n, devices_per_process=d, args=(CASES,), timeout_s=TIMEOUT
+          run_shapes, num_processes=n, devices_per_process=d, args=(CASES,), timeout_s=TIMEOUT
         )
       )
       _RUNS[(n, d)] = {c: [outs[p][i] for p in range(n)] for i, c in enumerate(CASES)}
@@ -63,7 +253,7 @@ def expected(srcs, *, batch_size, buckets, varying=("tokens", "feats")):
       parts, masks = [], []
       for b in here:
         shape = (batch_size, *((ln,) if key in varying else ()), *ref.shape[2:])
-        part = np.full(shape, sc.PAD, ref.dtype)
+        part = np.full(shape, PAD, ref.dtype)
         m = np.zeros(shape[:2] if key in varying else shape[:1], bool)
         if b is not None:
           v = b[key]
@@ -97,7 +287,7 @@ def assert_batches(got, want):
 def test_every_value_and_both_masks_variable_lengths(n, d):
   runs = _run(n, d)["plain"]
   srcs = [r["src"] for r in runs]
-  want = expected(srcs, batch_size=4, buckets=sc.BUCKETS)
+  want = expected(srcs, batch_size=4, buckets=BUCKETS)
   for r in runs:
     assert r["error"] is None, r["error"]
     assert_batches(r["batches"], want)
@@ -106,8 +296,8 @@ def test_every_value_and_both_masks_variable_lengths(n, d):
   assert len(want) > short
   for j in range(short, len(want)):  # Process 0 has the fewest batches: dummies from here.
     got = runs[0]["batches"][j]
-    assert got["tokens"].shape[1] in sc.BUCKETS
-    assert (got["tokens"][:4] == sc.PAD).all() and (got["feats"][:4] == sc.PAD).all()
+    assert got["tokens"].shape[1] in BUCKETS
+    assert (got["tokens"][:4] == PAD).all() and (got["feats"][:4] == PAD).all()
     assert not got["mask"][:4].any() and not got["tokens_mask"][:4].any()
     assert not got["feats_mask"][:4].any() and got["tokens_mask"][4:].any()
 
@@ -117,14 +307,14 @@ def test_every_value_and_both_masks_variable_lengths(n, d):
 def test_global_shapes_per_bucket_and_compile_count(n, d):
   runs = _run(n, d)["plain"]
   shapes = {b["tokens"].shape for b in runs[0]["batches"]}
-  assert {s[1] for s in shapes} <= set(sc.BUCKETS)
+  assert {s[1] for s in shapes} <= set(BUCKETS)
   assert all(s[0] == 4 * n for s in shapes)
   # Unbucketed `feats` takes the agreed max itself; its mask is (rows, length).
   for b in runs[0]["batches"]:
     assert b["feats"].shape[1] <= b["tokens"].shape[1]
     assert b["feats_mask"].shape == b["feats"].shape[:2]
   for r in runs:
-    assert r["compiled"] == len(shapes) <= len(sc.BUCKETS)
+    assert r["compiled"] == len(shapes) <= len(BUCKETS)
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
@@ -143,7 +333,7 @@ def test_resume_mid_stream_exact_and_other_buckets_refused(n, d):
 def test_tf_padded_batch_and_grain_batches(n, d, case):
   runs = _run(n, d)[case]
   srcs = [r["src"] for r in runs]
-  want = expected(srcs, batch_size=4, buckets=sc.BUCKETS, varying=("tokens",))
+  want = expected(srcs, batch_size=4, buckets=BUCKETS, varying=("tokens",))
   for r in runs:
     assert r["error"] is None, r["error"]
     assert_batches(r["batches"], want)
@@ -159,7 +349,7 @@ def test_size_above_last_bucket_raises_on_every_host(n, d):
   assert len(errors) == 1
   (error,) = errors
   assert "column 'tokens' dim 1" in error and "above the last" in error
-  assert str(sc.BUCKETS) in error and "batch 2" in error
+  assert str(BUCKETS) in error and "batch 2" in error
   assert all(r["error_type"] == "ValueError" and len(r["batches"]) == 2 for r in runs)
 
 
@@ -176,14 +366,14 @@ def test_dim_not_named_still_must_match(n, d):
 
 
 def _one(data, **kw):
-  with gjs.iter_jax_batches(data, **{**sc.KW, **kw}) as it:
+  with gjs.iter_jax_batches(data, **{**KW, **kw}) as it:
     return [{k: np.asarray(v) for k, v in b.items()} for b in it]
 
 
 def test_one_process_values_match_expected():
-  srcs = [sc.plain_batches(0)]
+  srcs = [plain_batches(0)]
   got = _one(srcs[0], batch_size=8)  # 8 local devices here.
-  assert_batches(got, expected(srcs, batch_size=8, buckets=sc.BUCKETS))
+  assert_batches(got, expected(srcs, batch_size=8, buckets=BUCKETS))
 
 
 def test_bare_array_int_dim():
@@ -212,9 +402,9 @@ def test_jax_sync_generator_takes_the_options():
 
 def test_device_put_takes_the_options():
   grain = pytest.importorskip("grain")
-  ds = sc.grain_source(0).to_iter_dataset()
+  ds = grain_source(0).to_iter_dataset()
   out = list(gjs.device_put(ds, batch_size=8, paddings=0, mask_key=None, pad_shapes={"tokens": 1}))
-  src = sc.grain_source(0)
+  src = grain_source(0)
   assert [b["tokens"].shape[1] for b in out] == [src[i]["tokens"].shape[1] for i in range(len(src))]
   assert isinstance(ds, grain.IterDataset)
 
@@ -232,7 +422,7 @@ def test_device_put_takes_the_options():
   ],
 )
 def test_bad_options_raise_early(kw, match):
-  args = {**sc.KW, "batch_size": 8, **kw}
+  args = {**KW, "batch_size": 8, **kw}
   if args["pad_shapes"] is None:  # Only the option under test is left without it.
     args["shape_mask_keys"] = None
   with pytest.raises(ValueError, match=match):

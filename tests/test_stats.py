@@ -8,11 +8,12 @@ what must hold whatever the machine's speed (a slow source's sleeps are in
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
 import scenarios
-import scenarios_stats
 
 from grain_jax_sync import testing
 from grain_jax_sync._src import stats
@@ -35,22 +36,113 @@ ONE_PROCESS = {
   "dropped": (2, 16, 0, 0, 1),
   "even": (2, 16, 0, 0, 0),
 }
+
+# The scenarios, run in every process (and in this one): each case iterates
+# `scenarios.make_batches` with given per-process sizes and returns the stats,
+# so the tests compare them with the counts the rules give. The same cases in
+# every topology: (per-process sizes, iter_jax_batches options).
+PADDED = {"batch_size": 8, "paddings": 0, "mask_key": "mask"}
+CASES: dict[str, tuple[list[list[int]], dict[str, Any]]] = {
+  # Process 0: 3 batches, the last short; process 1: 2, the last short, then dummies.
+  "padded": ([[8, 8, 5], [8, 3]], PADDED),
+  "padded_no_prefetch": ([[8, 8, 5], [8, 3]], {**PADDED, "prefetch_batches": 0}),
+  "padded_window_1": ([[8, 8, 5], [8, 3]], {**PADDED, "synchronize_lookahead": 1}),
+  # drop_last: the short position is dropped on every host, then every host stops.
+  "dropped": ([[8, 8, 5], [8, 8, 8, 8]], {"batch_size": 8, "drop_last": True}),
+  "even": ([[8, 8], [8, 8]], {"batch_size": 8}),
+}
+SLOW_READ_S = 0.02  # Per batch of the slow source.
+
+
+class SlowSource:
+  """Sleeps `delay_s` before each batch (time that `source_s` must count)."""
+
+  def __init__(self, batches: list[Any], delay_s: float = SLOW_READ_S):
+    self._batches = batches
+    self._delay_s = delay_s
+
+  def __iter__(self):
+    for b in self._batches:
+      time.sleep(self._delay_s)
+      yield b
+
+
+def _case(p: int, sizes: list[list[int]], kwargs: dict[str, Any]) -> dict[str, Any]:
+  import grain_jax_sync as gjs
+
+  mine = sizes[p] if p < len(sizes) else []
+  with gjs.iter_jax_batches(scenarios.make_batches(p, mine), **kwargs) as it:
+    n = sum(1 for _ in it)
+    return {"yielded": n, "stats": it.stats()}
+
+
+def _mid_stream(p: int) -> dict[str, Any]:
+  """Stats after 1 of 6 batches, with the pipeline prefetching ahead."""
+  import grain_jax_sync as gjs
+
+  data = scenarios.make_batches(p, [8, 8, 8, 8, 8, 6])
+  with gjs.iter_jax_batches(data, **PADDED, prefetch_batches=4) as it:
+    next(it)
+    time.sleep(0.5)  # Let the stages run ahead.
+    first = it.stats()
+    rest = sum(1 for _ in it)
+    return {"first": first, "rest": rest, "end": it.stats()}
+
+
+def _slow(p: int) -> dict[str, Any]:
+  """A slow source read in the consumer's thread: every stage's time nests in wait_s."""
+  import grain_jax_sync as gjs
+
+  data = SlowSource(scenarios.make_batches(p, [8, 8, 8, 8]))
+  with gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=0) as it:
+    t0 = time.monotonic()
+    n = sum(1 for _ in it)
+    return {"yielded": n, "stats": it.stats(), "loop_s": time.monotonic() - t0}
+
+
+def _resumed(p: int) -> dict[str, Any]:
+  """stats() after set_state: counts of this iterator's batches only, then more."""
+  import grain_jax_sync as gjs
+
+  data = scenarios.make_batches(p, [8, 8, 8, 5])
+  with gjs.iter_jax_batches(data, **PADDED) as it:
+    next(it)
+    state = it.get_state()
+  with gjs.iter_jax_batches(data, **PADDED) as it:
+    it.set_state(state)
+    before = it.stats()
+    next(it)
+    it.set_state(state)  # Restart: the prefetched batches are not counted.
+    n = 1 + sum(1 for _ in it)
+    return {"before": before, "yielded": n, "stats": it.stats()}
+
+
+def run_all() -> dict[str, Any]:
+  """Every case on this process, in the same order on every process."""
+  import jax
+
+  p = jax.process_index()
+  out: dict[str, Any] = {k: _case(p, sizes, kwargs) for k, (sizes, kwargs) in CASES.items()}
+  out["mid_stream"] = _mid_stream(p)
+  out["slow"] = _slow(p)
+  out["resumed"] = _resumed(p)
+  return out
+
+
 _RUNS: dict[str, list[dict]] = {}
 
 
 def _two():
   if "two" not in _RUNS:
     _RUNS["two"] = testing.values(
-      testing.run_processes(
-        scenarios_stats.run_all, num_processes=2, devices_per_process=2, timeout_s=180
-      )
+      testing.run_processes(run_all, num_processes=2, devices_per_process=2, timeout_s=180)
     )
   return _RUNS["two"]
 
 
 def _one():
   if "one" not in _RUNS:
-    _RUNS["one"] = [scenarios_stats.run_all()]
+    _RUNS["one"] = [run_all()]
   return _RUNS["one"]
 
 
@@ -96,7 +188,7 @@ def _check_mid_stream(r: dict, last_rows: int) -> None:
 def _check_slow(r: dict) -> None:
   s = r["stats"]
   assert r["yielded"] == 4
-  assert s["source_s"] >= 4 * scenarios_stats.SLOW_READ_S  # The sleeps, at least.
+  assert s["source_s"] >= 4 * SLOW_READ_S  # The sleeps, at least.
   # Without prefetching the consumer's thread reads and builds: both nest in wait_s.
   assert s["wait_s"] >= s["source_s"] + s["transfer_s"]
   assert s["wait_s"] <= r["loop_s"]
@@ -141,9 +233,50 @@ def test_delivered_counts_padding_and_dummies():
   }
 
 
+# stats(all_hosts=True): process p reads STRAGGLER_BATCHES + p full batches and
+# a short one of 5 rows; the slowed host sleeps before each of its batches.
+STRAGGLER_BATCHES = 24
+STRAGGLER_READ_S = 0.03
+
+
+class _Captured(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.messages.append(record.getMessage())
+
+
+def straggler(slow: int) -> dict[str, Any]:
+  """Iterates with host `slow` slowed; every host's cross-host table and warnings."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  data: Any = scenarios.make_batches(p, [8] * (STRAGGLER_BATCHES + p) + [5])
+  if p == slow:
+    data = SlowSource(data, STRAGGLER_READ_S)
+  captured = _Captured()
+  log = logging.getLogger("grain_jax_sync._src.job_stats")
+  log.addHandler(captured)
+  try:
+    with gjs.iter_jax_batches(data, **PADDED, synchronize_lookahead=2) as it:
+      n = sum(1 for _ in it)
+      return {
+        "yielded": n,
+        "own": it.stats(),
+        "job": it.stats(all_hosts=True),
+        "warnings": captured.messages,
+      }
+  finally:
+    log.removeHandler(captured)
+
+
 def _expected_counts(p: int, n: int) -> tuple[int, int, int, int, int]:
-  """Host p's counts in `scenarios_stats.straggler` with n processes (batch size 8)."""
-  b = scenarios_stats.STRAGGLER_BATCHES
+  """Host p's counts in `straggler` with n processes (batch size 8)."""
+  b = STRAGGLER_BATCHES
   positions = b + n  # The longest host: b + n - 1 full batches and a short one.
   dummies = n - 1 - p
   return (positions, 8 * (b + p) + 5, 3 + 8 * dummies, dummies, 0)
@@ -165,9 +298,7 @@ def _check_job(outs: list[dict], n: int, slowed: tuple[int, ...]) -> None:
         "padding_fraction": job["hosts"][p]["padding_fraction"],
       }
       # Every host's view sees the sleeps in the slowed host's source time.
-      assert job["hosts"][slow]["source_s"] >= 0.5 * scenarios_stats.STRAGGLER_READ_S * (
-        scenarios_stats.STRAGGLER_BATCHES
-      )
+      assert job["hosts"][slow]["source_s"] >= 0.5 * STRAGGLER_READ_S * STRAGGLER_BATCHES
       # One warning, at process 0, naming the slowed host.
       if p == 0:
         assert len(r["warnings"]) == 1, r["warnings"]
@@ -177,8 +308,8 @@ def _check_job(outs: list[dict], n: int, slowed: tuple[int, ...]) -> None:
 
 
 def stragglers(slowed: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-  """`scenarios_stats.straggler` once per slowed host, in order (the same on every process)."""
-  return {slow: scenarios_stats.straggler(slow) for slow in slowed}
+  """`straggler` once per slowed host, in order (the same on every process)."""
+  return {slow: straggler(slow) for slow in slowed}
 
 
 @pytest.mark.multiprocess
@@ -197,7 +328,7 @@ def test_all_hosts_names_the_slowed_host_with_exact_counts(processes, devices, s
 
 
 def test_all_hosts_in_one_process_is_this_host():
-  r = scenarios_stats.straggler(0)
+  r = straggler(0)
   assert r["job"] == {
     "hosts": [{"process_index": 0, **r["own"], "padding_fraction": 3 / (8 * r["own"]["batches"])}],
     "slowest": 0,
@@ -226,8 +357,8 @@ def ended_figures(cases: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
   for c, (slow, prefetch) in enumerate(cases):
     data: Any = scenarios.make_batches(p, [8] * (2 + p) + [5])
     if p == slow:
-      data = scenarios_stats.SlowSource(data)
-    with gjs.iter_jax_batches(data, **scenarios_stats.PADDED, prefetch_batches=prefetch) as it:
+      data = SlowSource(data)
+    with gjs.iter_jax_batches(data, **PADDED, prefetch_batches=prefetch) as it:
       n = sum(1 for _ in it)
       own = it.stats()
       multihost_utils.sync_global_devices(f"ended_figures {c}")
