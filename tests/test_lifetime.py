@@ -280,10 +280,7 @@ def _drop_after_3_in_a_cycle(kw: dict[str, Any]) -> dict[str, Any]:
   cycle.append(cycle)
   del it, cycle
   source.dropped = True
-  deadline = time.monotonic() + 30
-  while time.monotonic() < deadline and not _closed_everywhere():
-    time.sleep(0.05)
-  return {"got": got, "threads": _threads_left(10.0)}
+  return {"got": got, "threads": wait_for_no_threads(30.0)}
 
 
 def _iterate_until_the_peer_ends(kw: dict[str, Any]) -> dict[str, Any]:
@@ -301,32 +298,12 @@ def _iterate_until_the_peer_ends(kw: dict[str, Any]) -> dict[str, Any]:
     error = f"{type(e).__name__}: {e}"
   seconds = time.monotonic() - t0
   it.close()
-  return {"got": got, "error": error, "seconds": seconds, "threads": _threads_left(10.0)}
+  return {"got": got, "error": error, "seconds": seconds, "threads": wait_for_no_threads(10.0)}
 
 
 def _local_first(batch: Any) -> int:
   """This host's first row (no collective: the peer may have stopped iterating)."""
   return int(np.asarray(batch["x"].addressable_shards[0].data).reshape(-1)[0])
-
-
-def _closed_everywhere() -> bool:
-  return not any(t.startswith("grain_jax_sync-") for t in _thread_names())
-
-
-def _thread_names() -> list[str]:
-  import threading
-
-  return [t.name for t in threading.enumerate()]
-
-
-def _threads_left(wait_s: float) -> list[str]:
-  deadline = time.monotonic() + wait_s
-  while time.monotonic() < deadline:
-    left = [t for t in _thread_names() if t.startswith("grain_jax_sync-")]
-    if not left:
-      return []
-    time.sleep(0.05)
-  return left
 
 
 @pytest.mark.multiprocess
@@ -568,17 +545,6 @@ def test_random_schedules_count_every_batch_once_and_resume_exactly(ops, prefetc
       assert [first(b) for b in fresh] == list(range(at, n))
 
 
-def _checkpoint(it: Any) -> tuple[Any, Any]:
-  """`get_state()` and `stats()` from a checkpoint thread."""
-  import threading
-
-  box: dict[str, Any] = {}
-  t = threading.Thread(target=lambda: box.update(s=it.get_state(), c=it.stats()))
-  t.start()
-  t.join(30)
-  return box["s"], box["c"]
-
-
 def _drain(it: Any, got: list[Any], expected: int, p: int) -> str:
   """Reads until the stream ends; how it ended."""
   try:
@@ -614,7 +580,7 @@ class _HostSchedule:
       self.next()
       return self.ending is not None
     if op == "state":
-      state, counts = _checkpoint(self.it)
+      state, counts = _from_another_thread(self.it)
       self.saved.append((state, self.expected, counts["batches"]))
     elif op == "restore" and self.saved:
       self.it.set_state(self.saved[-1][0])
@@ -663,7 +629,7 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
     "saved": [(st["batches"], st["source"], e, c) for st, e, c in host.saved],
     "ending": host.ending,
     "closer": closer,
-    "threads": _threads_left(10.0),
+    "threads": wait_for_no_threads(10.0),
   }
 
 
