@@ -31,6 +31,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memory_store import MemoryStore
@@ -286,21 +287,25 @@ def _run_recorded(hosts, lookahead):
 
 
 def test_a_quick_source_is_posted_by_half_the_read_ahead_and_decided_just_ahead():
-  # Lookahead 4: a host holds at most 4 undecided batches and posts every 2.
+  # Lookahead 4: a host holds at most 4 undecided batches and posts every 2,
+  # except its first read, posted at once: the job waits for the first batch.
   hosts = [{"rows": [8] * 300, "ending": "exhausted", "at": 0, "read_s": 0.0}] * 2
   store = _run_recorded(hosts, 4)
   sizes = [len(c.report.rows) for c in store.chunks if c.report.rows]
-  assert sum(sizes) == 300 and set(sizes) == {2}, sizes
+  assert sum(sizes) == 300 and sizes[0] == 1 and sizes[-1] == 1, sizes
+  assert set(sizes[1:-1]) == {2}, sizes
   decided = [len(d.steps) for d in store.decisions if d.steps]
   assert sum(decided) == 300
   assert max(decided) <= 4, decided  # Never beyond what every host has read.
 
 
 def test_a_slow_source_is_posted_by_the_same_rule_as_a_quick_one():
-  # No timer: how long a read takes changes nothing in what is posted when.
+  # No timer: how long a read takes changes nothing in what is posted when
+  # (the first read at once, then every half read-ahead, then the rest).
   hosts = [{"rows": [8] * 6, "ending": "exhausted", "at": 0, "read_s": 0.012}] * 2
   store = _run_recorded(hosts, 4)
-  assert [len(c.report.rows) for c in store.chunks if c.report.rows] == [2, 2, 2]
+  assert [len(c.report.rows) for c in store.chunks if c.report.rows] == [1, 2, 2, 1]
+  assert [len(d.steps) for d in store.decisions if d.steps] == [1, 2, 2, 1]
 
 
 class _BuildProgress:
@@ -361,6 +366,47 @@ def test_beside_a_step_a_quick_source_is_posted_and_decided_in_runs_of_half_the_
   assert max(sizes) <= 5, sizes
   for runs in (sizes, decided):
     assert runs.count(5) >= 6 and len(runs) <= 24, runs
+
+
+def _host_first_batch(p, n, store, read_s, reads_at_first, prefetch_thread):
+  """Records how many reads this host had completed when its first decided run arrived."""
+  done = []
+
+  def source():
+    for b in range(6):
+      time.sleep(read_s)
+      done.append(b)
+      yield {"x": _ids(p, b, 8)}
+
+  read = reader.Reader(sources.open_source(source()), process_index=p, check_int32=False)
+  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
+  who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
+  kind = decider.Decider if p == 0 else follower.Follower
+  built = _BuildProgress() if prefetch_thread else None
+  stage = kind(read, ex, RULES, who, lookahead=10, timeout_s=5.0, position=0, built=built)
+  runs = prefetch.Prefetcher(iter(stage), buffer_size=1, in_hand=False) if built else iter(stage)
+  ids = []
+  for run in runs:
+    reads_at_first.setdefault(p, len(done))
+    for r, _ in run.steps:
+      ids.append(int(np.asarray(r.batch.leaves[0])[0]))
+      if built is not None:
+        built.advance()
+  if built is not None:
+    runs.close()
+  reads_at_first[(p, "ids")] = ids
+
+
+@pytest.mark.parametrize("prefetch_thread", [True, False], ids=["build thread", "inline"])
+def test_the_first_batch_is_decided_after_one_read_on_every_host(prefetch_thread):
+  # The job waits for the stream's first batch: each host posts its first
+  # read at once and waits in the store for the first decision, rather than
+  # read a second batch first (which took two reads of a slow source).
+  store, out = MemoryStore(), {}
+  _in_threads(2, lambda p: (_host_first_batch, (p, 2, store, 0.2, out, prefetch_thread)))
+  for p in (0, 1):
+    assert out[(p, "ids")] == [100_000 * p + 100 * b for b in range(6)]
+    assert out[p] == 1, out
 
 
 def _run_some(n, store, hosts, runners):

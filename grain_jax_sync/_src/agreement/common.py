@@ -236,14 +236,19 @@ class OwnReads:
     A round of the exchange carries half the read-ahead, so that it
     completes while the build thread works through the half decided
     before. Where the build thread has taken every decided position, it
-    waits on the agreement: then each read goes at once. Both rules hold on
-    any host; no timer decides.
+    waits on the agreement: then each read goes at once, and so does every
+    read of a stream with nothing decided yet (inline too): the job waits
+    for its first batch. These rules hold on any host; no timer decides.
     """
     if unposted == 0:
       return False
-    if unposted * 2 >= self.limit:
+    if unposted * 2 >= self.limit or self.first_undecided():
       return True
     return self._held() == 0
+
+  def first_undecided(self) -> bool:
+    """Whether nothing of this stream is decided yet (every read is still pending)."""
+    return self.count == len(self.pending)
 
   def _held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""

@@ -145,7 +145,9 @@ class Decider(Streamed):
     if self._process in missing:
       self._read()
       return
-    if self._own.room():
+    # Before the stream's first decision the job waits for it: with its own
+    # first read in hand, process 0 waits for the peers' rather than reads on.
+    if self._own.room() and (self._decided > 0 or not missing):
       if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
         return
       self._read()  # Nothing new: read on, and look again half a read-ahead later.

@@ -76,6 +76,10 @@ class Follower(Streamed):
       self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
       if self._read() and not self._own.waits_on_build():
+        if self._seq == 0:
+          # The stream's first decision: the job waits for it, so wait in
+          # the store for it now rather than read another batch first.
+          return self._wait()
         # Posted, with nothing decided left to build: the decision on what
         # was posted before may be there.
         return self._timed(self._exchange.try_decision, self._seq)
