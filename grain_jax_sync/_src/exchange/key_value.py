@@ -1,8 +1,9 @@
 """Chunks up to process 0, decisions back down, through the key-value store.
 
 The store is the coordination service's, which `jax.distributed.initialize`
-starts (in process 0). No device work, so it runs in a background thread
-ahead of the training step. Keys of one iterator live under one namespace
+starts (in process 0). No device work: with prefetch it runs in the
+agreement's thread, ahead of the training step; with `prefetch_batches=0`,
+in the caller's `next()`. Keys of one iterator live under one namespace
 ``ns``:
 
 - ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
