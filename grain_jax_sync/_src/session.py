@@ -136,12 +136,6 @@ class Stages:
       groups=start.placement.groups if self._shares(start) else (),
     )
     rules = options.rules(batch_size=start.mark.batch_size)
-    streamed = isinstance(ex, exchange_lib.KeyValueExchange)
-    ended = exchange_lib.pre_ended(start.namespace) if streamed else None
-    if ended is not None:
-      # This host already posted its ending to this stream (the crosswise
-      # wait, `streamed.Streamed`): the stream raises it, with no exchange.
-      return _raising(RuntimeError(ended))
     if not isinstance(ex, exchange_lib.KeyValueExchange):
       # Lockstep. One process, or each process alone: one read per batch
       # (lazy); the collective fallback runs in the caller's thread only.
@@ -152,6 +146,11 @@ class Stages:
       if local and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
+    ended = exchange_lib.pre_ended(start.namespace)
+    if ended is not None:
+      # This host already posted its ending to this stream (the crosswise
+      # wait, `streamed.Streamed`): the stream raises it, with no exchange.
+      return _raising(RuntimeError(ended))
     kind = decider.Decider if ex.process_index == 0 else follower.Follower
     self._agreement = kind(
       read,

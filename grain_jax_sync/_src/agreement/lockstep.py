@@ -64,18 +64,14 @@ class Lockstep(common.Agreement):
       if steps:
         yield common.Run(steps, self._signature)
       steps = ()
-      if self._ended(decision):
-        return
+      if self._agreed_end(decision.end, decision.error, self._end):
+        return  # The stream's end or an agreed stop; an agreed error raised.
 
   def _asked_stop(self) -> messages.ReportedError | None:
     """This host's stop for the next window, if one was asked for."""
     if self._stop_at is None:
       return None
     return endings.stopped_error(self._who.process, self._stop_at)
-
-  def _ended(self, decision: plan_lib.Plan) -> bool:
-    """Whether the stream ended with this window (an agreed stop); raises an agreed error."""
-    return self._agreed_end(decision.end, decision.error, self._end)
 
   def _next_window(
     self, w: int, stop: messages.ReportedError | None = None
