@@ -74,14 +74,20 @@ def _source(p, spec, seed):
     yield {"x": _ids(p, b, n)}
 
 
-def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
-  read = reader.Reader(
-    sources.open_source(_source(p, spec, seed)), process_index=p, check_int32=False
-  )
+def _agreement(p, n, store, source, *, lookahead, timeout_s, rules=RULES, built=None):
+  """Process p's side of the streamed agreement (decider or follower) over `store`."""
+  read = reader.Reader(sources.open_source(source), process_index=p, check_int32=False)
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   kind = decider.Decider if p == 0 else follower.Follower
-  stage = kind(read, ex, rules, who, lookahead=lookahead, timeout_s=TIMEOUT_S, position=0)
+  return kind(
+    read, ex, rules, who, lookahead=lookahead, timeout_s=timeout_s, position=0, built=built
+  )
+
+
+def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
+  source = _source(p, spec, seed)
+  stage = _agreement(p, n, store, source, lookahead=lookahead, timeout_s=TIMEOUT_S, rules=rules)
   record, yielded = [], 0
   runs = iter(stage)
   try:
@@ -332,12 +338,9 @@ class _BuildProgress:
 def _host_beside_a_step(p, n, store, rows, lookahead, step_s, out):
   """The agreement in its own thread, as the session runs it, and a consumer that steps."""
   spec = {"rows": [8] * rows, "ending": "exhausted", "at": 0, "read_s": 0.0}
-  read = reader.Reader(sources.open_source(_source(p, spec, p)), process_index=p, check_int32=False)
-  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
-  who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = decider.Decider if p == 0 else follower.Follower
   built = _BuildProgress()
-  stage = kind(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0, position=0, built=built)
+  source = _source(p, spec, p)
+  stage = _agreement(p, n, store, source, lookahead=lookahead, timeout_s=5.0, built=built)
   runs = prefetch.Prefetcher(iter(stage), buffer_size=1, in_hand=False)
   ids = []
   for run in runs:
@@ -378,12 +381,8 @@ def _host_first_batch(p, n, store, read_s, reads_at_first, prefetch_thread):
       done.append(b)
       yield {"x": _ids(p, b, 8)}
 
-  read = reader.Reader(sources.open_source(source()), process_index=p, check_int32=False)
-  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
-  who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = decider.Decider if p == 0 else follower.Follower
   built = _BuildProgress() if prefetch_thread else None
-  stage = kind(read, ex, RULES, who, lookahead=10, timeout_s=5.0, position=0, built=built)
+  stage = _agreement(p, n, store, source(), lookahead=10, timeout_s=5.0, built=built)
   runs = prefetch.Prefetcher(iter(stage), buffer_size=1, in_hand=False) if built else iter(stage)
   ids = []
   for run in runs:
