@@ -266,6 +266,10 @@ def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[st
   pause = (1, seconds) if victim and case == "pause" else None
   out = drain(it, pause=pause)
   it.close()
+  # A read still in the source is abandoned by the close: it ends once it returns.
+  for t in threading.enumerate():
+    if t.name == "grain_jax_sync-read":
+      t.join(seconds + 5.0)
   out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
   return out
 

@@ -276,10 +276,11 @@ def run_stuck_decider(seconds: float, sync_timeout_s: float) -> dict[str, Any]:
 
 @pytest.mark.multiprocess
 def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout():
-  # Process 0 is alive (its beat goes on) but its agreement thread hangs in its
-  # source for 26 s; with `sync_timeout_s`=1 the follower posts a timed-out
-  # ending after 1 + FOLLOWER_GRACE_S and raises it one grace later; process 0
-  # raises the same error once its source returns.
+  # Process 0 is alive (its beat goes on) but its source hangs for 26 s; with
+  # `sync_timeout_s`=1 the follower posts a timed-out ending after 1 +
+  # FOLLOWER_GRACE_S. Process 0's agreement, not stuck with its source (the
+  # reading thread is), decides it at once: every host raises it then, long
+  # before the source returns.
   grace = common.FOLLOWER_GRACE_S
   outs = testing.values(_run(run_stuck_decider, 2 * grace + 6, 1.0))
   assert len({out["error"] for out in outs}) == 1, [out["error"] for out in outs]
@@ -290,9 +291,10 @@ def test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout(
   for p, out in enumerate(outs):
     assert out["error_type"] == "PeerTimeoutError", out
     assert f"process 1 got no decision on batch {n} from process 0" in out["error"], out
-    assert out["threads"] == []
+    # The stuck read is abandoned: only its thread is left, until the source returns.
+    assert out["threads"] == (["grain_jax_sync-read"] if p == 0 else []), out
     _check_rows(p, out)
-  assert 1.0 + 2 * grace - 1 < outs[1]["elapsed_s"] < 1.0 + 2 * grace + 5.0, outs[1]
+    assert 1.0 + grace - 1 < out["elapsed_s"] < 1.0 + grace + 3.0, out
 
 
 @pytest.mark.multiprocess

@@ -27,7 +27,7 @@ def iter_jax_batches(
   """Iterates global `jax.Array` batches that every process agrees on.
 
   Each process passes its own shard of the data. For every batch, all
-  processes agree (in windows of `synchronize_lookahead` batches) on whether
+  processes agree (about `decide_ahead_s` ahead of the consumer) on whether
   there is one and how many rows it has, then each yields the same structure
   of global arrays, rows split over the data axes of the mesh (by default
   the 1-D ``"data"`` mesh over every device) and replicated over its other
@@ -65,9 +65,9 @@ def iter_jax_batches(
     **options: The options, by name, each documented once, with its
       default, under `Options` in the API reference (docs/api.md):
       `batch_size`, `drop_last`, `paddings`, `mask_key`, `dtypes`,
-      `synchronize_batches`, `synchronize_lookahead`, `prefetch_batches`,
-      `sync_timeout_s`, `name`, `pad_shapes`, `shape_buckets` and
-      `shape_mask_keys`.
+      `synchronize_batches`, `synchronize_lookahead`, `decide_ahead_s`,
+      `prefetch_batches`, `sync_timeout_s`, `name`, `pad_shapes`,
+      `shape_buckets` and `shape_mask_keys`.
 
   Returns:
     A `JaxBatchIterator`.

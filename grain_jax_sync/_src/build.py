@@ -9,6 +9,7 @@ dummy batch) and makes the global arrays with one
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -290,6 +291,9 @@ class Builder:
     self.dropped = 0
     self._done = 0  # Positions handed on or dropped.
     self._advanced = threading.Condition()  # Notified as `_done` grows.
+    # When the positions done in the last `decide_ahead_s` were done (`pace`).
+    self._window_s = options.decide_ahead_s
+    self._times: collections.deque[float] = collections.deque()
 
   def done(self) -> int:
     """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
@@ -300,6 +304,21 @@ class Builder:
     with self._advanced:
       if self._done <= beyond:
         self._advanced.wait(timeout_s)
+
+  def pace(self) -> int:
+    """Positions done in the last `decide_ahead_s` seconds: the consumer's own pace, measured.
+
+    With prefetch, a position is done once its batch is queued, which a full
+    queue lets happen only as the consumer takes one.
+    """
+    with self._advanced:
+      self._forget_old(time.monotonic())
+      return len(self._times)
+
+  def _forget_old(self, now: float) -> None:
+    times, since = self._times, now - self._window_s
+    while times and times[0] < since:
+      times.popleft()
 
   def wake(self) -> None:
     """Wakes a `wait_done` (the iterator is closing). Its lock is held only by the build thread."""
@@ -321,6 +340,9 @@ class Builder:
         del item
         with self._advanced:
           self._done += 1
+          now = time.monotonic()
+          self._times.append(now)
+          self._forget_old(now)
           self._advanced.notify()
 
   def step(

@@ -142,6 +142,8 @@ class Lifetime:
     # next one, so a close or a refusal posts this host's ending there.
     self.pending_start = True
     self.job: Any = None  # `stats(all_hosts=True)`'s table, fed by the agreement.
+    # The last stages stopped: their reading thread may still be in the source.
+    self._reading: session_lib.Stages | None = None
 
   # -- turns ---------------------------------------------------------------------
 
@@ -275,6 +277,13 @@ class Lifetime:
     stages = self._state.stages
     if stages is not None:
       stages.halt()
+    self._settle_reads()
+
+  def _settle_reads(self) -> None:
+    """Waits for a read that stopped stages left in the source, before it is moved or reopened."""
+    if self._reading is not None:
+      self._reading.join_reads()
+      self._reading = None
 
   def restart(self, mark: Mark) -> None:
     """Stops the running stages; the next `stages()` starts a new stream at `mark`. In a turn."""
@@ -287,12 +296,16 @@ class Lifetime:
     self.stopped_by = None
 
   def stop(self, ending: messages.ReportedError | None = None) -> None:
-    """Stops the running stages, posting `ending` (default: closed); the next `stages()` restarts."""
+    """Stops the running stages, posting `ending` (default: closed); the next `stages()` restarts.
+
+    A read stuck in the source is left to return on its own (`_settle_reads`).
+    """
     with self._lock:
       stages = self._state.stages
       phase = Phase.IDLE if self._state.phase is Phase.RUNNING else self._state.phase
       self._set(stages=None, phase=phase)
     if stages is not None:
+      self._reading = stages
       stages.close(self.mark.position, ending)
       with self._lock:
         self._set(finished=self._state.finished + stages.times())
@@ -310,6 +323,7 @@ class Lifetime:
         messages.ErrorKind.CLOSED, f"process {p} {how} at batch {at}", p, at, "reset"
       )
     )
+    self._settle_reads()  # The source is moved or reopened next.
 
   def refuse(self, message: str) -> None:
     """Makes a refused state's error this host's ending; `next()` raises it. In a turn.
@@ -418,7 +432,10 @@ class Lifetime:
         exchange_lib.register_close(self._namespace, json.dumps([stream, message]))
       if self._namespace is not None:
         exchange_lib.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
-      self.source.close()
+      if self._reading is None:
+        self.source.close()
+      else:
+        self._reading.after_reads(self.source.close)  # Once a read stuck in the source returns.
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
     finally:

@@ -73,13 +73,16 @@ class Options:
       integer to integer wraps).
     synchronize_batches: Agree across processes (a single process never
       exchanges anything). Default True.
-    synchronize_lookahead: The agreement's read-ahead (default 10): a process
-      holds at most this many batches (and at most 64 MiB) read but not yet
-      agreed on, and posts its rows every half of it. With
-      `prefetch_batches`, no host is more than about R =
-      `synchronize_lookahead + prefetch_batches` agreed batches ahead of
-      another, so an ending (a close, an error, `request_stop()`) reaches
-      every host within about R batches (docs/performance.md, Memory).
+    synchronize_lookahead: At most this many batches decided ahead of this
+      host's consumer (None, the default: no cap in batches; the agreement
+      decides `decide_ahead_s` ahead, within 64 MiB of read batches). The
+      collective fallback agrees in windows of this many (10 when None).
+    decide_ahead_s: How far ahead of the slowest consumer the agreement
+      decides, in seconds of its own consumption, measured as the job runs
+      (default 1.0). An ending (`request_stop()`, a close, an error) reaches
+      every host within about ``decide_ahead_s + (prefetch_batches + 1)``
+      steps + 1 s; the store is called about twice per `decide_ahead_s`
+      whatever the step time (docs/guarantees.md, Endings).
     prefetch_batches: Batches prepared ahead in a background thread (0: none).
       Default 2.
     sync_timeout_s: Seconds (default 600) to wait for a live peer (one whose
@@ -116,7 +119,8 @@ class Options:
   mask_key: str | None = None  # `make` turns a `mask_key` left unset into None.
   dtypes: Any = None
   synchronize_batches: bool = True
-  synchronize_lookahead: int = 10
+  synchronize_lookahead: int | None = None
+  decide_ahead_s: float = 1.0
   prefetch_batches: int = 2
   sync_timeout_s: float = 600.0
   name: str | None = None
@@ -131,8 +135,9 @@ class Options:
       "paddings": _describe(self.paddings),
       "mask_key": self.mask_key,
       "dtypes": _describe(self.dtypes),
-      "synchronize_lookahead": self.synchronize_lookahead,
     }
+    if self.synchronize_lookahead is not None:  # Set: the collective fallback's window.
+      digest["synchronize_lookahead"] = self.synchronize_lookahead
     if self.pad_shapes is not None:  # Only when set: states saved without it still resume.
       digest["pad_shapes"] = self.pad_shapes.describe()
     return plan_lib.settings_digest(digest)
@@ -165,7 +170,8 @@ class CommonKeywords(TypedDict, total=False):
   mask_key: str | None
   dtypes: Any
   synchronize_batches: bool
-  synchronize_lookahead: int
+  synchronize_lookahead: int | None
+  decide_ahead_s: float
   sync_timeout_s: float
   name: str | None
   pad_shapes: Any
@@ -212,6 +218,10 @@ def make(
   sync_timeout_s = given["sync_timeout_s"]
   if not (isinstance(sync_timeout_s, (int, float)) and sync_timeout_s > 0):
     raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
+  decide_ahead_s = given["decide_ahead_s"]
+  if not (isinstance(decide_ahead_s, (int, float)) and decide_ahead_s >= 0):
+    raise ValueError(f"`decide_ahead_s` must be >= 0, got {decide_ahead_s!r}")
+  lookahead = given["synchronize_lookahead"]
   batch_size, read_ahead = given["batch_size"], given["read_ahead"]
   synchronize_batches = bool(given["synchronize_batches"])
   return Options(
@@ -221,7 +231,10 @@ def make(
     mask_key=mask_key,
     dtypes=given["dtypes"],
     synchronize_batches=synchronize_batches,
-    synchronize_lookahead=checked_int("synchronize_lookahead", given["synchronize_lookahead"]),
+    synchronize_lookahead=None
+    if lookahead is None
+    else checked_int("synchronize_lookahead", lookahead),
+    decide_ahead_s=float(decide_ahead_s),
     prefetch_batches=checked_int("prefetch_batches", given["prefetch_batches"], minimum=0),
     sync_timeout_s=float(sync_timeout_s),
     name=given["name"],
@@ -334,8 +347,11 @@ def check_state(
     saved = state.get("settings")
     if not isinstance(saved, Mapping):
       raise ValueError(f"`state['settings']` must be a dict, got {saved!r:.100}")
-    current = options.digest()
-    if dict(saved) != current:
+    # How far ahead hosts decide never changes the stream: a state saved at
+    # another `synchronize_lookahead` resumes.
+    saved = {k: v for k, v in saved.items() if k != "synchronize_lookahead"}
+    current = {k: v for k, v in options.digest().items() if k != "synchronize_lookahead"}
+    if saved != current:
       diffs = plan_lib.settings_diff(saved, current)
       raise ValueError(
         f"`state` was saved by an iterator with other settings ({'; '.join(diffs.values())},"

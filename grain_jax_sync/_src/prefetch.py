@@ -127,13 +127,16 @@ class Prefetcher(Generic[T]):
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
     self._size = buffer_size
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    self._slots = threading.Semaphore(buffer_size)
+    self._slots = threading.Semaphore(self._free_at_start(buffer_size))
     self._early = not in_hand  # A slot is taken before producing, not after.
     # Written without a lock (`interrupt` from a signal handler).
     self._stopped = False
     self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
     self._thread = start_thread(self._run, args=(producer,), name=name)
+
+  def _free_at_start(self, buffer_size: int) -> int:
+    return buffer_size
 
   def __iter__(self) -> Prefetcher[T]:
     return self
@@ -212,3 +215,95 @@ class Prefetcher(Generic[T]):
       # The error's traceback holds this frame, which may still run when the
       # consumer clears the library's frames: it must not hold the stream.
       del producer
+
+
+class OnDemand(Prefetcher[T]):
+  """A stage that produces only the items its consumer asked for: the reading thread.
+
+  The consumer asks ahead (`ask`), takes what is ready without waiting on the
+  producer when it has other work (`take`), and can be woken in a wait
+  (`nudge`, from any thread or a signal handler). A producer stuck in its
+  own ``next()`` (a source stalled on remote storage) holds up nothing but
+  the items it has not produced: `abandon` stops the stage without waiting
+  for it, and the hooks given to `after` run once that ``next()`` returns.
+  """
+
+  def __init__(self, producer: Iterator[T], *, name: str):
+    self._exit = threading.Lock()  # Guards `_busy`, `_exited` and `_hooks`.
+    self._busy = False  # Inside the producer's `next()`.
+    self._exited = False
+    self._hooks: list[Callable[[], None]] = []
+    super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
+
+  def _watched(self, producer: Iterator[T]) -> Iterator[T]:
+    """`producer`, marking the time spent in its `next()` (`abandon` waits for no such call)."""
+    while True:
+      with self._exit:
+        if self._stopped:
+          return
+        self._busy = True
+      try:
+        item = next(producer, END)
+      finally:
+        self._busy = False
+      if item is END:
+        return
+      yield item
+
+  def _free_at_start(self, buffer_size: int) -> int:
+    return 0  # Nothing is produced before it is asked for.
+
+  def ask(self, n: int = 1) -> None:
+    """Lets the producer make `n` more items."""
+    self._slots.release(n)
+
+  def take(self, timeout_s: float) -> T | None:
+    """The next item, waiting up to `timeout_s` for it; None if none came (or a `nudge`)."""
+    try:
+      item = self._items.get(timeout=timeout_s) if timeout_s > 0 else self._items.get_nowait()
+    except queue.Empty:
+      return None
+    if item is _WAKE or self._done:
+      return None
+    if is_final(item):
+      self._done = True
+    return unwrap(item)
+
+  def ready(self) -> bool:
+    """Whether an item (or a wake-up) waits to be taken."""
+    return not self._items.empty()
+
+  def nudge(self) -> None:
+    """Wakes a `take` now; takes no lock (a signal handler may call it)."""
+    self._items.put(_WAKE)
+
+  def abandon(self) -> None:
+    """Stops the stage, waiting for its thread only where it is not inside the producer's ``next()``."""
+    with self._exit:
+      self._done = self._stopped = True
+      busy = self._busy
+    self._slots.release(self._size + 1)
+    self._items.put(_WAKE)
+    if not busy:
+      join(self._thread, "reading")  # Waits for a slot at most: it returns at once.
+
+  def after(self, hook: Callable[[], None]) -> None:
+    """Runs `hook` once the producer's thread is done: now, or when its ``next()`` returns."""
+    with self._exit:
+      if not self._exited:
+        self._hooks.append(hook)
+        return
+    hook()
+
+  def _run(self, producer: Iterator[Any]) -> None:
+    try:
+      super()._run(producer)
+    finally:
+      with self._exit:
+        self._exited = True
+        hooks, self._hooks = self._hooks, []
+      for hook in hooks:
+        try:
+          hook()
+        except Exception:  # noqa: BLE001 - best effort, as a close is.
+          logger.warning("grain_jax_sync: closing after a stuck read failed", exc_info=True)

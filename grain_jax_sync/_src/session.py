@@ -44,6 +44,7 @@ from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 
 logger = logging.getLogger(__name__)
 
+READ_THREAD = "grain_jax_sync-read"
 AGREE_THREAD = "grain_jax_sync-agree"
 BUILD_THREAD = "grain_jax_sync-prefetch"
 # Decided positions queued between the agreement thread and the build
@@ -152,8 +153,11 @@ class Stages:
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
     kind = decider.Decider if ex.process_index == 0 else follower.Follower
+    threaded = options.prefetch_batches > 0
     self._agreement = kind(
-      read,
+      # With prefetch, the source is read in a thread of its own, so that a
+      # stuck read holds up no decision, stop or close.
+      self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
       ex,
       rules,
       who,
@@ -162,11 +166,12 @@ class Stages:
       position=self.position,
       read_ahead=options.read_ahead,
       # With a build thread, what it has not built counts in the read-ahead.
-      built=self._builder if options.prefetch_batches > 0 else None,
+      built=self._builder if threaded else None,
+      pace=self._builder.pace,
       job=start.job,
     )
     self._stopper = self._agreement
-    if options.prefetch_batches == 0:
+    if not threaded:
       return iter(self._agreement)
     return self._agree_thread(self._agreement, options)
 
@@ -203,7 +208,9 @@ class Stages:
     stage = prefetch_lib.Prefetcher(
       self._builder(runs),
       buffer_size=options.prefetch_batches,
-      in_hand=options.read_ahead is None,  # `device_put`: Grain's buffers count the one in hand.
+      # A slot is taken before a position is built: the built batches are
+      # the only decided ones ahead of the consumer beyond the horizon.
+      in_hand=False,
       on_close=ex.cancel if isinstance(ex, exchange_lib.KeyValueExchange) else None,
       name=BUILD_THREAD,
     )
@@ -266,17 +273,42 @@ class Stages:
     if cancel is not None:
       cancel()
 
-  def halt(self) -> None:
-    """Stops every stage, from the user's end back to the source; posts nothing."""
+  def halt(self, *, abandon_reads: bool = False) -> None:
+    """Stops every stage, from the user's end back to the source; posts nothing.
+
+    With `abandon_reads`, a read in progress is not waited for (the final
+    close: nothing reads the source after it); see `after_reads`.
+    """
     for stage in self._threads:
-      stage.close()
+      if abandon_reads and isinstance(stage, prefetch_lib.OnDemand):
+        stage.abandon()
+      else:
+        stage.close()
     if not self._threads:
       prefetch_lib.close_producer(self._items)
     if self._agreement is not None:
       self._agreement.release()
 
+  def after_reads(self, hook: Any) -> None:
+    """Runs `hook` (closing the source) now, or once a read still in progress returns."""
+    reading = [s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)]
+    if reading:
+      reading[0].after(hook)
+    else:
+      hook()
+
+  def join_reads(self) -> None:
+    """Waits for a read left in progress by `close` (before the source is moved or reopened)."""
+    for stage in self._threads:
+      if isinstance(stage, prefetch_lib.OnDemand):
+        stage.close()
+
   def close(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
+
+    A read stuck in the source is not waited for: the ending is posted at
+    once, `join_reads` waits for it before the source is moved, and
+    `after_reads` closes the source once it returns.
 
     Args:
       at: The batches this host's consumer received.
@@ -287,10 +319,12 @@ class Stages:
     self._closed = True
     self._exchange_cancel()
     self._builder.wake()  # The agreement thread may wait for the build thread's room.
-    self.halt()
+    self.interrupt()  # Every wait at once, before any join.
+    self.halt(abandon_reads=True)
     if self._agreement is None:
       return
-    if any(stage.thread.is_alive() for stage in self._threads):
+    blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
+    if any(stage.thread.is_alive() for stage in blocked):
       logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
       return
     try:

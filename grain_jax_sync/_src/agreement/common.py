@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import liveness, messages
+from grain_jax_sync._src import liveness, messages, prefetch
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -18,13 +18,9 @@ from grain_jax_sync._src.agreement import endings
 
 logger = logging.getLogger(__name__)
 
-# Undecided batches a process holds: max(2, min(`synchronize_lookahead`,
-# READ_AHEAD_BYTES // bytes of the first batch)). The read-ahead is the
-# window the user chose, not a multiple of it: positions are decided just
-# ahead of the job, so an ending (a close, an error, a requested stop)
-# reaches every host within a few batches on any host. The byte bound keeps
-# large batches from holding more memory than the window's worth on a host
-# of any size.
+# The read-ahead in bytes: a host holds at most this much of read batches
+# that its build thread has not handed on (at least a batch or two), so that
+# large batches hold no more memory than this on a host of any size.
 READ_AHEAD_BYTES = 64 << 20
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
 # decision before it gives up on its own, so that process 0, which waits on the
@@ -32,16 +28,18 @@ READ_AHEAD_BYTES = 64 << 20
 FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
 
 
-def read_ahead_limit(read: reader_lib.Read, lookahead: int, cap: int | None = None) -> int:
-  """Undecided batches a process may hold: one window, capped by bytes and by `cap`.
+def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | None = None) -> int:
+  """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`.
 
-  At least 2: a short batch is decided only once its host's next batch (or
-  end) is known (`plan.Rules.wait_for_last`).
+  The time horizon (`OwnReads.limit`) comes on top. At least 1: a short
+  batch, decided only once its host's next batch (or end) is known
+  (`plan.Rules.wait_for_last`), may take one read more (`OwnReads.room`).
   """
-  limit = min(lookahead, READ_AHEAD_BYTES // max(1, read.batch.nbytes))
-  if cap is not None:
-    limit = min(limit, cap)
-  return max(2, limit)
+  limit = READ_AHEAD_BYTES // max(1, read.batch.nbytes)
+  for bound in (lookahead, cap):
+    if bound is not None:
+      limit = min(limit, bound)
+  return max(1, limit)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,23 +182,45 @@ class Built(Protocol):
   def wait_done(self, beyond: int, timeout_s: float) -> None:
     """Blocks until more than `beyond` positions are done, or `timeout_s` passes."""
 
+  def pace(self) -> int:
+    """Positions done in the last `decide_ahead_s` seconds."""
+
 
 class OwnReads:
-  """This host's undecided reads, read by the agreement itself (one place, any host)."""
+  """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
+
+  The reads come from `reader`: inline (a `reader.Reader`, read in the
+  agreement's own `next()`), or from the reading thread (a
+  `prefetch.OnDemand` over it), which reads what this host asks ahead for,
+  so that a source that is stuck holds up only the positions it has not
+  read: the agreement goes on receiving decisions, and a stop or a close
+  still lands.
+
+  The horizon (`limit`) is time: the positions the consumer took in the
+  last `decide_ahead_s` seconds (`Built.pace`, measured as the job runs),
+  within the byte bound and `synchronize_lookahead` (`read_ahead_limit`),
+  and at least 1. A fast step decides tens of positions per round of the
+  exchange, a slow one one at a time, just as the consumer takes them.
+  """
 
   def __init__(
     self,
-    reader: Iterator[reader_lib.Read | reader_lib.End],
+    reader: Iterator[reader_lib.Read | reader_lib.End] | prefetch.OnDemand[Any],
     *,
-    lookahead: int,
+    lookahead: int | None,
     read_ahead: int | None = None,
     built: Built | None = None,
+    pace: Callable[[], int] | None = None,
   ):
     self._reader = reader
+    self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
+    self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._cap = read_ahead
     self._built = built
+    self._pace = pace
     self.lookahead = lookahead
-    self.limit = lookahead if read_ahead is None else max(2, min(lookahead, read_ahead))
+    # Until the first read tells the bytes of a batch.
+    self._base = min((b for b in (lookahead, read_ahead) if b is not None), default=2)
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
     self.count = 0  # Positions read.
     self.end: reader_lib.End | None = None
@@ -209,26 +229,46 @@ class OwnReads:
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
 
+  @property
+  def limit(self) -> int:
+    """The horizon in positions: the consumer's last `decide_ahead_s`, within the bounds."""
+    if self._pace is None:
+      return max(1, self._base)
+    return max(1, min(self._base, self._pace()))
+
+  def _free(self) -> int:
+    """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
+    return max(2, self.limit - (self._held() or 0)) - len(self.pending)
+
   def room(self) -> bool:
-    """Whether to read another batch: the read-ahead counts what is not built yet.
+    """Whether to take another read: the read-ahead counts what is not built yet.
 
     With a build thread (`built`: the positions it has handed on), a decided
     position it has not handed on yet (queued to it, or in its hands) takes
     a place of the read-ahead, so that a host holds at most `limit` positions
-    between its reads and its built batches, and at most
-    `synchronize_lookahead + prefetch_batches` beyond its consumer. At least
-    2 stay undecided, so that process 0 always has a position to decide
-    (`read_ahead_limit`). Once full, this host reads again when half the
-    read-ahead is free: the reads, posts and decisions then come in runs of
-    half a read-ahead, not one per batch the consumer takes.
+    between its reads and its built batches. At least 2 stay undecided, so
+    that process 0 always has a position to decide. Once full, this host
+    reads again when half the read-ahead is free: the reads, posts and
+    decisions then come in runs of half a read-ahead, not one per batch the
+    consumer takes.
     """
     if self.end is not None or self.stopped:
       return False
-    free = max(2, self.limit - (self._held() or 0)) - len(self.pending)
+    free = self._free()
     if self._refill and free * 2 < self.limit:
       return False
     self._refill = free <= 0
     return not self._refill
+
+  def allowance(self) -> int:
+    """Positions this host lets be decided now: the horizon less what its build thread holds.
+
+    1 when the build thread holds none (it waits for a position); 0 when it
+    holds a horizon's worth. So a stop lands behind at most the built
+    batches and `decide_ahead_s` of decided ones, at any step time.
+    """
+    held = self._held() or 0
+    return max(self.limit - held, 1 if held == 0 else 0)
 
   def due(self, unposted: int) -> bool:
     """Whether `unposted` reads are to be posted (on process 0: decided) now.
@@ -276,13 +316,43 @@ class OwnReads:
       check()
       built.wait_done(built.done(), exchange_lib.WAIT_SLICE_S)
 
-  def read(self) -> reader_lib.Read | reader_lib.End:
-    item = next(self._reader)
+  def wait_for_build(self, check: Callable[[], None]) -> None:
+    """Blocks until the build thread hands a position on (or one liveness period passes)."""
+    check()
+    if self._built is not None:
+      self._built.wait_done(self._built.done(), exchange_lib.WAIT_SLICE_S)
+
+  def ready(self) -> bool:
+    """Whether a read can be taken at once (inline: always)."""
+    return self._thread is None or self._thread.ready()
+
+  def nudge(self) -> None:
+    """Wakes a wait for the reading thread (a stop was asked for); no lock, any thread."""
+    if self._thread is not None:
+      self._thread.nudge()
+
+  def read(self, wait_s: float = 0.0) -> reader_lib.Read | reader_lib.End | None:
+    """This host's next read, or None where the reading thread had none within `wait_s`.
+
+    From the reading thread, this host first asks ahead for as many reads as
+    the read-ahead leaves room for (at least this one); inline, it reads.
+    """
+    if self._thread is None:
+      item = next(self._reader)  # type: ignore[arg-type]
+    else:
+      want = max(1, self._free())
+      if want > self._asked:
+        self._thread.ask(want - self._asked)
+        self._asked = want
+      item = self._thread.take(wait_s)
+      if item is None:
+        return None
+      self._asked -= 1
     if isinstance(item, reader_lib.End):
       self.end = item
       return item
     if self.count == 0:
-      self.limit = read_ahead_limit(item, self.lookahead, self._cap)
+      self._base = read_ahead_limit(item, self.lookahead, self._cap)
       self.signature = item.batch.signature
     self.pending.append(item)
     self.count += 1

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -42,6 +43,7 @@ class Decider(Streamed):
     # After `Outcome.WAIT`: the processes whose next batch (or end) is awaited,
     # with the positions they had reported then.
     self._wait: dict[int, int] | None = None
+    self._waited = False  # Waited since the peers' chunks were last read (`_news_stale`).
 
   def __iter__(self) -> Iterator[common.Run]:
     while True:
@@ -83,15 +85,28 @@ class Decider(Streamed):
         return None  # Deciding again before a waited process has news would spin.
       self._wait = None
     size = self._ledger.window(self._decided)
-    if size == 0 or (self._own.room() and not self._own.due(size)):
+    if size == 0 or (self._own.room() and not self._own.due(size) and self._own.ready()):
       return None  # Read on: decided in runs (`common.OwnReads.due`).
+    allowance = self._own.allowance()
+    if allowance == 0:
+      return None  # A horizon's worth is decided: wait for the build thread.
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
     plan = common.decide(reports, self._rules, groups=self._who.groups, position=self._yielded)
+    if plan.end == Outcome.CONTINUE and len(plan.steps) > allowance:
+      # Decided position by position, so a prefix of the plan is the plan of
+      # that prefix; the rest is decided once the consumer takes what is ahead.
+      plan = plan_lib.Plan(plan.steps[:allowance], Outcome.CONTINUE)
     self._rules = plan_lib.pin(self._rules, plan)
     return plan
 
   def _news_stale(self) -> bool:
-    """Whether the peers' chunks were last read too long ago to decide on.
+    """Whether the peers' chunks were not read since this host last waited, or too long ago.
+
+    While this host waited (for its build thread, or its own read) a peer may
+    have posted an ending (a stop, a close, an error): it is decided at the
+    first position not decided yet, so the decider reads the chunks before
+    it decides again. With the time horizon that is about twice per
+    `decide_ahead_s` at a fast step, once per position at a slow one.
 
     A follower that got no decision for `sync_timeout_s` plus a grace posts a
     timed-out ending and raises it one grace later. A decision posted later
@@ -100,6 +115,8 @@ class Decider(Streamed):
     raised; so the decider reads the chunks again first, and finds the
     ending if there is one.
     """
+    if self._waited:
+      return True
     return time.monotonic() - self._last_poll >= common.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
@@ -139,20 +156,34 @@ class Decider(Streamed):
     This host reads while it holds fewer than its read-ahead of undecided
     batches: a read is work the job needs anyway, and the read-ahead bounds
     it. Only then does it look at the store, once, and block on the first
-    peer still awaited: no timer decides when to look, on any host.
+    peer still awaited: no timer decides when to look, on any host. A read
+    from the reading thread that has not come holds up nothing but the
+    positions it is missing from: while this host waits for it, it reads
+    the peers' posts once per liveness period (a stop, an ending).
     """
     missing = self._needed()
     if self._process in missing:
-      self._read()
+      self._waited = self._waited or not self._own.ready()  # A wait for the source.
+      if not self._read(exchange_lib.WAIT_SLICE_S):
+        self._absorb(self._timed(self._exchange.read_chunks))
       return
     # Before the stream's first decision the job waits for it: with its own
     # first read in hand, process 0 waits for the peers' rather than reads on.
-    if self._own.room() and (self._decided > 0 or not missing):
+    if self._own.room() and (self._decided > 0 or not missing) and self._own.ready():
       if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
         return
-      self._read()  # Nothing new: read on, and look again half a read-ahead later.
+      self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
-    peer = missing[0]
+    if not missing:
+      # Decided a horizon ahead (`common.OwnReads.allowance`): as the build
+      # thread takes a position, one more may be decided.
+      self._own.wait_for_build(self._exchange.check)
+      self._waited = True
+      return
+    self._wait_for_peer(missing[0])
+
+  def _wait_for_peer(self, peer: int) -> None:
+    """Waits for `peer`'s next post; names it where it is dead, closed, timed out or crosswise."""
     if self._live.dead(peer):
       self._abort = self._lost(peer)
     elif (note := self._live.closed(peer)) is not None:
@@ -181,13 +212,16 @@ class Decider(Streamed):
     """
     return not self._own.waits_on_build() and self._own.due(self._reads_since_look)
 
-  def _read(self) -> None:
+  def _read(self, wait_s: float) -> bool:
+    """Takes this host's next read into the ledger; False where none came within `wait_s`."""
+    item = self._own.read(wait_s)
+    if item is None:
+      return False
     self._reads_since_look += 1
-    item = self._own.read()
     if isinstance(item, reader_lib.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()
       self._ledger.end(common.make_report(self._who, (), self._rules, item, sig, False))
-      return
+      return True
     if self._own.count == 1:
       self._ledger.set_own(
         self._process,
@@ -197,8 +231,10 @@ class Decider(Streamed):
         resume=self._who.resume,
       )
     self._ledger.add_rows(self._process, item.batch.rows, item.digest, item.batch.sizes)
+    return True
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
+    self._waited = False
     news = []  # (process, times) for `stats(all_hosts=True)`.
     for p, text in items:
       try:

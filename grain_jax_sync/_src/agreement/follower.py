@@ -67,15 +67,27 @@ class Follower(Streamed):
 
     This host reads while it holds fewer than its read-ahead of undecided
     batches, and posts every half read-ahead; only then does it post what it
-    holds and wait for process 0's decision, blocking in the store. No timer
-    decides when to post or look, on any host.
+    holds and wait for process 0's decision, blocking in the store. With a
+    reading thread, a read that has not come holds up no decision: where the
+    build thread waits for one, this host waits for it instead, and while it
+    waits for a read it looks for a decision once per liveness period (an
+    ending decided meanwhile: a stop, a peer's close). No timer decides when
+    to post or look, on any host.
     """
     stop = self._stop_due()
     if stop is not None:
       # An ending's report carries no rows (`_post`): unposted rows are void.
       self._post(final=False, error=stop)  # Then follows the decisions to the stop.
     if self._own.room():
-      if self._read() and not self._own.waits_on_build():
+      # The build thread waits for a decision on what was posted: no read first.
+      urgent = self._posted > self._decided and not self._own.waits_on_build()
+      posted = self._read(0.0 if urgent else exchange_lib.WAIT_SLICE_S)
+      if posted is None:  # No read came: a slow or stuck source (or a stop asked for).
+        if urgent:
+          self._flush()
+          return self._wait()
+        return self._timed(self._exchange.try_decision, self._seq)
+      if posted and not self._own.waits_on_build():
         if self._seq == 0:
           # The stream's first decision: the job waits for it, so wait in
           # the store for it now rather than read another batch first.
@@ -142,9 +154,11 @@ class Follower(Streamed):
       (0,),
     )
 
-  def _read(self) -> bool:
-    """Reads one batch; True where it then posted (`common.OwnReads.due`)."""
-    item = self._own.read()
+  def _read(self, wait_s: float) -> bool | None:
+    """Takes one read; True where it then posted (`common.OwnReads.due`), None where none came."""
+    item = self._own.read(wait_s)
+    if item is None:
+      return None
     if isinstance(item, reader_lib.End):
       self._flush()
       return False

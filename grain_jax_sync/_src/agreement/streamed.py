@@ -7,12 +7,12 @@ The streamed agreement runs over the key-value store: process 0 decides
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats, messages
+from grain_jax_sync._src import job_stats, messages, prefetch
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
@@ -31,27 +31,31 @@ class Streamed(common.Agreement):
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
     live: Tells dead peers from slow ones (default: their beats).
-    read_ahead: At most this many undecided batches held (None: the
-      default bound, `common.read_ahead_limit`).
-    built: Positions the build thread has built, where one runs (its
-      decided positions not built yet count in the read-ahead).
+    read_ahead: At most this many positions held (None: the default
+      bound, `common.read_ahead_limit`).
+    built: The build thread's progress, where one runs (its decided
+      positions not built yet count in the read-ahead).
+    pace: The consumer's positions in the last `decide_ahead_s` seconds
+      (`build.Builder.pace`): the horizon (`common.OwnReads.limit`); None:
+      no time horizon.
     job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
       chunks and decisions; None: none kept.
   """
 
   def __init__(
     self,
-    reader: Iterator[reader_lib.Read | reader_lib.End],
+    reader: Iterator[reader_lib.Read | reader_lib.End] | prefetch.OnDemand[Any],
     exchange: exchange_lib.KeyValueExchange,
     rules: plan_lib.Rules,
     who: common.Identity,
     *,
-    lookahead: int,
+    lookahead: int | None,
     timeout_s: float,
     position: int,
     live: liveness_lib.Liveness | None = None,
     read_ahead: int | None = None,
     built: common.Built | None = None,
+    pace: Callable[[], int] | None = None,
     job: job_stats.JobTable | None = None,
   ):
     super().__init__(rules, who)
@@ -59,7 +63,9 @@ class Streamed(common.Agreement):
     self._process = exchange.process_index
     self._process_count = exchange.process_count
     self._timeout_s = timeout_s
-    self._own = common.OwnReads(reader, lookahead=lookahead, read_ahead=read_ahead, built=built)
+    self._own = common.OwnReads(
+      reader, lookahead=lookahead, read_ahead=read_ahead, built=built, pace=pace
+    )
     self._live = live or liveness_lib.Liveness(exchange)
     self._decided = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
@@ -75,6 +81,11 @@ class Streamed(common.Agreement):
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
+
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every host to stop; wakes a wait for this host's reading thread (no lock)."""
+    super().request_stop(at_batch)
+    self._own.nudge()
 
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
