@@ -131,9 +131,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._first: list[Any] = []  # The element read to choose the mode.
     self._restored: dict[str, Any] | None = None
     self._count = 0
-    # `request_stop()` before the batches' iterator exists (set without a lock:
-    # a signal handler); it takes the request when it starts.
-    self._stop_asked = False
+    self._stop_asked = False  # Set without a lock (a handler); handed on at the start.
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
@@ -187,13 +185,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._restored = state
 
   def request_stop(self) -> None:
-    """Asks every host to end the stream at one same batch, then `StopIteration`.
-
-    As `JaxBatchIterator.request_stop`: from any thread or a signal
-    handler, no lock, returns at once; afterwards `get_state()` is at the
-    same batch on every host, so one checkpoint (Grain's, or Orbax through
-    Grain's handler) is consistent.
-    """
+    """Ends every host's stream at one batch, as `JaxBatchIterator.request_stop` (a signal handler too)."""
     self._stop_asked = True
     batches = self._jax
     if batches is not None:
