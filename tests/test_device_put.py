@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import os
 import time
 from typing import Any
 
@@ -358,3 +359,96 @@ def test_device_put_without_batch_size_pads_to_the_first_batch():
   assert [b["x"].shape for b in got] == [(8,)] * 5
   assert np.asarray(got[4]["x"]).tolist() == [32, 33, 34, 35, -1, -1, -1, -1]
   assert np.asarray(got[4]["m"]).tolist() == [True] * 4 + [False] * 4
+
+
+# -- an agreed stop ---------------------------------------------------------------------
+
+
+def _worker_pipeline(p: int, records: int, workers: int) -> Any:
+  """Host `p`'s batches of 8 records ``1000 p + i``, read by `workers` Grain worker processes."""
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+    flags.FLAGS.mark_as_parsed()
+  ds = grain.MapDataset.range(records).map(lambda i: {"x": np.int32(1000 * p + i)}).batch(8)
+  ds = ds.to_iter_dataset()
+  return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) if workers else ds
+
+
+def _host_first(batch: Any) -> int:
+  """This host's first row (no collective: the peers may have stopped iterating)."""
+  shard = min(batch["x"].addressable_shards, key=lambda s: s.index[0].start or 0)
+  return int(np.asarray(shard.data)[0])
+
+
+def stop_device_put_on_sigterm(asker: int, after: int, records: int, directory: str) -> dict:
+  """`asker`'s SIGTERM handler calls `request_stop()` after its batch `after`; saved and
+  restored through Orbax and Grain's handler, over Grain worker processes."""
+  import signal
+
+  import orbax.checkpoint as ocp
+
+  p = jax.process_index()
+  full = [int(b["x"][0]) for b in _worker_pipeline(p, records, 0)]  # The uninterrupted stream.
+  it = iter(gjs.device_put(_worker_pipeline(p, records, 1), batch_size=8))
+  previous = signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
+  rows = []
+  try:
+    for batch in it:
+      rows.append(_host_first(batch))
+      if p == asker and len(rows) == after:
+        os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.01)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  by, batches = it.stop_requested_by, it.get_state()["batches"]
+  mngr = ocp.CheckpointManager(directory)
+  mngr.save(batches, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+  mngr.wait_until_finished()
+  mngr.close()
+  it.close()
+  fresh = iter(gjs.device_put(_worker_pipeline(p, records, 1), batch_size=8))
+  mngr = ocp.CheckpointManager(directory)
+  mngr.restore(batches, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+  mngr.close()
+  resumed = [_host_first(b) for b in fresh]
+  fresh.close()
+  return {"full": full, "rows": rows, "batches": batches, "by": by, "resumed": resumed}
+
+
+@pytest.mark.multiprocess
+def test_device_put_request_stop_from_sigterm_ends_every_host_at_one_batch_and_resumes(tmp_path):
+  # 4 x 2, Grain worker processes: a SIGTERM handler's request_stop() on host 2
+  # after its batch 3 ends every host at one batch, names host 2 everywhere,
+  # and Orbax through Grain's handler resumes each host exactly after it.
+  outs = testing.values(
+    testing.run_processes(
+      stop_device_put_on_sigterm,
+      num_processes=4,
+      devices_per_process=2,
+      args=(2, 3, 8 * 40, str(tmp_path / "ckpt")),
+      timeout_s=240,
+    )
+  )
+  stopped_at = outs[0]["batches"]
+  assert 3 <= stopped_at <= 3 + 2 * (10 + 2), stopped_at  # 2R: the documented bound.
+  for p, o in enumerate(outs):
+    assert o["full"] == [1000 * p + 8 * i for i in range(40)]
+    assert (o["batches"], o["by"]) == (stopped_at, 2)
+    assert o["rows"] == o["full"][:stopped_at]
+    assert o["resumed"] == o["full"][stopped_at:]
+
+
+def test_device_put_request_stop_before_the_first_batch_then_set_state_starts_untouched():
+  # Asked before the iterator exists inside: it still ends the stream (one
+  # process: at most the read-ahead); a restored state starts a stream no
+  # request touched.
+  it = iter(gjs.device_put(_batches(200).to_iter_dataset(), batch_size=8))
+  start = it.get_state()
+  it.request_stop()
+  got = [int(np.asarray(b["x"])[0]) for b in it]
+  assert it.stop_requested_by == 0 and got == list(range(0, 8 * len(got), 8)) and len(got) < 12
+  it.set_state(start)
+  assert it.stop_requested_by is None
+  assert [int(np.asarray(b["x"])[0]) for b in it] == list(range(0, 200, 8))
+  it.close()

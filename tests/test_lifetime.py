@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -318,6 +319,67 @@ def test_an_iterator_finalized_in_a_library_thread_posts_its_ending(prefetch):
   # The positions decided before the close (process 1's read-ahead) come first.
   assert p0["got"] == list(range(len(p0["got"]))) and 3 <= len(p0["got"]) < 20, p0["got"]
   assert p0["seconds"] < 30, p0["seconds"]
+  assert p0["threads"] == p1["threads"] == []
+
+
+def _allocating_batches(reader: str) -> Any:
+  """Process 1's batches 100 + i; each read makes garbage, so the collector runs on its own.
+
+  `reader`: "library" reads them in the library's agreement thread (a
+  generator); "own_thread" in the source's own thread, which the agreement
+  thread waits on through a queue (as a Grain or tf.data pipeline's threads).
+  """
+
+  def batches():
+    for i in range(200):
+      time.sleep(0.02)
+      garbage = [[j] for j in range(20_000)]  # Container objects: the collector counts them.
+      del garbage
+      yield {"x": np.full((8,), 100 + i, np.int32)}
+
+  if reader == "library":
+    return batches()
+  ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+
+  def fill():
+    for b in batches():
+      ready.put(b)
+    ready.put(None)
+
+  threading.Thread(target=fill, daemon=True, name="source-reader").start()
+  return iter(ready.get, None)
+
+
+def left_in_a_cycle_while_the_collector_runs_on_its_own(reader: str) -> dict[str, Any]:
+  """Process 1 breaks out of its loop after 3 batches, its iterator left in a cycle."""
+  import jax
+
+  kw = {"batch_size": 8, "sync_timeout_s": 60.0}  # Defaults otherwise: prefetch 2.
+  if jax.process_index() == 0:
+    return _iterate_until_the_peer_ends(kw)
+  got = []
+  it = gjs.iter_jax_batches(_allocating_batches(reader), **kw)
+  for batch in it:
+    got.append(_local_first(batch))
+    if len(got) == 3:
+      break
+  cycle: list[Any] = [it]
+  cycle.append(cycle)
+  del it, cycle, batch
+  return {"got": got, "threads": wait_for_no_threads(70.0)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("reader", ["library", "own_thread"])
+def test_an_iterator_left_in_a_cycle_is_reported_closed_wherever_the_collector_runs(reader):
+  # No gc.collect(): the source's garbage makes the collector run where it
+  # allocates. In the source's own thread, the close ran there and joined the
+  # agreement thread that waited on that very thread: after 30 s it gave up
+  # without posting, and the peer waited `sync_timeout_s` (60 s).
+  p0, p1 = run(left_in_a_cycle_while_the_collector_runs_on_its_own, reader)
+  assert p1["got"] == [100, 101, 102]
+  assert p0["error"] == "RuntimeError: process 1 closed its iterator at batch 3", p0["error"]
+  assert p0["seconds"] < 10, p0["seconds"]
   assert p0["threads"] == p1["threads"] == []
 
 

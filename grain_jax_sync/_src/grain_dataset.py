@@ -51,7 +51,10 @@ def device_put(
   `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
   `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
   exactly; `set_state` also takes the state that Grain's own `device_put`
-  iterator saved, so a running job can switch.
+  iterator saved, so a running job can switch. They also have
+  `JaxBatchIterator`'s `request_stop()` and `stop_requested_by`: called from
+  a SIGTERM handler on any host, every host's stream ends at one same batch,
+  so one checkpoint is consistent.
 
   On one process it accepts everything Grain's does: unbatched elements
   (scalars, single records: a 0-d leaf, or leaves of different leading
@@ -101,6 +104,7 @@ def device_put(
     >>> ds = device_put(ds.to_iter_dataset(), default_mesh(),
     ...                 batch_size=32, paddings=0, mask_key="mask")
     >>> it = iter(ds)
+    >>> signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
     >>> batch = next(it); state = it.get_state()
   """
   grain = extras.require("grain", needed_by="grain_jax_sync.device_put")

@@ -68,7 +68,7 @@ class JaxBatchIterator(Iterator[Any]):
     # stats(all_hosts=True): every host's counters, through the agreement's messages.
     self._job = job_stats.JobTable(self._life.snapshot, namespace)
     self._life.job = self._job
-    self._finalizer = weakref.finalize(self, self._life.close)
+    self._finalizer = weakref.finalize(self, self._life.collected)
 
   def __iter__(self) -> JaxBatchIterator:
     return self
@@ -374,8 +374,9 @@ class JaxBatchIterator(Iterator[Any]):
     returns). A second call from another thread returns once the first has
     stopped everything. From a signal handler that interrupted `next()` (or
     from the source itself) it only asks: that `next()` stops at once and
-    finishes the close. From the finalizer in one of the library's own
-    threads (a garbage collection there), the close runs in a new thread.
+    finishes the close. An iterator collected by a garbage collection in any
+    thread but the main one (the library's, a source's own) is closed in a
+    new thread.
     """
     self._finalizer.detach()
     self._life.close()

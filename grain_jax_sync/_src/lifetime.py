@@ -17,10 +17,11 @@ The concurrency contract:
   A close asked for inside a call of the same thread (a signal handler, the
   source itself) only asks: it wakes the stages without taking a lock, and
   the call carries the close out on its way out. A close from a stage's own
-  thread (the source, or a finalizer run by a garbage collection inside a
-  stage) hands the close to a new thread, so that no close joins its own
-  thread or waits on a stage that waits on it. A close from another thread
-  waits for the call in progress to end (it was woken), then closes.
+  thread (the source), and the finalizer's in any thread but the main one (a
+  garbage collection runs where something allocates: a stage, a source's
+  own thread), hand the close to a new thread, so that no close joins its
+  own thread or waits on a stage that waits on it. A close from another
+  thread waits for the call in progress to end (it was woken), then closes.
 
 Fields that more than one thread touches, and their guard (every other
 field is touched only by the thread in the call):
@@ -373,8 +374,7 @@ class Lifetime:
       self._ask()  # Inside this thread's own turn or close: that call finishes it.
       return
     if prefetch_lib.in_library_thread():
-      # A stage's own thread (the source, a finalizer run by a garbage
-      # collection there): it may be one that this close joins or waits on.
+      # A stage's own thread (the source): this close would join it.
       self._ask()
       self._hand_off()
       return
@@ -384,6 +384,19 @@ class Lifetime:
     finally:
       self._local.closing = False
 
+  def collected(self) -> None:
+    """The finalizer's close: the main thread closes (a ``del``, the exit); another asks.
+
+    A collection runs it wherever something allocates: a stage, or a
+    source's own thread that a stage waits on. A close there would wait on
+    that very thread, then give up without posting: a new thread closes.
+    """
+    if threading.current_thread() is threading.main_thread():
+      self.close()
+      return
+    self._ask()
+    self._hand_off()
+
   def _ask(self) -> None:
     """Asks for the close without a lock: wakes the stages' waits."""
     self._asked = True
@@ -392,7 +405,7 @@ class Lifetime:
       stages.interrupt()
 
   def _hand_off(self) -> None:
-    """Closes from a new thread: this one is a stage's own (a finalizer inside it)."""
+    """Closes from a new thread: this one is a stage's own, or a collection's (`collected`)."""
     try:
       threading.Thread(target=self.close, name=CLOSER_THREAD, daemon=True).start()
     except RuntimeError:  # At interpreter exit no thread starts; the stages are daemons.

@@ -112,7 +112,8 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
   `set_state` also takes the state Grain's own `device_put` iterator saved.
   On one process, unbatched elements (and every element, when `device` is
   a pytree of different shardings) are placed as `jax.device_put` places
-  them.
+  them. `request_stop()` and `stop_requested_by` are those of
+  `JaxBatchIterator` too.
   """
 
   _MUTATES_ELEMENT_SPEC = True
@@ -130,6 +131,8 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._first: list[Any] = []  # The element read to choose the mode.
     self._restored: dict[str, Any] | None = None
     self._count = 0
+    self._stop_asked = False  # Set without a lock (a handler); handed on at the start.
+    self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
     """Reads the first element to choose: global batches or plain placement."""
@@ -141,11 +144,14 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._first.append(first[0])
 
   def _start_batches(self) -> None:
-    self._jax = iterator_lib.JaxBatchIterator(
+    batches = iterator_lib.JaxBatchIterator(
       self._parent, options=self._options, placement=self._placement.batches
     )
     if self._restored is not None:
-      self._jax.set_state(self._restored)
+      batches.set_state(self._restored)
+    self._jax = batches  # Restored first: `set_state` would drop a request.
+    if self._stop_asked:  # Asked before: read after publishing, so none is lost.
+      batches.request_stop()
 
   def __next__(self) -> Any:
     self._assert_not_closed()
@@ -153,6 +159,9 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       self._choose()
     if self._jax is not None:
       return next(self._jax)
+    if self._stop_asked and not self._first:  # One process; the element read to choose is due.
+      self._plain_stopped = True
+      raise StopIteration
     element = self._first.pop() if self._first else next(self._parent)
     self._count += 1
     return jax.device_put(element, self._placement.element)
@@ -166,6 +175,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def set_state(self, state: Any) -> None:
     state = _normalize_state(state)
+    self._stop_asked = self._plain_stopped = False  # A stream no request has touched.
     if self._jax is not None:
       self._jax.set_state(state)
       return
@@ -173,6 +183,20 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._parent.set_state(state["source"])
     self._count = int(state["batches"])
     self._restored = state
+
+  def request_stop(self) -> None:
+    """Ends every host's stream at one batch, as `JaxBatchIterator.request_stop` (a signal handler too)."""
+    self._stop_asked = True
+    batches = self._jax
+    if batches is not None:
+      batches.request_stop()
+
+  @property
+  def stop_requested_by(self) -> int | None:
+    """The process whose `request_stop()` ended the stream (the same on every host), or None."""
+    if self._jax is not None:
+      return self._jax.stop_requested_by
+    return jax.process_index() if self._plain_stopped else None
 
   def close(self) -> None:
     if self._closed:
