@@ -266,12 +266,16 @@ def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[st
   pause = (1, seconds) if victim and case == "pause" else None
   out = drain(it, pause=pause)
   it.close()
-  # A read still in the source is abandoned by the close: it ends once it returns.
+  out["threads"] = threads_once_reads_return(seconds + 5.0)
+  return out
+
+
+def threads_once_reads_return(timeout_s: float) -> list[str]:
+  """The library's threads left, once a read that a close abandoned in the source returned."""
   for t in threading.enumerate():
     if t.name == "grain_jax_sync-read":
-      t.join(seconds + 5.0)
-  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
-  return out
+      t.join(timeout_s)
+  return sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
 
 
 # -- many iterators broken off ------------------------------------------------------
@@ -551,5 +555,5 @@ def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str,
   out = drain(it, on_batch=lambda n: n == int(after) and not stall and reached.set())
   out["state_batches"] = it.get_state()["batches"] if p == 1 else None
   it.close()
-  out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax"))
+  out["threads"] = threads_once_reads_return(10.0)
   return out

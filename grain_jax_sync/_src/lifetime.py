@@ -143,8 +143,8 @@ class Lifetime:
     # next one, so a close or a refusal posts this host's ending there.
     self.pending_start = True
     self.job: Any = None  # `stats(all_hosts=True)`'s table, fed by the agreement.
-    # The last stages stopped: their reading thread may still be in the source.
-    self._reading: session_lib.Stages | None = None
+    # The last stopped stages' reading thread: it may still be in the source.
+    self._reading: prefetch_lib.OnDemand[Any] | None = None
 
   # -- turns ---------------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class Lifetime:
   def _settle_reads(self) -> None:
     """Waits for a read that stopped stages left in the source, before it is moved or reopened."""
     if self._reading is not None:
-      self._reading.join_reads()
+      self._reading.close()
       self._reading = None
 
   def restart(self, mark: Mark) -> None:
@@ -306,7 +306,7 @@ class Lifetime:
       phase = Phase.IDLE if self._state.phase is Phase.RUNNING else self._state.phase
       self._set(stages=None, phase=phase)
     if stages is not None:
-      self._reading = stages
+      self._reading = stages.reading  # Not the stages: their ending may hold this iterator.
       stages.close(self.mark.position, ending)
       with self._lock:
         self._set(finished=self._state.finished + stages.times())
@@ -448,7 +448,7 @@ class Lifetime:
       if self._reading is None:
         self.source.close()
       else:
-        self._reading.after_reads(self.source.close)  # Once a read stuck in the source returns.
+        self._reading.after(self.source.close)  # Once a read stuck in the source returns.
     except Exception as e:  # noqa: BLE001 - best effort: close never raises.
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
     finally:

@@ -286,6 +286,9 @@ class OnDemand(Prefetcher[T]):
     self._items.put(_WAKE)
     if not busy:
       join(self._thread, "reading")  # Waits for a slot at most: it returns at once.
+    while not self._items.empty():  # Nothing read stays referenced.
+      self._items.get_nowait()
+    self._items.put(_WAKE)
 
   def after(self, hook: Callable[[], None]) -> None:
     """Runs `hook` once the producer's thread is done: now, or when its ``next()`` returns."""

@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 READ_THREAD = "grain_jax_sync-read"
 AGREE_THREAD = "grain_jax_sync-agree"
 BUILD_THREAD = "grain_jax_sync-prefetch"
+# The collective fallback's window where `synchronize_lookahead` is None: its
+# all-gathers are collectives in the caller's thread, each a round trip over
+# every device, so a window amortizes them; an ending lands within it.
+LOCKSTEP_WINDOW = 10
 # Decided positions queued between the agreement thread and the build
 # thread: one, so that positions are decided just ahead of the build, on any
 # host; the agreement's read-ahead is what overlaps the exchange.
@@ -140,7 +144,7 @@ class Stages:
     if not isinstance(ex, exchange_lib.KeyValueExchange):
       # Lockstep. One process, or each process alone: one read per batch
       # (lazy); the collective fallback runs in the caller's thread only.
-      window = options.synchronize_lookahead if ex.process_count > 1 else 1
+      window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
       stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
       self._stopper = stepper
       local = ex.process_count == 1
@@ -289,26 +293,17 @@ class Stages:
     if self._agreement is not None:
       self._agreement.release()
 
-  def after_reads(self, hook: Any) -> None:
-    """Runs `hook` (closing the source) now, or once a read still in progress returns."""
+  @property
+  def reading(self) -> prefetch_lib.OnDemand[Any] | None:
+    """The reading thread's stage, if this stream has one (a closed one may still be in the source)."""
     reading = [s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)]
-    if reading:
-      reading[0].after(hook)
-    else:
-      hook()
-
-  def join_reads(self) -> None:
-    """Waits for a read left in progress by `close` (before the source is moved or reopened)."""
-    for stage in self._threads:
-      if isinstance(stage, prefetch_lib.OnDemand):
-        stage.close()
+    return reading[0] if reading else None
 
   def close(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
 
     A read stuck in the source is not waited for: the ending is posted at
-    once, `join_reads` waits for it before the source is moved, and
-    `after_reads` closes the source once it returns.
+    once (`reading` is the stage that may still be in the source).
 
     Args:
       at: The batches this host's consumer received.
