@@ -1,4 +1,4 @@
-"""Stop together: an agreed stop, and a host that leaves is known within a few batches.
+"""Stop together: an agreed stop, and a host that leaves, reach every host within seconds.
 
 Real processes joined by `jax.distributed` (gloo, forced CPU devices). Each
 host checks the rows of its own shards of every batch (no collective in the
@@ -354,7 +354,10 @@ def _stalling(p: int, stalled_host: int, at: int, stalled: Any, release: Any) ->
 
 
 def _stop_in_a_stall(prefetch: int, step_s: float) -> dict:
-  """Process 1's source stalls before its batch 10; process 0 asks for a stop from a thread after its batch 6."""
+  """Process 1's source stalls before its batch 10; process 0 asks for a stop after its batch 6.
+
+  The request comes from another thread of process 0, as a watchdog's would.
+  """
   import jax
 
   p = jax.process_index()
@@ -453,11 +456,15 @@ class SourceFailed(Exception):
 
 
 def _failing(p: int, leaver: int, received: Any, failed: list[float]) -> Any:
-  """Host `leaver`'s source raises at its batch 5 once its consumer holds batches 0-4."""
+  """Host `leaver`'s source raises at its batch 5 once its consumer holds batches 0-4.
+
+  It records when it raised, and whether the consumer got there while the
+  read waited (else the wait timed out: a blocked read held decided batches).
+  """
   for i, batch in enumerate(_data(p, LENGTH)):
     if p == leaver and i == 5:
-      received.wait(STALL_S)  # The job is at batch 5, not the read-ahead.
-      failed.append(time.time())
+      opened = received.wait(STALL_S)  # The job is at batch 5, not the read-ahead.
+      failed.extend([time.time(), opened])
       raise SourceFailed("the shard vanished")
     yield batch
 
@@ -484,7 +491,9 @@ def _leave_at_5(prefetch: int, kind: str, step_s: float) -> dict:
     error = f"{type(e).__name__}: {e}"
   ended = time.time()
   it.close()
-  return {"rows": rows, "error": error, "ended": ended, "left": left[0] if left else None}
+  return {"rows": rows, "error": error, "ended": ended, "left": left[0] if left else None} | {
+    "opened": left[1] if len(left) > 1 else None
+  }
 
 
 def leave_cases(prefetch: int, cases: list[tuple[str, float]]) -> list[dict]:
@@ -503,17 +512,17 @@ LEAVE_CASES = {
 def test_a_close_or_a_source_error_at_batch_5_reaches_the_peer_within_seconds(prefetch):
   cases = LEAVE_CASES[prefetch]
   outs = _launch(leave_cases, 2, 4, prefetch, cases)
+  per_case = [(outs[0][i], outs[1][i]) for i in range(len(cases))]
   late = []
-  for i, (kind, step_s) in enumerate(cases):
-    peer, leaver = outs[0][i], outs[1][i]
-    took = peer["ended"] - leaver["left"]
-    print(f"{kind} at batch 5, step {step_s} s: the peer raised {took:.2f} s after it")
-    if took > bound_s(prefetch, step_s):
-      late.append(
-        f"{kind} at batch 5, step {step_s} s: the peer raised {took:.2f} s after it"
-        f" (bound {bound_s(prefetch, step_s):.2f} s), {len(peer['rows'])} batches"
-      )
-    assert leaver["rows"] == [1000 + j for j in range(5)], (kind, step_s, late)
+  for (kind, step_s), (peer, leaver) in zip(cases, per_case, strict=True):
+    took, bound = peer["ended"] - leaver["left"], bound_s(prefetch, step_s)
+    figure = f"{kind} at batch 5, step {step_s} s: the peer raised {took:.2f} s after it"
+    print(figure, f"(bound {bound:.2f} s), after {len(peer['rows'])} batches")
+    late += [f"{figure} (bound {bound:.2f} s)"] if took > bound else []
+  for (kind, step_s), (peer, leaver) in zip(cases, per_case, strict=True):
+    assert leaver["rows"] == [1000 + j for j in range(5)], (kind, step_s)
+    # The batches decided before the failing read reached the job while that read waited.
+    assert leaver["opened"] is (None if kind == "close" else True), (kind, step_s)
     cause = "closed its iterator at batch 5" if kind == "close" else "failed while reading batch 5"
     assert leaver["error"] == (None if kind == "close" else "SourceFailed: the shard vanished")
     # Never ended normally: the peer raises, naming the process.
