@@ -1,4 +1,4 @@
-"""Stop together: an agreed stop, and a host that leaves is known within a few batches.
+"""Stop together: an agreed stop, and a host that leaves, reach every host within seconds.
 
 Real processes joined by `jax.distributed` (gloo, forced CPU devices). Each
 host checks the rows of its own shards of every batch (no collective in the
@@ -231,3 +231,301 @@ def test_a_second_threads_next_during_a_next_raises_at_once():
   assert int(np.asarray(first[0]["x"])[0]) == 1
   assert int(np.asarray(next(it)["x"])[0]) == 2
   it.close()
+
+
+# -- endings in seconds (issue 40) ----------------------------------------------------
+#
+# The bound of every ending, in seconds from the event to the end of each
+# host's loop: `decide_ahead_s` (1 s by default) of the slowest consumer's
+# consumption, the (prefetch_batches + 1) steps already decided and built,
+# and 1 s. The times are `time.time()` on one machine, so they compare across
+# the processes.
+DECIDE_AHEAD_S = 1.0  # The default `decide_ahead_s`.
+SLACK_S = 1.0
+CLOSE_IN_A_STALL_S = 1.0  # `close()` returns within this while its own source is stuck.
+STALL_S = 20.0  # The longest a stalled source waits; the case releases it at its end.
+LENGTH = 400  # Batches per host: the stop, not exhaustion, ends every stream.
+SECONDS_TIMEOUT = 300  # Per launch: room for the pre-issue-40 code, whose figures we report.
+
+
+def bound_s(prefetch: int, step_s: float) -> float:
+  """Seconds within which a stop or a leaver ends every host's loop."""
+  return DECIDE_AHEAD_S + (prefetch + 1) * step_s + SLACK_S
+
+
+def _launch(fn: Any, n: int, d: int, *args: Any) -> list[Any]:
+  """Every process's value of `fn(*args)` on n processes x d CPU devices."""
+  return testing.values(
+    testing.run_processes(
+      fn, num_processes=n, devices_per_process=d, args=args, timeout_s=SECONDS_TIMEOUT
+    )
+  )
+
+
+def _timed_stop(prefetch: int, step_s: float, after: int, asker: int) -> dict:
+  """`asker` calls request_stop() in its loop after its batch `after`; then a resume."""
+  import jax
+
+  p = jax.process_index()
+  it = _iterator(_data(p, LENGTH), prefetch)
+  rows, asked = [], None
+  for batch in it:
+    rows.append(_first_row(batch))
+    if p == asker and len(rows) == after:
+      asked = time.time()
+      it.request_stop()
+    time.sleep(step_s)
+  ended = time.time()
+  state, by = it.get_state(), it.stop_requested_by
+  it.close()
+  fresh = _iterator(_data(p, LENGTH), prefetch)
+  fresh.set_state(state)
+  resumed = [_first_row(b) for b in fresh]
+  fresh.close()
+  return {"rows": rows, "batches": state["batches"], "by": by, "asked": asked, "ended": ended} | {
+    "resumed": resumed
+  }
+
+
+def timed_stops(prefetch: int, cases: list[tuple[float, int, int]]) -> list[dict]:
+  """One `_timed_stop` per (step_s, after, asker), in sequence, in one launch."""
+  return [_timed_stop(prefetch, *case) for case in cases]
+
+
+def _stop_late_s(outs: list[dict], case: tuple[float, int, int]) -> float:
+  """Seconds from the request to the last host's loop end (printed: the figure)."""
+  step_s, after, asker = case
+  late = max(o["ended"] for o in outs) - outs[asker]["asked"]
+  print(
+    f"step {step_s} s, asked by {asker} after batch {after}: every host ended {late:.2f} s"
+    f" after the request, {outs[0]['batches'] - after} batches after it"
+  )
+  return late
+
+
+def _check_stop(outs: list[dict], case: tuple[float, int, int]) -> None:
+  """Every host stopped at one batch, named the asker, and resumed exactly."""
+  _, after, asker = case
+  stopped_at = outs[0]["batches"]
+  for p, o in enumerate(outs):
+    assert o["batches"] == stopped_at and o["by"] == asker, (case, p, o["batches"], o["by"])
+    assert o["rows"] == [1000 * p + i for i in range(stopped_at)], (case, p)
+    assert o["resumed"] == [1000 * p + i for i in range(stopped_at, LENGTH)], (case, p)
+  assert after <= stopped_at < LENGTH, (case, stopped_at)
+
+
+# Per launch (processes, devices, prefetch): (step_s, after, asker). The 4 x 2
+# launches and the 2 s step run a reduced set (the suite's time).
+STOP_CASES = {
+  (2, 4, 0): [(0.005, 3, 1), (0.005, 37, 0), (0.05, 3, 0), (0.05, 17, 1), (0.5, 3, 1)]
+  + [(0.5, 8, 0), (2.0, 3, 1)],
+  (2, 4, 2): [(0.005, 3, 0), (0.005, 37, 1), (0.05, 3, 1), (0.05, 17, 0), (0.5, 3, 0)]
+  + [(0.5, 8, 1)],
+  (4, 2, 0): [(0.005, 37, 3), (0.5, 3, 0)],
+  (4, 2, 2): [(0.005, 3, 0), (0.5, 8, 3), (2.0, 3, 2)],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+  ("n", "d", "prefetch"), [pytest.param(*k, id=f"{k[0]}x{k[1]}-prefetch{k[2]}") for k in STOP_CASES]
+)
+def test_request_stop_ends_every_host_within_seconds_at_any_step_and_resumes_exactly(
+  n, d, prefetch
+):
+  cases = STOP_CASES[(n, d, prefetch)]
+  outs = _launch(timed_stops, n, d, prefetch, cases)
+  per_case = [[o[i] for o in outs] for i in range(len(cases))]
+  late = {c: _stop_late_s(o, c) for c, o in zip(cases, per_case, strict=True)}
+  for case, case_outs in zip(cases, per_case, strict=True):
+    _check_stop(case_outs, case)
+  # (step_s, after, asker): the seconds, where over the bound.
+  over = {c: round(s, 2) for c, s in late.items() if s > bound_s(prefetch, c[0])}
+  assert not over, f"over {DECIDE_AHEAD_S} + (prefetch + 1) steps + {SLACK_S} s: {over}"
+
+
+def _stalling(p: int, stalled_host: int, at: int, stalled: Any, release: Any) -> Any:
+  """Host `stalled_host`'s source waits before its batch `at` until `release` (at most STALL_S)."""
+  for i, batch in enumerate(_data(p, LENGTH)):
+    if p == stalled_host and i == at:
+      stalled.set()
+      release.wait(STALL_S)
+    yield batch
+
+
+def _stop_in_a_stall(prefetch: int, step_s: float) -> dict:
+  """Process 1's source stalls before its batch 10; process 0 asks for a stop after its batch 6.
+
+  The request comes from another thread of process 0, as a watchdog's would.
+  """
+  import jax
+
+  p = jax.process_index()
+  stalled, release = threading.Event(), threading.Event()
+  it = _iterator(_stalling(p, 1, 10, stalled, release), prefetch)
+  rows, asked = [], []
+  try:
+    for batch in it:
+      rows.append(_first_row(batch))
+      if p == 0 and len(rows) == 6:
+        asker = threading.Thread(target=lambda: (asked.append(time.time()), it.request_stop()))
+        asker.start()
+        asker.join()
+      time.sleep(step_s)
+  finally:
+    ended = time.time()
+    release.set()  # The source wakes once this host's loop has ended.
+  out = {"rows": rows, "batches": len(rows), "by": it.stop_requested_by}
+  it.close()
+  return out | {"asked": asked[0] if asked else None, "ended": ended}
+
+
+def _close_in_a_stall(prefetch: int, step_s: float) -> dict:
+  """A watchdog on process 1 calls close() 2 s into its source's stall before its batch 10."""
+  import jax
+
+  p = jax.process_index()
+  stalled, release = threading.Event(), threading.Event()
+  it = _iterator(_stalling(p, 1, 10, stalled, release), prefetch)
+  closing: dict[str, float] = {}
+
+  def watchdog() -> None:
+    if stalled.wait(60):
+      time.sleep(2.0)
+      closing["at"] = time.time()
+      it.close()
+      closing["returned"] = time.time()
+
+  dog = threading.Thread(target=watchdog, daemon=True)
+  if p == 1:
+    dog.start()
+  rows, error = [], None
+  try:
+    for batch in it:
+      rows.append(_first_row(batch))
+      time.sleep(step_s)
+  except RuntimeError as e:
+    error = str(e)
+  ended = time.time()
+  if p == 1:
+    dog.join(60)
+  release.set()
+  it.close()
+  return {"rows": rows, "error": error, "ended": ended, "batches": len(rows)} | closing
+
+
+def stall_cases(prefetch: int, step_s: float) -> dict:
+  return {"stop": _stop_in_a_stall(prefetch, step_s), "close": _close_in_a_stall(prefetch, step_s)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_within_seconds(
+  prefetch,
+):
+  step_s = 0.05
+  outs = _launch(stall_cases, 2, 4, prefetch, step_s)
+  stop, closer, peer = [o["stop"] for o in outs], outs[1]["close"], outs[0]["close"]
+  seen = {
+    "stop: every host's end after the request": max(o["ended"] for o in stop) - stop[0]["asked"],
+    "close: the peer's raise after the close": peer["ended"] - closer["at"],
+    "close: the stalled host's loop end after the close": closer["ended"] - closer["at"],
+  }
+  took = closer["returned"] - closer["at"]
+  print(f"close() took {took:.2f} s;", {k: round(v, 2) for k, v in seen.items()})
+  # The stop: one batch everywhere, named alike, and no host waits for the stalled source.
+  stopped_at = stop[0]["batches"]
+  for p, o in enumerate(stop):
+    assert (o["batches"], o["by"]) == (stopped_at, 0), (p, o["batches"], o["by"])
+    assert o["rows"] == [1000 * p + i for i in range(stopped_at)], p
+  assert 6 <= stopped_at <= 10, stopped_at
+  # The close: it returns at once on the stalled host, and the peer raises it.
+  assert closer["error"] in (None, "the iterator is closed"), closer["error"]
+  assert peer["error"] == f"process 1 closed its iterator at batch {closer['batches']}", peer
+  for p, o in enumerate((peer, closer)):
+    assert o["rows"] == [1000 * p + i for i in range(len(o["rows"]))], p
+  bound = bound_s(prefetch, step_s)
+  late = {k: round(v, 2) for k, v in seen.items() if v > bound}
+  assert took <= CLOSE_IN_A_STALL_S and not late, (
+    f"close() took {took:.2f} s (bound {CLOSE_IN_A_STALL_S} s); over the bound {bound:.2f} s: {late}"
+  )
+
+
+class SourceFailed(Exception):
+  pass
+
+
+def _failing(p: int, leaver: int, received: Any, failed: list[float]) -> Any:
+  """Host `leaver`'s source raises at its batch 5 once its consumer holds batches 0-4.
+
+  It records when it raised, and whether the consumer got there while the
+  read waited (else the wait timed out: a blocked read held decided batches).
+  """
+  for i, batch in enumerate(_data(p, LENGTH)):
+    if p == leaver and i == 5:
+      opened = received.wait(STALL_S)  # The job is at batch 5, not the read-ahead.
+      failed.extend([time.time(), opened])
+      raise SourceFailed("the shard vanished")
+    yield batch
+
+
+def _leave_at_5(prefetch: int, kind: str, step_s: float) -> dict:
+  """The last host closes its iterator after its batch 5, or its source fails at batch 5."""
+  import jax
+
+  p, n = jax.process_index(), jax.process_count()
+  received, left = threading.Event(), []
+  it = _iterator(_failing(p, n - 1 if kind == "error" else -1, received, left), prefetch)
+  rows, error = [], None
+  try:
+    for batch in it:
+      rows.append(_first_row(batch))
+      if p == n - 1 and len(rows) == 5:
+        received.set()
+        if kind == "close":
+          left.append(time.time())
+          it.close()
+          break
+      time.sleep(step_s)
+  except (RuntimeError, SourceFailed) as e:
+    error = f"{type(e).__name__}: {e}"
+  ended = time.time()
+  it.close()
+  return {"rows": rows, "error": error, "ended": ended, "left": left[0] if left else None} | {
+    "opened": left[1] if len(left) > 1 else None
+  }
+
+
+def leave_cases(prefetch: int, cases: list[tuple[str, float]]) -> list[dict]:
+  return [_leave_at_5(prefetch, kind, step_s) for kind, step_s in cases]
+
+
+# Per `prefetch_batches`, at 2 x 4: (how the last host leaves, step_s); the 2 s step split between them.
+LEAVE_CASES = {
+  0: [("close", 0.02), ("error", 0.02), ("close", 2.0)],
+  2: [("close", 0.02), ("error", 0.02), ("error", 2.0)],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prefetch", list(LEAVE_CASES))
+def test_a_close_or_a_source_error_at_batch_5_reaches_the_peer_within_seconds(prefetch):
+  cases = LEAVE_CASES[prefetch]
+  outs = _launch(leave_cases, 2, 4, prefetch, cases)
+  per_case = [(outs[0][i], outs[1][i]) for i in range(len(cases))]
+  late = []
+  for (kind, step_s), (peer, leaver) in zip(cases, per_case, strict=True):
+    took, bound = peer["ended"] - leaver["left"], bound_s(prefetch, step_s)
+    figure = f"{kind} at batch 5, step {step_s} s: the peer raised {took:.2f} s after it"
+    print(figure, f"(bound {bound:.2f} s), after {len(peer['rows'])} batches")
+    late += [f"{figure} (bound {bound:.2f} s)"] if took > bound else []
+  for (kind, step_s), (peer, leaver) in zip(cases, per_case, strict=True):
+    assert leaver["rows"] == [1000 + j for j in range(5)], (kind, step_s)
+    # The batches decided before the failing read reached the job while that read waited.
+    assert leaver["opened"] is (None if kind == "close" else True), (kind, step_s)
+    cause = "closed its iterator at batch 5" if kind == "close" else "failed while reading batch 5"
+    assert leaver["error"] == (None if kind == "close" else "SourceFailed: the shard vanished")
+    # Never ended normally: the peer raises, naming the process.
+    assert peer["error"] is not None and f"RuntimeError: process 1 {cause}" in peer["error"], peer
+    assert len(peer["rows"]) >= 5 and peer["rows"] == list(range(len(peer["rows"]))), kind
+  assert not late, "\n".join(late)
