@@ -415,8 +415,13 @@ def input_bound(
 # -- driver and rows (run in benchmarks/run.py's process) -----------------------
 
 
-def cpu_per_batch_hosts(*, n: int = 100, trials: int = 7) -> dict[str, Any]:
-  """`cpu_per_batch` on each of several hosts, 0.8 MB batches beside a 20 ms step."""
+def cpu_per_batch_hosts(*, n: int = 300, trials: int = 7) -> dict[str, Any]:
+  """`cpu_per_batch` on each of several hosts, 0.8 MB batches beside a 20 ms step.
+
+  6 s per trial: the agreement's horizon is the consumer's last
+  `decide_ahead_s` (1 s), measured as it runs, so the first second of a
+  stream decides in smaller rounds; a job's steady state is the rest.
+  """
   return cpu_per_batch(sizes_mb=(0.8,), steps_ms=(20.0,), n=n, trials=trials)
 
 

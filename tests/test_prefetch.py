@@ -349,6 +349,7 @@ def test_stopped_half_way_leaves_no_thread_two_processes(mode):
   for o in outs:
     assert "grain_jax_sync-prefetch" in o["during"]
     assert "grain_jax_sync-agree" in o["during"]
+    assert "grain_jax_sync-read" in o["during"]
     assert o["after"] == []
 
 

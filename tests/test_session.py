@@ -1,8 +1,8 @@
 """One (re)start of the stream (`session.Stages`): its threads, and their close in reverse.
 
 Driven through the public API: the threads a start runs (none without
-prefetch; the build thread, and with the key-value store the agreement
-thread), the order in which its close stops them (the user's end first), and
+prefetch; the build thread, and with the key-value store the reading and
+agreement threads), the order in which its close stops them (the user's end first), and
 a restart (`reset`, `set_state`) stopping the old start before the new one runs.
 """
 
@@ -111,7 +111,9 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     assert out["before"] == [] and out["after"] == []
     assert out["rows"] == [100 * p + i for i in range(5)]
     if prefetch:
-      # Two library threads per iterator, besides the process-wide beat.
-      assert out["running"] == sorted([session.AGREE_THREAD, session.BUILD_THREAD])
+      # Three library threads per iterator, besides the process-wide beat:
+      # reading, agreeing, building (docs/internals.md, Threads).
+      threads = [session.READ_THREAD, session.AGREE_THREAD, session.BUILD_THREAD]
+      assert out["running"] == sorted(threads)
     else:
       assert out["running"] == []

@@ -419,11 +419,10 @@ def stall_cases(prefetch: int, step_s: float) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_within_seconds(
-  prefetch,
-):
-  step_s = 0.05
+def test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_within_seconds():
+  # With prefetch (the reading thread). With `prefetch_batches=0` the source
+  # is read in the loop's own `next()`, which a stuck source holds.
+  prefetch, step_s = 2, 0.05
   outs = _launch(stall_cases, 2, 4, prefetch, step_s)
   stop, closer, peer = [o["stop"] for o in outs], outs[1]["close"], outs[0]["close"]
   seen = {
@@ -500,9 +499,12 @@ def leave_cases(prefetch: int, cases: list[tuple[str, float]]) -> list[dict]:
   return [_leave_at_5(prefetch, kind, step_s) for kind, step_s in cases]
 
 
-# Per `prefetch_batches`, at 2 x 4: (how the last host leaves, step_s); the 2 s step split between them.
+# Per `prefetch_batches`, at 2 x 4: (how the last host leaves, step_s); the 2 s step split
+# between them. The failing source waits for its own consumer, which the reading
+# thread allows: with `prefetch_batches=0` the source is read in that consumer's
+# `next()`, ahead of it, so only the close runs there.
 LEAVE_CASES = {
-  0: [("close", 0.02), ("error", 0.02), ("close", 2.0)],
+  0: [("close", 0.02), ("close", 2.0)],
   2: [("close", 0.02), ("error", 0.02), ("error", 2.0)],
 }
 
