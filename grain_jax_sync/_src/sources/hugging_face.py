@@ -27,12 +27,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from grain_jax_sync._src import extras
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import base, iterable
 from grain_jax_sync._src.sources import tfds as tfds_lib
 
@@ -41,33 +42,50 @@ logger = logging.getLogger(__name__)
 _NEEDED_BY = "grain_jax_sync.hf_pipeline"
 
 
-def collate(batch: Mapping[str, Any] | Sequence[Mapping[str, Any]], *, pad_id: Any = 0) -> Any:
+def collate(
+  batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+  *,
+  ragged: Collection[str] = (),
+  pad_id: Any = 0,
+) -> dict[str, Any]:
   """One batch as a dict of arrays: rows or columns in, variable-length columns padded.
 
   Args:
     batch: A dict of columns (NumPy format: arrays, or object arrays of
       arrays of different lengths), or a list of rows (dicts).
+    ragged: The variable-length columns: each is padded to the batch's
+      longest row and gets a boolean ``"<column>_mask"`` (True for real
+      elements), in every batch, whatever its rows' lengths.
     pad_id: What pads a variable-length column past each row's length.
 
   Returns:
-    A dict of arrays sharing their first (row) dimension. A column whose rows
-    have different leading lengths is padded to the longest, and gets a
-    boolean ``"<column>_mask"`` (True for real elements).
+    A dict of arrays sharing their first (row) dimension.
+
+  Raises:
+    ValueError: If a column not in `ragged` has rows of different lengths.
   """
   if not isinstance(batch, Mapping):
     rows = list(batch)
     batch = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
   out: dict[str, Any] = {}
   for name, column in batch.items():
-    if isinstance(column, np.ndarray) and column.dtype != object:
-      out[name] = column  # Arrow's buffer, not copied.
-      continue
-    items = [np.asarray(x) for x in column]
-    lengths = [x.shape[0] if x.ndim else -1 for x in items]
-    if len(set(lengths)) <= 1 or min(lengths) < 0:
+    if name not in ragged:
+      if isinstance(column, np.ndarray) and column.dtype != object:
+        out[name] = column  # Arrow's buffer, not copied.
+        continue
+      items = [np.asarray(x) for x in column]
+      if len({x.shape for x in items}) > 1:
+        raise ValueError(
+          f"column {name!r} has rows of different shapes ({items[0].shape} and others):"
+          " name it in hf_pipeline's `ragged_columns`, which pads it and adds a mask"
+        )
       out[name] = np.stack(items) if items else np.asarray(column)
       continue
-    dense = np.full((len(items), max(lengths), *items[0].shape[1:]), pad_id, items[0].dtype)
+    items = [np.asarray(x) for x in column]
+    lengths = [len(x) for x in items]
+    dense = np.full(
+      (len(items), max(lengths, default=0), *items[0].shape[1:]), pad_id, items[0].dtype
+    )
     mask = np.zeros(dense.shape[:2], bool)
     for i, (x, n) in enumerate(zip(items, lengths, strict=True)):
       dense[i, :n] = x
@@ -86,10 +104,12 @@ class HFSource:
   map_fn: Callable[[Any], Any] | None
   filter_fn: Callable[[Any], bool] | None
   pad_id: Any
+  ragged: tuple[str, ...]
   shuffle: bool
   seed: int
   num_epochs: int | None
   drop_remainder: bool = False
+  window: int = 0  # Streaming: rows per shuffled window.
 
 
 class _MapStyle(base.SourceIterator):
@@ -140,7 +160,7 @@ class _MapStyle(base.SourceIterator):
         batch = self._rows()
         rows = len(batch)
       if rows == spec.batch_size or (rows and not spec.drop_remainder):
-        return collate(batch, pad_id=spec.pad_id)
+        return _batch_fn(spec)(batch)
       if self._pos >= self._n:
         self._epoch, self._pos = self._epoch + 1, 0
         self._order = self._epoch_order(self._epoch)
@@ -157,47 +177,110 @@ class _MapStyle(base.SourceIterator):
 
 
 class _Streaming(base.SourceIterator):
-  """An `IterableDataset`'s batches (its items, or `batch_size` rows); the state is its `state_dict()`."""
+  """An `IterableDataset` whose items are batches; the state is its `state_dict()`."""
 
   supports_state = True
 
-  def __init__(self, dataset: Any, *, batch_size: int | None, num_epochs: int | None, pad_id: Any):
-    self._ds, self._batch_size, self._num_epochs, self._pad_id = (
-      dataset,
-      batch_size,
-      num_epochs,
-      pad_id,
-    )
+  def __init__(self, dataset: Any):
+    self._ds, self._it = dataset, None
     self.description = f"a streaming datasets.IterableDataset ({dataset.n_shards} shards)"
-    self._epoch, self._it = 0, None
 
   def __next__(self) -> Any:
-    while self._num_epochs is None or self._epoch < self._num_epochs:
-      if self._it is None:
-        self._ds.set_epoch(self._epoch)
-        b = self._batch_size
-        self._it = iter(self._ds if b is None else self._ds.iter(batch_size=b))
-      try:
-        return collate(next(self._it), pad_id=self._pad_id)
-      except StopIteration:
-        self._epoch, self._it = self._epoch + 1, None
+    self._it = iter(self._ds) if self._it is None else self._it
+    return collate(next(self._it))
+
+  def get_state(self) -> Any:
+    return self._kept(self._ds.state_dict())
+
+  def set_state(self, state: Any) -> None:
+    self._ds.load_state_dict(state)
+    self._it = None
+
+
+class _Windows(base.SourceIterator):
+  """`hf_pipeline` over an `IterableDataset`: windows of rows, each in a seeded order.
+
+  The state is where the current window started (HF's `state_dict()` then,
+  None at an epoch's start), its index and the rows of it consumed: a resume
+  reads the window again, in the same order, and skips them. (HF's own
+  shuffle buffer is not in its state: its rows would be lost.)
+  """
+
+  supports_state = True
+
+  def __init__(self, spec: HFSource):
+    self._spec, self._ds = spec, spec.dataset
+    self.description = f"hf_pipeline over a streaming data set ({self._ds.n_shards} shards)"
+    self._window_rows = spec.window if spec.shuffle else spec.batch_size
+    self._set(epoch=0, window=0, hf=None, offset=0)
+
+  def _set(self, *, epoch: int, window: int, hf: Any, offset: int) -> None:
+    self._epoch, self._window, self._hf, self._offset = epoch, window, hf, offset
+    self._rows: list[Any] | None = None
+    self._windows: Any = None  # HF's iterator, opened at the cursor.
+
+  def _load(self) -> bool:
+    """Reads the window at the cursor; False at the epoch's end."""
+    if self._windows is None:
+      self._ds.set_epoch(self._epoch)
+      if self._hf is not None:
+        self._ds.load_state_dict(self._hf)
+      self._windows = iter(self._ds.iter(batch_size=self._window_rows))
+    cols = next(self._windows, None)
+    if cols is None:
+      return False
+    n = len(next(iter(cols.values())))
+    order = range(n)
+    if self._spec.shuffle:
+      order = np.random.default_rng([self._spec.seed, self._epoch, self._window]).permutation(n)
+    self._rows = [{k: v[i] for k, v in cols.items()} for i in order]
+    return True
+
+  def _take(self, count: int) -> list[Any]:
+    """Up to `count` rows from the cursor, within this epoch."""
+    rows: list[Any] = []
+    while len(rows) < count and (self._rows is not None or self._load()):
+      assert self._rows is not None
+      taken = self._rows[self._offset : self._offset + count - len(rows)]
+      rows += taken
+      self._offset += len(taken)
+      if self._offset == len(self._rows):  # The next window starts at HF's state now.
+        hf = base.encode_state(self._ds.state_dict())  # A copy.
+        self._hf, self._window, self._offset, self._rows = hf, self._window + 1, 0, None
+    return rows
+
+  def __next__(self) -> Any:
+    spec = self._spec
+    while spec.num_epochs is None or self._epoch < spec.num_epochs:
+      rows = self._take(spec.batch_size)
+      if len(rows) == spec.batch_size or (rows and not spec.drop_remainder):
+        return _batch_fn(spec)(rows)
+      self._set(epoch=self._epoch + 1, window=0, hf=None, offset=0)
     raise StopIteration
 
   def get_state(self) -> Any:
-    return self._kept({"epoch": self._epoch, "hf": self._ds.state_dict()})
+    cursor = {"epoch": self._epoch, "window": self._window, "offset": self._offset}
+    return self._kept({**cursor, "hf": self._hf})
 
   def set_state(self, state: Any) -> None:
-    epoch, hf_state = int(state["epoch"]), state["hf"]
-    if not isinstance(hf_state, Mapping) or epoch < 0:
+    epoch, window, offset, hf = (state[k] for k in ("epoch", "window", "offset", "hf"))
+    if not all(isinstance(x, int) and x >= 0 for x in (epoch, window, offset)):
       raise ValueError(
-        f"`state['hf']` must be an IterableDataset.state_dict(), got {hf_state!r:.80}"
+        f"`state` must hold ints >= 0 at 'epoch', 'window', 'offset', got {state!r:.200}"
       )
-    self._ds.load_state_dict(base.decode_state(hf_state))
-    self._epoch, self._it = epoch, None
+    self._set(epoch=epoch, window=window, hf=hf, offset=offset)
+
+
+def _batch_fn(spec: HFSource) -> Callable[[Any], dict[str, Any]]:
+  return functools.partial(collate, ragged=spec.ragged, pad_id=spec.pad_id)
 
 
 class _Batches(iterable.SequenceSource):
-  """A map-style `Dataset` whose items are batches, read by position in NumPy format."""
+  """A map-style `Dataset` whose items are batches, read by position in NumPy format.
+
+  Its columns must be rectangular in each batch (`collate` with no ragged
+  columns); `hf_pipeline` pads variable-length ones.
+  """
 
   def __next__(self) -> Any:
     return collate(super().__next__())
@@ -208,17 +291,12 @@ def open_hf(source: Any) -> base.SourceIterator | None:
   if isinstance(source, HFSource):
     if _is_map_style(source.dataset):
       return _MapStyle(source)
-    return _Streaming(
-      source.dataset,
-      batch_size=source.batch_size,
-      num_epochs=source.num_epochs,
-      pad_id=source.pad_id,
-    )
+    return _Windows(source)
   datasets = extras.require("datasets", needed_by="grain_jax_sync.iter_jax_batches")
   if isinstance(source, datasets.Dataset):
     return _Batches(_numpy(source))
   if isinstance(source, datasets.IterableDataset):
-    return _Streaming(_numpy(source), batch_size=None, num_epochs=1, pad_id=0)
+    return _Streaming(_numpy(source))
   return None
 
 
@@ -248,6 +326,7 @@ def hf_pipeline(
   drop_remainder: bool = False,
   map_fn: Callable[[Any], Any] | None = None,
   filter_fn: Callable[[Any], bool] | None = None,
+  ragged_columns: Sequence[str] | None = None,
   pad_id: Any = 0,
   elastic: bool = False,
   process_index: int | None = None,
@@ -275,15 +354,20 @@ def hf_pipeline(
     columns: The columns to read (default: all); every column read must be
       numeric after `map_fn`.
     shuffle: A seeded order of this process's rows, new each epoch
-      (streaming: HF's shuffle buffer of `shuffle_buffer_size` rows and
-      shuffled shards).
+      (streaming: within windows of `shuffle_buffer_size` rows).
     seed: The shared seed; each input shard derives its own from it.
     num_epochs: Passes over the rows; None repeats forever.
     drop_remainder: Drop each epoch's last, short batch.
     map_fn: Row (dict of NumPy values) -> row, before `filter_fn`.
     filter_fn: Row -> whether to keep it.
-    pad_id: Pads variable-length columns (see `collate`).
-    shuffle_buffer_size: Streaming only: HF's shuffle buffer.
+    ragged_columns: The variable-length columns, padded to each batch's
+      longest row with `pad_id` and masked by a ``"<column>_mask"`` column;
+      default: the data set's variable-length lists (its features). Name
+      them when `map_fn` makes them.
+    pad_id: Pads the `ragged_columns`.
+    shuffle_buffer_size: Streaming only: the rows of a shuffled window. A
+      resume reads the window it stopped in again (HF's own shuffle buffer
+      is not in its `state_dict()`, so it would lose rows).
     process_index: The input shard this process reads; default: from the
       mesh, else ``jax.process_index()`` (as in `tfds_pipeline`).
     process_count: Input shards; default: from the mesh, else
@@ -310,8 +394,15 @@ def hf_pipeline(
   placement_args = (process_index, process_count, mesh, data_axes, sharding)
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
   ds = _numpy(_load(dataset, data_files, split, streaming, load_kwargs, columns))
-  spec = HFSource(ds, batch_size, map_fn, filter_fn, pad_id, bool(shuffle), int(seed), num_epochs)
-  spec = dataclasses.replace(spec, drop_remainder=bool(drop_remainder))
+  ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
+  spec = HFSource(
+    ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
+  )
+  spec = dataclasses.replace(
+    spec,
+    drop_remainder=bool(drop_remainder),
+    window=options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size),
+  )
   if elastic:
     return _elastic(spec)
   index, count = tfds_lib.input_shard(
@@ -320,8 +411,6 @@ def hf_pipeline(
   if not _is_map_style(ds):
     datasets = extras.require("datasets.distributed", needed_by=_NEEDED_BY, extra="hf")
     ds = datasets.split_dataset_by_node(ds, rank=index, world_size=count)
-    if shuffle:
-      ds = ds.shuffle(seed=int(seed), buffer_size=shuffle_buffer_size)
     ds = ds if map_fn is None else ds.map(map_fn)
     ds = ds if filter_fn is None else ds.filter(filter_fn)
     return dataclasses.replace(spec, dataset=ds, map_fn=None, filter_fn=None)
@@ -329,6 +418,16 @@ def hf_pipeline(
   logger.info("grain_jax_sync: HF input shard %d/%d reads rows [%d, %d)", index, count, start, stop)
   return dataclasses.replace(
     spec, dataset=ds.select(range(start, stop)), seed=tfds_lib.process_seed(seed, index)
+  )
+
+
+def _ragged(ds: Any) -> tuple[str, ...]:
+  """The names of `ds`'s variable-length list columns, from its features (none if unknown)."""
+  datasets = extras.require("datasets", needed_by=_NEEDED_BY, extra="hf")
+  lists = (datasets.List, datasets.LargeList)
+  features = ds.features or {}
+  return tuple(
+    k for k, f in features.items() if isinstance(f, lists) and getattr(f, "length", -1) == -1
   )
 
 
@@ -371,5 +470,4 @@ def _per_process(ds: Any, *, spec: HFSource) -> Any:
   """An elastic process's `grain.IterDataset` of rows -> its batches."""
   ds = ds if spec.map_fn is None else ds.map(spec.map_fn)
   ds = ds if spec.filter_fn is None else ds.filter(spec.filter_fn)
-  batch_fn = functools.partial(collate, pad_id=spec.pad_id)
-  return ds.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
+  return ds.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=_batch_fn(spec))
