@@ -98,7 +98,7 @@ def collate(
 class HFSource:
   """What `hf_pipeline` returns: this process's share, opened by `iter_jax_batches`."""
 
-  # Map-style: this shard's `Dataset` (NumPy format); streaming: the split `IterableDataset`.
+  # Map-style: this shard's `pyarrow.Table`; streaming: its `IterableDataset` (Arrow format).
   dataset: Any
   batch_size: int
   map_fn: Callable[[Any], Any] | None
@@ -112,31 +112,65 @@ class HFSource:
   window: int = 0  # Streaming: rows per shuffled window.
 
 
+def arrow_columns(table: Any) -> dict[str, np.ndarray]:
+  """A `pyarrow.Table`'s columns as NumPy, sharing Arrow's buffers where the type allows.
+
+  Numbers (no nulls) and fixed-size lists of them are views of Arrow's
+  buffers; a variable-length list column is an object array of views (one
+  per row, for `collate`); anything else is converted by Arrow (a copy).
+  The dtypes are Arrow's.
+  """
+  return {
+    name: _array(column.combine_chunks())
+    for name, column in zip(table.column_names, table.columns, strict=True)
+  }
+
+
+def _array(array: Any) -> np.ndarray:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+
+  kind = array.type
+  if array.null_count or not (
+    pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)
+  ):
+    return array.to_numpy(zero_copy_only=False)
+  values = _array(array.flatten())  # This slice's values only.
+  if pa.types.is_fixed_size_list(kind):
+    return values.reshape(len(array), kind.list_size, *values.shape[1:])
+  offsets = array.offsets.to_numpy()
+  offsets = offsets - offsets[0]
+  out = np.empty(len(array), object)
+  out[:] = [values[i:j] for i, j in zip(offsets[:-1], offsets[1:], strict=True)]
+  return out
+
+
 class _MapStyle(base.SourceIterator):
-  """An `HFSource` over a `Dataset`: the state is the epoch and the position in its order."""
+  """An `HFSource` over an Arrow table: the state is the epoch and the position in its order."""
 
   supports_state = True
 
   def __init__(self, spec: HFSource):
     self._spec = spec
-    self._n = len(spec.dataset)
+    self._n = spec.dataset.num_rows
     self.description = f"hf_pipeline over {self._n} rows"
-    self._epoch, self._pos, self._order = 0, 0, self._epoch_order(0)
+    self._at(0, 0)
 
-  def _epoch_order(self, epoch: int) -> np.ndarray | None:
-    if not self._spec.shuffle:
-      return None
-    return np.random.default_rng([self._spec.seed, epoch]).permutation(self._n)
+  def _at(self, epoch: int, position: int) -> None:
+    """Moves to `position` in `epoch`'s order."""
+    self._epoch, self._pos = epoch, position
+    self._order = None
+    if self._spec.shuffle:
+      self._order = np.random.default_rng([self._spec.seed, epoch]).permutation(self._n)
 
   def _read(self, count: int) -> dict[str, Any]:
     """The next `count` rows of this epoch's order, as columns."""
     stop = min(self._pos + count, self._n)
     if self._order is None:
-      cols = self._spec.dataset[self._pos : stop]  # A slice of the Arrow table.
+      table = self._spec.dataset.slice(self._pos, stop - self._pos)  # No copy.
     else:
-      cols = self._spec.dataset[self._order[self._pos : stop]]
+      table = self._spec.dataset.take(self._order[self._pos : stop])
     self._pos = stop
-    return cols
+    return arrow_columns(table)
 
   def _rows(self) -> list[Any]:
     """Up to `batch_size` rows through `map_fn` and `filter_fn`, reading no row past the last kept."""
@@ -153,17 +187,17 @@ class _MapStyle(base.SourceIterator):
   def __next__(self) -> Any:
     spec = self._spec
     while spec.num_epochs is None or self._epoch < spec.num_epochs:
-      if spec.map_fn is None and spec.filter_fn is None:
-        batch = self._read(spec.batch_size) if self._pos < self._n else {}
-        rows = len(next(iter(batch.values()))) if batch else 0
-      else:
-        batch = self._rows()
-        rows = len(batch)
-      if rows == spec.batch_size or (rows and not spec.drop_remainder):
-        return _batch_fn(spec)(batch)
       if self._pos >= self._n:
-        self._epoch, self._pos = self._epoch + 1, 0
-        self._order = self._epoch_order(self._epoch)
+        rows: Any = []
+      elif spec.map_fn is None and spec.filter_fn is None:
+        rows = self._read(spec.batch_size)
+      else:
+        rows = self._rows()
+      count = len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
+      if count == spec.batch_size or (count and not spec.drop_remainder):
+        return _batch_fn(spec)(rows)
+      if self._pos >= self._n:
+        self._at(self._epoch + 1, 0)
     raise StopIteration
 
   def get_state(self) -> Any:
@@ -173,7 +207,20 @@ class _MapStyle(base.SourceIterator):
     epoch, pos = int(state["epoch"]), int(state["position"])
     if not 0 <= pos <= self._n or epoch < 0:
       raise ValueError(f"state {state!r} is outside {self.description}")
-    self._epoch, self._pos, self._order = epoch, pos, self._epoch_order(epoch)
+    self._at(epoch, pos)
+
+
+class _Rows:
+  """An Arrow table as a random-access sequence of rows (an elastic source's records)."""
+
+  def __init__(self, table: Any):
+    self._table = table
+
+  def __len__(self) -> int:
+    return self._table.num_rows
+
+  def __getitem__(self, i: int) -> dict[str, Any]:
+    return {k: v[0] for k, v in arrow_columns(self._table.slice(int(i), 1)).items()}
 
 
 class _Streaming(base.SourceIterator):
@@ -226,9 +273,10 @@ class _Windows(base.SourceIterator):
       if self._hf is not None:
         self._ds.load_state_dict(self._hf)
       self._windows = iter(self._ds.iter(batch_size=self._window_rows))
-    cols = next(self._windows, None)
-    if cols is None:
+    table = next(self._windows, None)
+    if table is None:
       return False
+    cols = arrow_columns(table)
     n = len(next(iter(cols.values())))
     order = range(n)
     if self._spec.shuffle:
@@ -393,7 +441,7 @@ def hf_pipeline(
   """
   placement_args = (process_index, process_count, mesh, data_axes, sharding)
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
-  ds = _numpy(_load(dataset, data_files, split, streaming, load_kwargs, columns))
+  ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
   spec = HFSource(
     ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
@@ -410,15 +458,22 @@ def hf_pipeline(
   )
   if not _is_map_style(ds):
     datasets = extras.require("datasets.distributed", needed_by=_NEEDED_BY, extra="hf")
-    ds = datasets.split_dataset_by_node(ds, rank=index, world_size=count)
+    ds = datasets.split_dataset_by_node(_numpy(ds), rank=index, world_size=count)
     ds = ds if map_fn is None else ds.map(map_fn)
     ds = ds if filter_fn is None else ds.filter(filter_fn)
+    ds = ds.with_format("arrow")  # Read as Arrow tables (`arrow_columns`).
     return dataclasses.replace(spec, dataset=ds, map_fn=None, filter_fn=None)
   start, stop = tfds_lib.shard_range(len(ds), index, count)
   logger.info("grain_jax_sync: HF input shard %d/%d reads rows [%d, %d)", index, count, start, stop)
-  return dataclasses.replace(
-    spec, dataset=ds.select(range(start, stop)), seed=tfds_lib.process_seed(seed, index)
-  )
+  table = _arrow(ds).slice(start, stop - start)
+  return dataclasses.replace(spec, dataset=table, seed=tfds_lib.process_seed(seed, index))
+
+
+def _arrow(ds: Any) -> Any:
+  """A map-style `Dataset`'s rows as one `pyarrow.Table` (an indices mapping applied)."""
+  if getattr(ds, "_indices", None) is not None:  # After a shuffle, a sort, a filter.
+    ds = ds.flatten_indices(keep_in_memory=True)
+  return ds.data.table
 
 
 def _ragged(ds: Any) -> tuple[str, ...]:
@@ -458,7 +513,7 @@ def _elastic(spec: HFSource) -> Any:
       " data set resumes on the same process count only"
     )
   return elastic.elastic_source(
-    spec.dataset,
+    _Rows(_arrow(spec.dataset)),
     functools.partial(_per_process, spec=spec),
     shuffle=spec.shuffle,
     seed=spec.seed,
