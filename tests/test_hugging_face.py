@@ -48,7 +48,7 @@ def write_files(directory: str) -> dict[str, str]:
   return paths
 
 
-def pipeline(paths: dict[str, str], kind: str, **kwargs: Any) -> Any:
+def pipeline(paths: dict[str, str], kind: str, mesh: Any = None, **kwargs: Any) -> Any:
   """The iterator every scenario reads: shuffled, filtered, 2 epochs, bucketed tokens."""
   streaming = kind == "json"
   src = gjs.hf_pipeline(
@@ -63,10 +63,12 @@ def pipeline(paths: dict[str, str], kind: str, **kwargs: Any) -> Any:
     num_epochs=kwargs.pop("num_epochs", 2),
     filter_fn=keep,
     pad_id=-1,
+    mesh=mesh,
     **kwargs,
   )
   return gjs.iter_jax_batches(
     src,
+    mesh=mesh,
     batch_size=BATCH,
     paddings=0,
     mask_key="mask",
@@ -134,7 +136,14 @@ def mismatched_column(directory: str) -> str:
 
 def hf_job(paths: dict[str, str], directory: str) -> dict[str, Any]:
   """Every scenario of one job; saves elastic and streaming checkpoints at batch 2."""
+  import jax
+
   out: dict[str, Any] = {"mismatch": mismatched_column(directory)}
+  if jax.process_count() == 4:  # A model axis across processes 0-1 and 2-3: they share rows.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    out["shard"] = list(gjs.data_shard_info(mesh))
+    with pipeline(paths, "parquet", mesh=mesh) as it:
+      out["shared"] = gathered(it)
   for kind in ("parquet", "json"):
     with pipeline(paths, kind) as it:
       out[kind] = gathered(it)
@@ -255,8 +264,11 @@ def test_hf_4x2_every_row_once_and_exact_resume_map_style_and_streaming(tmp_path
       hf_job, num_processes=4, devices_per_process=2, args=(paths, str(tmp_path)), timeout_s=200
     )
   )
+  assert [o.pop("shard") for o in outs] == [[0, 2], [0, 2], [1, 2], [1, 2]]
   assert all(o == outs[0] for o in outs)
   check_job(outs[0], 4)
+  # Under the mesh, 2 input shards of 4 rows a batch: every kept row once an epoch.
+  assert Counter(real_ids(outs[0]["shared"], 2)) == Counter({i: 2 for i in kept()})
 
 
 def test_collate_pads_ragged_columns_and_keeps_fixed_ones_uncopied():
@@ -289,6 +301,33 @@ def test_dataset_passed_as_is_resumes_by_position_and_streaming_through_state_di
     assert head + rest == [list(range(i, i + 8)) for i in range(0, 32, 8)]
     _, _, again = read(source, json.loads(json.dumps(state)))
     assert again == rest  # Resumed after the first batch.
+
+
+def test_device_put_takes_an_hf_pipeline_and_resumes_it_exactly():
+  ds = datasets.Dataset.from_dict(
+    {"id": np.arange(30), "t": [[i] * (1 + i % 3) for i in range(30)]}
+  )
+  options = {
+    "batch_size": 8,
+    "paddings": 0,
+    "mask_key": "mask",
+    "pad_shapes": {"t": 1, "t_mask": 1},
+  }
+
+  def stream():
+    return iter(gjs.device_put(gjs.hf_pipeline(ds, batch_size=8, shuffle=True), **options))
+
+  def ids(it):
+    return [int(i) for b in it for i, m in zip(b["id"], b["mask"], strict=True) if m]
+
+  it = stream()
+  head = ids([next(it)])
+  state = json.loads(json.dumps(it.get_state()))
+  rest = ids(it)
+  assert sorted(head + rest) == list(range(30))
+  it = stream()
+  it.set_state(state)
+  assert ids(it) == rest
 
 
 def test_hf_pipeline_checks_its_arguments():
