@@ -174,7 +174,7 @@ class _MapStyle(base.SourceIterator):
 
   def _rows(self) -> list[Any]:
     """Up to `batch_size` rows through `map_fn` and `filter_fn`, reading no row past the last kept."""
-    spec, rows = self._spec, []
+    spec, rows = self._spec, list[Any]()
     while len(rows) < spec.batch_size and self._pos < self._n:
       cols = self._read(spec.batch_size - len(rows))
       for i in range(len(next(iter(cols.values())))):
@@ -229,7 +229,7 @@ class _Streaming(base.SourceIterator):
   supports_state = True
 
   def __init__(self, dataset: Any):
-    self._ds, self._it = dataset, None
+    self._ds, self._it = dataset, None  # type: Any, Any
     self.description = f"a streaming datasets.IterableDataset ({dataset.n_shards} shards)"
 
   def __next__(self) -> Any:
@@ -278,7 +278,7 @@ class _Windows(base.SourceIterator):
       return False
     cols = arrow_columns(table)
     n = len(next(iter(cols.values())))
-    order = range(n)
+    order: Any = range(n)
     if self._spec.shuffle:
       order = np.random.default_rng([self._spec.seed, self._epoch, self._window]).permutation(n)
     self._rows = [{k: v[i] for k, v in cols.items()} for i in order]
