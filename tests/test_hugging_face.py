@@ -330,6 +330,37 @@ def test_device_put_takes_an_hf_pipeline_and_resumes_it_exactly():
   assert ids(it) == rest
 
 
+def test_streaming_pipeline_resumed_then_reset_starts_over(tmp_path):
+  paths = write_files(str(tmp_path))
+  src = gjs.hf_pipeline(
+    "json",
+    data_files=paths["json"],
+    streaming=True,
+    batch_size=BATCH,
+    shuffle=True,
+    shuffle_buffer_size=8,
+  )
+
+  def stream():
+    return gjs.iter_jax_batches(
+      src, batch_size=8, pad_shapes=PAD_SHAPES, paddings=0, mask_key="mask"
+    )
+
+  def ids(it):
+    return [b["id"].tolist() for b in it]
+
+  with stream() as it:
+    full = ids(it)
+  with stream() as it:
+    head = ids(next(it) for _ in range(3))
+    state = json.loads(json.dumps(it.get_state()))
+  with stream() as it:
+    it.set_state(state)
+    assert head + ids(it) == full
+    it.reset()  # The data set keeps no state of the resume.
+    assert ids(it) == full
+
+
 def test_hf_pipeline_checks_its_arguments():
   ds = datasets.Dataset.from_dict({"id": np.arange(4)})
   with pytest.raises(ValueError, match="`dataset` must be a datasets.Dataset"):

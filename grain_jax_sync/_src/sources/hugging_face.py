@@ -7,19 +7,19 @@
   batches; the state is its own `state_dict()`.
 * `hf_pipeline`: a data set (or `load_dataset` arguments for local files) in,
   this process's batches out. Map-style: this input shard's contiguous rows
-  (`tfds.shard_range`), a seeded order per epoch, read as Arrow slices (or
-  takes when shuffled) in NumPy format, so columns share Arrow's buffers where
-  Arrow allows; the state is the epoch and the position in its order, so a
-  `map_fn` / `filter_fn` resumes exactly. With ``elastic=True`` the whole
-  data set goes to `elastic_source` (resumable on any process count).
-  Streaming: `split_dataset_by_node`, HF's own shuffle buffer, `map` and
-  `filter`, and `set_epoch` per epoch; the state is the epoch and
-  `state_dict()`.
+  (`tfds.shard_range`) of the Arrow table, a seeded order per epoch, columns
+  read as NumPy views of Arrow's buffers where the type allows
+  (`arrow_columns`); the state is the epoch and the position in its order,
+  so a `map_fn` / `filter_fn` resumes exactly. With ``elastic=True`` the
+  whole data set goes to `elastic_source` (resumable on any process count).
+  Streaming: `split_dataset_by_node`, HF's lazy `map` and `filter`, windows
+  of rows in a seeded order; the state is where the window started (HF's
+  `state_dict()`) and the rows of it consumed.
 
 Variable-length columns (token lists) are padded to the batch's longest by
 `collate`, which adds a boolean ``"<column>_mask"``; `iter_jax_batches`'s
 `pad_shapes` and `shape_buckets` pad them further to the size every host
-agrees on. `datasets` is imported only when this module reads one.
+agrees on. `datasets` and `pyarrow` are imported only when this module reads one.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def collate(
 class HFSource:
   """What `hf_pipeline` returns: this process's share, opened by `iter_jax_batches`."""
 
-  # Map-style: this shard's `pyarrow.Table`; streaming: its `IterableDataset` (Arrow format).
+  # Map-style: this shard's `pyarrow.Table`; streaming: makes its `IterableDataset` (`_stream`).
   dataset: Any
   batch_size: int
   map_fn: Callable[[Any], Any] | None
@@ -256,7 +256,7 @@ class _Windows(base.SourceIterator):
   supports_state = True
 
   def __init__(self, spec: HFSource):
-    self._spec, self._ds = spec, spec.dataset
+    self._spec, self._ds = spec, spec.dataset()
     self.description = f"hf_pipeline over a streaming data set ({self._ds.n_shards} shards)"
     self._window_rows = spec.window if spec.shuffle else spec.batch_size
     self._set(epoch=0, window=0, hf=None, offset=0)
@@ -269,6 +269,8 @@ class _Windows(base.SourceIterator):
   def _load(self) -> bool:
     """Reads the window at the cursor; False at the epoch's end."""
     if self._windows is None:
+      # A new one: HF keeps a loaded state for every later iteration of its epoch.
+      self._ds = self._spec.dataset()
       self._ds.set_epoch(self._epoch)
       if self._hf is not None:
         self._ds.load_state_dict(self._hf)
@@ -337,9 +339,7 @@ class _Batches(iterable.SequenceSource):
 def open_hf(source: Any) -> base.SourceIterator | None:
   """A `SourceIterator` over an `HFSource`, `Dataset` or `IterableDataset`; None for others."""
   if isinstance(source, HFSource):
-    if _is_map_style(source.dataset):
-      return _MapStyle(source)
-    return _Windows(source)
+    return _Windows(source) if callable(source.dataset) else _MapStyle(source)
   datasets = extras.require("datasets", needed_by="grain_jax_sync.iter_jax_batches")
   if isinstance(source, datasets.Dataset):
     return _Batches(_numpy(source))
@@ -457,16 +457,21 @@ def hf_pipeline(
     *placement_args[:2], mesh=mesh, data_axes=data_axes, sharding=sharding
   )
   if not _is_map_style(ds):
-    datasets = extras.require("datasets.distributed", needed_by=_NEEDED_BY, extra="hf")
-    ds = datasets.split_dataset_by_node(_numpy(ds), rank=index, world_size=count)
-    ds = ds if map_fn is None else ds.map(map_fn)
-    ds = ds if filter_fn is None else ds.filter(filter_fn)
-    ds = ds.with_format("arrow")  # Read as Arrow tables (`arrow_columns`).
-    return dataclasses.replace(spec, dataset=ds, map_fn=None, filter_fn=None)
+    stream = functools.partial(_stream, ds, index, count, map_fn, filter_fn)
+    return dataclasses.replace(spec, dataset=stream, map_fn=None, filter_fn=None)
   start, stop = tfds_lib.shard_range(len(ds), index, count)
   logger.info("grain_jax_sync: HF input shard %d/%d reads rows [%d, %d)", index, count, start, stop)
   table = _arrow(ds).slice(start, stop - start)
   return dataclasses.replace(spec, dataset=table, seed=tfds_lib.process_seed(seed, index))
+
+
+def _stream(ds: Any, index: int, count: int, map_fn: Any, filter_fn: Any) -> Any:
+  """A new `IterableDataset` of input shard `index`'s rows, mapped and filtered, in Arrow format."""
+  datasets = extras.require("datasets.distributed", needed_by=_NEEDED_BY, extra="hf")
+  ds = datasets.split_dataset_by_node(_numpy(ds), rank=index, world_size=count)
+  ds = ds if map_fn is None else ds.map(map_fn)
+  ds = ds if filter_fn is None else ds.filter(filter_fn)
+  return ds.with_format("arrow")  # Read as Arrow tables (`arrow_columns`).
 
 
 def _arrow(ds: Any) -> Any:
