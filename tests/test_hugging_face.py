@@ -286,6 +286,23 @@ def test_collate_pads_ragged_columns_and_keeps_fixed_ones_uncopied():
     hugging_face.collate({"t": t})
 
 
+def test_arrow_columns_are_views_of_arrow_buffers_where_the_type_allows():
+  import pyarrow as pa
+
+  table = pa.table(
+    {
+      "x": pa.array(np.arange(10, dtype=np.float32)),
+      "fixed": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(30, dtype=np.int32)), 3),
+      "ragged": pa.array([[i] * (i % 3) for i in range(10)], pa.list_(pa.int32())),
+    }
+  ).slice(2, 5)
+  cols = hugging_face.arrow_columns(table)
+  assert np.shares_memory(cols["x"], table.column("x").chunk(0).to_numpy())
+  assert cols["fixed"].shape == (5, 3) and cols["fixed"][0].tolist() == [6, 7, 8]
+  assert np.shares_memory(cols["fixed"], table.column("fixed").chunk(0).values.to_numpy())
+  assert [r.tolist() for r in cols["ragged"]] == [[2, 2], [], [4], [5, 5], []]
+
+
 def test_dataset_passed_as_is_resumes_by_position_and_streaming_through_state_dict():
   ds = datasets.Dataset.from_dict({"id": np.arange(32)})
 

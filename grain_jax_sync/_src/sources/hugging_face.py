@@ -120,10 +120,9 @@ def arrow_columns(table: Any) -> dict[str, np.ndarray]:
   per row, for `collate`); anything else is converted by Arrow (a copy).
   The dtypes are Arrow's.
   """
-  return {
-    name: _array(column.combine_chunks())
-    for name, column in zip(table.column_names, table.columns, strict=True)
-  }
+  columns = zip(table.column_names, table.columns, strict=True)
+  # One chunk is read as is; `combine_chunks` copies even then.
+  return {k: _array(c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()) for k, c in columns}
 
 
 def _array(array: Any) -> np.ndarray:
