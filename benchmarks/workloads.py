@@ -14,7 +14,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,7 @@ def _median_times(variants: dict[str, Callable[[], Iterator[Any]]], trials: int)
   return {k: {"s": statistics.median(v), "batches": counts[k]} for k, v in times.items()}
 
 
-def _bare(batches: list[dict[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
+def _bare(batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
   """The floor: one `make_array_from_process_local_data` call per batch, nothing else."""
   import jax
 
@@ -284,6 +284,50 @@ def elastic(*, rows: int = 64, n: int = 100, trials: int = 5) -> dict[str, Any]:
   for make in (today, elastic_path):  # Warm up both (thread start-up, compilation).
     _timed(make)
   return _median_times({"today": today, "elastic": elastic_path}, trials)
+
+
+def hf_map_style(*, rows: int = 1024, n: int = 60, trials: int = 5) -> dict[str, Any]:
+  """A map-style Hugging Face `Dataset` through `hf_pipeline` vs the bare `Dataset.iter` loop.
+
+  Each host's own in-memory Arrow table of ``rows * n`` rows (an int64 id, a
+  fixed-length (1024,) int32 token list, a float32: 4 MiB a 1024-row batch).
+  The bare loop: ``ds.with_format("numpy").iter(batch_size=rows)`` and one
+  `make_array_from_process_local_data` per batch; ours: `iter_jax_batches`
+  over ``hf_pipeline(ds, batch_size=rows)`` (this host's rows:
+  ``process_index=0, process_count=1``), which reads the same Arrow slices
+  as views (`hugging_face.arrow_columns`).
+  """
+  import datasets
+
+  import grain_jax_sync as gjs
+
+  features = datasets.Features(
+    {
+      "id": datasets.Value("int64"),
+      "tokens": datasets.List(datasets.Value("int32"), length=1024),
+      "x": datasets.Value("float32"),
+    }
+  )
+  total = rows * n
+  ds = datasets.Dataset.from_dict(
+    {
+      "id": np.arange(total),
+      "tokens": np.arange(total * 1024, dtype=np.int32).reshape(total, 1024) % 50_000,
+      "x": np.linspace(0, 1, total, dtype=np.float32),
+    },
+    features=features,
+  ).with_format("numpy")
+
+  def bare() -> Iterator[Any]:
+    return _bare(ds.iter(batch_size=rows))
+
+  def ours() -> Any:
+    src = gjs.hf_pipeline(ds, batch_size=rows, process_index=0, process_count=1)
+    return gjs.iter_jax_batches(src, batch_size=rows)
+
+  for make in (bare, ours):  # Warm up both.
+    _timed(make)
+  return {**_median_times({"bare": bare, "ours": ours}, trials), "rows": rows}
 
 
 def dtype_bytes(*, rows: int = 256, n: int = 100, trials: int = 5) -> dict[str, Any]:

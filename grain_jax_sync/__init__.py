@@ -15,6 +15,7 @@ from grain_jax_sync._src.placement import (
   local_to_global_shape,
 )
 from grain_jax_sync._src.sources.elastic import elastic_source
+from grain_jax_sync._src.sources.hugging_face import hf_pipeline
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline
 from grain_jax_sync._src.startup import init_distributed
@@ -35,6 +36,7 @@ __all__ = [
   "elastic_source",
   "from_tf_data",
   "global_to_local_shape",
+  "hf_pipeline",
   "init_distributed",
   "iter_jax_batches",
   "jax_sync_generator",

@@ -158,7 +158,8 @@ def test_device_put_refuses_prefetch_batches_its_device_buffer_size_stands_for()
 
 def test_device_put_rejects_non_grain_datasets():
   with pytest.raises(
-    ValueError, match=r"`ds` must be a grain.IterDataset or grain.MapDataset, got list"
+    ValueError,
+    match=r"`ds` must be a grain.IterDataset or grain.MapDataset, or a Hugging Face source, got list",
   ):
     gjs.device_put([np.arange(8)])
 

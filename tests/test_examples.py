@@ -159,6 +159,26 @@ def test_train_flax_orbax_example_stopped_on_sigterm_and_resumed_equals_the_unin
 
 
 @pytest.mark.multiprocess
+def test_hf_text_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(tmp_path):
+  example, small = "examples/hf_text.py", ["--examples", "400"]
+  full = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "full"), *small)
+  stopped = _simulate_lines(
+    example, "--signal", "1:SIGTERM:4", "--ckpt-dir", str(tmp_path / "ckpt"), *small
+  )
+  resumed = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "ckpt"), *small)
+  for runs in (full, stopped, resumed):
+    assert runs[0] == runs[1]  # Every host printed the same losses and result.
+  # 200 sentences a host, 8 a step: 25 steps an epoch, 2 epochs.
+  assert full[0]["result"] == [{"resumed_from": 0, "step": 50, "stopped_by": None}]
+  (stop,) = stopped[0]["result"]
+  assert stop["stopped_by"] == 1 and 4 <= stop["step"] <= 4 + 2 * (10 + 2) < 50
+  assert resumed[0]["result"] == [{"resumed_from": stop["step"], "step": 50, "stopped_by": None}]
+  losses = stopped[0]["loss"] + resumed[0]["loss"]
+  assert losses == full[0]["loss"]  # Exact: the same batches, bit for bit.
+  assert full[0]["loss"][-1]["loss"] < 0.5 * full[0]["loss"][0]["loss"]  # It learns.
+
+
+@pytest.mark.multiprocess
 def test_elastic_resume_example_trains_every_kept_record_once_across_2_then_3_hosts(tmp_path):
   ckpt = str(tmp_path / "ckpt")
   saved = _simulate(

@@ -19,6 +19,7 @@ EXTRA_OF = {
   "tensorflow_datasets": "tfds",
   "array_record": "tfds",
   "orbax": "orbax",
+  "datasets": "hf",
 }
 
 

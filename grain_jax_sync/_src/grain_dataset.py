@@ -16,11 +16,12 @@ Grain is imported when `device_put` is first called, never by
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Unpack
 
 import jax
 
-from grain_jax_sync._src import extras, synced_dataset
+from grain_jax_sync._src import extras, sources, synced_dataset
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 
@@ -63,7 +64,9 @@ def device_put(
   or agreement). On several processes elements must be batches.
 
   Args:
-    ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches.
+    ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches,
+      or a Hugging Face `datasets.Dataset`, `IterableDataset` or
+      `hf_pipeline` source (see docs/sources.md).
     device: Where the rows go: a `jax.sharding.Sharding`, a
       `jax.sharding.Mesh` (rows split over its data axes, replicated over the
       others: see `data_axes`; an unbatched element is replicated), a
@@ -112,9 +115,12 @@ def device_put(
 
   if isinstance(ds, grain.MapDataset):
     ds = ds.to_iter_dataset()
+  if type(ds).__module__.startswith(("datasets", "grain_jax_sync._src.sources.hugging_face")):
+    ds = _source_dataset(grain)(ds)  # A Hugging Face data set or `hf_pipeline`'s source.
   if not isinstance(ds, grain.IterDataset):
     raise ValueError(
-      f"`ds` must be a grain.IterDataset or grain.MapDataset, got {type(ds).__qualname__}"
+      "`ds` must be a grain.IterDataset or grain.MapDataset, or a Hugging Face source,"
+      f" got {type(ds).__qualname__}"
     )
   cpu_buffer_size = options_lib.checked_int("cpu_buffer_size", cpu_buffer_size, minimum=0)
   device_buffer_size = options_lib.checked_int("device_buffer_size", device_buffer_size, minimum=0)
@@ -135,3 +141,32 @@ def device_put(
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
   synced, _ = synced_dataset.classes()
   return synced(ds, checked, placement)
+
+
+@functools.cache
+def _source_dataset(grain: Any) -> type:
+  """A `grain.IterDataset` over another source kind, read and resumed through its `SourceIterator`."""
+
+  class SourceIterator(grain.DatasetIterator):
+    def __init__(self, source: Any):
+      super().__init__()
+      self._source = sources.open_source(source)
+
+    def __next__(self) -> Any:
+      return next(self._source)
+
+    def get_state(self) -> Any:
+      return self._source.export_state(self._source.get_state())
+
+    def set_state(self, state: Any) -> None:
+      self._source.set_state(state)
+
+  class SourceDataset(grain.IterDataset):
+    def __init__(self, source: Any):
+      super().__init__()
+      self._source = source
+
+    def __iter__(self) -> Any:
+      return SourceIterator(self._source)
+
+  return SourceDataset

@@ -1,6 +1,6 @@
 """Source adapters: anything that yields per-host batches -> `SourceIterator`.
 
-Grain and TensorFlow are imported only when such a source is passed, so the
+Grain, TensorFlow and Hugging Face `datasets` are imported only when such a source is passed, so the
 core works without either installed.
 """
 
@@ -19,7 +19,8 @@ def open_source(source: Any) -> SourceIterator:
 
   Args:
     source: A Grain `DataLoader`, `IterDataset` or `MapDataset`, a
-      `tf.data.Dataset`, an `elastic_source`, a sequence of batches, or any
+      `tf.data.Dataset`, a Hugging Face `datasets.Dataset` or
+      `IterableDataset` or `hf_pipeline`'s source, an `elastic_source`, a sequence of batches, or any
       iterable of batches.
 
   Returns:
@@ -40,6 +41,12 @@ def open_source(source: Any) -> SourceIterator:
     from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 
     adapted = tf_data.open_tf_data(source)
+    if adapted is not None:
+      return adapted
+  if module.startswith("datasets") or module == f"{__name__}.hugging_face":
+    from grain_jax_sync._src.sources import hugging_face  # pylint: disable=g-import-not-at-top
+
+    adapted = hugging_face.open_hf(source)
     if adapted is not None:
       return adapted
   return open_iterable(source)

@@ -174,17 +174,13 @@ def tfds_pipeline(
     >>> for batch in iter_jax_batches(ds, batch_size=32, paddings=0, mask_key="mask"):
     ...   state = train_step(state, batch)
   """
-  _check_reader(reader, elastic, (process_index, process_count, mesh, data_axes, sharding))
-  batch_size = options_lib.checked_int("batch_size", batch_size)
-  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
-    raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
-  if not 0 <= int(seed) < 2**32:
-    raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
-  process_index, process_count = _input_shard(
+  _check_reader(reader, elastic)
+  batch_size = check_args(
+    batch_size, num_epochs, seed, elastic, (process_index, process_count, mesh, data_axes, sharding)
+  )
+  process_index, process_count = input_shard(
     process_index, process_count, mesh=mesh, data_axes=data_axes, sharding=sharding
   )
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"`process_index` must be in [0, {process_count}), got {process_index}")
   tfds = extras.require("tensorflow_datasets", needed_by="grain_jax_sync.tfds_pipeline")
 
   req = _Request(
@@ -212,21 +208,35 @@ def tfds_pipeline(
   return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
 
 
-def _check_reader(reader: str, elastic: bool, placement_args: tuple[Any, ...]) -> None:
-  """Raises ValueError for an unknown `reader`, or `elastic` with another reader or a placement."""
+def _check_reader(reader: str, elastic: bool) -> None:
+  """Raises ValueError for an unknown `reader`, or `elastic` with another reader."""
   if reader not in _READERS:
     raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
-  if elastic:
-    if reader != "data_source":
-      raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
-    if any(x is not None for x in placement_args):
-      raise ValueError(
-        "`elastic=True` splits the records over the processes itself: pass no"
-        " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
-      )
+  if elastic and reader != "data_source":
+    raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
 
 
-def _input_shard(
+def check_args(
+  batch_size: int, num_epochs: Any, seed: Any, elastic: bool, placement_args: tuple[Any, ...]
+) -> int:
+  """The checked `batch_size`; ValueError for a bad `num_epochs` or `seed`, or `elastic` with a placement.
+
+  What `tfds_pipeline` and `hf_pipeline` both take.
+  """
+  batch_size = options_lib.checked_int("batch_size", batch_size)
+  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
+    raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
+  if not 0 <= int(seed) < 2**32:
+    raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
+  if elastic and any(x is not None for x in placement_args):
+    raise ValueError(
+      "`elastic=True` splits the records over the processes itself: pass no"
+      " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
+    )
+  return batch_size
+
+
+def input_shard(
   process_index: int | None, process_count: int | None, *, mesh: Any, data_axes: Any, sharding: Any
 ) -> tuple[int, int]:
   """(index, count) of the input shard to read: explicit, from a mesh, or per process."""
@@ -246,6 +256,8 @@ def _input_shard(
     return p.shard_index, p.shard_count
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"`process_index` must be in [0, {process_count}), got {process_index}")
   return process_index, process_count
 
 
