@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from typing import Any
 
 import jax
@@ -12,6 +14,29 @@ logger = logging.getLogger(__name__)
 # What `jax.distributed.initialize()` raises when it finds no cluster (no
 # TPU pod, SLURM, Open MPI, ... and no coordinator address given).
 _NO_JOB = "coordinator_address should be defined"
+
+# Where JAX's cluster detection lives: a Cloud TPU VM is recognised there, and
+# its metadata server is asked for the job (`jax/_src/clusters/`).
+_DETECTION = os.path.join("jax", "_src", "clusters", "")
+
+_NO_METADATA = (
+  "grain_jax_sync.init_distributed: JAX found a Cloud TPU VM, but its cluster detection could"
+  " not read the TPU's metadata server ({error}), so it cannot tell which job this process"
+  " belongs to. It does not guess: on a pod, one process alone would train on its own share."
+  " On a multi-host job, pass the job to `init_distributed(coordinator_address='HOST:PORT',"
+  " num_processes=N, process_id=I)` (the same on every host but `process_id`)."
+  " Where this machine is the whole job, run it as one process:"
+  " `init_distributed(cluster_detection_method='deactivate')`"
+)
+
+
+def _from_tpu_detection(error: BaseException) -> bool:
+  """Whether `error` is a failed connection raised inside JAX's cluster detection."""
+  # A `requests` ConnectionError or timeout is an OSError; so is a socket's.
+  if not isinstance(error, OSError):
+    return False
+  frames = traceback.extract_tb(error.__traceback__)
+  return any(_DETECTION in os.path.normpath(f.filename) for f in frames)
 
 
 def init_distributed(**kwargs: Any) -> bool:
@@ -36,7 +61,11 @@ def init_distributed(**kwargs: Any) -> bool:
 
   Raises:
     RuntimeError: From ``jax.distributed.initialize``, e.g. when JAX has
-      already computed something in this process.
+      already computed something in this process; and where JAX finds a
+      Cloud TPU VM but cannot reach its metadata server (a container or a
+      sandbox without network): the message says what to pass
+      (`coordinator_address`, `num_processes`, `process_id`) or how to run
+      as one process. Never a silent single-process run on a pod.
     ValueError: From ``jax.distributed.initialize``, for a cluster found
       but misconfigured.
 
@@ -50,6 +79,11 @@ def init_distributed(**kwargs: Any) -> bool:
     return True
   try:
     jax.distributed.initialize(**kwargs)
+  except OSError as e:
+    if not _from_tpu_detection(e):
+      raise
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    raise RuntimeError(_NO_METADATA.format(error=f"{type(e).__name__}: {first}")) from e
   except ValueError as e:
     if _NO_JOB not in str(e):
       raise

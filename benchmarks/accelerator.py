@@ -1,0 +1,632 @@
+"""The library against an accelerator, TPU or GPU, in one process (not a test).
+
+Run from the repository root on a machine with a TPU or a GPU:
+
+  python -m benchmarks.accelerator                        # every section, a few minutes
+  python -m benchmarks.accelerator --json out.json --trials 11
+  python -m benchmarks.accelerator --sections input_bound --trials 9
+  python -m benchmarks.accelerator --platform cpu --quick  # the same code on CPU, small
+
+Where JAX finds no accelerator (its default backend is the CPU) it prints one
+line saying so and exits 0, unless ``--platform cpu`` asks for the CPU. Every
+figure is the median of `--trials` trials, the variants interleaved (each
+trial starts at the next variant), each trial a fresh iterator whose first
+`SKIP` batches (threads starting, buffers filling) are not timed. Sections:
+
+* ``steady``: a bf16 MLP train step (jitted, the parameters donated) on
+  uint8 image batches, with the step calibrated to a short and a long time;
+  wall and process CPU (every thread) per batch of: ``resident`` (the batch
+  already on the device: the step alone), ``bare`` (``jax.device_put`` of
+  each NumPy batch, then the step), ``iter_jax_batches`` (default prefetch),
+  ``inline`` (``prefetch_batches=0``), ``grain_device_put``
+  (``grain.experimental.device_put``) and ``device_put``
+  (``grain_jax_sync.device_put``), the last two over the same Grain
+  ``IterDataset`` of the same batches.
+* ``input_bound``: a Grain pipeline that makes each 64 x 64 x 3 record in
+  NumPy and batches in Grain (``MapDataset.map(...).batch(...)``), read by
+  Grain's threads or by worker processes (``mp_prefetch``), and a short
+  step: the input is the bottleneck. Wall and CPU per batch of ``bare``
+  (``jax.device_put`` of each Grain batch), ``iter_jax_batches``,
+  ``grain_device_put`` and ``device_put``, and where each thread's CPU went
+  (ours, the main thread, Grain's Python threads, native threads).
+* ``transfer``: no step; GB/s (1e9 bytes per second) of one blocking
+  ``jax.device_put`` at a time (``put_1``), ``jax.device_put`` with 4 and
+  16 puts in flight (``put_4``, ``put_16``), and `iter_jax_batches` at the
+  default prefetch (``build``), at ``prefetch_batches=8`` (``build_p8``) and
+  inline (``build_inline``), the consumer waiting for each batch; and the
+  host time of one ``jax.device_put`` call (``put_call_ms``: the part of
+  a put that does not overlap).
+
+With several local devices each batch spans all of them (one mesh axis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import functools
+import json
+import os
+import platform as platform_lib
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+_GB = 1e9
+# Batches of each trial left untimed: the iterator's threads starting and its
+# buffers filling. More than any buffer compared here holds.
+SKIP = 8
+SECTIONS = ("steady", "input_bound", "transfer")
+
+
+# -- Timing --------------------------------------------------------------------
+
+
+def _thread_groups() -> dict[int, str]:
+  """This process's Python threads by native id: "ours", "main" or "python"."""
+  groups = {}
+  for t in threading.enumerate():
+    if t.native_id is None:
+      continue
+    if t is threading.main_thread():
+      groups[t.native_id] = "main"
+    else:
+      groups[t.native_id] = "ours" if t.name.startswith("grain_jax_sync") else "python"
+  return groups
+
+
+def _one_thread_cpu(tid: str, tick: float) -> float | None:
+  """CPU seconds of one thread: its scheduler's nanoseconds, else its ticks (Linux)."""
+  try:
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+      return int(f.read().split()[0]) / 1e9
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except OSError:
+    return None
+  return (int(fields[11]) + int(fields[12])) / tick  # utime, stime.
+
+
+def _thread_cpu() -> dict[int, float]:
+  """CPU seconds of each live thread of this process, by native id (empty off Linux)."""
+  tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return {}
+  out = {}
+  for tid in tids:
+    cpu = _one_thread_cpu(tid, tick)
+    if cpu is not None:
+      out[int(tid)] = cpu
+  return out
+
+
+def _by_group(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+  """CPU seconds between two `_thread_cpu` samples, per thread group ("native": not Python)."""
+  groups = _thread_groups()
+  out = dict.fromkeys(("ours", "main", "python", "native"), 0.0)
+  for tid, cpu in after.items():
+    out[groups.get(tid, "native")] += cpu - before.get(tid, 0.0)
+  return out
+
+
+def _timed(
+  batches: Iterable[Any], step: Callable[[Any, Any], Any], state: Any, n: int
+) -> tuple[dict, Any]:
+  """Wall, process CPU and per-group thread CPU per batch over `n` batches after `SKIP`;
+  and the step's last state."""
+  import jax
+
+  it = iter(batches)
+  start: tuple[float, float, dict[int, float]] | None = None
+  for i, batch in enumerate(it):
+    if i == SKIP:
+      jax.block_until_ready(state)
+      start = (time.perf_counter(), time.process_time(), _thread_cpu())
+    state = step(state, batch)
+    del batch
+    if i == SKIP + n - 1:
+      break
+  jax.block_until_ready(state)
+  assert start is not None, "fewer batches than SKIP"
+  wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
+  threads = _by_group(start[2], _thread_cpu())
+  close = getattr(it, "close", None)
+  if callable(close):
+    close()
+  out = {"wall_ms": wall / n * 1e3, "cpu_ms": cpu / n * 1e3}
+  out.update({f"cpu_{k}_ms": v / n * 1e3 for k, v in threads.items()})
+  return out, state
+
+
+def _interleaved(variants: dict[str, Callable[[], dict]], trials: int) -> dict[str, dict]:
+  """Median (and range) of each figure of each variant over interleaved trials."""
+  for run in variants.values():  # Warm-up: compiles, first thread starts.
+    run()
+  runs: dict[str, list[dict]] = {k: [] for k in variants}
+  keys = list(variants)
+  for t in range(trials):
+    for k in keys[t % len(keys) :] + keys[: t % len(keys)]:
+      runs[k].append(variants[k]())
+  out = {}
+  for k, rs in runs.items():
+    out[k] = {f: statistics.median(r[f] for r in rs) for f in rs[0]}
+    walls = [r["wall_ms"] for r in rs]
+    out[k].update(wall_lo_ms=min(walls), wall_hi_ms=max(walls), trials=len(rs))
+  return out
+
+
+# -- The step --------------------------------------------------------------------
+
+
+def _mlp(layers: int, hidden: int, width: int) -> tuple[Callable[[Any, Any], Any], Any]:
+  """A jitted bf16 MLP train step over {"image": uint8} batches, and its parameters."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(0), 3)
+
+  def init(k: Any, shape: tuple[int, int]) -> Any:
+    return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[0])).astype(jnp.bfloat16)
+
+  params = {
+    "w_in": init(keys[0], (width, hidden)),
+    "w": init(keys[1], (hidden, hidden)),
+    "w_out": init(keys[2], (hidden, 10)),
+  }
+
+  def loss(p: Any, image: Any) -> Any:
+    x = image.reshape(image.shape[0], -1).astype(jnp.bfloat16) / 255
+    h = jax.nn.relu(x @ p["w_in"])
+    h = jax.lax.fori_loop(0, layers, lambda _, h: jax.nn.relu(h @ p["w"]), h)
+    return jnp.mean(jnp.square((h @ p["w_out"]).astype(jnp.float32)))
+
+  def step(p: Any, batch: Any) -> Any:
+    g = jax.grad(loss)(p, batch["image"])
+    return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
+
+  return jax.jit(step, donate_argnums=0), params
+
+
+def _step_time(
+  step: Callable[[Any, Any], Any], params: Any, batch: Any, n: int = 20
+) -> tuple[float, Any]:
+  """Seconds per step on a resident batch (after a compile), and the parameters after."""
+  import jax
+
+  params = jax.block_until_ready(step(params, batch))
+  start = time.perf_counter()
+  for _ in range(n):
+    params = step(params, batch)
+  jax.block_until_ready(params)
+  return (time.perf_counter() - start) / n, params
+
+
+def calibrated_step(
+  target_s: float, batch: Any, *, hidden: int
+) -> tuple[Callable[[Any, Any], Any], Any, float]:
+  """A step of about `target_s` on `batch` (resident): (step, params, its seconds)."""
+  import jax
+
+  width = int(np.prod(batch["image"].shape[1:]))
+  resident = jax.device_put(batch)
+  probe = [(k, _step_time(*_mlp(k, hidden, width), resident)[0]) for k in (2, 18)]
+  (k0, t0), (k1, t1) = probe
+  per_layer = max((t1 - t0) / (k1 - k0), 1e-7)
+  layers = max(1, round(k0 + (target_s - t0) / per_layer))
+  step, params = _mlp(layers, hidden, width)
+  seconds, params = _step_time(step, params, resident)
+  return step, params, seconds
+
+
+# -- Steady state with a real step ---------------------------------------------
+
+
+def _images(rows: int, side: int, distinct: int = 4) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(0)
+  shape = (rows, side, side, 3)
+  return [
+    {"image": rng.integers(0, 256, shape, dtype=np.uint8), "label": np.arange(rows, dtype=np.int32)}
+    for _ in range(distinct)
+  ]
+
+
+def _cycle(data: list[Any], n: int) -> list[Any]:
+  return [data[i % len(data)] for i in range(n)]
+
+
+def _grain_source(batches: list[Any]) -> Any:
+  """A Grain `IterDataset` of ready batches (read by one Grain thread)."""
+  import grain
+
+  return grain.MapDataset.source(batches).to_iter_dataset(
+    grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
+  )
+
+
+def _feeds(data: list[Any], grain_ds: Any, sharding: Any, rows: int) -> dict[str, Callable]:
+  """Each way to feed a step from host batches: a function making an iterable."""
+  import grain.experimental
+  import jax
+
+  import grain_jax_sync as gjs
+
+  mesh = sharding.mesh
+  return {
+    "bare": lambda: (jax.device_put(b, sharding) for b in data),
+    "iter_jax_batches": lambda: gjs.iter_jax_batches(data, batch_size=rows, mesh=mesh),
+    "inline": lambda: gjs.iter_jax_batches(data, batch_size=rows, mesh=mesh, prefetch_batches=0),
+    "grain_device_put": lambda: iter(grain.experimental.device_put(grain_ds, sharding)),
+    "device_put": lambda: iter(gjs.device_put(grain_ds, sharding)),
+  }
+
+
+def _sharding() -> Any:
+  import jax
+
+  mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+
+def steady(cfg: dict, *, trials: int, n: int, report: Callable[[dict], None]) -> list[dict]:
+  """The `steady` section: one row per (batch, step) configuration, each `report`ed when made."""
+  import jax
+
+  sharding = _sharding()
+  out = []
+  for rows, target_ms in cfg["steady"]:
+    distinct = _images(rows, cfg["side"])
+    data = _cycle(distinct, SKIP + n)
+    step, params, step_s = calibrated_step(target_ms / 1e3, distinct[0], hidden=cfg["hidden"])
+    resident = [jax.device_put(b, sharding) for b in distinct]
+    feeds: dict[str, Callable] = {"resident": functools.partial(_cycle, resident, SKIP + n)}
+    feeds.update(_feeds(data, _grain_source(data), sharding, rows))
+    figures = _interleaved({k: _trial(make, step, params, n) for k, make in feeds.items()}, trials)
+    mb = distinct[0]["image"].nbytes / 1e6
+    out.append({"rows": rows, "mb": mb, "step_ms": step_s * 1e3, "variants": figures})
+    report(out[-1])
+  return out
+
+
+def _trial(make: Callable[[], Iterable[Any]], step: Callable, params: Any, n: int) -> Callable:
+  """One trial of a feed; the step's parameters go from trial to trial (they are donated)."""
+  import jax
+  import jax.numpy as jnp
+
+  held = [jax.tree.map(jnp.copy, params)]  # Each feed its own: a step donates them.
+
+  def run() -> dict:
+    figures, held[0] = _timed(make(), step, held[0], n)
+    return figures
+
+  return run
+
+
+# -- An input-bound Grain pipeline ---------------------------------------------
+
+
+def make_record(index: int, side: int = 64) -> dict[str, Any]:
+  """One record, made in NumPy as a decode and an augmentation would (module level: picklable)."""
+  rng = np.random.default_rng(index)
+  image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+  if index % 2:
+    image = np.ascontiguousarray(image[:, ::-1])
+  return {"image": image, "label": np.int32(index % 10)}
+
+
+class _Record:
+  """`make_record` at a side (picklable for worker processes)."""
+
+  def __init__(self, side: int):
+    self.side = side
+
+  def __call__(self, index: int) -> dict[str, Any]:
+    return make_record(index, self.side)
+
+
+def input_pipeline(rows: int, batches: int, side: int, *, workers: int, threads: int) -> Any:
+  """The Grain `IterDataset`: records made per index, batched in Grain; `workers` processes."""
+  import grain
+
+  ds = grain.MapDataset.range(rows * batches).map(_Record(side)).batch(rows, drop_remainder=True)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=threads))
+  if workers:
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
+      flags.FLAGS.mark_as_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return it
+
+
+def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[str, Callable]:
+  import grain.experimental
+  import jax
+
+  import grain_jax_sync as gjs
+
+  mesh = sharding.mesh
+  feeds = {
+    "bare": lambda: (jax.device_put(b, sharding) for b in ds),
+    "iter_jax_batches": lambda: gjs.iter_jax_batches(ds, batch_size=rows, mesh=mesh),
+    "grain_device_put": lambda: iter(grain.experimental.device_put(ds, sharding)),
+    "device_put": lambda: iter(gjs.device_put(ds, sharding)),
+  }
+  if diagnose:  # Where the difference goes: fewer threads of ours.
+    feeds["inline"] = lambda: gjs.iter_jax_batches(
+      ds, batch_size=rows, mesh=mesh, prefetch_batches=0
+    )
+    feeds["device_put_b0"] = lambda: iter(gjs.device_put(ds, sharding, device_buffer_size=0))
+  return feeds
+
+
+def input_bound(
+  cfg: dict,
+  *,
+  trials: int,
+  n: int,
+  workers: Iterable[int],
+  report: Callable[[dict], None],
+  diagnose: bool = False,
+) -> list[dict]:
+  """The `input_bound` section: one row per reading mode (threads, worker processes)."""
+  rows, side = cfg["input_rows"], cfg["side"]
+  sharding = _sharding()
+  first = make_record(0, side)
+  probe = {"image": np.stack([first["image"]] * rows)}
+  step, params, step_s = calibrated_step(cfg["input_step_ms"] / 1e3, probe, hidden=cfg["hidden"])
+  start = time.process_time()
+  for i in range(rows):
+    make_record(i, side)
+  record_ms = (time.process_time() - start) * 1e3
+  out = []
+  for w in workers:
+    ds = input_pipeline(rows, SKIP + n + 2, side, workers=w, threads=cfg["input_threads"])
+    feeds = _input_feeds(ds, sharding, rows, diagnose=diagnose)
+    figures = _interleaved({k: _trial(m, step, params, n) for k, m in feeds.items()}, trials)
+    out.append(
+      {
+        "workers": w,
+        "threads": cfg["input_threads"],
+        "rows": rows,
+        "mb": probe["image"].nbytes / 1e6,
+        "step_ms": step_s * 1e3,
+        "records_cpu_ms": record_ms,  # Making one batch's records, in one thread.
+        "variants": figures,
+      }
+    )
+    report(out[-1])
+  return out
+
+
+# -- Transfer without a step ---------------------------------------------------
+
+
+def _put_window(arrays: list[np.ndarray], sharding: Any, k: int) -> dict:
+  """`jax.device_put` with at most `k` in flight; seconds per put, and per call."""
+  import jax
+
+  pending: collections.deque[Any] = collections.deque()
+  calls = 0.0
+  start = time.perf_counter()
+  for a in arrays:
+    t = time.perf_counter()
+    pending.append(jax.device_put(a, sharding))
+    calls += time.perf_counter() - t
+    if len(pending) >= k:
+      jax.block_until_ready(pending.popleft())
+  jax.block_until_ready(list(pending))
+  return {"wall_ms": (time.perf_counter() - start) / len(arrays) * 1e3, "call_ms": calls * 1e3}
+
+
+def _drain(it: Iterator[Any], n: int) -> dict:
+  """Wall per batch of an iterator, the consumer waiting for each batch, after `SKIP`."""
+  import jax
+
+  start = 0.0
+  for i, batch in enumerate(it):
+    jax.block_until_ready(batch)
+    if i == SKIP - 1:
+      start = time.perf_counter()
+    if i == SKIP + n - 1:
+      break
+  wall = time.perf_counter() - start
+  close = getattr(it, "close", None)
+  if callable(close):
+    close()
+  return {"wall_ms": wall / n * 1e3}
+
+
+def _transfer_variants(data: list[dict], sharding: Any, n: int) -> dict[str, Callable]:
+  import grain_jax_sync as gjs
+
+  arrays = [b["x"] for b in data[SKIP : SKIP + n]]
+  mesh, rows = sharding.mesh, data[0]["x"].shape[0]
+
+  def build(prefetch: int) -> Callable[[], dict]:
+    return lambda: _drain(
+      gjs.iter_jax_batches(data, batch_size=rows, mesh=mesh, prefetch_batches=prefetch), n
+    )
+
+  return {
+    "put_1": lambda: _put_window(arrays, sharding, 1),
+    "put_4": lambda: _put_window(arrays, sharding, 4),
+    "put_16": lambda: _put_window(arrays, sharding, 16),
+    "build": build(2),
+    "build_p8": build(8),
+    "build_inline": build(0),
+  }
+
+
+def transfer(cfg: dict, *, trials: int, report: Callable[[dict], None]) -> list[dict]:
+  """The `transfer` section: one row per batch size."""
+  sharding = _sharding()
+  rows = 256
+  out = []
+  for mb in cfg["transfer_mb"]:
+    width = max(1, int(mb * 1e6) // rows)
+    n = max(8, min(32, int(2e9 / (mb * 1e6))))
+    rng = np.random.default_rng(0)
+    distinct = [{"x": rng.integers(0, 256, (rows, width), dtype=np.uint8)} for _ in range(2)]
+    data = _cycle(distinct, SKIP + n)
+    figures = _interleaved(_transfer_variants(data, sharding, n), trials)
+    nbytes = distinct[0]["x"].nbytes
+    row: dict[str, Any] = {"mb": mb, "bytes": nbytes, "n": n}
+    for k, f in figures.items():
+      row[k] = nbytes / (f["wall_ms"] / 1e3) / _GB
+    row["put_call_ms"] = figures["put_16"]["call_ms"] / n
+    out.append(row)
+    report(row)
+  return out
+
+
+# -- The command ---------------------------------------------------------------
+
+FULL = {
+  "side": 64,
+  "hidden": 1024,
+  # (rows, step ms): 3.1 MB batches at a 1 and a 3 ms step, 12.6 MB at 20 ms.
+  "steady": [(256, 1.0), (256, 3.0), (1024, 20.0)],
+  "input_rows": 256,
+  "input_step_ms": 3.0,
+  "input_threads": 16,
+  "transfer_mb": [8, 32, 128, 512],
+}
+QUICK = {
+  "side": 8,
+  "hidden": 32,
+  "steady": [(32, 1.0)],
+  "input_rows": 32,
+  "input_step_ms": 1.0,
+  "input_threads": 2,
+  "transfer_mb": [0.25],
+}
+
+
+def _accelerator() -> tuple[bool, str]:
+  import jax
+
+  backend = jax.default_backend()
+  devices = jax.local_devices()
+  return backend != "cpu", f"{len(devices)} x {devices[0].device_kind} ({backend})"
+
+
+def _meta(args: argparse.Namespace, where: str) -> dict:
+  import grain
+  import jax
+
+  return {
+    "devices": where,
+    "jax": jax.__version__,
+    "grain": getattr(grain, "__version__", "?"),
+    "python": platform_lib.python_version(),
+    "cpus": os.cpu_count(),
+    "command": "python -m benchmarks.accelerator " + " ".join(args.argv),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "trials": args.trials,
+    "skip": SKIP,
+  }
+
+
+def _print_variants(title: str, variants: dict) -> None:
+  print(title)
+  for k, f in variants.items():
+    threads = " ".join(f"{g} {f[f'cpu_{g}_ms']:.2f}" for g in ("ours", "main", "python", "native"))
+    print(
+      f"  {k:17s} wall {f['wall_ms']:8.3f} ms ({f['wall_lo_ms']:.3f}..{f['wall_hi_ms']:.3f})"
+      f"  cpu {f['cpu_ms']:7.2f} ms  [{threads}]",
+      flush=True,
+    )
+
+
+def _print_transfer(r: dict) -> None:
+  keys = ("put_1", "put_4", "put_16", "build", "build_p8", "build_inline")
+  figures = "  ".join(f"{k} {r[k]:6.2f}" for k in keys)
+  print(f"{r['mb']:>6g} MB  {figures} GB/s;  put call {r['put_call_ms']:.2f} ms", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+  )
+  parser.add_argument("--platform", choices=("auto", "cpu"), default="auto")
+  parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+  parser.add_argument("--trials", type=int, default=9)
+  parser.add_argument("--n", type=int, default=48, help="timed batches per trial")
+  parser.add_argument("--workers", type=int, nargs="+", default=[0, 4], help="0: Grain's threads")
+  parser.add_argument(
+    "--diagnose", action="store_true", help="input_bound: also inline and device_buffer_size=0"
+  )
+  parser.add_argument("--quick", action="store_true", help="small sizes (the tests' CPU run)")
+  parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+  args = parser.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
+  return args
+
+
+def _print_steady(r: dict) -> None:
+  _print_variants(f"steady: {r['mb']:.1f} MB, step {r['step_ms']:.2f} ms", r["variants"])
+
+
+def _print_input_bound(r: dict) -> None:
+  how = f"{r['workers']} worker processes" if r["workers"] else f"{r['threads']} threads"
+  title = f"input_bound: {r['mb']:.1f} MB, {how}, step {r['step_ms']:.2f} ms"
+  _print_variants(f"{title}, records {r['records_cpu_ms']:.1f} ms CPU", r["variants"])
+
+
+def run(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], None]) -> None:
+  """Every section asked for, into `results`; prints each row as it comes, saves each section."""
+  cfg = QUICK if args.quick else FULL
+  if "steady" in args.sections:
+    results["steady"] = steady(cfg, trials=args.trials, n=args.n, report=_print_steady)
+    save()
+  if "input_bound" in args.sections:
+    results["input_bound"] = input_bound(
+      cfg,
+      trials=args.trials,
+      n=args.n,
+      workers=args.workers,
+      report=_print_input_bound,
+      diagnose=args.diagnose,
+    )
+    save()
+  if "transfer" in args.sections:
+    results["transfer"] = transfer(cfg, trials=args.trials, report=_print_transfer)
+    save()
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  if args.platform == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+
+  found, where = _accelerator()
+  if not found and args.platform != "cpu":
+    print(f"accelerator: skipped, no accelerator found ({where}); jax {jax.__version__}")
+    return 0
+  meta = _meta(args, where)
+  print(f"accelerator: {where}, jax {meta['jax']}, grain {meta['grain']}, {meta['cpus']} CPUs")
+  results: dict[str, Any] = {"meta": meta}
+
+  def save() -> None:  # After each section: a run cut short keeps what it measured.
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+  run(args, results, save)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
