@@ -341,13 +341,8 @@ def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
   if n <= 0:
     return 0
   want = (batch_size,) * n
-  for r in reports:
-    got = r.rows[i : i + n]
-    if got != want:
-      n = next((k for k, x in enumerate(got) if x != batch_size), n)
-      if not n:
-        return 0
-      want = want[:n]
+  for got in [r.rows[i : i + n] for r in reports if r.rows[i : i + n] != want]:
+    n = min(n, next(k for k, x in enumerate(got) if x != batch_size))
   return n
 
 
@@ -422,7 +417,7 @@ def signature_error(reports: Sequence[Report]) -> ReportedError | None:
     return None
   p0, s0 = sigs[0]
   for p, s in sigs[1:]:
-    if s != s0:
+    if s is not s0 and s != s0:  # One shared object where the ledger shares it.
       a = batches_lib.Signature.from_json(s0)
       b = batches_lib.Signature.from_json(s)
       diffs = batches_lib.diff(a, b) or ["tree structure differs"]
