@@ -250,11 +250,7 @@ class Chunk:
 
   @classmethod
   def from_obj(cls, obj: Mapping[str, Any]) -> Chunk:
-    """Parses a chunk's JSON object (`load`'s).
-
-    Raises:
-      ProtocolError: If it does not parse.
-    """
+    """`from_json` from `load`'s object."""
     try:
       times = tuple(map(float, obj["t"])) if "t" in obj else None
       return cls(obj["s"], obj["a"], Report.from_obj(obj["R"]), times)

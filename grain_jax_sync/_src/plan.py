@@ -417,7 +417,7 @@ def signature_error(reports: Sequence[Report]) -> ReportedError | None:
     return None
   p0, s0 = sigs[0]
   for p, s in sigs[1:]:
-    if s is not s0 and s != s0:  # One shared object where the ledger shares it.
+    if s != s0:
       a = batches_lib.Signature.from_json(s0)
       b = batches_lib.Signature.from_json(s)
       diffs = batches_lib.diff(a, b) or ["tree structure differs"]

@@ -47,14 +47,12 @@ class Ledger:
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
-    self._shared: dict[str, Any] | None = None  # The last structure (`_share`).
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
-    # Per process, its last window report while every row it holds has that
-    # report's row count and nothing else about it changed: the next window's
-    # report where the window is as long (`window_reports`' common case).
+    # Per process, its last window report while all its rows have that report's
+    # row count and nothing else changed: reused for windows as long.
     self._held: list[messages.Report | None] = [None] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: messages.ReportedError | None = None
@@ -86,24 +84,17 @@ class Ledger:
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
-      self._signature[p] = self._share(r.signature)
+      self._signature[p] = r.signature
     if r.config is not None:
       self._config[p] = r.config
     if r.resume is not None:
       self._resume[p] = r.resume
 
-  def _share(self, signature: dict[str, Any]) -> dict[str, Any]:
-    """One object for equal structures: `plan.signature_error` compares them by identity first."""
-    if signature != self._shared:
-      self._shared = signature
-    return self._shared
-
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
 
-    A chunk of rows only (nearly every one) is recorded from its JSON without
-    building its report: at 1,024 processes that is a third of the decider's
-    time per chunk.
+    A chunk of rows only (nearly every one) is recorded without building its
+    report (a third of the decider's time per chunk).
 
     Returns:
       The chunk's process and its times.
@@ -171,7 +162,7 @@ class Ledger:
     self._end[p] = report
     self._held[p] = None
     if report.signature is not None:
-      self._signature[p] = self._share(report.signature)
+      self._signature[p] = report.signature
 
   def set_own(
     self,
@@ -185,7 +176,7 @@ class Ledger:
     """Records a process's structure, device count, settings and resume position."""
     self._held[p] = None
     if signature is not None:
-      self._signature[p] = self._share(signature)
+      self._signature[p] = signature
     self._devices[p] = devices
     self._config[p] = config
     if resume is not None:
