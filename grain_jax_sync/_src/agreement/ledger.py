@@ -47,6 +47,7 @@ class Ledger:
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
+    self._shared: dict[str, Any] | None = None  # The last structure (`_share`).
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
@@ -84,11 +85,17 @@ class Ledger:
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
-      self._signature[p] = r.signature
+      self._signature[p] = self._share(r.signature)
     if r.config is not None:
       self._config[p] = r.config
     if r.resume is not None:
       self._resume[p] = r.resume
+
+  def _share(self, signature: dict[str, Any]) -> dict[str, Any]:
+    """One object for equal structures (`plan.signature_error` compares by identity first)."""
+    if signature != self._shared:
+      self._shared = signature
+    return self._shared
 
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
@@ -162,7 +169,7 @@ class Ledger:
     self._end[p] = report
     self._held[p] = None
     if report.signature is not None:
-      self._signature[p] = report.signature
+      self._signature[p] = self._share(report.signature)
 
   def set_own(
     self,
@@ -176,7 +183,7 @@ class Ledger:
     """Records a process's structure, device count, settings and resume position."""
     self._held[p] = None
     if signature is not None:
-      self._signature[p] = signature
+      self._signature[p] = self._share(signature)
     self._devices[p] = devices
     self._config[p] = config
     if resume is not None:
@@ -210,14 +217,12 @@ class Ledger:
     out = []
     last = position + size
     held = [None] * self._process_count if with_config else self._held
-    for p, (base, rows) in enumerate(zip(self._base, self._rows, strict=True)):
+    for p, (base, rows, h) in enumerate(zip(self._base, self._rows, held, strict=True)):
       count = base + len(rows)
-      stop = min(count, last)
-      h = held[p]  # Reused where it holds (every row it holds is `h.rows[0]`).
-      if h is not None and len(h.rows) == stop - position and h.more == (count > stop):
-        out.append(h)
-      else:
-        out.append(self._report(p, position, last, with_config=with_config))
+      # Reused where it holds (every row it holds is `h.rows[0]`).
+      if h is None or len(h.rows) != min(count, last) - position or h.more != (count > last):
+        h = self._report(p, position, last, with_config=with_config)
+      out.append(h)
     return out
 
   def _report(self, p: int, position: int, last: int, *, with_config: bool) -> messages.Report:
@@ -264,15 +269,17 @@ class Ledger:
 
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""
-    kept = [k for k in (self._digests, self._sizes) if k is not None]
+    kept = [k for k in (self._digests, self._sizes) if k is not None]  # Parallel to `_rows`.
     for p, (base, rows) in enumerate(zip(self._base, self._rows, strict=True)):
       drop = min(position - base, len(rows))
       if drop <= 0:
         continue
       self._base[p] = base + drop
+      if drop == len(rows):  # Every row decided: the common case, one call.
+        rows.clear()
+        for k in kept:
+          k[p].clear()
+        continue
       for q in (rows, *[k[p] for k in kept]):
-        if drop == len(q):
-          q.clear()  # Every row decided: the common case, one call.
-        else:
-          for _ in range(drop):
-            q.popleft()
+        for _ in range(drop):
+          q.popleft()
