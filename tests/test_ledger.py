@@ -106,3 +106,37 @@ def test_ack_is_the_largest_seen():
   led.add(chunk(1, 0, [8], ack=3))
   led.add(chunk(1, 1, [8], ack=1))
   assert led.ack(1) == 3
+
+
+def test_window_reports_reused_only_while_they_hold():
+  """Reports kept across windows (`Ledger._held`) equal a fresh ledger's, JSON path included."""
+  led = ledger_lib.Ledger(3)
+  sig = {"spec": "x", "leaves": []}
+  led.set_own(0, signature=sig, devices=1, config=None)
+  posts = {  # Per window: process 1's and 2's chunks (process 0 adds its own rows).
+    0: ([8, 8], [8, 8, 8]),
+    2: ([8, 8], [8]),  # Process 2 is one ahead, then not: `more` changes.
+    4: ([8, 4], [8, 8]),  # A short row in a held window.
+    6: ([8, 8], [8, 8]),
+    8: ([8], [8]),  # A shorter window.
+  }
+  count = [0, 0, 0]
+  for j, (a, b) in posts.items():
+    for p, rows in ((1, a), (2, b)):
+      text = chunk(p, count[p], rows, sig=sig if count[p] == 0 else None).to_json()
+      led.add_json(text)
+      count[p] += len(rows)
+    for _ in range(len(a)):
+      led.add_rows(0, 8)
+    size = led.window(j)
+    fresh = ledger_lib.Ledger(3)
+    fresh._base, fresh._rows = list(led._base), [type(q)(q) for q in led._rows]
+    fresh._signature, fresh._devices = list(led._signature), list(led._devices)
+    assert led.window_reports(j, size, with_config=False) == fresh.window_reports(
+      j, size, with_config=False
+    )
+    led.forget(j + size)
+    count[0] += len(a)
+  led.add_json(chunk(1, count[1], [], exhausted=True).to_json())
+  reports = led.window_reports(9, 0, with_config=False)
+  assert reports[1].exhausted and not reports[2].exhausted

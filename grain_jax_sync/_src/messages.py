@@ -246,7 +246,11 @@ class Chunk:
     Raises:
       ProtocolError: If it comes from another protocol version or does not parse.
     """
-    obj = load(text, "report")
+    return cls.from_obj(load(text, "report"))
+
+  @classmethod
+  def from_obj(cls, obj: Mapping[str, Any]) -> Chunk:
+    """`from_json` from `load`'s object."""
     try:
       times = tuple(map(float, obj["t"])) if "t" in obj else None
       return cls(obj["s"], obj["a"], Report.from_obj(obj["R"]), times)
@@ -266,12 +270,20 @@ class ProtocolError(ValueError):
     self.version = version
 
 
+_DECODER = json.JSONDecoder()
+
+
 def load(text: str, what: str) -> dict[str, Any]:
   """A message's JSON object, checked for this protocol version."""
   try:
-    obj = json.loads(text)
-  except ValueError as e:
-    raise ProtocolError(f"a {what} that is not JSON ({e})") from e
+    obj, end = _DECODER.raw_decode(text)  # As posted: no whitespace for `json.loads` to skip.
+    if end != len(text):
+      raise ValueError(text)
+  except (TypeError, ValueError):
+    try:
+      obj = json.loads(text)
+    except ValueError as e:
+      raise ProtocolError(f"a {what} that is not JSON ({e})") from e
   version = obj.get("v") if isinstance(obj, dict) else None
   if version != PROTOCOL_VERSION:
     raise ProtocolError(f"a {what} of protocol version {version!r}", version)

@@ -341,13 +341,8 @@ def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
   if n <= 0:
     return 0
   want = (batch_size,) * n
-  for r in reports:
-    got = r.rows[i : i + n]
-    if got != want:
-      n = next((k for k, x in enumerate(got) if x != batch_size), n)
-      if not n:
-        return 0
-      want = want[:n]
+  for got in [r.rows[i : i + n] for r in reports if r.rows[i : i + n] != want]:
+    n = min(n, next(k for k, x in enumerate(got) if x != batch_size))
   return n
 
 
@@ -421,7 +416,7 @@ def signature_error(reports: Sequence[Report]) -> ReportedError | None:
   if len(sigs) < 2:
     return None
   p0, s0 = sigs[0]
-  for p, s in sigs[1:]:
+  for p, s in [(p, s) for p, s in sigs[1:] if s is not s0]:  # The ledger shares equal ones.
     if s != s0:
       a = batches_lib.Signature.from_json(s0)
       b = batches_lib.Signature.from_json(s)

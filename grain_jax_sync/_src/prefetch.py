@@ -243,11 +243,11 @@ class OnDemand(Prefetcher[T]):
           return
         self._busy = True
       try:
-        item = next(producer, END)
+        item = next(producer)
+      except StopIteration:
+        return
       finally:
         self._busy = False
-      if item is END:
-        return
       yield item
 
   def _free_at_start(self, buffer_size: int) -> int:

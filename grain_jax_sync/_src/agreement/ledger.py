@@ -19,6 +19,9 @@ from typing import Any
 
 from grain_jax_sync._src import messages
 
+# A report's keys when it carries rows only (`Ledger.add_json`'s quick path).
+_ROWS_ONLY = frozenset(("p", "r", "x", "d"))
+
 
 class Ledger:
   """Per-process knowledge of rows per position, stream ends, structure.
@@ -44,10 +47,14 @@ class Ledger:
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
+    self._shared: dict[str, Any] | None = None  # The last structure (`_share`).
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
+    # Per process, its last window report while all its rows have that report's
+    # row count and nothing else changed: reused for windows as long.
+    self._held: list[messages.Report | None] = [None] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: messages.ReportedError | None = None
 
@@ -74,22 +81,43 @@ class Ledger:
       self.abort = self.abort or r.error
       return
     self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)
+    self._held[p] = None  # Its end, structure or settings may be new.
     if r.exhausted or r.error is not None:
       self._end[p] = r
     if r.signature is not None:
-      self._signature[p] = r.signature
+      self._signature[p] = self._share(r.signature)
     if r.config is not None:
       self._config[p] = r.config
     if r.resume is not None:
       self._resume[p] = r.resume
 
+  def _share(self, signature: dict[str, Any]) -> dict[str, Any]:
+    """One object for equal structures (`plan.signature_error` compares by identity first)."""
+    if signature != self._shared:
+      self._shared = signature
+    return self._shared
+
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
+
+    A chunk of rows only (nearly every one) is recorded without building its
+    report (a third of the decider's time per chunk).
 
     Returns:
       The chunk's process and its times.
     """
-    chunk = messages.Chunk.from_json(text)
+    obj = messages.load(text, "report")
+    r = obj.get("R")
+    if type(r) is dict and r.keys() == _ROWS_ONLY and r["x"] is False:
+      try:
+        start, ack, rows = obj["s"], obj["a"], tuple(r["r"])
+        times = tuple(map(float, obj["t"])) if "t" in obj else None
+      except (KeyError, TypeError, ValueError):
+        pass  # `Chunk.from_obj` raises its ProtocolError.
+      else:
+        self._extend(r["p"], start, rows, (), ack, r["d"], ())
+        return r["p"], times
+    chunk = messages.Chunk.from_obj(obj)
     self.add(chunk)
     return chunk.report.process_index, chunk.times
 
@@ -103,12 +131,16 @@ class Ledger:
     devices: int,
     sizes: Any,
   ) -> None:
-    if start != self.count(p) or self._end[p] is not None:
+    q = self._rows[p]
+    if start != self._base[p] + len(q) or self._end[p] is not None:
       raise RuntimeError(
         f"internal: process {p} posted positions from {start}, expected"
         f" {self.count(p)} (ended: {self._end[p] is not None})"
       )
-    self._rows[p].extend(rows)
+    held = self._held[p]
+    if held is not None and (devices != self._devices[p] or rows.count(held.rows[0]) < len(rows)):
+      self._held[p] = None
+    q.extend(rows)
     if self._digests is not None:
       got = digests[: len(rows)]
       self._digests[p].extend((*got, *[None] * (len(rows) - len(got))))
@@ -116,12 +148,15 @@ class Ledger:
       have = sizes[: len(rows)]
       self._sizes[p].extend((*have, *[None] * (len(rows) - len(have))))
     self._devices[p] = devices
-    self._ack[p] = max(self._ack[p], ack)
+    if ack > self._ack[p]:
+      self._ack[p] = ack
 
   def add_rows(
     self, p: int, rows: int, digest: str | None = None, sizes: tuple[int, ...] = ()
   ) -> None:
     """Records one more batch of process `p` (its own reads, no chunk)."""
+    if (held := self._held[p]) is not None and rows != held.rows[0]:
+      self._held[p] = None
     self._rows[p].append(rows)
     if self._digests is not None:
       self._digests[p].append(digest)
@@ -132,8 +167,9 @@ class Ledger:
     """Records that process `report.process_index` ended (own stream)."""
     p = report.process_index
     self._end[p] = report
+    self._held[p] = None
     if report.signature is not None:
-      self._signature[p] = report.signature
+      self._signature[p] = self._share(report.signature)
 
   def set_own(
     self,
@@ -145,8 +181,9 @@ class Ledger:
     resume: int | None = None,
   ) -> None:
     """Records a process's structure, device count, settings and resume position."""
+    self._held[p] = None
     if signature is not None:
-      self._signature[p] = signature
+      self._signature[p] = self._share(signature)
     self._devices[p] = devices
     self._config[p] = config
     if resume is not None:
@@ -179,38 +216,50 @@ class Ledger:
     """
     out = []
     last = position + size
-    islice = itertools.islice
-    for p in range(self._process_count):
-      base = self._base[p]
-      count = base + len(self._rows[p])
-      stop = min(count, last)
-      # Slices of the deques (O(size) from their left end, where `position` is).
-      rows = tuple(islice(self._rows[p], position - base, stop - base)) if stop > position else ()
-      digests: tuple[str | None, ...] = ()
-      if self._digests is not None and stop > position:
-        digests = tuple(islice(self._digests[p], position - base, stop - base))
-      sizes: tuple[Any, ...] = ()
-      if self._sizes is not None and stop > position:
-        sizes = tuple(islice(self._sizes[p], position - base, stop - base))
-      # An end right after the window's last row counts too: that row is then
-      # known to be the process's last (`plan.Rules.wait_for_last`).
-      end = self._end[p] if count <= last else None
-      out.append(
-        messages.Report(
-          process_index=p,
-          rows=rows,
-          exhausted=end.exhausted if end is not None else False,
-          error=end.error if end is not None else None,
-          signature=self._signature[p],
-          local_devices=self._devices[p],
-          config=self._config[p] if with_config else None,
-          resume=self._resume[p] if with_config else None,
-          more=count > stop,
-          digests=digests,
-          sizes=sizes,
-        )
-      )
+    held = [None] * self._process_count if with_config else self._held
+    for p, (base, rows, h) in enumerate(zip(self._base, self._rows, held, strict=True)):
+      count = base + len(rows)
+      # Reused where it holds (every row it holds is `h.rows[0]`).
+      if h is None or len(h.rows) != min(count, last) - position or h.more != (count > last):
+        h = self._report(p, position, last, with_config=with_config)
+      out.append(h)
     return out
+
+  def _report(self, p: int, position: int, last: int, *, with_config: bool) -> messages.Report:
+    """Process `p`'s window report over positions ``[position, last)``."""
+    base = self._base[p]
+    count = base + len(self._rows[p])
+    stop = min(count, last)
+    # Slices of the deques (O(size) from their left end, where `position` is).
+    a, b = position - base, max(stop, position) - base
+    rows = tuple(itertools.islice(self._rows[p], a, b))
+    digests: tuple[str | None, ...] = ()
+    if self._digests is not None:
+      digests = tuple(itertools.islice(self._digests[p], a, b))
+    sizes: tuple[Any, ...] = ()
+    if self._sizes is not None:
+      sizes = tuple(itertools.islice(self._sizes[p], a, b))
+    # An end right after the window's last row counts too: that row is then
+    # known to be the process's last (`plan.Rules.wait_for_last`).
+    end = self._end[p] if count <= last else None
+    report = messages.Report(
+      process_index=p,
+      rows=rows,
+      exhausted=end.exhausted if end is not None else False,
+      error=end.error if end is not None else None,
+      signature=self._signature[p],
+      local_devices=self._devices[p],
+      config=self._config[p] if with_config else None,
+      resume=self._resume[p] if with_config else None,
+      more=count > stop,
+      digests=digests,
+      sizes=sizes,
+    )
+    # Held for the next windows while nothing but rows of the same count come.
+    plain = not with_config and self._digests is None and self._sizes is None
+    if plain and rows and self._end[p] is None and self._rows[p].count(rows[0]) == count - base:
+      self._held[p] = report
+    return report
 
   def missing(self, position: int) -> list[int]:
     """Processes whose batch (or end) at `position` is not known yet."""
@@ -220,20 +269,17 @@ class Ledger:
 
   def forget(self, position: int) -> None:
     """Drops what is known about positions before `position`."""
-    for p in range(self._process_count):
-      rows = self._rows[p]
-      drop = min(position - self._base[p], len(rows))
+    kept = [k for k in (self._digests, self._sizes) if k is not None]  # Parallel to `_rows`.
+    for p, (base, rows) in enumerate(zip(self._base, self._rows, strict=True)):
+      drop = min(position - base, len(rows))
       if drop <= 0:
         continue
-      self._base[p] += drop
-      held: list[collections.deque[Any]] = [rows]
-      if self._digests is not None:
-        held.append(self._digests[p])
-      if self._sizes is not None:
-        held.append(self._sizes[p])
-      for q in held:
-        if drop == len(q):
-          q.clear()  # Every row decided: the common case, one call.
-        else:
-          for _ in range(drop):
-            q.popleft()
+      self._base[p] = base + drop
+      if drop == len(rows):  # Every row decided: the common case, one call.
+        rows.clear()
+        for k in kept:
+          k[p].clear()
+        continue
+      for q in (rows, *[k[p] for k in kept]):
+        for _ in range(drop):
+          q.popleft()
