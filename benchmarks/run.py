@@ -200,7 +200,7 @@ def _rows_agreement(
   ag = [v["agreement"] for v in two]
   add(
     "agreement: synchronized / unsynchronized throughput",
-    "2 proc x 4 dev, 64-row batches, defaults (lookahead 10);"
+    "2 proc x 4 dev, 64-row batches, defaults;"
     f" {ag[0]['ours_sync']['batches']:,} batches per trial"
     f" (the reference model {ag[0]['ref_nosync']['batches']:,})",
     f"{_worst(ag, lambda a: _thr(a, 'ours_sync') / _thr(a, 'ours_nosync')):.2f}",
