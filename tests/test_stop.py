@@ -249,8 +249,14 @@ SECONDS_TIMEOUT = 300  # Per launch: room for the pre-issue-40 code, whose figur
 
 
 def bound_s(prefetch: int, step_s: float) -> float:
-  """Seconds within which a stop or a leaver ends every host's loop."""
-  return DECIDE_AHEAD_S + (prefetch + 1) * step_s + SLACK_S
+  """Seconds within which a stop or a leaver ends every host's loop.
+
+  Inline (`prefetch_batches=0`) one step more: the ending is seen at the
+  host's next `next()`, which can be the instant its peers' decision on
+  their next batch was made (docs/multihost.md, Preemption).
+  """
+  steps = prefetch + 1 if prefetch else 2
+  return DECIDE_AHEAD_S + steps * step_s + SLACK_S
 
 
 def _launch(fn: Any, n: int, d: int, *args: Any) -> list[Any]:
