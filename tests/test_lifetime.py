@@ -1,8 +1,9 @@
 """The iterator's lifetime: turns, the one close path, finalizers, and random schedules.
 
-`lifetime.Lifetime` is the state machine; these tests drive it through the
-public API (and, for a signal handler's view, its turn), in one process and,
-where an ending must reach a peer, in two real processes.
+`lifetime.Lifetime` is the state machine and `session.Streams` ends each
+stream; these tests drive them through the public API (and, for a signal
+handler's view, its turn), in one process and, where an ending must reach a
+peer, in two real processes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One (re)start of the stream (`session.Stages`): its threads, and their close in reverse.
+"""One (re)start of the stream (`session.Stream`): its threads, and their close in reverse.
 
 Driven through the public API: the threads a start runs (none without
 prefetch; the build thread, and with the key-value store the reading and

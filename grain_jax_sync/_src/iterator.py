@@ -1,14 +1,14 @@
 """JaxBatchIterator and iter_jax_batches: options, state, stats; holds the lifetime.
 
-Each (re)start is one session (`session.Stages`, composed in one function);
-`lifetime.Lifetime` holds it, with the state machine and the one close path.
+Each (re)start is one stream (`session.Stream`, composed in one function);
+`session.Streams` starts them and ends each in one place; `lifetime.Lifetime`
+holds the state machine, the turn and the one close path.
 Each produced batch carries the source state after it, so the state the user
 sees is the state after the last batch they received.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -16,12 +16,10 @@ from typing import Any
 import jax
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import job_stats, signal_at, sources, tracebacks
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.session import Mark
+from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src.sources import elastic
 
 
@@ -49,25 +47,16 @@ class JaxBatchIterator(Iterator[Any]):
     options_lib.check_divisible(options, placement.local_shards, placement.describe_local())
     self._options = options
     self._placement = placement
-    self._origin = source  # Reopened by reset().
     # Named at construction, so that a process that never iterates still
     # counts this iterator (and can tell its peers it closed or failed).
     namespace = None
     if options.synchronize_batches and jax.process_count() > 1:
       namespace = exchange_lib.new_namespace(options.name)
-    self._source, initial = lifetime_lib.open_source(source, options, namespace)
-    self._initial = initial
-    # Holds no reference to this iterator: its finalizer closes it.
-    self._life = lifetime_lib.Lifetime(
-      options=options,
-      placement=placement,
-      source=self._source,
-      namespace=namespace,
-      mark=Mark(0, initial, options.batch_size, stats_lib.Delivered()),
+    self._streams = session_lib.Streams(
+      source, options=options, placement=placement, namespace=namespace
     )
-    # stats(all_hosts=True): every host's counters, through the agreement's messages.
-    self._job = job_stats.JobTable(self._life.snapshot, namespace)
-    self._life.job = self._job
+    # Holds no reference to this iterator: its finalizer closes it.
+    self._life = lifetime_lib.Lifetime(self._streams)
     self._finalizer = weakref.finalize(self, self._life.collected)
 
   def __iter__(self) -> JaxBatchIterator:
@@ -79,39 +68,9 @@ class JaxBatchIterator(Iterator[Any]):
     life = self._life
     life.take_turn("next()")
     try:
-      return self._next(life)
+      return self._streams.next()
     finally:
       life.give_turn()
-
-  def _next(self, life: lifetime_lib.Lifetime) -> Any:
-    if life.refusal is not None:
-      raise ValueError(life.refusal)
-    if life.exhausted:
-      raise StopIteration
-    t0 = time.monotonic()
-    stages = life.stages()
-    try:
-      item = next(stages)
-    except BaseException as e:
-      life.waited(time.monotonic() - t0, stages.trailing_drops())
-      life.exhausted = True
-      life.stopped_by = stages.stop_requested_by
-      if not life.asked:  # Else the close stops it, with its count.
-        life.stop()
-      del stages  # Holds the ending (see `tracebacks.clear_library_frames`).
-      if life.asked and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
-        raise StopIteration from None  # Closed from another thread meanwhile.
-      tracebacks.clear_library_frames(e)
-      tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
-      raise
-    if not life.receive(item, time.monotonic() - t0, stages.batch_size):
-      # Closed from another thread meanwhile (its count excludes this
-      # batch), or from a signal handler inside this call: no batch after
-      # `close()`.
-      raise StopIteration
-    if life.mark.position == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
-      signal_at.send()
-    return item.value
 
   def stats(self, *, all_hosts: bool = False) -> dict[str, Any]:
     """What the input pipeline did on this host so far (or on every host).
@@ -152,8 +111,8 @@ class JaxBatchIterator(Iterator[Any]):
       the job".
     """
     if all_hosts:
-      return self._job.view()
-    return self._life.snapshot()
+      return self._streams.job.view()
+    return self._streams.snapshot()
 
   # -- state -------------------------------------------------------------------
 
@@ -170,16 +129,17 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       RuntimeError: If the source cannot report its position.
     """
-    if not self._source.supports_state:
-      self._source.get_state()  # Raises with the source's description.
-    mark = self._life.mark
+    source = self._streams.source
+    if not source.supports_state:
+      source.get_state()  # Raises with the source's description.
+    mark = self._streams.mark
     state = {
       "version": options_lib.STATE_VERSION,
       "batches": mark.position,
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._options.digest(),
-      "source": self._source.export_state(mark.state),
+      "source": source.export_state(mark.state),
     }
     if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
@@ -223,46 +183,20 @@ class JaxBatchIterator(Iterator[Any]):
       life.give_turn()
 
   def _set_state(self, state: Mapping[str, Any]) -> None:
-    p = jax.process_index()
+    p, streams = jax.process_index(), self._streams
     try:
       # A list of every old process's state (issue 24): this process's, or
       # for an elastic source on another count, a re-split one.
       state = elastic.for_this_process(
-        self._source, state, process_index=p, process_count=jax.process_count()
+        streams.source, state, process_index=p, process_count=jax.process_count()
       )
       batches, source_state = options_lib.check_state(
         state, options=self._options, process_index=p, process_count=jax.process_count()
       )
       batch_size = options_lib.pinned_batch_size(state)
-      self._set_source_state(source_state)
     except ValueError as e:
-      raise self._refused(e) from e
-    self._life.leave("restored a state (set_state())")
-    batch_size = batch_size or self._options.batch_size
-    self._life.restart(Mark(batches, source_state, batch_size, self._life.mark.delivered))
-
-  def _refused(self, e: ValueError) -> ValueError:
-    """Makes a refused state this host's ending (its peers raise it too); see `Lifetime.refuse`."""
-    error = ValueError(f"process {jax.process_index()}: {e}")
-    self._life.refuse(str(error))
-    return error
-
-  def _set_source_state(self, source_state: Any) -> None:
-    """Moves the source, once no stage thread reads it (the callers restart after)."""
-    if not self._source.supports_state:
-      self._source.set_state(source_state)  # Raises; the running stream goes on.
-      return
-    self._life.halt()
-    try:
-      self._source.set_state(source_state)
-    except (KeyError, TypeError, ValueError) as e:
-      raise ValueError(
-        f"`state['source']` is not a state of {self._source.description}: {type(e).__name__}: {e}"
-      ) from e
-    except Exception as e:
-      self._life.start_error = e  # Halted: the next start raises it, on every host.
-      self._life.restart(self._life.mark)
-      raise
+      raise streams.refuse(e) from e
+    streams.restore(source_state, "set_state()", batches, batch_size)
 
   def reset(self) -> None:
     """Restarts the stream from the source's beginning, on every host.
@@ -279,15 +213,7 @@ class JaxBatchIterator(Iterator[Any]):
         from inside this thread's own `next()` (a signal handler) or while
         another thread's `next()` is in progress.
     """
-    self._in_turn("reset()", self._reset)
-
-  def _reset(self) -> None:
-    self._life.leave("reset its iterator")
-    self._source = sources.reopen(self._origin, self._source, self._initial)
-    self._life.source = self._source
-    initial = self._source.get_state() if self._source.supports_state else None
-    self._initial = initial
-    self._life.restart(Mark(0, initial, self._options.batch_size, self._life.mark.delivered))
+    self._in_turn("reset()", self._streams.reset)
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 
@@ -302,13 +228,14 @@ class JaxBatchIterator(Iterator[Any]):
     Grain datasets, a `DataLoaderIterator`-like object (JSON bytes) for a
     `grain.DataLoader`; None for other sources.
     """
-    return self._source.local_iterator(self)
+    return self._streams.source.local_iterator(self)
 
   def local_state(self) -> Any:
     """The source's JSON state after the last batch received (`local_iterator`)."""
-    if not self._source.supports_state:
-      self._source.get_state()  # Raises with the source's description.
-    return self._source.export_state(self._life.mark.state)
+    source = self._streams.source
+    if not source.supports_state:
+      source.get_state()  # Raises with the source's description.
+    return source.export_state(self._streams.mark.state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
@@ -316,17 +243,14 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       ValueError: If the source refuses the state (on the peers too).
     """
-    self._in_turn("local_iterator.set_state()", self._restore_local, source_state)
-
-  def _restore_local(self, source_state: Any) -> None:
-    try:
-      self._set_source_state(source_state)
-    except ValueError as e:
-      raise self._refused(e) from e
-    self._life.leave("restored a state (local_iterator.set_state())")
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._life.restart(Mark(0, source_state, self._options.batch_size, self._life.mark.delivered))
+    self._in_turn(
+      "local_iterator.set_state()",
+      self._streams.restore,
+      source_state,
+      "local_iterator.set_state()",
+    )
 
   # -- lifetime ----------------------------------------------------------------
 
@@ -359,7 +283,7 @@ class JaxBatchIterator(Iterator[Any]):
 
     None while the stream runs, and after a natural end.
     """
-    return self._life.stopped_by
+    return self._streams.stopped_by
 
   def close(self) -> None:
     """Stops the stages, tells the peers, releases the source; idempotent.

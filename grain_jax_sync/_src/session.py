@@ -1,4 +1,4 @@
-"""One (re)start of the stream: its stages, composed in one function, closed in reverse.
+"""The streams of one iterator and their endings: each (re)start one `Stream`, ended in one place.
 
 ```
 source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> user
@@ -9,15 +9,16 @@ source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> us
 With `prefetch_batches=0` every stage runs in the caller's `next()`. With
 prefetch, each threaded stage is a `prefetch.Prefetcher`: the consumer's
 `next()` is one queue get, and the consumer never builds. The source is
-read by the agreement, wherever it runs. At most two threads per stream.
+read by the agreement, wherever it runs (with the key-value store and
+prefetch, in a reading thread of its own). At most three threads per stream.
 
-`Stages` is built from a frozen `Start` and owns every thread it starts.
+A `Stream` is built from a frozen `Start` and owns every thread it starts.
 Nothing here is shared with other threads except through the stages'
-queues; `lifetime.Lifetime` decides who calls `close` (once). Here the
-thread in the call (`next()`, `set_state()`, ...) makes, advances and closes
-the stages. From other threads only `interrupt` (a signal handler's close),
+queues; `lifetime.Lifetime` decides who calls `Streams.close` (once). Here
+the thread in the call (`next()`, `set_state()`, ...) makes, advances and
+ends the streams. From other threads only `interrupt` (a close asked for),
 `request_stop` and `times` (`stats`) come in: they set a flag or put on a
-queue, or read fields set before the stages were published, plus the stage
+queue, or read fields set before the stream was published, plus the stage
 counters (`source_s`, `busy_s`, `transfer_s`): floats, each written by the
 one thread that runs its stage.
 """
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -34,7 +37,15 @@ import jax
 
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import liveness, messages, reader, sources
+from grain_jax_sync._src import (
+  job_stats,
+  liveness,
+  messages,
+  reader,
+  signal_at,
+  sources,
+  tracebacks,
+)
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
@@ -87,8 +98,12 @@ class Start:
   job: Any = None  # `job_stats.JobTable`: every host's counters (`stats(all_hosts=True)`).
 
 
-class Stages:
-  """The stages of one start, composed in the diagram's order (`compose`)."""
+class Stream:
+  """One (re)start of the stream: its stages, composed in the diagram's order, and its ending.
+
+  Owns every thread it starts and its exchange; `end` stops the stages in
+  reverse and posts this host's ending, once.
+  """
 
   def __init__(self, start: Start):
     options = start.options
@@ -101,7 +116,7 @@ class Stages:
     self.reached_end = False  # This host's consumer reached the agreed end (not an error).
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
-    self._closed = False
+    self._ended = False
     self._agreement: streamed.Streamed | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
     self._stopper: Agreement | None = None
@@ -253,7 +268,9 @@ class Stages:
 
   def interrupt(self) -> None:
     """Wakes every wait of the stages, taking no lock (a signal handler may hold one)."""
-    self._exchange_cancel()
+    cancel = getattr(self._exchange, "cancel", None)
+    if cancel is not None:
+      cancel()
     for stage in self._threads:
       stage.interrupt()
 
@@ -271,11 +288,6 @@ class Stages:
   def stop_requested_by(self) -> int | None:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self._stopper is None else self._stopper.stop_requested_by
-
-  def _exchange_cancel(self) -> None:
-    cancel = getattr(self._exchange, "cancel", None)
-    if cancel is not None:
-      cancel()
 
   def halt(self, *, abandon_reads: bool = False) -> None:
     """Stops every stage, from the user's end back to the source; posts nothing.
@@ -299,7 +311,7 @@ class Stages:
     reading = [s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)]
     return reading[0] if reading else None
 
-  def close(self, at: int, error: messages.ReportedError | None = None) -> None:
+  def end(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
 
     A read stuck in the source is not waited for: the ending is posted at
@@ -309,10 +321,9 @@ class Stages:
       at: The batches this host's consumer received.
       error: The ending to post (default: closed at batch `at`).
     """
-    if self._closed:
+    if self._ended:
       return
-    self._closed = True
-    self._exchange_cancel()
+    self._ended = True
     self._builder.wake()  # The agreement thread may wait for the build thread's room.
     self.interrupt()  # Every wait at once, before any join.
     self.halt(abandon_reads=True)
@@ -330,6 +341,261 @@ class Stages:
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
 
+class Streams:
+  """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
+
+  Every ending goes through `end`: the stream's own (exhausted, stopped, a
+  source error, a peer that left or timed out, from `next`), a restart
+  (`reset`, `restore`), a refused state (`refuse`) and the close (`close`,
+  also the finalizer's, through `lifetime.Lifetime`). The thread in the call
+  owns every field. From other threads come only `interrupt` (a close was
+  asked for) and `request_stop`, which set a field and wake waits without a
+  lock, and reads of ``mark``, ``stream`` and ``finished`` (`times`), each
+  one value replaced whole.
+
+  Args:
+    origin: What the user passed (reopened by `reset`).
+    options: The iterator's options.
+    placement: Where the rows go.
+    namespace: The iterator's key prefix (None: nothing is exchanged).
+  """
+
+  def __init__(
+    self,
+    origin: Any,
+    *,
+    options: options_lib.Options,
+    placement: placement_lib.BatchPlacement,
+    namespace: str | None,
+  ):
+    self._options = options
+    self._placement = placement
+    self._namespace = namespace
+    self._origin = origin
+    self.generation = 0  # Streams started or ended so far; names their keys.
+    self.pending_start = True  # No stream since the last (re)start: a close posts there.
+    try:
+      self.source = sources.open_source(origin)
+      self.initial = self.source.get_state() if self.source.supports_state else None
+    except BaseException as e:
+      # The first stream's ending: its peers would otherwise wait
+      # `sync_timeout_s` for a host that never reports.
+      self.generation = 1
+      end = reader.failed(jax.process_index(), 0, 0, e, "opening its source")
+      _post_unstarted(options, self._keys(), 0, end.error)
+      raise
+    self.mark = Mark(0, self.initial, options.batch_size, stats_lib.Delivered())
+    self.stream: Stream | None = None
+    self.finished = stats_lib.Times()  # The stage times of the streams ended so far.
+    self.closing = False  # A close was asked for (set without a lock: a signal handler).
+    self.start_error: BaseException | None = None  # Raised by the next start.
+    self.refusal: str | None = None  # A refused state's error, raised by `next()`.
+    self.exhausted = False
+    self.stopped_by: int | None = None  # The process whose stop ended the last stream.
+    self._stop_at: int | None = None  # `request_stop()`: the batches received then.
+    # The last ended stream's reading thread: it may still be in the source.
+    self._reading: prefetch_lib.OnDemand[Any] | None = None
+    # stats(all_hosts=True): every host's counters, through the agreement's messages.
+    self.job = job_stats.JobTable(self.snapshot, namespace)
+
+  def _keys(self) -> str | None:
+    return None if self._namespace is None else f"{self._namespace}/{self.generation}"
+
+  def current(self) -> Stream:
+    """The running stream, started now if there is none. In the call."""
+    stream = self.stream
+    if stream is None:
+      self.generation += 1
+      start_error, self.start_error = self.start_error, None
+      start = Start(
+        self._options, self._placement, self.source, self.mark, start_error, self._keys(), self.job
+      )
+      self.stream = stream = Stream(start)
+      self.pending_start = False
+      if self.closing:  # A close asked for meanwhile, before this stream could hear it.
+        stream.interrupt()
+      if self._stop_at is not None:  # A stop asked for before this stream.
+        stream.request_stop(self._stop_at)
+    return stream
+
+  def next(self) -> Any:
+    """The next batch of the running stream; its ending ends it (`end`). In the call."""
+    if self.refusal is not None:
+      raise ValueError(self.refusal)
+    if self.exhausted:
+      raise StopIteration
+    t0 = time.monotonic()
+    stream = self.current()
+    try:
+      item = next(stream)
+    except BaseException as e:
+      d = self.mark.delivered.ended(time.monotonic() - t0, stream.trailing_drops())
+      self.mark = self.mark._replace(delivered=d)
+      self.exhausted = True
+      self.stopped_by = stream.stop_requested_by
+      if not self.closing:  # Else the close ends it, with its count.
+        self.end()
+      del stream  # Holds the ending (see `tracebacks.clear_library_frames`).
+      if self.closing and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
+        raise StopIteration from None  # Closed from another thread meanwhile.
+      tracebacks.clear_library_frames(e)
+      tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
+      raise
+    if self.closing:
+      # Closed from another thread meanwhile (its count excludes this batch),
+      # or from a signal handler inside this call: no batch after `close()`.
+      raise StopIteration
+    # Replaced whole: readers in other threads see the old mark or the new one.
+    d = self.mark.delivered.added(item.real, item.rows, item.dropped, time.monotonic() - t0)
+    self.mark = Mark(self.mark.position + 1, item.state, stream.batch_size, d)
+    if self.mark.position == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
+      signal_at.send()
+    return item.value
+
+  def end(self, ending: messages.ReportedError | None = None, *, unstarted: bool = True) -> None:
+    """The one ending path: ends the running stream with `ending` (default: closed). In the call.
+
+    With no stream running and `unstarted`, the ending goes to the stream
+    this host would start next, if none started since the last (re)start:
+    its peers may wait in it. A later start takes the stream after it, as
+    theirs do. A read stuck in the source is left to return on its own
+    (`_settle_reads`).
+    """
+    stream = self.stream
+    if stream is None:
+      if unstarted and self._namespace is not None and self.pending_start:
+        self.generation += 1
+        _post_unstarted(self._options, self._keys(), self.mark.position, ending)
+      return
+    self.stream = None
+    self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
+    stream.end(self.mark.position, ending)
+    self.finished = self.finished + stream.times()
+    # The figures of the batches built after the final decision too; posted
+    # for the peers only after an agreed end (an error ends every host, and
+    # its keys would outlive an iterator never closed).
+    self.job.ended(post=stream.reached_end)
+
+  def interrupt(self) -> None:
+    """A close was asked for: wakes the running stream's waits, taking no lock."""
+    self.closing = True
+    stream = self.stream
+    if stream is not None:
+      stream.interrupt()
+
+  def request_stop(self) -> None:
+    """Asks every host to stop at one position; no lock (any thread, a handler).
+
+    The running stream's agreement posts it; a stream not started yet gets it
+    when it starts. Once asked, later requests change nothing.
+    """
+    if self._stop_at is not None or self.exhausted:
+      return
+    self._stop_at = self.mark.position
+    stream = self.stream
+    if stream is not None:
+      stream.request_stop(self._stop_at)
+
+  # -- restarts ------------------------------------------------------------------
+
+  def reset(self) -> None:
+    """Ends the stream as this host's reset and restarts at the source's beginning (reopened)."""
+    self._leave("reset its iterator")
+    self.source = sources.reopen(self._origin, self.source, self.initial)
+    self.initial = self.source.get_state() if self.source.supports_state else None
+    self._restart(Mark(0, self.initial, self._options.batch_size, self.mark.delivered))
+
+  def restore(self, source_state: Any, how: str, batches: int = 0, batch_size: Any = None) -> None:
+    """Moves the source to `source_state`, then restarts there after `batches` batches.
+
+    Raises:
+      ValueError: The source refused the state (this host's ending, `refuse`).
+    """
+    try:
+      self.move(source_state)
+    except ValueError as e:
+      raise self.refuse(e) from e
+    self._leave(f"restored a state ({how})")
+    batch_size = batch_size or self._options.batch_size
+    self._restart(Mark(batches, source_state, batch_size, self.mark.delivered))
+
+  def move(self, source_state: Any) -> None:
+    """Moves the source, once no stage thread reads it (the callers restart after)."""
+    if not self.source.supports_state:
+      self.source.set_state(source_state)  # Raises; the running stream goes on.
+      return
+    if self.stream is not None:
+      self.stream.halt()
+    self._settle_reads()
+    try:
+      self.source.set_state(source_state)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(
+        f"`state['source']` is not a state of {self.source.description}: {type(e).__name__}: {e}"
+      ) from e
+    except Exception as e:
+      self.start_error = e  # Halted: the next start raises it, on every host.
+      self._restart(self.mark)
+      raise
+
+  def refuse(self, e: ValueError) -> ValueError:
+    """Makes a refused state's error this host's ending; `next()` raises it. In the call.
+
+    Posted at once, to the running stream or to the one it would have
+    started, not when this host next iterates or closes: a host that lets the
+    error propagate keeps the iterator alive in its traceback, and its peers
+    waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
+    `next()` raises the same error.
+    """
+    error = ValueError(f"process {jax.process_index()}: {e}")
+    self.end(messages.ReportedError(messages.ErrorKind.VALUE, str(error), jax.process_index(), 0))
+    self.pending_start = True
+    self.refusal = str(error)
+    return error
+
+  def _leave(self, how: str) -> None:
+    """Ends the running stream with "process p {how} at batch i"; the source is moved next."""
+    self.end(endings.closed_error(jax.process_index(), self.mark.position, how), unstarted=False)
+    self._settle_reads()
+
+  def _restart(self, mark: Mark) -> None:
+    """Ends the running stream (closed); the next `current()` starts a new one at `mark`."""
+    self.end(unstarted=False)
+    self.mark = mark
+    self.refusal = None
+    self.exhausted = False
+    self.pending_start = True
+    self._stop_at = None  # A request ended (or would have ended) the old stream only.
+    self.stopped_by = None
+
+  def _settle_reads(self) -> None:
+    """Waits for a read that an ended stream left in the source, before it is moved or reopened."""
+    if self._reading is not None:
+      self._reading.close()
+      self._reading = None
+
+  def close(self) -> None:
+    """The close's ending: ends the stream (closed), marks this host closed, closes the source."""
+    at = self.mark.position
+    self.end()  # Closed: the peers raise "process p closed its iterator".
+    if self._namespace is not None:
+      message = f"process {jax.process_index()} closed its iterator at batch {at}"
+      exchange_lib.register_close(self._namespace, json.dumps([self._keys(), message]))
+      exchange_lib.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
+    if self._reading is None:
+      self.source.close()
+    else:
+      self._reading.after(self.source.close)  # Once a read stuck in the source returns.
+
+  def times(self) -> stats_lib.Times:
+    stream = self.stream  # One value each: no lock.
+    return self.finished if stream is None else self.finished + stream.times()
+
+  def snapshot(self) -> dict[str, Any]:
+    """This host's `stats()`: no lock, from any thread or a signal handler."""
+    return stats_lib.snapshot(self.mark.delivered, self.times())
+
+
 def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:
   """Each decided position as a run of its own, so that queues bound positions."""
   for run in runs:
@@ -345,7 +611,7 @@ def _raising(error: BaseException) -> Iterator[Run]:
   yield  # pragma: no cover - a generator that raises at its first `next()`.
 
 
-def end_unstarted(
+def _post_unstarted(
   options: options_lib.Options,
   namespace: str | None,
   position: int,

@@ -70,14 +70,10 @@ def order_cause() -> str:
   )
 
 
-def closed_error(process: int, at_batch: int) -> ReportedError:
-  """The ending of a process that closed its iterator after `at_batch` batches."""
+def closed_error(process: int, at_batch: int, how: str = "closed its iterator") -> ReportedError:
+  """The ending of a process that closed its iterator (or restarted its stream: `how`) after `at_batch` batches."""
   return ReportedError(
-    ErrorKind.CLOSED,
-    f"process {process} closed its iterator at batch {at_batch}",
-    process,
-    at_batch,
-    "closed",
+    ErrorKind.CLOSED, f"process {process} {how} at batch {at_batch}", process, at_batch, "closed"
   )
 
 
