@@ -71,7 +71,7 @@ def check_pad_values(
 ) -> list[np.ndarray]:
   """Converts each padding value to its leaf's dtype, or raises naming it."""
   out = []
-  for pad, dtype, name in zip(pads, dtypes, names):
+  for pad, dtype, name in zip(pads, dtypes, names, strict=True):
     if pad is None:
       raise ValueError(
         f"`paddings` has no value for column {name!r}; give a scalar for"
@@ -190,15 +190,11 @@ def fill_leaf(
     raise ValueError("internal: padding needed without a padding value")
   buf = np.empty((target, *shape), dtype)
   if grown:
-    assert leaf is not None
     buf[...] = pad
-    if rows:
-      cast_into(buf[tuple(slice(0, n) for n in leaf.shape)], leaf)
-    return buf
-  if leaf is not None and rows:
-    cast_into(buf[:rows], leaf)
-  if rows < target:
+  elif rows < target:
     buf[rows:] = pad
+  if leaf is not None and rows:
+    cast_into(buf[tuple(slice(0, n) for n in leaf.shape)], leaf)
   return buf
 
 
