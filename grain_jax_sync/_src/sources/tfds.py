@@ -224,8 +224,7 @@ def check_args(
   What `tfds_pipeline` and `hf_pipeline` both take.
   """
   batch_size = options_lib.checked_int("batch_size", batch_size)
-  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
-    raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
+  options_lib.checked_int_or_none("num_epochs", num_epochs)
   if not 0 <= int(seed) < 2**32:
     raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
   if elastic and any(x is not None for x in placement_args):
