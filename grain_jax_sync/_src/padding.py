@@ -50,20 +50,7 @@ def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list
       )
     return [next(iter(value.values()))]
   keys = {str(k): v for k, v in value.items()}
-  out: list[Any] = []
-  used: set[str] = set()
-  for name in names:
-    hit = shapes_lib.column_of(name, keys)
-    if hit is not None:
-      used.add(hit)
-    out.append(None if hit is None else keys[hit])
-  unknown = sorted(set(keys) - used)
-  if unknown:
-    raise ValueError(
-      f"`{what}` names columns that the batches do not have: {unknown};"
-      f" the columns are {list(names)}"
-    )
-  return out
+  return [None if c is None else keys[c] for c in shapes_lib.columns_of(what, names, keys)]
 
 
 def check_pad_values(
