@@ -21,13 +21,16 @@ a row names one:
   the worst over several A (the request falls at different points of a round)
   of the seconds from the request to every host's loop end, and the batches
   trained after the request, each against the bound
-  ``decide_ahead_s + (prefetch_batches + 1) * step + 1 s`` (issue 40);
+  ``decide_ahead_s + (prefetch_batches + 1) * step + 1 s`` (issue 40; one
+  step more at prefetch 0, as docs/multihost.md says);
 * `leavers`: host 1 closes its iterator after its batch 5, or its source
   raises at batch 5 (once its consumer holds batches 0-4: the job's batch 5,
   not the read-ahead's), at a 20 ms and a 2 s step; the seconds until
   host 0's loop raised, against the same bound.
 
-The seconds compare `time.time()` across the processes: they share one
+The cases and the bound are benchmarks/timed_endings.py's, which
+tests/test_stop.py asserts on: 8 rows a batch, `sync_timeout_s=60`. The
+seconds compare `time.time()` across the processes: they share one
 machine's clock.
 """
 
@@ -42,27 +45,25 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync import testing
+from benchmarks import timed_endings
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _data(p: int, n: int, stall_at: int | None = None, stall_s: float = 0.0) -> Any:
-  for i in range(n):
-    if i == stall_at:
+def _stalling(p: int, n: int, at: int | None, stall_s: float) -> Any:
+  for i, batch in enumerate(timed_endings.data(p, n)):
+    if i == at:
       time.sleep(stall_s)
-    yield {"x": np.full(64, 1000 * p + i, np.int32)}
+    yield batch
 
 
 def lead(n: int, prefetch: int) -> dict[str, Any]:
   """Times at which this host received each batch (host 1 steps 20 ms)."""
   import jax
 
-  import grain_jax_sync as gjs
-
   p = jax.process_index()
   times = []
-  with gjs.iter_jax_batches(_data(p, n), batch_size=64, prefetch_batches=prefetch) as it:
+  with timed_endings.iterator(timed_endings.data(p, n), prefetch) as it:
     for _ in it:
       times.append(time.time())
       if p == 1:
@@ -70,37 +71,12 @@ def lead(n: int, prefetch: int) -> dict[str, Any]:
   return {"times": times}
 
 
-def close_at_5(n: int, prefetch: int) -> dict[str, Any]:
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  got, raised_s, closed_at = 0, None, None
-  it = gjs.iter_jax_batches(_data(p, n), batch_size=64, prefetch_batches=prefetch)
-  try:
-    for _ in it:
-      got += 1
-      if p == 1 and got == 5:
-        closed_at = time.time()
-        it.close()
-        break
-      time.sleep(0.05)
-  except RuntimeError:
-    raised_s = time.time()
-  it.close()
-  return {"got": got, "raised": raised_s, "closed": closed_at}
-
-
 def stuck_peer(stall_s: float, prefetch: int) -> dict[str, Any]:
   """The CPU of the `next()` that waits longest (host 1's source stalls before its batch 8)."""
   import jax
 
-  import grain_jax_sync as gjs
-
   p = jax.process_index()
-  data = _data(p, 12, stall_at=8 if p == 1 else None, stall_s=stall_s)
-  it = gjs.iter_jax_batches(data, batch_size=64, prefetch_batches=prefetch)
+  it = timed_endings.iterator(_stalling(p, 12, 8 if p == 1 else None, stall_s), prefetch)
   calls = []
   while True:
     cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
@@ -114,12 +90,8 @@ def stuck_peer(stall_s: float, prefetch: int) -> dict[str, Any]:
   return {"cpu_share": used / wait_s, "wait_s": wait_s}
 
 
-def _run(fn: Any, *args: Any, timeout_s: float = 600) -> list[Any]:
-  return testing.values(
-    testing.run_processes(
-      fn, num_processes=2, devices_per_process=4, args=args, timeout_s=timeout_s
-    )
-  )
+def _run(fn: Any, *args: Any) -> list[Any]:
+  return timed_endings.launch(fn, 2, 4, *args, timeout_s=900)
 
 
 def _max_lead(times: list[list[float]]) -> int:
@@ -144,11 +116,11 @@ def close_rows(prefetches: list[int]) -> list[str]:
   out = []
   for prefetch in prefetches:
     r = 10 + prefetch
-    closes = [_run(close_at_5, 400, prefetch) for _ in range(3)]
-    got = [c[0]["got"] for c in closes]
-    late = [round(c[0]["raised"] - c[1]["closed"], 2) for c in closes]
+    closes = [_run(timed_endings.leave_at_5, prefetch, "close", 0.05) for _ in range(3)]
+    got = [len(c[0]["rows"]) for c in closes]
+    late = [round(c[0]["ended"] - c[1]["left"], 2) for c in closes]
     out.append(
-      f"| host 1 closes at batch 5 of 400 (50 ms step), prefetch {prefetch} |"
+      f"| host 1 closes at batch 5 of {timed_endings.LENGTH} (50 ms step), prefetch {prefetch} |"
       f" host 0 received {got} batches, raised {late} s after the close (bound 5 + 2R ="
       f" {5 + 2 * r}) |"
     )
@@ -170,62 +142,26 @@ def stuck_rows(prefetches: list[int]) -> list[str]:
 
 # -- endings in seconds (issue 40) ----------------------------------------------------
 
-DECIDE_AHEAD_S = 1.0  # The default `decide_ahead_s`.
-STOP_LENGTH = 400  # Batches per host: the stop, not exhaustion, ends every stream.
 # Per step (s): the batches after which the request comes, alternately from
 # host 0 and host 1. Fewer at slow steps: each costs A steps before it.
 STOP_REQUESTS = {0.005: (3, 37, 101), 0.05: (3, 17, 40), 0.5: (3, 8), 2.0: (2, 3), 5.0: (2,)}
-LEAVE_STEPS = (0.02, 2.0)
-
-
-def bound_s(prefetch: int, step_s: float) -> float:
-  """Issue 40's bound on a stop or a leaver, in seconds from the event."""
-  return DECIDE_AHEAD_S + (prefetch + 1) * step_s + 1.0
-
-
-def timed_stop(prefetch: int, step_s: float, after: int, asker: int) -> dict[str, Any]:
-  """`asker` calls request_stop() in its loop after its batch `after`."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  it = gjs.iter_jax_batches(_data(p, STOP_LENGTH), batch_size=64, prefetch_batches=prefetch)
-  got, asked = 0, None
-  for _ in it:
-    got += 1
-    if p == asker and got == after:
-      asked = time.time()
-      it.request_stop()
-    time.sleep(step_s)
-  ended = time.time()
-  by = it.stop_requested_by
-  it.close()
-  return {"got": got, "asked": asked, "ended": ended, "by": by}
-
-
-def stop_latency(prefetch: int) -> list[dict[str, Any]]:
-  """Every (step, request) of STOP_REQUESTS in sequence, in one launch."""
-  return [
-    timed_stop(prefetch, step_s, after, i % 2)
-    for step_s, afters in STOP_REQUESTS.items()
-    for i, after in enumerate(afters)
-  ]
+LEAVE_CASES = [(kind, step_s) for kind in ("close", "error") for step_s in (0.02, 2.0)]
 
 
 def stop_latency_rows(prefetches: list[int]) -> list[str]:
+  cases = [(s, a, i % 2) for s, afters in STOP_REQUESTS.items() for i, a in enumerate(afters)]
   out = []
   for prefetch in prefetches:
-    runs = _run(stop_latency, prefetch, timeout_s=900)
-    cases = [(s, a, i % 2) for s, afters in STOP_REQUESTS.items() for i, a in enumerate(afters)]
+    runs = _run(timed_endings.timed_stops, prefetch, cases)
     for step_s, afters in STOP_REQUESTS.items():
       seconds, batches = [], []
-      for k, (step, after, asker) in enumerate(cases):
-        if step == step_s:
-          seconds.append(max(o[k]["ended"] for o in runs) - runs[asker][k]["asked"])
-          batches.append(runs[0][k]["got"] - after)
-          assert all(o[k]["by"] == asker for o in runs), (step, after, [o[k] for o in runs])
-      bound = bound_s(prefetch, step_s)
+      for k, case in enumerate(cases):
+        if case[0] == step_s:
+          late, after_request = timed_endings.stop_late([o[k] for o in runs], case)
+          seconds.append(late)
+          batches.append(after_request)
+          assert all(o[k]["by"] == case[2] for o in runs), (case, [o[k] for o in runs])
+      bound = timed_endings.bound_s(prefetch, step_s)
       out.append(
         f"| {step_s:g} s | {prefetch} | {', '.join(map(str, afters))} |"
         f" {max(seconds):.2f} ({', '.join(f'{x:.2f}' for x in seconds)}) |"
@@ -235,70 +171,22 @@ def stop_latency_rows(prefetches: list[int]) -> list[str]:
   return out
 
 
-class SourceFailed(Exception):
-  pass
-
-
-def _failing(p: int, fail: bool, received: Any, failed: list[float]) -> Any:
-  """Raises at batch 5 once this host's consumer holds batches 0-4, where `fail`."""
-  for i in range(STOP_LENGTH):
-    if fail and i == 5:
-      opened = received.wait(30.0)
-      failed.extend([time.time(), opened])
-      raise SourceFailed("the shard vanished")
-    yield {"x": np.full(64, 1000 * p + i, np.int32)}
-
-
-def leave_at_5(kind: str, step_s: float) -> dict[str, Any]:
-  """Host 1 closes after its batch 5 (`kind` "close") or its source fails at batch 5 ("error")."""
-  import threading
-
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p = jax.process_index()
-  received, left, error = threading.Event(), [], None
-  it = gjs.iter_jax_batches(_failing(p, p == 1 and kind == "error", received, left), batch_size=64)
-  got = 0
-  try:
-    for _ in it:
-      got += 1
-      if p == 1 and got == 5:
-        received.set()
-        if kind == "close":
-          left.append(time.time())
-          break
-      time.sleep(step_s)
-  except (RuntimeError, SourceFailed) as e:
-    error = f"{type(e).__name__}: {e}"
-  ended = time.time()
-  it.close()
-  left_s, opened = (left + [None, None])[:2]
-  return {"got": got, "left": left_s, "opened": opened, "ended": ended, "error": error}
-
-
-def leavers() -> list[dict[str, Any]]:
-  return [leave_at_5(kind, step_s) for kind in ("close", "error") for step_s in LEAVE_STEPS]
-
-
 def leaver_rows(prefetches: list[int]) -> list[str]:
   del prefetches  # Default settings (prefetch_batches=2) only.
-  runs = _run(leavers, timeout_s=900)
-  cases = [(kind, step_s) for kind in ("close", "error") for step_s in LEAVE_STEPS]
+  runs = _run(timed_endings.leave_cases, 2, LEAVE_CASES)
   out = []
-  for k, (kind, step_s) in enumerate(cases):
+  for k, (kind, step_s) in enumerate(LEAVE_CASES):
     peer, leaver = runs[0][k], runs[1][k]
-    took, bound = peer["ended"] - leaver["left"], bound_s(2, step_s)
+    took, bound = peer["ended"] - leaver["left"], timed_endings.bound_s(2, step_s)
     error = peer["error"] or "none: ended normally"
     named = "naming process 1" if "process 1" in error else f"NOT naming it: {error}"
     kind_words = "closes after" if kind == "close" else "fails (its source) at"
     within = "within" if took <= bound else f"over by {took - bound:.2f} s"
     if kind == "error" and not leaver["opened"]:  # A blocked read held the decided batches.
-      within += "; its source's read waited 30 s in vain for batch 4 to reach the job"
+      within += "; its source's read waited in vain for batch 4 to reach the job"
     out.append(
       f"| host 1 {kind_words} batch 5, {step_s * 1000:g} ms step, defaults |"
-      f" host 0 raised {took:.2f} s after it ({named}), after {peer['got']} batches;"
+      f" host 0 raised {took:.2f} s after it ({named}), after {len(peer['rows'])} batches;"
       f" bound {bound:.2f} s: {within} |"
     )
   return out

@@ -452,7 +452,7 @@ def test_a_list_on_the_same_count_restores_this_process_s_state_for_any_source()
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [
-    ({"num_epochs": 0}, r"`num_epochs` must be an int >= 1 or None \(forever\), got 0"),
+    ({"num_epochs": 0}, r"`num_epochs` must be a positive int or None \(forever\), got 0"),
     ({"seed": -1}, "`seed` must be an int >= 0, got -1"),
     ({"transform": 3}, "`transform` must be callable or None, got int"),
   ],

@@ -134,8 +134,8 @@ def test_a_state_saved_before_resumes():
 @pytest.mark.parametrize(
   ("keywords", "needle"),
   [
-    ({"batch_size": 0}, "`batch_size` must be a positive int, got 0"),
-    ({"synchronize_lookahead": 0}, "`synchronize_lookahead` must be a positive int, got 0"),
+    ({"batch_size": 0}, "`batch_size` must be a positive int or None, got 0"),
+    ({"synchronize_lookahead": 0}, "`synchronize_lookahead` must be a positive int or None, got 0"),
     ({"prefetch_batches": -1}, "`prefetch_batches` must be an int >= 0, got -1"),
     ({"sync_timeout_s": 0}, "`sync_timeout_s` must be > 0, got 0"),
     ({"mask_key": 3}, "`mask_key` must be a str or None, got 3"),

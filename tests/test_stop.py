@@ -3,7 +3,8 @@
 Real processes joined by `jax.distributed` (gloo, forced CPU devices). Each
 host checks the rows of its own shards of every batch (no collective in the
 test, so that a host that closed cannot hang a peer in a gather). Host p
-feeds rows ``1000 p + i`` at batch i.
+feeds rows ``1000 p + i`` at batch i. The cases timed in seconds live in
+benchmarks/timed_endings.py, which benchmarks/endings.py reports from.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -18,28 +20,26 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grain_jax_sync import testing
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timed_endings import (  # noqa: E402 - the repository root, from any directory.
+  DECIDE_AHEAD_S,
+  LENGTH,
+  SLACK_S,
+  STALL_S,
+  bound_s,
+  data,
+  first_row,
+  iterator,
+  launch,
+  leave_at_5,
+  leave_cases,
+  stop_late,
+  timed_stops,
+)
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 240
 LOOKAHEAD = 10  # The default `synchronize_lookahead`.
-
-
-def _data(p: int, length: int) -> list[dict[str, np.ndarray]]:
-  return [{"x": np.full(8, 1000 * p + i, np.int32)} for i in range(length)]
-
-
-def _first_row(batch: Any) -> int:
-  """This host's first row of column `x` (its rows are all the same value)."""
-  shard = min(batch["x"].addressable_shards, key=lambda s: s.index[0].start or 0)
-  return int(np.asarray(shard.data)[0])
-
-
-def _iterator(data: Any, prefetch: int, **kw: Any) -> Any:
-  import grain_jax_sync as gjs
-
-  kw.setdefault("sync_timeout_s", 60.0)
-  return gjs.iter_jax_batches(data, batch_size=8, prefetch_batches=prefetch, **kw)
 
 
 def _stop_on_sigterm(prefetch: int, asker: int, after: int, length: int, step_s: float) -> dict:
@@ -47,12 +47,12 @@ def _stop_on_sigterm(prefetch: int, asker: int, after: int, length: int, step_s:
   import jax
 
   p = jax.process_index()
-  it = _iterator(_data(p, length), prefetch)
+  it = iterator(data(p, length), prefetch)
   previous = signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
   rows = []
   try:
     for batch in it:
-      rows.append(_first_row(batch))
+      rows.append(first_row(batch))
       if p == asker and len(rows) == after:
         os.kill(os.getpid(), signal.SIGTERM)
       time.sleep(step_s)
@@ -62,9 +62,9 @@ def _stop_on_sigterm(prefetch: int, asker: int, after: int, length: int, step_s:
   again = next(it, None)  # The stream stays ended.
   it.close()
   # The restarted job: a fresh iterator from the saved state, to the end.
-  fresh = _iterator(_data(p, length), prefetch)
+  fresh = iterator(data(p, length), prefetch)
   fresh.set_state(state)
-  resumed = [_first_row(b) for b in fresh]
+  resumed = [first_row(b) for b in fresh]
   fresh.close()
   return {"rows": rows, "batches": state["batches"], "by": by, "again": again, "resumed": resumed}
 
@@ -74,10 +74,10 @@ def _stop_by_two_at_once(prefetch: int, length: int) -> dict:
   import jax
 
   p, n = jax.process_index(), jax.process_count()
-  it = _iterator(_data(p, length), prefetch)
+  it = iterator(data(p, length), prefetch)
   rows = []
   for batch in it:
-    rows.append(_first_row(batch))
+    rows.append(first_row(batch))
     if len(rows) == 3 and p in (0, n - 1):
       it.request_stop()
       it.request_stop()  # A second request changes nothing.
@@ -91,8 +91,8 @@ def _stop_after_the_end(prefetch: int, length: int) -> dict:
   import jax
 
   p = jax.process_index()
-  it = _iterator(_data(p, length), prefetch)
-  rows = [_first_row(b) for b in it]
+  it = iterator(data(p, length), prefetch)
+  rows = [first_row(b) for b in it]
   it.request_stop()  # After the end: nothing changes.
   out = {
     "rows": rows,
@@ -118,15 +118,7 @@ def stop_cases(prefetch: int, asker: int, after: int) -> dict:
 def test_request_stop_ends_every_host_at_one_batch_and_resumes_exactly(n, d, prefetch):
   rng = random.Random(f"{n}x{d}/{prefetch}")
   asker, after = rng.randrange(n), rng.randint(1, 20)
-  outs = testing.values(
-    testing.run_processes(
-      stop_cases,
-      num_processes=n,
-      devices_per_process=d,
-      args=(prefetch, asker, after),
-      timeout_s=TIMEOUT,
-    )
-  )
+  outs = launch(stop_cases, n, d, prefetch, asker, after, timeout_s=TIMEOUT)
   bound = 2 * (LOOKAHEAD + prefetch)
   # A SIGTERM handler's request: every host stops at one batch, named alike.
   sig = [o["signal"] for o in outs]
@@ -157,26 +149,6 @@ def test_request_stop_ends_every_host_at_one_batch_and_resumes_exactly(n, d, pre
     }
 
 
-def leave_at_batch_5(prefetch: int, length: int, step_s: float) -> dict:
-  """The last host closes after its batch 5; the others go on until the error reaches them."""
-  import jax
-
-  p, n = jax.process_index(), jax.process_count()
-  it = _iterator(_data(p, length), prefetch)
-  rows, error = [], None
-  try:
-    for batch in it:
-      rows.append(_first_row(batch))
-      if p == n - 1 and len(rows) == 5:
-        it.close()
-        break
-      time.sleep(step_s)
-  except RuntimeError as e:
-    error = str(e)
-  it.close()
-  return {"rows": rows, "error": error}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("length", [40, 400])
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -184,20 +156,13 @@ def leave_at_batch_5(prefetch: int, length: int, step_s: float) -> dict:
 def test_a_host_that_closes_is_known_within_a_few_batches_and_never_ends_a_peer_normally(
   n, d, prefetch, length
 ):
-  outs = testing.values(
-    testing.run_processes(
-      leave_at_batch_5,
-      num_processes=n,
-      devices_per_process=d,
-      args=(prefetch, length, 0.05),
-      timeout_s=TIMEOUT,
-    )
-  )
+  outs = launch(leave_at_5, n, d, prefetch, "close", 0.05, length, timeout_s=TIMEOUT)
   bound = 5 + 2 * (LOOKAHEAD + prefetch)
-  assert outs[n - 1] == {"rows": [1000 * (n - 1) + i for i in range(5)], "error": None}
+  leaver = outs[n - 1]
+  assert (leaver["rows"], leaver["error"]) == ([1000 * (n - 1) + i for i in range(5)], None)
   for p in range(n - 1):
     rows, error = outs[p]["rows"], outs[p]["error"]
-    assert error == f"process {n - 1} closed its iterator at batch 5", (p, error)
+    assert error == f"RuntimeError: process {n - 1} closed its iterator at batch 5", (p, error)
     assert 5 <= len(rows) <= bound, (p, len(rows))
     assert rows == [1000 * p + i for i in range(len(rows))]
 
@@ -236,75 +201,17 @@ def test_a_second_threads_next_during_a_next_raises_at_once():
 # -- endings in seconds (issue 40) ----------------------------------------------------
 #
 # The bound of every ending, in seconds from the event to the end of each
-# host's loop: `decide_ahead_s` (1 s by default) of the slowest consumer's
-# consumption, the (prefetch_batches + 1) steps already decided and built,
-# and 1 s. The times are `time.time()` on one machine, so they compare across
-# the processes.
-DECIDE_AHEAD_S = 1.0  # The default `decide_ahead_s`.
-SLACK_S = 1.0
+# host's loop, is `timed_endings.bound_s`.
 CLOSE_IN_A_STALL_S = 1.0  # `close()` returns within this while its own source is stuck.
-STALL_S = 20.0  # The longest a stalled source waits; the case releases it at its end.
-LENGTH = 400  # Batches per host: the stop, not exhaustion, ends every stream.
-SECONDS_TIMEOUT = 300  # Per launch: room for the pre-issue-40 code, whose figures we report.
-
-
-def bound_s(prefetch: int, step_s: float) -> float:
-  """Seconds within which a stop or a leaver ends every host's loop.
-
-  Inline (`prefetch_batches=0`) one step more: the ending is seen at the
-  host's next `next()`, which can be the instant its peers' decision on
-  their next batch was made (docs/multihost.md, Preemption).
-  """
-  steps = prefetch + 1 if prefetch else 2
-  return DECIDE_AHEAD_S + steps * step_s + SLACK_S
-
-
-def _launch(fn: Any, n: int, d: int, *args: Any) -> list[Any]:
-  """Every process's value of `fn(*args)` on n processes x d CPU devices."""
-  return testing.values(
-    testing.run_processes(
-      fn, num_processes=n, devices_per_process=d, args=args, timeout_s=SECONDS_TIMEOUT
-    )
-  )
-
-
-def _timed_stop(prefetch: int, step_s: float, after: int, asker: int) -> dict:
-  """`asker` calls request_stop() in its loop after its batch `after`; then a resume."""
-  import jax
-
-  p = jax.process_index()
-  it = _iterator(_data(p, LENGTH), prefetch)
-  rows, asked = [], None
-  for batch in it:
-    rows.append(_first_row(batch))
-    if p == asker and len(rows) == after:
-      asked = time.time()
-      it.request_stop()
-    time.sleep(step_s)
-  ended = time.time()
-  state, by = it.get_state(), it.stop_requested_by
-  it.close()
-  fresh = _iterator(_data(p, LENGTH), prefetch)
-  fresh.set_state(state)
-  resumed = [_first_row(b) for b in fresh]
-  fresh.close()
-  return {"rows": rows, "batches": state["batches"], "by": by, "asked": asked, "ended": ended} | {
-    "resumed": resumed
-  }
-
-
-def timed_stops(prefetch: int, cases: list[tuple[float, int, int]]) -> list[dict]:
-  """One `_timed_stop` per (step_s, after, asker), in sequence, in one launch."""
-  return [_timed_stop(prefetch, *case) for case in cases]
 
 
 def _stop_late_s(outs: list[dict], case: tuple[float, int, int]) -> float:
   """Seconds from the request to the last host's loop end (printed: the figure)."""
   step_s, after, asker = case
-  late = max(o["ended"] for o in outs) - outs[asker]["asked"]
+  late, batches = stop_late(outs, case)
   print(
     f"step {step_s} s, asked by {asker} after batch {after}: every host ended {late:.2f} s"
-    f" after the request, {outs[0]['batches'] - after} batches after it"
+    f" after the request, {batches} batches after it"
   )
   return late
 
@@ -340,7 +247,7 @@ def test_request_stop_ends_every_host_within_seconds_at_any_step_and_resumes_exa
   n, d, prefetch
 ):
   cases = STOP_CASES[(n, d, prefetch)]
-  outs = _launch(timed_stops, n, d, prefetch, cases)
+  outs = launch(timed_stops, n, d, prefetch, cases)
   per_case = [[o[i] for o in outs] for i in range(len(cases))]
   late = {c: _stop_late_s(o, c) for c, o in zip(cases, per_case, strict=True)}
   for case, case_outs in zip(cases, per_case, strict=True):
@@ -352,7 +259,7 @@ def test_request_stop_ends_every_host_within_seconds_at_any_step_and_resumes_exa
 
 def _stalling(p: int, stalled_host: int, at: int, stalled: Any, release: Any) -> Any:
   """Host `stalled_host`'s source waits before its batch `at` until `release` (at most STALL_S)."""
-  for i, batch in enumerate(_data(p, LENGTH)):
+  for i, batch in enumerate(data(p, LENGTH)):
     if p == stalled_host and i == at:
       stalled.set()
       release.wait(STALL_S)
@@ -368,11 +275,11 @@ def _stop_in_a_stall(prefetch: int, step_s: float) -> dict:
 
   p = jax.process_index()
   stalled, release = threading.Event(), threading.Event()
-  it = _iterator(_stalling(p, 1, 10, stalled, release), prefetch)
+  it = iterator(_stalling(p, 1, 10, stalled, release), prefetch)
   rows, asked = [], []
   try:
     for batch in it:
-      rows.append(_first_row(batch))
+      rows.append(first_row(batch))
       if p == 0 and len(rows) == 6:
         asker = threading.Thread(target=lambda: (asked.append(time.time()), it.request_stop()))
         asker.start()
@@ -392,7 +299,7 @@ def _close_in_a_stall(prefetch: int, step_s: float) -> dict:
 
   p = jax.process_index()
   stalled, release = threading.Event(), threading.Event()
-  it = _iterator(_stalling(p, 1, 10, stalled, release), prefetch)
+  it = iterator(_stalling(p, 1, 10, stalled, release), prefetch)
   closing: dict[str, float] = {}
 
   def watchdog() -> None:
@@ -408,7 +315,7 @@ def _close_in_a_stall(prefetch: int, step_s: float) -> dict:
   rows, error = [], None
   try:
     for batch in it:
-      rows.append(_first_row(batch))
+      rows.append(first_row(batch))
       time.sleep(step_s)
   except RuntimeError as e:
     error = str(e)
@@ -429,7 +336,7 @@ def test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_with
   # With prefetch (the reading thread). With `prefetch_batches=0` the source
   # is read in the loop's own `next()`, which a stuck source holds.
   prefetch, step_s = 2, 0.05
-  outs = _launch(stall_cases, 2, 4, prefetch, step_s)
+  outs = launch(stall_cases, 2, 4, prefetch, step_s)
   stop, closer, peer = [o["stop"] for o in outs], outs[1]["close"], outs[0]["close"]
   seen = {
     "stop: every host's end after the request": max(o["ended"] for o in stop) - stop[0]["asked"],
@@ -456,55 +363,6 @@ def test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_with
   )
 
 
-class SourceFailed(Exception):
-  pass
-
-
-def _failing(p: int, leaver: int, received: Any, failed: list[float]) -> Any:
-  """Host `leaver`'s source raises at its batch 5 once its consumer holds batches 0-4.
-
-  It records when it raised, and whether the consumer got there while the
-  read waited (else the wait timed out: a blocked read held decided batches).
-  """
-  for i, batch in enumerate(_data(p, LENGTH)):
-    if p == leaver and i == 5:
-      opened = received.wait(STALL_S)  # The job is at batch 5, not the read-ahead.
-      failed.extend([time.time(), opened])
-      raise SourceFailed("the shard vanished")
-    yield batch
-
-
-def _leave_at_5(prefetch: int, kind: str, step_s: float) -> dict:
-  """The last host closes its iterator after its batch 5, or its source fails at batch 5."""
-  import jax
-
-  p, n = jax.process_index(), jax.process_count()
-  received, left = threading.Event(), []
-  it = _iterator(_failing(p, n - 1 if kind == "error" else -1, received, left), prefetch)
-  rows, error = [], None
-  try:
-    for batch in it:
-      rows.append(_first_row(batch))
-      if p == n - 1 and len(rows) == 5:
-        received.set()
-        if kind == "close":
-          left.append(time.time())
-          it.close()
-          break
-      time.sleep(step_s)
-  except (RuntimeError, SourceFailed) as e:
-    error = f"{type(e).__name__}: {e}"
-  ended = time.time()
-  it.close()
-  return {"rows": rows, "error": error, "ended": ended, "left": left[0] if left else None} | {
-    "opened": left[1] if len(left) > 1 else None
-  }
-
-
-def leave_cases(prefetch: int, cases: list[tuple[str, float]]) -> list[dict]:
-  return [_leave_at_5(prefetch, kind, step_s) for kind, step_s in cases]
-
-
 # Per `prefetch_batches`, at 2 x 4: (how the last host leaves, step_s); the 2 s step split
 # between them. The failing source waits for its own consumer, which the reading
 # thread allows: with `prefetch_batches=0` the source is read in that consumer's
@@ -519,7 +377,7 @@ LEAVE_CASES = {
 @pytest.mark.parametrize("prefetch", list(LEAVE_CASES))
 def test_a_close_or_a_source_error_at_batch_5_reaches_the_peer_within_seconds(prefetch):
   cases = LEAVE_CASES[prefetch]
-  outs = _launch(leave_cases, 2, 4, prefetch, cases)
+  outs = launch(leave_cases, 2, 4, prefetch, cases)
   per_case = [(outs[0][i], outs[1][i]) for i in range(len(cases))]
   late = []
   for (kind, step_s), (peer, leaver) in zip(cases, per_case, strict=True):

@@ -100,10 +100,10 @@ class Signature:
     """Whether `Signature.of(leaves, names, spec)` would equal this one (cheaper)."""
     if len(leaves) != len(self.names) or spec != self.spec or tuple(names) != self.names:
       return False
-    for a, d, s in zip(leaves, self.dtypes, self.shapes):
-      if a.dtype.name != d or not _shape_ok(a.shape, s):
-        return False
-    return True
+    return all(
+      a.dtype.name == d and _shape_ok(a.shape, s)
+      for a, d, s in zip(leaves, self.dtypes, self.shapes, strict=True)
+    )
 
   def to_json(self) -> dict[str, Any]:
     return {

@@ -70,19 +70,11 @@ def split_casts(
   """
   host: list[np.dtype] = []
   device: list[np.dtype | None] = []
-  for s, w in zip(src, want):
-    if w is None:
-      host.append(s)
-      device.append(None)
-      continue
-    w = np.dtype(w) if not isinstance(w, np.dtype) else w
-    w = np.dtype(jax.dtypes.canonicalize_dtype(w))
-    if w.itemsize <= s.itemsize:
-      host.append(w)
-      device.append(None)
-    else:
-      host.append(s)
-      device.append(w)
+  for s, w in zip(src, want, strict=True):
+    w = None if w is None else np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(w)))
+    grows = w is not None and w.itemsize > s.itemsize
+    host.append(s if w is None or grows else w)
+    device.append(w if grows else None)
   return host, device
 
 

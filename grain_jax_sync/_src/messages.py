@@ -163,10 +163,7 @@ class Report:
 
 def signature_of(reports: Iterable[Report]) -> dict[str, Any] | None:
   """The first structure any report carries."""
-  for r in reports:
-    if r.signature is not None:
-      return r.signature
-  return None
+  return next((r.signature for r in reports if r.signature is not None), None)
 
 
 # -- the decision ------------------------------------------------------------------
@@ -341,19 +338,13 @@ class Decision:
   table: tuple[tuple[Any, ...], ...] | None = None
 
   def to_json(self) -> str:
-    runs: list[list[Any]] = []
-    for s in self.steps:
-      if (
-        runs
-        and runs[-1][0] == s.action.value
-        and runs[-1][1] == s.rows
-        and _sizes(runs[-1]) == s.sizes
-      ):
-        runs[-1][2] += 1
-      else:  # The agreed sizes (`pad_shapes`) only where there are some.
-        runs.append(
-          [s.action.value, s.rows, 1, list(s.sizes)] if s.sizes else [s.action.value, s.rows, 1]
-        )
+    # One run per equal (action, rows, sizes); the agreed sizes (`pad_shapes`) only where some.
+    runs = [
+      [action, rows, sum(1 for _ in run), *([list(sizes)] if sizes else [])]
+      for (action, rows, sizes), run in itertools.groupby(
+        self.steps, key=lambda s: (s.action.value, s.rows, s.sizes)
+      )
+    ]
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
     if self.error is not None:
       obj["x"] = self.error.to_json()

@@ -221,24 +221,22 @@ def make(
   decide_ahead_s = given["decide_ahead_s"]
   if not (isinstance(decide_ahead_s, (int, float)) and decide_ahead_s >= 0):
     raise ValueError(f"`decide_ahead_s` must be >= 0, got {decide_ahead_s!r}")
-  lookahead = given["synchronize_lookahead"]
-  batch_size, read_ahead = given["batch_size"], given["read_ahead"]
   synchronize_batches = bool(given["synchronize_batches"])
   return Options(
-    batch_size=None if batch_size is None else checked_int("batch_size", batch_size),
+    batch_size=checked_int_or_none("batch_size", given["batch_size"]),
     drop_last=bool(given["drop_last"]),
     paddings=paddings,
     mask_key=mask_key,
     dtypes=given["dtypes"],
     synchronize_batches=synchronize_batches,
-    synchronize_lookahead=None
-    if lookahead is None
-    else checked_int("synchronize_lookahead", lookahead),
+    synchronize_lookahead=checked_int_or_none(
+      "synchronize_lookahead", given["synchronize_lookahead"]
+    ),
     decide_ahead_s=float(decide_ahead_s),
     prefetch_batches=checked_int("prefetch_batches", given["prefetch_batches"], minimum=0),
     sync_timeout_s=float(sync_timeout_s),
     name=given["name"],
-    read_ahead=None if read_ahead is None else checked_int("read_ahead", read_ahead, minimum=0),
+    read_ahead=checked_int_or_none("read_ahead", given["read_ahead"], minimum=0),
     pad_shapes=shapes_lib.make(
       given["pad_shapes"],
       given["shape_buckets"],
@@ -291,10 +289,7 @@ def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
     raise ValueError(
       f"`state` has no {key!r} field; expected a dict from JaxBatchIterator.get_state()"
     )
-  value = state[key]
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"`state[{key!r}]` must be an int >= {minimum}, got {value!r:.100}")
-  return int(value)
+  return checked_int(f"state[{key!r}]", state[key], minimum=minimum)
 
 
 def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
@@ -360,12 +355,22 @@ def check_state(
   return batches, state["source"]
 
 
-def checked_int(arg: str, value: Any, *, minimum: int = 1) -> int:
-  """`value` as an int, or a ValueError naming the argument `arg` if it is no int >= `minimum`."""
+def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> int:
+  """`value` as an int, or a ValueError naming the argument `arg` if it is no int >= `minimum`.
+
+  `also` ends what the message expects, where the caller takes more (`checked_int_or_none`).
+  """
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    raise ValueError(f"`{arg}` must be {kind}, got {value!r}")
+    raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
   return int(value)
+
+
+def checked_int_or_none(
+  arg: str, value: Any, *, minimum: int = 1, none: str = "None"
+) -> int | None:
+  """None, or `value` checked by `checked_int`; the message allows `none` too."""
+  return None if value is None else checked_int(arg, value, minimum=minimum, also=f" or {none}")
 
 
 def check_divisible(options: Options, shards: int, describe: str) -> None:

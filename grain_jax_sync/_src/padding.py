@@ -50,20 +50,7 @@ def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list
       )
     return [next(iter(value.values()))]
   keys = {str(k): v for k, v in value.items()}
-  out: list[Any] = []
-  used: set[str] = set()
-  for name in names:
-    hit = shapes_lib.column_of(name, keys)
-    if hit is not None:
-      used.add(hit)
-    out.append(None if hit is None else keys[hit])
-  unknown = sorted(set(keys) - used)
-  if unknown:
-    raise ValueError(
-      f"`{what}` names columns that the batches do not have: {unknown};"
-      f" the columns are {list(names)}"
-    )
-  return out
+  return [None if c is None else keys[c] for c in shapes_lib.columns_of(what, names, keys)]
 
 
 def check_pad_values(
@@ -71,7 +58,7 @@ def check_pad_values(
 ) -> list[np.ndarray]:
   """Converts each padding value to its leaf's dtype, or raises naming it."""
   out = []
-  for pad, dtype, name in zip(pads, dtypes, names):
+  for pad, dtype, name in zip(pads, dtypes, names, strict=True):
     if pad is None:
       raise ValueError(
         f"`paddings` has no value for column {name!r}; give a scalar for"
@@ -190,15 +177,11 @@ def fill_leaf(
     raise ValueError("internal: padding needed without a padding value")
   buf = np.empty((target, *shape), dtype)
   if grown:
-    assert leaf is not None
     buf[...] = pad
-    if rows:
-      cast_into(buf[tuple(slice(0, n) for n in leaf.shape)], leaf)
-    return buf
-  if leaf is not None and rows:
-    cast_into(buf[:rows], leaf)
-  if rows < target:
+  elif rows < target:
     buf[rows:] = pad
+  if leaf is not None and rows:
+    cast_into(buf[tuple(slice(0, n) for n in leaf.shape)], leaf)
   return buf
 
 

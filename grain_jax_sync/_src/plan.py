@@ -33,6 +33,7 @@ from grain_jax_sync._src.messages import (
   Report,
   ReportedError,
   Step,
+  signature_of,
 )
 
 
@@ -201,7 +202,7 @@ def agree_sizes(
   A size above its column's last bucket ends the plan before that step with
   the same ValueError on every host.
   """
-  sig = next((r.signature for r in reports if r.signature is not None), None)
+  sig = signature_of(reports)
   if sig is None:
     return plan
   leaves = sig["leaves"]

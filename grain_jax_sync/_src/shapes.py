@@ -159,6 +159,18 @@ def column_of(name: str, columns: Collection[str]) -> str | None:
   return None
 
 
+def columns_of(what: str, names: Sequence[str], columns: Collection[str]) -> list[str | None]:
+  """Per leaf name, its column (`column_of`); a ValueError naming `what` for a column with no leaf."""
+  found = [column_of(name, columns) for name in names]
+  unknown = sorted(set(columns) - set(found))
+  if unknown:
+    raise ValueError(
+      f"`{what}` names columns that the batches do not have: {unknown};"
+      f" the columns are {list(names)}"
+    )
+  return found
+
+
 @functools.lru_cache(maxsize=64)
 def leaf_dims(
   shapes: Shapes, names: tuple[str, ...], ranks: tuple[int, ...]
@@ -174,34 +186,25 @@ def leaf_dims(
     ValueError: If `pad_shapes` names a column that the batches lack, or a
       dim that a leaf of it does not have.
   """
-  columns = [c for c, _ in shapes.dims]
   given = dict(shapes.dims)
+  if names != (ROOT_NAME,):
+    found = columns_of("pad_shapes", names, given)
+  elif len(given) == 1:
+    found = list(given)
+  else:
+    raise ValueError(
+      f"`pad_shapes` for a single-array batch must be an int, a tuple or a dict"
+      f" with one entry, got {given!r}"
+    )
   out: list[tuple[int, ...]] = []
-  used: set[str] = set()
-  for name, rank in zip(names, ranks, strict=True):
-    column = column_of(name, columns) if names != (ROOT_NAME,) else columns[0]
-    if column is None:
-      out.append(())
-      continue
-    used.add(column)
-    dims = given[column]
-    if dims[-1] >= rank:
+  for name, rank, column in zip(names, ranks, found, strict=True):
+    dims = () if column is None else given[column]
+    if dims and dims[-1] >= rank:
       raise ValueError(
         f"column {name!r}: `pad_shapes` names dim {dims[-1]}, but the leaf has"
         f" {rank} dims (rows included; dims {list(range(1, rank))} may vary)"
       )
     out.append(tuple(d - 1 for d in dims))
-  if names == (ROOT_NAME,) and len(columns) > 1:
-    raise ValueError(
-      f"`pad_shapes` for a single-array batch must be an int, a tuple or a dict"
-      f" with one entry, got {dict(shapes.dims)!r}"
-    )
-  unknown = sorted(set(columns) - used)
-  if unknown:
-    raise ValueError(
-      f"`pad_shapes` names columns that the batches do not have: {unknown};"
-      f" the columns are {list(names)}"
-    )
   return tuple(out)
 
 

@@ -69,10 +69,7 @@ def _plain_first(
   if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
     return None
   before = parent.get_state()
-  try:
-    first = next(parent)
-  except StopIteration:
-    first = None
+  first = next(parent, None)
   why = None if first is None else _unbatched(first)
   if first is None or not (why or placement.per_leaf):
     parent.set_state(before)  # The engine reads it again.

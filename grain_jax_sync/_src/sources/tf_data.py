@@ -16,12 +16,12 @@ with ``state_every=N``, none with ``state_every=None``.
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from grain_jax_sync._src import extras
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import base
 from grain_jax_sync._src.sources import tf_data_state as tf_state
 
@@ -143,12 +143,7 @@ class TfDataSource(base.SourceIterator):
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
     tf = extras.require("tensorflow", needed_by="a tf.data source")
 
-    if state_every is not None and (
-      isinstance(state_every, bool)
-      or not isinstance(state_every, numbers.Integral)
-      or state_every < 1
-    ):
-      raise ValueError(f"`state_every` must be a positive int or None, got {state_every!r}")
+    options_lib.checked_int_or_none("state_every", state_every)
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
     self._map = tf.nest.map_structure

@@ -62,10 +62,7 @@ def process_seed(seed: int, process_index: int) -> int:
 def _unsupported_features(tensor_info: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
   """Paths of features that cannot be batched into numeric arrays."""
   if isinstance(tensor_info, Mapping):
-    out: list[tuple[str, ...]] = []
-    for k, v in tensor_info.items():
-      out.extend(_unsupported_features(v, (*prefix, k)))
-    return out
+    return [p for k, v in tensor_info.items() for p in _unsupported_features(v, (*prefix, k))]
   dtype = getattr(tensor_info, "np_dtype", None)  # TFDS >= 4.9.3.
   if dtype is None:
     dtype = getattr(tensor_info, "dtype", None)
@@ -224,8 +221,7 @@ def check_args(
   What `tfds_pipeline` and `hf_pipeline` both take.
   """
   batch_size = options_lib.checked_int("batch_size", batch_size)
-  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer)) or num_epochs < 1):
-    raise ValueError(f"`num_epochs` must be a positive int or None, got {num_epochs!r}")
+  options_lib.checked_int_or_none("num_epochs", num_epochs)
   if not 0 <= int(seed) < 2**32:
     raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
   if elastic and any(x is not None for x in placement_args):
@@ -298,13 +294,13 @@ def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
     transform,
     shuffle=r.shuffle,
     seed=r.seed,
-    num_epochs=None if r.num_epochs is None else int(r.num_epochs),
+    num_epochs=r.num_epochs,
   )
 
 
 def _data_source(tfds: Any, r: _Request) -> Any:
   try:
-    source = tfds.data_source(r.name, split=r.split, **r.load)
+    return tfds.data_source(r.name, split=r.split, **r.load)
   except ImportError as e:
     raise ImportError(
       f"tfds.data_source({r.name!r}) needs an optional dependency that could not be"
@@ -317,7 +313,6 @@ def _data_source(tfds: Any, r: _Request) -> Any:
       " The data_source reader needs the dataset prepared in ArrayRecord format"
       " (`tfds build --file_format=array_record`), or use reader='tf_data'"
     ) from e
-  return source
 
 
 def _dropped(ds: Any, source: Any, r: _Request) -> Any:

@@ -65,10 +65,7 @@ def elastic_source(
     >>> src = elastic_source(list(range(64)), lambda ds: ds.batch(4))
     >>> it = iter_jax_batches(src, batch_size=4, paddings=0, mask_key="mask")
   """
-  if num_epochs is not None and (
-    isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
-  ):
-    raise ValueError(f"`num_epochs` must be an int >= 1 or None (forever), got {num_epochs!r}")
+  num_epochs = options_lib.checked_int_or_none("num_epochs", num_epochs, none="None (forever)")
   seed = options_lib.checked_int("seed", seed, minimum=0)
   if transform is not None and not callable(transform):
     raise ValueError(f"`transform` must be callable or None, got {type(transform).__name__}")
