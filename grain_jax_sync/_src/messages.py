@@ -127,20 +127,16 @@ class Report:
       "x": self.exhausted,
       "d": self.local_devices,
     }
-    if self.error is not None:
-      obj["e"] = self.error.to_json()
-    if self.signature is not None:
-      obj["s"] = self.signature
-    if self.config is not None:
-      obj["c"] = self.config
-    if self.more:
-      obj["m"] = True
-    if self.resume is not None:
-      obj["b"] = self.resume
-    if self.digests:
-      obj["h"] = list(self.digests)
-    if self.sizes:
-      obj["z"] = [list(z) for z in self.sizes]
+    optional = {
+      "e": None if self.error is None else self.error.to_json(),
+      "s": self.signature,
+      "c": self.config,
+      "m": self.more or None,
+      "b": self.resume,
+      "h": list(self.digests) or None,
+      "z": [list(z) for z in self.sizes] or None,
+    }
+    obj.update((k, v) for k, v in optional.items() if v is not None)
     return obj
 
   @classmethod
