@@ -27,11 +27,10 @@ from grain_jax_sync._src.sources import tf_data_state as tf_state
 
 logger = logging.getLogger(__name__)
 
-# Snapshots slower than this are logged (once, at the third): at 10 ms per
-# batch the reading thread tops out near 100 batches/s. Measured (TF 2.21, 2
-# shared cores): 0.3-0.6 ms with `shuffle(40)` (single spikes to 3 ms under
-# load, hence the count), 10 ms with `shuffle(1_000)`, 65-200 ms with
-# `shuffle(10_000)`.
+# Snapshots slower than this are logged, once, at the third (a single one
+# can be slow under load): at 10 ms a batch the reading thread tops out near
+# 100 batches/s. The cost grows with the shuffle buffer
+# (`python -m benchmarks.tf_data_snapshot`).
 _SLOW_SNAPSHOT_S = 0.01
 _SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
