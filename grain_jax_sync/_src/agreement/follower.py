@@ -98,7 +98,8 @@ class Follower(Streamed):
       return None
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
-        self._own.wait_for_room(self._exchange.check)  # Posts come in runs, not a batch each.
+        # Posts come in runs, not a batch each.
+        self._own.wait_for_build(self._exchange.check, until_room=True)
         return None
       self._flush()
     elif self._own.end is not None:
