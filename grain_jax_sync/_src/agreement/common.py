@@ -240,7 +240,7 @@ class OwnReads:
 
   def _free(self) -> int:
     """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
-    return max(2, self.limit - (self._held() or 0)) - len(self.pending)
+    return max(2, self.limit - (self.held() or 0)) - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
@@ -269,7 +269,7 @@ class OwnReads:
     holds a horizon's worth. So a stop lands behind at most the built
     batches and `decide_ahead_s` of decided ones, at any step time.
     """
-    held = self._held() or 0
+    held = self.held() or 0
     return max(self.limit - held, 1 if held == 0 else 0)
 
   def due(self, unposted: int) -> bool:
@@ -286,13 +286,13 @@ class OwnReads:
       return False
     if unposted * 2 >= self.limit or self.first_undecided():
       return True
-    return self._held() == 0
+    return self.held() == 0
 
   def first_undecided(self) -> bool:
     """Whether nothing of this stream is decided yet (every read is still pending)."""
     return self.count == len(self.pending)
 
-  def _held(self) -> int | None:
+  def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
     if self._built is None:
       return None
@@ -305,7 +305,7 @@ class OwnReads:
     (`wait_for_build`) instead of posting a read or two to have something
     to wait on.
     """
-    return (self._held() or 0) > 0
+    return (self.held() or 0) > 0
 
   def wait_for_build(self, check: Callable[[], None], *, until_room: bool = False) -> None:
     """Blocks until the build thread hands a position on; with `until_room`, until `room()`.

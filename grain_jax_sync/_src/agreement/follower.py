@@ -87,15 +87,18 @@ class Follower(Streamed):
           self._flush()
           return self._wait()
         return self._timed(self._exchange.try_decision, self._seq)
-      if posted and not self._own.waits_on_build():
-        if self._seq == 0:
-          # The stream's first decision: the job waits for it, so wait in
-          # the store for it now rather than read another batch first.
-          return self._wait()
-        # Posted, with nothing decided left to build: the decision on what
-        # was posted before may be there.
-        return self._timed(self._exchange.try_decision, self._seq)
-      return None
+      if not posted or self._own.waits_on_build():
+        return None
+      # Posted, with nothing decided left to build: the job waits for this
+      # decision, so wait in the store for it rather than read another batch
+      # first (the stream's first; with a build thread, one on a full batch:
+      # a short one may wait for the next read, `plan.Rules.wait_for_last`).
+      # Inline, the decision on what was posted before may be there.
+      threaded = self._own.held() is not None
+      full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
+      if self._seq == 0 or threaded and full:
+        return self._wait()
+      return None if threaded else self._timed(self._exchange.try_decision, self._seq)
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
         # Posts come in runs, not a batch each.
