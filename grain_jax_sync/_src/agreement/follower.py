@@ -110,7 +110,7 @@ class Follower(Streamed):
     return self._wait()
 
   def _wait(self) -> str | None:
-    if self._live.dead(0):
+    if self._idle and self._live.dead(0):
       self._exchange.end()
       raise exchange_lib.PeerLostError(
         f"process 0 is lost: its liveness beat stopped for"
@@ -119,14 +119,14 @@ class Follower(Streamed):
         " coordination service, so the job must be restarted",
         (0,),
       )
-    note = self._live.closed(0)
+    note = self._live.closed(0) if self._idle else None
     if note is not None:
       text = self._timed(self._exchange.try_decision, self._seq)  # Its ending here, if any.
       if text is not None:
         return text
       self._exchange.end()
       raise RuntimeError(endings.closed_peer_message(note, self._exchange.namespace))
-    if self._seq == 0 and (cross := self._cross.check(0, self._yielded)) is not None:
+    if self._idle and self._seq == 0 and (cross := self._cross.check(0, self._yielded)):
       self._post(final=True, error=cross)
       self._exchange.end()
       raise endings.to_exception(cross, self._process, None)
@@ -139,7 +139,7 @@ class Follower(Streamed):
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
       self._exchange.end()
       raise endings.to_exception(self._gave_up, self._process, None)
-    return self._timed(self._exchange.wait_decision, self._seq)
+    return self._wait_slice(self._exchange.wait_decision, self._seq)
 
   def _timeout_error(self) -> messages.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"
