@@ -1,12 +1,14 @@
 """The liveness beat and the dead/slow verdict, over the in-memory store.
 
 The multi-process endings (a killed host named within 15 s) are in
-test_endings.py; these pin the two rules they rest on: a process that built
-its exchange has beat, and a beat that stops is dead after `DEAD_AFTER_S`.
+test_endings.py; these pin the rules they rest on: a process that built its
+exchange has beat, a beat that stops is dead after `DEAD_AFTER_S`, and a
+peer's close note is read only when its beat shows a new close.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -36,7 +38,7 @@ def test_the_first_beat_is_written_before_the_beat_starts_its_thread():
   store = _OnlyCallerWrites(threading.current_thread())
   beat = liveness.Beat(store, 3)
   try:
-    assert store.key_value_try_get(exchange.beat_key(3)) == "0"
+    assert store.key_value_try_get(exchange.beat_key(3)) == "0/0"  # Beat 0, no close.
   finally:
     store.release.set()
     beat.stop()
@@ -53,10 +55,11 @@ def test_the_beat_goes_on_until_stopped():
   beat = liveness.Beat(store, 0)
   try:
     deadline = time.monotonic() + 10 * liveness.BEAT_S
-    while store.key_value_try_get(exchange.beat_key(0)) in ("0", "1"):
+    while store.key_value_try_get(exchange.beat_key(0)) in ("0/0", "1/0"):
       assert time.monotonic() < deadline, "the beat did not advance"
       time.sleep(0.05)
-    assert int(store.key_value_try_get(exchange.beat_key(0))) >= 2
+    count, closes = store.key_value_try_get(exchange.beat_key(0)).split("/")
+    assert int(count) >= 2 and closes == "0"
     assert _beat_threads() - before  # Its own thread beats.
   finally:
     beat.stop()
@@ -88,3 +91,52 @@ def test_a_peer_whose_beat_stops_is_dead_after_dead_after_s_and_not_before():
 def test_a_peer_that_never_beat_is_late_not_dead():
   verdicts = _verdicts(MemoryStore(), dead_after_s=1.5)
   assert verdicts and not any(dead for _, dead in verdicts)
+
+
+class _CountingReads(MemoryStore):
+  """Counts `key_value_try_get` calls by the key's kind ("beat", "closed")."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.reads: collections.Counter[str] = collections.Counter()
+
+  def key_value_try_get(self, key):
+    self.reads[key.split("/")[-2]] += 1
+    return super().key_value_try_get(key)
+
+
+def _until(fn, what: str):
+  deadline = time.monotonic() + 5 * liveness.BEAT_S
+  while (out := fn()) is None:
+    assert time.monotonic() < deadline, what
+    time.sleep(0.05)
+  return out
+
+
+def test_a_close_note_is_read_only_when_the_beat_shows_a_new_close():
+  store = _CountingReads()
+  ex = exchange.KeyValueExchange(store, "it/2", process_index=0, process_count=2)
+  live = liveness.Liveness(ex)
+  store.key_value_set(exchange.beat_key(1), "7/0", True)
+  assert live.closed(1) is None and store.reads == {"beat": 1}  # No close: no note read.
+  note = '["it/2", "process 1 closed its iterator at batch 3"]'
+  store.key_value_set(exchange.closed_key("it", 1), note)
+  store.key_value_set(exchange.beat_key(1), "8/1 other/1", True)  # Its beat shows the close.
+  assert _until(lambda: live.closed(1), "the close was not found") == note
+  assert store.reads["closed"] == 1
+  time.sleep(1.5 * liveness.BEAT_S)
+  assert live.closed(1) == note and store.reads["closed"] == 1  # The beat read again, not the note.
+  assert exchange.beat_closes("8/1 other/1") == 1 and exchange.beat_closes("5") == 0
+
+
+def test_a_close_note_is_read_once_a_beat_period_while_the_peer_has_no_beat():
+  # A peer that closed and exited deleted its beat: its note is still found.
+  store = _CountingReads()
+  ex = exchange.KeyValueExchange(store, "it/1", process_index=0, process_count=2)
+  live = liveness.Liveness(ex)
+  assert live.closed(1) is None and store.reads == {"beat": 1, "closed": 1}
+  assert live.closed(1) is None and store.reads["closed"] == 1  # Not again within a period.
+  note = '["it/1", "process 1 closed its iterator at batch 0"]'
+  store.key_value_set(exchange.closed_key("it", 1), note)
+  assert _until(lambda: live.closed(1), "the close was not found") == note
+  assert store.reads["closed"] == 2

@@ -1,11 +1,12 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every `BEAT_S`. A process that waits for a peer
-reads that peer's beat (at most once per `BEAT_S`): unchanged for
-`DEAD_AFTER_S` means dead; a peer that never beat has not built an iterator
-yet (late, not dead). The first beat is written before `Beat.ensure` returns,
-so a process that built an iterator has always beat.
+``grain_jax_sync/beat/{p}`` every `BEAT_S` (`exchange.beat_text`: a count, the
+closes, the streams waited at the start of). A process that waits for a peer
+reads that peer's beat once a wait slice brings nothing (at most once per
+`BEAT_S`): unchanged for `DEAD_AFTER_S` means dead; a peer that never beat has
+not built an iterator yet (late, not dead). The first beat is written before
+`Beat.ensure` returns, so a process that built an iterator has always beat.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ logger = logging.getLogger(__name__)
 # many only if its interpreter is frozen (SIGSTOP, swapping) for 8 s, which a
 # busy training loop does not do (the beat thread runs whenever the GIL is
 # free). Worst case to name a killed process: DEAD_AFTER_S after the first
-# read of its last beat, which lags the death by up to 2 * BEAT_S (the beat
-# period plus the read period), plus one decision hop: about 10 s, inside the
-# 15 s promise and well before JAX's 100 s heartbeat.
+# read of its last beat, which comes after the first empty wait slice and
+# lags the death by up to 2 * BEAT_S (the beat period plus the read period),
+# plus one decision hop: about 10 s, inside the 15 s promise and well before
+# JAX's 100 s heartbeat.
 BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
 DEAD_AFTER_S = 8.0
 
@@ -68,10 +70,8 @@ class Beat:
       return beat
 
   def _beat(self, n: int) -> None:
-    # The count, then the streams this process waits at the start of.
-    value = " ".join([str(n), *exchange_lib.waiting_streams()])
     try:
-      exchange_lib.put_beat(self._client, self._process, value)
+      exchange_lib.put_beat(self._client, self._process, exchange_lib.beat_text(n))
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -101,7 +101,8 @@ class Beat:
 class Liveness:
   """Tells a dead peer (beat unchanged for `DEAD_AFTER_S`) from a slow one.
 
-  Checks at most once per `BEAT_S` per peer, and only while waiting.
+  Reads a peer's beat at most once per `BEAT_S`, only while waiting for it,
+  and its close note only when its beat shows a close not read yet.
   """
 
   def __init__(self, exchange: exchange_lib.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
@@ -110,38 +111,45 @@ class Liveness:
     self._seen: dict[int, tuple[str | None, float]] = {}
     self._checked: dict[int, float] = {}
     self._closed_checked: dict[int, float] = {}
-    self._closed: dict[int, str | None] = {}
+    # Per process: the closes its beat showed when its note was read, and the note.
+    self._closed: dict[int, tuple[int | None, str | None]] = {}
 
-  def silent_s(self, process: int) -> float:
-    """Seconds `process`'s beat has not changed (0 if it never beat: a late start)."""
+  def _beat(self, process: int) -> tuple[str | None, float]:
+    """`process`'s beat and since when it is unchanged (read from the store once per `BEAT_S`)."""
     now = time.monotonic()
     if _due(self._checked, process, now):
       beat = self._ex.beat_of(process)
       last = self._seen.get(process)
       if last is None or last[0] != beat:
         self._seen[process] = (beat, now)
-    beat, since = self._seen[process]
-    return 0.0 if beat is None else now - since
+    return self._seen[process]
 
   def dead(self, process: int) -> bool:
-    return self.silent_s(process) >= self._dead_after_s
+    """Whether `process`'s beat is unchanged for `dead_after_s` (one that never beat is late)."""
+    beat, since = self._beat(process)
+    return beat is not None and time.monotonic() - since >= self._dead_after_s
 
   def waiting(self, process: int) -> list[str]:
     """The streams `process` waits at the start of, as of its last beat read here."""
-    self.silent_s(process)  # Reads the beat, at most once per `BEAT_S`.
-    beat = self._seen[process][0]
+    beat = self._beat(process)[0]
     return [] if beat is None else beat.split()[1:]
 
   def closed(self, process: int) -> str | None:
-    """What `process` wrote when it closed the iterator, or None (read once per `BEAT_S`).
+    """What `process` wrote when it closed the iterator, or None.
 
-    A peer that closed the iterator posted its ending to the stream it was
-    in first; finding this instead while waiting for it means that it never
-    started this stream.
+    Read once its beat shows a close not read yet, and once per `BEAT_S`
+    while it has no beat (gone at its exit). A peer that closed the iterator
+    posted its ending to the stream it was in first; finding this instead
+    while waiting for it means that it never started this stream.
     """
-    if _due(self._closed_checked, process, time.monotonic()):
-      self._closed[process] = self._ex.closed_note(process)
-    return self._closed.get(process)
+    beat = self._beat(process)[0]
+    closes = None if beat is None else exchange_lib.beat_closes(beat)
+    read, note = self._closed.get(process, (0, None))
+    gone = closes is None and _due(self._closed_checked, process, time.monotonic())
+    if gone or closes not in (None, read):
+      note = self._ex.closed_note(process)
+      self._closed[process] = (closes, note)
+    return note
 
   @property
   def dead_after_s(self) -> float:

@@ -228,17 +228,19 @@ class OwnReads:
     self.stopped = False  # A stop was asked for here: read nothing more.
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
+    self._measure()
 
-  @property
-  def limit(self) -> int:
-    """The horizon in positions: the consumer's last `decide_ahead_s`, within the bounds."""
-    if self._pace is None:
-      return max(1, self._base)
-    return max(1, min(self._base, self._pace()))
+  def _measure(self) -> None:
+    """The horizon in positions: the consumer's last `decide_ahead_s`, within the bounds.
+
+    Measured once per read and once per decision (`limit` holds it between),
+    not at each of the read-ahead's questions.
+    """
+    self.limit = max(1, self._base if self._pace is None else min(self._base, self._pace()))
 
   def _free(self) -> int:
     """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
-    return max(2, self.limit - (self._held() or 0)) - len(self.pending)
+    return max(2, self.limit - (self.held() or 0)) - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
@@ -267,7 +269,7 @@ class OwnReads:
     holds a horizon's worth. So a stop lands behind at most the built
     batches and `decide_ahead_s` of decided ones, at any step time.
     """
-    held = self._held() or 0
+    held = self.held() or 0
     return max(self.limit - held, 1 if held == 0 else 0)
 
   def due(self, unposted: int) -> bool:
@@ -284,13 +286,13 @@ class OwnReads:
       return False
     if unposted * 2 >= self.limit or self.first_undecided():
       return True
-    return self._held() == 0
+    return self.held() == 0
 
   def first_undecided(self) -> bool:
     """Whether nothing of this stream is decided yet (every read is still pending)."""
     return self.count == len(self.pending)
 
-  def _held(self) -> int | None:
+  def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
     if self._built is None:
       return None
@@ -300,27 +302,23 @@ class OwnReads:
     """Whether the build thread holds decided positions, so that room comes as it takes them.
 
     A follower with nothing awaiting a decision then waits for it
-    (`wait_for_room`) instead of posting a read or two to have something
+    (`wait_for_build`) instead of posting a read or two to have something
     to wait on.
     """
-    return (self._held() or 0) > 0
+    return (self.held() or 0) > 0
 
-  def wait_for_room(self, check: Callable[[], None]) -> None:
-    """Blocks until `room()`, as the build thread takes decided positions.
+  def wait_for_build(self, check: Callable[[], None], *, until_room: bool = False) -> None:
+    """Blocks until the build thread hands a position on; with `until_room`, until `room()`.
 
     `check` raises where the iterator is closed; it runs once per liveness
     period (`exchange.WAIT_SLICE_S`), the one periodic wake, on any host.
     """
-    built = self._built
-    while built is not None and not self.room() and self.waits_on_build():
-      check()
-      built.wait_done(built.done(), exchange_lib.WAIT_SLICE_S)
-
-  def wait_for_build(self, check: Callable[[], None]) -> None:
-    """Blocks until the build thread hands a position on (or one liveness period passes)."""
     check()
-    if self._built is not None:
+    while self._built is not None:
       self._built.wait_done(self._built.done(), exchange_lib.WAIT_SLICE_S)
+      if not until_room or self.room() or not self.waits_on_build():
+        return
+      check()
 
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""
@@ -356,8 +354,10 @@ class OwnReads:
       self.signature = item.batch.signature
     self.pending.append(item)
     self.count += 1
+    self._measure()
     return item
 
   def take(self, start: int, n: int) -> list[reader_lib.Read | None]:
     """This host's reads for positions ``[start, start + n)`` (None past its end)."""
+    self._measure()
     return [self.pending.popleft() if start + i < self.count else None for i in range(n)]

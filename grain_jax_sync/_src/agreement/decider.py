@@ -184,9 +184,9 @@ class Decider(Streamed):
 
   def _wait_for_peer(self, peer: int) -> None:
     """Waits for `peer`'s next post; names it where it is dead, closed, timed out or crosswise."""
-    if self._live.dead(peer):
+    if self._idle and self._live.dead(peer):
       self._abort = self._lost(peer)
-    elif (note := self._live.closed(peer)) is not None:
+    elif self._idle and (note := self._live.closed(peer)) is not None:
       self._absorb(self._timed(self._exchange.read_chunks))  # Its ending here, if it posted one.
       # A closing ending it posted here (`reset()`, `set_state()`, a close)
       # is the one to raise: the ledger holds it as its abort.
@@ -197,10 +197,10 @@ class Decider(Streamed):
         )
     elif self._waited_s() > self._timeout_s:
       self._abort = self._timeout(peer)
-    elif self._decided == 0 and (cross := self._cross.check(peer, self._yielded)) is not None:
+    elif self._idle and not self._decided and (cross := self._cross.check(peer, self._yielded)):
       self._abort = cross
     else:
-      self._absorb(self._timed(self._exchange.wait_chunk, peer))
+      self._absorb(self._wait_slice(self._exchange.wait_chunk, peer))
 
   def _look_due(self) -> bool:
     """Whether to look at the peers' posts before reading on.

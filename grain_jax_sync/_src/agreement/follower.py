@@ -87,18 +87,22 @@ class Follower(Streamed):
           self._flush()
           return self._wait()
         return self._timed(self._exchange.try_decision, self._seq)
-      if posted and not self._own.waits_on_build():
-        if self._seq == 0:
-          # The stream's first decision: the job waits for it, so wait in
-          # the store for it now rather than read another batch first.
-          return self._wait()
-        # Posted, with nothing decided left to build: the decision on what
-        # was posted before may be there.
-        return self._timed(self._exchange.try_decision, self._seq)
-      return None
+      if not posted or self._own.waits_on_build():
+        return None
+      # Posted, with nothing decided left to build: the job waits for this
+      # decision, so wait in the store for it rather than read another batch
+      # first (the stream's first; with a build thread, one on a full batch:
+      # a short one may wait for the next read, `plan.Rules.wait_for_last`).
+      # Inline, the decision on what was posted before may be there.
+      threaded = self._own.held() is not None
+      full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
+      if self._seq == 0 or threaded and full:
+        return self._wait()
+      return None if threaded else self._timed(self._exchange.try_decision, self._seq)
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
-        self._own.wait_for_room(self._exchange.check)  # Posts come in runs, not a batch each.
+        # Posts come in runs, not a batch each.
+        self._own.wait_for_build(self._exchange.check, until_room=True)
         return None
       self._flush()
     elif self._own.end is not None:
@@ -106,7 +110,7 @@ class Follower(Streamed):
     return self._wait()
 
   def _wait(self) -> str | None:
-    if self._live.dead(0):
+    if self._idle and self._live.dead(0):
       self._exchange.end()
       raise exchange_lib.PeerLostError(
         f"process 0 is lost: its liveness beat stopped for"
@@ -115,14 +119,14 @@ class Follower(Streamed):
         " coordination service, so the job must be restarted",
         (0,),
       )
-    note = self._live.closed(0)
+    note = self._live.closed(0) if self._idle else None
     if note is not None:
       text = self._timed(self._exchange.try_decision, self._seq)  # Its ending here, if any.
       if text is not None:
         return text
       self._exchange.end()
       raise RuntimeError(endings.closed_peer_message(note, self._exchange.namespace))
-    if self._seq == 0 and (cross := self._cross.check(0, self._yielded)) is not None:
+    if self._idle and self._seq == 0 and (cross := self._cross.check(0, self._yielded)):
       self._post(final=True, error=cross)
       self._exchange.end()
       raise endings.to_exception(cross, self._process, None)
@@ -135,7 +139,7 @@ class Follower(Streamed):
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
       self._exchange.end()
       raise endings.to_exception(self._gave_up, self._process, None)
-    return self._timed(self._exchange.wait_decision, self._seq)
+    return self._wait_slice(self._exchange.wait_decision, self._seq)
 
   def _timeout_error(self) -> messages.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"

@@ -73,6 +73,8 @@ class Streamed(common.Agreement):
     self._signature: batches_lib.Signature | None = None
     self._reads_since_look = 0  # Own reads since the peers' posts were last read.
     self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
+    # The last wait in the store brought nothing: read the awaited peer's beat.
+    self._idle = False
     self._stop_posted = False
     self.reached_end = False  # The final decision ended the stream without an error.
     self._waiting_since: float | None = None
@@ -121,6 +123,16 @@ class Streamed(common.Agreement):
     out = fn(*args)
     self._last_poll = time.monotonic()
     self._reads_since_look = 0
+    return out
+
+  def _wait_slice(self, fn: Any, *args: Any) -> Any:
+    """A blocking store read of the peers' posts; the beats are read only after one that was empty.
+
+    While peers post, no beat or close note is read: a dead peer is named
+    `DEAD_AFTER_S` after the first empty slice (`liveness`).
+    """
+    out = self._timed(fn, *args)
+    self._idle = not out
     return out
 
   def _waited_s(self) -> float:

@@ -30,7 +30,9 @@ from grain_jax_sync._src.exchange.key_value import (
   WAIT_SLICE_S,
   Cancelled,
   KeyValueExchange,
+  beat_closes,
   beat_key,
+  beat_text,
   closed_key,
   delete_beat,
   distributed_client,
@@ -51,7 +53,6 @@ from grain_jax_sync._src.exchange.streams import (
   recorded,
   stream_started,
   waiting_first,
-  waiting_streams,
 )
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,9 @@ __all__ = [
   "LocalExchange",
   "PeerLostError",
   "PeerTimeoutError",
+  "beat_closes",
   "beat_key",
+  "beat_text",
   "closed_key",
   "delete_beat",
   "distributed_client",
@@ -142,5 +145,4 @@ __all__ = [
   "store_failed",
   "stream_started",
   "waiting_first",
-  "waiting_streams",
 ]

@@ -22,9 +22,10 @@ Under ``base``, once per iterator and process, at `close()`:
 
 - ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
   the stream it was in and "process p closed its iterator at batch b". A
-  peer that waits for p reads it (once a second, like the beat) and ends
-  instead of timing out: in a stream that p never started (a restart made
-  on some processes only), or where p could not post its ending.
+  peer that waits for p reads it once p's beat shows a close it has not read
+  (`beat_text`), and ends instead of timing out: in a stream that p never
+  started (a restart made on some processes only), or where p could not
+  post its ending.
 - ``{base}/closed_count``: the process that brings it to the process count
   deletes ``{base}``.
 - ``{base}/times/{p}``: process p's `stats()` times at the end of its last
@@ -42,13 +43,14 @@ Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from grain_jax_sync._src.exchange.streams import KEY_ROOT
+from grain_jax_sync._src.exchange.streams import KEY_ROOT, waiting_streams
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ GROUP = 16
 # read's bytes at 1,024 processes; up to 3 with 4, for one delete per 4 chunks
 # at each follower, none at the decider).
 CHUNK_GROUP = 4
+# This process's closes recorded (`register_close`); its beat carries the count.
+_closes = itertools.count(1)
+_closed = 0
 
 
 class Cancelled(Exception):
@@ -375,6 +380,8 @@ def register_close(base: str, note: str) -> None:
     return
   try:
     client.key_value_set(closed_key(base, jax.process_index()), note)
+    global _closed
+    _closed = next(_closes)  # The note first: a peer that sees the count finds it.
     if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
       client.key_value_delete(base)
   except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
@@ -414,6 +421,20 @@ def read_times(base: str) -> list[tuple[int, str]]:
     if process.isdigit():
       out.append((int(process), value))
   return out
+
+
+def beat_text(n: int) -> str:
+  """This process's `n`-th beat: ``{n}/{closes}``, then the streams it waits at the start of.
+
+  `closes` counts the iterators it closed (`register_close`): a peer reads
+  its close notes only when that changes (`liveness.Liveness.closed`).
+  """
+  return " ".join([f"{n}/{_closed}", *waiting_streams()])
+
+
+def beat_closes(beat: str) -> int:
+  """The closes a beat of `beat_text` counts."""
+  return int(beat.split(maxsplit=1)[0].partition("/")[2] or 0)
 
 
 def put_beat(client: Any, process: int, value: str) -> None:
