@@ -1,12 +1,11 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every `BEAT_S` (`exchange.beat_text`: a count, the
-closes, the streams waited at the start of). A process that waits for a peer
-reads that peer's beat once a wait slice brings nothing (at most once per
-`BEAT_S`): unchanged for `DEAD_AFTER_S` means dead; a peer that never beat has
-not built an iterator yet (late, not dead). The first beat is written before
-`Beat.ensure` returns, so a process that built an iterator has always beat.
+``grain_jax_sync/beat/{p}`` every `BEAT_S` (`exchange.beat_text`). A process
+that waits for a peer reads its beat once a wait slice brought nothing (once
+per `BEAT_S`): unchanged for `DEAD_AFTER_S` means dead; a peer that never beat
+has not built an iterator yet (late, not dead). The first beat is written
+before `Beat.ensure` returns, so a process that built an iterator has beat.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ logger = logging.getLogger(__name__)
 # many only if its interpreter is frozen (SIGSTOP, swapping) for 8 s, which a
 # busy training loop does not do (the beat thread runs whenever the GIL is
 # free). Worst case to name a killed process: DEAD_AFTER_S after the first
-# read of its last beat, which comes after the first empty wait slice and
-# lags the death by up to 2 * BEAT_S (the beat period plus the read period),
-# plus one decision hop: about 10 s, inside the 15 s promise and well before
-# JAX's 100 s heartbeat.
+# read of its last beat, after an empty wait slice: that lags the death by
+# up to 2 * BEAT_S (the slice plus the beat period), plus one decision hop:
+# about 10 s, inside the 15 s promise and well before JAX's 100 s heartbeat.
 BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
 DEAD_AFTER_S = 8.0
 
@@ -107,27 +105,26 @@ class Liveness:
 
   def __init__(self, exchange: exchange_lib.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
     self._ex = exchange
-    self._dead_after_s = dead_after_s
-    self._seen: dict[int, tuple[str | None, float]] = {}
-    self._checked: dict[int, float] = {}
-    self._closed_checked: dict[int, float] = {}
-    # Per process: the closes its beat showed when its note was read, and the note.
-    self._closed: dict[int, tuple[int | None, str | None]] = {}
+    self.dead_after_s = dead_after_s
+    # Per process: its beat, since when it is unchanged, when it was read.
+    self._seen: dict[int, tuple[str | None, float, float]] = {}
+    # Per process: what its note was read on (`closed`), and the note.
+    self._closed: dict[int, tuple[float, str | None]] = {}
 
-  def _beat(self, process: int) -> tuple[str | None, float]:
-    """`process`'s beat and since when it is unchanged (read from the store once per `BEAT_S`)."""
+  def _beat(self, process: int) -> tuple[str | None, float, float]:
+    """`process`'s beat, since when it is unchanged, and when it was read (once per `BEAT_S`)."""
     now = time.monotonic()
-    if _due(self._checked, process, now):
+    last = self._seen.get(process)
+    if last is None or now - last[2] >= BEAT_S:
       beat = self._ex.beat_of(process)
-      last = self._seen.get(process)
-      if last is None or last[0] != beat:
-        self._seen[process] = (beat, now)
-    return self._seen[process]
+      since = last[1] if last is not None and last[0] == beat else now
+      last = self._seen[process] = (beat, since, now)
+    return last
 
   def dead(self, process: int) -> bool:
     """Whether `process`'s beat is unchanged for `dead_after_s` (one that never beat is late)."""
-    beat, since = self._beat(process)
-    return beat is not None and time.monotonic() - since >= self._dead_after_s
+    beat, since, _ = self._beat(process)
+    return beat is not None and time.monotonic() - since >= self.dead_after_s
 
   def waiting(self, process: int) -> list[str]:
     """The streams `process` waits at the start of, as of its last beat read here."""
@@ -137,28 +134,16 @@ class Liveness:
   def closed(self, process: int) -> str | None:
     """What `process` wrote when it closed the iterator, or None.
 
-    Read once its beat shows a close not read yet, and once per `BEAT_S`
-    while it has no beat (gone at its exit). A peer that closed the iterator
+    Read once its beat shows a close not read yet, and at each read of its
+    beat while it has none (gone at its exit). A peer that closed the iterator
     posted its ending to the stream it was in first; finding this instead
     while waiting for it means that it never started this stream.
     """
-    beat = self._beat(process)[0]
-    closes = None if beat is None else exchange_lib.beat_closes(beat)
-    read, note = self._closed.get(process, (0, None))
-    gone = closes is None and _due(self._closed_checked, process, time.monotonic())
-    if gone or closes not in (None, read):
+    beat, _, read_at = self._beat(process)
+    # `exchange.beat_text`: ``{n}/{closes}`` first.
+    mark = read_at if beat is None else int(beat.split()[0].partition("/")[2] or 0)
+    seen, note = self._closed.get(process, (0, None))
+    if mark != seen:
       note = self._ex.closed_note(process)
-      self._closed[process] = (closes, note)
+      self._closed[process] = (mark, note)
     return note
-
-  @property
-  def dead_after_s(self) -> float:
-    return self._dead_after_s
-
-
-def _due(checked: dict[int, float], process: int, now: float) -> bool:
-  """Whether `process` was last read from the store `BEAT_S` ago or more (and marks it read)."""
-  if now - checked.get(process, -1e9) < BEAT_S:
-    return False
-  checked[process] = now
-  return True

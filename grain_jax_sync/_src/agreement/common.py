@@ -231,11 +231,7 @@ class OwnReads:
     self._measure()
 
   def _measure(self) -> None:
-    """The horizon in positions: the consumer's last `decide_ahead_s`, within the bounds.
-
-    Measured once per read and once per decision (`limit` holds it between),
-    not at each of the read-ahead's questions.
-    """
+    """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
     self.limit = max(1, self._base if self._pace is None else min(self._base, self._pace()))
 
   def _free(self) -> int:

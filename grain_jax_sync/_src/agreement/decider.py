@@ -185,7 +185,9 @@ class Decider(Streamed):
   def _wait_for_peer(self, peer: int) -> None:
     """Waits for `peer`'s next post; names it where it is dead, closed, timed out or crosswise."""
     if self._idle and self._live.dead(peer):
-      self._abort = self._lost(peer)
+      where = f"its batch {self._yielded} (position {self._decided})"
+      when = f"while the other processes waited for {where}"
+      self._abort = endings.lost(peer, self._live.dead_after_s, self._yielded, when)
     elif self._idle and (note := self._live.closed(peer)) is not None:
       self._absorb(self._timed(self._exchange.read_chunks))  # Its ending here, if it posted one.
       # A closing ending it posted here (`reset()`, `set_state()`, a close)
@@ -266,19 +268,6 @@ class Decider(Streamed):
       peer,
       self._yielded,
       "PeerTimeoutError",
-      (peer,),
-    )
-
-  def _lost(self, peer: int) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.LOST,
-      f"process {peer} is lost: its liveness beat stopped for"
-      f" {self._live.dead_after_s:g}s while the other processes waited for"
-      f" its batch {self._yielded} (position {self._decided}); it died (killed,"
-      " out of memory, crashed) or froze",
-      peer,
-      self._yielded,
-      "PeerLostError",
       (peer,),
     )
 

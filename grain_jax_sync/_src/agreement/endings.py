@@ -77,6 +77,21 @@ def closed_error(process: int, at_batch: int, how: str = "closed its iterator") 
   )
 
 
+def lost(
+  peer: int, dead_after_s: float, at_batch: int, when: str, cause: str = ""
+) -> ReportedError:
+  """The ending of a peer whose liveness beat stopped `when`: dead, not slow (`liveness`)."""
+  return ReportedError(
+    ErrorKind.LOST,
+    f"process {peer} is lost: its liveness beat stopped for {dead_after_s:g}s {when};"
+    f" {cause or 'it died (killed, out of memory, crashed) or froze'}",
+    peer,
+    at_batch,
+    "PeerLostError",
+    (peer,),
+  )
+
+
 def stopped_error(process: int, at_batch: int) -> ReportedError:
   """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
 

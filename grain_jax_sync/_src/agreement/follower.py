@@ -89,11 +89,9 @@ class Follower(Streamed):
         return self._timed(self._exchange.try_decision, self._seq)
       if not posted or self._own.waits_on_build():
         return None
-      # Posted, with nothing decided left to build: the job waits for this
-      # decision, so wait in the store for it rather than read another batch
-      # first (the stream's first; with a build thread, one on a full batch:
-      # a short one may wait for the next read, `plan.Rules.wait_for_last`).
-      # Inline, the decision on what was posted before may be there.
+      # Posted, nothing decided left to build: wait in the store for the
+      # stream's first decision, and with a build thread for one on a full
+      # batch (a short one may wait for the next read: `Rules.wait_for_last`).
       threaded = self._own.held() is not None
       full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
       if self._seq == 0 or threaded and full:
@@ -112,13 +110,10 @@ class Follower(Streamed):
   def _wait(self) -> str | None:
     if self._idle and self._live.dead(0):
       self._exchange.end()
-      raise exchange_lib.PeerLostError(
-        f"process 0 is lost: its liveness beat stopped for"
-        f" {self._live.dead_after_s:g}s while process {self._process} waited for"
-        f" its decision on batch {self._yielded}; process 0 hosts the"
-        " coordination service, so the job must be restarted",
-        (0,),
-      )
+      when = f"while process {self._process} waited for its decision on batch {self._yielded}"
+      cause = "process 0 hosts the coordination service, so the job must be restarted"
+      error = endings.lost(0, self._live.dead_after_s, self._yielded, when, cause)
+      raise endings.to_exception(error, self._process, None)
     note = self._live.closed(0) if self._idle else None
     if note is not None:
       text = self._timed(self._exchange.try_decision, self._seq)  # Its ending here, if any.

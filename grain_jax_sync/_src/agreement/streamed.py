@@ -73,8 +73,7 @@ class Streamed(common.Agreement):
     self._signature: batches_lib.Signature | None = None
     self._reads_since_look = 0  # Own reads since the peers' posts were last read.
     self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
-    # The last wait in the store brought nothing: read the awaited peer's beat.
-    self._idle = False
+    self._idle = False  # The last wait in the store brought nothing: read the beats.
     self._stop_posted = False
     self.reached_end = False  # The final decision ended the stream without an error.
     self._waiting_since: float | None = None
@@ -126,11 +125,7 @@ class Streamed(common.Agreement):
     return out
 
   def _wait_slice(self, fn: Any, *args: Any) -> Any:
-    """A blocking store read of the peers' posts; the beats are read only after one that was empty.
-
-    While peers post, no beat or close note is read: a dead peer is named
-    `DEAD_AFTER_S` after the first empty slice (`liveness`).
-    """
+    """A blocking read of the peers' posts; only after an empty one are beats read (`liveness`)."""
     out = self._timed(fn, *args)
     self._idle = not out
     return out
@@ -160,7 +155,9 @@ class Streamed(common.Agreement):
       waiting = [q for q in range(self._process_count) if q not in notes]
       for peer in waiting:
         if self._live.dead(peer):
-          raise endings.to_exception(self._lost_at_end(peer), self._process, None)
+          when = f"before it received the last batch ({self._yielded} batches)"
+          error = endings.lost(peer, self._live.dead_after_s, self._yielded, when)
+          raise endings.to_exception(error, self._process, None)
       if waiting and time.monotonic() - since > self._timeout_s:
         raise endings.to_exception(self._timeout_at_end(waiting), self._process, None)
 
@@ -168,18 +165,6 @@ class Streamed(common.Agreement):
     """Tells peers waiting at the end that this host left before it (best effort)."""
     message = (error or endings.closed_error(self._process, at_batch)).message
     self._exchange.post_left(message)
-
-  def _lost_at_end(self, peer: int) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.LOST,
-      f"process {peer} is lost: its liveness beat stopped for"
-      f" {self._live.dead_after_s:g}s before it received the last batch"
-      f" ({self._yielded} batches); it died (killed, out of memory, crashed) or froze",
-      peer,
-      self._yielded,
-      "PeerLostError",
-      (peer,),
-    )
 
   def _timeout_at_end(self, peers: list[int]) -> messages.ReportedError:
     return messages.ReportedError(

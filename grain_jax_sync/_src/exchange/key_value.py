@@ -22,10 +22,9 @@ Under ``base``, once per iterator and process, at `close()`:
 
 - ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
   the stream it was in and "process p closed its iterator at batch b". A
-  peer that waits for p reads it once p's beat shows a close it has not read
-  (`beat_text`), and ends instead of timing out: in a stream that p never
-  started (a restart made on some processes only), or where p could not
-  post its ending.
+  peer that waits for p reads it once p's beat shows a new close and ends
+  instead of timing out: in a stream that p never started (a restart made
+  on some processes only), or where p could not post its ending.
 - ``{base}/closed_count``: the process that brings it to the process count
   deletes ``{base}``.
 - ``{base}/times/{p}``: process p's `stats()` times at the end of its last
@@ -43,7 +42,6 @@ Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -70,9 +68,7 @@ GROUP = 16
 # read's bytes at 1,024 processes; up to 3 with 4, for one delete per 4 chunks
 # at each follower, none at the decider).
 CHUNK_GROUP = 4
-# This process's closes recorded (`register_close`); its beat carries the count.
-_closes = itertools.count(1)
-_closed = 0
+_closes = 0  # This process's closes recorded (`register_close`); its beat carries the count.
 
 
 class Cancelled(Exception):
@@ -380,8 +376,8 @@ def register_close(base: str, note: str) -> None:
     return
   try:
     client.key_value_set(closed_key(base, jax.process_index()), note)
-    global _closed
-    _closed = next(_closes)  # The note first: a peer that sees the count finds it.
+    global _closes
+    _closes += 1  # After the note: a peer that sees the count finds it.
     if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
       client.key_value_delete(base)
   except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
@@ -424,17 +420,8 @@ def read_times(base: str) -> list[tuple[int, str]]:
 
 
 def beat_text(n: int) -> str:
-  """This process's `n`-th beat: ``{n}/{closes}``, then the streams it waits at the start of.
-
-  `closes` counts the iterators it closed (`register_close`): a peer reads
-  its close notes only when that changes (`liveness.Liveness.closed`).
-  """
-  return " ".join([f"{n}/{_closed}", *waiting_streams()])
-
-
-def beat_closes(beat: str) -> int:
-  """The closes a beat of `beat_text` counts."""
-  return int(beat.split(maxsplit=1)[0].partition("/")[2] or 0)
+  """This process's `n`-th beat: ``{n}/{closes}`` (`liveness.Liveness.closed`), the streams it waits on."""
+  return " ".join([f"{n}/{_closes}", *waiting_streams()])
 
 
 def put_beat(client: Any, process: int, value: str) -> None:
