@@ -301,26 +301,19 @@ class Stream:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self._stopper is None else self._stopper.stop_requested_by
 
-  def halt(self, *, abandon_reads: bool = False) -> None:
-    """Stops every stage, from the user's end back to the source; posts nothing.
-
-    With `abandon_reads`, a read in progress is not waited for (the final
-    close: nothing reads the source after it); see `after_reads`. Inline,
-    under the agreement's turn: a stop posted from another thread is one write.
-    """
+  def halt(self) -> None:
+    """Stops every stage, from the user's end back to the source; posts nothing."""
     with self._turn():
-      self._halt(abandon_reads)
+      self._halt(abandon_reads=False)
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
-    """Inline, the agreement's turn (a stop posted meanwhile is one write); else nothing."""
+    """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
     return self._inline.turn if self._inline is not None else contextlib.nullcontext()
 
-  def _halt(self, abandon_reads: bool) -> None:
+  def _halt(self, *, abandon_reads: bool) -> None:
+    """With `abandon_reads`, a read in progress is not waited for (`reading` may still be in it)."""
     for stage in self._threads:
-      if abandon_reads and isinstance(stage, prefetch_lib.OnDemand):
-        stage.abandon()
-      else:
-        stage.close()
+      stage.close(wait=not abandon_reads or not isinstance(stage, prefetch_lib.OnDemand))
     if not self._threads:
       prefetch_lib.close_producer(self._items)
     if self._agreement is not None:

@@ -98,14 +98,10 @@ class Streamed(common.Agreement):
       self.post_stop()
 
   def post_stop(self) -> None:
-    """Inline: posts a stop asked for here, unless a call runs the agreement; never blocks.
+    """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
-    Between calls the stop is posted at once, so that a host whose consumer
-    is in a long step does not hold it until its next `next()`. A call in
-    progress (this thread's, under a signal handler, or another's) holds
-    `turn`: it posts the stop when it ends (`session.Stream`). Takes the
-    turn without waiting: a signal handler must never wait on a lock the
-    code it interrupted may hold.
+    Takes the turn without waiting: a signal handler never waits on a lock
+    that the code it interrupted may hold.
     """
     while self._stop_at is not None and not self._stop_posted and self.turn.acquire(False):
       try:
