@@ -31,12 +31,10 @@ def bound_s(prefetch: int, step_s: float) -> float:
 
   `decide_ahead_s` of the slowest consumer's consumption, the
   (prefetch_batches + 1) steps already decided and built, and 1 s. Inline
-  (`prefetch_batches=0`) one step more: the ending is seen at the host's next
-  `next()`, which can be the instant its peers' decision on their next batch
-  was made (docs/multihost.md, Preemption).
+  (`prefetch_batches=0`) too: a stop asked for between calls is posted at
+  once, one asked for during a call when the call ends.
   """
-  steps = prefetch + 1 if prefetch else 2
-  return DECIDE_AHEAD_S + steps * step_s + SLACK_S
+  return DECIDE_AHEAD_S + (prefetch + 1) * step_s + SLACK_S
 
 
 def data(p: int, length: int) -> list[dict[str, np.ndarray]]:

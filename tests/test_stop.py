@@ -395,3 +395,100 @@ def test_a_close_or_a_source_error_at_batch_5_reaches_the_peer_within_seconds(pr
     assert peer["error"] is not None and f"RuntimeError: process 1 {cause}" in peer["error"], peer
     assert len(peer["rows"]) >= 5 and peer["rows"] == list(range(len(peer["rows"]))), kind
   assert not late, "\n".join(late)
+
+
+# -- inline (prefetch_batches=0): a stop asked for between calls is posted at once ---
+
+
+class _Signalling:
+  """Rows ``1000 p + i``; sends SIGUSR1 to this process as it reads row `at` (inside `next()`)."""
+
+  def __init__(self, p: int, at: int):
+    self._rows, self._i, self._at = data(p, LENGTH), 0, at
+
+  def __iter__(self) -> _Signalling:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._i == len(self._rows):
+      raise StopIteration
+    if self._i == self._at:
+      os.kill(os.getpid(), signal.SIGUSR1)  # Inline: read in the consumer's call.
+    self._i += 1
+    return self._rows[self._i - 1]
+
+  def get_state(self) -> dict[str, int]:
+    return {"i": self._i}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._i = state["i"]
+
+
+def _inline_stop(how: str, asker: int, step_s: float) -> dict:
+  """Inline, `asker` asks for a stop (`how`); then a resume.
+
+  ``between``: from its loop after its batch 3, between two calls;
+  ``handler``: from a SIGUSR1 handler inside the call that reads its row 5;
+  ``thread``: from a thread started after its batch 3, racing its next call.
+  """
+  import jax
+
+  p = jax.process_index()
+  asked: list[float] = []
+  it: Any = None
+
+  def ask() -> None:
+    asked.append(time.time())
+    it.request_stop()
+
+  source = _Signalling(p, 5 if how == "handler" and p == asker else -1)
+  previous = signal.signal(signal.SIGUSR1, lambda *_: ask())
+  it, rows, racer = iterator(source, 0), [], None
+  try:
+    for batch in it:
+      rows.append(first_row(batch))
+      if p == asker and len(rows) == 3 and how == "between":
+        ask()
+      if p == asker and len(rows) == 3 and how == "thread":
+        racer = threading.Thread(target=ask)
+        racer.start()
+      time.sleep(step_s)
+  finally:
+    signal.signal(signal.SIGUSR1, previous)
+  ended = time.time()
+  if racer is not None:
+    racer.join(10)
+  state, by = it.get_state(), it.stop_requested_by
+  it.close()
+  fresh = iterator(_Signalling(p, -1), 0)
+  fresh.set_state(state)
+  resumed = [first_row(b) for b in fresh]
+  fresh.close()
+  out = {"rows": rows, "batches": state["batches"], "by": by, "ended": ended}
+  return out | {"resumed": resumed, "asked": asked[0] if asked else None}
+
+
+def inline_stops(cases: list[tuple[str, int, float]]) -> list[dict]:
+  return [_inline_stop(*case) for case in cases]
+
+
+# (how, asker, step_s). At a 3 s step a stop posted only at the asker's next
+# call would be seen by process 0 a step later than its next decision (6 s
+# against a bound of 5): a follower's request goes through the store.
+INLINE_CASES = {
+  (2, 4): [("between", 1, 3.0), ("handler", 1, 3.0), ("thread", 1, 0.01), ("thread", 0, 0.01)],
+  (4, 2): [("between", 2, 3.0), ("handler", 3, 3.0)],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("n", "d"), [pytest.param(*k, id=f"{k[0]}x{k[1]}") for k in INLINE_CASES])
+def test_inline_a_stop_asked_between_or_during_calls_reaches_every_host_within_the_bound(n, d):
+  cases = INLINE_CASES[(n, d)]
+  outs = launch(inline_stops, n, d, cases)
+  for i, case in enumerate(cases):
+    how, asker, step_s = case
+    case_outs = [o[i] for o in outs]
+    _check_stop(case_outs, (step_s, 3 if how != "handler" else 1, asker))
+    late = _stop_late_s(case_outs, (step_s, 3, asker))
+    assert late <= bound_s(0, step_s), (case, round(late, 2))

@@ -257,8 +257,8 @@ class JaxBatchIterator(Iterator[Any]):
   def request_stop(self) -> None:
     """Asks every host to end the stream at one same batch, then `StopIteration`.
 
-    Safe from any thread and from a signal handler: it takes no lock and
-    returns at once. This host's agreement posts the request; every host's
+    Safe from any thread and from a signal handler: it never waits on a lock
+    and returns at once. This host's agreement posts the request; every host's
     stream then ends at the first position not yet decided when the request
     reaches the agreement (at most about ``2 * (synchronize_lookahead +
     prefetch_batches)`` batches after this host's last received batch), so

@@ -162,15 +162,19 @@ class Prefetcher(Generic[T]):
     self._stopped = True
     self._items.put(_WAKE)
 
-  def close(self) -> None:
-    """Stops and joins the thread (unless called from it); idempotent."""
-    self._done = True
-    self._stopped = True
+  def close(self, *, wait: bool = True) -> None:
+    """Stops and joins the thread (unless called from it); idempotent.
+
+    Without `wait`, a producer inside its own ``next()`` is not waited for
+    (`OnDemand`: a read stuck in the source; the final close reads no more).
+    """
+    busy = self._stop()
     self._items.put(_WAKE)  # A consumer waiting in another thread.
     self._slots.release(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
       self._on_close()
-    join(self._thread, "prefetch")
+    if wait or not busy:
+      join(self._thread, self._thread.name)
     # Nothing built stays referenced. As many gets as items now: a signal
     # handler's `interrupt` may put more meanwhile.
     for _ in range(self._items.qsize()):
@@ -181,6 +185,11 @@ class Prefetcher(Generic[T]):
     # The drain may have taken the wake-up before a consumer in another
     # thread got it: one more, which holds nothing.
     self._items.put(_WAKE)
+
+  def _stop(self) -> bool:
+    """Marks the stage stopped; whether its producer may be inside its own ``next()``."""
+    self._done = self._stopped = True
+    return True
 
   def _put(self, item: Any, *, acquired: bool = False) -> bool:
     """Waits for room (unless taken already); False if the stage was stopped meanwhile."""
@@ -224,8 +233,8 @@ class OnDemand(Prefetcher[T]):
   producer when it has other work (`take`), and can be woken in a wait
   (`nudge`, from any thread or a signal handler). A producer stuck in its
   own ``next()`` (a source stalled on remote storage) holds up nothing but
-  the items it has not produced: `abandon` stops the stage without waiting
-  for it, and the hooks given to `after` run once that ``next()`` returns.
+  the items it has not produced: ``close(wait=False)`` stops the stage
+  without waiting for it, and the hooks given to `after` run once that ``next()`` returns.
   """
 
   def __init__(self, producer: Iterator[T], *, name: str):
@@ -236,7 +245,7 @@ class OnDemand(Prefetcher[T]):
     super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
 
   def _watched(self, producer: Iterator[T]) -> Iterator[T]:
-    """`producer`, marking the time spent in its `next()` (`abandon` waits for no such call)."""
+    """`producer`, marking the time spent in its `next()` (``close(wait=False)`` waits for none)."""
     while True:
       with self._exit:
         if self._stopped:
@@ -277,18 +286,10 @@ class OnDemand(Prefetcher[T]):
     """Wakes a `take` now; takes no lock (a signal handler may call it)."""
     self._items.put(_WAKE)
 
-  def abandon(self) -> None:
-    """Stops the stage, waiting for its thread only where it is not inside the producer's ``next()``."""
+  def _stop(self) -> bool:
     with self._exit:
       self._done = self._stopped = True
-      busy = self._busy
-    self._slots.release(self._size + 1)
-    self._items.put(_WAKE)
-    if not busy:
-      join(self._thread, "reading")  # Waits for a slot at most: it returns at once.
-    while not self._items.empty():  # Nothing read stays referenced.
-      self._items.get_nowait()
-    self._items.put(_WAKE)
+      return self._busy  # Else the thread waits for a slot at most: joined at once.
 
   def after(self, hook: Callable[[], None]) -> None:
     """Runs `hook` once the producer's thread is done: now, or when its ``next()`` returns."""

@@ -25,6 +25,7 @@ one thread that runs its stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -120,6 +121,9 @@ class Stream:
     self._agreement: streamed.Streamed | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
     self._stopper: Agreement | None = None
+    # The streamed agreement where it runs in the consumer's call: the call
+    # holds its turn, and posts a stop asked for meanwhile when it ends.
+    self._inline: streamed.Streamed | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = self._reader(start)
@@ -191,6 +195,7 @@ class Stream:
     )
     self._stopper = self._agreement
     if not threaded:
+      self._inline = self._agreement
       return iter(self._agreement)
     return self._agree_thread(self._agreement, options)
 
@@ -240,6 +245,9 @@ class Stream:
     return stage
 
   def __next__(self) -> build_lib.Item:
+    inline = self._inline
+    if inline is not None:
+      inline.turn.acquire()  # A stop being posted meanwhile (`post_stop`) is one write.
     try:
       item = next(self._items)
     except exchange_lib.Cancelled:
@@ -255,6 +263,10 @@ class Stream:
     except BaseException:
       self._failed = True
       raise
+    finally:
+      if inline is not None:
+        inline.turn.release()
+        inline.post_stop()  # One asked for during this call (a signal handler, a thread).
     return item
 
   def times(self) -> stats_lib.Times:
@@ -289,17 +301,19 @@ class Stream:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self._stopper is None else self._stopper.stop_requested_by
 
-  def halt(self, *, abandon_reads: bool = False) -> None:
-    """Stops every stage, from the user's end back to the source; posts nothing.
+  def halt(self) -> None:
+    """Stops every stage, from the user's end back to the source; posts nothing."""
+    with self._turn():
+      self._halt(abandon_reads=False)
 
-    With `abandon_reads`, a read in progress is not waited for (the final
-    close: nothing reads the source after it); see `after_reads`.
-    """
+  def _turn(self) -> contextlib.AbstractContextManager[Any]:
+    """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
+    return self._inline.turn if self._inline is not None else contextlib.nullcontext()
+
+  def _halt(self, *, abandon_reads: bool) -> None:
+    """With `abandon_reads`, a read in progress is not waited for (`reading` may still be in it)."""
     for stage in self._threads:
-      if abandon_reads and isinstance(stage, prefetch_lib.OnDemand):
-        stage.abandon()
-      else:
-        stage.close()
+      stage.close(wait=not abandon_reads or not isinstance(stage, prefetch_lib.OnDemand))
     if not self._threads:
       prefetch_lib.close_producer(self._items)
     if self._agreement is not None:
@@ -326,7 +340,11 @@ class Stream:
     self._ended = True
     self._builder.wake()  # The agreement thread may wait for the build thread's room.
     self.interrupt()  # Every wait at once, before any join.
-    self.halt(abandon_reads=True)
+    with self._turn():
+      self._end(at, error)
+
+  def _end(self, at: int, error: messages.ReportedError | None) -> None:
+    self._halt(abandon_reads=True)
     if self._agreement is None:
       return
     blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]

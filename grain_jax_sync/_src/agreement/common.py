@@ -121,7 +121,7 @@ class Agreement:
 
   `request_stop` may come from any thread or a signal handler: it sets one
   field, takes no lock and returns at once; the agreement's own thread
-  posts the stop at its next step.
+  posts the stop at its next step (inline, see `Streamed.post_stop`).
   """
 
   def __init__(self, rules: plan_lib.Rules, who: Identity):
@@ -315,6 +315,11 @@ class OwnReads:
       if not until_room or self.room() or not self.waits_on_build():
         return
       check()
+
+  @property
+  def inline(self) -> bool:
+    """Whether this host reads in the agreement's own `next()` (no reading thread)."""
+    return self._thread is None
 
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""

@@ -48,8 +48,8 @@ class Decider(Streamed):
   def __iter__(self) -> Iterator[common.Run]:
     while True:
       stop = self._stop_due()
-      if stop is not None and self._abort is None and self._ledger.abort is None:
-        self._abort = stop  # Decided at the first position not decided yet.
+      if stop is not None:
+        self._post_stop(stop)
       plan = self._plan()
       if plan is not None and plan.end == Outcome.WAIT:
         self._wait = {p: self._ledger.count(p) for p in plan.waiting}
@@ -71,9 +71,15 @@ class Decider(Streamed):
       if run is not None:
         yield run
         run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
+        # Inline, the consumer stepped meanwhile: a peer may have posted a stop.
+        self._waited = self._waited or self._own.inline
       if decision.end != Outcome.CONTINUE:
         self._finish(decision)
         return
+
+  def _post_stop(self, stop: messages.ReportedError) -> None:
+    if self._abort is None and self._ledger.abort is None:
+      self._abort = stop  # Decided at the first position not decided yet.
 
   def _plan(self) -> plan_lib.Plan | None:
     """The next plan, or None while the next position is not known for everyone."""
@@ -202,7 +208,11 @@ class Decider(Streamed):
     elif self._idle and not self._decided and (cross := self._cross.check(peer, self._yielded)):
       self._abort = cross
     else:
+      stale = self._waited
       self._absorb(self._wait_slice(self._exchange.wait_chunk, peer))
+      # With one peer, the one chunk waited for: inline, a stop that peer
+      # posted during the consumer's step may follow it, read before deciding.
+      self._waited = stale and self._own.inline and self._process_count == 2
 
   def _look_due(self) -> bool:
     """Whether to look at the peers' posts before reading on.

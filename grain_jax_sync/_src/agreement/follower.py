@@ -76,8 +76,7 @@ class Follower(Streamed):
     """
     stop = self._stop_due()
     if stop is not None:
-      # An ending's report carries no rows (`_post`): unposted rows are void.
-      self._post(final=False, error=stop)  # Then follows the decisions to the stop.
+      self._post_stop(stop)
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
@@ -135,6 +134,10 @@ class Follower(Streamed):
       self._exchange.end()
       raise endings.to_exception(self._gave_up, self._process, None)
     return self._wait_slice(self._exchange.wait_decision, self._seq)
+
+  def _post_stop(self, stop: messages.ReportedError) -> None:
+    # An ending's report carries no rows (`_post`): unposted rows are void.
+    self._post(final=False, error=stop)  # Then follows the decisions to the stop.
 
   def _timeout_error(self) -> messages.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"

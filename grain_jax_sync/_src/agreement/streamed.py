@@ -6,6 +6,8 @@ The streamed agreement runs over the key-value store: process 0 decides
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +19,8 @@ from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, cross_wait, endings
+
+logger = logging.getLogger(__name__)
 
 
 class Streamed(common.Agreement):
@@ -75,6 +79,10 @@ class Streamed(common.Agreement):
     self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
     self._idle = False  # The last wait in the store brought nothing: read the beats.
     self._stop_posted = False
+    # Inline (no reading thread), the consumer's call runs the agreement: it
+    # holds this while it does, and a stop asked for between calls is posted
+    # under it (`post_stop`).
+    self.turn = threading.Lock()
     self.reached_end = False  # The final decision ended the stream without an error.
     self._waiting_since: float | None = None
     self._cross = cross_wait.CrossWait(exchange, self._live, timeout_s)
@@ -84,9 +92,31 @@ class Streamed(common.Agreement):
       job.attach(self._process, self._process_count)
 
   def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop; wakes a wait for this host's reading thread (no lock)."""
+    """Asks every host to stop; wakes a wait for the reading thread, or inline posts it now."""
     super().request_stop(at_batch)
     self._own.nudge()
+    if self._own.inline:
+      self.post_stop()
+
+  def post_stop(self) -> None:
+    """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
+
+    Takes the turn without waiting: a signal handler never waits on a lock
+    that the code it interrupted may hold.
+    """
+    while self._stop_at is not None and not self._stop_posted and self.turn.acquire(False):
+      try:
+        stop = self._stop_due()
+        if stop is not None and not self._exchange.ended:
+          self._post_stop(stop)
+      except Exception as e:  # noqa: BLE001 - from `request_stop`: it never raises.
+        logger.warning("grain_jax_sync: could not post the stop: %s", e)
+      finally:
+        self.turn.release()
+
+  def _post_stop(self, stop: messages.ReportedError) -> None:
+    """Posts this host's stop (`Decider` and `Follower` each their own way)."""
+    raise NotImplementedError
 
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
