@@ -21,8 +21,7 @@ a row names one:
   the worst over several A (the request falls at different points of a round)
   of the seconds from the request to every host's loop end, and the batches
   trained after the request, each against the bound
-  ``decide_ahead_s + (prefetch_batches + 1) * step + 1 s`` (issue 40; one
-  step more at prefetch 0, as docs/multihost.md says);
+  ``decide_ahead_s + (prefetch_batches + 1) * step + 1 s`` (issue 40);
 * `leavers`: host 1 closes its iterator after its batch 5, or its source
   raises at batch 5 (once its consumer holds batches 0-4: the job's batch 5,
   not the read-ahead's), at a 20 ms and a 2 s step; the seconds until

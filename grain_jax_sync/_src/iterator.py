@@ -260,8 +260,8 @@ class JaxBatchIterator(Iterator[Any]):
     Safe from any thread and from a signal handler: it never waits on a lock
     and returns at once. This host's agreement posts the request; every host's
     stream then ends at the first position not yet decided when the request
-    reaches the agreement (at most about ``2 * (synchronize_lookahead +
-    prefetch_batches)`` batches after this host's last received batch), so
+    reaches the agreement, within about ``decide_ahead_s + (prefetch_batches
+    + 1)`` steps + 1 s of the request (docs/multihost.md, Preemption), so
     that `get_state()` is at the same batch on every host and one checkpoint
     is consistent. Afterwards `stop_requested_by` names the process whose
     request ended the stream, on every host. A second request, or one after
