@@ -109,6 +109,51 @@ def test_grain_dataloader_state_is_a_json_dict_not_bytes():
       next(it)
 
 
+class _Watched(grain.DatasetIterator):
+  """Batches of 8 ids; records whether its state was asked for before its first read."""
+
+  made: list["_Watched"] = []
+
+  def __init__(self):
+    super().__init__()
+    self._i, self.read, self.state_before_read = 0, False, False
+    _Watched.made.append(self)
+
+  def __next__(self):
+    if self._i == 24:
+      raise StopIteration
+    self.read = True
+    self._i += 8
+    return {"ids": np.arange(self._i - 8, self._i)}
+
+  def get_state(self):
+    self.state_before_read = self.state_before_read or not self.read
+    return {"i": self._i}
+
+  def set_state(self, state):
+    self._i = state["i"]
+
+
+class _WatchedDataset(grain.IterDataset):
+  def __iter__(self):
+    return _Watched()
+
+
+def test_grain_state_before_the_first_batch_comes_from_a_fresh_iterator_not_the_one_read():
+  # Grain 0.2.18's multiprocessing iterators read at half the rate for good
+  # once their state is taken before their first `next()`.
+  _Watched.made.clear()
+  with gjs.iter_jax_batches(_WatchedDataset().map(lambda b: b), batch_size=8) as it:
+    start = it.get_state()
+    got = [np.asarray(b["ids"]).tolist() for b in it]
+    it.set_state(start)
+    again = [np.asarray(b["ids"]).tolist() for b in it]
+  assert got == again == [list(range(k, k + 8)) for k in (0, 8, 16)]
+  assert start["source"] == {"i": 0}
+  read = [w for w in _Watched.made if w.read]
+  assert read and not any(w.state_before_read for w in read), [vars(w) for w in _Watched.made]
+
+
 def test_grain_mapdataset_is_read_in_index_order():
   ds = grain.MapDataset.range(32).map(lambda i: {"i": np.int64(i)}).batch(8)
   with gjs.iter_jax_batches(ds, batch_size=8) as it:
