@@ -139,15 +139,21 @@ class _WatchedDataset(grain.IterDataset):
     return _Watched()
 
 
-def test_grain_state_before_the_first_batch_comes_from_a_fresh_iterator_not_the_one_read():
+@pytest.mark.parametrize("how", ["iter_jax_batches", "device_put"])
+def test_grain_state_before_the_first_batch_comes_from_a_fresh_iterator_not_the_one_read(how):
   # Grain 0.2.18's multiprocessing iterators read at half the rate for good
   # once their state is taken before their first `next()`.
   _Watched.made.clear()
-  with gjs.iter_jax_batches(_WatchedDataset().map(lambda b: b), batch_size=8) as it:
-    start = it.get_state()
-    got = [np.asarray(b["ids"]).tolist() for b in it]
-    it.set_state(start)
-    again = [np.asarray(b["ids"]).tolist() for b in it]
+  ds = _WatchedDataset().map(lambda b: b)
+  if how == "device_put":
+    it = iter(gjs.device_put(ds, gjs.default_sharding()))
+  else:
+    it = gjs.iter_jax_batches(ds, batch_size=8)
+  start = it.get_state()
+  got = [np.asarray(b["ids"]).tolist() for b in it]
+  it.set_state(start)
+  again = [np.asarray(b["ids"]).tolist() for b in it]
+  it.close()
   assert got == again == [list(range(k, k + 8)) for k in (0, 8, 16)]
   assert start["source"] == {"i": 0}
   read = [w for w in _Watched.made if w.read]

@@ -14,7 +14,7 @@ pytree of different placements). Its JSON `get_state`/`set_state` are the
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src.sources import grain as grain_source
 
 
 def _why_plain(device: Any) -> str:
@@ -57,7 +58,10 @@ def _normalize_state(state: Any) -> dict[str, Any]:
 
 
 def _plain_first(
-  parent: Any, options: options_lib.Options, placement: placement_lib.DevicePutPlacement
+  parent: Any,
+  before: Callable[[], Any],
+  options: options_lib.Options,
+  placement: placement_lib.DevicePutPlacement,
 ) -> list[Any] | None:
   """Reads the first element to choose the mode: [it] where elements are placed
   one by one (as `jax.device_put` does), None for global batches (then
@@ -68,11 +72,11 @@ def _plain_first(
   """
   if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
     return None
-  before = parent.get_state()
+  start = before()
   first = next(parent, None)
   why = None if first is None else _unbatched(first)
   if first is None or not (why or placement.per_leaf):
-    parent.set_state(before)  # The engine reads it again.
+    parent.set_state(start)  # The engine reads it again.
     return None
   given = [k for k in ("paddings", "dtypes") if getattr(options, k) is not None]
   given += [k for k in ("mask_key", "drop_last") if getattr(options, k)]
@@ -119,10 +123,19 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
   _parent: Any
   _assert_not_closed: Any
 
-  def __init__(self, parent: Any, options: Any, placement: placement_lib.DevicePutPlacement):
+  def __init__(
+    self,
+    parent: Any,
+    options: Any,
+    placement: placement_lib.DevicePutPlacement,
+    fresh: Callable[[], Any] | None = None,
+  ):
     super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
     self._options = options
     self._placement = placement
+    # Makes a parent iterator at the start: its state stands for the parent's
+    # until the parent is read or restored (`sources.grain.GrainIteratorSource`).
+    self._fresh = fresh
     self._jax: iterator_lib.JaxBatchIterator | None = None
     self._plain = False  # Elements placed one by one, as jax.device_put does.
     self._first: list[Any] = []  # The element read to choose the mode.
@@ -133,16 +146,18 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def _choose(self) -> None:
     """Reads the first element to choose: global batches or plain placement."""
-    first = _plain_first(self._parent, self._options, self._placement)
+    first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
     if first is None:
       self._start_batches()
       return
     self._plain = True
+    self._fresh = None  # The parent is read from here on.
     self._first.append(first[0])
 
   def _start_batches(self) -> None:
+    source = grain_source.open_grain(self._parent, fresh=self._fresh) or self._parent
     batches = iterator_lib.JaxBatchIterator(
-      self._parent, options=self._options, placement=self._placement.batches
+      source, options=self._options, placement=self._placement.batches
     )
     if self._restored is not None:
       batches.set_state(self._restored)
@@ -168,7 +183,10 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       return self._jax.get_state()
     if self._first:  # Read to choose the mode, not yet returned.
       raise RuntimeError("internal: state asked between choosing and returning")
-    return _state(self._count, self._parent.get_state(), self._options)
+    return _state(self._count, self._parent_state(), self._options)
+
+  def _parent_state(self) -> Any:
+    return (self._parent if self._fresh is None else self._fresh()).get_state()
 
   def set_state(self, state: Any) -> None:
     state = _normalize_state(state)
@@ -177,6 +195,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       self._jax.set_state(state)
       return
     self._first.clear()
+    self._fresh = None
     self._parent.set_state(state["source"])
     self._count = int(state["batches"])
     self._restored = state
@@ -222,7 +241,7 @@ class _SyncedDataset:  # The bases come with Grain (`classes`).
     self._args = (options, placement)
 
   def __iter__(self) -> Any:
-    return classes()[1](self._parent.__iter__(), *self._args)
+    return classes()[1](self._parent.__iter__(), *self._args, fresh=self._parent.__iter__)
 
   def __str__(self) -> str:
     return "grain_jax_sync.device_put"

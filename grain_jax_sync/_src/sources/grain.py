@@ -165,12 +165,14 @@ class LocalLoaderIterator(_LocalFace):
     self._owner.restore_local(_from_json_bytes(state))
 
 
-def open_grain(source: Any) -> base.SourceIterator | None:
+def open_grain(source: Any, fresh: Any = None) -> base.SourceIterator | None:
   """Adapts a Grain object, or returns None to use the generic path.
 
   Args:
     source: A `grain.DataLoader`, `grain.DataLoaderIterator`,
       `grain.IterDataset`, `grain.MapDataset` or `grain.DatasetIterator`.
+    fresh: For a `grain.DatasetIterator` not read yet: makes another at its
+      start (`GrainIteratorSource`).
 
   Returns:
     A fresh `SourceIterator` positioned where `source` is (the start, for
@@ -179,9 +181,12 @@ def open_grain(source: Any) -> base.SourceIterator | None:
   grain = extras.require("grain", needed_by="a Grain source")
 
   name = type(source).__qualname__
-  fresh = functools.partial(iter, source)
   if isinstance(source, grain.DataLoader):
-    return GrainLoaderSource(iter(source), description=f"a grain DataLoader ({name})", fresh=fresh)
+    return GrainLoaderSource(
+      iter(source),
+      description=f"a grain DataLoader ({name})",
+      fresh=functools.partial(iter, source),
+    )
   if isinstance(source, grain.DataLoaderIterator):
     return GrainLoaderSource(source, description=f"a grain DataLoaderIterator ({name})")
   if isinstance(source, grain.MapDataset):
@@ -193,8 +198,10 @@ def open_grain(source: Any) -> base.SourceIterator | None:
     )
   if isinstance(source, grain.IterDataset):
     return GrainIteratorSource(
-      iter(source), description=f"a grain IterDataset ({source})", fresh=fresh
+      iter(source),
+      description=f"a grain IterDataset ({source})",
+      fresh=functools.partial(iter, source),
     )
   if isinstance(source, grain.DatasetIterator):
-    return GrainIteratorSource(source, description=f"a grain DatasetIterator ({name})")
+    return GrainIteratorSource(source, description=f"a grain DatasetIterator ({name})", fresh=fresh)
   return None
