@@ -144,20 +144,10 @@ class Layout:
 def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Narrowing]:
   """The leaves whose values are cast on the host to a float dtype of smaller range.
 
-  The dtype policy (`split_casts`) casts on the host what shrinks,
-  and with x64 off the transfer holds float64 as float32: a finite value
-  beyond the range of the dtype it lands in would become inf (or NaN)
+  A host cast (`split_casts`), or float64 held as float32 with x64 off, would
+  turn a finite value beyond the range of the dtype it lands in into inf
   silently, so the reader checks these leaves (`reader.check_float_range`).
-  Casts run on the device widen and cannot overflow; complex leaves are not
-  checked. A `dtypes` that is no dtype gives none here: `Layout.of` raises
-  it, naming the setting.
-
-  Args:
-    sig: The batch structure.
-    dtypes: The `dtypes` setting.
-
-  Returns:
-    One `reader.Narrowing` per such leaf, in leaf order.
+  A `dtypes` that is no dtype gives none here: `Layout.of` raises it.
   """
   src = sig.np_dtypes()
   try:
@@ -382,31 +372,27 @@ class Builder:
       if shapes is None:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
     local = _local_leaves(read, step, sig, layout, shapes)
-    device = layout.device
     mask_key = self._options.mask_key
+    mask_keys = [] if mask_key is None else [mask_key]
     if mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
-      device = [*device, None]
-    for k, _ in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
+    for k, name in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
       real = None if read is None else read.batch.leaves[k].shape
       local.append(padding.element_mask(real, step.rows, shapes[k], sig.varying[k]))
-      device = [*device, None]
+      mask_keys.append(name)
     key = (step.rows, step.sizes) if step.sizes else step.rows
     targets = self._targets.get(key)
     if targets is None:
       targets = transfer.global_targets([x.shape for x in local], self._placement)
       self._targets[key] = targets
-    # The one seam where local rows become global arrays.
-    out = transfer.to_global_leaves(local, self._placement, device, targets=targets)
-    masks = [out.pop() for _ in layout.masks][::-1]
-    mask = out.pop() if mask_key is not None else None
+    # The one seam where local rows become global arrays (the masks, last, are not cast).
+    out = transfer.to_global_leaves(local, self._placement, layout.device, targets=targets)
+    n = len(out) - len(mask_keys)
     if layout.keys is not None:
-      tree = dict(zip(layout.keys, out, strict=True))
+      tree = dict(zip(layout.keys, out[:n], strict=True))
     else:
-      tree = trees.unflatten(sig.spec, out)
-    if mask_key is not None:
-      tree[mask_key] = mask
-    for (_, name), m in zip(layout.masks, masks, strict=True):
+      tree = trees.unflatten(sig.spec, out[:n])
+    for name, m in zip(mask_keys, out[n:], strict=True):  # Masks need dict batches.
       tree[name] = m
     return tree
 

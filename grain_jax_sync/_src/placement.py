@@ -1,23 +1,11 @@
 """Where a batch's rows go: meshes, shard layout, and each process's share.
 
-One concept, in the order a placement is resolved:
-
-* Meshes: the default mesh (1-D, one ``"data"`` axis over every device of
-  the job, in a topology-aware order), the mesh set by `jax.set_mesh`, and
-  the axes a mesh splits rows over.
-* Shard layout: along each dimension a sharding splits an array into blocks;
-  `dim_layout` says which processes hold which blocks (processes that hold
-  the same blocks, a model axis across processes, form one group and feed
-  the same data). `local_to_global_shape` and `global_to_local_shape` apply
-  the rule of `jax.make_array_from_process_local_data` to shapes.
-* `resolve_placement` turns the user's `mesh`/`data_axes`/`sharding` (or
-  the context or default mesh) into a `BatchPlacement`: the sharding, the
-  data shards this process holds, and which processes feed identical rows
-  (`shared_rows_error` says how they did not). The global batch has rows per
-  data shard x data shards, so processes that hold the same data shards do
-  not add to it.
-* `resolve_device_put`: `device_put`'s `device` argument, resolved once.
-
+In the order a placement is resolved: the default mesh (1-D ``"data"`` over
+every device, topology-aware) or the `jax.set_mesh` one, and the axes a mesh
+splits rows over; `dim_layout`, which processes hold which blocks of a
+dimension (processes that hold the same blocks, a model axis across
+processes, feed the same data); `resolve_placement`, the `BatchPlacement` of
+every batch; `resolve_device_put`, `device_put`'s `device` resolved once.
 No `jax.Array` is made here (`transfer.py` does that).
 """
 
@@ -28,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -70,16 +59,10 @@ def slice_indices(devices: Iterable[Any]) -> list[Any]:
 
 
 def default_device_order(devices: Sequence[Any]) -> tuple[np.ndarray, str]:
-  """The devices of the default 1-D data mesh, in order, and why that order.
+  """The devices of the default 1-D data mesh, in order, and a sentence saying which rule chose it.
 
-  Args:
-    devices: Every device of the job (`jax.devices()`); any objects with
-      ``id``, ``process_index`` and the attributes `mesh_utils` reads
-      (``slice_index``, ``platform``, ``device_kind``, ``coords``...).
-
-  Returns:
-    (order, reason): a 1-D object array of the devices, and a sentence that
-    says which rule chose it.
+  `devices` are every device of the job, or objects with the attributes that
+  `mesh_utils` reads.
   """
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
 
@@ -178,18 +161,9 @@ def context_mesh() -> jax.sharding.Mesh | None:
 
 
 def data_axes_of(mesh: jax.sharding.Mesh, data_axes: str | Sequence[str] | None) -> tuple[str, ...]:
-  """The mesh axes the rows are split over, checked against the mesh.
+  """The mesh axes the rows are split over (major to minor), checked against the mesh.
 
-  Args:
-    mesh: The mesh.
-    data_axes: An axis name, a sequence of them, or None for ``"data"`` where
-      the mesh has it and every axis otherwise.
-
-  Returns:
-    The axis names, in order (major to minor).
-
-  Raises:
-    ValueError: If an axis is not in the mesh, repeated, or none is given.
+  None means ``"data"`` where the mesh has it, else every axis.
   """
   names = tuple(mesh.axis_names)
   if data_axes is None:
@@ -400,13 +374,10 @@ class DataShardInfo(NamedTuple):
 class BatchPlacement:
   """Where every batch goes: the sharding and this process's data shards.
 
-  Built once per iterator by `resolve_placement`; `transfer.to_global_leaves`
-  takes it.
   A *data shard* is a block of rows on the devices (one per index of the data
-  axes). This process holds `local_blocks` of them; its local rows, split into
-  ``len(local_blocks)`` equal parts, go in order to those blocks, which need
-  not be adjacent in the global batch. Processes in one `groups` entry hold
-  the same data shards and must feed identical rows.
+  axes). This process's local rows, split into ``len(local_blocks)`` equal
+  parts, go in order to its `local_blocks`, which need not be adjacent in the
+  global batch. Processes in one `groups` entry must feed identical rows.
 
   Attributes:
     sharding: The sharding of every leaf (a spec is cut to a leaf's rank).
@@ -441,10 +412,6 @@ class BatchPlacement:
     """Whether this is the only process (global shapes are local shapes)."""
     return jax.process_count() == 1
 
-  def sharding_for(self, ndim: int) -> jax.sharding.Sharding:
-    """The sharding of a leaf of rank `ndim`."""
-    return cut(self.sharding, ndim)
-
   def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
     """The global shape of a leaf this process feeds with `local_shape`."""
     return local_to_global_shape(local_shape, self.sharding)
@@ -471,7 +438,8 @@ class BatchPlacement:
       order = [d.id for d in mesh.devices.flat]
     else:
       what = type(s).__name__
-      order = [d.id for d in getattr(s, "_device_assignment", sorted(s.device_set, key=_id))]
+      by_id = sorted(s.device_set, key=operator.attrgetter("id"))
+      order = [d.id for d in getattr(s, "_device_assignment", by_id)]
     text = ",".join(map(str, order))
     digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
     return {"sharding": what, "sharding_device_order": f"{len(order)} devices, digest {digest}"}
@@ -486,10 +454,6 @@ class BatchPlacement:
         f", shared with processes {list(self.groups[self.shard_index])}" if self.shares_rows else ""
       )
     )
-
-
-def _id(device: Any) -> int:
-  return device.id
 
 
 def _check_covers(sharding: jax.sharding.Sharding, what: str) -> None:
@@ -513,9 +477,7 @@ def _check_trailing_whole(sharding: jax.sharding.Sharding, what: str) -> None:
   """Every process must hold every block of each dimension after the rows.
 
   Processes that hold different blocks of a trailing dimension hold the same
-  rows (the axis that splits it spans processes): their rows would be
-  compared as replicas, which they are not, and a process that fed its whole
-  columns would see them repeated in the global array.
+  rows: they would be compared as replicas, which they are not.
   """
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return
@@ -571,20 +533,9 @@ def resolve_placement(
 ) -> BatchPlacement:
   """Picks the sharding of every batch and this process's share of its rows.
 
-  In order: a full `sharding`; `mesh` with rows over `data_axes` (or a
-  `sharding` PartitionSpec applied to it); the mesh set by `jax.set_mesh`;
-  `default_mesh()`. A mesh alone splits rows over `data_axes`
-  (default ``"data"`` if the mesh has it, else every axis) and replicates them
-  over the other axes.
-
-  Args:
-    mesh: A `jax.sharding.Mesh` over every device of the job.
-    data_axes: The mesh axes the rows are split over.
-    sharding: A `jax.sharding.Sharding`, or a `PartitionSpec` applied to
-      `mesh` (or to the context or default mesh).
-
-  Returns:
-    The `BatchPlacement`.
+  In order: a full `sharding`; else `mesh` (or the mesh set by `jax.set_mesh`,
+  or `default_mesh()`) with rows over `data_axes` (see `data_axes_of`),
+  replicated over the rest, or with a `sharding` PartitionSpec applied to it.
 
   Raises:
     ValueError: For conflicting or bad arguments, a mesh that misses devices
@@ -664,16 +615,11 @@ def data_shard_info(
 def shared_rows_error(
   digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
 ) -> str | None:
-  """The error when processes that share a data shard fed different rows.
+  """The error when processes that share a data shard fed different rows; None if they agree.
 
-  Args:
-    digests: Per process index, `reader.rows_digest` of the rows it fed at this
-      batch, or None where it fed none (a dummy batch).
-    groups: `BatchPlacement.groups`: per input shard, the processes feeding it.
-    batch_index: The output batch, for the message.
-
-  Returns:
-    The message for every host to raise as ValueError, or None if they agree.
+  `digests`: per process index, `reader.rows_digest` of its rows at this
+  batch, or None where it fed none (a dummy batch). Every host raises the
+  message as ValueError.
   """
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}
@@ -715,10 +661,8 @@ _ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.Partiti
 class DevicePutPlacement:
   """Where `device_put` puts elements: its `device` argument, resolved once.
 
-  `device` (or `mesh`/`data_axes`/`sharding`) is resolved in the caller's
-  thread, so that the mesh set by `jax.set_mesh` around `device_put` is the
-  one used. `grain_dataset` resolves it; the dataset's iterator
-  (`synced_dataset`) applies it.
+  Resolved in the caller's thread (`resolve_device_put`), so that the mesh set
+  by `jax.set_mesh` around `device_put` is the one used.
 
   Attributes:
     batches: Where global batches go. Under a `device` that places elements

@@ -21,7 +21,7 @@ def global_targets(
 ) -> Targets:
   """Per leaf, its sharding and global shape, given its local shape."""
   return (
-    [placement.sharding_for(len(s)) for s in local_shapes],
+    [placement_lib.cut(placement.sharding, len(s)) for s in local_shapes],
     [placement.global_shape(s) for s in local_shapes],
   )
 
@@ -35,20 +35,17 @@ def to_global_leaves(
 ) -> list[jax.Array]:
   """Makes the global arrays of one batch from this process's leaves.
 
-  With several processes, one `jax.make_array_from_process_local_data` call
-  over the list of leaves: JAX builds each leaf from its local slices. A
-  leaf's global shape is `placement.global_shape` of its local shape: rows
-  per data shard times data shards. In a single process that call checks
-  that each global shape is the local one and then makes one batched
-  `jax.device_put` of the whole batch; where the shapes agree this makes
-  that `device_put` itself, without the call's per-leaf pytree work (its
-  cost per leaf is in `docs/performance.md`). No copy is made here;
+  One `jax.make_array_from_process_local_data` call over the list of leaves.
+  In a single process, where every global shape is the local one, that call
+  makes one batched `jax.device_put`: this makes it itself, without the
+  call's per-leaf pytree work (`docs/performance.md`). No copy is made here;
   widening casts (`device_dtypes`) run on the device afterwards.
 
   Args:
     leaves: Process-local arrays, rows first.
     placement: Where the rows go (`placement.resolve_placement`).
-    device_dtypes: Per leaf, the dtype to cast to on the device, or None.
+    device_dtypes: Per leaf, the dtype to cast to on the device, or None; the
+      leaves past its end are not cast.
     targets: `global_targets` of the leaves' shapes, if the caller keeps it
       (a batch of the same shapes as an earlier one).
 
