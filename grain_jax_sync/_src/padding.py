@@ -20,22 +20,12 @@ from grain_jax_sync._src import trees
 
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
-  """Resolves a scalar-or-per-column setting (`paddings`, `dtypes`) per leaf.
+  """Resolves a scalar-or-per-column setting (`paddings`, `dtypes`: `what`) per leaf.
 
-  A dict maps column names to values. A column is a leaf's full path
-  (``"features/ids"``) or any prefix of it (``"features"``); the longest match
-  wins. A bare array batch takes a scalar, or a dict with a single entry.
-
-  Args:
-    value: None, a scalar/dtype, or a dict of column name to value.
-    signature: The batch structure.
-    what: The argument's name, for errors.
-
-  Returns:
-    One value (or None) per leaf.
-
-  Raises:
-    ValueError: If a dict names a column that does not exist.
+  A dict maps columns to values: a column is a leaf's path (``"features/ids"``)
+  or a prefix of it (``"features"``), the longest match winning; a bare array
+  batch takes a dict with a single entry. Raises ValueError for a column that
+  does not exist.
   """
   names = signature.names
   if value is None:
@@ -156,18 +146,10 @@ def fill_leaf(
   dtype: np.dtype,
   pad: np.ndarray | None,
 ) -> np.ndarray:
-  """Returns `leaf` with `target` rows in `dtype`, padded at the end.
+  """`leaf` (None: a dummy) as `target` rows of trailing `shape` in `dtype`, padded at the end.
 
-  Args:
-    leaf: The real rows, or None for a dummy batch.
-    target: Rows wanted.
-    shape: Trailing shape.
-    dtype: Output dtype.
-    pad: Fill value (already of `dtype`); needed when rows are missing.
-
-  Returns:
-    `leaf` itself when it already has `target` rows and `dtype`; otherwise a
-    new buffer.
+  `leaf` itself where it already is that; otherwise a new buffer, filled with
+  `pad` (of `dtype`) past the real rows and elements.
   """
   rows = 0 if leaf is None else leaf.shape[0]
   grown = leaf is not None and leaf.shape[1:] != shape  # `pad_shapes`: trailing dims pad too.
@@ -190,15 +172,9 @@ def element_mask(
 ) -> np.ndarray:
   """The element mask of a padded leaf (`shape_mask_keys`).
 
-  Args:
-    leaf_shape: The real leaf's shape (rows included), or None for a dummy.
-    target: Rows of the padded leaf.
-    shape: The padded leaf's trailing shape.
-    dims: The trailing indices that vary (padded), ascending.
-
-  Returns:
-    A bool array shaped ``(target, *shape[:dims[-1] + 1])``: True for real
-    elements, False for padded elements and for padded and dummy rows.
+  Shaped ``(target, *shape[:dims[-1] + 1])``: True for the real elements of
+  `leaf_shape` (None: a dummy), False for the padding; `dims` are the
+  trailing indices that vary, ascending.
   """
   out = np.zeros((target, *shape[: dims[-1] + 1]), np.bool_)
   if leaf_shape is None or not leaf_shape[0]:

@@ -46,13 +46,6 @@ def log_once(message: str) -> None:
   logger.info("%s", message)
 
 
-def _ordered_fallback(devices: Sequence[Any]) -> np.ndarray:
-  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-  out = np.empty(len(ordered), dtype=object)
-  out[:] = ordered
-  return out
-
-
 def slice_indices(devices: Iterable[Any]) -> list[Any]:
   """The distinct ``slice_index`` values the devices report, ascending (none on CPU)."""
   return sorted({s for s in (getattr(d, "slice_index", None) for d in devices) if s is not None})
@@ -87,9 +80,9 @@ def default_device_order(devices: Sequence[Any]) -> tuple[np.ndarray, str]:
   try:
     order = make()
   except Exception as e:  # noqa: BLE001 - any failure falls back, with the reason.
-    return _ordered_fallback(devices), (
-      f"{failed} ({type(e).__name__}: {e}); devices ordered by process, then id"
-    )
+    fallback = np.empty(n, dtype=object)
+    fallback[:] = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return fallback, f"{failed} ({type(e).__name__}: {e}); devices ordered by process, then id"
   return np.asarray(order, dtype=object).reshape(-1), chosen
 
 

@@ -1,14 +1,10 @@
 """Shapes that vary: which dims may differ across hosts, their buckets and masks.
 
-`pad_shapes=` names columns and the dims within them (``{"tokens": 1}``,
-``{"audio": (1, 2)}``) whose sizes may differ between hosts and positions.
-The structure signature records those dims as varying (size -1, see
-`batches.Signature`), so hosts compare everything else; each host reports its
-sizes of them per batch beside its rows (`messages.Report.sizes`), and
-`plan.decide` agrees, per yielded position, on the maximum over hosts, rounded
-up to the column's next bucket (`shape_buckets=`). Every host pads to that
-size (`padding.fill_leaf`) and, where `shape_mask_keys=` asks, adds an element
-mask (`padding.element_mask`).
+`pad_shapes=` names the dims (``{"tokens": 1}``) whose sizes may differ
+between hosts and positions; signatures record them as -1. Hosts report
+their sizes per batch (`messages.Report.sizes`) and agree on the maximum,
+rounded up to the column's next bucket (`shape_buckets=`); every host pads to
+it (`padding.fill_leaf`) and adds an element mask where `shape_mask_keys=` asks.
 
 Pure Python; no JAX, no NumPy arrays.
 """
@@ -87,19 +83,9 @@ def make(
 ) -> Shapes | None:
   """Checks the three options; None when `pad_shapes` is not given.
 
-  Args:
-    pad_shapes: The dims that may vary, per column (or for a bare array).
-    shape_buckets: Per column, ascending sizes to round up to.
-    shape_mask_keys: Per column, the key of its element mask.
-    paddings: The `paddings` argument (required with `pad_shapes`).
-    synchronized: Whether the hosts agree (`synchronize_batches`, or one
-      process): unsynchronized hosts cannot agree on sizes.
-
-  Raises:
-    ValueError: For a malformed option, buckets or masks without
-      `pad_shapes` or naming a column it does not name, `pad_shapes`
-      without `paddings` (the fill value of the padded elements), or
-      without synchronization on several processes.
+  `paddings` (the fill value) is required with `pad_shapes`, and so is
+  `synchronized` (`synchronize_batches`, or one process): unsynchronized
+  hosts cannot agree on sizes. Raises ValueError for a malformed option.
   """
   if pad_shapes is None:
     for arg, v in (("shape_buckets", shape_buckets), ("shape_mask_keys", shape_mask_keys)):
@@ -177,14 +163,8 @@ def leaf_dims(
 ) -> tuple[tuple[int, ...], ...]:
   """Per leaf, the trailing indices (dim - 1) that vary; () for a fixed leaf.
 
-  Args:
-    shapes: The options.
-    names: Leaf names, in leaf order.
-    ranks: Each leaf's number of dims, rows included.
-
-  Raises:
-    ValueError: If `pad_shapes` names a column that the batches lack, or a
-      dim that a leaf of it does not have.
+  Raises ValueError where `pad_shapes` names a column or dim that the leaves
+  (`names`, with `ranks` dims each, rows included) lack.
   """
   given = dict(shapes.dims)
   if names != (ROOT_NAME,):
@@ -229,10 +209,8 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
   out_names: list[str] = []
   out_buckets: list[tuple[int, ...]] = []
   for name, shape in zip(names, trailing, strict=True):
-    if names == (ROOT_NAME,):  # A bare array: its one entry, whatever its key.
-      column: str | None = columns[0] if columns else None
-    else:
-      column = column_of(name, columns)
+    # A bare array takes its one entry, whatever its key.
+    column = columns[0] if names == (ROOT_NAME,) and columns else column_of(name, columns)
     for t, s in enumerate(shape):
       if s == -1:
         out_names.append(f"column {name!r} dim {t + 1}")
@@ -251,13 +229,8 @@ class Above:
 def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int, ...] | Above:
   """The agreed sizes: per varying dim the max over hosts, up to its next bucket.
 
-  Args:
-    per_host: Each host's sizes at one position (None: no batch there).
-    layout: The varying dims' names and buckets.
-
-  Returns:
-    The agreed sizes, or `Above` where a size is above its last bucket (see
-    `above_message`).
+  `per_host` holds each host's sizes at one position (None: no batch there).
+  `Above` where a size is above its last bucket (see `above_message`).
   """
   got = [s for s in per_host if s is not None]
   out = []

@@ -1,15 +1,10 @@
 """A batch's tree: its leaves, their names and a JSON spec of the containers.
 
-A batch is a NumPy array or a pytree of them: dicts, lists, tuples and
-namedtuples, None (an empty node, as in JAX), and any other node registered
-with `jax.tree_util` (a `jax.tree_util.register_dataclass` or
-`flax.struct.dataclass` batch). `flatten` takes it apart into leaves, their
-slash-joined names and a JSON spec of the containers, which `unflatten`
-inverts; the spec is JSON so that it can travel in the exchange (inside a
-`batches.Signature`) and let a host with no data of its own build dummy
-batches.
-
-NumPy only, except for registered nodes, which JAX flattens.
+A batch is a NumPy array or a pytree of them: dicts, lists, tuples,
+namedtuples, None (an empty node, as in JAX) and nodes registered with
+`jax.tree_util` (a `flax.struct.dataclass` batch). The spec is JSON so that
+it can travel in the exchange and let a host with no data of its own build
+dummy batches. NumPy only, except for registered nodes, which JAX flattens.
 """
 
 from __future__ import annotations
@@ -61,18 +56,11 @@ def _child_name(prefix: str, key: Any) -> str:
 
 
 def flatten(batch: Any) -> tuple[list[Any], list[str], TreeSpec]:
-  """Flattens a batch into leaves, leaf names and a JSON tree spec.
+  """Flattens a batch into its leaves (as given), their names and the spec `unflatten` inverts.
 
-  Dicts are walked in sorted key order (as `jax.tree_util` does). A list of
-  numbers is one leaf, not a container of scalar leaves.
-
-  Args:
-    batch: An array or a pytree of arrays.
-
-  Returns:
-    (leaves, names, spec): leaves as given (not yet converted), their
-    slash-joined paths (``"features/ids"``; ``"<batch>"`` for a bare array) and
-    the tree spec that `unflatten` inverts.
+  Names are slash-joined paths (``"features/ids"``; ``"<batch>"`` for a bare
+  array). Dicts are walked in sorted key order (as `jax.tree_util` does); a
+  list of numbers is one leaf, not a container of scalar leaves.
   """
   leaves: list[Any] = []
   names: list[str] = []
