@@ -112,10 +112,7 @@ class Signature:
     )
 
   def np_dtypes(self) -> list[np.dtype]:
-    return [
-      np.dtype(d) if not hasattr(ml_dtypes, d) else np.dtype(getattr(ml_dtypes, d))
-      for d in self.dtypes
-    ]
+    return [np.dtype(getattr(ml_dtypes, d, d)) for d in self.dtypes]
 
   def describe(self) -> str:
     return ", ".join(

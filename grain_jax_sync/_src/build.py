@@ -59,14 +59,8 @@ def split_casts(
   A cast to a dtype of fewer or equal bytes (float32 -> bfloat16, int64 ->
   int32) runs on the host before the transfer, so fewer bytes cross the link.
   A cast to a wider dtype (uint8 -> float32) runs on the device after it.
-
-  Args:
-    src: Each leaf's dtype as read.
-    want: Each leaf's requested dtype, or None to keep it.
-
-  Returns:
-    (host_dtypes, device_dtypes): the dtype each leaf is transferred in, and
-    the dtype to cast to on the device afterwards (None for no device cast).
+  Returns per leaf the dtype it is transferred in, and the dtype to cast it to
+  on the device afterwards (None for none); `want` is None to keep a dtype.
   """
   host: list[np.dtype] = []
   device: list[np.dtype | None] = []
@@ -248,11 +242,7 @@ def trailing_shapes(sig: batches_lib.Signature, sizes: tuple[int, ...]) -> list[
 class Builder:
   """Turns decided runs into `Item`s (global batches with their state).
 
-  Args:
-    options: The iterator's options (`paddings`, `dtypes`, `mask_key`,
-      `pad_shapes`).
-    placement: Where the rows go (`placement.BatchPlacement`).
-    start_state: The source state before the first read.
+  `start_state` is the source state before the first read.
 
   Attributes:
     transfer_s: Seconds spent building global batches.

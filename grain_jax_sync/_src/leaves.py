@@ -1,11 +1,6 @@
 """One leaf of a batch: the conversion to a NumPy array, its dtype, the row count.
 
-`to_leaf_array` turns what a source yielded for one leaf into a native
-byte-order NumPy array with a row dimension, or raises naming the process,
-batch and column (`where`); `dtype_ok` says which dtypes a jax.Array can
-hold; `row_count` checks that the leaves share their leading dimension.
-
-NumPy only.
+Errors name the process, batch and column (`where`). NumPy only.
 """
 
 from __future__ import annotations
@@ -42,17 +37,9 @@ def _dtype_ok(dtype: np.dtype) -> bool:
 def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
   """Converts one leaf to a native-byte-order NumPy array with >= 1 dim.
 
-  Args:
-    x: The leaf: an ndarray, anything with ``__array__`` (a jax.Array, a
-      tf.Tensor in eager mode) or a list of numbers.
-    context: The error prefix, from `where`.
-
-  Returns:
-    The array; a copy only when the byte order had to change.
-
-  Raises:
-    ValueError: For None, strings, objects, structured dtypes, 0-d leaves and
-      ragged lists, naming the column and batch.
+  `x` is an ndarray, anything with ``__array__`` (a jax.Array, an eager
+  tf.Tensor) or a list of numbers; it is copied only to change its byte order.
+  Raises ValueError, prefixed with `context`, for a leaf no jax.Array can hold.
   """
   x = _as_array(x, context)
   dtype = x.dtype
