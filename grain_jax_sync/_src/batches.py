@@ -126,12 +126,10 @@ def diff(a: Signature, b: Signature) -> list[str]:
   out: list[str] = []
   la = {n: (d, s) for n, d, s in zip(a.names, a.dtypes, a.shapes)}
   lb = {n: (d, s) for n, d, s in zip(b.names, b.dtypes, b.shapes)}
-  only_a = [n for n in a.names if n not in lb]
-  only_b = [n for n in b.names if n not in la]
-  if only_a:
-    out.append(f"columns only in the first: {only_a}")
-  if only_b:
-    out.append(f"columns only in the second: {only_b}")
+  for which, names, other in (("first", a.names, lb), ("second", b.names, la)):
+    only = [n for n in names if n not in other]
+    if only:
+      out.append(f"columns only in the {which}: {only}")
   for n in a.names:
     if n in lb and la[n] != lb[n]:
       (da, sa), (db, sb) = la[n], lb[n]
@@ -235,13 +233,11 @@ def _name_collision(names: Sequence[str], spec: TreeSpec, context: str) -> None:
 class Matcher:
   """Takes batches of one known structure without `validate`'s full walk.
 
-  Compiled from a batch that `validate` accepted and its signature: the exact
-  container types and keys, and per leaf the dtype, rank and trailing shape.
-  `match` returns the `HostBatch` of a batch with those containers whose
-  leaves are plain native-order ndarrays of those dtypes and trailing shapes
-  sharing one row count, and None for anything else, which then goes through
-  `validate` (and its errors). A match is what `validate` would return, with
-  the same `Signature` object (`docs/performance.md` has its cost).
+  Compiled from a batch that `validate` accepted: its exact container types
+  and keys, and per leaf the dtype, rank and trailing shape. `match` returns
+  what `validate` would (the same `Signature` object) for a batch of plain
+  native-order ndarrays that fits them, and None for anything else, which
+  then goes through `validate` and its errors (`docs/performance.md`).
   """
 
   def __init__(self, signature: Signature, tree: Any):

@@ -1,10 +1,8 @@
 """The build stage: decided runs -> global batches (pad, dummy, mask, cast, transfer).
 
-`Layout` is computed once from the agreed structure (the same on every host),
-with the dtype policy (`split_casts`: shrink on the host, grow on the device);
-`Builder` applies each decided step to this host's read (or to no read: a
-dummy batch) and makes the global arrays with one
-`transfer.to_global_leaves` call per batch.
+`Layout` (the dtype policy, `split_casts`, and the pad values) is computed
+once from the agreed structure; `Builder` applies each decided step to this
+host's read (or to none: a dummy batch), one `transfer.to_global_leaves` per batch.
 """
 
 from __future__ import annotations
@@ -156,8 +154,7 @@ def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Nar
     if top is None or below is None or below >= top or landed.kind in "iub":
       continue
     if w is not None and np.dtype(w) == landed:
-      why = "`dtypes` casts it to on the host"
-      fix = "pass a wider dtype in `dtypes`"
+      why, fix = "`dtypes` casts it to on the host", "pass a wider dtype in `dtypes`"
     else:
       why = f"JAX holds {s} values in while x64 is off"
       fix = "enable x64 (jax.config.update('jax_enable_x64', True))"

@@ -265,11 +265,10 @@ def local_to_global_shape(
   """The global shape of an array built from this process's `local_shape` data.
 
   The rule of `jax.make_array_from_process_local_data`: along each dimension
-  the process holds some blocks of the sharding; the global size is the local
-  size times the number of distinct sets of blocks that processes hold.
-  Processes that hold the same blocks (a model axis across processes) feed the
-  same data and do not add to the global size. A spec longer than the rank is
-  cut to it; a `Mesh` means rows over its data axes (``"data"`` or all).
+  the global size is the local size times the number of distinct sets of
+  blocks of the sharding that processes hold (processes that hold the same
+  blocks, a model axis across processes, feed the same data). A spec longer
+  than the rank is cut to it; a `Mesh` means rows over its data axes.
 
   Args:
     local_shape: The shape of this process's data.
@@ -576,9 +575,8 @@ def data_shard_info(
 
   Processes that hold the same rows of the global batch (a model axis that
   spans processes) get the same `shard_index`, so that they load identical
-  rows: pass it to Grain
-  (``grain.sharding.ShardOptions(*data_shard_info(mesh))``) or
-  to `tfds_pipeline(mesh=...)`, with the same seed on every process.
+  rows: pass it to Grain (``grain.sharding.ShardOptions(*data_shard_info(mesh))``)
+  or to `tfds_pipeline(mesh=...)`, with the same seed on every process.
 
   Args:
     mesh_or_sharding: A `Mesh` (rows over `data_axes`), a `Sharding`, a
@@ -658,8 +656,8 @@ class DevicePutPlacement:
   by `jax.set_mesh` around `device_put` is the one used.
 
   Attributes:
-    batches: Where global batches go. Under a `device` that places elements
-      as they are (`per_leaf`), the context or default mesh's placement.
+    batches: Where global batches go (under a `per_leaf` `device`, the
+      context or default mesh's placement).
     per_leaf: True if `device` places each element as it is, as
       `jax.device_put` does (None, or a pytree of different placements; one
       process only).
@@ -716,14 +714,11 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
   """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread.
 
   `device` left unset means `mesh`/`sharding`, else the `jax.set_mesh` mesh,
-  else `default_mesh()`. None, or None inside a pytree, means what it means
-  to `jax.device_put` (the default device) on one process, so that Grain's
-  calls place as Grain does; on several processes, where a global batch
-  spans every host's devices, it is taken as unset.
-
-  Raises:
-    ValueError: For a `device` that is no placement, conflicting arguments,
-      or one that cannot place global batches on several processes.
+  else `default_mesh()`. None, or None inside a pytree, means the default
+  device on one process, so that Grain's calls place as Grain does; on
+  several processes, where a global batch spans every host's devices, unset.
+  Raises ValueError for a `device` that is no placement or conflicting
+  arguments, or one that cannot place global batches on several processes.
   """
   multi = jax.process_count() > 1
   if device is None and not multi:

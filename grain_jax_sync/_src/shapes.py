@@ -5,7 +5,6 @@ between hosts and positions; signatures record them as -1. Hosts report
 their sizes per batch (`messages.Report.sizes`) and agree on the maximum,
 rounded up to the column's next bucket (`shape_buckets=`); every host pads to
 it (`padding.fill_leaf`) and adds an element mask where `shape_mask_keys=` asks.
-
 Pure Python; no JAX, no NumPy arrays.
 """
 
@@ -204,13 +203,12 @@ class Flat:
 @functools.lru_cache(maxsize=64)
 def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...], ...]) -> Flat:
   """`Flat` for a signature's names and trailing shapes (-1 where a dim varies)."""
-  columns = [c for c, _ in shapes.buckets]
   given = dict(shapes.buckets)
   out_names: list[str] = []
   out_buckets: list[tuple[int, ...]] = []
   for name, shape in zip(names, trailing, strict=True):
     # A bare array takes its one entry, whatever its key.
-    column = columns[0] if names == (ROOT_NAME,) and columns else column_of(name, columns)
+    column = next(iter(given)) if names == (ROOT_NAME,) and given else column_of(name, given)
     for t, s in enumerate(shape):
       if s == -1:
         out_names.append(f"column {name!r} dim {t + 1}")

@@ -33,24 +33,15 @@ def to_global_leaves(
   *,
   targets: Targets | None = None,
 ) -> list[jax.Array]:
-  """Makes the global arrays of one batch from this process's leaves.
+  """Makes the global arrays of one batch, in leaf order, from this process's leaves.
 
   One `jax.make_array_from_process_local_data` call over the list of leaves.
   In a single process, where every global shape is the local one, that call
   makes one batched `jax.device_put`: this makes it itself, without the
   call's per-leaf pytree work (`docs/performance.md`). No copy is made here;
-  widening casts (`device_dtypes`) run on the device afterwards.
-
-  Args:
-    leaves: Process-local arrays, rows first.
-    placement: Where the rows go (`placement.resolve_placement`).
-    device_dtypes: Per leaf, the dtype to cast to on the device, or None; the
-      leaves past its end are not cast.
-    targets: `global_targets` of the leaves' shapes, if the caller keeps it
-      (a batch of the same shapes as an earlier one).
-
-  Returns:
-    The global arrays, in leaf order.
+  widening casts (`device_dtypes`: per leaf from the first, a dtype or None)
+  run on the device afterwards. `targets` is `global_targets` of the leaves'
+  shapes, where the caller keeps it.
   """
   shardings, shapes = targets or global_targets([x.shape for x in leaves], placement)
   if placement.single_process and all(x.shape == s for x, s in zip(leaves, shapes)):

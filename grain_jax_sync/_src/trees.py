@@ -32,10 +32,6 @@ NONE = "~"
 ROOT_NAME = "<batch>"
 
 
-def _key_order(key: Any) -> tuple[str, Any]:
-  return (type(key).__name__, key)
-
-
 def _is_namedtuple(x: Any) -> bool:
   return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
@@ -73,7 +69,7 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
   # reference cycle per batch that keeps its arrays alive until the next GC.
   if isinstance(x, Mapping):
     try:
-      keys = sorted(x.keys(), key=_key_order)
+      keys = sorted(x.keys(), key=lambda k: (type(k).__name__, k))
     except TypeError as e:
       raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
     return {"d": [[k, _walk(x[k], _child_name(prefix, k), leaves, names)] for k in keys]}
