@@ -234,11 +234,7 @@ class JobTable:
   # -- stats(all_hosts=True) ---------------------------------------------------
 
   def view(self) -> dict[str, Any]:
-    """``{"hosts": [one mapping per process], "slowest": process with the most source time}``.
-
-    ``slowest`` is None where the most source time ties with another host's
-    at the printed precision (0.1 ms, `encode_times`): nothing tells them apart.
-    """
+    """``{"hosts": [one mapping per process], "slowest": `slowest` of them}``."""
     self._read_ends()
     own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
     with self._lock:
@@ -253,7 +249,7 @@ class JobTable:
 
 
 def slowest(hosts: Sequence[dict[str, Any]]) -> int | None:
-  """The host with the most ``source_s`` at 0.1 ms, or None if another has as much."""
+  """The host with the most ``source_s`` at 0.1 ms (`encode_times`), or None if another has as much."""
   ranked = sorted(hosts, key=lambda h: (-round(h["source_s"], 4), h["process_index"]))
   if len(ranked) > 1 and round(ranked[0]["source_s"], 4) == round(ranked[1]["source_s"], 4):
     return None

@@ -76,6 +76,8 @@ class Prefetcher(Generic[T]):
     name: The thread's name.
   """
 
+  _on_demand = False  # `OnDemand`: nothing is produced before it is asked for.
+
   def __init__(
     self,
     producer: Iterator[T],
@@ -89,7 +91,7 @@ class Prefetcher(Generic[T]):
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
     self._size = buffer_size
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    self._slots = threading.Semaphore(self._free_at_start(buffer_size))
+    self._slots = threading.Semaphore(0 if self._on_demand else buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
     # Written without a lock (`interrupt` from a signal handler).
     self._stopped = False
@@ -98,9 +100,6 @@ class Prefetcher(Generic[T]):
     self.thread = threading.Thread(target=self._run, args=(producer,), name=name, daemon=True)
     _library_threads.add(self.thread)  # Known from now on to `in_library_thread`.
     self.thread.start()
-
-  def _free_at_start(self, buffer_size: int) -> int:
-    return buffer_size
 
   def __iter__(self) -> Prefetcher[T]:
     return self
@@ -210,6 +209,8 @@ class OnDemand(Prefetcher[T]):
   once that ``next()`` returns.
   """
 
+  _on_demand = True
+
   def __init__(self, producer: Iterator[T], *, name: str):
     self._exit = threading.Lock()  # Guards `_busy`, `_exited` and `_hooks`.
     self._busy = False  # Inside the producer's `next()`.
@@ -231,9 +232,6 @@ class OnDemand(Prefetcher[T]):
       finally:
         self._busy = False
       yield item
-
-  def _free_at_start(self, buffer_size: int) -> int:
-    return 0  # Nothing is produced before it is asked for.
 
   def ask(self, n: int = 1) -> None:
     """Lets the producer make `n` more items."""

@@ -288,16 +288,10 @@ def check_float_range(
   """
   for n in narrow:
     leaf = hb.leaves[n.leaf]
-    if leaf.size == 0:
+    if _overflowing(leaf, n.dtype) is None:
       continue
-    extremes = np.array([leaf.min(), leaf.max()])
-    if _fits(extremes, n.dtype):
-      continue
-    finite = leaf[np.isfinite(leaf)]
-    if finite.size == 0:
-      continue
-    extremes = np.array([finite.min(), finite.max()])
-    if _fits(extremes, n.dtype):
+    extremes = _overflowing(leaf[np.isfinite(leaf)], n.dtype)
+    if extremes is None:
       continue
     with np.errstate(over="ignore", invalid="ignore"):
       landed = extremes.astype(n.dtype)
@@ -310,10 +304,13 @@ def check_float_range(
     )
 
 
-def _fits(extremes: np.ndarray, dtype: np.dtype) -> bool:
-  """Whether these (finite, else not) extremes cast to finite values of `dtype`."""
+def _overflowing(values: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+  """The extremes of `values` where one of them casts to a non-finite `dtype` value; else None."""
+  if values.size == 0:
+    return None
+  extremes = np.array([values.min(), values.max()])
   with np.errstate(over="ignore", invalid="ignore"):
-    return bool(np.isfinite(extremes.astype(dtype)).all())
+    return None if np.isfinite(extremes.astype(dtype)).all() else extremes
 
 
 # -- identical rows where processes share a data shard ----------------------------
