@@ -292,7 +292,7 @@ class JaxBatchIterator(Iterator[Any]):
   def __enter__(self) -> JaxBatchIterator:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *_: Any) -> None:
     self.close()
 
   @property

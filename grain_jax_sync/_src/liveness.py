@@ -11,6 +11,7 @@ before `Beat.ensure` returns, so a process that built an iterator has beat.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -81,10 +82,8 @@ class Beat:
   def stop(self) -> None:
     self._stop.set()
     self._thread.join(timeout=2 * BEAT_S)
-    try:
+    with contextlib.suppress(Exception):  # Best effort at exit.
       exchange_lib.delete_beat(self._client, self._process)
-    except Exception:  # noqa: BLE001 - best effort at exit.
-      pass
 
   @classmethod
   def stop_all(cls) -> None:

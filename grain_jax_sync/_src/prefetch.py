@@ -20,7 +20,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,10 @@ def in_library_thread() -> bool:
   return threading.current_thread() in _library_threads
 
 
-class Raised:
+class Raised(NamedTuple):
   """An exception travelling to the consumer, as a buffer item."""
 
-  __slots__ = ("error",)
-
-  def __init__(self, error: BaseException):
-    self.error = error
+  error: BaseException
 
 
 def close_producer(producer: Any) -> None:
