@@ -98,17 +98,9 @@ class JaxBatchIterator(Iterator[Any]):
       mapping per process (``process_index``, the keys above and
       ``padding_fraction``, padded over all rows), and the process with the
       most ``source_s`` (None where it ties with another's at 0.1 ms). This
-      host's mapping is its live `stats()`. A peer's lags: at process 0 its
-      counts are those decided for it and its times those it posted with
-      its last rows (up to a window old); other hosts see process 0's table
-      as of the last decision that carried it (at most once a second, every
-      (P / 64)^2 s above 64 processes, and always the final one, so the
-      counts are exact once the stream ended). Each host posts its times
-      again at the end of its stream; once this host's stream has ended,
-      this call reads them (one store read, until every peer's are in), so
-      a peer that ended shows its figures at its end. One process, or the
-      collective fallback: this host only. See docs/performance.md, "Seeing
-      the job".
+      host's mapping is its live `stats()`; a peer's lags (it is exact once
+      every host's stream ended). One process, or the collective fallback:
+      this host only. See docs/performance.md, "Seeing the job".
     """
     if all_hosts:
       return self._streams.job.view()
@@ -129,9 +121,6 @@ class JaxBatchIterator(Iterator[Any]):
     Raises:
       RuntimeError: If the source cannot report its position.
     """
-    source = self._streams.source
-    if not source.supports_state:
-      source.get_state()  # Raises with the source's description.
     mark = self._streams.mark
     state = {
       "version": options_lib.STATE_VERSION,
@@ -139,7 +128,7 @@ class JaxBatchIterator(Iterator[Any]):
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._options.digest(),
-      "source": source.export_state(mark.state),
+      "source": self._export(mark),
     }
     if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
@@ -169,12 +158,7 @@ class JaxBatchIterator(Iterator[Any]):
     self._in_turn("set_state()", self._set_state, state)
 
   def _in_turn(self, what: str, fn: Any, *args: Any) -> None:
-    """Runs call `what` as this thread's turn.
-
-    One call at a time: another thread's call in progress raises at once
-    (two threads starting the stream would start two streams for the
-    peers), and so does a call inside this thread's own `next()`.
-    """
+    """Runs call `what` as this thread's turn (two threads would start two streams for the peers)."""
     life = self._life
     life.take_turn(what)
     try:
@@ -232,10 +216,14 @@ class JaxBatchIterator(Iterator[Any]):
 
   def local_state(self) -> Any:
     """The source's JSON state after the last batch received (`local_iterator`)."""
+    return self._export(self._streams.mark)
+
+  def _export(self, mark: session_lib.Mark) -> Any:
+    """The source's JSON state at `mark`; raises if the source cannot report one."""
     source = self._streams.source
     if not source.supports_state:
       source.get_state()  # Raises with the source's description.
-    return source.export_state(self._streams.mark.state)
+    return source.export_state(mark.state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
@@ -245,12 +233,8 @@ class JaxBatchIterator(Iterator[Any]):
     """
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
-    self._in_turn(
-      "local_iterator.set_state()",
-      self._streams.restore,
-      source_state,
-      "local_iterator.set_state()",
-    )
+    what = "local_iterator.set_state()"
+    self._in_turn(what, self._streams.restore, source_state, what)
 
   # -- lifetime ----------------------------------------------------------------
 
@@ -308,7 +292,7 @@ class JaxBatchIterator(Iterator[Any]):
   def __enter__(self) -> JaxBatchIterator:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *_: Any) -> None:
     self.close()
 
   @property

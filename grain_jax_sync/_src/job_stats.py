@@ -1,42 +1,33 @@
 """The cross-host view, ``JaxBatchIterator.stats(all_hosts=True)``, and the straggler warning.
 
-Gathered through the agreement's own messages, with no store call of its own:
+Gathered through the agreement's own messages, with no store call of its own
+while the stream runs (docs/performance.md, "Seeing the job"):
 
 * each process other than 0 adds its stage times (`stats.TIMES`) to the
-  chunk it posts anyway (`messages.Chunk.times`), only when they changed since
-  its last chunk;
-* process 0, the decider, counts every host's decided batches, real, padded
-  and dummy rows and drops from the steps it decides (`Step.real_rows`:
-  exact, O(processes) per run of identical steps), keeps the newest times of
-  every host, and puts the rows that changed into a decision
-  (`messages.Decision.table`) at most once per `TABLE_EVERY_S` (longer with
-  more processes, so that the bytes all followers read stay bounded per
-  second) and always into the final one;
+  chunk it posts anyway (`messages.Chunk.times`), when they changed;
+* process 0, the decider, counts every host's figures from the steps it
+  decides (`Step.real_rows`: exact, O(processes) per run of identical
+  steps), keeps the newest times of every host, and puts the rows that
+  changed into a decision (`messages.Decision.table`) at most once per
+  `TABLE_EVERY_S` (longer with more processes) and always into the final one;
 * every process merges those rows into its `JobTable`; its own row is always
   its live `stats()`.
 
-So a peer's row lags: its counts are those decided for it up to the last
-decision that carried the table (every batch once the stream ended), its
-times those of its last chunk. The agreement's last message (the final
-decision) comes before the last batches are built and received, so the
-figures of their build and wait travel apart: each process posts its times
-once more when its stream ends (`exchange.post_times`, one store write), and
-once this host's stream has ended, `view` reads those (one directory read a
-call, until every peer's figures of that stream are in).
+The final decision comes before the last batches are built and received, so
+each process posts its times once more when its stream ends
+(`exchange.post_times`), and once this host's stream has ended, `view` reads
+those (one directory read a call, until every peer's are in).
 
-Straggler rule (process 0's view; see `Stragglers`): a "window" ends each
-time a host's times reach process 0 (with its chunk, about once per
-`synchronize_lookahead` batches or per slow read; process 0's own at each
-read of the chunks). At the end of each window of the host with the most
-source time, it straggles if its source time (since the iterator started) is
-at least `STRAGGLER_RATIO` times the median of the other hosts' and at least
+Straggler rule (process 0's view; `Stragglers`): a host's window ends each
+time its times reach process 0 (process 0's own at each read of the chunks).
+At the end of each window of the host with the most source time, it
+straggles if its source time (since the iterator started) is at least
+`STRAGGLER_RATIO` times the median of the other hosts' and at least
 `STRAGGLER_SHARE` of the wall time since process 0's iterator started (so a
-host whose source is quick, however much slower than quick peers, does not
-count). Straggling in `STRAGGLER_WINDOWS` of its windows in a row (another
-host becoming the slowest, or a window where the rule fails, starts the
-count again) names it in one warning per iterator. Ratios only: no machine-
-tuned time; a source that is slow only at its start (opening files, starting
-workers) counts too, as it held every host back then.
+quick source, however much slower than quick peers, does not count).
+Straggling in `STRAGGLER_WINDOWS` of its windows in a row names it in one
+warning per iterator. Ratios only: no machine-tuned time; a source slow only
+at its start counts too, as it held every host back then.
 """
 
 from __future__ import annotations
@@ -64,8 +55,7 @@ STRAGGLER_WINDOWS = 3
 # Process 0 puts the changed rows into a decision at most this often, times
 # max(1, (processes / TABLE_PROCESSES) ** 2): every follower reads every
 # decision, so a table of P rows costs P * P rows through the store; so
-# scaled, that stays below TABLE_PROCESSES ** 2 rows (about 250 KB) a second
-# (at 1,024 processes: one table every 256 s, and always the final one).
+# scaled, that stays below TABLE_PROCESSES ** 2 rows a second.
 TABLE_EVERY_S = 1.0
 TABLE_PROCESSES = 64
 # One host's row in a decision: process index, then these, in this order.
@@ -244,11 +234,7 @@ class JobTable:
   # -- stats(all_hosts=True) ---------------------------------------------------
 
   def view(self) -> dict[str, Any]:
-    """``{"hosts": [one mapping per process], "slowest": process with the most source time}``.
-
-    ``slowest`` is None where the most source time ties with another host's
-    at the printed precision (0.1 ms, `encode_times`): nothing tells them apart.
-    """
+    """``{"hosts": [one mapping per process], "slowest": `slowest` of them}``."""
     self._read_ends()
     own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
     with self._lock:
@@ -263,7 +249,7 @@ class JobTable:
 
 
 def slowest(hosts: Sequence[dict[str, Any]]) -> int | None:
-  """The host with the most ``source_s`` at 0.1 ms, or None if another has as much."""
+  """The host with the most ``source_s`` at 0.1 ms (`encode_times`), or None if another has as much."""
   ranked = sorted(hosts, key=lambda h: (-round(h["source_s"], 4), h["process_index"]))
   if len(ranked) > 1 and round(ranked[0]["source_s"], 4) == round(ranked[1]["source_s"], 4):
     return None

@@ -19,10 +19,9 @@ The concurrency contract:
   own thread or waits on a stage that waits on it. A close from another
   thread waits for the call in progress to end (it was woken), then closes.
 
-The phase, the turn and the call in progress are guarded by ``_lock``
-(``_idle`` waits on it); a close asked for is `session.Streams.closing`, set
-without a lock; ``_closed`` is an event, set once the close is done. The
-streams (`session.Streams`) carry every ending out.
+The phase, the turn and the call in progress are guarded by ``_lock``; a
+close asked for is `session.Streams.closing`, set without a lock; the
+streams carry every ending out.
 """
 
 from __future__ import annotations
@@ -110,12 +109,7 @@ class Lifetime:
       self._close_if_asked()  # By this thread's handler, after the check above.
 
   def _close_if_asked(self) -> None:
-    """Out of a turn: carries out a close asked for too late for the turn to see it.
-
-    A signal handler that lands after the turn's last look at the request
-    (here, or past `take_turn`'s) only asked, as it was still inside the
-    turn; nobody else would close.
-    """
+    """Out of a turn: carries out a close that a handler asked for after the turn's last look."""
     if self.streams.closing and not self._closed.is_set():
       self.close()
 
@@ -146,9 +140,9 @@ class Lifetime:
   def collected(self) -> None:
     """The finalizer's close: the main thread closes (a ``del``, the exit); another asks.
 
-    A collection runs it wherever something allocates: a stage, or a
-    source's own thread that a stage waits on. A close there would wait on
-    that very thread, then give up without posting: a new thread closes.
+    A collection runs wherever something allocates (a stage, a source's own
+    thread that a stage waits on): a close there would wait on that very
+    thread, so a new thread closes.
     """
     if threading.current_thread() is threading.main_thread():
       self.close()

@@ -11,6 +11,7 @@ before `Beat.ensure` returns, so a process that built an iterator has beat.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -21,14 +22,13 @@ from grain_jax_sync._src import exchange as exchange_lib
 
 logger = logging.getLogger(__name__)
 
-# Liveness. A beat every second costs one small store write per process per
-# second. Eight missed beats in a row mean dead: a live process misses that
-# many only if its interpreter is frozen (SIGSTOP, swapping) for 8 s, which a
-# busy training loop does not do (the beat thread runs whenever the GIL is
-# free). Worst case to name a killed process: DEAD_AFTER_S after the first
-# read of its last beat, after an empty wait slice: that lags the death by
-# up to 2 * BEAT_S (the slice plus the beat period), plus one decision hop:
-# about 10 s, inside the 15 s promise and well before JAX's 100 s heartbeat.
+# A beat costs one small store write per process per `BEAT_S`. A live process
+# misses `DEAD_AFTER_S` of beats only if its interpreter is frozen (SIGSTOP,
+# swapping), which a busy training loop is not (the beat thread runs whenever
+# the GIL is free). A killed process is named DEAD_AFTER_S after the first read
+# of its last beat, which lags its death by up to 2 * BEAT_S (the slice plus the
+# beat period), plus one decision hop: within docs/guarantees.md's promise, and
+# well before JAX's own heartbeat.
 BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
 DEAD_AFTER_S = 8.0
 
@@ -82,10 +82,8 @@ class Beat:
   def stop(self) -> None:
     self._stop.set()
     self._thread.join(timeout=2 * BEAT_S)
-    try:
+    with contextlib.suppress(Exception):  # Best effort at exit.
       exchange_lib.delete_beat(self._client, self._process)
-    except Exception:  # noqa: BLE001 - best effort at exit.
-      pass
 
   @classmethod
   def stop_all(cls) -> None:

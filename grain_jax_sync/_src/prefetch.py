@@ -20,7 +20,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -39,42 +39,15 @@ JOIN_TIMEOUT_S = 30.0
 _library_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
-def start_thread(
-  target: Callable[..., Any], *, name: str, args: tuple[Any, ...] = ()
-) -> threading.Thread:
-  """Starts a stage's daemon thread, known from then on to `in_library_thread`."""
-  thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-  _library_threads.add(thread)
-  thread.start()
-  return thread
-
-
 def in_library_thread() -> bool:
   """Whether the calling thread is one of the stages' own (of any iterator)."""
   return threading.current_thread() in _library_threads
 
 
-class Raised:
+class Raised(NamedTuple):
   """An exception travelling to the consumer, as a buffer item."""
 
-  __slots__ = ("error",)
-
-  def __init__(self, error: BaseException):
-    self.error = error
-
-
-def is_final(item: Any) -> bool:
-  """Whether a buffer item ends the stream (the end, or an error)."""
-  return item is END or isinstance(item, Raised)
-
-
-def unwrap(item: Any) -> Any:
-  """A buffer item as the consumer sees it: the value, the end, or the error."""
-  if item is END:
-    raise StopIteration
-  if isinstance(item, Raised):
-    raise item.error.with_traceback(item.error.__traceback__)
-  return item
+  error: BaseException
 
 
 def close_producer(producer: Any) -> None:
@@ -85,20 +58,6 @@ def close_producer(producer: Any) -> None:
       close()
     except Exception:  # noqa: BLE001 - best effort: a close never raises.
       logger.debug("producer close failed", exc_info=True)
-
-
-def join(thread: threading.Thread, what: str) -> None:
-  """Joins a stage thread (never the calling one), warning if it outlives the wait."""
-  if thread.ident is None or thread is threading.current_thread():
-    return
-  thread.join(JOIN_TIMEOUT_S)
-  if thread.is_alive():
-    logger.warning(
-      "grain_jax_sync: the %s thread is still blocked (in the source?) after"
-      " %.0fs; leaving it as a daemon thread",
-      what,
-      JOIN_TIMEOUT_S,
-    )
 
 
 class Prefetcher(Generic[T]):
@@ -114,6 +73,8 @@ class Prefetcher(Generic[T]):
     name: The thread's name.
   """
 
+  _on_demand = False  # `OnDemand`: nothing is produced before it is asked for.
+
   def __init__(
     self,
     producer: Iterator[T],
@@ -127,16 +88,15 @@ class Prefetcher(Generic[T]):
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
     self._size = buffer_size
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    self._slots = threading.Semaphore(self._free_at_start(buffer_size))
+    self._slots = threading.Semaphore(0 if self._on_demand else buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
     # Written without a lock (`interrupt` from a signal handler).
     self._stopped = False
     self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
-    self._thread = start_thread(self._run, args=(producer,), name=name)
-
-  def _free_at_start(self, buffer_size: int) -> int:
-    return buffer_size
+    self.thread = threading.Thread(target=self._run, args=(producer,), name=name, daemon=True)
+    _library_threads.add(self.thread)  # Known from now on to `in_library_thread`.
+    self.thread.start()
 
   def __iter__(self) -> Prefetcher[T]:
     return self
@@ -149,13 +109,17 @@ class Prefetcher(Generic[T]):
       self._done = True  # Stopped meanwhile: `close()` follows.
       raise StopIteration
     self._slots.release()  # Room for the producer.
-    if is_final(item):
-      self._done = True
-    return unwrap(item)
+    return self._unwrap(item)
 
-  @property
-  def thread(self) -> threading.Thread:
-    return self._thread
+  def _unwrap(self, item: Any) -> Any:
+    """A buffer item as the consumer sees it: the value, the end, or the error (both final)."""
+    if item is END:
+      self._done = True
+      raise StopIteration
+    if isinstance(item, Raised):
+      self._done = True
+      raise item.error.with_traceback(item.error.__traceback__)
+    return item
 
   def interrupt(self) -> None:
     """Wakes a waiting consumer to stop, taking no lock (a signal handler may hold one)."""
@@ -173,8 +137,16 @@ class Prefetcher(Generic[T]):
     self._slots.release(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
       self._on_close()
-    if wait or not busy:
-      join(self._thread, self._thread.name)
+    thread = self.thread
+    if (wait or not busy) and thread is not threading.current_thread():
+      thread.join(JOIN_TIMEOUT_S)
+      if thread.is_alive():
+        logger.warning(
+          "grain_jax_sync: the %s thread is still blocked (in the source?) after"
+          " %.0fs; leaving it as a daemon thread",
+          thread.name,
+          JOIN_TIMEOUT_S,
+        )
     # Nothing built stays referenced. As many gets as items now: a signal
     # handler's `interrupt` may put more meanwhile.
     for _ in range(self._items.qsize()):
@@ -191,9 +163,9 @@ class Prefetcher(Generic[T]):
     self._done = self._stopped = True
     return True
 
-  def _put(self, item: Any, *, acquired: bool = False) -> bool:
-    """Waits for room (unless taken already); False if the stage was stopped meanwhile."""
-    if not acquired:
+  def _put(self, item: Any) -> bool:
+    """Waits for room (unless taken before producing); False if the stage was stopped meanwhile."""
+    if not self._early:
       self._slots.acquire()
     if self._stopped:
       return False
@@ -207,8 +179,7 @@ class Prefetcher(Generic[T]):
         if self._stopped:
           return
       item = next(producer, END)
-      end = item is END
-      if not self._put(item, acquired=self._early) or end:
+      if not self._put(item) or item is END:
         return
       # Not held while the next one is produced: a batch handed on is the
       # consumer's alone, so it is freed as soon as the consumer drops it.
@@ -218,7 +189,7 @@ class Prefetcher(Generic[T]):
     try:
       self._produce(producer)
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
-      self._put(Raised(e), acquired=self._early)
+      self._put(Raised(e))
     finally:
       close_producer(producer)
       # The error's traceback holds this frame, which may still run when the
@@ -227,15 +198,15 @@ class Prefetcher(Generic[T]):
 
 
 class OnDemand(Prefetcher[T]):
-  """A stage that produces only the items its consumer asked for: the reading thread.
+  """A stage that produces only the items its consumer asked for (`ask`): the reading thread.
 
-  The consumer asks ahead (`ask`), takes what is ready without waiting on the
-  producer when it has other work (`take`), and can be woken in a wait
-  (`nudge`, from any thread or a signal handler). A producer stuck in its
-  own ``next()`` (a source stalled on remote storage) holds up nothing but
-  the items it has not produced: ``close(wait=False)`` stops the stage
-  without waiting for it, and the hooks given to `after` run once that ``next()`` returns.
+  A producer stuck in its own ``next()`` (a source stalled on remote storage)
+  holds up nothing but the items it has not produced: ``close(wait=False)``
+  stops the stage without waiting for it, and the hooks given to `after` run
+  once that ``next()`` returns.
   """
+
+  _on_demand = True
 
   def __init__(self, producer: Iterator[T], *, name: str):
     self._exit = threading.Lock()  # Guards `_busy`, `_exited` and `_hooks`.
@@ -245,7 +216,7 @@ class OnDemand(Prefetcher[T]):
     super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
 
   def _watched(self, producer: Iterator[T]) -> Iterator[T]:
-    """`producer`, marking the time spent in its `next()` (``close(wait=False)`` waits for none)."""
+    """`producer`, marking the time spent in its `next()` (`_stop` tells whether it is in one)."""
     while True:
       with self._exit:
         if self._stopped:
@@ -259,9 +230,6 @@ class OnDemand(Prefetcher[T]):
         self._busy = False
       yield item
 
-  def _free_at_start(self, buffer_size: int) -> int:
-    return 0  # Nothing is produced before it is asked for.
-
   def ask(self, n: int = 1) -> None:
     """Lets the producer make `n` more items."""
     self._slots.release(n)
@@ -274,9 +242,7 @@ class OnDemand(Prefetcher[T]):
       return None
     if item is _WAKE or self._done:
       return None
-    if is_final(item):
-      self._done = True
-    return unwrap(item)
+    return self._unwrap(item)
 
   def ready(self) -> bool:
     """Whether an item (or a wake-up) waits to be taken."""

@@ -1,14 +1,12 @@
 """The reader stage: source -> `Read(batch, state)` ... then one `End`.
 
 Everything that can fail on this host alone happens here, before the batch's
-row count is posted to any peer: `next()`, validation (which converts every
-leaf with `np.asarray`, so a leaf whose `__array__` raises fails here), the
-64-bit integer range check, the check that no finite value overflows a
-narrowing float cast, and `source.get_state()`. Any exception, of any
-type (KeyboardInterrupt and SystemExit raised by the source too), becomes the
-`End` value with its type name and message, at the position of the read that
-failed. So every local failure sits at a position whose row was never posted,
-and every host can agree on it.
+row count is posted to any peer: `next()`, validation (every leaf through
+`np.asarray`), the 64-bit integer and narrowing float range checks, and
+`source.get_state()`. Any exception, of any type (KeyboardInterrupt and
+SystemExit raised by the source too), becomes the `End` at the position of
+the read that failed: a position whose row was never posted, which every
+host can agree on.
 
 Pure NumPy; no JAX.
 """
@@ -156,7 +154,6 @@ class Reader:
     narrowing: Callable[[batches_lib.Signature], Sequence[Narrowing]] | None = None,
   ):
     self._source = source
-    # `pad_shapes`: which dims of which leaves vary (`shapes.leaf_dims`).
     self._varying = None if shapes is None else functools.partial(shapes_lib.leaf_dims, shapes)
     self._digest = digest
     self.source_s = 0.0
@@ -165,12 +162,12 @@ class Reader:
     self._position = 0  # Non-empty batches read.
     self._index = 0  # Source batches read (for messages).
     self._signature: batches_lib.Signature | None = None
-    # Compiled from the first batch: later batches of its structure skip the
-    # full walk (`batches.Matcher`); `_wide`: it has 64-bit integer leaves to range-check.
+    # From the first batch: its structure's matcher (later batches skip the
+    # full walk), and the range checks it needs (64-bit integers, narrowing float casts).
     self._matcher: batches_lib.Matcher | None = None
     self._wide = False
     self._narrowing = narrowing
-    self._narrow: Sequence[Narrowing] = ()  # From the first batch: its narrowing float casts.
+    self._narrow: Sequence[Narrowing] = ()
     self._done = False
     self._start_error = start_error
 
@@ -183,13 +180,11 @@ class Reader:
     if self._start_error is not None:
       self._done = True
       return failed(self._p, 0, 0, self._start_error, "restoring its state", data=True)
-    while True:
+    item = self._read()
+    while item is None:  # An empty batch: skipped.
       item = self._read()
-      if item is None:
-        continue  # An empty batch: skipped.
-      if isinstance(item, End):
-        self._done = True
-      return item
+    self._done = isinstance(item, End)
+    return item
 
   def _read(self) -> Read | End | None:
     index = self._index
@@ -293,16 +288,10 @@ def check_float_range(
   """
   for n in narrow:
     leaf = hb.leaves[n.leaf]
-    if leaf.size == 0:
+    if _overflowing(leaf, n.dtype) is None:
       continue
-    extremes = np.array([leaf.min(), leaf.max()])
-    if _fits(extremes, n.dtype):
-      continue
-    finite = leaf[np.isfinite(leaf)]
-    if finite.size == 0:
-      continue
-    extremes = np.array([finite.min(), finite.max()])
-    if _fits(extremes, n.dtype):
+    extremes = _overflowing(leaf[np.isfinite(leaf)], n.dtype)
+    if extremes is None:
       continue
     with np.errstate(over="ignore", invalid="ignore"):
       landed = extremes.astype(n.dtype)
@@ -315,10 +304,13 @@ def check_float_range(
     )
 
 
-def _fits(extremes: np.ndarray, dtype: np.dtype) -> bool:
-  """Whether these (finite, else not) extremes cast to finite values of `dtype`."""
+def _overflowing(values: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+  """The extremes of `values` where one of them casts to a non-finite `dtype` value; else None."""
+  if values.size == 0:
+    return None
+  extremes = np.array([values.min(), values.max()])
   with np.errstate(over="ignore", invalid="ignore"):
-    return bool(np.isfinite(extremes.astype(dtype)).all())
+    return None if np.isfinite(extremes.astype(dtype)).all() else extremes
 
 
 # -- identical rows where processes share a data shard ----------------------------

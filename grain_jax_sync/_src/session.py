@@ -7,20 +7,18 @@ source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> us
 ```
 
 With `prefetch_batches=0` every stage runs in the caller's `next()`. With
-prefetch, each threaded stage is a `prefetch.Prefetcher`: the consumer's
-`next()` is one queue get, and the consumer never builds. The source is
-read by the agreement, wherever it runs (with the key-value store and
-prefetch, in a reading thread of its own). At most three threads per stream.
+prefetch, each threaded stage is a `prefetch.Prefetcher` and the consumer's
+`next()` is one queue get. The source is read by the agreement, wherever it
+runs (with the key-value store and prefetch, in a reading thread of its
+own). At most three threads per stream.
 
-A `Stream` is built from a frozen `Start` and owns every thread it starts.
-Nothing here is shared with other threads except through the stages'
-queues; `lifetime.Lifetime` decides who calls `Streams.close` (once). Here
-the thread in the call (`next()`, `set_state()`, ...) makes, advances and
-ends the streams. From other threads only `interrupt` (a close asked for),
-`request_stop` and `times` (`stats`) come in: they set a flag or put on a
-queue, or read fields set before the stream was published, plus the stage
-counters (`source_s`, `busy_s`, `transfer_s`): floats, each written by the
-one thread that runs its stage.
+A `Stream` is built from a frozen `Start` and owns every thread it starts;
+`lifetime.Lifetime` decides who calls `Streams.close` (once). The thread in
+the call (`next()`, `set_state()`, ...) makes, advances and ends the
+streams. Other threads only call `interrupt` (a close asked for),
+`request_stop` and `times` (`stats`): they set a flag, put on a queue, or
+read fields set before the stream was published and the stage counters
+(floats, each written by the one thread that runs its stage).
 """
 
 from __future__ import annotations
@@ -126,26 +124,23 @@ class Stream:
     self._inline: streamed.Streamed | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
-    read = self._reader(start)
+    read = reader.Reader(
+      start.source,
+      process_index=ex.process_index,
+      check_int32=not jax.config.read("jax_enable_x64"),
+      start_error=start.start_error,
+      digest=reader.rows_digest if self._shares(start) else None,
+      shapes=options.pad_shapes,  # `pad_shapes`: the dims whose sizes vary.
+      narrowing=functools.partial(build_lib.narrowing, dtypes=options.dtypes),
+    )
     self._builder = build_lib.Builder(options, start.placement, start.mark.state)
     runs = self._agree(start, read)
-    self._counted = (read, ex)  # Each counts its own time (`times`).
+    self._read = read  # Counts its own time (`times`), as the exchange and the builder do.
     self._items = self._build(start, runs)
 
   def _shares(self, start: Start) -> bool:
     """Whether processes that share rows compare them (wherever reports are exchanged)."""
     return start.placement.shares_rows and self._exchange.process_count > 1
-
-  def _reader(self, start: Start) -> reader.Reader:
-    return reader.Reader(
-      start.source,
-      process_index=self._exchange.process_index,
-      check_int32=not jax.config.read("jax_enable_x64"),
-      start_error=start.start_error,
-      digest=reader.rows_digest if self._shares(start) else None,
-      shapes=start.options.pad_shapes,  # `pad_shapes`: the dims whose sizes vary.
-      narrowing=functools.partial(build_lib.narrowing, dtypes=start.options.dtypes),
-    )
 
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
     """The agreement of the form the exchange picks: decided runs."""
@@ -166,8 +161,7 @@ class Stream:
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
       stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
       self._stopper = stepper
-      local = ex.process_count == 1
-      if local and options.prefetch_batches > 0 and options.read_ahead is not None:
+      if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
     ended = exchange_lib.pre_ended(start.namespace)
@@ -200,43 +194,37 @@ class Stream:
     return self._agree_thread(self._agreement, options)
 
   def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[Run]:
-    """The agreement in its own thread, one decided position queued.
+    """The agreement in its own thread, one decided position queued (Grain's: `read_ahead`)."""
+    producer = iter(runs) if options.read_ahead is None else _one_by_one(runs)
+    return self._prefetched(producer, options.read_ahead or AGREE_BUFFER, AGREE_THREAD)
 
-    The thread takes its slot before it asks the agreement for the next
-    position, so the agreement runs on only once the build thread has taken
-    the last one. `device_put` sets `read_ahead` (its `cpu_buffer_size`):
-    then, as in Grain, that many positions are held ahead.
+  def _build(self, start: Start, runs: Iterator[Run]) -> Iterator[build_lib.Item]:
+    """Built items: in a thread `prefetch_batches` ahead, or inline."""
+    # The collective fallback runs in the caller's thread only; a stream this
+    # host already ended raises at once.
+    if (
+      start.options.prefetch_batches == 0
+      or isinstance(self._exchange, exchange_lib.CollectiveExchange)
+      or exchange_lib.pre_ended(start.namespace) is not None
+    ):
+      return self._builder(runs)
+    return self._prefetched(self._builder(runs), start.options.prefetch_batches, BUILD_THREAD)
+
+  def _prefetched(self, producer: Iterator[Any], buffer_size: int, name: str) -> Iterator[Any]:
+    """`producer` in a stage thread that takes a slot before it produces an item.
+
+    So the agreement decides only once the build took the last position, and
+    the built batches are the only decided ones ahead of the consumer beyond
+    the horizon.
     """
     stage = prefetch_lib.Prefetcher(
-      iter(runs) if options.read_ahead is None else _one_by_one(runs),
-      buffer_size=options.read_ahead or AGREE_BUFFER,
+      producer,
+      buffer_size=buffer_size,
       in_hand=False,
       # The exchange's own method: a bound method of these stages would make
       # a cycle that outlives a dropped iterator until a garbage collection.
       on_close=getattr(self._exchange, "cancel", None),
-      name=AGREE_THREAD,
-    )
-    return self._thread(stage)
-
-  def _build(self, start: Start, runs: Iterator[Run]) -> Iterator[build_lib.Item]:
-    """Built items: in a thread `prefetch_batches` ahead, or inline."""
-    options, ex = start.options, self._exchange
-    # The collective fallback runs in the caller's thread only; a stream this
-    # host already ended raises at once.
-    inline = (
-      isinstance(ex, exchange_lib.CollectiveExchange)
-      or exchange_lib.pre_ended(start.namespace) is not None
-    )
-    if options.prefetch_batches == 0 or inline:
-      return self._builder(runs)
-    stage = prefetch_lib.Prefetcher(
-      self._builder(runs),
-      buffer_size=options.prefetch_batches,
-      # A slot is taken before a position is built: the built batches are
-      # the only decided ones ahead of the consumer beyond the horizon.
-      in_hand=False,
-      on_close=ex.cancel if isinstance(ex, exchange_lib.KeyValueExchange) else None,
-      name=BUILD_THREAD,
+      name=name,
     )
     return self._thread(stage)
 
@@ -271,8 +259,7 @@ class Stream:
 
   def times(self) -> stats_lib.Times:
     """The stages' time so far (each written by its own thread only)."""
-    read, ex = self._counted
-    return stats_lib.Times(read.source_s, ex.busy_s, self._builder.transfer_s)
+    return stats_lib.Times(self._read.source_s, self._exchange.busy_s, self._builder.transfer_s)
 
   def trailing_drops(self) -> int:
     """Positions dropped after the last item; exact once the stream ended."""
@@ -322,14 +309,12 @@ class Stream:
   @property
   def reading(self) -> prefetch_lib.OnDemand[Any] | None:
     """The reading thread's stage, if this stream has one (a closed one may still be in the source)."""
-    reading = [s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)]
-    return reading[0] if reading else None
+    return next((s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)), None)
 
   def end(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
 
-    A read stuck in the source is not waited for: the ending is posted at
-    once (`reading` is the stage that may still be in the source).
+    A read stuck in the source is not waited for (`reading` may still be in it).
 
     Args:
       at: The batches this host's consumer received.
@@ -362,14 +347,12 @@ class Stream:
 class Streams:
   """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
 
-  Every ending goes through `end`: the stream's own (exhausted, stopped, a
-  source error, a peer that left or timed out, from `next`), a restart
+  Every ending goes through `end`: the stream's own (from `next`), a restart
   (`reset`, `restore`), a refused state (`refuse`) and the close (`close`,
   also the finalizer's, through `lifetime.Lifetime`). The thread in the call
-  owns every field. From other threads come only `interrupt` (a close was
-  asked for) and `request_stop`, which set a field and wake waits without a
-  lock, and reads of ``mark``, ``stream`` and ``finished`` (`times`), each
-  one value replaced whole.
+  owns every field; other threads only call `interrupt` and `request_stop`
+  (no lock), and read ``mark``, ``stream`` and ``finished``, each one value
+  replaced whole.
 
   Args:
     origin: What the user passed (reopened by `reset`).
@@ -475,9 +458,8 @@ class Streams:
 
     With no stream running and `unstarted`, the ending goes to the stream
     this host would start next, if none started since the last (re)start:
-    its peers may wait in it. A later start takes the stream after it, as
-    theirs do. A read stuck in the source is left to return on its own
-    (`_settle_reads`).
+    its peers may wait in it. A read stuck in the source is left to return
+    on its own (`_settle_reads`).
     """
     stream = self.stream
     if stream is None:
@@ -625,8 +607,9 @@ def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:
 
 
 def _raising(error: BaseException) -> Iterator[Run]:
+  """A generator that raises `error` at its first `next()`."""
+  yield from ()
   raise error
-  yield  # pragma: no cover - a generator that raises at its first `next()`.
 
 
 def _post_unstarted(

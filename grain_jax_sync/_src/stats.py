@@ -1,16 +1,11 @@
 """What the input pipeline did: counts and times, per stage, for `JaxBatchIterator.stats()`.
 
 Each stage counts its own figures and is the only thread that writes them:
-
-* the reader: ``source_s``, its time in the source's ``next()`` and
-  ``get_state()`` (`reader.Reader.source_s`);
-* the exchange: ``exchange_s``, its time in store calls and waits (or in the
-  collective all-gather) (``busy_s`` of each exchange);
-* the builder: ``transfer_s``, its time building global arrays; and, per
-  output batch, this host's real and padded rows and the batches dropped
-  before it, which travel with the batch (`build.Item`) to the consumer;
-* the consumer (`Delivered`, in the user's thread): what it received, and
-  ``wait_s``, its time waiting in ``__next__``.
+the reader its ``source_s`` (`reader.Reader.source_s`), the exchange its
+``exchange_s`` (its ``busy_s``), the builder its ``transfer_s`` and, per
+output batch, this host's real and padded rows and the drops before it,
+which travel with the batch (`build.Item`) to the consumer; the consumer
+adds them up, with its ``wait_s`` in ``__next__`` (`Delivered`).
 
 So the counts are those of the batches the user received, never of batches
 still prefetched, and no lock is taken on the hot path (the times are plain

@@ -13,6 +13,7 @@ import contextlib
 import os
 import traceback
 import types
+from collections.abc import Iterator
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SRC_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -31,10 +32,8 @@ def clear_library_frames(error: BaseException | None) -> None:
   the process had dropped, up to `sync_timeout_s`. File names and line
   numbers are kept; frames still running (the caller's) are skipped.
   """
-  seen: set[int] = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    tb = error.__traceback__
+  for current in _chain(error):
+    tb = current.__traceback__
     while tb is not None:
       frame: types.FrameType | None = tb.tb_frame
       # A frame that caught the error also holds its callers (`f_back`).
@@ -43,7 +42,6 @@ def clear_library_frames(error: BaseException | None) -> None:
           frame.clear()
         frame = frame.f_back
       tb = tb.tb_next
-    error = error.__cause__ or error.__context__
 
 
 def for_user(error: BaseException) -> BaseException:
@@ -67,17 +65,21 @@ def for_user(error: BaseException) -> BaseException:
   """
   if os.environ.get(FULL_ENV) == "full":
     return error
-  seen: set[int] = set()
-  current: BaseException | None = error
-  while current is not None and id(current) not in seen:
-    seen.add(id(current))
-    tb = current.__traceback__
-    current.__traceback__ = _without_library(tb)
+  for current in _chain(error):
+    current.__traceback__ = _without_library(current.__traceback__)
     context = current.__context__
     if context is not None and current.__cause__ is None and _only_library(context.__traceback__):
       current.__suppress_context__ = True
-    current = current.__cause__ or context
   return error
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+  """`error` and the exceptions chained to it (each one's cause, else its context), once each."""
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
 
 
 def _is_library(frame: types.FrameType) -> bool:
