@@ -363,9 +363,8 @@ class Decision:
     try:
       steps = tuple(  # One shared (frozen) step per run of equal positions.
         itertools.chain.from_iterable(
-          itertools.repeat(Step(Action(a), rows, (), _sizes(run)), n)
-          for run in obj["st"]
-          for a, rows, n in (run[:3],)
+          itertools.repeat(Step(Action(a), rows, (), tuple(sizes[0]) if sizes else ()), n)
+          for a, rows, n, *sizes in obj["st"]  # Agreed sizes (`pad_shapes`) 4th.
         )
       )
       error = ReportedError.from_json(obj["x"]) if "x" in obj else None
@@ -374,8 +373,3 @@ class Decision:
       return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
-
-
-def _sizes(run: list[Any]) -> tuple[int, ...]:
-  """A decision run's agreed sizes (a 4th entry with `pad_shapes`)."""
-  return tuple(run[3]) if len(run) > 3 else ()

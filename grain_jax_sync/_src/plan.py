@@ -1,15 +1,12 @@
 """The agreement decision: every host's reports -> one plan, and its errors.
 
-Every host reads batches and reports what it got (`messages.Report`), and
-process 0 (or every host, in lockstep) decides with `decide`. It is a pure
-function of those reports and the rules, so every host acts on the same
-`Plan`, each on its own row of it: yield its real batch (padded if needed),
-yield a dummy batch, drop the position, stop, or raise the same error. The
-errors are built here too: hosts given different settings, resume positions
-or batch structures, an uneven number of batches, uneven or oversized
-batches, a short batch that is not its host's last, and a batch size the
-local devices do not divide. Each is a `messages.ReportedError` of kind
-VALUE that every host raises as the same ValueError; the messages name the
+`decide` is a pure function of every host's `messages.Report` and the rules,
+so every host acts on the same `Plan`, each on its own row of it: yield its
+real batch (padded if needed), yield a dummy batch, drop the position, stop,
+or raise the same error. The errors (different settings, resume positions or
+structures, uneven or oversized batches, a short batch that is not its
+host's last, an indivisible batch size) are `messages.ReportedError`s of
+kind VALUE that every host raises as the same ValueError; they name the
 processes and batches involved and the option that fixes them.
 
 No JAX and no I/O here.
@@ -177,18 +174,19 @@ def _size_step(
 def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read.
 
-  With `Rules.shapes`, each yielded step carries the agreed sizes of the
-  varying dims (`agree_sizes`).
-
   Args:
     reports: One report per process, in process order.
-    rules: The shared settings (see `decide_rows`).
+    rules: The shared settings. With ``rules.batch_size=None`` the full
+      batch size is the largest host batch of the window's first position
+      (the same on every host); `Plan.batch_size` returns it, and the caller
+      passes ``pin(rules, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
 
   Returns:
-    The plan; identical on every host given identical reports.
+    The plan; identical on every host given identical reports. With
+    `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
   """
-  plan = decide_rows(reports, rules, position=position)
+  plan = _decide_rows(reports, rules, position)
   if rules.shapes is None or not plan.steps:
     return plan
   return agree_sizes(plan, reports, rules.shapes, position=position)
@@ -226,20 +224,8 @@ def agree_sizes(
   return dataclasses.replace(plan, steps=tuple(steps))
 
 
-def decide_rows(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
-  """Decides what every host does with the window just read (rows, not sizes).
-
-  Args:
-    reports: One report per process, in process order.
-    rules: The shared settings. With ``rules.batch_size=None`` the full
-      batch size is the largest host batch of the window's first position
-      (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes ``pin(rules, plan)`` from then on.
-    position: Number of batches yielded before this window (for messages).
-
-  Returns:
-    The plan; identical on every host given identical reports.
-  """
+def _decide_rows(reports: Sequence[Report], rules: Rules, position: int) -> Plan:
+  """`decide` by the rows alone (no agreed sizes)."""
   error = config_error(reports) or resume_error(reports) or signature_error(reports)
   if error is not None:
     return Plan((), Outcome.RAISE, error)
@@ -255,7 +241,7 @@ def decide_rows(reports: Sequence[Report], rules: Rules, *, position: int = 0) -
 
 
 class _Walk:
-  """`decide_rows` going through a window's positions in order, adding one step each."""
+  """`_decide_rows` going through a window's positions in order, adding one step each."""
 
   def __init__(self, reports: Sequence[Report], rules: Rules, position: int):
     self.reports = reports
@@ -372,31 +358,39 @@ def value_error(message: str, batch_index: int = -1) -> ReportedError:
   return ReportedError(ErrorKind.VALUE, message, -1, batch_index)
 
 
+def _first_difference(
+  given: Sequence[tuple[int, Any]],
+) -> tuple[tuple[int, Any], tuple[int, Any]] | None:
+  """The first (process, value) not None and the first later one whose value differs."""
+  known = [(p, v) for p, v in given if v is not None]
+  for p, v in known[1:]:
+    if v is not known[0][1] and v != known[0][1]:  # The ledger shares equal structures.
+      return known[0], (p, v)
+  return None
+
+
 def config_error(reports: Sequence[Report]) -> ReportedError | None:
   """The error for processes given different settings, if any were."""
-  configs = [(r.process_index, r.config) for r in reports if r.config is not None]
-  if len(configs) < 2:
+  found = _first_difference([(r.process_index, r.config) for r in reports])
+  if found is None:
     return None
-  p0, c0 = configs[0]
-  for p, c in configs[1:]:
-    if c != c0:
-      diffs = settings_diff(c0, c)
-      fix = (
-        ", and the same mesh: the same devices in the same order (build it"
-        " from jax.devices() in the same way everywhere, e.g."
-        " grain_jax_sync.default_mesh())"
-        if any(k.startswith("sharding") for k in diffs)
-        else ". If every process was given the same arguments, the processes"
-        " created their iterators in a different order (iterators are paired"
-        " by creation order): create them in the same order, or pass the"
-        " same `name=` to each pair"
-      )
-      return value_error(
-        f"processes {p0} and {p} were given different settings"
-        f" ({'; '.join(diffs.values())}); every process must build the iterator with"
-        f" the same arguments{fix}"
-      )
-  return None
+  (p0, c0), (p, c) = found
+  diffs = settings_diff(c0, c)
+  fix = (
+    ", and the same mesh: the same devices in the same order (build it"
+    " from jax.devices() in the same way everywhere, e.g."
+    " grain_jax_sync.default_mesh())"
+    if any(k.startswith("sharding") for k in diffs)
+    else ". If every process was given the same arguments, the processes"
+    " created their iterators in a different order (iterators are paired"
+    " by creation order): create them in the same order, or pass the"
+    " same `name=` to each pair"
+  )
+  return value_error(
+    f"processes {p0} and {p} were given different settings"
+    f" ({'; '.join(diffs.values())}); every process must build the iterator with"
+    f" the same arguments{fix}"
+  )
 
 
 def resume_error(reports: Sequence[Report]) -> ReportedError | None:
@@ -413,23 +407,20 @@ def resume_error(reports: Sequence[Report]) -> ReportedError | None:
 
 def signature_error(reports: Sequence[Report]) -> ReportedError | None:
   """The error for processes whose batches differ in structure, if any do."""
-  sigs = [(r.process_index, r.signature) for r in reports if r.signature is not None]
-  if len(sigs) < 2:
+  found = _first_difference([(r.process_index, r.signature) for r in reports])
+  if found is None:
     return None
-  p0, s0 = sigs[0]
-  for p, s in [(p, s) for p, s in sigs[1:] if s is not s0]:  # The ledger shares equal ones.
-    if s != s0:
-      a = batches_lib.Signature.from_json(s0)
-      b = batches_lib.Signature.from_json(s)
-      diffs = batches_lib.diff(a, b) or ["tree structure differs"]
-      return value_error(
-        f"processes {p0} and {p} yield batches of different structure:"
-        f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
-        f" process {p0} has [{a.describe()}], process {p} has"
-        f" [{b.describe()}]. Every host must yield the same columns,"
-        " dtypes and trailing shapes"
-      )
-  return None
+  (p0, s0), (p, s) = found
+  a = batches_lib.Signature.from_json(s0)
+  b = batches_lib.Signature.from_json(s)
+  diffs = batches_lib.diff(a, b) or ["tree structure differs"]
+  return value_error(
+    f"processes {p0} and {p} yield batches of different structure:"
+    f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
+    f" process {p0} has [{a.describe()}], process {p} has"
+    f" [{b.describe()}]. Every host must yield the same columns,"
+    " dtypes and trailing shapes"
+  )
 
 
 def _fmt(processes: Sequence[int]) -> str:

@@ -1,12 +1,9 @@
 """Process 0's record of what every process reported, per batch position.
 
-In the streamed agreement each process posts the row counts of the batches it
-has read as soon as it reads them (a `messages.Chunk`: one or more
-consecutive positions), and process 0 (`decider.Decider`) decides position
-``j`` with `plan.decide` once it knows, for every process, either the rows of
-its batch ``j`` or that its stream ended (or failed) before ``j``. `Ledger`
-keeps that knowledge and turns each known run of positions into the window
-reports that `plan.decide` takes.
+Process 0 (`decider.Decider`) decides position ``j`` once it knows, for every
+process, the rows of its batch ``j`` (posted in `messages.Chunk`s) or that
+its stream ended before ``j``. `Ledger` keeps that knowledge and turns each
+known run of positions into the window reports that `plan.decide` takes.
 
 Pure Python: no JAX, no I/O.
 """
@@ -100,8 +97,7 @@ class Ledger:
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
 
-    A chunk of rows only (nearly every one) is recorded without building its
-    report (a third of the decider's time per chunk).
+    A chunk of rows only (nearly every one) is recorded without building its report.
 
     Returns:
       The chunk's process and its times.
@@ -141,12 +137,9 @@ class Ledger:
     if held is not None and (devices != self._devices[p] or rows.count(held.rows[0]) < len(rows)):
       self._held[p] = None
     q.extend(rows)
-    if self._digests is not None:
-      got = digests[: len(rows)]
-      self._digests[p].extend((*got, *[None] * (len(rows) - len(got))))
-    if self._sizes is not None:
-      have = sizes[: len(rows)]
-      self._sizes[p].extend((*have, *[None] * (len(rows) - len(have))))
+    for kept, given in ((self._digests, digests), (self._sizes, sizes)):
+      if kept is not None:  # None where a process sent fewer.
+        kept[p].extend((*given[: len(rows)], *[None] * (len(rows) - len(given))))
     self._devices[p] = devices
     if ack > self._ack[p]:
       self._ack[p] = ack

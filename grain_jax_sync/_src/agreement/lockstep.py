@@ -74,27 +74,43 @@ class Lockstep(common.Agreement):
     return endings.stopped_error(self._who.process, self._stop_at)
 
   def _next_window(
-    self, w: int, stop: messages.ReportedError | None = None
+    self, w: int, stop: messages.ReportedError | None
   ) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
     """Decides the window held; its steps with this host's reads."""
     reads = self._reads
-    decision, self._signature = _decide_window(
-      reads,
-      self._end,
-      self._signature,
-      self._who,
-      self._exchange,
-      self._rules,
-      w=w,
-      position=self._position,
-      stop=stop,
-    )
+    decision = self._decide(w, stop)
     self._rules = plan_lib.pin(self._rules, decision)
     steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
     self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
-    n = len(decision.steps)
-    self._reads = reads[n:] if decision.end == Outcome.WAIT else []
+    self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
     return decision, steps
+
+  def _decide(self, w: int, stop: messages.ReportedError | None) -> plan_lib.Plan:
+    """Reports the window (all-gathered with several processes) and decides it.
+
+    A stop that any process asked for (`stop`, in its report) ends the stream
+    before the window, on every process, the lowest process named. The agreed
+    signature is learnt from a peer's report where this host has read no batch.
+    """
+    sig = None if self._signature is None else self._signature.to_json()
+    report = common.make_report(self._who, self._reads, self._rules, self._end, sig, w == 0)
+    if stop is not None:
+      report = dataclasses.replace(report, error=stop)
+    if self._exchange.process_count == 1:
+      reports = [report]  # Nothing to exchange: skip the JSON round trip.
+    else:
+      chunk = messages.Chunk(start=self._position, ack=w, report=report)
+      chunks = _parse_all(self._exchange.all_gather(w, chunk.to_json()))
+      _check_in_step(chunks)
+      reports = [c.report for c in chunks]
+      if self._signature is None and (found := messages.signature_of(reports)) is not None:
+        self._signature = batches_lib.Signature.from_json(found)
+      stops = [
+        r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED
+      ]
+      if stops:
+        return plan_lib.Plan((), Outcome.RAISE, stops[0])
+    return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
 
 
 def _read(
@@ -107,46 +123,6 @@ def _read(
       return item
     reads.append(item)
   return None
-
-
-def _decide_window(
-  reads: list[reader_lib.Read],
-  end: reader_lib.End | None,
-  signature: batches_lib.Signature | None,
-  who: common.Identity,
-  exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
-  rules: plan_lib.Rules,
-  *,
-  w: int,
-  position: int,
-  stop: messages.ReportedError | None = None,
-) -> tuple[plan_lib.Plan, batches_lib.Signature | None]:
-  """Reports a window (all-gathered with several processes) and decides it.
-
-  A stop that any process asked for (`stop`, in its report) ends the stream
-  before the window, on every process, the lowest process named.
-
-  Returns:
-    The decision, and the agreed signature (learnt from a peer's report
-    where this process has read no batch yet).
-  """
-  sig = None if signature is None else signature.to_json()
-  report = common.make_report(who, reads, rules, end, sig, w == 0)
-  if stop is not None:
-    report = dataclasses.replace(report, error=stop)
-  if exchange.process_count == 1:
-    reports = [report]  # Nothing to exchange: skip the JSON round trip.
-  else:
-    chunk = messages.Chunk(start=position, ack=w, report=report)
-    chunks = _parse_all(exchange.all_gather(w, chunk.to_json()))
-    _check_in_step(chunks)
-    reports = [c.report for c in chunks]
-    if signature is None and (found := messages.signature_of(reports)) is not None:
-      signature = batches_lib.Signature.from_json(found)
-    stops = [r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED]
-    if stops:
-      return plan_lib.Plan((), Outcome.RAISE, stops[0]), signature
-  return common.decide(reports, rules, groups=who.groups, position=position), signature
 
 
 def _parse_all(payloads: list[str]) -> list[messages.Chunk]:

@@ -118,6 +118,23 @@ class Streamed(common.Agreement):
     """Posts this host's stop (`Decider` and `Follower` each their own way)."""
     raise NotImplementedError
 
+  def _forget_decided(self) -> None:
+    """Drops what the decided positions no longer need (`Decider` and `Follower` each their own)."""
+    raise NotImplementedError
+
+  def _hand_on(self, decision: messages.Decision) -> Iterator[common.Run]:
+    """Yields this host's run of `decision`; after the final one, stops or raises the agreed error."""
+    self._cross.done()  # Decided: no longer a crosswise wait.
+    run = self._apply(decision)
+    self._forget_decided()
+    if decision.end != messages.Outcome.CONTINUE:
+      self._exchange.end()
+    if run is not None:
+      yield run
+      run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
+    if decision.end != messages.Outcome.CONTINUE:
+      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
+
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
     self._rules = plan_lib.pin(self._rules, decision)
@@ -134,10 +151,6 @@ class Streamed(common.Agreement):
       return None
     steps = tuple(zip(reads, decision.steps, strict=True))
     return common.Run(steps, self._signature)
-
-  def _finish(self, decision: messages.Decision) -> None:
-    """After the final decision's run: stop, or raise the agreed error."""
-    self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _stop_due(self) -> messages.ReportedError | None:
     """A stop asked for here and not posted yet: this host reads nothing more."""
