@@ -1,14 +1,12 @@
 """What a host reports and what process 0 decides, and their wire form.
 
-Every host reads batches and reports what it got (`Report`): the row count of
-each batch, how its stream ended (`ReportedError` for an error), and, in its
-first report, its structure and settings. `plan.decide` takes one report per
-host and decides, position by position, one `Step` each and an `Outcome`
-after them. In the streamed agreement every process posts its reports as
-`Chunk`s (consecutive positions of its stream) and process 0 posts what it
-decided as `Decision`s (run-length encoded steps). Both are compact JSON that
-carries `PROTOCOL_VERSION`: a host on another version raises `ProtocolError`,
-and every host raises the same `version_error`.
+Every host reports what it read (`Report`): each batch's row count, how its
+stream ended, and, first, its structure and settings. `plan.decide` turns one
+report per host into one `Step` per position and an `Outcome`. In the
+streamed agreement processes post their reports as `Chunk`s and process 0
+posts `Decision`s (run-length encoded steps), compact JSON that carries
+`PROTOCOL_VERSION`: every host raises the same `version_error` for a peer
+on another version.
 
 Pure Python: no JAX, no I/O.
 """
@@ -95,16 +93,14 @@ class Report:
       rows divide among them): ``jax.local_device_count()`` unless a model
       axis replicates rows.
     config: The host's settings (first window only), compared across hosts.
-    more: True if the host holds at least one more batch after `rows` (it
-      read ahead). Without it the last of `rows` counts as the host's last
-      batch when a short batch is judged.
+    more: True if the host read at least one more batch after `rows`;
+      otherwise the last of `rows` counts as its last when a short batch is judged.
     resume: The output batch the host resumes at (first window only),
       compared across hosts.
-    digests: Where processes share rows: a digest of the rows of each batch
-      in `rows` (`reader.rows_digest`), compared beside `decide`
-      (`agreement.common.decide`); empty otherwise.
-    sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
-      dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
+    digests: Where processes share rows: each batch's `reader.rows_digest`,
+      compared by `agreement.common.decide`; empty otherwise.
+    sizes: With `pad_shapes`: each batch's sizes of the varying dims
+      (`batches.HostBatch.sizes`); empty otherwise.
   """
 
   process_index: int
@@ -211,12 +207,10 @@ class Chunk:
   Attributes:
     start: The position of ``report.rows[0]`` (the process's count of
       non-empty batches read before this chunk).
-    ack: Positions the poster had decided when posting; peers release their
-      chunks that end at or before the smallest ack they have seen.
-    report: The rows read, and the end of the stream if it was reached
-      (exhausted or error), plus signature/config/device count.
-    times: The poster's stage times (`stats.TIMES` order), for the
-      cross-host view (`job_stats`); None when unchanged since its last chunk.
+    ack: The poster's count of decisions read: process 0 deletes those every peer has read.
+    report: The rows read, and the end of the stream once reached.
+    times: The poster's stage times (`stats.TIMES` order) for `job_stats`;
+      None when unchanged since its last chunk.
   """
 
   start: int
@@ -306,10 +300,7 @@ def unreadable_error(peer: int, e: ProtocolError, reader: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """What process 0 decided for a run of positions; every process reads it.
-
-  O(1) per position: (action, rows) per position, run-length encoded, not the
-  per-process rows.
+  """What process 0 decided for a run of positions (run-length encoded); every process reads it.
 
   Attributes:
     start: The first position decided.
@@ -318,11 +309,9 @@ class Decision:
     error: The error every host raises (with `Outcome.RAISE`).
     signature: The agreed batch structure, sent once (in the first decision
       that knows it).
-    batch_size: The agreed full batch size (given, or derived from the first
-      position), sent once (in the first decision that knows it): every host
-      judges by it and saves it with its state.
-    table: Rows of the cross-host view that changed (`job_stats`): per
-      process, its index, decided counts and latest times; None if not sent.
+    batch_size: The agreed full batch size, sent once (in the first decision
+      that knows it): every host judges by it and saves it with its state.
+    table: Rows of the cross-host view (`job_stats`) that changed; None if not sent.
   """
 
   start: int

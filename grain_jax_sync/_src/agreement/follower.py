@@ -1,10 +1,9 @@
 """The streamed agreement on a process other than 0: post rows, follow decisions.
 
-A `Follower` posts its rows (and its ending) in chunks as it reads, reads
-process 0's decisions in order, and hands each decided run on. It never
-decides anything itself: when process 0 is dead (no beat) it raises naming
-it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
-(`common.FOLLOWER_GRACE_S`) it posts a timed-out ending and raises it.
+A `Follower` posts its rows (and its ending) in chunks as it reads, and hands
+on each run that process 0 decides. It decides nothing itself: when process 0
+is dead it raises naming it; when it is silent beyond `sync_timeout_s` plus
+`common.FOLLOWER_GRACE_S` it posts a timed-out ending and raises it.
 """
 
 from __future__ import annotations

@@ -203,9 +203,8 @@ class Ledger:
   def window_reports(self, position: int, size: int, *, with_config: bool) -> list[messages.Report]:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.
 
-    A process whose stream ends inside the window reports its remaining rows
-    and its end (exhausted or error), exactly like a windowed exchange; one
-    that has reported rows past the window says so (`Report.more`).
+    A stream that ends inside the window reports its end; one with rows past
+    the window says so (`Report.more`).
     """
     out = []
     last = position + size

@@ -25,10 +25,8 @@ logger = logging.getLogger(__name__)
 class Lockstep(common.Agreement):
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
-  Iterating it yields decided runs, one window per pass, in order. On
-  `Outcome.WAIT` the undecided reads are kept and every process reads at
-  least one more batch (or its end) before the next decision, which starts at
-  the first undecided position. A requested stop rides in the next window's
+  On `Outcome.WAIT` the undecided reads are kept and every process reads one
+  more batch (or its end) first. A requested stop rides in the next window's
   report: every process stops before that window.
   """
 
@@ -140,14 +138,12 @@ def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
 
 
 def _check_in_step(chunks: list[messages.Chunk]) -> None:
-  """Under the collective exchange, every window must start at the same batch.
+  """Raises the same RuntimeError on every host unless every window starts at the same batch.
 
-  A process that restarted its stream (`reset()`, `set_state()` or a new
-  iterator) while its peers kept iterating has nothing to post its ending
-  to: its next all-gather meets the peers' next window, and without this
-  check the processes would pair different batches into one global array.
-  Raises the same RuntimeError on every host. Different starts in every
-  process's first window are `plan.decide`'s resume error.
+  A process that restarted its stream while its peers kept iterating has
+  nothing to post its ending to: its next all-gather meets the peers' next
+  window, which would pair different batches into one global array.
+  Different starts in every process's first window are the resume error.
   """
   starts = {c.report.process_index: c.start for c in chunks}
   if len(set(starts.values())) < 2:

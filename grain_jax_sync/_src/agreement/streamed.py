@@ -1,7 +1,6 @@
 """What the two sides of the streamed agreement share: own reads, runs, the ending.
 
-The streamed agreement runs over the key-value store: process 0 decides
-(`decider.Decider`), every other process follows (`follower.Follower`).
+Process 0 decides (`decider.Decider`), every other process follows (`follower.Follower`).
 """
 
 from __future__ import annotations
@@ -30,20 +29,16 @@ class Streamed(common.Agreement):
     reader: This host's reader.
     exchange: The key-value exchange of this iterator.
     rules: The settings `plan.decide` needs.
-    who: This process's identity (devices, settings digest, resume position).
+    who: This process's identity.
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
     live: Tells dead peers from slow ones (default: their beats).
-    read_ahead: At most this many positions held (None: the default
-      bound, `common.read_ahead_limit`).
-    built: The build thread's progress, where one runs (its decided
-      positions not built yet count in the read-ahead).
+    read_ahead: At most this many positions held (None: `common.read_ahead_limit`).
+    built: The build thread's progress, where one runs.
     pace: The consumer's positions in the last `decide_ahead_s` seconds
-      (`build.Builder.pace`): the horizon (`common.OwnReads.limit`); None:
-      no time horizon.
-    job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
-      chunks and decisions; None: none kept.
+      (`build.Builder.pace`); None: no time horizon.
+    job: The iterator's cross-host view (`job_stats.JobTable`); None: none kept.
   """
 
   def __init__(
@@ -182,11 +177,9 @@ class Streamed(common.Agreement):
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
 
-    A stream that a peer left before its end (a close, a restart, a kill)
-    never ends normally here, even where every position was decided before
-    it left: this raises the error naming it and its batch. A peer that
-    neither arrives nor leaves within `sync_timeout_s` raises
-    `PeerTimeoutError`.
+    A peer that left before the end (a close, a restart, a kill), even after
+    every position was decided, raises the error naming it; one that neither
+    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
     """
     self._exchange.post_reached_end()
     since = time.monotonic()

@@ -1,8 +1,4 @@
-"""The collective fallback: the reports all-gathered over the devices.
-
-Used when there are several processes but no key-value store client. It
-runs in the caller's thread only.
-"""
+"""The collective fallback (several processes, no key-value store): reports all-gathered."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Chunks up to process 0, decisions back down, through the key-value store.
 
 The store is the coordination service's, which `jax.distributed.initialize`
-starts (in process 0). No device work: with prefetch it runs in the
-agreement's thread, ahead of the training step; with `prefetch_batches=0`,
-in the caller's `next()`. Keys of one iterator live under one namespace
-``ns``:
+starts (in process 0). No device work. Keys of one iterator live under one
+namespace ``ns``:
 
 - ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
   rows it read, its ending. Only the decider (process 0) reads them, with
@@ -20,21 +18,17 @@ Both are deleted a group at a time once read.
 Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
 Under ``base``, once per iterator and process, at `close()`:
 
-- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
-  the stream it was in and "process p closed its iterator at batch b". A
-  peer that waits for p reads it once p's beat shows a new close and ends
-  instead of timing out: in a stream that p never started (a restart made
-  on some processes only), or where p could not post its ending.
+- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``.
+  A peer that waits for p reads it once p's beat shows a new close and ends
+  instead of timing out (p never started the stream, or could not post its
+  ending).
 - ``{base}/closed_count``: the process that brings it to the process count
   deletes ``{base}``.
 - ``{base}/times/{p}``: process p's `stats()` times at the end of its last
-  stream (`post_times`), which `stats(all_hosts=True)` reads once the
-  stream has ended (the agreement's last message comes before the last
-  batches are built and received).
+  stream (`post_times`), for `stats(all_hosts=True)`.
 
-Per decided window that is O(processes) store work in all: one chunk write
-and one decision read per process, one directory read of O(processes)
-chunks and one decision write at process 0.
+Per decided window: one chunk write and one decision read per process, one
+directory read and one decision write at process 0.
 
 Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
 (`liveness`).
@@ -54,19 +48,15 @@ logger = logging.getLogger(__name__)
 
 # The liveness period (`liveness.BEAT_S` is this value). A blocking store read
 # waits at most this long before the waiter checks for close(), its deadline
-# and the awaited peer's beat. A peer's beat is read at most once a period, so
-# a shorter slice would only add wakes: a waiting thread wakes once a period
-# and otherwise for news only, on any host.
+# and the awaited peer's beat, which is read at most once a period: a shorter
+# slice would only add wakes.
 WAIT_SLICE_S = 1.0
 # Chunks and decisions are keyed in groups of this many and deleted a group at
-# a time (one store call instead of 16): on 2 busy cores each store call costs
-# 0.2-6 ms, and per-key deletes were a fifth of a process's store time.
+# a time: one store call instead of one per key.
 GROUP = 16
-# Chunks in groups of 4: the decider's one directory read returns every chunk
-# not yet deleted, so each group's chunks already read are read again until
-# the group goes (up to 15 per process with groups of 16: about 85% of that
-# read's bytes at 1,024 processes; up to 3 with 4, for one delete per 4 chunks
-# at each follower, none at the decider).
+# Chunks in smaller groups: the decider's one directory read returns every
+# chunk not yet deleted, so the chunks of a group already read are read again
+# until the group goes.
 CHUNK_GROUP = 4
 _closes = 0  # This process's closes recorded (`register_close`); its beat carries the count.
 
@@ -125,8 +115,7 @@ class KeyValueExchange:
   """Chunks up to process 0, decisions back down, through the key-value store.
 
   Args:
-    client: A key-value store client (`jax.distributed`'s, or any object with
-      its methods).
+    client: A key-value store client (`jax.distributed`'s, or one with its methods).
     namespace: The iterator's key prefix.
     process_index: This process.
     process_count: How many processes take part.
