@@ -44,9 +44,8 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | No
 class Identity:
   """What a process says about itself in its first report.
 
-  `groups` (the same on every process) is `BatchPlacement.groups` where
-  processes share rows, else empty: then each report carries its rows'
-  digests and `decide` compares them.
+  `groups`: `BatchPlacement.groups` where processes share rows (their
+  reports then carry digests that `decide` compares), else empty.
   """
 
   process: int
@@ -201,6 +200,7 @@ class OwnReads:
   ):
     self._reader = reader
     self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
+    self.inline = self._thread is None  # Read in the agreement's own `next()`.
     self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._cap = read_ahead
     self._built = built
@@ -260,13 +260,9 @@ class OwnReads:
     """
     if unposted == 0:
       return False
-    if unposted * 2 >= self.limit or self.first_undecided():
+    if unposted * 2 >= self.limit or self.count == len(self.pending):  # Nothing decided yet.
       return True
     return self.held() == 0
-
-  def first_undecided(self) -> bool:
-    """Whether nothing of this stream is decided yet (every read is still pending)."""
-    return self.count == len(self.pending)
 
   def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
@@ -289,11 +285,6 @@ class OwnReads:
       if not until_room or self.room() or not self.waits_on_build():
         return
       check()
-
-  @property
-  def inline(self) -> bool:
-    """Whether this host reads in the agreement's own `next()` (no reading thread)."""
-    return self._thread is None
 
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""

@@ -197,8 +197,7 @@ class Decider(Streamed):
   def _look_due(self) -> bool:
     """Whether to look at the peers' posts before reading on.
 
-    Where the build thread has taken every decided position, the consumer
-    waits on this decision: look as often as a follower posts (`OwnReads.due`).
+    Where the build thread holds nothing decided: as often as they post (`OwnReads.due`).
     """
     return not self._own.waits_on_build() and self._own.due(self._reads_since_look)
 

@@ -38,20 +38,17 @@ class Follower(Streamed):
       text = self._next_decision()
       if text is None:
         continue
-      decision = self._parse(text)
+      try:
+        decision = messages.Decision.from_json(text)
+      except messages.ProtocolError as e:
+        self._exchange.end()
+        raise ValueError(messages.unreadable_error(0, e, self._process)) from e
       if decision.table is not None and self._job is not None:
         self._job.merge(decision.table)
       self._seq += 1
       yield from self._hand_on(decision)
       if decision.end != Outcome.CONTINUE:
         return
-
-  def _parse(self, text: str) -> messages.Decision:
-    try:
-      return messages.Decision.from_json(text)
-    except messages.ProtocolError as e:
-      self._exchange.end()
-      raise ValueError(messages.unreadable_error(0, e, self._process)) from e
 
   def _next_decision(self) -> str | None:
     """A decision if one is posted; else reads ahead (posting as it goes) or waits.

@@ -25,22 +25,20 @@ class Ledger:
 
   Args:
     process_count: How many processes report.
-    digests: Keep each position's row digest (processes share rows), for
-      the window reports.
+    digests: Keep each position's row digest (processes share rows).
     sizes: Keep each position's sizes of the varying dims (`pad_shapes`).
   """
 
   def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
     self._process_count = process_count
     self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
-    # Parallel to `_rows` where digests are kept (None: a process sent none).
-    self._digests: list[collections.deque[str | None]] | None = None
-    if digests:
-      self._digests = [collections.deque() for _ in range(process_count)]
-    # Parallel to `_rows` with `pad_shapes` (None: a process sent none).
-    self._sizes: list[collections.deque[tuple[int, ...] | None]] | None = None
-    if sizes:
-      self._sizes = [collections.deque() for _ in range(process_count)]
+    # Parallel to `_rows` where kept (an entry None: a process sent none).
+    self._digests: list[collections.deque[str | None]] | None = (
+      [collections.deque() for _ in range(process_count)] if digests else None
+    )
+    self._sizes: list[collections.deque[tuple[int, ...] | None]] | None = (
+      [collections.deque() for _ in range(process_count)] if sizes else None
+    )
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
@@ -187,10 +185,7 @@ class Ledger:
     return max(b + len(r) for b, r in zip(self._base, self._rows, strict=True))
 
   def window(self, position: int) -> int:
-    """How many positions from `position` on are known for every process.
-
-    Positions after every stream ended count as one more (the end itself).
-    """
+    """How many positions from `position` on are known for every process (the end counts as one)."""
     live = [
       b + len(r) - position
       for b, r, e in zip(self._base, self._rows, self._end, strict=True)

@@ -50,7 +50,9 @@ class Lockstep(common.Agreement):
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
-      stop = self._asked_stop()
+      stop = None  # This host's stop, asked for: it rides in this window's report.
+      if self._stop_at is not None:
+        stop = endings.stopped_error(self._who.process, self._stop_at)
       if stop is not None and self._exchange.process_count == 1:
         self.stop_requested_by = stop.process_index
         return
@@ -64,12 +66,6 @@ class Lockstep(common.Agreement):
       steps = ()
       if self._agreed_end(decision.end, decision.error, self._end):
         return  # The stream's end or an agreed stop; an agreed error raised.
-
-  def _asked_stop(self) -> messages.ReportedError | None:
-    """This host's stop for the next window, if one was asked for."""
-    if self._stop_at is None:
-      return None
-    return endings.stopped_error(self._who.process, self._stop_at)
 
   def _next_window(
     self, w: int, stop: messages.ReportedError | None
@@ -86,9 +82,8 @@ class Lockstep(common.Agreement):
   def _decide(self, w: int, stop: messages.ReportedError | None) -> plan_lib.Plan:
     """Reports the window (all-gathered with several processes) and decides it.
 
-    A stop that any process asked for (`stop`, in its report) ends the stream
-    before the window, on every process, the lowest process named. The agreed
-    signature is learnt from a peer's report where this host has read no batch.
+    A stop any process asked for (`stop`) ends the stream before the window
+    on every process. A peer's report tells the signature where this host has none.
     """
     sig = None if self._signature is None else self._signature.to_json()
     report = common.make_report(self._who, self._reads, self._rules, self._end, sig, w == 0)

@@ -96,8 +96,8 @@ class Streamed(common.Agreement):
   def post_stop(self) -> None:
     """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
-    Takes the turn without waiting: a signal handler never waits on a lock
-    that the code it interrupted may hold.
+    Never waits for the turn: a signal handler must not wait on a lock that
+    the code it interrupted may hold.
     """
     while self._stop_at is not None and not self._stop_posted and self.turn.acquire(False):
       try:

@@ -74,11 +74,6 @@ def distributed_client() -> Any | None:
   return getattr(distributed.global_state, "client", None)
 
 
-def _is_deadline(e: Exception) -> bool:
-  text = str(e).lower()
-  return "deadline" in text or "timed out" in text or "timeout" in text
-
-
 def _is_not_found(e: Exception) -> bool:
   text = str(e).lower()
   return "not_found" in text or "not found" in text
@@ -86,7 +81,8 @@ def _is_not_found(e: Exception) -> bool:
 
 def _not_posted(e: Exception) -> bool:
   """A blocking read that found nothing within its slice."""
-  return _is_deadline(e) or _is_not_found(e)
+  text = str(e).lower()
+  return "deadline" in text or "timed out" in text or "timeout" in text or _is_not_found(e)
 
 
 def _any(e: Exception) -> bool:
@@ -146,11 +142,7 @@ class KeyValueExchange:
   def _call(
     self, doing: str, fn: Any, *args: Any, absent: Callable[[Exception], bool] | None = None
   ) -> Any:
-    """One store call, counted and timed.
-
-    An error for which `absent` holds reads as None (a key not posted yet,
-    a best-effort call); any other raises, naming what was being done.
-    """
+    """One store call, counted and timed; an error for which `absent` holds reads as None."""
     self.ops += 1
     t0 = time.monotonic()
     try:
@@ -354,9 +346,8 @@ def closed_key(base: str, process: int) -> str:
 def register_close(base: str, note: str) -> None:
   """Records that this process closed the iterator of key prefix `base`; best effort.
 
-  The last of the processes to close it deletes ``{base}``: keys of streams
-  that some processes never ended (a restart made on some processes only)
-  go with it.
+  The last process to close it deletes ``{base}``, with the keys of streams
+  that some processes never ended.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -374,11 +365,7 @@ def register_close(base: str, note: str) -> None:
 
 
 def post_times(base: str, text: str) -> None:
-  """Posts this process's figures at the end of a stream of the iterator `base`; best effort.
-
-  ``{base}/times/{p}``, overwritten at each stream's end and deleted with
-  ``{base}`` by the last process to close the iterator.
-  """
+  """Posts this process's figures at the end of a stream of the iterator `base`; best effort."""
   import jax  # pylint: disable=g-import-not-at-top
 
   client = distributed_client()
@@ -400,12 +387,8 @@ def read_times(base: str) -> list[tuple[int, str]]:
   except Exception as e:  # noqa: BLE001 - best effort: the table keeps what it has.
     logger.debug("grain_jax_sync: could not read the figures of %s: %s", base, e)
     return []
-  out = []
-  for key, value in entries:
-    process = key.rsplit("/", 1)[-1]
-    if process.isdigit():
-      out.append((int(process), value))
-  return out
+  by_process = ((key.rsplit("/", 1)[-1], value) for key, value in entries)
+  return [(int(p), value) for p, value in by_process if p.isdigit()]
 
 
 def beat_text(n: int) -> str:
