@@ -1,14 +1,12 @@
 """What a host reports and what process 0 decides, and their wire form.
 
 Every host reports what it read (`Report`): each batch's row count, how its
-stream ended, and, first, its structure and settings. `plan.decide` turns one
+stream ended, and (first) its structure and settings. `plan.decide` turns one
 report per host into one `Step` per position and an `Outcome`. In the
 streamed agreement processes post their reports as `Chunk`s and process 0
 posts `Decision`s (run-length encoded steps), compact JSON that carries
 `PROTOCOL_VERSION`: every host raises the same `version_error` for a peer
-on another version.
-
-Pure Python: no JAX, no I/O.
+on another version. Pure Python: no JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -63,14 +61,8 @@ class ReportedError:
   missing: tuple[int, ...] = ()
 
   def to_json(self) -> list[Any]:
-    return [
-      self.kind.value,
-      self.message,
-      self.process_index,
-      self.batch_index,
-      self.type_name,
-      list(self.missing),
-    ]
+    fields = (self.kind.value, self.message, self.process_index, self.batch_index, self.type_name)
+    return [*fields, list(self.missing)]
 
   @classmethod
   def from_json(cls, obj: Sequence[Any]) -> ReportedError:
@@ -175,8 +167,7 @@ class Step:
     rows: Rows each host yields (the padded size); 0 for a drop.
     real_rows: Real rows per process (0 where the process yields a dummy);
       empty in a step read from a `Decision`.
-    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims
-      (leaf by leaf, as `Report.sizes`): every host pads to them.
+    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims: every host pads to them.
   """
 
   action: Action
@@ -307,8 +298,7 @@ class Decision:
     steps: The decided positions, in order.
     end: Whether the stream goes on, stops or raises after them.
     error: The error every host raises (with `Outcome.RAISE`).
-    signature: The agreed batch structure, sent once (in the first decision
-      that knows it).
+    signature: The agreed batch structure, sent once (in the first decision that knows it).
     batch_size: The agreed full batch size, sent once (in the first decision
       that knows it): every host judges by it and saves it with its state.
     table: Rows of the cross-host view (`job_stats`) that changed; None if not sent.

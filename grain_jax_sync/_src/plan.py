@@ -7,9 +7,7 @@ or raise the same error. The errors (different settings, resume positions or
 structures, uneven or oversized batches, a short batch that is not its
 host's last, an indivisible batch size) are `messages.ReportedError`s of
 kind VALUE that every host raises as the same ValueError; they name the
-processes and batches involved and the option that fixes them.
-
-No JAX and no I/O here.
+processes and batches involved and the option that fixes them. No JAX, no I/O.
 """
 
 from __future__ import annotations

@@ -87,8 +87,7 @@ def decide(
 ) -> plan_lib.Plan:
   """`plan.decide`, then, where processes share rows, the digest check.
 
-  The first yield whose rows differ within a group of processes that share a
-  data shard ends the plan with the same ValueError on every host.
+  The first yield whose rows differ within a group ends the plan with the same ValueError.
   """
   plan = plan_lib.decide(reports, rules, position=position)
   if not groups:
@@ -111,8 +110,7 @@ def decide(
 class Agreement:
   """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
 
-  `request_stop` may come from any thread or a signal handler: it sets one
-  field and takes no lock; the agreement's own thread posts the stop.
+  `request_stop` may come from any thread or a signal handler: it takes no lock.
   """
 
   def __init__(self, rules: plan_lib.Rules, who: Identity):
@@ -136,7 +134,7 @@ class Agreement:
   ) -> bool:
     """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
 
-    `own`: this host's end of its source, if read (its own error keeps its traceback).
+    `own`: this host's end, if read (its own error is raised with its traceback).
     """
     if end != messages.Outcome.RAISE:
       return end == messages.Outcome.STOP
@@ -179,10 +177,8 @@ class Built(Protocol):
 class OwnReads:
   """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
 
-  The reads come inline (a `reader.Reader`, read in the agreement's own
-  `next()`), or from the reading thread (a `prefetch.OnDemand`), so that a
-  stuck source holds up only the positions it has not read: decisions, a
-  stop or a close still land.
+  The reads come inline, or from the reading thread (a `prefetch.OnDemand`):
+  then a stuck source holds up only the positions it has not read.
 
   The horizon (`limit`) is time: the positions the consumer took in the last
   `decide_ahead_s` seconds (`Built.pace`), within `read_ahead_limit`, and at

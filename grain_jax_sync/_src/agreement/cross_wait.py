@@ -39,8 +39,7 @@ class CrossWait:
   def check(self, peer: int, at_batch: int) -> messages.ReportedError | None:
     """The error once `peer` has waited long enough at the start of a stream not started here.
 
-    Called while this process waits for `peer` before anything is decided
-    (`at_batch`: output batches before this stream's first).
+    `at_batch`: output batches before this stream's first (nothing is decided yet).
     """
     exchange_lib.waiting_first(self._exchange.namespace, True)
     # Streams of iterators made here but not started: an iterator never made

@@ -1,8 +1,7 @@
 """The streamed agreement's process 0: one decider, O(processes).
 
 `Decider` reads every peer's chunks with one directory read, decides with
-`plan.decide` and posts each decision once; the others (`follower.Follower`)
-post chunks and read the decisions.
+`plan.decide` and posts each decision once for the others (`follower.Follower`).
 """
 
 from __future__ import annotations
@@ -98,11 +97,11 @@ class Decider(Streamed):
   def _news_stale(self) -> bool:
     """Whether the peers' chunks were not read since this host last waited, or too long ago.
 
-    While this host waited a peer may have posted an ending (a stop, a close,
-    an error), decided at the first position not decided yet. And a follower
-    that got no decision for `sync_timeout_s` plus a grace posts a timed-out
-    ending and raises it one grace later: a decision posted later than that
-    after the last read of the chunks could reach a follower that has raised.
+    While this host waited a peer may have posted an ending, decided at the
+    first position not decided yet. And a follower with no decision for
+    `sync_timeout_s` plus a grace posts a timed-out ending and raises it a
+    grace later: a decision posted long after the last read could come too
+    late, so the chunks are read again first and the ending found.
     """
     if self._waited:
       return True
@@ -156,7 +155,9 @@ class Decider(Streamed):
     # Before the stream's first decision the job waits for it: with its own
     # first read in hand, process 0 waits for the peers' rather than reads on.
     if self._own.room() and (self._decided > 0 or not missing) and self._own.ready():
-      if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
+      # Where the build thread holds nothing decided, look as often as the peers post.
+      look = not self._own.waits_on_build() and self._own.due(self._reads_since_look)
+      if look and self._absorb(self._timed(self._exchange.read_chunks)):
         return
       self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
@@ -184,7 +185,18 @@ class Decider(Streamed):
           messages.ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
     elif self._waited_s() > self._timeout_s:
-      self._abort = self._timeout(peer)
+      self._abort = messages.ReportedError(
+        messages.ErrorKind.TIMEOUT,
+        f"process {peer} did not report batch {self._yielded} (position"
+        f" {self._decided}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
+        " or only just silent (its liveness beat is recent), so it may have"
+        " died just now, hung in its source, paused its training loop for"
+        f" longer than `sync_timeout_s`, or {endings.order_cause()}",
+        peer,
+        self._yielded,
+        "PeerTimeoutError",
+        (peer,),
+      )
     elif self._idle and not self._decided and (cross := self._cross.check(peer, self._yielded)):
       self._abort = cross
     else:
@@ -193,13 +205,6 @@ class Decider(Streamed):
       # With one peer, the one chunk waited for: inline, a stop that peer
       # posted during the consumer's step may follow it, read before deciding.
       self._waited = stale and self._own.inline and self._process_count == 2
-
-  def _look_due(self) -> bool:
-    """Whether to look at the peers' posts before reading on.
-
-    Where the build thread holds nothing decided: as often as they post (`OwnReads.due`).
-    """
-    return not self._own.waits_on_build() and self._own.due(self._reads_since_look)
 
   def _read(self, wait_s: float) -> bool:
     """Takes this host's next read into the ledger; False where none came within `wait_s`."""
@@ -244,20 +249,6 @@ class Decider(Streamed):
         self._exchange.delete_decisions(acked)
         self._acked = acked
     return bool(items)
-
-  def _timeout(self, peer: int) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.TIMEOUT,
-      f"process {peer} did not report batch {self._yielded} (position"
-      f" {self._decided}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
-      " or only just silent (its liveness beat is recent), so it may have"
-      " died just now, hung in its source, paused its training loop for"
-      f" longer than `sync_timeout_s`, or {endings.order_cause()}",
-      peer,
-      self._yielded,
-      "PeerTimeoutError",
-      (peer,),
-    )
 
   def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
     """Posts this host's ending (closed, or `error`) as the final decision."""

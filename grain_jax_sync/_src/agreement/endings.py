@@ -1,7 +1,4 @@
-"""Every ending's error: the exception each host raises for an agreed ending, and the messages endings carry.
-
-An ending for a stream this host never started is posted here too (`post_end`).
-"""
+"""Every ending's error: the exception each host raises for an agreed ending, the messages, `post_end`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The streamed agreement on a process other than 0: post rows, follow decisions.
 
-A `Follower` posts its rows (and its ending) in chunks as it reads, and hands
-on each run that process 0 decides. It decides nothing itself: when process 0
-is dead it raises naming it; when it is silent beyond `sync_timeout_s` plus
-`common.FOLLOWER_GRACE_S` it posts a timed-out ending and raises it.
+A `Follower` decides nothing: when process 0 is dead it raises naming it;
+when it is silent beyond `sync_timeout_s` plus `common.FOLLOWER_GRACE_S` it
+posts a timed-out ending and raises it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Process 0's record of what every process reported, per batch position.
 
-Process 0 (`decider.Decider`) decides position ``j`` once it knows, for every
-process, the rows of its batch ``j`` (posted in `messages.Chunk`s) or that
-its stream ended before ``j``. `Ledger` keeps that knowledge and turns each
-known run of positions into the window reports that `plan.decide` takes.
-
-Pure Python: no JAX, no I/O.
+Process 0 decides position ``j`` once it knows, for every process, the rows
+of its batch ``j`` or that its stream ended before ``j``: `Ledger` keeps that
+and turns each known run of positions into reports for `plan.decide`. No I/O.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The lockstep form: every process reads a window, the reports are all-gathered, every process decides.
-
-One process (no exchange) and the collective fallback (which runs in the
-caller's thread) use it.
-"""
+"""The lockstep form (one process; the collective fallback): every process decides each window."""
 
 from __future__ import annotations
 
@@ -60,24 +56,19 @@ class Lockstep(common.Agreement):
         self._end = _read(self._reader, self._reads, max(self._window, len(self._reads) + 1))
       if self._signature is None and self._reads:
         self._signature = self._reads[0].batch.signature
-      decision, steps = self._next_window(w, stop)
-      if steps:
-        yield common.Run(steps, self._signature)
-      steps = ()
+      reads = self._reads
+      decision = self._decide(w, stop)
+      self._rules = plan_lib.pin(self._rules, decision)
+      self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
+      self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
+      if decision.steps:  # This host's read for each step (None past its end: a dummy).
+        yield common.Run(
+          tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps)),
+          self._signature,
+        )
+      reads = []  # The build thread's alone once handed on.
       if self._agreed_end(decision.end, decision.error, self._end):
         return  # The stream's end or an agreed stop; an agreed error raised.
-
-  def _next_window(
-    self, w: int, stop: messages.ReportedError | None
-  ) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
-    """Decides the window held; its steps with this host's reads."""
-    reads = self._reads
-    decision = self._decide(w, stop)
-    self._rules = plan_lib.pin(self._rules, decision)
-    steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
-    self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
-    self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
-    return decision, steps
 
   def _decide(self, w: int, stop: messages.ReportedError | None) -> plan_lib.Plan:
     """Reports the window (all-gathered with several processes) and decides it.

@@ -195,25 +195,23 @@ class Streamed(common.Agreement):
           error = endings.lost(peer, self._live.dead_after_s, self._yielded, when)
           raise endings.to_exception(error, self._process, None)
       if waiting and time.monotonic() - since > self._timeout_s:
-        raise endings.to_exception(self._timeout_at_end(waiting), self._process, None)
+        error = messages.ReportedError(
+          messages.ErrorKind.TIMEOUT,
+          f"processes {waiting} did not reach the end of the stream ({self._yielded}"
+          f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
+          " (their liveness beats are recent) but stopped iterating before the end"
+          " without closing the iterator",
+          waiting[0],
+          self._yielded,
+          "PeerTimeoutError",
+          tuple(waiting),
+        )
+        raise endings.to_exception(error, self._process, None)
 
   def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
     """Tells peers waiting at the end that this host left before it (best effort)."""
     message = (error or endings.closed_error(self._process, at_batch)).message
     self._exchange.post_left(message)
-
-  def _timeout_at_end(self, peers: list[int]) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.TIMEOUT,
-      f"processes {peers} did not reach the end of the stream ({self._yielded}"
-      f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
-      " (their liveness beats are recent) but stopped iterating before the end"
-      " without closing the iterator",
-      peers[0],
-      self._yielded,
-      "PeerTimeoutError",
-      tuple(peers),
-    )
 
   def release(self) -> None:
     self._cross.done()  # No longer a crosswise wait.

@@ -167,8 +167,7 @@ class KeyValueExchange:
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
     """Posts this process's next chunk; returns its sequence number.
 
-    A `final` chunk (the ending posted by `close()`) is written even after
-    `cancel()`.
+    A `final` chunk (the ending `close()` posts) is written even after `cancel()`.
     """
     if not final:
       self.check()
@@ -206,9 +205,7 @@ class KeyValueExchange:
   def wait_chunk(self, process: int) -> list[tuple[int, str]]:
     """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones.
 
-    With one peer, the chunk waited for is all there is to read; with more,
-    one directory read brings every peer's news (O(1) calls per wait at any
-    process count).
+    With more than one peer, one directory read brings every peer's news.
     """
     self.check()
     seq = self._next[process]
@@ -263,8 +260,7 @@ class KeyValueExchange:
     """Records that this process's consumer received every batch of the stream.
 
     The process that brings the count to the process count sets the key
-    every process waits on (`wait_all_reached_end`): one write and one
-    increment per process, whatever the count.
+    every process waits on (`wait_all_reached_end`).
     """
     key = f"{self._end_key('end')}/{self.process_index}"
     self._call("posting the end", self._client.key_value_set, key, "", True)
@@ -320,10 +316,9 @@ class KeyValueExchange:
     self._cancel.set()
 
   def end(self) -> None:
-    """Counts this process out; the last one deletes the namespace. Once only.
+    """Counts this process out after its last store call; the last one deletes the namespace.
 
-    Call after this process's last store read or write for the iterator.
-    Never blocks on peers (it also runs in `close()` and garbage collection).
+    Once only; never blocks on peers (it also runs in `close()` and garbage collection).
     """
     if self._ended:
       return

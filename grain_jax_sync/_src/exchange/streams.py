@@ -26,10 +26,9 @@ _streams_lock = threading.Lock()
 def new_namespace(name: str | None = None) -> str:
   """A key prefix for one iterator; the same on every process under SPMD.
 
-  Every process creates its iterators in the same order, so a per-process
-  counter names them consistently. Pass `name` where that does not hold (an
-  iterator created on some processes only): then the iterators of that name
-  are counted, so every process must create the same number of them.
+  A per-process counter names them consistently where every process creates
+  its iterators in the same order; where not, pass `name` (every process
+  must then create the same number of iterators of that name).
   """
   if name is None:
     namespace = f"{KEY_ROOT}/{next(_instances)}"
