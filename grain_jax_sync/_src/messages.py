@@ -1,16 +1,12 @@
 """What a host reports and what process 0 decides, and their wire form.
 
-Every host reads batches and reports what it got (`Report`): the row count of
-each batch, how its stream ended (`ReportedError` for an error), and, in its
-first report, its structure and settings. `plan.decide` takes one report per
-host and decides, position by position, one `Step` each and an `Outcome`
-after them. In the streamed agreement every process posts its reports as
-`Chunk`s (consecutive positions of its stream) and process 0 posts what it
-decided as `Decision`s (run-length encoded steps). Both are compact JSON that
-carries `PROTOCOL_VERSION`: a host on another version raises `ProtocolError`,
-and every host raises the same `version_error`.
-
-Pure Python: no JAX, no I/O.
+Every host reports what it read (`Report`): each batch's row count, how its
+stream ended, and (first) its structure and settings. `plan.decide` turns one
+report per host into one `Step` per position and an `Outcome`. In the
+streamed agreement processes post their reports as `Chunk`s and process 0
+posts `Decision`s (run-length encoded steps), compact JSON that carries
+`PROTOCOL_VERSION`: every host raises the same `version_error` for a peer
+on another version. Pure Python: no JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -65,14 +61,8 @@ class ReportedError:
   missing: tuple[int, ...] = ()
 
   def to_json(self) -> list[Any]:
-    return [
-      self.kind.value,
-      self.message,
-      self.process_index,
-      self.batch_index,
-      self.type_name,
-      list(self.missing),
-    ]
+    fields = (self.kind.value, self.message, self.process_index, self.batch_index, self.type_name)
+    return [*fields, list(self.missing)]
 
   @classmethod
   def from_json(cls, obj: Sequence[Any]) -> ReportedError:
@@ -95,16 +85,14 @@ class Report:
       rows divide among them): ``jax.local_device_count()`` unless a model
       axis replicates rows.
     config: The host's settings (first window only), compared across hosts.
-    more: True if the host holds at least one more batch after `rows` (it
-      read ahead). Without it the last of `rows` counts as the host's last
-      batch when a short batch is judged.
+    more: True if the host read at least one more batch after `rows`;
+      otherwise the last of `rows` counts as its last when a short batch is judged.
     resume: The output batch the host resumes at (first window only),
       compared across hosts.
-    digests: Where processes share rows: a digest of the rows of each batch
-      in `rows` (`reader.rows_digest`), compared beside `decide`
-      (`agreement.common.decide`); empty otherwise.
-    sizes: With `pad_shapes`: per batch in `rows`, its sizes of the varying
-      dims (`batches.HostBatch.sizes`); empty otherwise (nothing on the wire).
+    digests: Where processes share rows: each batch's `reader.rows_digest`,
+      compared by `agreement.common.decide`; empty otherwise.
+    sizes: With `pad_shapes`: each batch's sizes of the varying dims
+      (`batches.HostBatch.sizes`); empty otherwise.
   """
 
   process_index: int
@@ -179,8 +167,7 @@ class Step:
     rows: Rows each host yields (the padded size); 0 for a drop.
     real_rows: Real rows per process (0 where the process yields a dummy);
       empty in a step read from a `Decision`.
-    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims
-      (leaf by leaf, as `Report.sizes`): every host pads to them.
+    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims: every host pads to them.
   """
 
   action: Action
@@ -211,12 +198,10 @@ class Chunk:
   Attributes:
     start: The position of ``report.rows[0]`` (the process's count of
       non-empty batches read before this chunk).
-    ack: Positions the poster had decided when posting; peers release their
-      chunks that end at or before the smallest ack they have seen.
-    report: The rows read, and the end of the stream if it was reached
-      (exhausted or error), plus signature/config/device count.
-    times: The poster's stage times (`stats.TIMES` order), for the
-      cross-host view (`job_stats`); None when unchanged since its last chunk.
+    ack: The poster's count of decisions read: process 0 deletes those every peer has read.
+    report: The rows read, and the end of the stream once reached.
+    times: The poster's stage times (`stats.TIMES` order) for `job_stats`;
+      None when unchanged since its last chunk.
   """
 
   start: int
@@ -306,23 +291,17 @@ def unreadable_error(peer: int, e: ProtocolError, reader: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  """What process 0 decided for a run of positions; every process reads it.
-
-  O(1) per position: (action, rows) per position, run-length encoded, not the
-  per-process rows.
+  """What process 0 decided for a run of positions (run-length encoded); every process reads it.
 
   Attributes:
     start: The first position decided.
     steps: The decided positions, in order.
     end: Whether the stream goes on, stops or raises after them.
     error: The error every host raises (with `Outcome.RAISE`).
-    signature: The agreed batch structure, sent once (in the first decision
-      that knows it).
-    batch_size: The agreed full batch size (given, or derived from the first
-      position), sent once (in the first decision that knows it): every host
-      judges by it and saves it with its state.
-    table: Rows of the cross-host view that changed (`job_stats`): per
-      process, its index, decided counts and latest times; None if not sent.
+    signature: The agreed batch structure, sent once (in the first decision that knows it).
+    batch_size: The agreed full batch size, sent once (in the first decision
+      that knows it): every host judges by it and saves it with its state.
+    table: Rows of the cross-host view (`job_stats`) that changed; None if not sent.
   """
 
   start: int
@@ -363,9 +342,8 @@ class Decision:
     try:
       steps = tuple(  # One shared (frozen) step per run of equal positions.
         itertools.chain.from_iterable(
-          itertools.repeat(Step(Action(a), rows, (), _sizes(run)), n)
-          for run in obj["st"]
-          for a, rows, n in (run[:3],)
+          itertools.repeat(Step(Action(a), rows, (), tuple(sizes[0]) if sizes else ()), n)
+          for a, rows, n, *sizes in obj["st"]  # Agreed sizes (`pad_shapes`) 4th.
         )
       )
       error = ReportedError.from_json(obj["x"]) if "x" in obj else None
@@ -374,8 +352,3 @@ class Decision:
       return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e
-
-
-def _sizes(run: list[Any]) -> tuple[int, ...]:
-  """A decision run's agreed sizes (a 4th entry with `pad_shapes`)."""
-  return tuple(run[3]) if len(run) > 3 else ()

@@ -1,18 +1,13 @@
 """The agreement decision: every host's reports -> one plan, and its errors.
 
-Every host reads batches and reports what it got (`messages.Report`), and
-process 0 (or every host, in lockstep) decides with `decide`. It is a pure
-function of those reports and the rules, so every host acts on the same
-`Plan`, each on its own row of it: yield its real batch (padded if needed),
-yield a dummy batch, drop the position, stop, or raise the same error. The
-errors are built here too: hosts given different settings, resume positions
-or batch structures, an uneven number of batches, uneven or oversized
-batches, a short batch that is not its host's last, and a batch size the
-local devices do not divide. Each is a `messages.ReportedError` of kind
-VALUE that every host raises as the same ValueError; the messages name the
-processes and batches involved and the option that fixes them.
-
-No JAX and no I/O here.
+`decide` is a pure function of every host's `messages.Report` and the rules,
+so every host acts on the same `Plan`, each on its own row of it: yield its
+real batch (padded if needed), yield a dummy batch, drop the position, stop,
+or raise the same error. The errors (different settings, resume positions or
+structures, uneven or oversized batches, a short batch that is not its
+host's last, an indivisible batch size) are `messages.ReportedError`s of
+kind VALUE that every host raises as the same ValueError; they name the
+processes and batches involved and the option that fixes them. No JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -45,11 +40,10 @@ class Plan:
     steps: One step per decided position, in order.
     end: What happens after the steps.
     error: The error every host raises when `end` is `Outcome.RAISE`.
-    batch_size: The full batch size the steps were judged by: the one given,
-      or the one derived from the first position when `Rules.batch_size` is
-      None (None if no position was reached).
-    waiting: With `Outcome.WAIT`, the processes whose next batch (or end) is
-      needed to decide the position after the steps.
+    batch_size: The full batch size the steps were judged by: given, or
+      derived from the first position (None if no position was reached).
+    waiting: With `Outcome.WAIT`, the processes whose next batch (or end)
+      the position after the steps waits for.
   """
 
   steps: tuple[Step, ...]
@@ -70,14 +64,11 @@ class Rules:
     drop_last: Stop when a host runs out; drop a short last batch.
     pad: Pad short batches and fill missing ones with dummy batches.
     wait_for_last: Where the outcome of a short batch depends on whether it
-      is its host's last and the reports do not say (it ends its host's
-      report, which is not marked `exhausted`, `error` or `more`), end the
-      plan with `Outcome.WAIT` instead of taking it as the last.
-    derived: `batch_size` was derived from the first position (set by `pin`);
-      a derived size is a guess, so a short batch that is not its host's last
-      raises even with `pad`.
-    shapes: `pad_shapes` and its buckets: each yield gets agreed sizes
-      (`Step.sizes`) from the reports' `sizes`.
+      is its host's last and the report does not say, end the plan with
+      `Outcome.WAIT` instead of taking it as the last.
+    derived: `batch_size` was derived from the first position (set by `pin`):
+      a guess, so a short batch that is not its host's last raises even with `pad`.
+    shapes: `pad_shapes` and its buckets: each yield gets agreed sizes (`Step.sizes`).
   """
 
   batch_size: int | None
@@ -91,9 +82,8 @@ class Rules:
 def pin(rules: Rules, plan: Plan | Decision) -> Rules:
   """The rules for the next `decide` call: the derived batch size pinned.
 
-  Call it after every `decide` (a process that does not decide: after every
-  decision it reads), so that later positions are judged by the first
-  position's size; the stream saves it with its resume state.
+  Call it after every `decide` (or decision read), so that later positions
+  are judged by the first position's size.
   """
   if rules.batch_size is None and plan.batch_size is not None:
     return dataclasses.replace(rules, batch_size=plan.batch_size, derived=True)
@@ -116,16 +106,8 @@ class _Wait:
   processes: tuple[int, ...]
 
 
-def _size_step(
-  reports: Sequence[Report],
-  i: int,
-  rules: Rules,
-  *,
-  batch_size: int,
-  derived: bool,
-  index: int,
-) -> Step | ReportedError | _Wait:
-  """The size rules for position `i`: yield (padded, passed through), drop or error.
+class _Position:
+  """Every host's batch at position `i` of a window: the size rules, and their errors.
 
   A batch of `batch_size` rows is full. With `paddings` or `drop_last`, a batch larger
   than `batch_size` passes through unpadded when every host has a batch of exactly
@@ -135,60 +117,115 @@ def _size_step(
   `paddings` with a given `batch_size` pads it (as the reference does).
   Without either option every host's batch must have the same size.
   """
-  has = [i < len(r.rows) for r in reports]
-  rows = [r.rows[i] if h else 0 for r, h in zip(reports, has, strict=True)]
-  real = [x for x, h in zip(rows, has, strict=True) if h]
-  even = all(has) and min(real) == max(real)
-  if not (rules.pad or rules.drop_last):
-    if not even:
-      return uneven_sizes_error(reports, rows, has, index)
-    return Step(Action.YIELD, real[0], tuple(rows))
-  if max(real) > batch_size:
-    if even:  # Every host has the same larger batch: it passes through.
-      return Step(Action.YIELD, real[0], tuple(rows))
-    return larger_error(reports, rows, has, batch_size=batch_size, derived=derived, index=index)
-  short = [(r, x) for r, x, h in zip(reports, rows, has, strict=True) if h and x < batch_size]
-  early = [(r, x) for r, x in short if not _is_last(r, i)]
-  unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
-  matters = rules.drop_last or derived  # Else padded, last or not.
-  refused = early and (derived or not rules.pad)
-  # Wait where the outcome, or the process the error names (the first one
-  # whose short batch is not its last), is not known yet.
-  named = early[0][0].process_index if early else -1
-  if unknown and matters and rules.wait_for_last and (not refused or unknown[0] < named):
-    return _Wait(unknown)
-  if refused:
-    r, x = early[0]
-    return short_error(
-      reports,
-      rows,
-      has,
-      p=r.process_index,
-      x=x,
-      batch_size=batch_size,
-      derived=derived,
-      index=index,
+
+  def __init__(
+    self, reports: Sequence[Report], i: int, *, batch_size: int, derived: bool, index: int
+  ):
+    self.reports = reports
+    self.i = i
+    self.batch_size = batch_size
+    self.derived = derived  # `batch_size` is a guess (`Rules.derived`).
+    self.index = index  # Output batches before it (for messages).
+    self.has = [i < len(r.rows) for r in reports]
+    self.rows = [r.rows[i] if h else 0 for r, h in zip(reports, self.has, strict=True)]
+    self.real = [x for x, h in zip(self.rows, self.has, strict=True) if h]
+
+  def judge(self, rules: Rules) -> Step | ReportedError | _Wait:
+    """The size rules for this position: yield (padded, passed through), drop, wait or error."""
+    i, batch_size, real, rows = self.i, self.batch_size, self.real, tuple(self.rows)
+    even = all(self.has) and min(real) == max(real)
+    if not (rules.pad or rules.drop_last):
+      return Step(Action.YIELD, real[0], rows) if even else self._uneven_error()
+    if max(real) > batch_size:
+      # Every host has the same larger batch: it passes through.
+      return Step(Action.YIELD, real[0], rows) if even else self._larger_error()
+    short = [
+      (r, x) for r, x, h in zip(self.reports, rows, self.has, strict=True) if h and x < batch_size
+    ]
+    early = [(r, x) for r, x in short if not _is_last(r, i)]
+    unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
+    matters = rules.drop_last or self.derived  # Else padded, last or not.
+    refused = early and (self.derived or not rules.pad)
+    # Wait where the outcome, or the process the error names (the first one
+    # whose short batch is not its last), is not known yet.
+    named = early[0][0].process_index if early else -1
+    if unknown and matters and rules.wait_for_last and (not refused or unknown[0] < named):
+      return _Wait(unknown)
+    if refused:
+      return self._short_error(early[0][0].process_index, early[0][1])
+    if short and rules.drop_last and not early:
+      return Step(Action.DROP, 0, rows)
+    return Step(Action.YIELD, batch_size, rows)
+
+  def _listing(self) -> str:
+    """Each process's rows ('none' where it has no batch)."""
+    return ", ".join(
+      f"process {r.process_index}: {x if h else 'none'}"
+      for r, x, h in zip(self.reports, self.rows, self.has, strict=True)
     )
-  if short and rules.drop_last and not early:
-    return Step(Action.DROP, 0, tuple(rows))
-  return Step(Action.YIELD, batch_size, tuple(rows))
+
+  def _full_name(self) -> str:
+    """Where the full batch size came from, for messages."""
+    if self.derived:
+      return "the largest host batch of the first batch, as `batch_size` was not given"
+    return "`batch_size`"
+
+  def _uneven_error(self) -> ReportedError:
+    """Host batches of different sizes, with neither `paddings` nor `drop_last`."""
+    return value_error(
+      f"{UNEVEN_SIZES} at batch {self.index}: host batch sizes range from"
+      f" {min(self.real)} to {max(self.real)} ({self._listing()}). Pass"
+      " `paddings` to pad every batch to the full batch size, or"
+      " `drop_last=True` to drop a short last batch"
+    )
+
+  def _larger_error(self) -> ReportedError:
+    """A batch larger than the full batch size that not every host shares."""
+    p, x = next(
+      (r.process_index, x)
+      for r, x in zip(self.reports, self.rows, strict=True)
+      if x > self.batch_size
+    )
+    return value_error(
+      f"{UNEVEN_SIZES} at batch {self.index}: process {p} has {x} rows, more"
+      f" than the full batch size {self.batch_size} ({self._full_name()}), and not"
+      f" every host has a batch of that size ({self._listing()})."
+      " Padding only fills batches up to the full size; batch every host's"
+      " source with the same batch size"
+    )
+
+  def _short_error(self, p: int, x: int) -> ReportedError:
+    """Process `p`'s short batch of `x` rows that is not its last, where it cannot be padded."""
+    prefix = f"{UNEVEN_SIZES}: " if min(self.real) != max(self.real) else ""
+    fix = (
+      "Pass `batch_size` (with `paddings`, short batches are then padded)"
+      if self.derived
+      else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
+    )
+    return value_error(
+      f"{prefix}process {p}, batch {self.index}: {x} rows, fewer than the full"
+      f" batch size {self.batch_size} ({self._full_name()}), and it is not the last"
+      f" batch of process {p}; only a host's last batch may be short ({self._listing()})."
+      f" {fix}, or batch the source so that only its last batch is short"
+    )
 
 
 def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
   """Decides what every host does with the window just read.
 
-  With `Rules.shapes`, each yielded step carries the agreed sizes of the
-  varying dims (`agree_sizes`).
-
   Args:
     reports: One report per process, in process order.
-    rules: The shared settings (see `decide_rows`).
+    rules: The shared settings. With ``rules.batch_size=None`` the full
+      batch size is the largest host batch of the window's first position
+      (the same on every host); `Plan.batch_size` returns it, and the caller
+      passes ``pin(rules, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
 
   Returns:
-    The plan; identical on every host given identical reports.
+    The plan; identical on every host given identical reports. With
+    `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
   """
-  plan = decide_rows(reports, rules, position=position)
+  plan = _decide_rows(reports, rules, position)
   if rules.shapes is None or not plan.steps:
     return plan
   return agree_sizes(plan, reports, rules.shapes, position=position)
@@ -226,20 +263,8 @@ def agree_sizes(
   return dataclasses.replace(plan, steps=tuple(steps))
 
 
-def decide_rows(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
-  """Decides what every host does with the window just read (rows, not sizes).
-
-  Args:
-    reports: One report per process, in process order.
-    rules: The shared settings. With ``rules.batch_size=None`` the full
-      batch size is the largest host batch of the window's first position
-      (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes ``pin(rules, plan)`` from then on.
-    position: Number of batches yielded before this window (for messages).
-
-  Returns:
-    The plan; identical on every host given identical reports.
-  """
+def _decide_rows(reports: Sequence[Report], rules: Rules, position: int) -> Plan:
+  """`decide` by the rows alone (no agreed sizes)."""
   error = config_error(reports) or resume_error(reports) or signature_error(reports)
   if error is not None:
     return Plan((), Outcome.RAISE, error)
@@ -255,7 +280,7 @@ def decide_rows(reports: Sequence[Report], rules: Rules, *, position: int = 0) -
 
 
 class _Walk:
-  """`decide_rows` going through a window's positions in order, adding one step each."""
+  """`_decide_rows` going through a window's positions in order, adding one step each."""
 
   def __init__(self, reports: Sequence[Report], rules: Rules, position: int):
     self.reports = reports
@@ -275,7 +300,7 @@ class _Walk:
     """Decides the positions from `i` on where every host's batch is full (or raises)."""
     if self.batch_size is None or not (run := _full_run(self.reports, self.i, self.batch_size)):
       return None
-    # One shared step each, as `_size_step` would decide them one by one.
+    # One shared step each, as `_Position.judge` would decide them one by one.
     if (error := self._divisibility_error(self.batch_size)) is not None:
       return self.plan(Outcome.RAISE, error)
     step = Step(Action.YIELD, self.batch_size, (self.batch_size,) * len(self.reports))
@@ -306,9 +331,8 @@ class _Walk:
     reports, i = self.reports, self.i
     if self.batch_size is None:
       self.batch_size = max(r.rows[i] for r in reports if i < len(r.rows))
-    step = _size_step(
-      reports, i, self.rules, batch_size=self.batch_size, derived=self.derived, index=self.index
-    )
+    at = _Position(reports, i, batch_size=self.batch_size, derived=self.derived, index=self.index)
+    step = at.judge(self.rules)
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)
     if isinstance(step, _Wait):
@@ -333,10 +357,8 @@ class _Walk:
 def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
   """How many positions from `i` on hold a batch of `batch_size` rows on every host.
 
-  The one fast path for full batches, shared by every form of the agreement:
-  a quick stream's common case, compared a slice at a time instead of
-  position by position (no error can sit there: a report's error follows
-  its last row).
+  The fast path for full batches, compared a slice at a time (no error can
+  sit there: a report's error follows its last row).
   """
   n = min(len(r.rows) for r in reports) - i
   if n <= 0:
@@ -372,31 +394,39 @@ def value_error(message: str, batch_index: int = -1) -> ReportedError:
   return ReportedError(ErrorKind.VALUE, message, -1, batch_index)
 
 
+def _first_difference(
+  given: Sequence[tuple[int, Any]],
+) -> tuple[tuple[int, Any], tuple[int, Any]] | None:
+  """The first (process, value) not None and the first later one whose value differs."""
+  known = [(p, v) for p, v in given if v is not None]
+  for p, v in known[1:]:
+    if v is not known[0][1] and v != known[0][1]:  # The ledger shares equal structures.
+      return known[0], (p, v)
+  return None
+
+
 def config_error(reports: Sequence[Report]) -> ReportedError | None:
   """The error for processes given different settings, if any were."""
-  configs = [(r.process_index, r.config) for r in reports if r.config is not None]
-  if len(configs) < 2:
+  found = _first_difference([(r.process_index, r.config) for r in reports])
+  if found is None:
     return None
-  p0, c0 = configs[0]
-  for p, c in configs[1:]:
-    if c != c0:
-      diffs = settings_diff(c0, c)
-      fix = (
-        ", and the same mesh: the same devices in the same order (build it"
-        " from jax.devices() in the same way everywhere, e.g."
-        " grain_jax_sync.default_mesh())"
-        if any(k.startswith("sharding") for k in diffs)
-        else ". If every process was given the same arguments, the processes"
-        " created their iterators in a different order (iterators are paired"
-        " by creation order): create them in the same order, or pass the"
-        " same `name=` to each pair"
-      )
-      return value_error(
-        f"processes {p0} and {p} were given different settings"
-        f" ({'; '.join(diffs.values())}); every process must build the iterator with"
-        f" the same arguments{fix}"
-      )
-  return None
+  (p0, c0), (p, c) = found
+  diffs = settings_diff(c0, c)
+  fix = (
+    ", and the same mesh: the same devices in the same order (build it"
+    " from jax.devices() in the same way everywhere, e.g."
+    " grain_jax_sync.default_mesh())"
+    if any(k.startswith("sharding") for k in diffs)
+    else ". If every process was given the same arguments, the processes"
+    " created their iterators in a different order (iterators are paired"
+    " by creation order): create them in the same order, or pass the"
+    " same `name=` to each pair"
+  )
+  return value_error(
+    f"processes {p0} and {p} were given different settings"
+    f" ({'; '.join(diffs.values())}); every process must build the iterator with"
+    f" the same arguments{fix}"
+  )
 
 
 def resume_error(reports: Sequence[Report]) -> ReportedError | None:
@@ -413,23 +443,20 @@ def resume_error(reports: Sequence[Report]) -> ReportedError | None:
 
 def signature_error(reports: Sequence[Report]) -> ReportedError | None:
   """The error for processes whose batches differ in structure, if any do."""
-  sigs = [(r.process_index, r.signature) for r in reports if r.signature is not None]
-  if len(sigs) < 2:
+  found = _first_difference([(r.process_index, r.signature) for r in reports])
+  if found is None:
     return None
-  p0, s0 = sigs[0]
-  for p, s in [(p, s) for p, s in sigs[1:] if s is not s0]:  # The ledger shares equal ones.
-    if s != s0:
-      a = batches_lib.Signature.from_json(s0)
-      b = batches_lib.Signature.from_json(s)
-      diffs = batches_lib.diff(a, b) or ["tree structure differs"]
-      return value_error(
-        f"processes {p0} and {p} yield batches of different structure:"
-        f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
-        f" process {p0} has [{a.describe()}], process {p} has"
-        f" [{b.describe()}]. Every host must yield the same columns,"
-        " dtypes and trailing shapes"
-      )
-  return None
+  (p0, s0), (p, s) = found
+  a = batches_lib.Signature.from_json(s0)
+  b = batches_lib.Signature.from_json(s)
+  diffs = batches_lib.diff(a, b) or ["tree structure differs"]
+  return value_error(
+    f"processes {p0} and {p} yield batches of different structure:"
+    f" {'; '.join(diffs)} (first: process {p0}, second: process {p});"
+    f" process {p0} has [{a.describe()}], process {p} has"
+    f" [{b.describe()}]. Every host must yield the same columns,"
+    " dtypes and trailing shapes"
+  )
 
 
 def _fmt(processes: Sequence[int]) -> str:
@@ -446,82 +473,6 @@ def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: in
     f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
     " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
     " to fill the missing batches with masked dummy batches"
-  )
-
-
-def _sizes(reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool]) -> str:
-  """Each process's rows at one position ('none' where it has no batch)."""
-  return ", ".join(
-    f"process {r.process_index}: {x if h else 'none'}"
-    for r, x, h in zip(reports, rows, has, strict=True)
-  )
-
-
-def _full_name(derived: bool) -> str:
-  """Where the full batch size came from, for messages."""
-  if derived:
-    return "the largest host batch of the first batch, as `batch_size` was not given"
-  return "`batch_size`"
-
-
-def uneven_sizes_error(
-  reports: Sequence[Report], rows: Sequence[int], has: Sequence[bool], index: int
-) -> ReportedError:
-  """Host batches of different sizes at batch `index`, with neither `paddings` nor `drop_last`."""
-  real = [x for x, h in zip(rows, has, strict=True) if h]
-  return value_error(
-    f"{UNEVEN_SIZES} at batch {index}: host batch sizes range from"
-    f" {min(real)} to {max(real)} ({_sizes(reports, rows, has)}). Pass"
-    " `paddings` to pad every batch to the full batch size, or"
-    " `drop_last=True` to drop a short last batch"
-  )
-
-
-def larger_error(
-  reports: Sequence[Report],
-  rows: Sequence[int],
-  has: Sequence[bool],
-  *,
-  batch_size: int,
-  derived: bool,
-  index: int,
-) -> ReportedError:
-  """A batch larger than the full batch size that not every host shares."""
-  p, x = next((r.process_index, x) for r, x in zip(reports, rows, strict=True) if x > batch_size)
-  return value_error(
-    f"{UNEVEN_SIZES} at batch {index}: process {p} has {x} rows, more"
-    f" than the full batch size {batch_size} ({_full_name(derived)}), and not"
-    f" every host has a batch of that size ({_sizes(reports, rows, has)})."
-    " Padding only fills batches up to the full size; batch every host's"
-    " source with the same batch size"
-  )
-
-
-def short_error(
-  reports: Sequence[Report],
-  rows: Sequence[int],
-  has: Sequence[bool],
-  *,
-  p: int,
-  x: int,
-  batch_size: int,
-  derived: bool,
-  index: int,
-) -> ReportedError:
-  """Process `p`'s short batch of `x` rows that is not its last, where it cannot be padded."""
-  real = [y for y, h in zip(rows, has, strict=True) if h]
-  prefix = f"{UNEVEN_SIZES}: " if min(real) != max(real) else ""
-  sizes = _sizes(reports, rows, has)
-  fix = (
-    "Pass `batch_size` (with `paddings`, short batches are then padded)"
-    if derived
-    else "Pass `paddings` to pad short batches (with `mask_key` to mask them)"
-  )
-  return value_error(
-    f"{prefix}process {p}, batch {index}: {x} rows, fewer than the full"
-    f" batch size {batch_size} ({_full_name(derived)}), and it is not the last"
-    f" batch of process {p}; only a host's last batch may be short ({sizes})."
-    f" {fix}, or batch the source so that only its last batch is short"
   )
 
 

@@ -31,9 +31,7 @@ FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
 def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | None = None) -> int:
   """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`.
 
-  The time horizon (`OwnReads.limit`) comes on top. At least 1: a short
-  batch, decided only once its host's next batch (or end) is known
-  (`plan.Rules.wait_for_last`), may take one read more (`OwnReads.room`).
+  At least 1; the time horizon (`OwnReads.limit`) comes on top.
   """
   limit = READ_AHEAD_BYTES // max(1, read.batch.nbytes)
   for bound in (lookahead, cap):
@@ -46,9 +44,8 @@ def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | No
 class Identity:
   """What a process says about itself in its first report.
 
-  `groups` (the same on every process) is `BatchPlacement.groups` where
-  processes share rows, else empty: then each report carries its rows'
-  digests and `decide` compares them.
+  `groups`: `BatchPlacement.groups` where processes share rows (their
+  reports then carry digests that `decide` compares), else empty.
   """
 
   process: int
@@ -66,11 +63,7 @@ def make_report(
   sig: Any,
   first: bool,
 ) -> messages.Report:
-  """This host's report of `reads` (and its `end`, once read).
-
-  Each read's row count; its rows' digest where processes share rows
-  (`who.groups`); its sizes of the varying dims with `pad_shapes`.
-  """
+  """This host's report of `reads` (and its `end`, once read); digests and sizes where kept."""
   return messages.Report(
     process_index=who.process,
     rows=tuple(r.batch.rows for r in reads),
@@ -94,9 +87,7 @@ def decide(
 ) -> plan_lib.Plan:
   """`plan.decide`, then, where processes share rows, the digest check.
 
-  The first yielded position whose rows differ within a group of processes
-  that share a data shard ends the plan: the steps before it stand, and every
-  host raises the same ValueError (`placement.shared_rows_error`).
+  The first yield whose rows differ within a group ends the plan with the same ValueError.
   """
   plan = plan_lib.decide(reports, rules, position=position)
   if not groups:
@@ -108,7 +99,7 @@ def decide(
     digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
     message = placement_lib.shared_rows_error(digests, groups, index)
     if message is not None:
-      error = messages.ReportedError(messages.ErrorKind.VALUE, message, -1, index)
+      error = plan_lib.value_error(message, index)
       return dataclasses.replace(
         plan, steps=plan.steps[:i], end=messages.Outcome.RAISE, error=error
       )
@@ -119,9 +110,7 @@ def decide(
 class Agreement:
   """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
 
-  `request_stop` may come from any thread or a signal handler: it sets one
-  field, takes no lock and returns at once; the agreement's own thread
-  posts the stop at its next step (inline, see `Streamed.post_stop`).
+  `request_stop` may come from any thread or a signal handler: it takes no lock.
   """
 
   def __init__(self, rules: plan_lib.Rules, who: Identity):
@@ -145,8 +134,7 @@ class Agreement:
   ) -> bool:
     """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
 
-    `own` is this host's end of its source, if it read one (a source error
-    raised here keeps its own traceback).
+    `own`: this host's end, if read (its own error is raised with its traceback).
     """
     if end != messages.Outcome.RAISE:
       return end == messages.Outcome.STOP
@@ -189,18 +177,12 @@ class Built(Protocol):
 class OwnReads:
   """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
 
-  The reads come from `reader`: inline (a `reader.Reader`, read in the
-  agreement's own `next()`), or from the reading thread (a
-  `prefetch.OnDemand` over it), which reads what this host asks ahead for,
-  so that a source that is stuck holds up only the positions it has not
-  read: the agreement goes on receiving decisions, and a stop or a close
-  still lands.
+  The reads come inline, or from the reading thread (a `prefetch.OnDemand`):
+  then a stuck source holds up only the positions it has not read.
 
-  The horizon (`limit`) is time: the positions the consumer took in the
-  last `decide_ahead_s` seconds (`Built.pace`, measured as the job runs),
-  within the byte bound and `synchronize_lookahead` (`read_ahead_limit`),
-  and at least 1. A fast step decides tens of positions per round of the
-  exchange, a slow one one at a time, just as the consumer takes them.
+  The horizon (`limit`) is time: the positions the consumer took in the last
+  `decide_ahead_s` seconds (`Built.pace`), within `read_ahead_limit`, and at
+  least 1, so that positions are decided as fast as the consumer takes them.
   """
 
   def __init__(
@@ -214,6 +196,7 @@ class OwnReads:
   ):
     self._reader = reader
     self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
+    self.inline = self._thread is None  # Read in the agreement's own `next()`.
     self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._cap = read_ahead
     self._built = built
@@ -241,14 +224,10 @@ class OwnReads:
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
 
-    With a build thread (`built`: the positions it has handed on), a decided
-    position it has not handed on yet (queued to it, or in its hands) takes
-    a place of the read-ahead, so that a host holds at most `limit` positions
-    between its reads and its built batches. At least 2 stay undecided, so
-    that process 0 always has a position to decide. Once full, this host
-    reads again when half the read-ahead is free: the reads, posts and
-    decisions then come in runs of half a read-ahead, not one per batch the
-    consumer takes.
+    A decided position the build thread has not handed on takes a place, so
+    that a host holds at most `limit` positions between its reads and its
+    built batches. Once full, this host reads again when half the read-ahead
+    is free: reads, posts and decisions come in runs, not one per batch.
     """
     if self.end is not None or self.stopped:
       return False
@@ -261,9 +240,8 @@ class OwnReads:
   def allowance(self) -> int:
     """Positions this host lets be decided now: the horizon less what its build thread holds.
 
-    1 when the build thread holds none (it waits for a position); 0 when it
-    holds a horizon's worth. So a stop lands behind at most the built
-    batches and `decide_ahead_s` of decided ones, at any step time.
+    At least 1 when it holds none (it waits), so a stop lands behind at most
+    the built batches and `decide_ahead_s` of decided ones.
     """
     held = self.held() or 0
     return max(self.limit - held, 1 if held == 0 else 0)
@@ -271,22 +249,16 @@ class OwnReads:
   def due(self, unposted: int) -> bool:
     """Whether `unposted` reads are to be posted (on process 0: decided) now.
 
-    A round of the exchange carries half the read-ahead, so that it
-    completes while the build thread works through the half decided
-    before. Where the build thread has taken every decided position, it
-    waits on the agreement: then each read goes at once, and so does every
-    read of a stream with nothing decided yet (inline too): the job waits
-    for its first batch. These rules hold on any host; no timer decides.
+    A round carries half the read-ahead, so that it completes while the build
+    thread works through the half before. Where the build thread (or the
+    job, before its first batch) waits on the agreement, each read goes at
+    once. No timer decides.
     """
     if unposted == 0:
       return False
-    if unposted * 2 >= self.limit or self.first_undecided():
+    if unposted * 2 >= self.limit or self.count == len(self.pending):  # Nothing decided yet.
       return True
     return self.held() == 0
-
-  def first_undecided(self) -> bool:
-    """Whether nothing of this stream is decided yet (every read is still pending)."""
-    return self.count == len(self.pending)
 
   def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
@@ -295,19 +267,13 @@ class OwnReads:
     return self.count - len(self.pending) - self._built.done()
 
   def waits_on_build(self) -> bool:
-    """Whether the build thread holds decided positions, so that room comes as it takes them.
-
-    A follower with nothing awaiting a decision then waits for it
-    (`wait_for_build`) instead of posting a read or two to have something
-    to wait on.
-    """
+    """Whether the build thread holds decided positions, so that room comes as it takes them."""
     return (self.held() or 0) > 0
 
   def wait_for_build(self, check: Callable[[], None], *, until_room: bool = False) -> None:
     """Blocks until the build thread hands a position on; with `until_room`, until `room()`.
 
-    `check` raises where the iterator is closed; it runs once per liveness
-    period (`exchange.WAIT_SLICE_S`), the one periodic wake, on any host.
+    `check` (raises once closed) runs once per `exchange.WAIT_SLICE_S`.
     """
     check()
     while self._built is not None:
@@ -315,11 +281,6 @@ class OwnReads:
       if not until_room or self.room() or not self.waits_on_build():
         return
       check()
-
-  @property
-  def inline(self) -> bool:
-    """Whether this host reads in the agreement's own `next()` (no reading thread)."""
-    return self._thread is None
 
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""
@@ -333,8 +294,7 @@ class OwnReads:
   def read(self, wait_s: float = 0.0) -> reader_lib.Read | reader_lib.End | None:
     """This host's next read, or None where the reading thread had none within `wait_s`.
 
-    From the reading thread, this host first asks ahead for as many reads as
-    the read-ahead leaves room for (at least this one); inline, it reads.
+    The reading thread is first asked for as many reads as the read-ahead has room for.
     """
     if self._thread is None:
       item = next(self._reader)  # type: ignore[arg-type]

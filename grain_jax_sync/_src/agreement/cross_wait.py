@@ -1,10 +1,8 @@
 """Two processes waiting crosswise at the start of two streams: named, not timed out.
 
-Process a waits for the first decision of a stream that process b has not
-started, while b waits for one that a has not started. Each process's
-liveness beat carries the streams it waits on for a first decision
-(`exchange.waiting_first`), so each of the two finds the other's wait, and
-both raise the same message.
+Process a waits for the first decision of a stream that b has not started,
+and b for one that a has not started. Each beat carries the streams its
+process waits on (`exchange.waiting_first`): both find it, with one message.
 """
 
 from __future__ import annotations
@@ -28,13 +26,7 @@ CROSS_WAIT_S = 30.0
 
 
 class CrossWait:
-  """Watches, while this process waits for a peer, whether the peer waits crosswise.
-
-  Args:
-    exchange: The key-value exchange of this process's stream.
-    live: The peers' beats.
-    timeout_s: `sync_timeout_s`.
-  """
+  """Watches, while this process waits for a peer, whether the peer waits crosswise."""
 
   def __init__(
     self, exchange: exchange_lib.KeyValueExchange, live: liveness_lib.Liveness, timeout_s: float
@@ -47,10 +39,7 @@ class CrossWait:
   def check(self, peer: int, at_batch: int) -> messages.ReportedError | None:
     """The error once `peer` has waited long enough at the start of a stream not started here.
 
-    Called while this process waits for `peer` before anything is decided
-    (`at_batch`: output batches before this stream's first). Process 0 and
-    the peer each find it (the peer from process 0's beat), and name the
-    pair the same way: the same message on both.
+    `at_batch`: output batches before this stream's first (nothing is decided yet).
     """
     exchange_lib.waiting_first(self._exchange.namespace, True)
     # Streams of iterators made here but not started: an iterator never made

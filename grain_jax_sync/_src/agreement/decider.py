@@ -1,10 +1,7 @@
 """The streamed agreement's process 0: one decider, O(processes).
 
-Process 0 (`Decider`, here) reads every peer's chunks with one directory
-read, decides with `plan.decide` and posts each decision once; every other
-process (`follower.Follower`) posts its chunks and reads the decisions. See
-`streamed.Streamed` for what both share, `agreement` for the endings and
-`exchange` for the keys.
+`Decider` reads every peer's chunks with one directory read, decides with
+`plan.decide` and posts each decision once for the others (`follower.Follower`).
 """
 
 from __future__ import annotations
@@ -31,10 +28,7 @@ class Decider(Streamed):
     self._ledger = ledger_lib.Ledger(
       self._process_count, digests=bool(self._who.groups), sizes=self._rules.shapes is not None
     )
-    who = self._who
-    self._ledger.set_own(
-      self._process, signature=None, devices=who.devices, config=who.config, resume=who.resume
-    )
+    self._set_own(signature=None)
     self._sent_signature = False
     self._sent_batch_size = False
     # An ending found here (an unreadable chunk, a timed-out or lost peer).
@@ -63,19 +57,14 @@ class Decider(Streamed):
         self._absorb(self._timed(self._exchange.read_chunks))
         continue  # Decide again with what the peers posted meanwhile.
       decision = self._post(plan)
-      self._cross.done()  # Decided: no longer a crosswise wait.
-      run = self._apply(decision)
-      self._ledger.forget(self._decided)
+      yield from self._hand_on(decision)
       if decision.end != Outcome.CONTINUE:
-        self._exchange.end()
-      if run is not None:
-        yield run
-        run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
-        # Inline, the consumer stepped meanwhile: a peer may have posted a stop.
-        self._waited = self._waited or self._own.inline
-      if decision.end != Outcome.CONTINUE:
-        self._finish(decision)
         return
+      # Inline, the consumer stepped meanwhile: a peer may have posted a stop.
+      self._waited = self._waited or (self._own.inline and bool(decision.steps))
+
+  def _forget_decided(self) -> None:
+    self._ledger.forget(self._decided)
 
   def _post_stop(self, stop: messages.ReportedError) -> None:
     if self._abort is None and self._ledger.abort is None:
@@ -108,18 +97,11 @@ class Decider(Streamed):
   def _news_stale(self) -> bool:
     """Whether the peers' chunks were not read since this host last waited, or too long ago.
 
-    While this host waited (for its build thread, or its own read) a peer may
-    have posted an ending (a stop, a close, an error): it is decided at the
-    first position not decided yet, so the decider reads the chunks before
-    it decides again. With the time horizon that is about twice per
-    `decide_ahead_s` at a fast step, once per position at a slow one.
-
-    A follower that got no decision for `sync_timeout_s` plus a grace posts a
-    timed-out ending and raises it one grace later. A decision posted later
-    than one grace after the decider's last read of the chunks (after a long
-    read of its own source, say) could reach a follower that has already
-    raised; so the decider reads the chunks again first, and finds the
-    ending if there is one.
+    While this host waited a peer may have posted an ending, decided at the
+    first position not decided yet. And a follower with no decision for
+    `sync_timeout_s` plus a grace posts a timed-out ending and raises it a
+    grace later: a decision posted long after the last read could come too
+    late, so the chunks are read again first and the ending found.
     """
     if self._waited:
       return True
@@ -159,13 +141,10 @@ class Decider(Streamed):
   def _advance(self) -> None:
     """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
 
-    This host reads while it holds fewer than its read-ahead of undecided
-    batches: a read is work the job needs anyway, and the read-ahead bounds
-    it. Only then does it look at the store, once, and block on the first
-    peer still awaited: no timer decides when to look, on any host. A read
-    from the reading thread that has not come holds up nothing but the
-    positions it is missing from: while this host waits for it, it reads
-    the peers' posts once per liveness period (a stop, an ending).
+    This host reads while its read-ahead has room (work the job needs
+    anyway); only then does it look at the store, once, and block on the
+    first peer still awaited. While it waits for its own read, it reads the
+    peers' posts once per liveness period (a stop, an ending).
     """
     missing = self._needed()
     if self._process in missing:
@@ -176,7 +155,9 @@ class Decider(Streamed):
     # Before the stream's first decision the job waits for it: with its own
     # first read in hand, process 0 waits for the peers' rather than reads on.
     if self._own.room() and (self._decided > 0 or not missing) and self._own.ready():
-      if self._look_due() and self._absorb(self._timed(self._exchange.read_chunks)):
+      # Where the build thread holds nothing decided, look as often as the peers post.
+      look = not self._own.waits_on_build() and self._own.due(self._reads_since_look)
+      if look and self._absorb(self._timed(self._exchange.read_chunks)):
         return
       self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
@@ -204,7 +185,18 @@ class Decider(Streamed):
           messages.ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
     elif self._waited_s() > self._timeout_s:
-      self._abort = self._timeout(peer)
+      self._abort = messages.ReportedError(
+        messages.ErrorKind.TIMEOUT,
+        f"process {peer} did not report batch {self._yielded} (position"
+        f" {self._decided}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
+        " or only just silent (its liveness beat is recent), so it may have"
+        " died just now, hung in its source, paused its training loop for"
+        f" longer than `sync_timeout_s`, or {endings.order_cause()}",
+        peer,
+        self._yielded,
+        "PeerTimeoutError",
+        (peer,),
+      )
     elif self._idle and not self._decided and (cross := self._cross.check(peer, self._yielded)):
       self._abort = cross
     else:
@@ -213,16 +205,6 @@ class Decider(Streamed):
       # With one peer, the one chunk waited for: inline, a stop that peer
       # posted during the consumer's step may follow it, read before deciding.
       self._waited = stale and self._own.inline and self._process_count == 2
-
-  def _look_due(self) -> bool:
-    """Whether to look at the peers' posts before reading on.
-
-    Where the build thread has taken every decided position, the consumer is
-    about to wait on this decision: look once per half read-ahead read (a
-    follower posts as often, `common.OwnReads.due`). Otherwise this host
-    reads until its read-ahead is full and then waits for the peers.
-    """
-    return not self._own.waits_on_build() and self._own.due(self._reads_since_look)
 
   def _read(self, wait_s: float) -> bool:
     """Takes this host's next read into the ledger; False where none came within `wait_s`."""
@@ -235,15 +217,16 @@ class Decider(Streamed):
       self._ledger.end(common.make_report(self._who, (), self._rules, item, sig, False))
       return True
     if self._own.count == 1:
-      self._ledger.set_own(
-        self._process,
-        signature=item.batch.signature.to_json(),
-        devices=self._who.devices,
-        config=self._who.config,
-        resume=self._who.resume,
-      )
+      self._set_own(signature=item.batch.signature.to_json())
     self._ledger.add_rows(self._process, item.batch.rows, item.digest, item.batch.sizes)
     return True
+
+  def _set_own(self, *, signature: dict[str, Any] | None) -> None:
+    """Records this process's identity in the ledger, with its structure once read."""
+    who = self._who
+    self._ledger.set_own(
+      self._process, signature=signature, devices=who.devices, config=who.config, resume=who.resume
+    )
 
   def _absorb(self, items: list[tuple[int, str]]) -> bool:
     self._waited = False
@@ -266,20 +249,6 @@ class Decider(Streamed):
         self._exchange.delete_decisions(acked)
         self._acked = acked
     return bool(items)
-
-  def _timeout(self, peer: int) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.TIMEOUT,
-      f"process {peer} did not report batch {self._yielded} (position"
-      f" {self._decided}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
-      " or only just silent (its liveness beat is recent), so it may have"
-      " died just now, hung in its source, paused its training loop for"
-      f" longer than `sync_timeout_s`, or {endings.order_cause()}",
-      peer,
-      self._yielded,
-      "PeerTimeoutError",
-      (peer,),
-    )
 
   def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
     """Posts this host's ending (closed, or `error`) as the final decision."""

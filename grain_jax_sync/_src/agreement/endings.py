@@ -1,7 +1,4 @@
-"""Every ending's error: the exception each host raises for an agreed ending, and the messages endings carry.
-
-An ending for a stream this host never started is posted here too (`post_end`).
-"""
+"""Every ending's error: the exception each host raises for an agreed ending, the messages, `post_end`."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ def to_exception(error: ReportedError, process: int, own: reader_lib.End | None)
 def closed_peer_message(note: str, namespace: str) -> str:
   """The error for a peer found closed (`exchange.register_close`) while waited for here.
 
-  A peer that closed in this stream could not post its ending (a stage
-  thread of its was still blocked); one that closed in an earlier stream
-  never started this one, which other processes restarted.
+  Closed in this stream, it could not post its ending (a stage thread was
+  blocked); closed in an earlier one, it never started this restarted one.
   """
   try:
     stream, message = json.loads(note)
@@ -54,12 +50,7 @@ def closed_peer_message(note: str, namespace: str) -> str:
 
 
 def order_cause() -> str:
-  """Why processes' iterators miss each other, and the fix: one wording wherever it may be the cause.
-
-  Iterators are paired across processes by creation order (or by `name=`),
-  and an iterator's stream starts at its first `next()`; the crosswise wait
-  and the timeouts at the start of a stream name this cause the same way.
-  """
+  """Why processes' iterators miss each other, and the fix: one wording wherever it may be the cause."""
   return (
     "the processes created or started their iterators in a different order"
     " (iterators are paired across processes by creation order unless given"
@@ -95,8 +86,7 @@ def lost(
 def stopped_error(process: int, at_batch: int) -> ReportedError:
   """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
 
-  Every host ends its stream normally at the first position not yet
-  decided when the request reaches the agreement; nothing is raised.
+  Every host ends its stream normally at the first position not decided yet.
   """
   return ReportedError(
     ErrorKind.STOPPED,
@@ -110,9 +100,7 @@ def stopped_error(process: int, at_batch: int) -> ReportedError:
 def post_end(ex: exchange_lib.KeyValueExchange, at_batch: int, error: ReportedError | None) -> None:
   """Posts this host's ending (closed, or `error`) to a stream it never started.
 
-  Process 0 posts it as the stream's first and final decision, any other
-  process as its first and final chunk: where each would have posted it
-  from a started stream's `close`.
+  As the stream's first and final decision (process 0) or chunk (any other).
   """
   p = ex.process_index
   error = error or closed_error(p, at_batch)

@@ -1,10 +1,8 @@
 """The streamed agreement on a process other than 0: post rows, follow decisions.
 
-A `Follower` posts its rows (and its ending) in chunks as it reads, reads
-process 0's decisions in order, and hands each decided run on. It never
-decides anything itself: when process 0 is dead (no beat) it raises naming
-it; when process 0 is alive but silent beyond `sync_timeout_s` plus a grace
-(`common.FOLLOWER_GRACE_S`) it posts a timed-out ending and raises it.
+A `Follower` decides nothing: when process 0 is dead it raises naming it;
+when it is silent beyond `sync_timeout_s` plus `common.FOLLOWER_GRACE_S` it
+posts a timed-out ending and raises it.
 """
 
 from __future__ import annotations
@@ -39,40 +37,26 @@ class Follower(Streamed):
       text = self._next_decision()
       if text is None:
         continue
-      decision = self._parse(text)
+      try:
+        decision = messages.Decision.from_json(text)
+      except messages.ProtocolError as e:
+        self._exchange.end()
+        raise ValueError(messages.unreadable_error(0, e, self._process)) from e
       if decision.table is not None and self._job is not None:
         self._job.merge(decision.table)
       self._seq += 1
-      self._cross.done()  # Decided: no longer a crosswise wait.
-      run = self._apply(decision)
-      self._release()
+      yield from self._hand_on(decision)
       if decision.end != Outcome.CONTINUE:
-        self._exchange.end()
-      if run is not None:
-        yield run
-        run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
-      if decision.end != Outcome.CONTINUE:
-        self._finish(decision)
         return
-
-  def _parse(self, text: str) -> messages.Decision:
-    try:
-      return messages.Decision.from_json(text)
-    except messages.ProtocolError as e:
-      self._exchange.end()
-      raise ValueError(messages.unreadable_error(0, e, self._process)) from e
 
   def _next_decision(self) -> str | None:
     """A decision if one is posted; else reads ahead (posting as it goes) or waits.
 
-    This host reads while it holds fewer than its read-ahead of undecided
-    batches, and posts every half read-ahead; only then does it post what it
-    holds and wait for process 0's decision, blocking in the store. With a
-    reading thread, a read that has not come holds up no decision: where the
-    build thread waits for one, this host waits for it instead, and while it
-    waits for a read it looks for a decision once per liveness period (an
-    ending decided meanwhile: a stop, a peer's close). No timer decides when
-    to post or look, on any host.
+    This host reads while its read-ahead has room, posting every half
+    read-ahead; only then does it post what it holds and block in the store
+    for the decision. A read that has not come holds up no decision: while
+    this host waits for one, it looks for a decision once per liveness
+    period (a stop, a peer's close). No timer decides.
     """
     stop = self._stop_due()
     if stop is not None:
@@ -199,7 +183,7 @@ class Follower(Streamed):
     self._unposted.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
 
-  def _release(self) -> None:
+  def _forget_decided(self) -> None:
     """Deletes own chunks the decider has read (a later position is decided)."""
     read = None
     while self._chunks and self._chunks[0][1] < self._decided:

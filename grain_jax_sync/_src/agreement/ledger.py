@@ -1,14 +1,8 @@
 """Process 0's record of what every process reported, per batch position.
 
-In the streamed agreement each process posts the row counts of the batches it
-has read as soon as it reads them (a `messages.Chunk`: one or more
-consecutive positions), and process 0 (`decider.Decider`) decides position
-``j`` with `plan.decide` once it knows, for every process, either the rows of
-its batch ``j`` or that its stream ended (or failed) before ``j``. `Ledger`
-keeps that knowledge and turns each known run of positions into the window
-reports that `plan.decide` takes.
-
-Pure Python: no JAX, no I/O.
+Process 0 decides position ``j`` once it knows, for every process, the rows
+of its batch ``j`` or that its stream ended before ``j``: `Ledger` keeps that
+and turns each known run of positions into reports for `plan.decide`. No I/O.
 """
 
 from __future__ import annotations
@@ -28,22 +22,20 @@ class Ledger:
 
   Args:
     process_count: How many processes report.
-    digests: Keep each position's row digest (processes share rows), for
-      the window reports.
+    digests: Keep each position's row digest (processes share rows).
     sizes: Keep each position's sizes of the varying dims (`pad_shapes`).
   """
 
   def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
     self._process_count = process_count
     self._rows: list[collections.deque[int]] = [collections.deque() for _ in range(process_count)]
-    # Parallel to `_rows` where digests are kept (None: a process sent none).
-    self._digests: list[collections.deque[str | None]] | None = None
-    if digests:
-      self._digests = [collections.deque() for _ in range(process_count)]
-    # Parallel to `_rows` with `pad_shapes` (None: a process sent none).
-    self._sizes: list[collections.deque[tuple[int, ...] | None]] | None = None
-    if sizes:
-      self._sizes = [collections.deque() for _ in range(process_count)]
+    # Parallel to `_rows` where kept (an entry None: a process sent none).
+    self._digests: list[collections.deque[str | None]] | None = (
+      [collections.deque() for _ in range(process_count)] if digests else None
+    )
+    self._sizes: list[collections.deque[tuple[int, ...] | None]] | None = (
+      [collections.deque() for _ in range(process_count)] if sizes else None
+    )
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
@@ -100,8 +92,7 @@ class Ledger:
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
 
-    A chunk of rows only (nearly every one) is recorded without building its
-    report (a third of the decider's time per chunk).
+    A chunk of rows only (nearly every one) is recorded without building its report.
 
     Returns:
       The chunk's process and its times.
@@ -141,12 +132,9 @@ class Ledger:
     if held is not None and (devices != self._devices[p] or rows.count(held.rows[0]) < len(rows)):
       self._held[p] = None
     q.extend(rows)
-    if self._digests is not None:
-      got = digests[: len(rows)]
-      self._digests[p].extend((*got, *[None] * (len(rows) - len(got))))
-    if self._sizes is not None:
-      have = sizes[: len(rows)]
-      self._sizes[p].extend((*have, *[None] * (len(rows) - len(have))))
+    for kept, given in ((self._digests, digests), (self._sizes, sizes)):
+      if kept is not None:  # None where a process sent fewer.
+        kept[p].extend((*given[: len(rows)], *[None] * (len(rows) - len(given))))
     self._devices[p] = devices
     if ack > self._ack[p]:
       self._ack[p] = ack
@@ -194,10 +182,7 @@ class Ledger:
     return max(b + len(r) for b, r in zip(self._base, self._rows, strict=True))
 
   def window(self, position: int) -> int:
-    """How many positions from `position` on are known for every process.
-
-    Positions after every stream ended count as one more (the end itself).
-    """
+    """How many positions from `position` on are known for every process (the end counts as one)."""
     live = [
       b + len(r) - position
       for b, r, e in zip(self._base, self._rows, self._end, strict=True)
@@ -210,9 +195,8 @@ class Ledger:
   def window_reports(self, position: int, size: int, *, with_config: bool) -> list[messages.Report]:
     """Window reports for `plan.decide` over positions ``[position, position + size)``.
 
-    A process whose stream ends inside the window reports its remaining rows
-    and its end (exhausted or error), exactly like a windowed exchange; one
-    that has reported rows past the window says so (`Report.more`).
+    A stream that ends inside the window reports its end; one with rows past
+    the window says so (`Report.more`).
     """
     out = []
     last = position + size

@@ -1,8 +1,4 @@
-"""The lockstep form: every process reads a window, the reports are all-gathered, every process decides.
-
-One process (no exchange) and the collective fallback (which runs in the
-caller's thread) use it.
-"""
+"""The lockstep form (one process; the collective fallback): every process decides each window."""
 
 from __future__ import annotations
 
@@ -25,10 +21,8 @@ logger = logging.getLogger(__name__)
 class Lockstep(common.Agreement):
   """Reads a window, all-gathers the reports, decides; in the calling thread.
 
-  Iterating it yields decided runs, one window per pass, in order. On
-  `Outcome.WAIT` the undecided reads are kept and every process reads at
-  least one more batch (or its end) before the next decision, which starts at
-  the first undecided position. A requested stop rides in the next window's
+  On `Outcome.WAIT` the undecided reads are kept and every process reads one
+  more batch (or its end) first. A requested stop rides in the next window's
   report: every process stops before that window.
   """
 
@@ -52,7 +46,9 @@ class Lockstep(common.Agreement):
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
-      stop = self._asked_stop()
+      stop = None  # This host's stop, asked for: it rides in this window's report.
+      if self._stop_at is not None:
+        stop = endings.stopped_error(self._who.process, self._stop_at)
       if stop is not None and self._exchange.process_count == 1:
         self.stop_requested_by = stop.process_index
         return
@@ -60,41 +56,45 @@ class Lockstep(common.Agreement):
         self._end = _read(self._reader, self._reads, max(self._window, len(self._reads) + 1))
       if self._signature is None and self._reads:
         self._signature = self._reads[0].batch.signature
-      decision, steps = self._next_window(w, stop)
-      if steps:
-        yield common.Run(steps, self._signature)
-      steps = ()
+      reads = self._reads
+      decision = self._decide(w, stop)
+      self._rules = plan_lib.pin(self._rules, decision)
+      self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
+      self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
+      if decision.steps:  # This host's read for each step (None past its end: a dummy).
+        yield common.Run(
+          tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps)),
+          self._signature,
+        )
+      reads = []  # The build thread's alone once handed on.
       if self._agreed_end(decision.end, decision.error, self._end):
         return  # The stream's end or an agreed stop; an agreed error raised.
 
-  def _asked_stop(self) -> messages.ReportedError | None:
-    """This host's stop for the next window, if one was asked for."""
-    if self._stop_at is None:
-      return None
-    return endings.stopped_error(self._who.process, self._stop_at)
+  def _decide(self, w: int, stop: messages.ReportedError | None) -> plan_lib.Plan:
+    """Reports the window (all-gathered with several processes) and decides it.
 
-  def _next_window(
-    self, w: int, stop: messages.ReportedError | None = None
-  ) -> tuple[plan_lib.Plan, tuple[Any, ...]]:
-    """Decides the window held; its steps with this host's reads."""
-    reads = self._reads
-    decision, self._signature = _decide_window(
-      reads,
-      self._end,
-      self._signature,
-      self._who,
-      self._exchange,
-      self._rules,
-      w=w,
-      position=self._position,
-      stop=stop,
-    )
-    self._rules = plan_lib.pin(self._rules, decision)
-    steps = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
-    self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
-    n = len(decision.steps)
-    self._reads = reads[n:] if decision.end == Outcome.WAIT else []
-    return decision, steps
+    A stop any process asked for (`stop`) ends the stream before the window
+    on every process. A peer's report tells the signature where this host has none.
+    """
+    sig = None if self._signature is None else self._signature.to_json()
+    report = common.make_report(self._who, self._reads, self._rules, self._end, sig, w == 0)
+    if stop is not None:
+      report = dataclasses.replace(report, error=stop)
+    if self._exchange.process_count == 1:
+      reports = [report]  # Nothing to exchange: skip the JSON round trip.
+    else:
+      chunk = messages.Chunk(start=self._position, ack=w, report=report)
+      chunks = _parse_all(self._exchange.all_gather(w, chunk.to_json()))
+      _check_in_step(chunks)
+      reports = [c.report for c in chunks]
+      if self._signature is None and (found := messages.signature_of(reports)) is not None:
+        self._signature = batches_lib.Signature.from_json(found)
+      stops = [
+        r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED
+      ]
+      if stops:
+        return plan_lib.Plan((), Outcome.RAISE, stops[0])
+    return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
 
 
 def _read(
@@ -107,46 +107,6 @@ def _read(
       return item
     reads.append(item)
   return None
-
-
-def _decide_window(
-  reads: list[reader_lib.Read],
-  end: reader_lib.End | None,
-  signature: batches_lib.Signature | None,
-  who: common.Identity,
-  exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
-  rules: plan_lib.Rules,
-  *,
-  w: int,
-  position: int,
-  stop: messages.ReportedError | None = None,
-) -> tuple[plan_lib.Plan, batches_lib.Signature | None]:
-  """Reports a window (all-gathered with several processes) and decides it.
-
-  A stop that any process asked for (`stop`, in its report) ends the stream
-  before the window, on every process, the lowest process named.
-
-  Returns:
-    The decision, and the agreed signature (learnt from a peer's report
-    where this process has read no batch yet).
-  """
-  sig = None if signature is None else signature.to_json()
-  report = common.make_report(who, reads, rules, end, sig, w == 0)
-  if stop is not None:
-    report = dataclasses.replace(report, error=stop)
-  if exchange.process_count == 1:
-    reports = [report]  # Nothing to exchange: skip the JSON round trip.
-  else:
-    chunk = messages.Chunk(start=position, ack=w, report=report)
-    chunks = _parse_all(exchange.all_gather(w, chunk.to_json()))
-    _check_in_step(chunks)
-    reports = [c.report for c in chunks]
-    if signature is None and (found := messages.signature_of(reports)) is not None:
-      signature = batches_lib.Signature.from_json(found)
-    stops = [r.error for r in reports if r.error is not None and r.error.kind == ErrorKind.STOPPED]
-    if stops:
-      return plan_lib.Plan((), Outcome.RAISE, stops[0]), signature
-  return common.decide(reports, rules, groups=who.groups, position=position), signature
 
 
 def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
@@ -164,14 +124,12 @@ def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
 
 
 def _check_in_step(chunks: list[messages.Chunk]) -> None:
-  """Under the collective exchange, every window must start at the same batch.
+  """Raises the same RuntimeError on every host unless every window starts at the same batch.
 
-  A process that restarted its stream (`reset()`, `set_state()` or a new
-  iterator) while its peers kept iterating has nothing to post its ending
-  to: its next all-gather meets the peers' next window, and without this
-  check the processes would pair different batches into one global array.
-  Raises the same RuntimeError on every host. Different starts in every
-  process's first window are `plan.decide`'s resume error.
+  A process that restarted its stream while its peers kept iterating has
+  nothing to post its ending to: its next all-gather meets the peers' next
+  window, which would pair different batches into one global array.
+  Different starts in every process's first window are the resume error.
   """
   starts = {c.report.process_index: c.start for c in chunks}
   if len(set(starts.values())) < 2:

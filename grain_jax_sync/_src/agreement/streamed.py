@@ -1,7 +1,6 @@
 """What the two sides of the streamed agreement share: own reads, runs, the ending.
 
-The streamed agreement runs over the key-value store: process 0 decides
-(`decider.Decider`), every other process follows (`follower.Follower`).
+Process 0 decides (`decider.Decider`), every other process follows (`follower.Follower`).
 """
 
 from __future__ import annotations
@@ -30,20 +29,16 @@ class Streamed(common.Agreement):
     reader: This host's reader.
     exchange: The key-value exchange of this iterator.
     rules: The settings `plan.decide` needs.
-    who: This process's identity (devices, settings digest, resume position).
+    who: This process's identity.
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
     live: Tells dead peers from slow ones (default: their beats).
-    read_ahead: At most this many positions held (None: the default
-      bound, `common.read_ahead_limit`).
-    built: The build thread's progress, where one runs (its decided
-      positions not built yet count in the read-ahead).
+    read_ahead: At most this many positions held (None: `common.read_ahead_limit`).
+    built: The build thread's progress, where one runs.
     pace: The consumer's positions in the last `decide_ahead_s` seconds
-      (`build.Builder.pace`): the horizon (`common.OwnReads.limit`); None:
-      no time horizon.
-    job: The iterator's cross-host view (`job_stats.JobTable`), fed from the
-      chunks and decisions; None: none kept.
+      (`build.Builder.pace`); None: no time horizon.
+    job: The iterator's cross-host view (`job_stats.JobTable`); None: none kept.
   """
 
   def __init__(
@@ -101,8 +96,8 @@ class Streamed(common.Agreement):
   def post_stop(self) -> None:
     """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
-    Takes the turn without waiting: a signal handler never waits on a lock
-    that the code it interrupted may hold.
+    Never waits for the turn: a signal handler must not wait on a lock that
+    the code it interrupted may hold.
     """
     while self._stop_at is not None and not self._stop_posted and self.turn.acquire(False):
       try:
@@ -117,6 +112,23 @@ class Streamed(common.Agreement):
   def _post_stop(self, stop: messages.ReportedError) -> None:
     """Posts this host's stop (`Decider` and `Follower` each their own way)."""
     raise NotImplementedError
+
+  def _forget_decided(self) -> None:
+    """Drops what the decided positions no longer need (`Decider` and `Follower` each their own)."""
+    raise NotImplementedError
+
+  def _hand_on(self, decision: messages.Decision) -> Iterator[common.Run]:
+    """Yields this host's run of `decision`; after the final one, stops or raises the agreed error."""
+    self._cross.done()  # Decided: no longer a crosswise wait.
+    run = self._apply(decision)
+    self._forget_decided()
+    if decision.end != messages.Outcome.CONTINUE:
+      self._exchange.end()
+    if run is not None:
+      yield run
+      run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
+    if decision.end != messages.Outcome.CONTINUE:
+      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _apply(self, decision: messages.Decision) -> common.Run | None:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
@@ -134,10 +146,6 @@ class Streamed(common.Agreement):
       return None
     steps = tuple(zip(reads, decision.steps, strict=True))
     return common.Run(steps, self._signature)
-
-  def _finish(self, decision: messages.Decision) -> None:
-    """After the final decision's run: stop, or raise the agreed error."""
-    self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _stop_due(self) -> messages.ReportedError | None:
     """A stop asked for here and not posted yet: this host reads nothing more."""
@@ -169,11 +177,9 @@ class Streamed(common.Agreement):
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
 
-    A stream that a peer left before its end (a close, a restart, a kill)
-    never ends normally here, even where every position was decided before
-    it left: this raises the error naming it and its batch. A peer that
-    neither arrives nor leaves within `sync_timeout_s` raises
-    `PeerTimeoutError`.
+    A peer that left before the end (a close, a restart, a kill), even after
+    every position was decided, raises the error naming it; one that neither
+    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
     """
     self._exchange.post_reached_end()
     since = time.monotonic()
@@ -189,25 +195,23 @@ class Streamed(common.Agreement):
           error = endings.lost(peer, self._live.dead_after_s, self._yielded, when)
           raise endings.to_exception(error, self._process, None)
       if waiting and time.monotonic() - since > self._timeout_s:
-        raise endings.to_exception(self._timeout_at_end(waiting), self._process, None)
+        error = messages.ReportedError(
+          messages.ErrorKind.TIMEOUT,
+          f"processes {waiting} did not reach the end of the stream ({self._yielded}"
+          f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
+          " (their liveness beats are recent) but stopped iterating before the end"
+          " without closing the iterator",
+          waiting[0],
+          self._yielded,
+          "PeerTimeoutError",
+          tuple(waiting),
+        )
+        raise endings.to_exception(error, self._process, None)
 
   def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
     """Tells peers waiting at the end that this host left before it (best effort)."""
     message = (error or endings.closed_error(self._process, at_batch)).message
     self._exchange.post_left(message)
-
-  def _timeout_at_end(self, peers: list[int]) -> messages.ReportedError:
-    return messages.ReportedError(
-      messages.ErrorKind.TIMEOUT,
-      f"processes {peers} did not reach the end of the stream ({self._yielded}"
-      f" batches) within `sync_timeout_s`={self._timeout_s:g}s; they are alive"
-      " (their liveness beats are recent) but stopped iterating before the end"
-      " without closing the iterator",
-      peers[0],
-      self._yielded,
-      "PeerTimeoutError",
-      tuple(peers),
-    )
 
   def release(self) -> None:
     self._cross.done()  # No longer a crosswise wait.

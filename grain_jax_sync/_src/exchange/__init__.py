@@ -1,21 +1,10 @@
 """Moves reports and decisions between processes. Knows nothing about batches.
 
-Three transports:
-
-* `LocalExchange`: one process, or synchronization off. Nothing to move.
-* `KeyValueExchange` (`key_value.py`): the coordination service's key-value
-  store that `jax.distributed.initialize` starts (in process 0). Chunks go up
-  to process 0, decisions come back down: O(processes) store work per decided
-  window. The keys are described there.
-* `CollectiveExchange` (`collective.py`): `process_allgather` over the
-  devices; the fallback when there are several processes but no key-value
-  store client. It runs in the caller's thread only.
-
-`streams.py` names each iterator's keys and records where this process's
-streams stand. Liveness (which peer is dead, which is slow) is in
-`liveness.py`.
-
-Only this package talks to other processes.
+Three transports: `LocalExchange` (one process, or synchronization off),
+`KeyValueExchange` (`key_value.py`: the coordination service's key-value
+store) and `CollectiveExchange` (`collective.py`: the fallback without a
+store client, in the caller's thread only). `streams.py` names each
+iterator's keys. Only this package talks to other processes.
 """
 
 from __future__ import annotations
@@ -39,7 +28,6 @@ from grain_jax_sync._src.exchange.key_value import (
   put_beat,
   read_times,
   register_close,
-  store_failed,
 )
 from grain_jax_sync._src.exchange.streams import (
   KEY_ROOT,
@@ -140,7 +128,6 @@ __all__ = [
   "put_beat",
   "read_times",
   "register_close",
-  "store_failed",
   "stream_started",
   "waiting_first",
 ]

@@ -1,8 +1,4 @@
-"""The collective fallback: the reports all-gathered over the devices.
-
-Used when there are several processes but no key-value store client. It
-runs in the caller's thread only.
-"""
+"""The collective fallback (several processes, no key-value store): reports all-gathered."""
 
 from __future__ import annotations
 
@@ -12,10 +8,9 @@ import time
 class CollectiveExchange:
   """All-gather of JSON payloads with `process_allgather` (device fallback).
 
-  Two collectives per window: the payload lengths, then the padded payloads.
-  It must run in the same order on every process, relative to all other
-  collectives, so it runs only in the caller's thread; prefer
-  `KeyValueExchange`.
+  Two collectives per window (the lengths, then the padded payloads), which
+  must run in the same order on every process as all other collectives: so
+  only in the caller's thread.
   """
 
   def __init__(self, *, process_index: int, process_count: int):
@@ -24,23 +19,22 @@ class CollectiveExchange:
     self.busy_s = 0.0  # Seconds in the all-gathers (`stats()`'s exchange_s).
 
   def all_gather(self, window: int, payload: str) -> list[str]:
+    del window
     t0 = time.monotonic()
     try:
-      return self._all_gather(window, payload)
+      import numpy as np  # pylint: disable=g-import-not-at-top
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+      data = np.frombuffer(payload.encode(), dtype=np.uint8)
+      lengths = np.asarray(
+        multihost_utils.process_allgather(np.array([data.size], np.int32))
+      ).reshape(-1)
+      width = int(lengths.max())
+      buf = np.zeros((width,), np.uint8)
+      buf[: data.size] = data
+      gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(
+        self.process_count, width
+      )
+      return [bytes(gathered[p, : lengths[p]]).decode() for p in range(self.process_count)]
     finally:
       self.busy_s += time.monotonic() - t0
-
-  def _all_gather(self, window: int, payload: str) -> list[str]:
-    del window
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-    data = np.frombuffer(payload.encode(), dtype=np.uint8)
-    lengths = np.asarray(
-      multihost_utils.process_allgather(np.array([data.size], np.int32))
-    ).reshape(-1)
-    width = int(lengths.max())
-    buf = np.zeros((width,), np.uint8)
-    buf[: data.size] = data
-    gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.process_count, width)
-    return [bytes(gathered[p, : lengths[p]]).decode() for p in range(self.process_count)]

@@ -1,10 +1,8 @@
 """Chunks up to process 0, decisions back down, through the key-value store.
 
 The store is the coordination service's, which `jax.distributed.initialize`
-starts (in process 0). No device work: with prefetch it runs in the
-agreement's thread, ahead of the training step; with `prefetch_batches=0`,
-in the caller's `next()`. Keys of one iterator live under one namespace
-``ns``:
+starts (in process 0). No device work. Keys of one iterator live under one
+namespace ``ns``:
 
 - ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
   rows it read, its ending. Only the decider (process 0) reads them, with
@@ -20,21 +18,17 @@ Both are deleted a group at a time once read.
 Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
 Under ``base``, once per iterator and process, at `close()`:
 
-- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``,
-  the stream it was in and "process p closed its iterator at batch b". A
-  peer that waits for p reads it once p's beat shows a new close and ends
-  instead of timing out: in a stream that p never started (a restart made
-  on some processes only), or where p could not post its ending.
+- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``.
+  A peer that waits for p reads it once p's beat shows a new close and ends
+  instead of timing out (p never started the stream, or could not post its
+  ending).
 - ``{base}/closed_count``: the process that brings it to the process count
   deletes ``{base}``.
 - ``{base}/times/{p}``: process p's `stats()` times at the end of its last
-  stream (`post_times`), which `stats(all_hosts=True)` reads once the
-  stream has ended (the agreement's last message comes before the last
-  batches are built and received).
+  stream (`post_times`), for `stats(all_hosts=True)`.
 
-Per decided window that is O(processes) store work in all: one chunk write
-and one decision read per process, one directory read of O(processes)
-chunks and one decision write at process 0.
+Per decided window: one chunk write and one decision read per process, one
+directory read and one decision write at process 0.
 
 Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
 (`liveness`).
@@ -54,19 +48,15 @@ logger = logging.getLogger(__name__)
 
 # The liveness period (`liveness.BEAT_S` is this value). A blocking store read
 # waits at most this long before the waiter checks for close(), its deadline
-# and the awaited peer's beat. A peer's beat is read at most once a period, so
-# a shorter slice would only add wakes: a waiting thread wakes once a period
-# and otherwise for news only, on any host.
+# and the awaited peer's beat, which is read at most once a period: a shorter
+# slice would only add wakes.
 WAIT_SLICE_S = 1.0
 # Chunks and decisions are keyed in groups of this many and deleted a group at
-# a time (one store call instead of 16): on 2 busy cores each store call costs
-# 0.2-6 ms, and per-key deletes were a fifth of a process's store time.
+# a time: one store call instead of one per key.
 GROUP = 16
-# Chunks in groups of 4: the decider's one directory read returns every chunk
-# not yet deleted, so each group's chunks already read are read again until
-# the group goes (up to 15 per process with groups of 16: about 85% of that
-# read's bytes at 1,024 processes; up to 3 with 4, for one delete per 4 chunks
-# at each follower, none at the decider).
+# Chunks in smaller groups: the decider's one directory read returns every
+# chunk not yet deleted, so the chunks of a group already read are read again
+# until the group goes.
 CHUNK_GROUP = 4
 _closes = 0  # This process's closes recorded (`register_close`); its beat carries the count.
 
@@ -84,11 +74,6 @@ def distributed_client() -> Any | None:
   return getattr(distributed.global_state, "client", None)
 
 
-def _is_deadline(e: Exception) -> bool:
-  text = str(e).lower()
-  return "deadline" in text or "timed out" in text or "timeout" in text
-
-
 def _is_not_found(e: Exception) -> bool:
   text = str(e).lower()
   return "not_found" in text or "not found" in text
@@ -96,7 +81,8 @@ def _is_not_found(e: Exception) -> bool:
 
 def _not_posted(e: Exception) -> bool:
   """A blocking read that found nothing within its slice."""
-  return _is_deadline(e) or _is_not_found(e)
+  text = str(e).lower()
+  return "deadline" in text or "timed out" in text or "timeout" in text or _is_not_found(e)
 
 
 def _any(e: Exception) -> bool:
@@ -125,8 +111,7 @@ class KeyValueExchange:
   """Chunks up to process 0, decisions back down, through the key-value store.
 
   Args:
-    client: A key-value store client (`jax.distributed`'s, or any object with
-      its methods).
+    client: A key-value store client (`jax.distributed`'s, or one with its methods).
     namespace: The iterator's key prefix.
     process_index: This process.
     process_count: How many processes take part.
@@ -157,11 +142,7 @@ class KeyValueExchange:
   def _call(
     self, doing: str, fn: Any, *args: Any, absent: Callable[[Exception], bool] | None = None
   ) -> Any:
-    """One store call, counted and timed.
-
-    An error for which `absent` holds reads as None (a key not posted yet,
-    a best-effort call); any other raises, naming what was being done.
-    """
+    """One store call, counted and timed; an error for which `absent` holds reads as None."""
     self.ops += 1
     t0 = time.monotonic()
     try:
@@ -186,8 +167,7 @@ class KeyValueExchange:
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
     """Posts this process's next chunk; returns its sequence number.
 
-    A `final` chunk (the ending posted by `close()`) is written even after
-    `cancel()`.
+    A `final` chunk (the ending `close()` posts) is written even after `cancel()`.
     """
     if not final:
       self.check()
@@ -225,9 +205,7 @@ class KeyValueExchange:
   def wait_chunk(self, process: int) -> list[tuple[int, str]]:
     """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones.
 
-    With one peer, the chunk waited for is all there is to read; with more,
-    one directory read brings every peer's news (O(1) calls per wait at any
-    process count).
+    With more than one peer, one directory read brings every peer's news.
     """
     self.check()
     seq = self._next[process]
@@ -282,8 +260,7 @@ class KeyValueExchange:
     """Records that this process's consumer received every batch of the stream.
 
     The process that brings the count to the process count sets the key
-    every process waits on (`wait_all_reached_end`): one write and one
-    increment per process, whatever the count.
+    every process waits on (`wait_all_reached_end`).
     """
     key = f"{self._end_key('end')}/{self.process_index}"
     self._call("posting the end", self._client.key_value_set, key, "", True)
@@ -339,10 +316,9 @@ class KeyValueExchange:
     self._cancel.set()
 
   def end(self) -> None:
-    """Counts this process out; the last one deletes the namespace. Once only.
+    """Counts this process out after its last store call; the last one deletes the namespace.
 
-    Call after this process's last store read or write for the iterator.
-    Never blocks on peers (it also runs in `close()` and garbage collection).
+    Once only; never blocks on peers (it also runs in `close()` and garbage collection).
     """
     if self._ended:
       return
@@ -365,9 +341,8 @@ def closed_key(base: str, process: int) -> str:
 def register_close(base: str, note: str) -> None:
   """Records that this process closed the iterator of key prefix `base`; best effort.
 
-  The last of the processes to close it deletes ``{base}``: keys of streams
-  that some processes never ended (a restart made on some processes only)
-  go with it.
+  The last process to close it deletes ``{base}``, with the keys of streams
+  that some processes never ended.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -385,11 +360,7 @@ def register_close(base: str, note: str) -> None:
 
 
 def post_times(base: str, text: str) -> None:
-  """Posts this process's figures at the end of a stream of the iterator `base`; best effort.
-
-  ``{base}/times/{p}``, overwritten at each stream's end and deleted with
-  ``{base}`` by the last process to close the iterator.
-  """
+  """Posts this process's figures at the end of a stream of the iterator `base`; best effort."""
   import jax  # pylint: disable=g-import-not-at-top
 
   client = distributed_client()
@@ -411,12 +382,8 @@ def read_times(base: str) -> list[tuple[int, str]]:
   except Exception as e:  # noqa: BLE001 - best effort: the table keeps what it has.
     logger.debug("grain_jax_sync: could not read the figures of %s: %s", base, e)
     return []
-  out = []
-  for key, value in entries:
-    process = key.rsplit("/", 1)[-1]
-    if process.isdigit():
-      out.append((int(process), value))
-  return out
+  by_process = ((key.rsplit("/", 1)[-1], value) for key, value in entries)
+  return [(int(p), value) for p, value in by_process if p.isdigit()]
 
 
 def beat_text(n: int) -> str:

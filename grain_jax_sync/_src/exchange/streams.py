@@ -2,11 +2,9 @@
 
 An iterator's key prefix (`new_namespace`) is the same on every process;
 each (re)start of it is a stream, ``{prefix}/{generation}``. The registry
-records, per process, which iterators were created here and which streams
-were started here, are waiting for their first decision (the liveness beat
-carries those, so that two processes waiting crosswise at the start of two
-streams can tell: `agreement.cross_wait`), or were ended here before they
-started (`pre_end`).
+records which iterators were created here and which streams were started
+here, wait for their first decision (the beat carries those:
+`agreement.cross_wait`), or were ended here before they started (`pre_end`).
 """
 
 from __future__ import annotations
@@ -18,9 +16,6 @@ import threading
 KEY_ROOT = "grain_jax_sync"  # Every key of the library lives under it.
 _instances = itertools.count()
 _named: collections.Counter[str] = collections.Counter()
-# This process's streams: started here, and those waiting for their first
-# decision (the liveness beat carries the latter, so that two processes
-# waiting crosswise at the start of two streams can tell; `agreement.cross_wait`).
 _created: set[str] = set()  # Iterators' key prefixes (`new_namespace`).
 _started: set[str] = set()
 _waiting_first: set[str] = set()
@@ -31,10 +26,9 @@ _streams_lock = threading.Lock()
 def new_namespace(name: str | None = None) -> str:
   """A key prefix for one iterator; the same on every process under SPMD.
 
-  Every process creates its iterators in the same order, so a per-process
-  counter names them consistently. Pass `name` where that does not hold (an
-  iterator created on some processes only): then the iterators of that name
-  are counted, so every process must create the same number of them.
+  A per-process counter names them consistently where every process creates
+  its iterators in the same order; where not, pass `name` (every process
+  must then create the same number of iterators of that name).
   """
   if name is None:
     namespace = f"{KEY_ROOT}/{next(_instances)}"
