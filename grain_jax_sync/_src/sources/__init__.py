@@ -1,7 +1,7 @@
 """Source adapters: anything that yields per-host batches -> `SourceIterator`.
 
-Grain, TensorFlow and Hugging Face `datasets` are imported only when such a source is passed, so the
-core works without either installed.
+Grain, TensorFlow and Hugging Face `datasets` are imported only when such a
+source is passed, so the core works without them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def open_source(source: Any) -> SourceIterator:
   Args:
     source: A Grain `DataLoader`, `IterDataset` or `MapDataset`, a
       `tf.data.Dataset`, a Hugging Face `datasets.Dataset` or
-      `IterableDataset` or `hf_pipeline`'s source, an `elastic_source`, a sequence of batches, or any
-      iterable of batches.
+      `IterableDataset` or `hf_pipeline`'s source, an `elastic_source`, or
+      any sequence or iterable of batches.
 
   Returns:
     A fresh iterator positioned at the source's start.
@@ -31,25 +31,20 @@ def open_source(source: Any) -> SourceIterator:
   if isinstance(source, elastic.ElasticSource):
     return elastic.open_stream(source)
   module = type(source).__module__ or ""
-  if module.startswith("grain"):
-    from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top
-
-    adapted = grain_source.open_grain(source)
-    if adapted is not None:
-      return adapted
-  if module.startswith(("tensorflow", "tf_keras", "keras")):
-    from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
-
-    adapted = tf_data.open_tf_data(source)
-    if adapted is not None:
-      return adapted
+  adapted = None
   if module.startswith("datasets") or module == f"{__name__}.hugging_face":
     from grain_jax_sync._src.sources import hugging_face  # pylint: disable=g-import-not-at-top
 
     adapted = hugging_face.open_hf(source)
-    if adapted is not None:
-      return adapted
-  return open_iterable(source)
+  elif module.startswith("grain"):
+    from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top
+
+    adapted = grain_source.open_grain(source)
+  elif module.startswith(("tensorflow", "tf_keras", "keras")):
+    from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
+
+    adapted = tf_data.open_tf_data(source)
+  return open_iterable(source) if adapted is None else adapted
 
 
 def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator:

@@ -29,11 +29,10 @@ class GrainIteratorSource(base.WrappedIterator):
   Args:
     iterator: The iterator read.
     description: What it is, for messages.
-    fresh: Makes another iterator at `iterator`'s start (from the dataset or
-      loader it came from). Until the first read, `get_state()` asks that one:
-      a Grain iterator whose state is taken before its first `next()`
-      (Grain 0.2.18) starts its multiprocessing workers' iterators without
-      prefetch, and reads at about half the rate for good.
+    fresh: Makes another iterator at `iterator`'s start. Until the first read,
+      `get_state()` asks that one: a Grain iterator whose state is taken before
+      its first `next()` (Grain 0.2.18) starts its multiprocessing workers'
+      iterators without prefetch, and reads at about half the rate for good.
   """
 
   supports_state = True
@@ -108,11 +107,7 @@ _NOT_ITERABLE = (
 
 
 class _LocalFace:
-  """What a source's iterator is, seen through the agreed stream: a checkpoint face.
-
-  Args:
-    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
-  """
+  """A source's iterator seen through `owner`, a `JaxBatchIterator`: a checkpoint face."""
 
   def __init__(self, owner: Any):
     super().__init__()  # Grain's `DatasetIterator`, where it is the other base.
@@ -166,17 +161,10 @@ class LocalLoaderIterator(_LocalFace):
 
 
 def open_grain(source: Any, fresh: Any = None) -> base.SourceIterator | None:
-  """Adapts a Grain object, or returns None to use the generic path.
+  """A `SourceIterator` where a Grain object is (a loader's or dataset's start), else None.
 
-  Args:
-    source: A `grain.DataLoader`, `grain.DataLoaderIterator`,
-      `grain.IterDataset`, `grain.MapDataset` or `grain.DatasetIterator`.
-    fresh: For a `grain.DatasetIterator` not read yet: makes another at its
-      start (`GrainIteratorSource`).
-
-  Returns:
-    A fresh `SourceIterator` positioned where `source` is (the start, for
-    loaders and datasets), or None for other Grain objects.
+  `fresh`: for a `grain.DatasetIterator` not read yet, makes another at its
+  start (`GrainIteratorSource`).
   """
   grain = extras.require("grain", needed_by="a Grain source")
 
@@ -189,19 +177,13 @@ def open_grain(source: Any, fresh: Any = None) -> base.SourceIterator | None:
     )
   if isinstance(source, grain.DataLoaderIterator):
     return GrainLoaderSource(source, description=f"a grain DataLoaderIterator ({name})")
-  if isinstance(source, grain.MapDataset):
+  if isinstance(source, (grain.MapDataset, grain.IterDataset)):
+    kind = "MapDataset" if isinstance(source, grain.MapDataset) else "IterDataset"
     # In index order; `to_iter_dataset` reads ahead in threads but keeps order
     # and skips the Nones that `filter` leaves.
-    ds = source.to_iter_dataset()
-    return GrainIteratorSource(
-      iter(ds), description=f"a grain MapDataset ({source})", fresh=functools.partial(iter, ds)
-    )
-  if isinstance(source, grain.IterDataset):
-    return GrainIteratorSource(
-      iter(source),
-      description=f"a grain IterDataset ({source})",
-      fresh=functools.partial(iter, source),
-    )
+    ds = source.to_iter_dataset() if kind == "MapDataset" else source
+    description = f"a grain {kind} ({source})"
+    return GrainIteratorSource(iter(ds), description=description, fresh=functools.partial(iter, ds))
   if isinstance(source, grain.DatasetIterator):
     return GrainIteratorSource(source, description=f"a grain DatasetIterator ({name})", fresh=fresh)
   return None

@@ -52,11 +52,7 @@ class IteratorSource(base.WrappedIterator):
 
 
 def next_only(source: Any) -> bool:
-  """Whether `source` is an iterator with `__next__` and no `__iter__`.
-
-  No `__iter__` is a missing one or one set to None, Python's marker for
-  "not iterable" (`next()` takes such an object; `iter()` does not).
-  """
+  """Whether `source` has `__next__` and no `__iter__` (missing, or None: Python's "not iterable")."""
   return getattr(source, "__iter__", None) is None and callable(getattr(source, "__next__", None))
 
 

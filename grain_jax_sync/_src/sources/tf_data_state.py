@@ -2,18 +2,13 @@
 
 A snapshot is the output of TensorFlow's ``SerializeIterator`` op on the
 iterator's resource (what `tf.train.Checkpoint(iterator=it)` saves): a variant
-tensor holding the whole iterator state (shuffle buffers, RNG state, prefetch
-and parallel-map buffers, file positions). It is a value: later reads do not
-change it. Taking one costs about 10-20 microseconds per slot of a shuffle
-buffer, used or not, plus the elements held in other buffers (measured on TF
-2.21: 0.3 ms with `shuffle(40)`, 100-200 ms with `shuffle(10_000)`; see
-docs/sources.md), so the source can take one every N batches instead.
-
-The variant becomes bytes (``tf.io.serialize_tensor``, one call) and base64
-only when the user asks for the state. Restoring parses the bytes and runs
-``DeserializeIterator`` on a fresh iterator of the same pipeline.
-
-TensorFlow is imported only when these functions run.
+tensor holding the whole iterator state (shuffle, prefetch and map buffers,
+RNG state, file positions), a value later reads do not change. Its cost grows
+with every slot of a shuffle buffer, used or not (docs/sources.md), so the
+source can take one every N batches instead. The variant becomes bytes and
+base64 only when the user asks for the state; restoring runs
+``DeserializeIterator`` on a fresh iterator of the same pipeline. TensorFlow
+is imported only when these functions run.
 """
 
 from __future__ import annotations
@@ -26,10 +21,9 @@ import zlib
 from typing import Any
 
 # The JSON state (`JaxBatchIterator.get_state()`) holds at most this many bytes
-# of serialized tf.data iterator state (4/3 of it as base64). `shuffle(40)` of
-# small elements needs about 10 KB; `shuffle(10_000)` of int64 scalars 1.9 MB.
-# Larger states go to files through Orbax (`checkpoint_save`), which has no
-# limit below TensorFlow's 2 GiB per serialized tensor.
+# of serialized tf.data iterator state (4/3 of it as base64). Larger states go
+# to files through Orbax (`checkpoint_save`), limited only by TensorFlow's
+# per-tensor size.
 JSON_STATE_LIMIT_BYTES = 1 << 20
 
 KEY = "tf_data_iterator"  # Exported: {KEY: base64, "crc32": c, "reads": n}.
@@ -98,14 +92,7 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
 
 
 def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
-  """The JSON form of `snapshot`.
-
-  Args:
-    snapshot: From the source's `get_state`.
-    limit: Most bytes of serialized state allowed, or None (files).
-
-  Returns:
-    ``{"tf_data_iterator": base64, "crc32": checksum of the bytes, "reads": n}``.
+  """The JSON form of `snapshot`, with at most `limit` bytes of state (None: files).
 
   Raises:
     RuntimeError: If the snapshot holds an error, or its state is over `limit`.
