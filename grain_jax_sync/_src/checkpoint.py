@@ -1,21 +1,12 @@
 """Orbax checkpointing of a `JaxBatchIterator` through Grain's handler.
 
 Grain's `grain.checkpoint.CheckpointHandler` writes one JSON file per process
-(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` (JSON dict
-state) or a `grain.DataLoaderIterator` (JSON bytes state). A
-`JaxBatchIterator` is neither, so these helpers wrap it in a small adapter
-with the `DataLoaderIterator` protocol (`get_state() -> bytes`,
-`set_state(bytes)`, `start_prefetch()`) and return Grain's own
-`CheckpointSave` / `CheckpointRestore` arguments. The iterators that
-`grain_jax_sync.device_put` returns are `grain.DatasetIterator`s and need no
-adapter.
-
-The adapter exports the state inside `sources.base.exporting_to_files()`, so
-a source with a size limit on its JSON state (a tf.data iterator, whose
-state holds its shuffle buffer) writes it whole: base64 of TensorFlow's
-serialized iterator, in the same per-process file.
-
-Grain and Orbax are imported only when these helpers are called.
+(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` or a
+`grain.DataLoaderIterator`. A `JaxBatchIterator` is neither, so it is wrapped
+in an adapter with the `DataLoaderIterator` protocol, which exports the state
+inside `sources.base.exporting_to_files()`: a tf.data state over the JSON
+size limit is written whole. Grain and Orbax are imported only when these
+helpers are called.
 """
 
 from __future__ import annotations

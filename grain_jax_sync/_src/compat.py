@@ -25,13 +25,7 @@ _DEFAULT_BATCH_SIZE = _DefaultBatchSize(256)
 
 
 def _full_batch_size(batch_size: Any) -> int | None:
-  """The `batch_size` to pass to `iter_jax_batches`.
-
-  Passed: that size. Not passed (the reference's default 256) or None: None,
-  so `iter_jax_batches` takes the largest host batch of the first position
-  (the reference pads to 256 and so multiplies the compute of smaller
-  batches; see docs/sources.md).
-  """
+  """The `batch_size` to pass to `iter_jax_batches`: None unless one was passed (see docs/sources.md)."""
   given = batch_size is not None and batch_size is not _DEFAULT_BATCH_SIZE
   return int(batch_size) if given else None
 

@@ -1,17 +1,10 @@
 """`device_put`: the drop-in for `grain.experimental.device_put`, with agreement.
 
-`grain.experimental.device_put(ds, device)` prefetches on the CPU, then calls
-`jax.device_put` on each element. On several hosts that neither builds global
-arrays nor makes hosts agree on the number or shape of batches. This version
-returns a `grain.IterDataset` whose iterator runs `iter_jax_batches` over the
-per-host batches: same first arguments, global `jax.Array`s out, and the
-iterator is a `grain.DatasetIterator` whose JSON `get_state`/`set_state` are
-the `JaxBatchIterator`'s, so Grain's checkpoint handlers save and restore it
-(that dataset and iterator are in `synced_dataset.py`). Here: the arguments,
-`device` resolved once (`placement.resolve_device_put`), and the pipeline composed.
-
-Grain is imported when `device_put` is first called, never by
-``import grain_jax_sync``.
+Grain's version calls `jax.device_put` on each element, which on several
+hosts neither builds global arrays nor makes hosts agree on the batches. This
+one returns a `grain.IterDataset` (`synced_dataset.py`) whose iterator runs
+`iter_jax_batches` over the per-host batches. Grain is imported when
+`device_put` is first called, never by ``import grain_jax_sync``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Resume states across job sizes: every old process's state -> this process's state.
 
-`JaxBatchIterator.set_state` passes what the user gave through
-`for_this_process` before its checks (`settings.check_state`). A list of every
-old process's state on the same process count picks this process's own; on
-another count, an elastic source re-splits what the old job left
-(`split.resume`), and any other source refuses with a message that
-points to `elastic_source`. Pure Python (no JAX, no Grain).
+A list of every old process's state on the same process count gives this
+process's own; on another count an elastic source re-splits what the old job
+left (`split.resume`) and any other source refuses. Pure Python.
 """
 
 from __future__ import annotations

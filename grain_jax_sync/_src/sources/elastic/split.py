@@ -111,8 +111,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
   """Every process's share of an epoch after `history`, split over `count` processes.
 
-  Cached (the caller must not change the lists): every process of one job asks
-  for the same split.
+  Cached, as every process of one job asks for the same split: do not change the lists.
   """
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
@@ -136,8 +135,7 @@ def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
 def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
   """The record at each position of `epoch` (None: the identity).
 
-  A seeded permutation when `shuffle` (NumPy's PCG64 on ``[seed, epoch]``):
-  the same on every host, for every process count.
+  When `shuffle`, a permutation seeded by ``[seed, epoch]``: the same on every host and count.
   """
   return _permutation(num_records, seed, epoch) if shuffle else None
 
@@ -147,19 +145,12 @@ FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epoc
 
 @dataclasses.dataclass(frozen=True)
 class EpochShares:
-  """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
+  """Process `index` of `count`'s stream: its shares of epochs ``first_epoch .. num_epochs - 1``.
 
-  With ``num_epochs=None`` the epochs go on forever: the epochs a resize
-  touched are listed (`epochs`), and every later one is this process's share
-  of a fresh split, one after another.
-
-  Attributes:
-    num_records: Records per epoch.
-    num_epochs: Epochs in all (None: forever).
-    first_epoch: The stream's first epoch.
-    splits: Each epoch's resize history (epochs not listed: no resize).
-    count: The process count.
-    index: This process.
+  `splits` holds each epoch's resize history (epochs not listed: no resize).
+  With ``num_epochs=None`` the epochs go on forever: those a resize touched
+  are listed (`epochs`), and every later one is this process's share of a
+  fresh split.
   """
 
   num_records: int
