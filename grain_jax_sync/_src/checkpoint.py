@@ -116,10 +116,7 @@ def _item(iterator: Any) -> Any:
 
   if isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator)):
     return iterator
-  if not (
-    callable(getattr(iterator, "get_state", None))
-    and callable(getattr(iterator, "set_state", None))
-  ):
+  if not all(callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")):
     raise ValueError(
       "`iterator` must have get_state() and set_state() (a JaxBatchIterator or"
       f" a Grain iterator), got {type(iterator).__qualname__}"
@@ -177,8 +174,8 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
       process (a `JaxBatchIterator` or a `device_put` iterator).
 
   Returns:
-    A `grain.checkpoint.CheckpointRestore` (for a `JaxBatchIterator`, a
-    subclass handled by a subclass of Grain's handler); restoring it calls `iterator.set_state` with this
+    A `grain.checkpoint.CheckpointRestore` (a subclass, for a
+    `JaxBatchIterator`); restoring it calls `iterator.set_state` with this
     process's saved state or, if the checkpoint was saved on another process
     count, with the list of every old process's state (an iterator over an
     `elastic_source` re-splits them; others refuse, on every host).

@@ -47,19 +47,12 @@ def jax_sync_generator(
   """Yields global `jax.Array` batches; Ray Data's signature and defaults.
 
   A thin wrapper over `iter_jax_batches` (no mask, synchronization off by
-  default as in the reference). As in the reference, equal batches of any
-  size are yielded (under `drop_last` too), a batch larger than `batch_size`
-  passes through unpadded when every host has one of that size, and the
-  source is read lazily in the caller's thread (unless `prefetch_batches`
-  is set). Unlike the reference it drops a short last batch under
-  `drop_last`, pads to the first batch's size when `batch_size` is not
-  passed (the reference pads to 256), raises naming both sizes for a short
-  batch that is not its host's last, compares batch structure across
-  hosts, lets a host with an empty shard build dummy batches from its peers'
-  structure, raises a source failure on every host, and checks `batch_size`
-  against the local device count before the first batch.
-  Batches land on the 1-D default mesh (`default_sharding()`), as in the
-  reference, even inside `jax.set_mesh`.
+  default, the source read lazily in the caller's thread, batches on the 1-D
+  default mesh even inside `jax.set_mesh`, as in the reference). Unlike the
+  reference it drops a short last batch under `drop_last`, pads to the
+  first batch's size when `batch_size` is not passed, compares batch
+  structure across hosts and raises a source failure on every host;
+  docs/sources.md lists every difference.
 
   Every argument but `batch_iterable` is the option of its name, documented
   under `Options` in the API reference, with the reference's default

@@ -35,26 +35,19 @@ def device_put(
 ) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
-  A drop-in for `grain.experimental.device_put` (same first arguments): swap
-  the import and get agreement across hosts. Elements of `ds` should be this
-  process's batches; the returned dataset's elements are global arrays whose
-  leading dimension is rows x input shards (``rows * jax.process_count()``
-  unless processes share rows), built and agreed as by
-  `iter_jax_batches` (padding, masks, `drop_last`, the same error on every
-  host). Its iterators are `grain.DatasetIterator` objects with JSON
-  `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
-  `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
-  exactly; `set_state` also takes the state that Grain's own `device_put`
-  iterator saved, so a running job can switch. They also have
-  `JaxBatchIterator`'s `request_stop()` and `stop_requested_by`: called from
-  a SIGTERM handler on any host, every host's stream ends at one same batch,
-  so one checkpoint is consistent.
+  A drop-in for `grain.experimental.device_put` (same first arguments) that
+  makes hosts agree. Elements of `ds` should be this process's batches; the
+  returned dataset's elements are global arrays of rows x input shards,
+  built and agreed as by `iter_jax_batches`. Its iterators are
+  `grain.DatasetIterator`s with JSON `get_state`/`set_state` (which also
+  takes the state Grain's own `device_put` iterator saved), so Grain's
+  checkpointing and Orbax's resume them exactly, and they have
+  `JaxBatchIterator`'s `request_stop()` and `stop_requested_by`.
 
-  On one process it accepts everything Grain's does: unbatched elements
-  (scalars, single records: a 0-d leaf, or leaves of different leading
-  sizes) and, under a pytree of different shardings, every element are
-  placed as `jax.device_put(element, device)` places them (no padding, mask
-  or agreement). On several processes elements must be batches.
+  On one process it accepts everything Grain's does: unbatched elements (a
+  0-d leaf, or leaves of different leading sizes), and every element under a
+  pytree of different shardings, are placed as `jax.device_put(element,
+  device)` places them (no padding, mask or agreement).
 
   Args:
     ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches,

@@ -97,13 +97,11 @@ def _state(count: int, source: Any, options: options_lib.Options | None = None) 
 class _SyncedIterator:  # The bases come with Grain (`classes`).
   """Global `jax.Array` batches that every host agrees on.
 
-  `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
-  `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
-  `set_state` also takes the state Grain's own `device_put` iterator saved.
-  On one process, unbatched elements (and every element, when `device` is
-  a pytree of different shardings) are placed as `jax.device_put` places
-  them. `request_stop()` and `stop_requested_by` are those of
-  `JaxBatchIterator` too.
+  `get_state`/`set_state` (which also takes the state Grain's own
+  `device_put` iterator saved), `request_stop()` and `stop_requested_by` are
+  those of `JaxBatchIterator`. On one process, unbatched elements (and every
+  element under a pytree of different shardings) are placed as
+  `jax.device_put` places them.
   """
 
   _MUTATES_ELEMENT_SPEC = True

@@ -15,16 +15,10 @@ from grain_jax_sync._src.sources.iterable import next_only, open_iterable
 
 
 def open_source(source: Any) -> SourceIterator:
-  """Returns a `SourceIterator` over `source`.
+  """A `SourceIterator` at the start of `source`.
 
-  Args:
-    source: A Grain `DataLoader`, `IterDataset` or `MapDataset`, a
-      `tf.data.Dataset`, a Hugging Face `datasets.Dataset` or
-      `IterableDataset` or `hf_pipeline`'s source, an `elastic_source`, or
-      any sequence or iterable of batches.
-
-  Returns:
-    A fresh iterator positioned at the source's start.
+  `source`: a Grain, tf.data or Hugging Face data set or loader, an `hf_pipeline`
+  or `elastic_source` source, or any sequence or iterable of batches.
   """
   if isinstance(source, SourceIterator):
     return source
@@ -50,20 +44,9 @@ def open_source(source: Any) -> SourceIterator:
 def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator:
   """A source iterator at the start of `source` again (for `reset()`).
 
-  Args:
-    source: What the iterator was built from.
-    current: Its source iterator now (closed if a fresh one is opened).
-    initial: `current`'s state before its first read (None if it has none).
-
-  Returns:
-    A fresh iterator over a re-iterable `source` (a sequence, a Grain
-    dataset or loader, a `tf.data.Dataset`, any iterable that is not itself
-    an iterator), else `current` restored to `initial` (an iterator, with
-    `__iter__` or `__next__` alone).
-
-  Raises:
-    RuntimeError: If `source` can be read only once and cannot restore its
-      start (a generator, an iterator without get_state()/set_state()).
+  A fresh one over a re-iterable `source` (`current` closed), else `current`
+  restored to `initial`, its state before its first read (None: it has none);
+  RuntimeError if neither can be done.
   """
   if not isinstance(source, (SourceIterator, Iterator)) and not next_only(source):
     current.close()

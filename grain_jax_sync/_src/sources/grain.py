@@ -1,16 +1,10 @@
 """Grain sources. Imported only when a Grain object is passed.
 
-Adapts, with exact resume through Grain's own iterator state:
-
-* `grain.DataLoader` and a started `grain.DataLoaderIterator`: the state is
-  the loader's JSON state, held as a dict (Grain keeps it as JSON bytes);
-* `grain.IterDataset` and a started `grain.DatasetIterator`: the state is the
-  iterator's own `get_state()` dict;
-* `grain.MapDataset`: read in index order through `to_iter_dataset()`.
-
-Elements must already be batches (dicts, tuples or lists of arrays that share
-their leading dimension). Unbatched elements are caught by the batch
-validation, on every host, with a message that says how to batch them.
+A `grain.DataLoader` or `DataLoaderIterator` (its JSON-bytes state held as a
+dict), an `IterDataset` or `DatasetIterator` (its own state), or a
+`MapDataset` (read in index order through `to_iter_dataset()`), resumed
+exactly through Grain's own iterator state. Elements must already be batches;
+the batch validation says how to batch them, on every host.
 """
 
 from __future__ import annotations
@@ -130,12 +124,10 @@ def _local_iterator_class() -> type:
   grain: Any = extras.require("grain", needed_by="a Grain source")
 
   class LocalIterator(_LocalFace, grain.DatasetIterator):
-    """The source's `DatasetIterator`, as seen through the agreed stream.
+    """The source's `DatasetIterator` as seen through the agreed stream, for Grain's handler.
 
     `get_state()` is the source state after the last batch the consumer
-    received (not after the batches read ahead); `set_state()` restarts the
-    stream from a state, so Grain's checkpoint handler (MaxText's
-    ``iterator.local_iterator``) saves and restores it unchanged.
+    received; `set_state()` restarts the stream from a state.
     """
 
     def get_state(self) -> dict[str, Any]:

@@ -403,9 +403,8 @@ def hf_pipeline(
       default: the data set's variable-length lists (its features). Name
       them when `map_fn` makes them.
     pad_id: Pads the `ragged_columns`.
-    shuffle_buffer_size: Streaming only: the rows of a shuffled window. A
-      resume reads the window it stopped in again (HF's own shuffle buffer
-      is not in its `state_dict()`, so it would lose rows).
+    shuffle_buffer_size: Streaming only: the rows of a shuffled window (a
+      resume reads the window it stopped in again).
     process_index: The input shard this process reads; default: from the
       mesh, else ``jax.process_index()``.
     process_count: Input shards; default: from the mesh, else
@@ -414,8 +413,7 @@ def hf_pipeline(
       same rows in the same order.
     data_axes: With `mesh`: the axes the rows are split over.
     sharding: Instead of `mesh`: the batches' sharding (or PartitionSpec).
-    elastic: Map-style only: an `elastic_source` over the whole data set,
-      resumable on any process count (one input shard per process).
+    elastic: Map-style only: an `elastic_source` over the whole data set.
 
   Returns:
     A source for `iter_jax_batches` / `device_put`: an `HFSource`, or with

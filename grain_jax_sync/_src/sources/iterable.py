@@ -45,8 +45,8 @@ class IteratorSource(base.WrappedIterator):
       self._it: Any = iterable  # `__next__` alone, as MaxText-style iterators are written.
     else:
       self._it = iter(iterable)  # May have get_state/set_state.
-    self.supports_state = callable(getattr(self._it, "get_state", None)) and callable(
-      getattr(self._it, "set_state", None)
+    self.supports_state = all(
+      callable(getattr(self._it, m, None)) for m in ("get_state", "set_state")
     )
     self.description = f"an iterator of type {type(self._it).__qualname__}"
 

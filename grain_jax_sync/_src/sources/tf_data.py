@@ -77,15 +77,7 @@ def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:
 
 
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
-  """Checks a dataset's columns; drops or raises on those JAX cannot hold.
-
-  Args:
-    dataset: A `tf.data.Dataset`.
-    drop: Drop ragged, sparse, string and other non-numeric dict columns
-      (logging their names) instead of raising.
-
-  Returns:
-    `dataset`, or a mapped dataset without the dropped columns.
+  """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
   Raises:
     ValueError: Naming every bad column (when `drop` is False), or naming
@@ -264,25 +256,20 @@ def from_tf_data(
   """Reads a `tf.data.Dataset` of batches, optionally dropping bad columns.
 
   `iter_jax_batches(ds)` already accepts a `tf.data.Dataset`; use this to
-  drop the ragged, sparse and string columns of dict elements (for example a
-  TFDS ``"id"`` or ``"text"`` feature) instead of raising on them, or to
-  choose how often a resume snapshot is taken.
-
-  Resume is exact: the state is TensorFlow's own serialized iterator (shuffle
-  buffers, RNG, prefetch), taken in the reading thread after each batch, so
-  `get_state()` is the state after the last batch the consumer received. A
-  snapshot costs in proportion to the elements held in the pipeline's
-  buffers; with `state_every=N` it is taken after batches N, 2N, ... only,
-  and `get_state()` works only there.
+  drop the ragged, sparse and string columns of dict elements (a TFDS
+  ``"text"`` feature) instead of raising on them, or to choose how often a
+  resume snapshot is taken. Resume is exact: the state is TensorFlow's own
+  serialized iterator (shuffle buffers, RNG, prefetch) after the last batch
+  the consumer received; a snapshot costs in proportion to the elements held
+  in the pipeline's buffers.
 
   Args:
     dataset: A `tf.data.Dataset` whose elements are batches (call `.batch(n)`
       first): tensors, or dicts/tuples of tensors, sharing the first dimension.
     drop_unsupported: Drop ragged, sparse and string (and other non-numeric)
       dict columns, logging a warning that names them, instead of raising.
-    state_every: Take a resume snapshot after every this many batches read
-      from `dataset` (1: every batch); None takes none (`get_state()`
-      raises).
+    state_every: Take a resume snapshot after batches N, 2N, ... read from
+      `dataset` (`get_state()` works only there); None takes none.
 
   Returns:
     A one-pass source to pass to `iter_jax_batches` (or `jax_sync_generator`).

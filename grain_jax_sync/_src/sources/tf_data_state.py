@@ -36,19 +36,12 @@ _FIXES = {
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-  """The iterator state after `reads` batches, or why there is none.
-
-  Attributes:
-    reads: Batches read from the dataset when the snapshot was taken.
-    variant: The ``SerializeIterator`` output (a variant `EagerTensor`).
-    error: Why no state exists at this batch (raised by `export`).
-    between: No snapshot was due after this batch (`state_every`).
-  """
+  """The iterator state after `reads` batches, or why there is none."""
 
   reads: int
-  variant: Any = None
-  error: str | None = None
-  between: bool = False
+  variant: Any = None  # The ``SerializeIterator`` output (a variant `EagerTensor`).
+  error: str | None = None  # Raised by `export`.
+  between: bool = False  # No snapshot was due after this batch (`state_every`).
 
 
 def external_state_policy(dataset: Any) -> int:

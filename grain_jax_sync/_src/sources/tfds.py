@@ -101,9 +101,8 @@ def tfds_pipeline(
     name: TFDS name, e.g. ``"mnist"`` or ``"mnist:3.0.1"``.
     split: TFDS split, e.g. ``"train"`` or ``"train[:10%]"``.
     batch_size: Examples per batch on this process.
-    reader: ``"data_source"`` (ArrayRecord through Grain; returns a
-      `grain.IterDataset`) or ``"tf_data"`` (`tfds.load`; returns a
-      `tf.data.Dataset`).
+    reader: ``"data_source"`` (ArrayRecord through Grain) or ``"tf_data"``
+      (`tfds.load`).
     shuffle: Shuffle this process's examples, differently every epoch.
     seed: The shared seed; each process derives its own from it.
     num_epochs: Passes over the shard; None repeats forever.
@@ -114,13 +113,12 @@ def tfds_pipeline(
     drop_unsupported: Drop string, ragged and other non-numeric features
       (they cannot become `jax.Array` values) instead of failing on them.
     data_dir: TFDS data directory.
-    download: Download and prepare the dataset if missing. Prefer preparing
-      it once (``tfds build``) rather than on every host.
+    download: Download and prepare the dataset if missing (better: once,
+      with ``tfds build``).
     builder_kwargs: Passed to the TFDS builder.
     read_options: A `grain.ReadOptions` for ``"data_source"``.
     shuffle_buffer_size: tf.data shuffle buffer for ``"tf_data"``, capped at
-      this process's number of examples (TensorFlow saves every slot of it
-      in each resume snapshot).
+      this process's number of examples.
     process_index: The input shard this process reads; default: from the
       mesh (see `mesh`), else ``jax.process_index()``.
     process_count: Input shards; default: from the mesh, else
@@ -133,9 +131,8 @@ def tfds_pipeline(
     sharding: Instead of `mesh`: the sharding (or PartitionSpec) the batches
       will have.
     elastic: Return an `elastic_source` over the whole split (``"data_source"``
-      only): the library splits it over the processes, and its state resumes
-      on any process count. One input shard per process (no `mesh`,
-      `process_index` or `process_count`).
+      only), resumable on any process count; no `mesh`, `process_index` or
+      `process_count`.
 
   Returns:
     A `grain.IterDataset` (``"data_source"``) or `tf.data.Dataset`

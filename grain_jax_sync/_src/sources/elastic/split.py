@@ -1,23 +1,15 @@
 """The elastic split: which records of an epoch each process reads, and re-splitting them.
 
-Pure Python and NumPy; no JAX, no Grain.
-
-An epoch has a global record order: positions ``0 .. num_records - 1``, each
-naming a record (the identity, or a seeded permutation when shuffling). The
-positions not yet read are a list of ranges ``[start, stop)``; a split cuts
-their concatenation into `count` contiguous shares, in process order, the
-first ``num_records % count`` shares one longer. Each process reads its share
-in order and keeps a cursor: how many of its share's positions are consumed.
-
-A resize appends ``(old_count, cursors)`` to the epoch's split history; the
-shares of the next job are the even split of what the old shares left. The
-history replays to the current split, so a state never lists records: it
-holds the history (a few ints per process per resize) and a cursor
-(`state.py` writes the history as compact JSON).
-
-A cursor may also be strided: a tuple ``(t_0, .., t_{W-1})`` says that share
-position ``i`` is consumed when ``i < t_{i % W}`` (what `W` workers that each
-read every `W`-th position, Grain's `mp_prefetch`, have consumed).
+An epoch's positions ``0 .. num_records - 1`` each name a record (the
+identity, or a seeded permutation when shuffling). A split cuts the positions
+not yet read, a list of ranges ``[start, stop)``, into `count` contiguous
+shares in process order, the first ``num_records % count`` one longer; each
+process keeps a cursor: how many of its share's positions are consumed, or,
+strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
+``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th).
+A resize appends ``(old_count, cursors)`` to the epoch's split history, which
+replays to the current split, so a state never lists records. Pure Python and
+NumPy.
 """
 
 from __future__ import annotations
@@ -267,17 +259,8 @@ def resume(
   """The next job's (first epoch, splits) from every old process's shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
-  ``j < thresholds[p][j % len(thresholds[p])]`` (``(position,)``: a prefix).
-  The histories hold the old job; the next job's process count splits them.
-
-  Args:
-    olds: Each old process's shares of epochs, in process order (one job: the same
-      first epoch and splits).
-    thresholds: Each old process's stream thresholds.
-
-  Returns:
-    (first epoch, per-epoch histories) for `EpochShares`: every epoch some old
-    process had not finished gets the old job's cursors as a resize.
+  ``j < thresholds[p][j % len(thresholds[p])]``. Every epoch some old process
+  had not finished gets the old job's cursors as a resize.
   """
   spans = [old.epoch_span(t) for old, t in zip(olds, thresholds, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
