@@ -24,12 +24,6 @@ class _DefaultBatchSize(int):
 _DEFAULT_BATCH_SIZE = _DefaultBatchSize(256)
 
 
-def _full_batch_size(batch_size: Any) -> int | None:
-  """The `batch_size` to pass to `iter_jax_batches`: None unless one was passed (see docs/sources.md)."""
-  given = batch_size is not None and batch_size is not _DEFAULT_BATCH_SIZE
-  return int(batch_size) if given else None
-
-
 def jax_sync_generator(
   batch_iterable: Iterable[Any],
   drop_last: bool,
@@ -88,9 +82,11 @@ def jax_sync_generator(
     from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
+  # Not passed: the largest first host batch, not the reference's 256 (docs/sources.md).
+  full = None if batch_size is None or batch_size is _DEFAULT_BATCH_SIZE else int(batch_size)
   it = api.iter_jax_batches(
     batch_iterable,
-    batch_size=_full_batch_size(batch_size),
+    batch_size=full,
     drop_last=drop_last,
     paddings=paddings,
     mask_key=None,  # The reference has no mask; `iter_jax_batches` has one.

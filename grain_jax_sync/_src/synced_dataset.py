@@ -23,13 +23,6 @@ from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src.sources import grain as grain_source
 
 
-def _why_plain(device: Any) -> str:
-  """Why elements under `device` are placed one by one, for messages."""
-  if device is None:
-    return "`device` is None (the default device, as for jax.device_put)"
-  return "`device` is a pytree of different placements"
-
-
 def _unbatched(element: Any) -> str | None:
   """Why `element` is not a batch (a scalar leaf, unequal leading sizes), or None."""
   leaves = jax.tree_util.tree_leaves(element)
@@ -71,10 +64,14 @@ def _plain_first(
   given += [k for k in ("mask_key", "drop_last") if getattr(options, k)]
   given += ["pad_shapes"] if options.pad_shapes is not None else []
   if given:
-    why = f"the first element is unbatched ({why})" if why else None
+    if why:
+      why = f"the first element is unbatched ({why})"
+    elif placement.element is None:
+      why = "`device` is None (the default device, as for jax.device_put)"
+    else:
+      why = "`device` is a pytree of different placements"
     raise ValueError(
-      f"`{'`, `'.join(given)}` need global batches, but"
-      f" {why or _why_plain(placement.element)}, so"
+      f"`{'`, `'.join(given)}` need global batches, but {why}, so"
       " elements are placed one by one as jax.device_put places them."
       " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
     )

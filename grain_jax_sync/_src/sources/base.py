@@ -52,8 +52,7 @@ class SourceIterator:
   def export_state(self, state: Any) -> Any:
     """The JSON form of a snapshot taken by `get_state` (default: itself, checked).
 
-    Checked each time it is asked for (a checkpoint), not each batch: a
-    source whose first state was JSON may return one that is not later.
+    Checked at each checkpoint: a source whose first state was JSON may return one that is not.
     """
     check_json(state, self.description)
     return state
@@ -66,12 +65,7 @@ class SourceIterator:
     pass
 
   def local_iterator(self, owner: Any) -> Any:
-    """The source's own iterator type, as seen through `owner`, or None.
-
-    Args:
-      owner: Has ``local_state()`` (the source state after the last batch the
-        consumer received) and ``restore_local(state)`` (restarts from it).
-    """
+    """Its own iterator type seen through `owner` (``local_state``/``restore_local``), or None."""
     del owner
     return None
 

@@ -20,13 +20,10 @@ from grain_jax_sync._src.sources import base
 class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`).
 
-  Args:
-    iterator: The iterator read.
-    description: What it is, for messages.
-    fresh: Makes another iterator at `iterator`'s start. Until the first read,
-      `get_state()` asks that one: a Grain iterator whose state is taken before
-      its first `next()` (Grain 0.2.18) starts its multiprocessing workers'
-      iterators without prefetch, and reads at about half the rate for good.
+  `fresh` makes another iterator at `iterator`'s start; until the first read,
+  `get_state()` asks that one: a Grain iterator whose state is taken before
+  its first `next()` (Grain 0.2.18) starts its multiprocessing workers'
+  iterators without prefetch, and reads at about half the rate for good.
   """
 
   supports_state = True
@@ -162,11 +159,8 @@ def open_grain(source: Any, fresh: Any = None) -> base.SourceIterator | None:
 
   name = type(source).__qualname__
   if isinstance(source, grain.DataLoader):
-    return GrainLoaderSource(
-      iter(source),
-      description=f"a grain DataLoader ({name})",
-      fresh=functools.partial(iter, source),
-    )
+    fresh = functools.partial(iter, source)
+    return GrainLoaderSource(fresh(), description=f"a grain DataLoader ({name})", fresh=fresh)
   if isinstance(source, grain.DataLoaderIterator):
     return GrainLoaderSource(source, description=f"a grain DataLoaderIterator ({name})")
   if isinstance(source, (grain.MapDataset, grain.IterDataset)):

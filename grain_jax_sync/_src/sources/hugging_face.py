@@ -45,8 +45,7 @@ def collate(
   """One batch as a dict of arrays: rows or columns in, variable-length columns padded.
 
   Args:
-    batch: A dict of columns (NumPy format: arrays, or object arrays of
-      arrays of different lengths), or a list of rows (dicts).
+    batch: A dict of NumPy columns (object arrays for ragged ones), or a list of rows (dicts).
     ragged: The variable-length columns: each is padded to the batch's
       longest row and gets a boolean ``"<column>_mask"`` (True for real
       elements), in every batch, whatever its rows' lengths.
@@ -237,10 +236,9 @@ class _Streaming(base.SourceIterator):
 class _Windows(base.SourceIterator):
   """`hf_pipeline` over an `IterableDataset`: windows of rows, each in a seeded order.
 
-  The state is where the current window started (HF's `state_dict()` then,
-  None at an epoch's start), its index and the rows of it consumed: a resume
-  reads the window again, in the same order, and skips them. (HF's own
-  shuffle buffer is not in its state: its rows would be lost.)
+  The state is where the window started (HF's `state_dict()`, None at an
+  epoch's start), its index and its rows consumed: a resume reads it again in
+  the same order (HF's own shuffle buffer is not in its state: rows lost).
   """
 
   supports_state = True
@@ -431,14 +429,11 @@ def hf_pipeline(
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
+  window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
   spec = HFSource(
     ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
   )
-  spec = dataclasses.replace(
-    spec,
-    drop_remainder=bool(drop_remainder),
-    window=options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size),
-  )
+  spec = dataclasses.replace(spec, drop_remainder=bool(drop_remainder), window=window)
   if elastic:
     return _elastic(spec)
   index, count = tfds_lib.input_shard(

@@ -1,14 +1,11 @@
 """Exact resume of tf.data iterators through TensorFlow's own checkpointing.
 
-A snapshot is the output of TensorFlow's ``SerializeIterator`` op on the
-iterator's resource (what `tf.train.Checkpoint(iterator=it)` saves): a variant
-tensor holding the whole iterator state (shuffle, prefetch and map buffers,
-RNG state, file positions), a value later reads do not change. Its cost grows
-with every slot of a shuffle buffer, used or not (docs/sources.md), so the
-source can take one every N batches instead. The variant becomes bytes and
-base64 only when the user asks for the state; restoring runs
-``DeserializeIterator`` on a fresh iterator of the same pipeline. TensorFlow
-is imported only when these functions run.
+A snapshot is TensorFlow's ``SerializeIterator`` output (what
+`tf.train.Checkpoint(iterator=it)` saves): a variant tensor holding the whole
+iterator state, a value later reads do not change, costing in proportion to
+every shuffle buffer slot (so the source can take one every N batches). It
+becomes base64 only when the user asks for the state. TensorFlow is imported
+only when these functions run.
 """
 
 from __future__ import annotations

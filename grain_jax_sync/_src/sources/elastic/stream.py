@@ -127,12 +127,7 @@ class _Snapshot:
 
 
 class ElasticIterator(base.WrappedIterator):
-  """One process's iterator over an `ElasticSource`.
-
-  Attributes:
-    spec: The source it opened.
-    num_records: Records per epoch.
-  """
+  """One process's iterator over an `ElasticSource` (`spec`) of `num_records` records an epoch."""
 
   supports_state = True
 
