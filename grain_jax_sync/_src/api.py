@@ -63,11 +63,7 @@ def iter_jax_batches(
       than a leaf's rank is cut), or a `PartitionSpec` applied to `mesh` (or
       to the context or default mesh).
     **options: The options, by name, each documented once, with its
-      default, under `Options` in the API reference (docs/api.md):
-      `batch_size`, `drop_last`, `paddings`, `mask_key`, `dtypes`,
-      `synchronize_batches`, `synchronize_lookahead`, `decide_ahead_s`,
-      `prefetch_batches`, `sync_timeout_s`, `name`, `pad_shapes`,
-      `shape_buckets` and `shape_mask_keys`.
+      default, under `Options` in the API reference (docs/api.md).
 
   Returns:
     A `JaxBatchIterator`.

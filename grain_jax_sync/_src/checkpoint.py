@@ -1,21 +1,12 @@
 """Orbax checkpointing of a `JaxBatchIterator` through Grain's handler.
 
 Grain's `grain.checkpoint.CheckpointHandler` writes one JSON file per process
-(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` (JSON dict
-state) or a `grain.DataLoaderIterator` (JSON bytes state). A
-`JaxBatchIterator` is neither, so these helpers wrap it in a small adapter
-with the `DataLoaderIterator` protocol (`get_state() -> bytes`,
-`set_state(bytes)`, `start_prefetch()`) and return Grain's own
-`CheckpointSave` / `CheckpointRestore` arguments. The iterators that
-`grain_jax_sync.device_put` returns are `grain.DatasetIterator`s and need no
-adapter.
-
-The adapter exports the state inside `sources.base.exporting_to_files()`, so
-a source with a size limit on its JSON state (a tf.data iterator, whose
-state holds its shuffle buffer) writes it whole: base64 of TensorFlow's
-serialized iterator, in the same per-process file.
-
-Grain and Orbax are imported only when these helpers are called.
+(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` or a
+`grain.DataLoaderIterator`. A `JaxBatchIterator` is neither, so it is wrapped
+in an adapter with the `DataLoaderIterator` protocol, which exports the state
+inside `sources.base.exporting_to_files()`: a tf.data state over the JSON
+size limit is written whole. Grain and Orbax are imported only when these
+helpers are called.
 """
 
 from __future__ import annotations
@@ -125,10 +116,7 @@ def _item(iterator: Any) -> Any:
 
   if isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator)):
     return iterator
-  if not (
-    callable(getattr(iterator, "get_state", None))
-    and callable(getattr(iterator, "set_state", None))
-  ):
+  if not all(callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")):
     raise ValueError(
       "`iterator` must have get_state() and set_state() (a JaxBatchIterator or"
       f" a Grain iterator), got {type(iterator).__qualname__}"
@@ -186,8 +174,8 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
       process (a `JaxBatchIterator` or a `device_put` iterator).
 
   Returns:
-    A `grain.checkpoint.CheckpointRestore` (for a `JaxBatchIterator`, a
-    subclass handled by a subclass of Grain's handler); restoring it calls `iterator.set_state` with this
+    A `grain.checkpoint.CheckpointRestore` (a subclass, for a
+    `JaxBatchIterator`); restoring it calls `iterator.set_state` with this
     process's saved state or, if the checkpoint was saved on another process
     count, with the list of every old process's state (an iterator over an
     `elastic_source` re-splits them; others refuse, on every host).

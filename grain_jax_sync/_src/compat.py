@@ -24,18 +24,6 @@ class _DefaultBatchSize(int):
 _DEFAULT_BATCH_SIZE = _DefaultBatchSize(256)
 
 
-def _full_batch_size(batch_size: Any) -> int | None:
-  """The `batch_size` to pass to `iter_jax_batches`.
-
-  Passed: that size. Not passed (the reference's default 256) or None: None,
-  so `iter_jax_batches` takes the largest host batch of the first position
-  (the reference pads to 256 and so multiplies the compute of smaller
-  batches; see docs/sources.md).
-  """
-  given = batch_size is not None and batch_size is not _DEFAULT_BATCH_SIZE
-  return int(batch_size) if given else None
-
-
 def jax_sync_generator(
   batch_iterable: Iterable[Any],
   drop_last: bool,
@@ -53,19 +41,12 @@ def jax_sync_generator(
   """Yields global `jax.Array` batches; Ray Data's signature and defaults.
 
   A thin wrapper over `iter_jax_batches` (no mask, synchronization off by
-  default as in the reference). As in the reference, equal batches of any
-  size are yielded (under `drop_last` too), a batch larger than `batch_size`
-  passes through unpadded when every host has one of that size, and the
-  source is read lazily in the caller's thread (unless `prefetch_batches`
-  is set). Unlike the reference it drops a short last batch under
-  `drop_last`, pads to the first batch's size when `batch_size` is not
-  passed (the reference pads to 256), raises naming both sizes for a short
-  batch that is not its host's last, compares batch structure across
-  hosts, lets a host with an empty shard build dummy batches from its peers'
-  structure, raises a source failure on every host, and checks `batch_size`
-  against the local device count before the first batch.
-  Batches land on the 1-D default mesh (`default_sharding()`), as in the
-  reference, even inside `jax.set_mesh`.
+  default, the source read lazily in the caller's thread, batches on the 1-D
+  default mesh even inside `jax.set_mesh`, as in the reference). Unlike the
+  reference it drops a short last batch under `drop_last`, pads to the
+  first batch's size when `batch_size` is not passed, compares batch
+  structure across hosts and raises a source failure on every host;
+  docs/sources.md lists every difference.
 
   Every argument but `batch_iterable` is the option of its name, documented
   under `Options` in the API reference, with the reference's default
@@ -101,9 +82,11 @@ def jax_sync_generator(
     from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
 
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
+  # Not passed: the largest first host batch, not the reference's 256 (docs/sources.md).
+  full = None if batch_size is None or batch_size is _DEFAULT_BATCH_SIZE else int(batch_size)
   it = api.iter_jax_batches(
     batch_iterable,
-    batch_size=_full_batch_size(batch_size),
+    batch_size=full,
     drop_last=drop_last,
     paddings=paddings,
     mask_key=None,  # The reference has no mask; `iter_jax_batches` has one.

@@ -1,17 +1,10 @@
 """`device_put`: the drop-in for `grain.experimental.device_put`, with agreement.
 
-`grain.experimental.device_put(ds, device)` prefetches on the CPU, then calls
-`jax.device_put` on each element. On several hosts that neither builds global
-arrays nor makes hosts agree on the number or shape of batches. This version
-returns a `grain.IterDataset` whose iterator runs `iter_jax_batches` over the
-per-host batches: same first arguments, global `jax.Array`s out, and the
-iterator is a `grain.DatasetIterator` whose JSON `get_state`/`set_state` are
-the `JaxBatchIterator`'s, so Grain's checkpoint handlers save and restore it
-(that dataset and iterator are in `synced_dataset.py`). Here: the arguments,
-`device` resolved once (`placement.resolve_device_put`), and the pipeline composed.
-
-Grain is imported when `device_put` is first called, never by
-``import grain_jax_sync``.
+Grain's version calls `jax.device_put` on each element, which on several
+hosts neither builds global arrays nor makes hosts agree on the batches. This
+one returns a `grain.IterDataset` (`synced_dataset.py`) whose iterator runs
+`iter_jax_batches` over the per-host batches. Grain is imported when
+`device_put` is first called, never by ``import grain_jax_sync``.
 """
 
 from __future__ import annotations
@@ -42,26 +35,19 @@ def device_put(
 ) -> grain.IterDataset:
   """Moves per-host batches to global `jax.Array` batches that every host agrees on.
 
-  A drop-in for `grain.experimental.device_put` (same first arguments): swap
-  the import and get agreement across hosts. Elements of `ds` should be this
-  process's batches; the returned dataset's elements are global arrays whose
-  leading dimension is rows x input shards (``rows * jax.process_count()``
-  unless processes share rows), built and agreed as by
-  `iter_jax_batches` (padding, masks, `drop_last`, the same error on every
-  host). Its iterators are `grain.DatasetIterator` objects with JSON
-  `get_state`/`set_state`, so Grain's checkpointing (and Orbax through
-  `grain.checkpoint.CheckpointSave`/`CheckpointRestore`) resumes them
-  exactly; `set_state` also takes the state that Grain's own `device_put`
-  iterator saved, so a running job can switch. They also have
-  `JaxBatchIterator`'s `request_stop()` and `stop_requested_by`: called from
-  a SIGTERM handler on any host, every host's stream ends at one same batch,
-  so one checkpoint is consistent.
+  A drop-in for `grain.experimental.device_put` (same first arguments) that
+  makes hosts agree. Elements of `ds` should be this process's batches; the
+  returned dataset's elements are global arrays of rows x input shards,
+  built and agreed as by `iter_jax_batches`. Its iterators are
+  `grain.DatasetIterator`s with JSON `get_state`/`set_state` (which also
+  takes the state Grain's own `device_put` iterator saved), so Grain's
+  checkpointing and Orbax's resume them exactly, and they have
+  `JaxBatchIterator`'s `request_stop()` and `stop_requested_by`.
 
-  On one process it accepts everything Grain's does: unbatched elements
-  (scalars, single records: a 0-d leaf, or leaves of different leading
-  sizes) and, under a pytree of different shardings, every element are
-  placed as `jax.device_put(element, device)` places them (no padding, mask
-  or agreement). On several processes elements must be batches.
+  On one process it accepts everything Grain's does: unbatched elements (a
+  0-d leaf, or leaves of different leading sizes), and every element under a
+  pytree of different shardings, are placed as `jax.device_put(element,
+  device)` places them (no padding, mask or agreement).
 
   Args:
     ds: A `grain.IterDataset` (or `MapDataset`, read in order) of batches,

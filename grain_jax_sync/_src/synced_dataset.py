@@ -1,14 +1,10 @@
 """The Grain dataset and iterator that `device_put` returns.
 
-`SyncedIterDataset` and `SyncedDatasetIterator` subclass Grain's
-`IterDataset` and `DatasetIterator`; Grain is a base class only here, so the
-subclasses are made on first use (`classes`) and ``import grain_jax_sync``
-never loads Grain. The iterator reads the first element to choose its mode:
-global batches through a `JaxBatchIterator`, or, on one process, elements
-placed one by one as `jax.device_put` places them (unbatched elements, or a
-pytree of different placements). Its JSON `get_state`/`set_state` are the
-`JaxBatchIterator`'s; `set_state` also takes the state Grain's own
-`device_put` iterator saved.
+They subclass Grain's `IterDataset` and `DatasetIterator`, made on first use
+(`classes`) so that ``import grain_jax_sync`` never loads Grain. The iterator
+reads the first element to choose its mode: global batches through a
+`JaxBatchIterator`, or, on one process, elements placed one by one as
+`jax.device_put` places them.
 """
 
 from __future__ import annotations
@@ -27,13 +23,6 @@ from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src.sources import grain as grain_source
 
 
-def _why_plain(device: Any) -> str:
-  """Why elements under `device` are placed one by one, for messages."""
-  if device is None:
-    return "`device` is None (the default device, as for jax.device_put)"
-  return "`device` is a pytree of different placements"
-
-
 def _unbatched(element: Any) -> str | None:
   """Why `element` is not a batch (a scalar leaf, unequal leading sizes), or None."""
   leaves = jax.tree_util.tree_leaves(element)
@@ -46,12 +35,7 @@ def _unbatched(element: Any) -> str | None:
 
 
 def _normalize_state(state: Any) -> dict[str, Any]:
-  """Our state, or the state Grain's `device_put` iterator saved, as our state.
-
-  Grain's iterator saves its parent's state (e.g. ``{"next_index": 32}``):
-  the same dict as the source state inside ours, since both wrap the same
-  dataset iterator.
-  """
+  """Our state, or the state Grain's `device_put` iterator saved (its parent's, as our source's)."""
   if isinstance(state, Mapping) and "version" in state and "source" in state:
     return dict(state)
   return _state(0, state)
@@ -63,12 +47,10 @@ def _plain_first(
   options: options_lib.Options,
   placement: placement_lib.DevicePutPlacement,
 ) -> list[Any] | None:
-  """Reads the first element to choose the mode: [it] where elements are placed
-  one by one (as `jax.device_put` does), None for global batches (then
-  `parent` is back where it was).
+  """[The first element] where elements are placed one by one, None for global batches.
 
-  Raises:
-    ValueError: If options that need global batches are given.
+  For global batches `parent` is back where it was. ValueError if options
+  that need global batches are given.
   """
   if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
     return None
@@ -82,10 +64,14 @@ def _plain_first(
   given += [k for k in ("mask_key", "drop_last") if getattr(options, k)]
   given += ["pad_shapes"] if options.pad_shapes is not None else []
   if given:
-    why = f"the first element is unbatched ({why})" if why else None
+    if why:
+      why = f"the first element is unbatched ({why})"
+    elif placement.element is None:
+      why = "`device` is None (the default device, as for jax.device_put)"
+    else:
+      why = "`device` is a pytree of different placements"
     raise ValueError(
-      f"`{'`, `'.join(given)}` need global batches, but"
-      f" {why or _why_plain(placement.element)}, so"
+      f"`{'`, `'.join(given)}` need global batches, but {why}, so"
       " elements are placed one by one as jax.device_put places them."
       " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
     )
@@ -108,13 +94,11 @@ def _state(count: int, source: Any, options: options_lib.Options | None = None) 
 class _SyncedIterator:  # The bases come with Grain (`classes`).
   """Global `jax.Array` batches that every host agrees on.
 
-  `get_state`/`set_state` are those of `JaxBatchIterator` (JSON dicts), so
-  `grain.checkpoint.CheckpointSave` / `CheckpointRestore` work unchanged;
-  `set_state` also takes the state Grain's own `device_put` iterator saved.
-  On one process, unbatched elements (and every element, when `device` is
-  a pytree of different shardings) are placed as `jax.device_put` places
-  them. `request_stop()` and `stop_requested_by` are those of
-  `JaxBatchIterator` too.
+  `get_state`/`set_state` (which also takes the state Grain's own
+  `device_put` iterator saved), `request_stop()` and `stop_requested_by` are
+  those of `JaxBatchIterator`. On one process, unbatched elements (and every
+  element under a pytree of different shardings) are placed as
+  `jax.device_put` places them.
   """
 
   _MUTATES_ELEMENT_SPEC = True
@@ -145,7 +129,6 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
-    """Reads the first element to choose: global batches or plain placement."""
     first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
     if first is None:
       self._start_batches()

@@ -1,7 +1,7 @@
 """Source adapters: anything that yields per-host batches -> `SourceIterator`.
 
-Grain, TensorFlow and Hugging Face `datasets` are imported only when such a source is passed, so the
-core works without either installed.
+Grain, TensorFlow and Hugging Face `datasets` are imported only when such a
+source is passed, so the core works without them.
 """
 
 from __future__ import annotations
@@ -15,60 +15,38 @@ from grain_jax_sync._src.sources.iterable import next_only, open_iterable
 
 
 def open_source(source: Any) -> SourceIterator:
-  """Returns a `SourceIterator` over `source`.
+  """A `SourceIterator` at the start of `source`.
 
-  Args:
-    source: A Grain `DataLoader`, `IterDataset` or `MapDataset`, a
-      `tf.data.Dataset`, a Hugging Face `datasets.Dataset` or
-      `IterableDataset` or `hf_pipeline`'s source, an `elastic_source`, a sequence of batches, or any
-      iterable of batches.
-
-  Returns:
-    A fresh iterator positioned at the source's start.
+  `source`: a Grain, tf.data or Hugging Face data set or loader, an `hf_pipeline`
+  or `elastic_source` source, or any sequence or iterable of batches.
   """
   if isinstance(source, SourceIterator):
     return source
   if isinstance(source, elastic.ElasticSource):
     return elastic.open_stream(source)
   module = type(source).__module__ or ""
-  if module.startswith("grain"):
-    from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top
-
-    adapted = grain_source.open_grain(source)
-    if adapted is not None:
-      return adapted
-  if module.startswith(("tensorflow", "tf_keras", "keras")):
-    from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
-
-    adapted = tf_data.open_tf_data(source)
-    if adapted is not None:
-      return adapted
+  adapted = None
   if module.startswith("datasets") or module == f"{__name__}.hugging_face":
     from grain_jax_sync._src.sources import hugging_face  # pylint: disable=g-import-not-at-top
 
     adapted = hugging_face.open_hf(source)
-    if adapted is not None:
-      return adapted
-  return open_iterable(source)
+  elif module.startswith("grain"):
+    from grain_jax_sync._src.sources import grain as grain_source  # pylint: disable=g-import-not-at-top
+
+    adapted = grain_source.open_grain(source)
+  elif module.startswith(("tensorflow", "tf_keras", "keras")):
+    from grain_jax_sync._src.sources import tf_data  # pylint: disable=g-import-not-at-top
+
+    adapted = tf_data.open_tf_data(source)
+  return open_iterable(source) if adapted is None else adapted
 
 
 def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator:
   """A source iterator at the start of `source` again (for `reset()`).
 
-  Args:
-    source: What the iterator was built from.
-    current: Its source iterator now (closed if a fresh one is opened).
-    initial: `current`'s state before its first read (None if it has none).
-
-  Returns:
-    A fresh iterator over a re-iterable `source` (a sequence, a Grain
-    dataset or loader, a `tf.data.Dataset`, any iterable that is not itself
-    an iterator), else `current` restored to `initial` (an iterator, with
-    `__iter__` or `__next__` alone).
-
-  Raises:
-    RuntimeError: If `source` can be read only once and cannot restore its
-      start (a generator, an iterator without get_state()/set_state()).
+  A fresh one over a re-iterable `source` (`current` closed), else `current`
+  restored to `initial`, its state before its first read (None: it has none);
+  RuntimeError if neither can be done.
   """
   if not isinstance(source, (SourceIterator, Iterator)) and not next_only(source):
     current.close()

@@ -15,15 +15,12 @@ class SourceIterator:
   """A per-host batch iterator with optional exact resume.
 
   Subclasses implement `__next__` and, where the source can resume, set
-  `supports_state` and implement `get_state`/`set_state`.
-
-  State contract: the pipeline calls `get_state()` in the reading thread right
-  after each `__next__`, and holds the value beside that batch until the
-  consumer receives it, so it must be a snapshot that later reads do not
-  change (it may be an opaque, cheap-to-take object). `export_state(value)` turns a
-  held snapshot into JSON when the user asks for the state; `set_state` takes
-  what `export_state` returned. Inside `exporting_to_files()` (Orbax),
-  `export_state` may return states larger than its JSON size limit.
+  `supports_state` and implement `get_state`/`set_state`. The pipeline calls
+  `get_state()` in the reading thread right after each `__next__` and holds
+  the value beside that batch until the consumer receives it, so it must be a
+  snapshot that later reads do not change (it may be opaque). `export_state`
+  turns a held snapshot into JSON when the user asks for the state (inside
+  `exporting_to_files()`, with no JSON size limit); `set_state` takes it back.
   """
 
   supports_state: bool = False
@@ -45,11 +42,7 @@ class SourceIterator:
     )
 
   def _kept(self, raw: Any) -> Any:
-    """What `get_state` returns for a wrapped iterator's own state `raw`.
-
-    A copy (`encode_state`), checked for JSON once, at the first batch; each
-    export is checked again (`export_state`).
-    """
+    """A copy of a wrapped iterator's own state `raw`, checked for JSON at the first batch."""
     state = encode_state(raw)
     if not self._checked:
       check_json(state, self.description)
@@ -59,8 +52,7 @@ class SourceIterator:
   def export_state(self, state: Any) -> Any:
     """The JSON form of a snapshot taken by `get_state` (default: itself, checked).
 
-    Checked each time it is asked for (a checkpoint), not each batch: a
-    source whose first state was JSON may return one that is not later.
+    Checked at each checkpoint: a source whose first state was JSON may return one that is not.
     """
     check_json(state, self.description)
     return state
@@ -73,21 +65,13 @@ class SourceIterator:
     pass
 
   def local_iterator(self, owner: Any) -> Any:
-    """The source's own iterator type, as seen through `owner`, or None.
-
-    Args:
-      owner: Has ``local_state()`` (the source state after the last batch the
-        consumer received) and ``restore_local(state)`` (restarts from it).
-    """
+    """Its own iterator type seen through `owner` (``local_state``/``restore_local``), or None."""
     del owner
     return None
 
 
 class WrappedIterator(SourceIterator):
-  """A source over another iterator, `_it`: resumable through its own get_state/set_state.
-
-  Subclasses set `_it`, `description` and `supports_state`.
-  """
+  """A source over another iterator, `_it` (set by subclasses), resumable through its own state."""
 
   _it: Any
 

@@ -1,16 +1,10 @@
 """Grain sources. Imported only when a Grain object is passed.
 
-Adapts, with exact resume through Grain's own iterator state:
-
-* `grain.DataLoader` and a started `grain.DataLoaderIterator`: the state is
-  the loader's JSON state, held as a dict (Grain keeps it as JSON bytes);
-* `grain.IterDataset` and a started `grain.DatasetIterator`: the state is the
-  iterator's own `get_state()` dict;
-* `grain.MapDataset`: read in index order through `to_iter_dataset()`.
-
-Elements must already be batches (dicts, tuples or lists of arrays that share
-their leading dimension). Unbatched elements are caught by the batch
-validation, on every host, with a message that says how to batch them.
+A `grain.DataLoader` or `DataLoaderIterator` (its JSON-bytes state held as a
+dict), an `IterDataset` or `DatasetIterator` (its own state), or a
+`MapDataset` (read in index order through `to_iter_dataset()`), resumed
+exactly through Grain's own iterator state. Elements must already be batches;
+the batch validation says how to batch them, on every host.
 """
 
 from __future__ import annotations
@@ -26,14 +20,10 @@ from grain_jax_sync._src.sources import base
 class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`).
 
-  Args:
-    iterator: The iterator read.
-    description: What it is, for messages.
-    fresh: Makes another iterator at `iterator`'s start (from the dataset or
-      loader it came from). Until the first read, `get_state()` asks that one:
-      a Grain iterator whose state is taken before its first `next()`
-      (Grain 0.2.18) starts its multiprocessing workers' iterators without
-      prefetch, and reads at about half the rate for good.
+  `fresh` makes another iterator at `iterator`'s start; until the first read,
+  `get_state()` asks that one: a Grain iterator whose state is taken before
+  its first `next()` (Grain 0.2.18) starts its multiprocessing workers'
+  iterators without prefetch, and reads at about half the rate for good.
   """
 
   supports_state = True
@@ -108,11 +98,7 @@ _NOT_ITERABLE = (
 
 
 class _LocalFace:
-  """What a source's iterator is, seen through the agreed stream: a checkpoint face.
-
-  Args:
-    owner: The `JaxBatchIterator` (``local_state``/``restore_local``).
-  """
+  """A source's iterator seen through `owner`, a `JaxBatchIterator`: a checkpoint face."""
 
   def __init__(self, owner: Any):
     super().__init__()  # Grain's `DatasetIterator`, where it is the other base.
@@ -135,12 +121,10 @@ def _local_iterator_class() -> type:
   grain: Any = extras.require("grain", needed_by="a Grain source")
 
   class LocalIterator(_LocalFace, grain.DatasetIterator):
-    """The source's `DatasetIterator`, as seen through the agreed stream.
+    """The source's `DatasetIterator` as seen through the agreed stream, for Grain's handler.
 
     `get_state()` is the source state after the last batch the consumer
-    received (not after the batches read ahead); `set_state()` restarts the
-    stream from a state, so Grain's checkpoint handler (MaxText's
-    ``iterator.local_iterator``) saves and restores it unchanged.
+    received; `set_state()` restarts the stream from a state.
     """
 
     def get_state(self) -> dict[str, Any]:
@@ -166,42 +150,26 @@ class LocalLoaderIterator(_LocalFace):
 
 
 def open_grain(source: Any, fresh: Any = None) -> base.SourceIterator | None:
-  """Adapts a Grain object, or returns None to use the generic path.
+  """A `SourceIterator` where a Grain object is (a loader's or dataset's start), else None.
 
-  Args:
-    source: A `grain.DataLoader`, `grain.DataLoaderIterator`,
-      `grain.IterDataset`, `grain.MapDataset` or `grain.DatasetIterator`.
-    fresh: For a `grain.DatasetIterator` not read yet: makes another at its
-      start (`GrainIteratorSource`).
-
-  Returns:
-    A fresh `SourceIterator` positioned where `source` is (the start, for
-    loaders and datasets), or None for other Grain objects.
+  `fresh`: for a `grain.DatasetIterator` not read yet, makes another at its
+  start (`GrainIteratorSource`).
   """
   grain = extras.require("grain", needed_by="a Grain source")
 
   name = type(source).__qualname__
   if isinstance(source, grain.DataLoader):
-    return GrainLoaderSource(
-      iter(source),
-      description=f"a grain DataLoader ({name})",
-      fresh=functools.partial(iter, source),
-    )
+    fresh = functools.partial(iter, source)
+    return GrainLoaderSource(fresh(), description=f"a grain DataLoader ({name})", fresh=fresh)
   if isinstance(source, grain.DataLoaderIterator):
     return GrainLoaderSource(source, description=f"a grain DataLoaderIterator ({name})")
-  if isinstance(source, grain.MapDataset):
+  if isinstance(source, (grain.MapDataset, grain.IterDataset)):
+    kind = "MapDataset" if isinstance(source, grain.MapDataset) else "IterDataset"
     # In index order; `to_iter_dataset` reads ahead in threads but keeps order
     # and skips the Nones that `filter` leaves.
-    ds = source.to_iter_dataset()
-    return GrainIteratorSource(
-      iter(ds), description=f"a grain MapDataset ({source})", fresh=functools.partial(iter, ds)
-    )
-  if isinstance(source, grain.IterDataset):
-    return GrainIteratorSource(
-      iter(source),
-      description=f"a grain IterDataset ({source})",
-      fresh=functools.partial(iter, source),
-    )
+    ds = source.to_iter_dataset() if kind == "MapDataset" else source
+    description = f"a grain {kind} ({source})"
+    return GrainIteratorSource(iter(ds), description=description, fresh=functools.partial(iter, ds))
   if isinstance(source, grain.DatasetIterator):
     return GrainIteratorSource(source, description=f"a grain DatasetIterator ({name})", fresh=fresh)
   return None

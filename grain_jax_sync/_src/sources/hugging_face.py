@@ -1,25 +1,19 @@
 """Hugging Face `datasets`: a `Dataset` or `IterableDataset` as a source, and `hf_pipeline`.
 
-* A `datasets.Dataset` (map-style, Arrow) passed as is: its items are the
-  batches (``ds.batch(n)``), read by position in NumPy format; the state is
-  the next index.
-* A `datasets.IterableDataset` (streaming) passed as is: its items are the
-  batches; the state is its own `state_dict()`.
-* `hf_pipeline`: a data set (or `load_dataset` arguments for local files) in,
-  this process's batches out. Map-style: this input shard's contiguous rows
-  (`tfds.shard_range`) of the Arrow table, a seeded order per epoch, columns
-  read as NumPy views of Arrow's buffers where the type allows
-  (`arrow_columns`); the state is the epoch and the position in its order,
-  so a `map_fn` / `filter_fn` resumes exactly. With ``elastic=True`` the
-  whole data set goes to `elastic_source` (resumable on any process count).
-  Streaming: `split_dataset_by_node`, HF's lazy `map` and `filter`, windows
-  of rows in a seeded order; the state is where the window started (HF's
-  `state_dict()`) and the rows of it consumed.
+A `Dataset` or `IterableDataset` passed as is holds batches: a `Dataset` is
+read by position in NumPy format (the state: the next index), an
+`IterableDataset` resumes through its own `state_dict()`. `hf_pipeline` reads
+this input shard's rows. Map-style: a contiguous range of the Arrow table
+(`tfds.shard_range`) in a seeded order per epoch, read as NumPy views of
+Arrow's buffers where the type allows (`arrow_columns`); the state is the
+epoch and the position in its order, so `map_fn` / `filter_fn` resume
+exactly; ``elastic=True`` hands the whole data set to `elastic_source`.
+Streaming: `split_dataset_by_node` and windows of rows in a seeded order; the
+state is where the window started (HF's `state_dict()`) and its rows consumed.
 
-Variable-length columns (token lists) are padded to the batch's longest by
-`collate`, which adds a boolean ``"<column>_mask"``; `iter_jax_batches`'s
-`pad_shapes` and `shape_buckets` pad them further to the size every host
-agrees on. `datasets` and `pyarrow` are imported only when this module reads one.
+`collate` pads variable-length columns to the batch's longest and adds a
+boolean ``"<column>_mask"``. `datasets` and `pyarrow` are imported only when
+this module reads one.
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ def collate(
   """One batch as a dict of arrays: rows or columns in, variable-length columns padded.
 
   Args:
-    batch: A dict of columns (NumPy format: arrays, or object arrays of
-      arrays of different lengths), or a list of rows (dicts).
+    batch: A dict of NumPy columns (object arrays for ragged ones), or a list of rows (dicts).
     ragged: The variable-length columns: each is padded to the batch's
       longest row and gets a boolean ``"<column>_mask"`` (True for real
       elements), in every batch, whatever its rows' lengths.
@@ -69,11 +62,11 @@ def collate(
     batch = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
   out: dict[str, Any] = {}
   for name, column in batch.items():
+    if name not in ragged and isinstance(column, np.ndarray) and column.dtype != object:
+      out[name] = column  # Arrow's buffer, not copied.
+      continue
+    items = [np.asarray(x) for x in column]
     if name not in ragged:
-      if isinstance(column, np.ndarray) and column.dtype != object:
-        out[name] = column  # Arrow's buffer, not copied.
-        continue
-      items = [np.asarray(x) for x in column]
       if len({x.shape for x in items}) > 1:
         raise ValueError(
           f"column {name!r} has rows of different shapes ({items[0].shape} and others):"
@@ -81,7 +74,6 @@ def collate(
         )
       out[name] = np.stack(items) if items else np.asarray(column)
       continue
-    items = [np.asarray(x) for x in column]
     lengths = [len(x) for x in items]
     dense = np.full(
       (len(items), max(lengths, default=0), *items[0].shape[1:]), pad_id, items[0].dtype
@@ -115,10 +107,9 @@ class HFSource:
 def arrow_columns(table: Any) -> dict[str, np.ndarray]:
   """A `pyarrow.Table`'s columns as NumPy, sharing Arrow's buffers where the type allows.
 
-  Numbers (no nulls) and fixed-size lists of them are views of Arrow's
-  buffers; a variable-length list column is an object array of views (one
-  per row, for `collate`); anything else is converted by Arrow (a copy).
-  The dtypes are Arrow's.
+  Numbers (no nulls) and fixed-size lists of them are views; a variable-length
+  list column is an object array of views, one per row (for `collate`);
+  anything else is converted by Arrow (a copy).
   """
   columns = zip(table.column_names, table.columns, strict=True)
   # One chunk is read as is; `combine_chunks` copies even then.
@@ -195,8 +186,7 @@ class _MapStyle(base.SourceIterator):
       count = len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
       if count == spec.batch_size or (count and not spec.drop_remainder):
         return _batch_fn(spec)(rows)
-      if self._pos >= self._n:
-        self._at(self._epoch + 1, 0)
+      self._at(self._epoch + 1, 0)  # A short batch is the epoch's last.
     raise StopIteration
 
   def get_state(self) -> Any:
@@ -246,10 +236,9 @@ class _Streaming(base.SourceIterator):
 class _Windows(base.SourceIterator):
   """`hf_pipeline` over an `IterableDataset`: windows of rows, each in a seeded order.
 
-  The state is where the current window started (HF's `state_dict()` then,
-  None at an epoch's start), its index and the rows of it consumed: a resume
-  reads the window again, in the same order, and skips them. (HF's own
-  shuffle buffer is not in its state: its rows would be lost.)
+  The state is where the window started (HF's `state_dict()`, None at an
+  epoch's start), its index and its rows consumed: a resume reads it again in
+  the same order (HF's own shuffle buffer is not in its state: rows lost).
   """
 
   supports_state = True
@@ -386,8 +375,8 @@ def hf_pipeline(
 
   Pass the result to `iter_jax_batches` or `device_put` with `paddings` and
   `mask_key` (shards differ by a row, filters by more), and with
-  ``pad_shapes={"tokens": 1, "tokens_mask": 1}`` (and `shape_buckets`) for
-  a variable-length column ``"tokens"``.
+  ``pad_shapes={"tokens": 1, "tokens_mask": 1}`` for a variable-length
+  column ``"tokens"``.
 
   Args:
     dataset: A `datasets.Dataset` or `datasets.IterableDataset`, or what
@@ -412,19 +401,17 @@ def hf_pipeline(
       default: the data set's variable-length lists (its features). Name
       them when `map_fn` makes them.
     pad_id: Pads the `ragged_columns`.
-    shuffle_buffer_size: Streaming only: the rows of a shuffled window. A
-      resume reads the window it stopped in again (HF's own shuffle buffer
-      is not in its `state_dict()`, so it would lose rows).
+    shuffle_buffer_size: Streaming only: the rows of a shuffled window (a
+      resume reads the window it stopped in again).
     process_index: The input shard this process reads; default: from the
-      mesh, else ``jax.process_index()`` (as in `tfds_pipeline`).
+      mesh, else ``jax.process_index()``.
     process_count: Input shards; default: from the mesh, else
       ``jax.process_count()``.
-    mesh: The mesh the batches land on: processes that share rows (a model
-      axis across processes) read the same rows in the same order.
+    mesh: The mesh the batches land on: processes that share rows read the
+      same rows in the same order.
     data_axes: With `mesh`: the axes the rows are split over.
     sharding: Instead of `mesh`: the batches' sharding (or PartitionSpec).
-    elastic: Map-style only: an `elastic_source` over the whole data set,
-      resumable on any process count (one input shard per process).
+    elastic: Map-style only: an `elastic_source` over the whole data set.
 
   Returns:
     A source for `iter_jax_batches` / `device_put`: an `HFSource`, or with
@@ -442,14 +429,11 @@ def hf_pipeline(
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
+  window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
   spec = HFSource(
     ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
   )
-  spec = dataclasses.replace(
-    spec,
-    drop_remainder=bool(drop_remainder),
-    window=options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size),
-  )
+  spec = dataclasses.replace(spec, drop_remainder=bool(drop_remainder), window=window)
   if elastic:
     return _elastic(spec)
   index, count = tfds_lib.input_shard(

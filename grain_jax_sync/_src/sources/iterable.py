@@ -45,18 +45,14 @@ class IteratorSource(base.WrappedIterator):
       self._it: Any = iterable  # `__next__` alone, as MaxText-style iterators are written.
     else:
       self._it = iter(iterable)  # May have get_state/set_state.
-    self.supports_state = callable(getattr(self._it, "get_state", None)) and callable(
-      getattr(self._it, "set_state", None)
+    self.supports_state = all(
+      callable(getattr(self._it, m, None)) for m in ("get_state", "set_state")
     )
     self.description = f"an iterator of type {type(self._it).__qualname__}"
 
 
 def next_only(source: Any) -> bool:
-  """Whether `source` is an iterator with `__next__` and no `__iter__`.
-
-  No `__iter__` is a missing one or one set to None, Python's marker for
-  "not iterable" (`next()` takes such an object; `iter()` does not).
-  """
+  """Whether `source` has `__next__` and no `__iter__` (missing, or None: Python's "not iterable")."""
   return getattr(source, "__iter__", None) is None and callable(getattr(source, "__next__", None))
 
 

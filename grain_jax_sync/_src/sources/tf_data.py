@@ -1,16 +1,11 @@
 """tf.data sources. Imported only when a TensorFlow object is passed.
 
 Elements are read as NumPy through `EagerTensor._numpy()`, which shares the
-tensor's host buffer instead of copying it (as `as_numpy_iterator` does).
-Ragged, sparse, string and other non-dense columns cannot become `jax.Array`s;
-they are found in `element_spec` before anything is read, and either raise a
-`ValueError` naming every such column or, with ``drop_unsupported=True``, are
-dropped from dict elements inside the pipeline (so they are never read into
-Python).
-
-Exact resume goes through TensorFlow's own iterator checkpointing (see
-`tf_data_state`): a snapshot after every batch by default, every N batches
-with ``state_every=N``, none with ``state_every=None``.
+tensor's host buffer (`as_numpy_iterator` copies). Columns that cannot become
+`jax.Array`s (ragged, sparse, string) are found in `element_spec` before
+anything is read, and raise a `ValueError` naming each or, with
+``drop_unsupported=True``, are dropped inside the pipeline. Exact resume goes
+through TensorFlow's own iterator checkpointing (`tf_data_state`).
 """
 
 from __future__ import annotations
@@ -27,10 +22,9 @@ from grain_jax_sync._src.sources import tf_data_state as tf_state
 
 logger = logging.getLogger(__name__)
 
-# Snapshots slower than this are logged, once, at the third (a single one
-# can be slow under load): at 10 ms a batch the reading thread tops out near
-# 100 batches/s. The cost grows with the shuffle buffer
-# (`python -m benchmarks.tf_data_snapshot`).
+# Snapshots slower than this are logged, once, at the third (a single one can
+# be slow under load): one per batch bounds the reading thread's rate. The cost
+# grows with the shuffle buffer (`python -m benchmarks.tf_data_snapshot`).
 _SLOW_SNAPSHOT_S = 0.01
 _SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
@@ -83,15 +77,7 @@ def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:
 
 
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
-  """Checks a dataset's columns; drops or raises on those JAX cannot hold.
-
-  Args:
-    dataset: A `tf.data.Dataset`.
-    drop: Drop ragged, sparse, string and other non-numeric dict columns
-      (logging their names) instead of raising.
-
-  Returns:
-    `dataset`, or a mapped dataset without the dropped columns.
+  """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
   Raises:
     ValueError: Naming every bad column (when `drop` is False), or naming
@@ -134,9 +120,8 @@ def _to_numpy(t: Any) -> Any:
 class TfDataSource(base.SourceIterator):
   """A `tf.data.Dataset` read as NumPy batches, resumable exactly.
 
-  After every `state_every`-th batch, `get_state` (called in the reading
-  thread) takes a snapshot of the iterator with TensorFlow's own iterator
-  checkpointing; `export_state` turns it into base64 only when asked.
+  `get_state` (in the reading thread) snapshots the iterator after every
+  `state_every`-th batch; `export_state` turns it into base64 only when asked.
   """
 
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
@@ -232,11 +217,9 @@ class TfDataSource(base.SourceIterator):
   def _at_end(self, snapshot: Any) -> Any:
     """The snapshot, or one taken now if the dataset ended right after it.
 
-    A host whose dataset ran out between two `state_every` steps went on
-    with dummy batches carrying its last read's state, which had no
-    snapshot: `get_state()` raised on that host alone at every later step.
-    After the end nothing reads the iterator, so its state (exhausted after
-    the same reads) is taken here, in the caller's thread.
+    A host whose dataset ran out between two `state_every` steps goes on with
+    dummy batches carrying a state with no snapshot; after the end nothing
+    reads the iterator, so its state is taken here, in the caller's thread.
     """
     if not (snapshot.between and self._ended and snapshot.reads == self._reads):
       return snapshot
@@ -259,22 +242,7 @@ class TfDataSource(base.SourceIterator):
 def open_tf_data(
   source: Any, *, drop_unsupported: bool = False, state_every: int | None = 1
 ) -> base.SourceIterator | None:
-  """Adapts a tf.data.Dataset, or returns None to use the generic path.
-
-  Args:
-    source: Any TensorFlow object.
-    drop_unsupported: Drop ragged, sparse and string dict columns instead of
-      raising.
-    state_every: Take a resume snapshot after every this many batches
-      (None: never).
-
-  Returns:
-    A `TfDataSource` for a `tf.data.Dataset`, else None.
-
-  Raises:
-    ValueError: If the dataset has ragged, sparse or string columns (and
-      `drop_unsupported` is False), naming each.
-  """
+  """A `TfDataSource` over a `tf.data.Dataset` (see `from_tf_data`), else None."""
   tf = extras.require("tensorflow", needed_by="a tf.data source")
 
   if isinstance(source, tf.data.Dataset):
@@ -288,26 +256,20 @@ def from_tf_data(
   """Reads a `tf.data.Dataset` of batches, optionally dropping bad columns.
 
   `iter_jax_batches(ds)` already accepts a `tf.data.Dataset`; use this to
-  drop the ragged, sparse and string columns of dict elements (for example a
-  TFDS ``"id"`` or ``"text"`` feature) instead of raising on them, or to
-  choose how often a resume snapshot is taken.
-
-  Resume is exact: the state is TensorFlow's own serialized iterator (shuffle
-  buffers, RNG, prefetch), taken in the reading thread after each batch and
-  held beside it, so `get_state()` is the state after the last batch the
-  consumer received. A snapshot costs about 10 us per element held in the
-  pipeline's buffers (0.3 ms with `shuffle(40)`, 100 ms with
-  `shuffle(10_000)`); with `state_every=N` it is taken after batches N, 2N,
-  ... only, and `get_state()` works only there.
+  drop the ragged, sparse and string columns of dict elements (a TFDS
+  ``"text"`` feature) instead of raising on them, or to choose how often a
+  resume snapshot is taken. Resume is exact: the state is TensorFlow's own
+  serialized iterator (shuffle buffers, RNG, prefetch) after the last batch
+  the consumer received; a snapshot costs in proportion to the elements held
+  in the pipeline's buffers.
 
   Args:
     dataset: A `tf.data.Dataset` whose elements are batches (call `.batch(n)`
       first): tensors, or dicts/tuples of tensors, sharing the first dimension.
     drop_unsupported: Drop ragged, sparse and string (and other non-numeric)
       dict columns, logging a warning that names them, instead of raising.
-    state_every: Take a resume snapshot after every this many batches read
-      from `dataset` (1: every batch); None takes none (`get_state()`
-      raises).
+    state_every: Take a resume snapshot after batches N, 2N, ... read from
+      `dataset` (`get_state()` works only there); None takes none.
 
   Returns:
     A one-pass source to pass to `iter_jax_batches` (or `jax_sync_generator`).
@@ -325,10 +287,8 @@ def from_tf_data(
     >>> # A 100,000-element buffer: snapshot only at the steps you checkpoint.
     >>> it = iter_jax_batches(from_tf_data(big, state_every=1000), batch_size=32)
   """
-  module = type(dataset).__module__ or ""
-  source = None
-  if module.startswith("tensorflow"):
+  if (type(dataset).__module__ or "").startswith("tensorflow"):
     source = open_tf_data(dataset, drop_unsupported=drop_unsupported, state_every=state_every)
-  if source is None:
-    raise ValueError(f"`dataset` must be a tf.data.Dataset, got {type(dataset).__qualname__}")
-  return source
+    if source is not None:
+      return source
+  raise ValueError(f"`dataset` must be a tf.data.Dataset, got {type(dataset).__qualname__}")

@@ -1,19 +1,11 @@
 """Exact resume of tf.data iterators through TensorFlow's own checkpointing.
 
-A snapshot is the output of TensorFlow's ``SerializeIterator`` op on the
-iterator's resource (what `tf.train.Checkpoint(iterator=it)` saves): a variant
-tensor holding the whole iterator state (shuffle buffers, RNG state, prefetch
-and parallel-map buffers, file positions). It is a value: later reads do not
-change it. Taking one costs about 10-20 microseconds per slot of a shuffle
-buffer, used or not, plus the elements held in other buffers (measured on TF
-2.21: 0.3 ms with `shuffle(40)`, 100-200 ms with `shuffle(10_000)`; see
-docs/sources.md), so the source can take one every N batches instead.
-
-The variant becomes bytes (``tf.io.serialize_tensor``, one call) and base64
-only when the user asks for the state. Restoring parses the bytes and runs
-``DeserializeIterator`` on a fresh iterator of the same pipeline.
-
-TensorFlow is imported only when these functions run.
+A snapshot is TensorFlow's ``SerializeIterator`` output (what
+`tf.train.Checkpoint(iterator=it)` saves): a variant tensor holding the whole
+iterator state, a value later reads do not change, costing in proportion to
+every shuffle buffer slot (so the source can take one every N batches). It
+becomes base64 only when the user asks for the state. TensorFlow is imported
+only when these functions run.
 """
 
 from __future__ import annotations
@@ -26,10 +18,9 @@ import zlib
 from typing import Any
 
 # The JSON state (`JaxBatchIterator.get_state()`) holds at most this many bytes
-# of serialized tf.data iterator state (4/3 of it as base64). `shuffle(40)` of
-# small elements needs about 10 KB; `shuffle(10_000)` of int64 scalars 1.9 MB.
-# Larger states go to files through Orbax (`checkpoint_save`), which has no
-# limit below TensorFlow's 2 GiB per serialized tensor.
+# of serialized tf.data iterator state (4/3 of it as base64). Larger states go
+# to files through Orbax (`checkpoint_save`), limited only by TensorFlow's
+# per-tensor size.
 JSON_STATE_LIMIT_BYTES = 1 << 20
 
 KEY = "tf_data_iterator"  # Exported: {KEY: base64, "crc32": c, "reads": n}.
@@ -42,19 +33,12 @@ _FIXES = {
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-  """The iterator state after `reads` batches, or why there is none.
-
-  Attributes:
-    reads: Batches read from the dataset when the snapshot was taken.
-    variant: The ``SerializeIterator`` output (a variant `EagerTensor`).
-    error: Why no state exists at this batch (raised by `export`).
-    between: No snapshot was due after this batch (`state_every`).
-  """
+  """The iterator state after `reads` batches, or why there is none."""
 
   reads: int
-  variant: Any = None
-  error: str | None = None
-  between: bool = False
+  variant: Any = None  # The ``SerializeIterator`` output (a variant `EagerTensor`).
+  error: str | None = None  # Raised by `export`.
+  between: bool = False  # No snapshot was due after this batch (`state_every`).
 
 
 def external_state_policy(dataset: Any) -> int:
@@ -98,14 +82,7 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
 
 
 def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
-  """The JSON form of `snapshot`.
-
-  Args:
-    snapshot: From the source's `get_state`.
-    limit: Most bytes of serialized state allowed, or None (files).
-
-  Returns:
-    ``{"tf_data_iterator": base64, "crc32": checksum of the bytes, "reads": n}``.
+  """The JSON form of `snapshot`, with at most `limit` bytes of state (None: files).
 
   Raises:
     RuntimeError: If the snapshot holds an error, or its state is over `limit`.

@@ -1,30 +1,23 @@
 """TFDS: a dataset name and split in, this process's batched pipeline out.
 
-Two readers:
+``reader="data_source"`` (default) reads `tfds.data_source` (ArrayRecord, no
+TensorFlow) as a `grain.MapDataset` sliced to this input shard's contiguous
+examples and returns a checkpointable `grain.IterDataset`; ``reader="tf_data"``
+reads this shard's `tfds.even_splits` sub-split with `tfds.load` and returns a
+`tf.data.Dataset` (resumable through TensorFlow's iterator checkpointing).
 
-* ``reader="data_source"`` (default): `tfds.data_source` (ArrayRecord, random
-  access; TensorFlow is not needed to read) into a `grain.MapDataset`, sliced
-  to this process's contiguous range of example indices, shuffled within it,
-  repeated, batched and returned as a `grain.IterDataset` (checkpointable).
-* ``reader="tf_data"``: `tfds.load` on this process's `tfds.even_splits`
-  sub-split, shuffled, repeated, batched and prefetched: a `tf.data.Dataset`,
-  resumable exactly through TensorFlow's iterator checkpointing (its state
-  holds the shuffle buffer; see `from_tf_data(..., state_every=N)`).
-
-Shards are as even as possible and never drop an example: with ``n`` examples
-and ``P`` input shards, shard ``p`` is ``[p*n//P, (p+1)*n//P)``. An input
-shard is a process, or with a mesh whose model axis spans processes, the
-processes that feed the same rows (`data_shard_info`): they read the same
-examples with the same seed. The shards (and so the batch counts) may differ
-by one example; `iter_jax_batches` with `paddings` (or `drop_last`) makes
-every host agree.
-
-TFDS, Grain and TensorFlow are imported only when this module is used.
+With ``n`` examples and ``P`` input shards, shard ``p`` is
+``[p*n//P, (p+1)*n//P)``: no example dropped, sizes differing by at most one
+(`iter_jax_batches` with `paddings` or `drop_last` makes every host agree). An
+input shard is a process, or the processes that feed the same rows of a mesh
+(`data_shard_info`): they read the same examples with the same seed. TFDS,
+Grain and TensorFlow are imported only when this module is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,10 +38,7 @@ _READERS = ("data_source", "tf_data")
 
 
 def shard_range(num_examples: int, process_index: int, process_count: int) -> tuple[int, int]:
-  """This process's contiguous ``[start, stop)`` share of `num_examples`.
-
-  Every example belongs to exactly one process; sizes differ by at most one.
-  """
+  """This process's contiguous ``[start, stop)`` share of `num_examples` (sizes differ by <= 1)."""
   start = process_index * num_examples // process_count
   stop = (process_index + 1) * num_examples // process_count
   return start, stop
@@ -75,16 +65,6 @@ def _unsupported_features(tensor_info: Any, prefix: tuple[str, ...] = ()) -> lis
   if kind in "OSUV" or any(d is None for d in shape):
     return [prefix]
   return []
-
-
-class _DropColumns:
-  """A picklable element transform that removes the given dict paths."""
-
-  def __init__(self, paths: Sequence[tuple[str, ...]]):
-    self._paths = [tuple(p) for p in paths]
-
-  def __call__(self, element: Any) -> Any:
-    return base.drop_dict_paths(element, self._paths)
 
 
 def tfds_pipeline(
@@ -121,9 +101,8 @@ def tfds_pipeline(
     name: TFDS name, e.g. ``"mnist"`` or ``"mnist:3.0.1"``.
     split: TFDS split, e.g. ``"train"`` or ``"train[:10%]"``.
     batch_size: Examples per batch on this process.
-    reader: ``"data_source"`` (ArrayRecord through Grain; returns a
-      `grain.IterDataset`) or ``"tf_data"`` (`tfds.load`; returns a
-      `tf.data.Dataset`).
+    reader: ``"data_source"`` (ArrayRecord through Grain) or ``"tf_data"``
+      (`tfds.load`).
     shuffle: Shuffle this process's examples, differently every epoch.
     seed: The shared seed; each process derives its own from it.
     num_epochs: Passes over the shard; None repeats forever.
@@ -134,29 +113,26 @@ def tfds_pipeline(
     drop_unsupported: Drop string, ragged and other non-numeric features
       (they cannot become `jax.Array` values) instead of failing on them.
     data_dir: TFDS data directory.
-    download: Download and prepare the dataset if missing. Prefer preparing
-      it once (``tfds build``) rather than on every host.
+    download: Download and prepare the dataset if missing (better: once,
+      with ``tfds build``).
     builder_kwargs: Passed to the TFDS builder.
     read_options: A `grain.ReadOptions` for ``"data_source"``.
     shuffle_buffer_size: tf.data shuffle buffer for ``"tf_data"``, capped at
-      this process's number of examples (TensorFlow saves every slot of it
-      in each resume snapshot).
+      this process's number of examples.
     process_index: The input shard this process reads; default: from the
       mesh (see `mesh`), else ``jax.process_index()``.
     process_count: Input shards; default: from the mesh, else
       ``jax.process_count()``.
-    mesh: The mesh the batches will land on (as in `iter_jax_batches`): the
-      process reads input shard `data_shard_info(mesh).shard_index` of
-      `shard_count`, so processes that share rows (a model axis across
-      processes) read identical examples in the same order. Default: the
-      mesh set by `jax.set_mesh` if any, else one shard per process.
+    mesh: The mesh the batches will land on: the process reads input shard
+      `data_shard_info(mesh).shard_index`, so processes that share rows read
+      identical examples in the same order. Default: the mesh set by
+      `jax.set_mesh` if any, else one shard per process.
     data_axes: With `mesh`: the axes the rows are split over.
     sharding: Instead of `mesh`: the sharding (or PartitionSpec) the batches
       will have.
     elastic: Return an `elastic_source` over the whole split (``"data_source"``
-      only): the library splits it over the processes, and its state resumes
-      on any process count. One input shard per process (no `mesh`,
-      `process_index` or `process_count`).
+      only), resumable on any process count; no `mesh`, `process_index` or
+      `process_count`.
 
   Returns:
     A `grain.IterDataset` (``"data_source"``) or `tf.data.Dataset`
@@ -171,7 +147,10 @@ def tfds_pipeline(
     >>> for batch in iter_jax_batches(ds, batch_size=32, paddings=0, mask_key="mask"):
     ...   state = train_step(state, batch)
   """
-  _check_reader(reader, elastic)
+  if reader not in _READERS:
+    raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
+  if elastic and reader != "data_source":
+    raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
   batch_size = check_args(
     batch_size, num_epochs, seed, elastic, (process_index, process_count, mesh, data_axes, sharding)
   )
@@ -199,27 +178,16 @@ def tfds_pipeline(
     process_count=int(process_count),
   )
   if elastic:
-    return _elastic_pipeline(tfds, req, read_options=read_options)
+    return _elastic_pipeline(tfds, req)
   if reader == "data_source":
     return _grain_pipeline(tfds, req, read_options=read_options)
   return _tf_pipeline(tfds, req, shuffle_buffer_size=shuffle_buffer_size)
 
 
-def _check_reader(reader: str, elastic: bool) -> None:
-  """Raises ValueError for an unknown `reader`, or `elastic` with another reader."""
-  if reader not in _READERS:
-    raise ValueError(f"`reader` must be one of {_READERS}, got {reader!r}")
-  if elastic and reader != "data_source":
-    raise ValueError(f"`elastic=True` needs reader='data_source', got reader={reader!r}")
-
-
 def check_args(
   batch_size: int, num_epochs: Any, seed: Any, elastic: bool, placement_args: tuple[Any, ...]
 ) -> int:
-  """The checked `batch_size`; ValueError for a bad `num_epochs` or `seed`, or `elastic` with a placement.
-
-  What `tfds_pipeline` and `hf_pipeline` both take.
-  """
+  """The checked `batch_size` of `tfds_pipeline` or `hf_pipeline`; ValueError for a bad option."""
   batch_size = options_lib.checked_int("batch_size", batch_size)
   options_lib.checked_int_or_none("num_epochs", num_epochs)
   if not 0 <= int(seed) < 2**32:
@@ -275,8 +243,8 @@ class _Request:
   process_count: int
 
 
-def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
-  """The whole split as an `elastic_source`: `map_fn` and batching per host."""
+def _elastic_pipeline(tfds: Any, r: _Request) -> Any:
+  """The whole split as an `elastic_source` (read with Grain's default options): `map_fn` and batching per host."""
   from grain_jax_sync._src.sources import elastic  # pylint: disable=g-import-not-at-top
 
   grain = extras.require("grain", needed_by="tfds_pipeline(elastic=True)", extra="tfds")
@@ -288,13 +256,8 @@ def _elastic_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
       ds = ds.map(r.map_fn)
     return ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
 
-  del read_options  # The elastic stream reads with Grain's default options.
   return elastic.elastic_source(
-    records,
-    transform,
-    shuffle=r.shuffle,
-    seed=r.seed,
-    num_epochs=r.num_epochs,
+    records, transform, shuffle=r.shuffle, seed=r.seed, num_epochs=r.num_epochs
   )
 
 
@@ -326,7 +289,7 @@ def _dropped(ds: Any, source: Any, r: _Request) -> Any:
         "grain_jax_sync: dropping TFDS features that cannot become jax.Arrays: %s",
         ", ".join("/".join(p) for p in paths),
       )
-      ds = ds.map(_DropColumns(paths))
+      ds = ds.map(functools.partial(base.drop_dict_paths, paths=paths))  # Picklable.
   return ds
 
 
@@ -335,14 +298,9 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
   source = _data_source(tfds, r)
   start, stop = shard_range(len(source), r.process_index, r.process_count)
   ds = grain.MapDataset.source(source)[start:stop]
+  where = (r.process_index, r.process_count, start, stop)
   logger.info(
-    "grain_jax_sync: %s[%s] input shard %d/%d reads examples [%d, %d)",
-    r.name,
-    r.split,
-    r.process_index,
-    r.process_count,
-    start,
-    stop,
+    "grain_jax_sync: %s[%s] input shard %d/%d reads examples [%d, %d)", r.name, r.split, *where
   )
   ds = _dropped(ds, source, r)
   if r.shuffle:
@@ -386,10 +344,8 @@ def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
 def _buffer_size(ds: Any, requested: int) -> int:
   """The shuffle buffer, capped at the shard's size when TFDS knows it.
 
-  A buffer as large as the data already holds all of it (a uniform
-  permutation), and TensorFlow saves every slot of the buffer in the
-  iterator state, used or not: 10,000 slots are 1.7 MB and about 175 ms per
-  snapshot even for 20 examples (TF 2.21).
+  A buffer as large as the data already holds all of it, and TensorFlow saves
+  every slot of the buffer in each snapshot, used or not.
   """
   n = int(ds.cardinality())  # TFDS asserts it; -1 infinite, -2 unknown.
   return min(int(requested), n) if n > 0 else int(requested)

@@ -51,13 +51,10 @@ def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
 def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
   """(stream thresholds, why not exact) of a Grain iterator's nested state, or None.
 
-  Thresholds ``T``: stream index ``j`` is consumed when ``j < T[j % len(T)]``
-  (one: a prefix; `mp_prefetch` with `W` workers, each reading every `W`-th
-  index: `W`). Why not exact (None: exact): a transform that keeps a state
-  of its own beside its parent's (a mix's, packing's within a packed batch)
-  may hold records read past the cursor that no delivered batch holds yet;
-  its cursor is exact for Grain's own resume (on the same count), not for a
-  re-split. So is a sequential `mp_prefetch` (blocks, not strides).
+  Stream index ``j`` is consumed when ``j < T[j % len(T)]``. Not exact (for a
+  re-split; Grain's own resume is): a transform that keeps a state beside its
+  parent's (a mix, packing within a packed batch) may hold records read past
+  the cursor, and a sequential `mp_prefetch` reads blocks, not strides.
   """
   tags = _tags(state, None)
   if not tags:

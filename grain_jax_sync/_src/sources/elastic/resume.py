@@ -1,11 +1,8 @@
 """Resume states across job sizes: every old process's state -> this process's state.
 
-`JaxBatchIterator.set_state` passes what the user gave through
-`for_this_process` before its checks (`settings.check_state`). A list of every
-old process's state on the same process count picks this process's own; on
-another count, an elastic source re-splits what the old job left
-(`split.resume`), and any other source refuses with a message that
-points to `elastic_source`. Pure Python (no JAX, no Grain).
+A list of every old process's state on the same process count gives this
+process's own; on another count an elastic source re-splits what the old job
+left (`split.resume`) and any other source refuses. Pure Python.
 """
 
 from __future__ import annotations
@@ -49,22 +46,12 @@ def _listed(states: Sequence[Any]) -> list[Mapping[str, Any]]:
 
 
 def for_this_process(source: Any, state: Any, *, process_index: int, process_count: int) -> Any:
-  """The state this process restores, from one state or every old process's.
+  """The state this process restores, from `state` as given to `set_state`.
 
-  Args:
-    source: The iterator's `SourceIterator`.
-    state: What the user passed to `set_state`: a state, or the list of every
-      old process's state in process order.
-    process_index: This process.
-    process_count: This job's process count.
-
-  Returns:
-    A state for `settings.check_state` (this process's own, or for an
-    elastic source on another count, one re-split from the old job's).
-
-  Raises:
-    ValueError: If the list is not one job's, or the source cannot be
-      re-split over another count (naming the reason).
+  `state` is one state, or every old process's in process order: this
+  process's own, or for an elastic source on another count, one re-split
+  from the old job's. ValueError if the list is not one job's, or the source
+  cannot be re-split over another count.
   """
   is_elastic = isinstance(source, ElasticIterator)
   if isinstance(state, Mapping):

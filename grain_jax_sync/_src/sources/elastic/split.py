@@ -1,23 +1,15 @@
 """The elastic split: which records of an epoch each process reads, and re-splitting them.
 
-Pure Python and NumPy; no JAX, no Grain.
-
-An epoch has a global record order: positions ``0 .. num_records - 1``, each
-naming a record (the identity, or a seeded permutation when shuffling). The
-positions not yet read are a list of ranges ``[start, stop)``; a split cuts
-their concatenation into `count` contiguous shares, in process order, the
-first ``num_records % count`` shares one longer. Each process reads its share
-in order and keeps a cursor: how many of its share's positions are consumed.
-
-A resize appends ``(old_count, cursors)`` to the epoch's split history; the
-shares of the next job are the even split of what the old shares left. The
-history replays to the current split, so a state never lists records: it
-holds the history (a few ints per process per resize) and a cursor
-(`state.py` writes the history as compact JSON).
-
-A cursor may also be strided: a tuple ``(t_0, .., t_{W-1})`` says that share
-position ``i`` is consumed when ``i < t_{i % W}`` (what `W` workers that each
-read every `W`-th position, Grain's `mp_prefetch`, have consumed).
+An epoch's positions ``0 .. num_records - 1`` each name a record (the
+identity, or a seeded permutation when shuffling). A split cuts the positions
+not yet read, a list of ranges ``[start, stop)``, into `count` contiguous
+shares in process order, the first ``num_records % count`` one longer; each
+process keeps a cursor: how many of its share's positions are consumed, or,
+strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
+``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th).
+A resize appends ``(old_count, cursors)`` to the epoch's split history, which
+replays to the current split, so a state never lists records. Pure Python and
+NumPy.
 """
 
 from __future__ import annotations
@@ -111,8 +103,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
   """Every process's share of an epoch after `history`, split over `count` processes.
 
-  Cached (the caller must not change the lists): every process of one job asks
-  for the same split.
+  Cached, as every process of one job asks for the same split: do not change the lists.
   """
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
@@ -136,8 +127,7 @@ def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
 def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
   """The record at each position of `epoch` (None: the identity).
 
-  A seeded permutation when `shuffle` (NumPy's PCG64 on ``[seed, epoch]``):
-  the same on every host, for every process count.
+  When `shuffle`, a permutation seeded by ``[seed, epoch]``: the same on every host and count.
   """
   return _permutation(num_records, seed, epoch) if shuffle else None
 
@@ -147,19 +137,12 @@ FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epoc
 
 @dataclasses.dataclass(frozen=True)
 class EpochShares:
-  """One process's stream: its shares of epochs ``first_epoch .. num_epochs - 1``, in order.
+  """Process `index` of `count`'s stream: its shares of epochs ``first_epoch .. num_epochs - 1``.
 
-  With ``num_epochs=None`` the epochs go on forever: the epochs a resize
-  touched are listed (`epochs`), and every later one is this process's share
-  of a fresh split, one after another.
-
-  Attributes:
-    num_records: Records per epoch.
-    num_epochs: Epochs in all (None: forever).
-    first_epoch: The stream's first epoch.
-    splits: Each epoch's resize history (epochs not listed: no resize).
-    count: The process count.
-    index: This process.
+  `splits` holds each epoch's resize history (epochs not listed: no resize).
+  With ``num_epochs=None`` the epochs go on forever: those a resize touched
+  are listed (`epochs`), and every later one is this process's share of a
+  fresh split.
   """
 
   num_records: int
@@ -276,17 +259,8 @@ def resume(
   """The next job's (first epoch, splits) from every old process's shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
-  ``j < thresholds[p][j % len(thresholds[p])]`` (``(position,)``: a prefix).
-  The histories hold the old job; the next job's process count splits them.
-
-  Args:
-    olds: Each old process's shares of epochs, in process order (one job: the same
-      first epoch and splits).
-    thresholds: Each old process's stream thresholds.
-
-  Returns:
-    (first epoch, per-epoch histories) for `EpochShares`: every epoch some old
-    process had not finished gets the old job's cursors as a resize.
+  ``j < thresholds[p][j % len(thresholds[p])]``. Every epoch some old process
+  had not finished gets the old job's cursors as a resize.
   """
   spans = [old.epoch_span(t) for old, t in zip(olds, thresholds, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)

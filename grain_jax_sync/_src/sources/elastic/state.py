@@ -1,13 +1,10 @@
 """A process's elastic state as JSON: its split history and its cursor, checked on restore.
 
-`export` writes what `ElasticIterator.export_state` returns: the job's split
-(the process count, this process's index, each epoch's resize history), the
-consumed stream position (and each `mp_prefetch` worker's threshold), and
-Grain's own state for a resume on the same count. A resize's cursors are
-written compactly: ints (a short list as is, a long one as base64 of zlib'd
-deltas), or, strided, each cursor's width and all its thresholds.
-`check_source_state` reads one back, naming the field that does not fit.
-Pure Python and NumPy (no JAX, no Grain).
+`export` writes the job's split (process count, this process's index, each
+epoch's resize history, its cursors packed compactly), the consumed stream
+position (and each `mp_prefetch` worker's threshold), and Grain's own state
+for a resume on the same count; `check_source_state` reads one back, naming
+the field that does not fit. Pure Python and NumPy (no JAX, no Grain).
 """
 
 from __future__ import annotations
@@ -99,9 +96,7 @@ def export(
 ) -> dict:
   """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
-  `why_not`: why the cursor cannot be re-split (None: it can; see
-  `cursor.find_position`). ``position`` is the consumed prefix; ``strided`` the
-  thresholds of `mp_prefetch` workers, when there are several.
+  `why_not`: why the cursor cannot be re-split (None: it can).
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)

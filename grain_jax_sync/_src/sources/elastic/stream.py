@@ -1,21 +1,14 @@
 """One process's stream of an elastic source: a Grain pipeline over its share of each epoch.
 
-`open_stream` opens an `ElasticSource` on this process as ``_Stream`` (a
-`MapDataset` of its records, in the order of its share of each epoch,
-`split.EpochShares`) -> ``to_iter_dataset()`` -> ``_Cursor`` (tags the stream index
-in the state) -> the user's transform. Grain nests a parent's state in its
-iterators' states (map, filter and batch pass it up as it was after the last
-element they took), so the tag inside the state kept after each delivered
-batch is the exact consumed cursor as of that batch. Under `mp_prefetch`,
-each worker slices ``_Cursor`` (`set_slice`) and its tag says which stride of
-the stream it reads; Grain keeps each worker's state as of its last delivered
-element, so the host's cursor is one threshold per worker
-(`cursor.find_position`). Packing's state holds its parent's at the start of
-the packed batch it is emitting: exact once that batch is all delivered.
-`get_state()` copies Grain's state (as a Grain source does); the cursor is
-looked up only when a state is exported (`state.export`).
-
-Grain is imported when the source is opened.
+`open_stream` opens an `ElasticSource` as ``Stream`` (a `MapDataset` of this
+process's records in stream order, `split.EpochShares`) ->
+``to_iter_dataset()`` -> ``Cursor`` (tags the stream index in the state) ->
+the user's transform. Grain nests a parent's state in its iterators' states
+as it was after the last element they took, so the tag inside the state kept
+after each delivered batch is the consumed cursor as of that batch; under
+`mp_prefetch` each worker slices ``Cursor`` and the host's cursor is one
+threshold per worker (`cursor.find_position`). The cursor is looked up only
+when a state is exported. Grain is imported when the source is opened.
 """
 
 from __future__ import annotations
@@ -134,12 +127,7 @@ class _Snapshot:
 
 
 class ElasticIterator(base.WrappedIterator):
-  """One process's iterator over an `ElasticSource`.
-
-  Attributes:
-    spec: The source it opened.
-    num_records: Records per epoch.
-  """
+  """One process's iterator over an `ElasticSource` (`spec`) of `num_records` records an epoch."""
 
   supports_state = True
 
