@@ -25,10 +25,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import pickle
 import signal as signal_lib
 import socket
-import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -165,29 +163,6 @@ def _check_counts(
     )
 
 
-def _outcomes(
-  procs: list[subprocess.Popen[bytes]],
-  outputs: list[sim_processes.Output],
-  results: list[str],
-) -> list[ProcessOutcome]:
-  """One outcome per finished process, from its result file, exit code and log."""
-  outcomes = []
-  for i, (proc, output, result_path) in enumerate(zip(procs, outputs, results, strict=True)):
-    payload: dict[str, Any] = {}
-    if os.path.exists(result_path):
-      with open(result_path, "rb") as f:
-        payload = pickle.load(f)
-    outcomes.append(
-      ProcessOutcome(
-        process_index=i,
-        exit_code=proc.returncode,
-        log=sim_processes.tail(output.log_path),
-        **payload,
-      )
-    )
-  return outcomes
-
-
 def run_processes(
   fn: Callable[..., Any],
   *,
@@ -241,36 +216,34 @@ def run_processes(
   _check_counts(num_processes, devices_per_process, per_process_kwargs)
   _check_not_loading()
   signal_env = _signal_env(signal_at, num_processes)
-  spec = _function_spec(fn)
-  port = _free_port()
+  job = {
+    "fn": _function_spec(fn),
+    "args": tuple(args),
+    "num_processes": num_processes,
+    "coordinator": f"127.0.0.1:{_free_port()}",
+    "heartbeat_timeout_s": heartbeat_timeout_s,
+    "exit_barrier_timeout_s": exit_barrier_timeout_s,
+  }
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
-  procs: list[subprocess.Popen[bytes]] = []
-  outputs: list[sim_processes.Output] = []
-  results: list[str] = []
   base_env = sim_processes.process_env(env, devices_per_process)
+  processes = []
   for i in range(num_processes):
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
       kw.update(per_process_kwargs[i])
-    result_path = os.path.join(workdir, f"result_{i}.pkl")
-    job = {
-      "fn": spec,
-      "args": tuple(args),
-      "kwargs": kw,
-      "process_id": i,
-      "num_processes": num_processes,
-      "coordinator": f"127.0.0.1:{port}",
-      "heartbeat_timeout_s": heartbeat_timeout_s,
-      "exit_barrier_timeout_s": exit_barrier_timeout_s,
-      "result": result_path,
-    }
     proc_env = base_env if i not in signal_env else {**base_env, signal_at_lib.ENV: signal_env[i]}
-    proc, output = sim_processes.start(i, job, workdir, proc_env, echo=echo)
-    procs.append(proc)
-    outputs.append(output)
-    results.append(result_path)
-  sim_processes.wait_or_kill(procs, outputs, timeout_s)
-  return _outcomes(procs, outputs, results)
+    own = {**job, "kwargs": kw, "process_id": i}
+    processes.append(sim_processes.Process(i, own, workdir, proc_env, echo=echo))
+  sim_processes.wait_or_kill(processes, timeout_s)
+  return [
+    ProcessOutcome(
+      process_index=i,
+      exit_code=p.popen.returncode,
+      log=sim_processes.tail(p.log_path),
+      **p.result(),
+    )
+    for i, p in enumerate(processes)
+  ]
 
 
 def run_script(

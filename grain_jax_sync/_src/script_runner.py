@@ -34,14 +34,7 @@ class _Tee(io.TextIOBase):
 
 
 def run_as_main(path: str, argv: Sequence[str]) -> str:
-  """Runs the file `path` as ``__main__`` with `argv`; returns what it printed.
-
-  Args:
-    path: An absolute path to a Python file.
-    argv: Its command-line arguments (``sys.argv[1:]``).
-
-  Returns:
-    Everything the script wrote to ``sys.stdout``.
+  """Runs the file `path` (absolute) as ``__main__`` with `argv`; returns what it printed.
 
   Raises:
     RuntimeError: If the script exits with a non-zero status.
@@ -62,17 +55,10 @@ def run_as_main(path: str, argv: Sequence[str]) -> str:
 
 
 def resolve_function(target: str) -> Callable[..., Any]:
-  """Resolves ``module:function`` or ``path/to/file.py:function``.
+  """The module-level function that ``module:function`` or ``path/to/file.py:function`` names.
 
   A file is imported under a ``__gjs`` module name, so that
   `grain_jax_sync.testing.run_processes` imports it by path in every process.
-
-  Args:
-    target: A dotted module name or a Python file, a colon, and the name of
-      a module-level function in it.
-
-  Returns:
-    The function.
 
   Raises:
     ValueError: If `target` is malformed or names nothing callable.

@@ -8,6 +8,7 @@ file, waits for its peers at an exit barrier and leaves with ``os._exit``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -24,10 +25,7 @@ _SRC_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def _from_scenario(tb: types.TracebackType | None) -> types.TracebackType | None:
   """`tb` from the scenario's first frame on: without this worker's and runpy's frames."""
-  while tb is not None and (
-    tb.tb_frame.f_code.co_filename.startswith(_SRC_DIR)
-    or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
-  ):
+  while tb is not None and tb.tb_frame.f_code.co_filename.startswith((_SRC_DIR, "<frozen runpy>")):
     tb = tb.tb_next
   return tb
 
@@ -37,7 +35,6 @@ LOADING_ENV = "GRAIN_JAX_SYNC_SIM_LOADING"
 
 def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
   """Imports the scenario function named by `spec`, by module name or else by file path."""
-  obj: Any = None
   # `testing.run_processes` refuses to start processes while this is set: a
   # script that starts its run at import would start it again in every
   # process, and so on without end.
@@ -52,15 +49,12 @@ def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
 
 
 def _import(spec: Mapping[str, str]) -> Any:
-  obj: Any = None
   if "module" in spec:
     if spec["root"] not in sys.path:
       sys.path.insert(0, spec["root"])
-    try:
-      obj = importlib.import_module(spec["module"])
-    except ImportError:
-      obj = None
-  return import_file(spec["file"]) if obj is None else obj
+    with contextlib.suppress(ImportError):
+      return importlib.import_module(spec["module"])
+  return import_file(spec["file"])
 
 
 def import_file(path: str) -> types.ModuleType:
@@ -125,8 +119,6 @@ def run_job(job_path: str) -> None:
       client.wait_at_barrier(
         "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
       )
-      import jax  # pylint: disable=g-import-not-at-top
-
       jax.distributed.shutdown()
     except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
       pass
