@@ -51,52 +51,46 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
-  result: dict[str, Any] = {}
+  total = args.processes * demo.expected_batches(args.processes, args.batch_size)
+  bar = _Progress(total, "batches (all hosts)")
+  finished = threading.Event()
 
-  def run(progress_dir: str) -> None:
+  def show(progress_dir: str) -> None:
+    while not finished.wait(_PROGRESS_POLL_S):
+      bar.update(demo.read_progress(progress_dir, args.processes))
+
+  with tempfile.TemporaryDirectory() as progress_dir:
+    thread = threading.Thread(target=show, args=(progress_dir,), daemon=True)
+    thread.start()
     try:
-      result["outcomes"] = testing.run_processes(
+      return testing.run_processes(
         demo.demo_host,
         num_processes=args.processes,
         devices_per_process=args.devices,
         kwargs={"batch_size": args.batch_size, "progress_dir": progress_dir},
         timeout_s=args.timeout,
       )
-    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread.
-      result["error"] = e
-
-  total = args.processes * demo.expected_batches(args.processes, args.batch_size)
-  bar = _Progress(total, "batches (all hosts)")
-  with tempfile.TemporaryDirectory() as progress_dir:
-    thread = threading.Thread(target=run, args=(progress_dir,), daemon=True)
-    thread.start()
-    while thread.is_alive():
-      thread.join(_PROGRESS_POLL_S)
+    finally:
+      finished.set()
+      thread.join()
       bar.update(demo.read_progress(progress_dir, args.processes))
-    bar.close()
-  if "error" in result:
-    raise result["error"]
-  return result["outcomes"]
+      bar.close()
 
 
 def _print_stats(outcomes: list[Any]) -> None:
   """`JaxBatchIterator.stats()` of every host, as a table."""
   from grain_jax_sync._src import stats  # pylint: disable=g-import-not-at-top
 
-  rows = []
-  for o in outcomes:
-    found = [r["stats"] for r in o.value if "stats" in r] if o.ok else []
-    if found:
-      rows.append((o.process_index, found[0]))
+  rows = [(o.process_index, s) for o in outcomes if (s := _entry(o, "stats")) is not None]
   if not rows:
     return
   print("\nstats() per host (seconds are each stage's own time):")
   _print_table(rows, stats.FIELDS)
   # The cross-host view, as the last host (a follower of process 0's decisions) sees it.
   last = outcomes[-1]
-  job = [r["job"] for r in last.value if "job" in r] if last.ok else []
-  if job:
-    slowest = job[0]["slowest"]
+  job = _entry(last, "job")
+  if job is not None:
+    slowest = job["slowest"]
     which = (
       "no host slowest by source time at 0.1 ms"
       if slowest is None
@@ -104,8 +98,13 @@ def _print_stats(outcomes: list[Any]) -> None:
     )
     print(f"\nstats(all_hosts=True) on host {last.process_index} ({which}):")
     _print_table(
-      [(h["process_index"], h) for h in job[0]["hosts"]], (*stats.FIELDS, "padding_fraction")
+      [(h["process_index"], h) for h in job["hosts"]], (*stats.FIELDS, "padding_fraction")
     )
+
+
+def _entry(outcome: Any, key: str) -> Any:
+  """The first `key` entry of a demo host's rows; None if it failed or has none."""
+  return next((r[key] for r in outcome.value if key in r), None) if outcome.ok else None
 
 
 def _print_table(rows: list[tuple[int, dict[str, Any]]], fields: Sequence[str]) -> None:
@@ -221,13 +220,6 @@ def _signal_at(text: str) -> Any:
     ) from None
 
 
-def _print_failure(o: Any) -> None:
-  print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
-  if o.traceback:
-    for line in o.traceback.rstrip("\n").splitlines():
-      print(f"[process {o.process_index}] {line}")
-
-
 def _simulate(args: argparse.Namespace) -> int:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import script_runner  # pylint: disable=g-import-not-at-top
@@ -251,7 +243,9 @@ def _simulate(args: argparse.Namespace) -> int:
       elif o.error_type is None:
         print(f"== process {o.process_index}: FAILED: exit code {o.exit_code} ==")
       else:
-        _print_failure(o)
+        print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
+        for line in (o.traceback or "").rstrip("\n").splitlines():
+          print(f"[process {o.process_index}] {line}")
     return 0 if all(o.ok for o in outcomes) else 1
   kwargs = {}
   for arg in args.args:
