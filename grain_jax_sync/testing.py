@@ -72,18 +72,17 @@ class ProcessOutcome:
 class SignalAt:
   """A signal that one process sends itself once it has received a given batch.
 
-  Under `run_processes(signal_at=...)` (and ``simulate --signal``), the
-  process's iterator, right after `next()` has delivered the batch that
-  makes its position `after_batch` (``get_state()["batches"] ==
-  after_batch``), sends `signal` to its own process, once: the first
-  iterator of that process to get there does. A handler the scenario
-  installed with ``signal.signal`` runs then, as when a scheduler's notice
-  arrives in a training loop; without one, the signal's default action
-  applies (SIGTERM ends the process, its outcome's ``exit_code`` is -15;
-  after ``jax.distributed.initialize`` JAX's preemption notifier has taken
-  SIGTERM instead). A handler that raises (SIGINT's KeyboardInterrupt)
-  raises from that `next()`: batch `after_batch` is then in the state but
-  never returned. Other processes are not signalled.
+  Under `run_processes(signal_at=...)` (and ``simulate --signal``), the first
+  iterator of `process` to deliver the batch that makes its position
+  `after_batch` (``get_state()["batches"] == after_batch``) sends `signal` to
+  its own process right after that `next()`, once; no other process is
+  signalled. A handler the scenario installed with ``signal.signal`` runs
+  then, as when a scheduler's notice arrives in a training loop; without one,
+  the signal's default action applies (SIGTERM ends the process, its
+  outcome's ``exit_code`` is -15; after ``jax.distributed.initialize`` JAX's
+  preemption notifier has taken SIGTERM instead). A handler that raises
+  (SIGINT's KeyboardInterrupt) raises from that `next()`: batch `after_batch`
+  is then in the state but never returned.
 
   Attributes:
     process: The process index that gets the signal.
@@ -135,24 +134,12 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   return {"module": module, "root": root, "file": path, "qualname": qualname}
 
 
-def _check_not_loading() -> None:
-  """Refuses a run started while a simulated process imports the scenario's file."""
-  loading = os.environ.get(sim_worker.LOADING_ENV)
-  if loading is not None:
-    raise RuntimeError(
-      f"run_processes() was called while a simulated process imported {loading!r}"
-      " to find the function to run: that file starts its run when imported, so"
-      " every process would start it again. Put the file's top-level code under"
-      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
-    )
-
-
-def _check_counts(
+def _check_run(
   num_processes: int,
   devices_per_process: int,
   per_process_kwargs: Sequence[Mapping[str, Any]] | None,
 ) -> None:
-  """Raises ValueError for a bad process count, device count or kwargs list."""
+  """Raises ValueError for a bad count or kwargs list; RuntimeError for a run while loading."""
   if num_processes < 1:
     raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
   if devices_per_process < 1:
@@ -160,6 +147,15 @@ def _check_counts(
   if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
     raise ValueError(
       f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
+    )
+  # A run started while a simulated process imports the scenario's file.
+  loading = os.environ.get(sim_worker.LOADING_ENV)
+  if loading is not None:
+    raise RuntimeError(
+      f"run_processes() was called while a simulated process imported {loading!r}"
+      " to find the function to run: that file starts its run when imported, so"
+      " every process would start it again. Put the file's top-level code under"
+      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
     )
 
 
@@ -213,8 +209,7 @@ def run_processes(
     RuntimeError: When called while a simulated process imports the file of
       a scenario (a script with no ``if __name__ == "__main__":`` guard).
   """
-  _check_counts(num_processes, devices_per_process, per_process_kwargs)
-  _check_not_loading()
+  _check_run(num_processes, devices_per_process, per_process_kwargs)
   signal_env = _signal_env(signal_at, num_processes)
   job = {
     "fn": _function_spec(fn),

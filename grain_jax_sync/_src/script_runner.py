@@ -1,8 +1,4 @@
-"""What `simulate` runs: a script as ``__main__``, or ``module:function``.
-
-The child side (`run_as_main`) runs inside a process of
-`grain_jax_sync.testing.run_processes`, after ``jax.distributed.initialize``.
-"""
+"""What `simulate` runs: a script as ``__main__`` (`run_as_main`, in every process), or ``module:function``."""
 
 from __future__ import annotations
 

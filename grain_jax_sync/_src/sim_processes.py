@@ -49,10 +49,8 @@ def process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict
 class Process:
   """One simulated host: its job file, its interpreter, its output and its result.
 
-  One thread per stream reads the pipe a line at a time (a blocking read)
-  and appends it to the log file, in the order the lines arrive. With
-  `echo`, each line is also printed, labelled ``[process i]``, to this
-  process's stdout or stderr, whichever the line was written to.
+  One thread per stream appends each line, as it arrives, to the log file;
+  with `echo`, also to this process's stdout or stderr, labelled ``[process i]``.
   """
 
   def __init__(
@@ -137,23 +135,20 @@ def wait_or_kill(processes: Sequence[Process], timeout_s: float) -> None:
   """Waits for every process; past `timeout_s` kills them all and raises TimeoutError."""
   deadline = time.monotonic() + timeout_s
   timed_out = False
-  for p in processes:
-    try:
+  try:
+    for p in processes:
       p.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      break
-  if timed_out:
+  except subprocess.TimeoutExpired:
+    timed_out = True
     for p in processes:
       p.kill()
   for p in processes:
     p.finish()
-  if not timed_out:
-    return
-  tails = "\n".join(
-    f"--- process {i} (exit {p.popen.returncode}) ---\n{tail(p.log_path, 2000)}"
-    for i, p in enumerate(processes)
-  )
-  raise TimeoutError(
-    f"{len(processes)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
-  )
+  if timed_out:
+    tails = "\n".join(
+      f"--- process {i} (exit {p.popen.returncode}) ---\n{tail(p.log_path, 2000)}"
+      for i, p in enumerate(processes)
+    )
+    raise TimeoutError(
+      f"{len(processes)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
+    )

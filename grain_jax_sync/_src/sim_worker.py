@@ -1,9 +1,7 @@
 """What each process of `grain_jax_sync.testing.run_processes` runs.
 
-``python -m grain_jax_sync._src.sim_worker JOB`` reads the pickled job, joins
-its peers with ``jax.distributed.initialize`` (gloo CPU collectives), imports
-and runs the scenario, writes what it returned or raised to the job's result
-file, waits for its peers at an exit barrier and leaves with ``os._exit``.
+``python -m grain_jax_sync._src.sim_worker JOB`` joins its peers (gloo CPU
+collectives), runs the scenario and writes what it returned or raised.
 """
 
 from __future__ import annotations
@@ -111,7 +109,7 @@ def run_job(job_path: str) -> None:
     # Leave together: a process that exits while a peer is still inside a gloo
     # collective resets the peer's connection, and process 0 hosts the
     # coordination service that the others need until they shut down.
-    try:
+    with contextlib.suppress(Exception):  # A peer died: nothing to wait for.
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
       client = distributed.global_state.client
@@ -120,8 +118,6 @@ def run_job(job_path: str) -> None:
         "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
       )
       jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
-      pass
   # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
   # was killed would hold every other process there for the shutdown timeout.
   os._exit(0)
