@@ -33,13 +33,12 @@ class _Progress:
       self._bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
 
   def update(self, done: int) -> None:
-    if done <= self._done:
-      return
-    if self._bar is not None:
-      self._bar.update(done - self._done)
-    else:
-      print(f"{self._desc}: {done}/{self._total}", file=sys.stderr, flush=True)
-    self._done = done
+    if done > self._done:
+      if self._bar is None:
+        print(f"{self._desc}: {done}/{self._total}", file=sys.stderr, flush=True)
+      else:
+        self._bar.update(done - self._done)
+      self._done = done
 
   def close(self) -> None:
     if self._bar is not None:
@@ -131,18 +130,16 @@ def _demo(args: argparse.Namespace) -> int:
       failed = True
       print(f"FAILED: {o.error_type}: {o.error_message}\n{o.log[-2000:]}")
       continue
-    for row in o.value:
-      if "stats" in row or "job" in row:
-        continue
-      if "state" in row:
+    for row in o.value:  # Its batches, then its state, stats() and stats(all_hosts=True).
+      if "batch" in row:
+        print(
+          f"  batch {row['batch']}: global {row['global_shape']} features"
+          f" {row['features_dtype']}; this host: {row['local_real_rows']} real +"
+          f" {row['local_padded_rows']} padded rows; global mask sum"
+          f" {row['global_mask_sum']}"
+        )
+      elif "state" in row:
         print(f"  resume state after the last batch: {json.dumps(row['state'])}")
-        continue
-      print(
-        f"  batch {row['batch']}: global {row['global_shape']} features"
-        f" {row['features_dtype']}; this host: {row['local_real_rows']} real +"
-        f" {row['local_padded_rows']} padded rows; global mask sum"
-        f" {row['global_mask_sum']}"
-      )
   if not failed:
     counts = {len([r for r in o.value if "batch" in r]) for o in outcomes}
     seen = sorted(i for r in outcomes[0].value if "batch" in r for i in r["real_ids"])
@@ -161,7 +158,7 @@ def _doctor(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
   import grain_jax_sync  # pylint: disable=g-import-not-at-top
-  from grain_jax_sync._src import exchange  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import exchange, placement  # pylint: disable=g-import-not-at-top
 
   print(f"grain_jax_sync {grain_jax_sync.__version__}, Python {platform.python_version()}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
@@ -174,7 +171,13 @@ def _doctor(args: argparse.Namespace) -> int:
   for mod in ("grain", "tensorflow", "tensorflow_datasets", "orbax.checkpoint", "ml_dtypes"):
     found = importlib.util.find_spec(mod.split(".")[0]) is not None
     print(f"  {mod}: {'installed' if found else 'not installed'}")
-  _print_mesh_choice()
+  order, reason = placement.default_device_order(jax.devices())
+  ids = [d.id for d in order]
+  shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
+  slices = placement.slice_indices(order)
+  print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
+  print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
+  print(f"batches go to: {placement.resolve_placement().describe()}")
   return 0
 
 
@@ -184,20 +187,6 @@ def _parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
-
-
-def _print_mesh_choice() -> None:
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
-
-  order, reason = placement.default_device_order(jax.devices())
-  ids = [d.id for d in order]
-  shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
-  slices = placement.slice_indices(order)
-  print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
-  print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
-  print(f"batches go to: {placement.resolve_placement().describe()}")
 
 
 def _signal_at(text: str) -> Any:
@@ -246,19 +235,19 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
         for line in (o.traceback or "").rstrip("\n").splitlines():
           print(f"[process {o.process_index}] {line}")
-    return 0 if all(o.ok for o in outcomes) else 1
-  kwargs = {}
-  for arg in args.args:
-    name, sep, value = arg.partition("=")
-    if not sep:
-      print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
-      return 2
-    kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
-  fn = script_runner.resolve_function(args.target)
-  outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
-  for o in outcomes:
-    status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"
-    print(f"process {o.process_index}: {status}; value={o.value!r}")
+  else:
+    kwargs = {}
+    for arg in args.args:
+      name, sep, value = arg.partition("=")
+      if not sep:
+        print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
+        return 2
+      kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
+    fn = script_runner.resolve_function(args.target)
+    outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
+    for o in outcomes:
+      status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"
+      print(f"process {o.process_index}: {status}; value={o.value!r}")
   return 0 if all(o.ok for o in outcomes) else 1
 
 
@@ -275,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
   demo.add_argument("--batch-size", type=int, default=8, help="rows per host per batch")
   demo.add_argument("--timeout", type=float, default=300.0, help="seconds before it is stopped")
   demo.set_defaults(fn=_demo)
-  doctor = sub.add_parser("doctor", help="what this machine offers")
-  doctor.set_defaults(fn=_doctor)
+  sub.add_parser("doctor", help="what this machine offers").set_defaults(fn=_doctor)
   sim = sub.add_parser(
     "simulate",
     allow_abbrev=False,
