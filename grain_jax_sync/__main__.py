@@ -18,31 +18,30 @@ from typing import Any
 _PROGRESS_POLL_S = 0.1
 
 
-class _Progress:
-  """A tqdm bar on stderr, or plain-text lines where tqdm is not installed."""
+def _show_progress(progress_dir: str, processes: int, total: int, ended: threading.Event) -> None:
+  """Shows the demo hosts' batches, summed, until `ended`: tqdm on stderr, else plain lines."""
+  from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
-  def __init__(self, total: int, desc: str):
-    self._done = 0
-    self._total = total
-    self._desc = desc
-    try:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      self._bar = None
-    else:
-      self._bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
-
-  def update(self, done: int) -> None:
-    if done > self._done:
-      if self._bar is None:
-        print(f"{self._desc}: {done}/{self._total}", file=sys.stderr, flush=True)
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    bar = None
+  else:
+    bar = tqdm(total=total, desc="batches (all hosts)", unit="batch", leave=True)
+  shown = 0
+  while True:
+    last = ended.wait(_PROGRESS_POLL_S)  # Once it has ended, one more read shows the end.
+    done = demo.read_progress(progress_dir, processes)
+    if done > shown:
+      if bar is None:
+        print(f"batches (all hosts): {done}/{total}", file=sys.stderr, flush=True)
       else:
-        self._bar.update(done - self._done)
-      self._done = done
-
-  def close(self) -> None:
-    if self._bar is not None:
-      self._bar.close()
+        bar.update(done - shown)
+      shown = done
+    if last:
+      break
+  if bar is not None:
+    bar.close()
 
 
 def _run_with_progress(args: argparse.Namespace) -> list[Any]:
@@ -51,16 +50,12 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
   from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
   total = args.processes * demo.expected_batches(args.processes, args.batch_size)
-  bar = _Progress(total, "batches (all hosts)")
-  finished = threading.Event()
-
-  def show(progress_dir: str) -> None:
-    while not finished.wait(_PROGRESS_POLL_S):
-      bar.update(demo.read_progress(progress_dir, args.processes))
-
+  ended = threading.Event()
   with tempfile.TemporaryDirectory() as progress_dir:
-    thread = threading.Thread(target=show, args=(progress_dir,), daemon=True)
-    thread.start()
+    progress = threading.Thread(
+      target=_show_progress, args=(progress_dir, args.processes, total, ended), daemon=True
+    )
+    progress.start()
     try:
       return testing.run_processes(
         demo.demo_host,
@@ -70,10 +65,8 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
         timeout_s=args.timeout,
       )
     finally:
-      finished.set()
-      thread.join()
-      bar.update(demo.read_progress(progress_dir, args.processes))
-      bar.close()
+      ended.set()
+      progress.join()
 
 
 def _print_stats(outcomes: list[Any]) -> None:
