@@ -77,16 +77,15 @@ class Options:
       every host within about ``decide_ahead_s + (prefetch_batches + 1)``
       steps + 1 s; the store is called about twice per `decide_ahead_s`
       whatever the step time (docs/guarantees.md, Endings).
-    prefetch_batches: Batches prepared ahead in a background thread (0: none).
-      Default 2.
+    prefetch_batches: Batches prepared ahead in a background thread (0: none;
+      default 2).
     sync_timeout_s: Seconds (default 600) to wait for a live peer (one whose
       liveness beat goes on: a slow source, a long checkpoint save or
       compile) before every process raises `PeerTimeoutError` naming it. A
       dead peer (no beat for 8 s) is named within about 10 s whatever this is.
     name: Names the exchange keys; needed only when processes do not create
       their iterators in the same order. Iterators of one name are counted
-      (a new one each epoch is fine): every process creates as many. Default
-      None.
+      (a new one each epoch is fine): every process creates as many. Default None.
     pad_shapes: The dims (>= 1) whose sizes may differ across hosts and
       batches: a dict of column name (or prefix) to a dim or a tuple of dims
       (``{"tokens": 1}``), or a dim (tuple) for a bare-array batch. At each
@@ -184,14 +183,12 @@ def make(
   Args:
     function: The entry point, for messages (``"iter_jax_batches"``, ...).
     keywords: Its keyword options, under their public names (`Keywords`).
-    process_count: The processes of the job (`pad_shapes` needs agreement
-      on several).
+    process_count: The job's process count (`pad_shapes` needs agreement on several).
     **fixed: Options that `function` sets itself (`device_put`:
       `prefetch_batches` and `read_ahead`); a caller may not pass them.
 
   Raises:
-    TypeError: For a keyword that is not an option of `function`, as Python
-      words it.
+    TypeError: For a keyword that is not an option of `function`, as Python words it.
     ValueError: Naming the argument and the value.
   """
   for key in keywords:

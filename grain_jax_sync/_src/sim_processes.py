@@ -72,18 +72,16 @@ class Process:
     self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed by `finish`.
     self._lock = threading.Lock()
     self._prefix = f"[process {index}] "
-    streams = ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr"))
-    self._threads = [
-      threading.Thread(
+    self._threads = []
+    for pipe, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
+      thread = threading.Thread(
         target=self._relay,
         args=(pipe, name if echo else None),
         name=f"grain_jax_sync.testing-{index}-{name}",
         daemon=True,
       )
-      for pipe, name in streams
-    ]
-    for thread in self._threads:
       thread.start()
+      self._threads.append(thread)
 
   def _relay(self, pipe: IO[bytes], sink: str | None) -> None:
     with pipe:
