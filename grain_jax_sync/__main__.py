@@ -18,32 +18,30 @@ from typing import Any
 _PROGRESS_POLL_S = 0.1
 
 
-class _Progress:
-  """A tqdm bar on stderr, or plain-text lines where tqdm is not installed."""
+def _show_progress(progress_dir: str, processes: int, total: int, ended: threading.Event) -> None:
+  """Shows the demo hosts' batches, summed, until `ended`: tqdm on stderr, else plain lines."""
+  from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
-  def __init__(self, total: int, desc: str):
-    self._done = 0
-    self._total = total
-    self._desc = desc
-    try:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      self._bar = None
-    else:
-      self._bar = tqdm(total=total, desc=desc, unit="batch", leave=True)
-
-  def update(self, done: int) -> None:
-    if done <= self._done:
-      return
-    if self._bar is not None:
-      self._bar.update(done - self._done)
-    else:
-      print(f"{self._desc}: {done}/{self._total}", file=sys.stderr, flush=True)
-    self._done = done
-
-  def close(self) -> None:
-    if self._bar is not None:
-      self._bar.close()
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    bar = None
+  else:
+    bar = tqdm(total=total, desc="batches (all hosts)", unit="batch", leave=True)
+  shown = 0
+  while True:
+    last = ended.wait(_PROGRESS_POLL_S)  # Once it has ended, one more read shows the end.
+    done = demo.read_progress(progress_dir, processes)
+    if done > shown:
+      if bar is None:
+        print(f"batches (all hosts): {done}/{total}", file=sys.stderr, flush=True)
+      else:
+        bar.update(done - shown)
+      shown = done
+    if last:
+      break
+  if bar is not None:
+    bar.close()
 
 
 def _run_with_progress(args: argparse.Namespace) -> list[Any]:
@@ -51,52 +49,40 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
 
-  result: dict[str, Any] = {}
-
-  def run(progress_dir: str) -> None:
+  total = args.processes * demo.expected_batches(args.processes, args.batch_size)
+  ended = threading.Event()
+  with tempfile.TemporaryDirectory() as progress_dir:
+    progress = threading.Thread(
+      target=_show_progress, args=(progress_dir, args.processes, total, ended), daemon=True
+    )
+    progress.start()
     try:
-      result["outcomes"] = testing.run_processes(
+      return testing.run_processes(
         demo.demo_host,
         num_processes=args.processes,
         devices_per_process=args.devices,
         kwargs={"batch_size": args.batch_size, "progress_dir": progress_dir},
         timeout_s=args.timeout,
       )
-    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread.
-      result["error"] = e
-
-  total = args.processes * demo.expected_batches(args.processes, args.batch_size)
-  bar = _Progress(total, "batches (all hosts)")
-  with tempfile.TemporaryDirectory() as progress_dir:
-    thread = threading.Thread(target=run, args=(progress_dir,), daemon=True)
-    thread.start()
-    while thread.is_alive():
-      thread.join(_PROGRESS_POLL_S)
-      bar.update(demo.read_progress(progress_dir, args.processes))
-    bar.close()
-  if "error" in result:
-    raise result["error"]
-  return result["outcomes"]
+    finally:
+      ended.set()
+      progress.join()
 
 
 def _print_stats(outcomes: list[Any]) -> None:
   """`JaxBatchIterator.stats()` of every host, as a table."""
   from grain_jax_sync._src import stats  # pylint: disable=g-import-not-at-top
 
-  rows = []
-  for o in outcomes:
-    found = [r["stats"] for r in o.value if "stats" in r] if o.ok else []
-    if found:
-      rows.append((o.process_index, found[0]))
+  rows = [(o.process_index, s) for o in outcomes if (s := _entry(o, "stats")) is not None]
   if not rows:
     return
   print("\nstats() per host (seconds are each stage's own time):")
   _print_table(rows, stats.FIELDS)
   # The cross-host view, as the last host (a follower of process 0's decisions) sees it.
   last = outcomes[-1]
-  job = [r["job"] for r in last.value if "job" in r] if last.ok else []
-  if job:
-    slowest = job[0]["slowest"]
+  job = _entry(last, "job")
+  if job is not None:
+    slowest = job["slowest"]
     which = (
       "no host slowest by source time at 0.1 ms"
       if slowest is None
@@ -104,8 +90,13 @@ def _print_stats(outcomes: list[Any]) -> None:
     )
     print(f"\nstats(all_hosts=True) on host {last.process_index} ({which}):")
     _print_table(
-      [(h["process_index"], h) for h in job[0]["hosts"]], (*stats.FIELDS, "padding_fraction")
+      [(h["process_index"], h) for h in job["hosts"]], (*stats.FIELDS, "padding_fraction")
     )
+
+
+def _entry(outcome: Any, key: str) -> Any:
+  """The first `key` entry of a demo host's rows; None if it failed or has none."""
+  return next((r[key] for r in outcome.value if key in r), None) if outcome.ok else None
 
 
 def _print_table(rows: list[tuple[int, dict[str, Any]]], fields: Sequence[str]) -> None:
@@ -132,18 +123,16 @@ def _demo(args: argparse.Namespace) -> int:
       failed = True
       print(f"FAILED: {o.error_type}: {o.error_message}\n{o.log[-2000:]}")
       continue
-    for row in o.value:
-      if "stats" in row or "job" in row:
-        continue
-      if "state" in row:
+    for row in o.value:  # Its batches, then its state, stats() and stats(all_hosts=True).
+      if "batch" in row:
+        print(
+          f"  batch {row['batch']}: global {row['global_shape']} features"
+          f" {row['features_dtype']}; this host: {row['local_real_rows']} real +"
+          f" {row['local_padded_rows']} padded rows; global mask sum"
+          f" {row['global_mask_sum']}"
+        )
+      elif "state" in row:
         print(f"  resume state after the last batch: {json.dumps(row['state'])}")
-        continue
-      print(
-        f"  batch {row['batch']}: global {row['global_shape']} features"
-        f" {row['features_dtype']}; this host: {row['local_real_rows']} real +"
-        f" {row['local_padded_rows']} padded rows; global mask sum"
-        f" {row['global_mask_sum']}"
-      )
   if not failed:
     counts = {len([r for r in o.value if "batch" in r]) for o in outcomes}
     seen = sorted(i for r in outcomes[0].value if "batch" in r for i in r["real_ids"])
@@ -162,7 +151,7 @@ def _doctor(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
   import grain_jax_sync  # pylint: disable=g-import-not-at-top
-  from grain_jax_sync._src import exchange  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import exchange, placement  # pylint: disable=g-import-not-at-top
 
   print(f"grain_jax_sync {grain_jax_sync.__version__}, Python {platform.python_version()}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
@@ -175,7 +164,13 @@ def _doctor(args: argparse.Namespace) -> int:
   for mod in ("grain", "tensorflow", "tensorflow_datasets", "orbax.checkpoint", "ml_dtypes"):
     found = importlib.util.find_spec(mod.split(".")[0]) is not None
     print(f"  {mod}: {'installed' if found else 'not installed'}")
-  _print_mesh_choice()
+  order, reason = placement.default_device_order(jax.devices())
+  ids = [d.id for d in order]
+  shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
+  slices = placement.slice_indices(order)
+  print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
+  print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
+  print(f"batches go to: {placement.resolve_placement().describe()}")
   return 0
 
 
@@ -185,20 +180,6 @@ def _parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
-
-
-def _print_mesh_choice() -> None:
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
-
-  order, reason = placement.default_device_order(jax.devices())
-  ids = [d.id for d in order]
-  shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
-  slices = placement.slice_indices(order)
-  print(f"default mesh: 1-D 'data' axis over {len(order)} devices; {reason}")
-  print(f"  device ids in mesh order: [{shown}]; slices: {slices or 'none reported'}")
-  print(f"batches go to: {placement.resolve_placement().describe()}")
 
 
 def _signal_at(text: str) -> Any:
@@ -219,13 +200,6 @@ def _signal_at(text: str) -> Any:
     raise argparse.ArgumentTypeError(
       f"expected PROCESS:SIGNAL:BATCH such as 1:SIGTERM:5, got {text!r}"
     ) from None
-
-
-def _print_failure(o: Any) -> None:
-  print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
-  if o.traceback:
-    for line in o.traceback.rstrip("\n").splitlines():
-      print(f"[process {o.process_index}] {line}")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -251,20 +225,22 @@ def _simulate(args: argparse.Namespace) -> int:
       elif o.error_type is None:
         print(f"== process {o.process_index}: FAILED: exit code {o.exit_code} ==")
       else:
-        _print_failure(o)
-    return 0 if all(o.ok for o in outcomes) else 1
-  kwargs = {}
-  for arg in args.args:
-    name, sep, value = arg.partition("=")
-    if not sep:
-      print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
-      return 2
-    kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
-  fn = script_runner.resolve_function(args.target)
-  outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
-  for o in outcomes:
-    status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"
-    print(f"process {o.process_index}: {status}; value={o.value!r}")
+        print(f"== process {o.process_index}: FAILED: {o.error_type}: {o.error_message} ==")
+        for line in (o.traceback or "").rstrip("\n").splitlines():
+          print(f"[process {o.process_index}] {line}")
+  else:
+    kwargs = {}
+    for arg in args.args:
+      name, sep, value = arg.partition("=")
+      if not sep:
+        print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
+        return 2
+      kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
+    fn = script_runner.resolve_function(args.target)
+    outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
+    for o in outcomes:
+      status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"
+      print(f"process {o.process_index}: {status}; value={o.value!r}")
   return 0 if all(o.ok for o in outcomes) else 1
 
 
@@ -281,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
   demo.add_argument("--batch-size", type=int, default=8, help="rows per host per batch")
   demo.add_argument("--timeout", type=float, default=300.0, help="seconds before it is stopped")
   demo.set_defaults(fn=_demo)
-  doctor = sub.add_parser("doctor", help="what this machine offers")
-  doctor.set_defaults(fn=_doctor)
+  sub.add_parser("doctor", help="what this machine offers").set_defaults(fn=_doctor)
   sim = sub.add_parser(
     "simulate",
     allow_abbrev=False,

@@ -25,10 +25,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import pickle
 import signal as signal_lib
 import socket
-import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -74,18 +72,17 @@ class ProcessOutcome:
 class SignalAt:
   """A signal that one process sends itself once it has received a given batch.
 
-  Under `run_processes(signal_at=...)` (and ``simulate --signal``), the
-  process's iterator, right after `next()` has delivered the batch that
-  makes its position `after_batch` (``get_state()["batches"] ==
-  after_batch``), sends `signal` to its own process, once: the first
-  iterator of that process to get there does. A handler the scenario
-  installed with ``signal.signal`` runs then, as when a scheduler's notice
-  arrives in a training loop; without one, the signal's default action
-  applies (SIGTERM ends the process, its outcome's ``exit_code`` is -15;
-  after ``jax.distributed.initialize`` JAX's preemption notifier has taken
-  SIGTERM instead). A handler that raises (SIGINT's KeyboardInterrupt)
-  raises from that `next()`: batch `after_batch` is then in the state but
-  never returned. Other processes are not signalled.
+  Under `run_processes(signal_at=...)` (and ``simulate --signal``), the first
+  iterator of `process` to deliver the batch that makes its position
+  `after_batch` (``get_state()["batches"] == after_batch``) sends `signal` to
+  its own process right after that `next()`, once; no other process is
+  signalled. A handler the scenario installed with ``signal.signal`` runs
+  then, as when a scheduler's notice arrives in a training loop; without one,
+  the signal's default action applies (SIGTERM ends the process, its
+  outcome's ``exit_code`` is -15; after ``jax.distributed.initialize`` JAX's
+  preemption notifier has taken SIGTERM instead). A handler that raises
+  (SIGINT's KeyboardInterrupt) raises from that `next()`: batch `after_batch`
+  is then in the state but never returned.
 
   Attributes:
     process: The process index that gets the signal.
@@ -137,24 +134,12 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   return {"module": module, "root": root, "file": path, "qualname": qualname}
 
 
-def _check_not_loading() -> None:
-  """Refuses a run started while a simulated process imports the scenario's file."""
-  loading = os.environ.get(sim_worker.LOADING_ENV)
-  if loading is not None:
-    raise RuntimeError(
-      f"run_processes() was called while a simulated process imported {loading!r}"
-      " to find the function to run: that file starts its run when imported, so"
-      " every process would start it again. Put the file's top-level code under"
-      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
-    )
-
-
-def _check_counts(
+def _check_run(
   num_processes: int,
   devices_per_process: int,
   per_process_kwargs: Sequence[Mapping[str, Any]] | None,
 ) -> None:
-  """Raises ValueError for a bad process count, device count or kwargs list."""
+  """Raises ValueError for a bad count or kwargs list; RuntimeError for a run while loading."""
   if num_processes < 1:
     raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
   if devices_per_process < 1:
@@ -163,29 +148,15 @@ def _check_counts(
     raise ValueError(
       f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
     )
-
-
-def _outcomes(
-  procs: list[subprocess.Popen[bytes]],
-  outputs: list[sim_processes.Output],
-  results: list[str],
-) -> list[ProcessOutcome]:
-  """One outcome per finished process, from its result file, exit code and log."""
-  outcomes = []
-  for i, (proc, output, result_path) in enumerate(zip(procs, outputs, results, strict=True)):
-    payload: dict[str, Any] = {}
-    if os.path.exists(result_path):
-      with open(result_path, "rb") as f:
-        payload = pickle.load(f)
-    outcomes.append(
-      ProcessOutcome(
-        process_index=i,
-        exit_code=proc.returncode,
-        log=sim_processes.tail(output.log_path),
-        **payload,
-      )
+  # A run started while a simulated process imports the scenario's file.
+  loading = os.environ.get(sim_worker.LOADING_ENV)
+  if loading is not None:
+    raise RuntimeError(
+      f"run_processes() was called while a simulated process imported {loading!r}"
+      " to find the function to run: that file starts its run when imported, so"
+      " every process would start it again. Put the file's top-level code under"
+      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
     )
-  return outcomes
 
 
 def run_processes(
@@ -238,39 +209,36 @@ def run_processes(
     RuntimeError: When called while a simulated process imports the file of
       a scenario (a script with no ``if __name__ == "__main__":`` guard).
   """
-  _check_counts(num_processes, devices_per_process, per_process_kwargs)
-  _check_not_loading()
+  _check_run(num_processes, devices_per_process, per_process_kwargs)
   signal_env = _signal_env(signal_at, num_processes)
-  spec = _function_spec(fn)
-  port = _free_port()
+  job = {
+    "fn": _function_spec(fn),
+    "args": tuple(args),
+    "num_processes": num_processes,
+    "coordinator": f"127.0.0.1:{_free_port()}",
+    "heartbeat_timeout_s": heartbeat_timeout_s,
+    "exit_barrier_timeout_s": exit_barrier_timeout_s,
+  }
   workdir = tempfile.mkdtemp(prefix="gjs_sim_")
-  procs: list[subprocess.Popen[bytes]] = []
-  outputs: list[sim_processes.Output] = []
-  results: list[str] = []
   base_env = sim_processes.process_env(env, devices_per_process)
+  processes = []
   for i in range(num_processes):
     kw = dict(kwargs or {})
     if per_process_kwargs is not None:
       kw.update(per_process_kwargs[i])
-    result_path = os.path.join(workdir, f"result_{i}.pkl")
-    job = {
-      "fn": spec,
-      "args": tuple(args),
-      "kwargs": kw,
-      "process_id": i,
-      "num_processes": num_processes,
-      "coordinator": f"127.0.0.1:{port}",
-      "heartbeat_timeout_s": heartbeat_timeout_s,
-      "exit_barrier_timeout_s": exit_barrier_timeout_s,
-      "result": result_path,
-    }
     proc_env = base_env if i not in signal_env else {**base_env, signal_at_lib.ENV: signal_env[i]}
-    proc, output = sim_processes.start(i, job, workdir, proc_env, echo=echo)
-    procs.append(proc)
-    outputs.append(output)
-    results.append(result_path)
-  sim_processes.wait_or_kill(procs, outputs, timeout_s)
-  return _outcomes(procs, outputs, results)
+    own = {**job, "kwargs": kw, "process_id": i}
+    processes.append(sim_processes.Process(i, own, workdir, proc_env, echo=echo))
+  sim_processes.wait_or_kill(processes, timeout_s)
+  return [
+    ProcessOutcome(
+      process_index=i,
+      exit_code=p.popen.returncode,
+      log=sim_processes.tail(p.log_path),
+      **p.result(),
+    )
+    for i, p in enumerate(processes)
+  ]
 
 
 def run_script(

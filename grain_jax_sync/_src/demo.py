@@ -1,9 +1,7 @@
 """The demo job: simulated hosts with uneven shards, agreed global batches.
 
-Each host reads a different number of records (host p gets 10 + 7 * p), so the
-hosts run out of data at different times and the last batch of each is short.
-The iterator pads short batches, gives exhausted hosts masked dummy batches,
-and every host sees the same number of identically shaped global arrays.
+Host p reads 10 + 7 * p records, so the hosts run out at different times; the
+iterator pads short batches and gives exhausted hosts masked dummy batches.
 """
 
 from __future__ import annotations
@@ -31,10 +29,8 @@ def expected_batches(processes: int, batch_size: int) -> int:
   return max(math.ceil((10 + 7 * p) / batch_size) for p in range(processes))
 
 
-def _report_progress(progress_dir: str | None, process: int, batches: int) -> None:
+def _report_progress(progress_dir: str, process: int, batches: int) -> None:
   """Writes this host's batch count where the command-line tool polls it."""
-  if progress_dir is None:
-    return
   path = os.path.join(progress_dir, str(process))
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.write(str(batches))
@@ -53,7 +49,7 @@ def read_progress(progress_dir: str, processes: int) -> int:
   return done
 
 
-def demo_host(batch_size: int = 8, progress_dir: str | None = None) -> list[dict[str, Any]]:
+def demo_host(batch_size: int, progress_dir: str) -> list[dict[str, Any]]:
   """Runs in every simulated host; returns one line of facts per batch, then
   the resume state, the iterator's `stats()` and its `stats(all_hosts=True)`."""
   import jax  # pylint: disable=g-import-not-at-top

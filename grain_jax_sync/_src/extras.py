@@ -1,10 +1,8 @@
 """Optional dependencies: imported on first use, with the install command on failure.
 
-Grain, TensorFlow, TFDS and Orbax are extras (``pip install
-'grain_jax_sync[grain]'`` and so on, see pyproject.toml). Every entry point
-that needs one imports it through `require`, so that a missing extra raises
-an `ImportError` that names the entry point and the command that installs it,
-rather than a bare ``No module named ...``.
+Every entry point that needs an extra (pyproject.toml) imports it through
+`require`, so that a missing one raises an `ImportError` naming the entry
+point and the command that installs it, not a bare ``No module named ...``.
 """
 
 from __future__ import annotations
@@ -36,9 +34,6 @@ def require(module: str, *, needed_by: str, extra: str | None = None) -> types.M
       ``"grain_jax_sync.device_put"``).
     extra: The extra that installs it; default: looked up from the
       module's top-level package in `EXTRA_OF`.
-
-  Returns:
-    The imported module.
 
   Raises:
     ImportError: If `module` (or one of its own dependencies) cannot be

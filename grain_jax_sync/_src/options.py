@@ -1,12 +1,7 @@
 """The options: one frozen value, made and checked once; its digest; the state check.
 
-`iter_jax_batches`, `device_put` and `jax_sync_generator` hand their keyword
-options to `make`, which checks them once, under their public names, and
-returns one frozen `Options` (no store, no thread). `Options` documents every
-option, once. The digest of the options that every host must share goes into
-the first exchange and into each resume state, which `check_state` checks.
-
-Pure Python and NumPy; no JAX.
+The digest of the options every host must share goes into the first exchange
+and into each resume state, which `check_state` checks. Pure Python and NumPy.
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ UNSET: Any = _Unset()
 class Options:
   """The options of `iter_jax_batches`, `device_put` and `jax_sync_generator`, checked.
 
-  Each is the keyword argument of its name, documented here once, with
-  `iter_jax_batches`'s default (`device_put` and `jax_sync_generator` say
-  where theirs differ). `make` checks them, once.
+  Each is the keyword argument of its name, with `iter_jax_batches`'s
+  default (`device_put` and `jax_sync_generator` say where theirs differ).
 
   Attributes:
     batch_size: Rows per process per batch that padding fills to and
@@ -83,23 +77,22 @@ class Options:
       every host within about ``decide_ahead_s + (prefetch_batches + 1)``
       steps + 1 s; the store is called about twice per `decide_ahead_s`
       whatever the step time (docs/guarantees.md, Endings).
-    prefetch_batches: Batches prepared ahead in a background thread (0: none).
-      Default 2.
+    prefetch_batches: Batches prepared ahead in a background thread (0: none;
+      default 2).
     sync_timeout_s: Seconds (default 600) to wait for a live peer (one whose
       liveness beat goes on: a slow source, a long checkpoint save or
       compile) before every process raises `PeerTimeoutError` naming it. A
       dead peer (no beat for 8 s) is named within about 10 s whatever this is.
     name: Names the exchange keys; needed only when processes do not create
       their iterators in the same order. Iterators of one name are counted
-      (a new one each epoch is fine): every process creates as many. Default
-      None.
+      (a new one each epoch is fine): every process creates as many. Default None.
     pad_shapes: The dims (>= 1) whose sizes may differ across hosts and
       batches: a dict of column name (or prefix) to a dim or a tuple of dims
       (``{"tokens": 1}``), or a dim (tuple) for a bare-array batch. At each
       batch every host pads them with `paddings` (required) to the largest
       size on any host. Everything else still must match. See docs/shapes.md.
-      None (the default): every dim must match. Held checked, with
-      `shape_buckets` and `shape_mask_keys`, as one `shapes.Shapes`.
+      None (the default): every dim must match. Held, with `shape_buckets`
+      and `shape_mask_keys`, as one `shapes.Shapes`.
     shape_buckets: Per column of `pad_shapes`, ascending sizes
       (``{"tokens": [128, 256, 512]}``): the agreed size is rounded up to the
       next one (so a jitted step sees at most that many shapes); a size above
@@ -143,13 +136,7 @@ class Options:
     return plan_lib.settings_digest(digest)
 
   def rules(self, batch_size: int | None = None) -> plan_lib.Rules:
-    """The rules `plan.decide` applies under these options.
-
-    Args:
-      batch_size: The agreed full batch size, where known (`plan.pin`:
-        given, or derived from the first position and restored with a
-        state); `self.batch_size` when given.
-    """
+    """The rules `plan.decide` applies, given the agreed `batch_size` where known (`plan.pin`)."""
     derived = self.batch_size is None and batch_size is not None
     return plan_lib.Rules(
       batch_size=batch_size if self.batch_size is None else self.batch_size,
@@ -196,14 +183,12 @@ def make(
   Args:
     function: The entry point, for messages (``"iter_jax_batches"``, ...).
     keywords: Its keyword options, under their public names (`Keywords`).
-    process_count: The processes of the job (`pad_shapes` needs agreement
-      on several).
+    process_count: The job's process count (`pad_shapes` needs agreement on several).
     **fixed: Options that `function` sets itself (`device_put`:
       `prefetch_batches` and `read_ahead`); a caller may not pass them.
 
   Raises:
-    TypeError: For a keyword that is not an option of `function`, as Python
-      words it.
+    TypeError: For a keyword that is not an option of `function`, as Python words it.
     ValueError: Naming the argument and the value.
   """
   for key in keywords:
@@ -248,15 +233,7 @@ def make(
 
 
 def _warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
-  """Logs one warning if `paddings` is given and `mask_key` was left unset.
-
-  Args:
-    paddings: The `paddings` argument.
-    mask_key: The `mask_key` argument, `UNSET` if not given.
-
-  Returns:
-    `mask_key` with `UNSET` resolved to None.
-  """
+  """`mask_key` with `UNSET` as None; warns once if it was unset with `paddings`."""
   if mask_key is UNSET:
     if paddings is not None:
       logger.warning(
@@ -294,9 +271,7 @@ def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
 
 def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
   """The derived full batch size saved with `state` (optional key), or None."""
-  if "batch_size" not in state:
-    return None
-  return _int_field(state, "batch_size", minimum=1)
+  return _int_field(state, "batch_size", minimum=1) if "batch_size" in state else None
 
 
 def check_state(

@@ -1,8 +1,4 @@
-"""What `simulate` runs: a script as ``__main__``, or ``module:function``.
-
-The child side (`run_as_main`) runs inside a process of
-`grain_jax_sync.testing.run_processes`, after ``jax.distributed.initialize``.
-"""
+"""What `simulate` runs: a script as ``__main__`` (`run_as_main`, in every process), or ``module:function``."""
 
 from __future__ import annotations
 
@@ -34,14 +30,7 @@ class _Tee(io.TextIOBase):
 
 
 def run_as_main(path: str, argv: Sequence[str]) -> str:
-  """Runs the file `path` as ``__main__`` with `argv`; returns what it printed.
-
-  Args:
-    path: An absolute path to a Python file.
-    argv: Its command-line arguments (``sys.argv[1:]``).
-
-  Returns:
-    Everything the script wrote to ``sys.stdout``.
+  """Runs the file `path` (absolute) as ``__main__`` with `argv`; returns what it printed.
 
   Raises:
     RuntimeError: If the script exits with a non-zero status.
@@ -62,17 +51,10 @@ def run_as_main(path: str, argv: Sequence[str]) -> str:
 
 
 def resolve_function(target: str) -> Callable[..., Any]:
-  """Resolves ``module:function`` or ``path/to/file.py:function``.
+  """The module-level function that ``module:function`` or ``path/to/file.py:function`` names.
 
   A file is imported under a ``__gjs`` module name, so that
   `grain_jax_sync.testing.run_processes` imports it by path in every process.
-
-  Args:
-    target: A dotted module name or a Python file, a colon, and the name of
-      a module-level function in it.
-
-  Returns:
-    The function.
 
   Raises:
     ValueError: If `target` is malformed or names nothing callable.

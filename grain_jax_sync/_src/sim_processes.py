@@ -1,13 +1,12 @@
 """The simulator's processes: their environment, their start, their output, their end.
 
-`grain_jax_sync.testing.run_processes` starts each process here, relays what
-it writes (kept in a log file; with `echo`, also shown as it is written,
-each line labelled ``[process i]``), and waits for every process within one
-deadline or kills them all.
+`grain_jax_sync.testing.run_processes` starts each process here and waits for
+every one within one deadline or kills them all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -47,32 +46,42 @@ def process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict
   return base_env
 
 
-class Output:
-  """What one process writes to stdout and stderr: kept in its log, echoed if asked.
+class Process:
+  """One simulated host: its job file, its interpreter, its output and its result.
 
-  One thread per stream reads the pipe a line at a time (a blocking read)
-  and appends it to the log file, in the order the lines arrive. With
-  `echo`, each line is also printed, labelled ``[process i]``, to this
-  process's stdout or stderr, whichever the line was written to.
+  One thread per stream appends each line, as it arrives, to the log file;
+  with `echo`, also to this process's stdout or stderr, labelled ``[process i]``.
   """
 
-  def __init__(self, index: int, proc: subprocess.Popen[bytes], log_path: str, *, echo: bool):
-    self.log_path = log_path
-    self._log = open(log_path, "wb")  # noqa: SIM115 - closed by `finish`.
+  def __init__(
+    self, index: int, job: dict[str, Any], workdir: str, env: dict[str, str], *, echo: bool
+  ):
+    self._result_path = os.path.join(workdir, f"result_{index}.pkl")
+    job_path = os.path.join(workdir, f"job_{index}.pkl")
+    with open(job_path, "wb") as f:
+      pickle.dump({**job, "result": self._result_path}, f)
+    self.popen = subprocess.Popen(
+      [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      stdin=subprocess.DEVNULL,
+      start_new_session=True,
+    )
+    self.log_path = os.path.join(workdir, f"log_{index}.txt")
+    self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed by `finish`.
     self._lock = threading.Lock()
     self._prefix = f"[process {index}] "
-    streams = ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
-    self._threads = [
-      threading.Thread(
+    self._threads = []
+    for pipe, name in ((self.popen.stdout, "stdout"), (self.popen.stderr, "stderr")):
+      thread = threading.Thread(
         target=self._relay,
         args=(pipe, name if echo else None),
         name=f"grain_jax_sync.testing-{index}-{name}",
         daemon=True,
       )
-      for pipe, name in streams
-    ]
-    for thread in self._threads:
       thread.start()
+      self._threads.append(thread)
 
   def _relay(self, pipe: IO[bytes], sink: str | None) -> None:
     with pipe:
@@ -87,6 +96,13 @@ class Output:
           with _ECHO_LOCK:  # Looked up now: a test may have redirected it.
             print(self._prefix + line, file=getattr(sys, sink), flush=True)
 
+  def kill(self) -> None:
+    """Kills the process's session, if it still runs, and reaps it."""
+    if self.popen.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(self.popen.pid, signal.SIGKILL)
+      self.popen.wait()
+
   def finish(self) -> None:
     """Waits for the rest of the output (up to `_OUTPUT_GRACE_S`) and closes the log."""
     deadline = time.monotonic() + _OUTPUT_GRACE_S
@@ -95,23 +111,12 @@ class Output:
     with self._lock:
       self._log.close()
 
-
-def start(
-  index: int, job: dict[str, Any], workdir: str, env: dict[str, str], *, echo: bool
-) -> tuple[subprocess.Popen[bytes], Output]:
-  """Writes process `index`'s job file and starts it; returns the process and its output."""
-  job_path = os.path.join(workdir, f"job_{index}.pkl")
-  with open(job_path, "wb") as f:
-    pickle.dump(job, f)
-  proc = subprocess.Popen(
-    [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    stdin=subprocess.DEVNULL,
-    start_new_session=True,
-  )
-  return proc, Output(index, proc, os.path.join(workdir, f"log_{index}.txt"), echo=echo)
+  def result(self) -> dict[str, Any]:
+    """What the worker wrote of the scenario's outcome ({} if it wrote nothing)."""
+    if not os.path.exists(self._result_path):
+      return {}
+    with open(self._result_path, "rb") as f:
+      return pickle.load(f)
 
 
 def tail(path: str, limit: int = 4000) -> str:
@@ -124,34 +129,24 @@ def tail(path: str, limit: int = 4000) -> str:
   return data[-limit:].decode("utf-8", "replace")
 
 
-def wait_or_kill(
-  procs: Sequence[subprocess.Popen[bytes]], outputs: Sequence[Output], timeout_s: float
-) -> None:
+def wait_or_kill(processes: Sequence[Process], timeout_s: float) -> None:
   """Waits for every process; past `timeout_s` kills them all and raises TimeoutError."""
   deadline = time.monotonic() + timeout_s
   timed_out = False
-  for p in procs:
-    try:
-      p.wait(timeout=max(deadline - time.monotonic(), 0.01))
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      break
+  try:
+    for p in processes:
+      p.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+  except subprocess.TimeoutExpired:
+    timed_out = True
+    for p in processes:
+      p.kill()
+  for p in processes:
+    p.finish()
   if timed_out:
-    for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-        p.wait()
-  for out in outputs:
-    out.finish()
-  if not timed_out:
-    return
-  tails = "\n".join(
-    f"--- process {i} (exit {procs[i].returncode}) ---\n{tail(out.log_path, 2000)}"
-    for i, out in enumerate(outputs)
-  )
-  raise TimeoutError(
-    f"{len(procs)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
-  )
+    tails = "\n".join(
+      f"--- process {i} (exit {p.popen.returncode}) ---\n{tail(p.log_path, 2000)}"
+      for i, p in enumerate(processes)
+    )
+    raise TimeoutError(
+      f"{len(processes)} processes did not finish within {timeout_s}s; all were killed.\n{tails}"
+    )

@@ -1,13 +1,12 @@
 """What each process of `grain_jax_sync.testing.run_processes` runs.
 
-``python -m grain_jax_sync._src.sim_worker JOB`` reads the pickled job, joins
-its peers with ``jax.distributed.initialize`` (gloo CPU collectives), imports
-and runs the scenario, writes what it returned or raised to the job's result
-file, waits for its peers at an exit barrier and leaves with ``os._exit``.
+``python -m grain_jax_sync._src.sim_worker JOB`` joins its peers (gloo CPU
+collectives), runs the scenario and writes what it returned or raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -24,10 +23,7 @@ _SRC_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def _from_scenario(tb: types.TracebackType | None) -> types.TracebackType | None:
   """`tb` from the scenario's first frame on: without this worker's and runpy's frames."""
-  while tb is not None and (
-    tb.tb_frame.f_code.co_filename.startswith(_SRC_DIR)
-    or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy>")
-  ):
+  while tb is not None and tb.tb_frame.f_code.co_filename.startswith((_SRC_DIR, "<frozen runpy>")):
     tb = tb.tb_next
   return tb
 
@@ -37,7 +33,6 @@ LOADING_ENV = "GRAIN_JAX_SYNC_SIM_LOADING"
 
 def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
   """Imports the scenario function named by `spec`, by module name or else by file path."""
-  obj: Any = None
   # `testing.run_processes` refuses to start processes while this is set: a
   # script that starts its run at import would start it again in every
   # process, and so on without end.
@@ -52,15 +47,12 @@ def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
 
 
 def _import(spec: Mapping[str, str]) -> Any:
-  obj: Any = None
   if "module" in spec:
     if spec["root"] not in sys.path:
       sys.path.insert(0, spec["root"])
-    try:
-      obj = importlib.import_module(spec["module"])
-    except ImportError:
-      obj = None
-  return import_file(spec["file"]) if obj is None else obj
+    with contextlib.suppress(ImportError):
+      return importlib.import_module(spec["module"])
+  return import_file(spec["file"])
 
 
 def import_file(path: str) -> types.ModuleType:
@@ -117,7 +109,7 @@ def run_job(job_path: str) -> None:
     # Leave together: a process that exits while a peer is still inside a gloo
     # collective resets the peer's connection, and process 0 hosts the
     # coordination service that the others need until they shut down.
-    try:
+    with contextlib.suppress(Exception):  # A peer died: nothing to wait for.
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
       client = distributed.global_state.client
@@ -125,11 +117,7 @@ def run_job(job_path: str) -> None:
       client.wait_at_barrier(
         "grain_jax_sync.testing/exit", int(job["exit_barrier_timeout_s"] * 1000)
       )
-      import jax  # pylint: disable=g-import-not-at-top
-
       jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001 - a peer died; nothing to wait for.
-      pass
   # Otherwise skip jax.distributed's shutdown barrier: a peer that failed or
   # was killed would hold every other process there for the shutdown timeout.
   os._exit(0)

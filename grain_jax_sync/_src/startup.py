@@ -30,15 +30,6 @@ _NO_METADATA = (
 )
 
 
-def _from_tpu_detection(error: BaseException) -> bool:
-  """Whether `error` is a failed connection raised inside JAX's cluster detection."""
-  # A `requests` ConnectionError or timeout is an OSError; so is a socket's.
-  if not isinstance(error, OSError):
-    return False
-  frames = traceback.extract_tb(error.__traceback__)
-  return any(_DETECTION in os.path.normpath(f.filename) for f in frames)
-
-
 def init_distributed(**kwargs: Any) -> bool:
   """Joins this job's processes, or runs as one process where there is no job.
 
@@ -79,9 +70,10 @@ def init_distributed(**kwargs: Any) -> bool:
     return True
   try:
     jax.distributed.initialize(**kwargs)
-  except OSError as e:
-    if not _from_tpu_detection(e):
-      raise
+  except OSError as e:  # A `requests` ConnectionError or timeout is one; so is a socket's.
+    frames = traceback.extract_tb(e.__traceback__)
+    if not any(_DETECTION in os.path.normpath(f.filename) for f in frames):
+      raise  # Not a failed connection inside JAX's cluster detection.
     first = str(e).splitlines()[0][:300] if str(e) else ""
     raise RuntimeError(_NO_METADATA.format(error=f"{type(e).__name__}: {first}")) from e
   except ValueError as e:
