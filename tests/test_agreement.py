@@ -38,13 +38,14 @@ from memory_store import MemoryStore
 
 from grain_jax_sync._src import (
   exchange,
+  liveness,
   messages,
   plan,
   prefetch,
   reader,
   sources,
 )
-from grain_jax_sync._src.agreement import common, decider, endings, follower, ledger
+from grain_jax_sync._src.agreement import common, decider, driver, endings, follower, ledger
 
 RULES = plan.Rules(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
@@ -79,10 +80,25 @@ def _agreement(p, n, store, source, *, lookahead, timeout_s, rules=RULES, built=
   read = reader.Reader(sources.open_source(source), process_index=p, check_int32=False)
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
-  kind = decider.Decider if p == 0 else follower.Follower
-  return kind(
-    read, ex, rules, who, lookahead=lookahead, timeout_s=timeout_s, position=0, built=built
+  return _driven(read, ex, rules, who, lookahead=lookahead, timeout_s=timeout_s, built=built)
+
+
+def _driven(read, ex, rules, who, *, lookahead, timeout_s, built=None):
+  """The core of process `who.process`, driven over `ex` as the session drives it inline."""
+  kind = decider.Decider if who.process == 0 else follower.Follower
+  core = kind(
+    rules,
+    who,
+    namespace=ex.namespace,
+    process_count=ex.process_count,
+    lookahead=lookahead,
+    timeout_s=timeout_s,
+    dead_after_s=liveness.DEAD_AFTER_S,
+    position=0,
+    threaded=built is not None,
+    paced=False,
   )
+  return driver.Driver(core, read, ex, built)
 
 
 def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
@@ -542,8 +558,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
   )
   ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
-  kind = decider.Decider if p == 0 else follower.Follower
-  stage = kind(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0, position=0)
+  stage = _driven(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0)
   record = []
   try:
     for run in stage:

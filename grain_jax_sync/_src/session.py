@@ -49,7 +49,7 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import decider, endings, follower, lockstep, streamed
+from grain_jax_sync._src.agreement import decider, driver, endings, follower, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 
 logger = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ class Stream:
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
     self._ended = False
-    self._agreement: streamed.Streamed | None = None
+    self._agreement: driver.Driver | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
-    self._stopper: Agreement | None = None
+    self._stopper: Agreement | driver.Driver | None = None
     # The streamed agreement where it runs in the consumer's call: the call
     # holds its turn, and posts a stop asked for meanwhile when it ends.
-    self._inline: streamed.Streamed | None = None
+    self._inline: driver.Driver | None = None
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     # The diagram's order: read, agree, build; each stage reads the one before.
     read = reader.Reader(
@@ -171,21 +171,28 @@ class Stream:
       return _raising(RuntimeError(ended))
     kind = decider.Decider if ex.process_index == 0 else follower.Follower
     threaded = options.prefetch_batches > 0
-    self._agreement = kind(
+    core = kind(
+      rules,
+      who,
+      namespace=ex.namespace,
+      process_count=ex.process_count,
+      lookahead=options.synchronize_lookahead,
+      timeout_s=options.sync_timeout_s,
+      dead_after_s=liveness.DEAD_AFTER_S,
+      position=self.position,
+      read_ahead=options.read_ahead,
+      # With a build thread, what it has not built counts in the read-ahead.
+      threaded=threaded,
+      inline=not threaded,
+      job=start.job,
+    )
+    self._agreement = driver.Driver(
+      core,
       # With prefetch, the source is read in a thread of its own, so that a
       # stuck read holds up no decision, stop or close.
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
       ex,
-      rules,
-      who,
-      lookahead=options.synchronize_lookahead,
-      timeout_s=options.sync_timeout_s,
-      position=self.position,
-      read_ahead=options.read_ahead,
-      # With a build thread, what it has not built counts in the read-ahead.
-      built=self._builder if threaded else None,
-      pace=self._builder.pace,
-      job=start.job,
+      self._builder,
     )
     self._stopper = self._agreement
     if not threaded:

@@ -5,16 +5,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import liveness, messages, prefetch
+from grain_jax_sync._src import liveness, messages
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.agreement import endings
+from grain_jax_sync._src.agreement import core, endings
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +25,9 @@ READ_AHEAD_BYTES = 64 << 20
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
 FOLLOWER_GRACE_S = liveness.DEAD_AFTER_S + 2.0
+# A wait for this host's own read, or in the store, lasts at most a liveness
+# period before the core looks at its peers' beats again.
+WAIT_SLICE_S = liveness.BEAT_S
 
 
 def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | None = None) -> int:
@@ -161,61 +163,54 @@ class Run:
   signature: batches_lib.Signature | None
 
 
-class Built(Protocol):
-  """The build thread's progress (`build.Builder`), as the read-ahead counts it."""
-
-  def done(self) -> int:
-    """Positions handed on (or dropped)."""
-
-  def wait_done(self, beyond: int, timeout_s: float) -> None:
-    """Blocks until more than `beyond` positions are done, or `timeout_s` passes."""
-
-  def pace(self) -> int:
-    """Positions done in the last `decide_ahead_s` seconds."""
-
-
 class OwnReads:
   """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
 
-  The reads come inline, or from the reading thread (a `prefetch.OnDemand`):
-  then a stuck source holds up only the positions it has not read.
+  No I/O: the reads come in from the driver (`core.Read`), inline or from the
+  reading thread; then a stuck source holds up only the positions it has not read.
 
   The horizon (`limit`) is time: the positions the consumer took in the last
-  `decide_ahead_s` seconds (`Built.pace`), within `read_ahead_limit`, and at
+  `decide_ahead_s` seconds (`core.Pace`), within `read_ahead_limit`, and at
   least 1, so that positions are decided as fast as the consumer takes them.
+
+  Args:
+    lookahead: `synchronize_lookahead`.
+    read_ahead: At most this many positions held (None: `read_ahead_limit`).
+    threaded: Whether a build thread runs (what it has not built counts).
+    paced: Whether the horizon is measured (`core.Pace`).
+    inline: Whether reads come in the consumer's own `next()`.
   """
 
   def __init__(
     self,
-    reader: Iterator[reader_lib.Read | reader_lib.End] | prefetch.OnDemand[Any],
     *,
     lookahead: int | None,
     read_ahead: int | None = None,
-    built: Built | None = None,
-    pace: Callable[[], int] | None = None,
+    threaded: bool = False,
+    paced: bool = True,
+    inline: bool = True,
   ):
-    self._reader = reader
-    self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
-    self.inline = self._thread is None  # Read in the agreement's own `next()`.
-    self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._cap = read_ahead
-    self._built = built
-    self._pace = pace
+    self._threaded = threaded
+    self._paced = paced
+    self.inline = inline
     self.lookahead = lookahead
     # Until the first read tells the bytes of a batch.
     self._base = min((b for b in (lookahead, read_ahead) if b is not None), default=2)
+    self.limit = 1 if paced else self._base  # Nothing consumed yet.
     self.pending: collections.deque[reader_lib.Read] = collections.deque()
     self.count = 0  # Positions read.
     self.end: reader_lib.End | None = None
     self.signature: batches_lib.Signature | None = None
     self.stopped = False  # A stop was asked for here: read nothing more.
+    self.now = core.Now(0.0)  # The driver's last word (`Streamed.send`).
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
-    self._measure()
 
-  def _measure(self) -> None:
+  def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
-    self.limit = max(1, self._base if self._pace is None else min(self._base, self._pace()))
+    pace = (yield core.Pace()) if self._paced else self._base
+    self.limit = max(1, min(self._base, pace))
 
   def _free(self) -> int:
     """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
@@ -262,51 +257,30 @@ class OwnReads:
 
   def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
-    if self._built is None:
+    if not self._threaded:
       return None
-    return self.count - len(self.pending) - self._built.done()
+    return self.count - len(self.pending) - self.now.done
 
   def waits_on_build(self) -> bool:
     """Whether the build thread holds decided positions, so that room comes as it takes them."""
     return (self.held() or 0) > 0
 
-  def wait_for_build(self, check: Callable[[], None], *, until_room: bool = False) -> None:
-    """Blocks until the build thread hands a position on; with `until_room`, until `room()`.
-
-    `check` (raises once closed) runs once per `exchange.WAIT_SLICE_S`.
-    """
-    check()
-    while self._built is not None:
-      self._built.wait_done(self._built.done(), exchange_lib.WAIT_SLICE_S)
+  def wait_for_build(self, *, until_room: bool = False) -> core.Steps:
+    """Waits until the build thread hands a position on; with `until_room`, until `room()`."""
+    while self._threaded:
+      yield core.WaitBuild(self.now.done)
       if not until_room or self.room() or not self.waits_on_build():
         return
-      check()
 
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""
-    return self._thread is None or self._thread.ready()
+    return self.inline or self.now.ready
 
-  def nudge(self) -> None:
-    """Wakes a wait for the reading thread (a stop was asked for); no lock, any thread."""
-    if self._thread is not None:
-      self._thread.nudge()
-
-  def read(self, wait_s: float = 0.0) -> reader_lib.Read | reader_lib.End | None:
-    """This host's next read, or None where the reading thread had none within `wait_s`.
-
-    The reading thread is first asked for as many reads as the read-ahead has room for.
-    """
-    if self._thread is None:
-      item = next(self._reader)  # type: ignore[arg-type]
-    else:
-      want = max(1, self._free())
-      if want > self._asked:
-        self._thread.ask(want - self._asked)
-        self._asked = want
-      item = self._thread.take(wait_s)
-      if item is None:
-        return None
-      self._asked -= 1
+  def read(self, wait_s: float = 0.0) -> core.Steps:
+    """This host's next read, or None where the reading thread had none within `wait_s`."""
+    item = yield core.Read(max(1, self._free()), wait_s)
+    if item is None:
+      return None
     if isinstance(item, reader_lib.End):
       self.end = item
       return item
@@ -315,10 +289,10 @@ class OwnReads:
       self.signature = item.batch.signature
     self.pending.append(item)
     self.count += 1
-    self._measure()
+    yield from self.measure()
     return item
 
-  def take(self, start: int, n: int) -> list[reader_lib.Read | None]:
+  def take(self, start: int, n: int) -> core.Steps:
     """This host's reads for positions ``[start, start + n)`` (None past its end)."""
-    self._measure()
+    yield from self.measure()
     return [self.pending.popleft() if start + i < self.count else None for i in range(n)]

@@ -6,15 +6,12 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.agreement import common, endings
+from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.agreement import ledger as ledger_lib
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
@@ -39,11 +36,9 @@ class Decider(Streamed):
     self._wait: dict[int, int] | None = None
     self._waited = False  # Waited since the peers' chunks were last read (`_news_stale`).
 
-  def __iter__(self) -> Iterator[common.Run]:
+  def _run(self) -> core.Steps:
     while True:
-      stop = self._stop_due()
-      if stop is not None:
-        self._post_stop(stop)
+      yield from self.stop_now()
       plan = self._plan()
       if plan is not None and plan.end == Outcome.WAIT:
         self._wait = {p: self._ledger.count(p) for p in plan.waiting}
@@ -51,24 +46,26 @@ class Decider(Streamed):
         if not plan.steps:
           plan = None
       if plan is None:
-        self._advance()
+        yield from self._advance()
         continue
       if plan.end == Outcome.CONTINUE and self._news_stale():
-        self._absorb(self._timed(self._exchange.read_chunks))
+        yield from self._absorb((yield from self._timed("read_chunks")))
         continue  # Decide again with what the peers posted meanwhile.
-      decision = self._post(plan)
+      decision = yield from self._post(plan)
       yield from self._hand_on(decision)
       if decision.end != Outcome.CONTINUE:
         return
       # Inline, the consumer stepped meanwhile: a peer may have posted a stop.
       self._waited = self._waited or (self._own.inline and bool(decision.steps))
 
-  def _forget_decided(self) -> None:
+  def _forget_decided(self) -> core.Steps:
     self._ledger.forget(self._decided)
+    yield from ()
 
-  def _post_stop(self, stop: messages.ReportedError) -> None:
+  def _post_stop(self, stop: messages.ReportedError) -> core.Steps:
     if self._abort is None and self._ledger.abort is None:
       self._abort = stop  # Decided at the first position not decided yet.
+    yield from ()
 
   def _plan(self) -> plan_lib.Plan | None:
     """The next plan, or None while the next position is not known for everyone."""
@@ -105,7 +102,7 @@ class Decider(Streamed):
     """
     if self._waited:
       return True
-    return time.monotonic() - self._last_poll >= common.FOLLOWER_GRACE_S / 2
+    return self.now.t - self._last_poll >= common.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
     """The processes whose next batch (or end) the next decision waits for."""
@@ -117,7 +114,7 @@ class Decider(Streamed):
       if self._ledger.count(p) <= count and not self._ledger.ended(p)
     ]
 
-  def _post(self, plan: plan_lib.Plan) -> messages.Decision:
+  def _post(self, plan: plan_lib.Plan) -> core.Steps:
     sig = None
     if not self._sent_signature and plan.steps:
       sig = messages.signature_of(self._ledger.window_reports(self._decided, 0, with_config=False))
@@ -134,11 +131,11 @@ class Decider(Streamed):
     decision = messages.Decision(
       self._decided, plan.steps, plan.end, plan.error, sig, batch_size, table
     )
-    self._exchange.post_decision(self._seq, decision.to_json())
+    yield core.Store("post_decision", (self._seq, decision.to_json()))
     self._seq += 1
     return decision
 
-  def _advance(self) -> None:
+  def _advance(self) -> core.Steps:
     """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
 
     This host reads while its read-ahead has room (work the job needs
@@ -149,38 +146,39 @@ class Decider(Streamed):
     missing = self._needed()
     if self._process in missing:
       self._waited = self._waited or not self._own.ready()  # A wait for the source.
-      if not self._read(exchange_lib.WAIT_SLICE_S):
-        self._absorb(self._timed(self._exchange.read_chunks))
+      if not (yield from self._read(common.WAIT_SLICE_S)):
+        yield from self._absorb((yield from self._timed("read_chunks")))
       return
     # Before the stream's first decision the job waits for it: with its own
     # first read in hand, process 0 waits for the peers' rather than reads on.
     if self._own.room() and (self._decided > 0 or not missing) and self._own.ready():
       # Where the build thread holds nothing decided, look as often as the peers post.
       look = not self._own.waits_on_build() and self._own.due(self._reads_since_look)
-      if look and self._absorb(self._timed(self._exchange.read_chunks)):
+      if look and (yield from self._absorb((yield from self._timed("read_chunks")))):
         return
-      self._read(0.0)  # Read on, and look again half a read-ahead later.
+      yield from self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
     if not missing:
       # Decided a horizon ahead (`common.OwnReads.allowance`): as the build
       # thread takes a position, one more may be decided.
-      self._own.wait_for_build(self._exchange.check)
+      yield from self._own.wait_for_build()
       self._waited = True
       return
-    self._wait_for_peer(missing[0])
+    yield from self._wait_for_peer(missing[0])
 
-  def _wait_for_peer(self, peer: int) -> None:
+  def _wait_for_peer(self, peer: int) -> core.Steps:
     """Waits for `peer`'s next post; names it where it is dead, closed, timed out or crosswise."""
-    if self._idle and self._live.dead(peer):
+    if self._idle and (yield core.Look("dead", peer)):
       where = f"its batch {self._yielded} (position {self._decided})"
       when = f"while the other processes waited for {where}"
-      self._abort = endings.lost(peer, self._live.dead_after_s, self._yielded, when)
-    elif self._idle and (note := self._live.closed(peer)) is not None:
-      self._absorb(self._timed(self._exchange.read_chunks))  # Its ending here, if it posted one.
+      self._abort = endings.lost(peer, self._dead_after_s, self._yielded, when)
+    elif self._idle and (note := (yield core.Look("closed", peer))) is not None:
+      # Its ending here, if it posted one.
+      yield from self._absorb((yield from self._timed("read_chunks")))
       # A closing ending it posted here (`reset()`, `set_state()`, a close)
       # is the one to raise: the ledger holds it as its abort.
       if self._abort is None and self._ledger.abort is None and peer in self._needed():
-        message = endings.closed_peer_message(note, self._exchange.namespace)
+        message = endings.closed_peer_message(note, self._namespace)
         self._abort = messages.ReportedError(
           messages.ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
@@ -197,18 +195,22 @@ class Decider(Streamed):
         "PeerTimeoutError",
         (peer,),
       )
-    elif self._idle and not self._decided and (cross := self._cross.check(peer, self._yielded)):
+    elif (
+      self._idle
+      and not self._decided
+      and (cross := (yield core.Look("cross", peer, self._yielded)))
+    ):
       self._abort = cross
     else:
       stale = self._waited
-      self._absorb(self._wait_slice(self._exchange.wait_chunk, peer))
+      yield from self._absorb((yield from self._wait_slice("wait_chunk", peer)))
       # With one peer, the one chunk waited for: inline, a stop that peer
       # posted during the consumer's step may follow it, read before deciding.
       self._waited = stale and self._own.inline and self._process_count == 2
 
-  def _read(self, wait_s: float) -> bool:
+  def _read(self, wait_s: float) -> core.Steps:
     """Takes this host's next read into the ledger; False where none came within `wait_s`."""
-    item = self._own.read(wait_s)
+    item = yield from self._own.read(wait_s)
     if item is None:
       return False
     self._reads_since_look += 1
@@ -228,7 +230,7 @@ class Decider(Streamed):
       self._process, signature=signature, devices=who.devices, config=who.config, resume=who.resume
     )
 
-  def _absorb(self, items: list[tuple[int, str]]) -> bool:
+  def _absorb(self, items: list[tuple[int, str]]) -> core.Steps:
     self._waited = False
     news = []  # (process, times) for `stats(all_hosts=True)`.
     for p, text in items:
@@ -246,18 +248,16 @@ class Decider(Streamed):
     if items and self._process_count > 1:
       acked = min(self._ledger.ack(p) for p in range(self._process_count) if p != self._process)
       if acked > self._acked:
-        self._exchange.delete_decisions(acked)
+        yield core.Store("delete_decisions", (acked,))
         self._acked = acked
     return bool(items)
 
-  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
+  def closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.Store]:
     """Posts this host's ending (closed, or `error`) as the final decision."""
-    if self._exchange.ended:
-      return
+    if self.ended:
+      return []
+    self.ended = True
     final = messages.Decision(
       self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
     )
-    try:
-      self._exchange.post_decision(self._seq, final.to_json(), final=True)
-    finally:
-      self._exchange.end()
+    return [core.Store("post_decision", (self._seq, final.to_json(), True)), core.Store("end")]

@@ -8,13 +8,11 @@ posts a timed-out ending and raises it.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.agreement import common, endings
+from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
 
@@ -29,18 +27,19 @@ class Follower(Streamed):
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
+    self._chunks_posted = 0  # The exchange numbers chunks in the order posted.
     self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
     self._gave_up: messages.ReportedError | None = None
 
-  def __iter__(self) -> Iterator[common.Run]:
+  def _run(self) -> core.Steps:
     while True:
-      text = self._next_decision()
+      text = yield from self._next_decision()
       if text is None:
         continue
       try:
         decision = messages.Decision.from_json(text)
       except messages.ProtocolError as e:
-        self._exchange.end()
+        yield from self._end_exchange()
         raise ValueError(messages.unreadable_error(0, e, self._process)) from e
       if decision.table is not None and self._job is not None:
         self._job.merge(decision.table)
@@ -49,7 +48,7 @@ class Follower(Streamed):
       if decision.end != Outcome.CONTINUE:
         return
 
-  def _next_decision(self) -> str | None:
+  def _next_decision(self) -> core.Steps:
     """A decision if one is posted; else reads ahead (posting as it goes) or waits.
 
     This host reads while its read-ahead has room, posting every half
@@ -58,18 +57,16 @@ class Follower(Streamed):
     this host waits for one, it looks for a decision once per liveness
     period (a stop, a peer's close). No timer decides.
     """
-    stop = self._stop_due()
-    if stop is not None:
-      self._post_stop(stop)
+    yield from self.stop_now()
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
-      posted = self._read(0.0 if urgent else exchange_lib.WAIT_SLICE_S)
+      posted = yield from self._read(0.0 if urgent else common.WAIT_SLICE_S)
       if posted is None:  # No read came: a slow or stuck source (or a stop asked for).
         if urgent:
-          self._flush()
-          return self._wait()
-        return self._timed(self._exchange.try_decision, self._seq)
+          yield from self._flush()
+          return (yield from self._wait())
+        return (yield from self._timed("try_decision", self._seq))
       if not posted or self._own.waits_on_build():
         return None
       # Posted, nothing decided left to build: wait in the store for the
@@ -78,50 +75,50 @@ class Follower(Streamed):
       threaded = self._own.held() is not None
       full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
       if self._seq == 0 or threaded and full:
-        return self._wait()
-      return None if threaded else self._timed(self._exchange.try_decision, self._seq)
+        return (yield from self._wait())
+      return None if threaded else (yield from self._timed("try_decision", self._seq))
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
         # Posts come in runs, not a batch each.
-        self._own.wait_for_build(self._exchange.check, until_room=True)
+        yield from self._own.wait_for_build(until_room=True)
         return None
-      self._flush()
+      yield from self._flush()
     elif self._own.end is not None:
-      self._flush()
-    return self._wait()
+      yield from self._flush()
+    return (yield from self._wait())
 
-  def _wait(self) -> str | None:
-    if self._idle and self._live.dead(0):
-      self._exchange.end()
+  def _wait(self) -> core.Steps:
+    if self._idle and (yield core.Look("dead", 0)):
+      yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
-      error = endings.lost(0, self._live.dead_after_s, self._yielded, when, cause)
+      error = endings.lost(0, self._dead_after_s, self._yielded, when, cause)
       raise endings.to_exception(error, self._process, None)
-    note = self._live.closed(0) if self._idle else None
+    note = (yield core.Look("closed", 0)) if self._idle else None
     if note is not None:
-      text = self._timed(self._exchange.try_decision, self._seq)  # Its ending here, if any.
+      text = yield from self._timed("try_decision", self._seq)  # Its ending here, if any.
       if text is not None:
         return text
-      self._exchange.end()
-      raise RuntimeError(endings.closed_peer_message(note, self._exchange.namespace))
-    if self._idle and self._seq == 0 and (cross := self._cross.check(0, self._yielded)):
-      self._post(final=True, error=cross)
-      self._exchange.end()
+      yield from self._end_exchange()
+      raise RuntimeError(endings.closed_peer_message(note, self._namespace))
+    if self._idle and self._seq == 0 and (cross := (yield core.Look("cross", 0, self._yielded))):
+      yield from self._post(final=True, error=cross)
+      yield from self._end_exchange()
       raise endings.to_exception(cross, self._process, None)
     waited = self._waited_s()
     limit = self._timeout_s + common.FOLLOWER_GRACE_S
     if self._gave_up is None and waited > limit:
       # Process 0 should have named the slow peer by now: report it ourselves.
       self._gave_up = self._timeout_error()
-      self._post(final=True, error=self._gave_up)
+      yield from self._post(final=True, error=self._gave_up)
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
-      self._exchange.end()
+      yield from self._end_exchange()
       raise endings.to_exception(self._gave_up, self._process, None)
-    return self._wait_slice(self._exchange.wait_decision, self._seq)
+    return (yield from self._wait_slice("wait_decision", self._seq))
 
-  def _post_stop(self, stop: messages.ReportedError) -> None:
+  def _post_stop(self, stop: messages.ReportedError) -> core.Steps:
     # An ending's report carries no rows (`_post`): unposted rows are void.
-    self._post(final=False, error=stop)  # Then follows the decisions to the stop.
+    yield from self._post(final=False, error=stop)  # Then follows the decisions to the stop.
 
   def _timeout_error(self) -> messages.ReportedError:
     cause = "its agreement thread is stuck (in its source?)"
@@ -140,26 +137,32 @@ class Follower(Streamed):
       (0,),
     )
 
-  def _read(self, wait_s: float) -> bool | None:
+  def _read(self, wait_s: float) -> core.Steps:
     """Takes one read; True where it then posted (`common.OwnReads.due`), None where none came."""
-    item = self._own.read(wait_s)
+    item = yield from self._own.read(wait_s)
     if item is None:
       return None
     if isinstance(item, reader_lib.End):
-      self._flush()
+      yield from self._flush()
       return False
     self._unposted.append(item)
     if self._own.due(len(self._unposted)):
-      self._flush()  # Process 0 decides it while this host reads on.
+      yield from self._flush()  # Process 0 decides it while this host reads on.
       return True
     return False
 
-  def _flush(self) -> None:
+  def _flush(self) -> core.Steps:
     final = self._own.end is not None and not self._end_posted
     if self._unposted or final:
-      self._post(final=False, error=None)
+      yield from self._post(final=False, error=None)
 
-  def _post(self, *, final: bool, error: messages.ReportedError | None) -> None:
+  def _post(self, *, final: bool, error: messages.ReportedError | None) -> core.Steps:
+    yield core.Store("post_chunk", self._chunk(final=final, error=error))
+
+  def _chunk(
+    self, *, final: bool, error: messages.ReportedError | None
+  ) -> tuple[str, bool]:
+    """The next chunk's text, with `final`: unposted rows and, once read, the ending (or `error`)."""
     """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
     end = self._own.end if not self._end_posted else None
     sig = None
@@ -175,29 +178,31 @@ class Follower(Streamed):
       )
     times = self._job.times_to_post() if self._job is not None else None
     chunk = messages.Chunk(start=self._posted, ack=self._seq, report=report, times=times)
-    seq = self._exchange.post_chunk(chunk.to_json(), final=final)
     self._sent_first = True
     if report.rows:
-      self._chunks.append((seq, self._posted))
+      self._chunks.append((self._chunks_posted, self._posted))
+    self._chunks_posted += 1
     self._posted += len(report.rows)
     self._unposted.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
+    return chunk.to_json(), final
 
-  def _forget_decided(self) -> None:
+  def _forget_decided(self) -> core.Steps:
     """Deletes own chunks the decider has read (a later position is decided)."""
     read = None
     while self._chunks and self._chunks[0][1] < self._decided:
       read = self._chunks.popleft()[0] + 1
     if read is not None:
-      self._exchange.delete_chunks(read)
+      yield core.Store("delete_chunks", (read,))
 
-  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
+  def closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.Store]:
     """Posts this host's ending (closed, or `error`) as its final chunk."""
-    if self._exchange.ended:
-      return
-    try:
-      if not self._end_posted or error is None or error.kind in messages.ABORTS:
-        self._unposted.clear()
-        self._post(final=True, error=error or endings.closed_error(self._process, at_batch))
-    finally:
-      self._exchange.end()
+    if self.ended:
+      return []
+    self.ended = True
+    calls = []
+    if not self._end_posted or error is None or error.kind in messages.ABORTS:
+      self._unposted.clear()
+      error = error or endings.closed_error(self._process, at_batch)
+      calls.append(core.Store("post_chunk", self._chunk(final=True, error=error)))
+    return [*calls, core.Store("end")]

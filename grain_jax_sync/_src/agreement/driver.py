@@ -1,0 +1,238 @@
+"""The streamed core's driver on a real host: carries its actions out, yields its runs.
+
+The same driver runs the core in the agreement thread (with a reading
+thread and a build thread) and inline, in the consumer's `next()`
+(`prefetch_batches=0`): only who iterates it differs. It owns the I/O the
+core has none of: the exchange, the liveness beats, the crosswise watch,
+this host's reads, the build stage's progress and the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from grain_jax_sync._src import exchange as exchange_lib
+from grain_jax_sync._src import liveness as liveness_lib
+from grain_jax_sync._src import messages, prefetch
+from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src.agreement import common, core, cross_wait, endings, streamed
+
+logger = logging.getLogger(__name__)
+
+
+class Driver:
+  """Runs one host's core (`decider.Decider` or `follower.Follower`) over the real exchange.
+
+  Args:
+    agreement: The core.
+    reader: This host's reads: inline (an iterator) or the reading thread's stage.
+    exchange: The key-value exchange of this stream.
+    built: The build stage (`build.Builder`): its progress and the consumer's pace.
+    live: Tells dead peers from slow ones (default: their beats).
+  """
+
+  def __init__(
+    self,
+    agreement: streamed.Streamed,
+    reader: Iterator[reader_lib.Read | reader_lib.End] | prefetch.OnDemand[Any],
+    exchange: exchange_lib.KeyValueExchange,
+    built: Any,
+    live: liveness_lib.Liveness | None = None,
+  ):
+    self.core = agreement
+    self._reader = reader
+    self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
+    self._asked = 0  # Reads asked of the reading thread and not taken yet.
+    self._exchange = exchange
+    self._built = built
+    self._live = live or liveness_lib.Liveness(exchange)
+    self._cross = cross_wait.CrossWait(exchange, self._live, agreement.timeout_s)
+    # Inline (no reading thread), the consumer's call runs the core: it holds
+    # this while it does, and a stop asked for between calls is posted under
+    # it (`post_stop`).
+    self.turn = threading.Lock()
+    exchange_lib.stream_started(exchange.namespace)
+
+  def _now(self) -> core.Now:
+    thread, built = self._thread, self._built
+    done = built.done() if self.core.threaded else 0
+    return core.Now(time.monotonic(), done, thread is None or thread.ready())
+
+  def __iter__(self) -> Iterator[common.Run]:
+    """The core's runs; its other actions carried out here."""
+    return self._drive(self.core.send, self.core.throw)
+
+  def _drive(self, send: Any, throw: Any) -> Iterator[common.Run]:
+    result: Any = None
+    error: Exception | None = None
+    while True:
+      try:
+        action = send(result, self._now()) if error is None else throw(error, self._now())
+      except StopIteration:
+        return
+      result = error = None
+      if type(action) is core.Deliver:
+        yield action.run
+        continue
+      try:
+        result = self._do(action)
+      except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
+        error = e
+
+  def _do(self, action: core.Action) -> Any:
+    kind = type(action)
+    if kind is core.Store:
+      return self._store(action)
+    if kind is core.Read:
+      return self._read(action)
+    if kind is core.Pace:
+      return self._built.pace()
+    if kind is core.Look:
+      return self._look(action)
+    assert kind is core.WaitBuild, action
+    self._exchange.check()
+    self._built.wait_done(action.beyond, common.WAIT_SLICE_S)
+    return None
+
+  def _store(self, call: core.Store) -> Any:
+    ex, op, args = self._exchange, call.op, call.args
+    if op == "post_chunk":
+      text, final = args
+      return ex.post_chunk(text, final=final)
+    if op == "post_decision" and len(args) == 3:
+      seq, text, final = args
+      return ex.post_decision(seq, text, final=final)
+    return getattr(ex, op)(*args)
+
+  def _read(self, read: core.Read) -> reader_lib.Read | reader_lib.End | None:
+    thread = self._thread
+    if thread is None:
+      return next(self._reader)  # type: ignore[call-overload]
+    if read.want > self._asked:
+      thread.ask(read.want - self._asked)
+      self._asked = read.want
+    item = thread.take(read.wait_s)
+    if item is not None:
+      self._asked -= 1
+    return item
+
+  def _look(self, look: core.Look) -> Any:
+    if look.op == "dead":
+      return self._live.dead(look.peer)
+    if look.op == "closed":
+      return self._live.closed(look.peer)
+    if look.op == "cross":
+      return self._cross.check(look.peer, look.at_batch)
+    assert look.op == "done", look
+    self._cross.done()
+    return None
+
+  # -- what the session asks of the stream's agreement -------------------------------
+
+  @property
+  def batch_size(self) -> int | None:
+    return self.core.batch_size
+
+  @property
+  def stop_requested_by(self) -> int | None:
+    return self.core.stop_requested_by
+
+  @property
+  def reached_end(self) -> bool:
+    return self.core.reached_end
+
+  def request_stop(self, at_batch: int) -> None:
+    """Asks every host to stop; wakes a wait for the reading thread, or inline posts it now."""
+    self.core.request_stop(at_batch)
+    if self._thread is not None:
+      self._thread.nudge()
+    else:
+      self.post_stop()
+
+  def post_stop(self) -> None:
+    """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
+
+    Never waits for the turn: a signal handler must not wait on a lock that
+    the code it interrupted may hold.
+    """
+    while self.core.stop_pending() and self.turn.acquire(False):
+      try:
+        for _ in self._drive(_aside(self.core.stop_now()), _raise):
+          pass
+      except Exception as e:  # noqa: BLE001 - from `request_stop`: it never raises.
+        logger.warning("grain_jax_sync: could not post the stop: %s", e)
+      finally:
+        self.turn.release()
+
+  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
+    """Posts this host's ending (closed, or `error`) and ends the exchange."""
+    calls = self.core.closing(at_batch, error)
+    try:
+      for call in calls[:-1]:
+        self._store(call)
+    finally:
+      if calls:
+        self._exchange.end()
+
+  def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
+    """Tells peers waiting at the end that this host left before it (best effort)."""
+    message = (error or endings.closed_error(self.core.process, at_batch)).message
+    self._exchange.post_left(message)
+
+  def release(self) -> None:
+    self._cross.done()  # No longer a crosswise wait.
+
+  def wait_for_peers_at_end(self) -> None:
+    """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
+
+    A peer that left before the end (a close, a restart, a kill), even after
+    every position was decided, raises the error naming it; one that neither
+    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
+    """
+    ex, process, yielded = self._exchange, self.core.process, self.core.yielded
+    timeout_s = self.core.timeout_s
+    ex.post_reached_end()
+    since = time.monotonic()
+    while not ex.wait_all_reached_end():
+      notes = ex.end_notes()
+      left = [notes[q] for q in sorted(notes) if notes[q]]
+      if left:
+        raise RuntimeError(left[0])
+      waiting = [q for q in range(ex.process_count) if q not in notes]
+      for peer in waiting:
+        if self._live.dead(peer):
+          when = f"before it received the last batch ({yielded} batches)"
+          error = endings.lost(peer, self._live.dead_after_s, yielded, when)
+          raise endings.to_exception(error, process, None)
+      if waiting and time.monotonic() - since > timeout_s:
+        error = messages.ReportedError(
+          messages.ErrorKind.TIMEOUT,
+          f"processes {waiting} did not reach the end of the stream ({yielded}"
+          f" batches) within `sync_timeout_s`={timeout_s:g}s; they are alive"
+          " (their liveness beats are recent) but stopped iterating before the end"
+          " without closing the iterator",
+          waiting[0],
+          yielded,
+          "PeerTimeoutError",
+          tuple(waiting),
+        )
+        raise endings.to_exception(error, process, None)
+
+
+def _aside(steps: core.Steps) -> Any:
+  """`send` for a side run of the core's steps (`post_stop`)."""
+
+  def send(result: Any, now: core.Now) -> core.Action:
+    del now
+    return steps.send(result)
+
+  return send
+
+
+def _raise(error: BaseException, now: core.Now) -> core.Action:
+  del now
+  raise error
