@@ -7,7 +7,6 @@ host's read (or to none: a dummy batch), one `transfer.to_global_leaves` per bat
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -23,6 +22,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
 from grain_jax_sync._src import messages, padding, transfer, trees
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import stats as stats_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
   from grain_jax_sync._src.agreement import common as agreement_common
@@ -260,9 +260,8 @@ class Builder:
     self.dropped = 0
     self._done = 0  # Positions handed on or dropped.
     self._advanced = threading.Condition()  # Notified as `_done` grows.
-    # When the positions done in the last `decide_ahead_s` were done (`pace`).
-    self._window_s = options.decide_ahead_s
-    self._times: collections.deque[float] = collections.deque()
+    # The positions done in the last `decide_ahead_s`, the queue's fill left out (`pace`).
+    self._pace = stats_lib.Pace(options.decide_ahead_s, options.prefetch_batches)
 
   def done(self) -> int:
     """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
@@ -281,13 +280,7 @@ class Builder:
     queue lets happen only as the consumer takes one.
     """
     with self._advanced:
-      self._forget_old(time.monotonic())
-      return len(self._times)
-
-  def _forget_old(self, now: float) -> None:
-    times, since = self._times, now - self._window_s
-    while times and times[0] < since:
-      times.popleft()
+      return self._pace.count(time.monotonic())
 
   def wake(self) -> None:
     """Wakes a `wait_done` (the iterator is closing). Its lock is held only by the build thread."""
@@ -310,8 +303,7 @@ class Builder:
         with self._advanced:
           self._done += 1
           now = time.monotonic()
-          self._times.append(now)
-          self._forget_old(now)
+          self._pace.done(now)
           self._advanced.notify()
 
   def step(

@@ -14,6 +14,7 @@ floats written by one thread and read by `stats()`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -103,3 +104,30 @@ def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:
   """`row` plus ``padding_fraction``: padded rows over all rows received (0.0 if none)."""
   rows = row["real_rows"] + row["padded_rows"]
   return {**row, "padding_fraction": row["padded_rows"] / rows if rows else 0.0}
+
+
+class Pace:
+  """The consumer's pace: positions it took in the last `window_s` seconds.
+
+  The first `fill` positions fill the prefetch queue in a burst, before the
+  consumer takes any: they tell nothing of its pace and are not counted.
+  """
+
+  def __init__(self, window_s: float, fill: int):
+    self._window_s = window_s
+    self._fill = fill
+    self._times: collections.deque[float] = collections.deque()
+
+  def done(self, now: float) -> None:
+    """One more position handed on (or dropped) at `now`."""
+    if self._fill > 0:
+      self._fill -= 1
+      return
+    self._times.append(now)
+    self.count(now)
+
+  def count(self, now: float) -> int:
+    times, since = self._times, now - self._window_s
+    while times and times[0] < since:
+      times.popleft()
+    return len(times)

@@ -86,7 +86,7 @@ class Driver:
   def _do(self, action: core.Action) -> Any:
     kind = type(action)
     if kind is core.Store:
-      return self._store(action)
+      return call_store(self._exchange, action)
     if kind is core.Read:
       return self._read(action)
     if kind is core.Pace:
@@ -97,16 +97,6 @@ class Driver:
     self._exchange.check()
     self._built.wait_done(action.beyond, common.WAIT_SLICE_S)
     return None
-
-  def _store(self, call: core.Store) -> Any:
-    ex, op, args = self._exchange, call.op, call.args
-    if op == "post_chunk":
-      text, final = args
-      return ex.post_chunk(text, final=final)
-    if op == "post_decision" and len(args) == 3:
-      seq, text, final = args
-      return ex.post_decision(seq, text, final=final)
-    return getattr(ex, op)(*args)
 
   def _read(self, read: core.Read) -> reader_lib.Read | reader_lib.End | None:
     thread = self._thread
@@ -173,7 +163,7 @@ class Driver:
     calls = self.core.closing(at_batch, error)
     try:
       for call in calls[:-1]:
-        self._store(call)
+        call_store(self._exchange, call)
     finally:
       if calls:
         self._exchange.end()
@@ -221,6 +211,18 @@ class Driver:
           tuple(waiting),
         )
         raise endings.to_exception(error, process, None)
+
+
+def call_store(ex: exchange_lib.KeyValueExchange, call: core.Store) -> Any:
+  """Carries out one of the core's store calls on `ex`."""
+  op, args = call.op, call.args
+  if op == "post_chunk":
+    text, final = args
+    return ex.post_chunk(text, final=final)
+  if op == "post_decision" and len(args) == 3:
+    seq, text, final = args
+    return ex.post_decision(seq, text, final=final)
+  return getattr(ex, op)(*args)
 
 
 def _aside(steps: core.Steps) -> Any:

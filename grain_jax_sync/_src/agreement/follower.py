@@ -159,9 +159,7 @@ class Follower(Streamed):
   def _post(self, *, final: bool, error: messages.ReportedError | None) -> core.Steps:
     yield core.Store("post_chunk", self._chunk(final=final, error=error))
 
-  def _chunk(
-    self, *, final: bool, error: messages.ReportedError | None
-  ) -> tuple[str, bool]:
+  def _chunk(self, *, final: bool, error: messages.ReportedError | None) -> tuple[str, bool]:
     """The next chunk's text, with `final`: unposted rows and, once read, the ending (or `error`)."""
     """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
     end = self._own.end if not self._end_posted else None
