@@ -12,6 +12,7 @@ is checked in milliseconds, at any host count.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -91,6 +92,7 @@ class MemoryStore:
 
   def __init__(self, on_set: Callable[[str], None]):
     self._data: dict[str, str] = {}
+    self._keys: list[str] = []  # Sorted: a directory is one slice.
     self._on_set = on_set
     self.ops = 0
     self.missed: str | None = None
@@ -99,8 +101,18 @@ class MemoryStore:
     self.ops += 1
     if key in self._data and not allow_overwrite:
       raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists")
+    self._put(key, value)
+
+  def _put(self, key: str, value: str) -> None:
+    if key not in self._data:
+      bisect.insort(self._keys, key)
     self._data[key] = value
     self._on_set(key)
+
+  def _under(self, prefix: str) -> tuple[int, int]:
+    """The slice of `_keys` that start with `prefix`."""
+    start = bisect.bisect_left(self._keys, prefix)
+    return start, bisect.bisect_left(self._keys, prefix + "\U0010ffff", start)
 
   def key_value_try_get(self, key: str) -> str:
     self.ops += 1
@@ -118,18 +130,24 @@ class MemoryStore:
 
   def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
     self.ops += 1
-    return sorted((k, v) for k, v in self._data.items() if k.startswith(prefix))
+    start, stop = self._under(prefix)
+    return [(k, self._data[k]) for k in self._keys[start:stop]]
 
   def key_value_delete(self, key: str) -> None:
     self.ops += 1
-    for k in [k for k in self._data if k == key or k.startswith(key.rstrip("/") + "/")]:
-      del self._data[k]
+    self._data.pop(key, None)
+    for sub in (key, key.rstrip("/") + "/"):
+      start, stop = self._under(sub)
+      if sub == key:  # The key itself, not its siblings that share its prefix.
+        stop = start + (start < len(self._keys) and self._keys[start] == key)
+      for k in self._keys[start:stop]:
+        self._data.pop(k, None)
+      del self._keys[start:stop]
 
   def key_value_increment(self, key: str, increment: int) -> int:
     self.ops += 1
     value = int(self._data.get(key, "0")) + increment
-    self._data[key] = str(value)
-    self._on_set(key)
+    self._put(key, str(value))
     return value
 
 
