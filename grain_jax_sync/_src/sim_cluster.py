@@ -196,7 +196,7 @@ class _Queue:
   """A stage's buffer: `slots` taken before producing, as `prefetch.Prefetcher` does."""
 
   def __init__(self, clock: _Clock, size: int):
-    self._clock, self.free, self.items = clock, size, collections.deque()
+    self._clock, self.free, self.items = clock, size, collections.deque[Any]()
 
   def take_slot(self) -> Iterator[Wait]:
     while self.free == 0:
@@ -251,7 +251,9 @@ class _Host:
     )
     self.done = 0  # The build's positions handed on.
     self.pace = stats.Pace(cluster.decide_ahead_s, options.prefetch_batches)
-    self.read_q = collections.deque()  # Reads made by the reading task, not taken.
+    self.read_q: collections.deque[Any] = (
+      collections.deque()
+    )  # Reads made by the reading task, not taken.
     self.asked = self.reading = 0
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.killed_at = INF
@@ -289,22 +291,23 @@ class _Host:
       result = yield from self._do(action)
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
-    kind, clock = type(action), self.c.clock
-    if kind is core.Store:
+    clock = self.c.clock
+    if isinstance(action, core.Store):
       result = driver.call_store(self.ex, action)
       if action.op in ("wait_chunk", "wait_decision") and not result:
         key, self.c.store.missed = self.c.store.missed, None
         if (yield (key, clock.now + common.WAIT_SLICE_S)):
           result = driver.call_store(self.ex, action)
       return result
-    if kind is core.Read:
+    if isinstance(action, core.Read):
       return (yield from self._read(action))
-    if kind is core.Pace:
+    if isinstance(action, core.Pace):
       return self.pace.count(clock.now)
-    if kind is core.WaitBuild:
+    if isinstance(action, core.WaitBuild):
       if self.done <= action.beyond:
         yield (("built", self.p), clock.now + common.WAIT_SLICE_S)
       return None
+    assert isinstance(action, core.Look), action
     return self._look(action)
 
   def _read(self, action: core.Read) -> Generator[Wait, bool, Any]:

@@ -84,16 +84,15 @@ class Driver:
         error = e
 
   def _do(self, action: core.Action) -> Any:
-    kind = type(action)
-    if kind is core.Store:
+    if isinstance(action, core.Store):
       return call_store(self._exchange, action)
-    if kind is core.Read:
+    if isinstance(action, core.Read):
       return self._read(action)
-    if kind is core.Pace:
+    if isinstance(action, core.Pace):
       return self._built.pace()
-    if kind is core.Look:
+    if isinstance(action, core.Look):
       return self._look(action)
-    assert kind is core.WaitBuild, action
+    assert isinstance(action, core.WaitBuild), action
     self._exchange.check()
     self._built.wait_done(action.beyond, common.WAIT_SLICE_S)
     return None
