@@ -49,25 +49,3 @@ def test_to_global_leaves_casts_on_the_device_where_asked():
   out = transfer.to_global_leaves(leaves, place, [np.dtype(np.float32), None, None])
   assert [x.dtype for x in out] == [np.float32, np.int32, np.float32]
   np.testing.assert_array_equal(np.asarray(out[0]), leaves[0].astype(np.float32))
-
-
-@pytest.mark.parametrize("pieces", [1, 3, 16])
-def test_put_in_pieces_joins_row_pieces_into_the_leaf_on_its_device(monkeypatch, pieces):
-  # A CPU device takes a leaf whole; pieces, as one accelerator device takes them, are forced.
-  monkeypatch.setattr(transfer, "_pieces", lambda x, s: min(pieces, x.shape[0]))
-  device = jax.devices()[0]
-  shardings = [NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec("data"))] * 3
-  leaves = _leaves(rows=10)
-  out = transfer.put_in_pieces(leaves, shardings)
-  for got, host, sharding in zip(out, leaves, shardings, strict=True):
-    assert got.shape == host.shape and got.dtype == host.dtype
-    assert got.sharding == sharding
-    np.testing.assert_array_equal(np.asarray(got), host)
-
-
-def test_pieces_only_for_one_accelerator_device():
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  big = np.zeros((64, transfer.PIECE_BYTES), np.uint8)
-  assert transfer._pieces(big, NamedSharding(mesh, PartitionSpec("data"))) == 1
-  one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec("data"))
-  assert transfer._pieces(big, one) == 1  # A CPU device: no link to fill.
