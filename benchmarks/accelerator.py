@@ -25,15 +25,18 @@ trial starts at the next variant), each trial a fresh iterator whose first
 * ``input_bound``: a Grain pipeline that makes each 64 x 64 x 3 record in
   NumPy and batches in Grain (``MapDataset.map(...).batch(...)``), read by
   Grain's threads or by worker processes (``mp_prefetch``), and a short
-  step: the input is the bottleneck. Wall and CPU per batch of ``bare``
+  step: the input is the bottleneck, at batches of about 3, 25 and 100 MB
+  (``--input-mb``). Wall and CPU per batch of ``bare``
   (``jax.device_put`` of each Grain batch), ``iter_jax_batches``,
   ``grain_device_put`` and ``device_put``, and where each thread's CPU went
   (ours, the main thread, Grain's Python threads, native threads).
 * ``transfer``: no step; GB/s (1e9 bytes per second) of one blocking
   ``jax.device_put`` at a time (``put_1``), ``jax.device_put`` with 4 and
-  16 puts in flight (``put_4``, ``put_16``), and `iter_jax_batches` at the
+  16 puts in flight (``put_4``, ``put_16``), `iter_jax_batches` at the
   default prefetch (``build``), at ``prefetch_batches=8`` (``build_p8``) and
-  inline (``build_inline``), the consumer waiting for each batch; and the
+  inline (``build_inline``), and ``grain_device_put`` and ``device_put`` at
+  their defaults over a Grain ``IterDataset``, the consumer waiting for each
+  batch; and the
   host time of one ``jax.device_put`` call (``put_call_ms``: the part of
   a put that does not overlap).
 
@@ -379,8 +382,18 @@ def input_bound(
   report: Callable[[dict], None],
   diagnose: bool = False,
 ) -> list[dict]:
-  """The `input_bound` section: one row per reading mode (threads, worker processes)."""
-  rows, side = cfg["input_rows"], cfg["side"]
+  """The `input_bound` section: one row per batch size and reading mode (threads, processes)."""
+  out = []
+  for rows in cfg["input_rows"]:
+    for w in workers:
+      out.append(_input_row(cfg, rows, w, trials=trials, n=n, diagnose=diagnose))
+      report(out[-1])
+  return out
+
+
+def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: bool) -> dict:
+  """One `input_bound` row: `rows` a batch, read by Grain's threads (`w` 0) or `w` processes."""
+  side = cfg["side"]
   sharding = _sharding()
   first = make_record(0, side)
   probe = {"image": np.stack([first["image"]] * rows)}
@@ -389,24 +402,17 @@ def input_bound(
   for i in range(rows):
     make_record(i, side)
   record_ms = (time.process_time() - start) * 1e3
-  out = []
-  for w in workers:
-    ds = input_pipeline(rows, SKIP + n + 2, side, workers=w, threads=cfg["input_threads"])
-    feeds = _input_feeds(ds, sharding, rows, diagnose=diagnose)
-    figures = _interleaved({k: _trial(m, step, params, n) for k, m in feeds.items()}, trials)
-    out.append(
-      {
-        "workers": w,
-        "threads": cfg["input_threads"],
-        "rows": rows,
-        "mb": probe["image"].nbytes / 1e6,
-        "step_ms": step_s * 1e3,
-        "records_cpu_ms": record_ms,  # Making one batch's records, in one thread.
-        "variants": figures,
-      }
-    )
-    report(out[-1])
-  return out
+  ds = input_pipeline(rows, SKIP + n + 2, side, workers=w, threads=cfg["input_threads"])
+  feeds = _input_feeds(ds, sharding, rows, diagnose=diagnose)
+  return {
+    "workers": w,
+    "threads": cfg["input_threads"],
+    "rows": rows,
+    "mb": probe["image"].nbytes / 1e6,
+    "step_ms": step_s * 1e3,
+    "records_cpu_ms": record_ms,  # Making one batch's records, in one thread.
+    "variants": _interleaved({k: _trial(m, step, params, n) for k, m in feeds.items()}, trials),
+  }
 
 
 # -- Transfer without a step ---------------------------------------------------
@@ -448,10 +454,13 @@ def _drain(it: Iterator[Any], n: int) -> dict:
 
 
 def _transfer_variants(data: list[dict], sharding: Any, n: int) -> dict[str, Callable]:
+  import grain.experimental
+
   import grain_jax_sync as gjs
 
   arrays = [b["x"] for b in data[SKIP : SKIP + n]]
   mesh, rows = sharding.mesh, data[0]["x"].shape[0]
+  grain_ds = _grain_source(data)
 
   def build(prefetch: int) -> Callable[[], dict]:
     return lambda: _drain(
@@ -465,6 +474,8 @@ def _transfer_variants(data: list[dict], sharding: Any, n: int) -> dict[str, Cal
     "build": build(2),
     "build_p8": build(8),
     "build_inline": build(0),
+    "grain_device_put": lambda: _drain(iter(grain.experimental.device_put(grain_ds, sharding)), n),
+    "device_put": lambda: _drain(iter(gjs.device_put(grain_ds, sharding)), n),
   }
 
 
@@ -484,6 +495,8 @@ def transfer(cfg: dict, *, trials: int, report: Callable[[dict], None]) -> list[
     row: dict[str, Any] = {"mb": mb, "bytes": nbytes, "n": n}
     for k, f in figures.items():
       row[k] = nbytes / (f["wall_ms"] / 1e3) / _GB
+      row[f"{k}_range"] = [nbytes / (f[e] / 1e3) / _GB for e in ("wall_hi_ms", "wall_lo_ms")]
+    row["trials"] = trials
     row["put_call_ms"] = figures["put_16"]["call_ms"] / n
     out.append(row)
     report(row)
@@ -497,7 +510,8 @@ FULL = {
   "hidden": 1024,
   # (rows, step ms): 3.1 MB batches at a 1 and a 3 ms step, 12.6 MB at 20 ms.
   "steady": [(256, 1.0), (256, 3.0), (1024, 20.0)],
-  "input_rows": 256,
+  # 64 x 64 x 3 uint8 records: 3.1, 25.2 and 100.7 MB batches.
+  "input_rows": [256, 2048, 8192],
   "input_step_ms": 3.0,
   "input_threads": 16,
   "transfer_mb": [8, 32, 128, 512],
@@ -506,7 +520,7 @@ QUICK = {
   "side": 8,
   "hidden": 32,
   "steady": [(32, 1.0)],
-  "input_rows": 32,
+  "input_rows": [32],
   "input_step_ms": 1.0,
   "input_threads": 2,
   "transfer_mb": [0.25],
@@ -543,16 +557,22 @@ def _print_variants(title: str, variants: dict) -> None:
   for k, f in variants.items():
     threads = " ".join(f"{g} {f[f'cpu_{g}_ms']:.2f}" for g in ("ours", "main", "python", "native"))
     print(
-      f"  {k:17s} wall {f['wall_ms']:8.3f} ms ({f['wall_lo_ms']:.3f}..{f['wall_hi_ms']:.3f})"
+      f"  {k:17s} wall {f['wall_ms']:8.3f} ms ({f['wall_lo_ms']:.3f}..{f['wall_hi_ms']:.3f},"
+      f" {f['trials']} trials)"
       f"  cpu {f['cpu_ms']:7.2f} ms  [{threads}]",
       flush=True,
     )
 
 
 def _print_transfer(r: dict) -> None:
-  keys = ("put_1", "put_4", "put_16", "build", "build_p8", "build_inline")
-  figures = "  ".join(f"{k} {r[k]:6.2f}" for k in keys)
-  print(f"{r['mb']:>6g} MB  {figures} GB/s;  put call {r['put_call_ms']:.2f} ms", flush=True)
+  keys = [k for k in r if f"{k}_range" in r]
+  figures = "  ".join(
+    f"{k} {r[k]:6.2f} ({r[f'{k}_range'][0]:.2f}..{r[f'{k}_range'][1]:.2f})" for k in keys
+  )
+  print(
+    f"{r['mb']:>6g} MB, {r['trials']} trials:  {figures} GB/s;  put call {r['put_call_ms']:.2f} ms",
+    flush=True,
+  )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -563,7 +583,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
   parser.add_argument("--trials", type=int, default=9)
   parser.add_argument("--n", type=int, default=48, help="timed batches per trial")
-  parser.add_argument("--workers", type=int, nargs="+", default=[0, 4], help="0: Grain's threads")
+  parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="0: Grain's threads")
+  parser.add_argument("--input-rows", type=int, nargs="+", help="input_bound: rows a batch")
+  parser.add_argument("--transfer-mb", type=float, nargs="+", help="transfer: MB a batch")
   parser.add_argument(
     "--diagnose", action="store_true", help="input_bound: also inline and device_buffer_size=0"
   )
@@ -580,13 +602,15 @@ def _print_steady(r: dict) -> None:
 
 def _print_input_bound(r: dict) -> None:
   how = f"{r['workers']} worker processes" if r["workers"] else f"{r['threads']} threads"
-  title = f"input_bound: {r['mb']:.1f} MB, {how}, step {r['step_ms']:.2f} ms"
+  title = f"input_bound: {r['mb']:.1f} MB ({r['rows']} rows), {how}, step {r['step_ms']:.2f} ms"
   _print_variants(f"{title}, records {r['records_cpu_ms']:.1f} ms CPU", r["variants"])
 
 
 def run(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], None]) -> None:
   """Every section asked for, into `results`; prints each row as it comes, saves each section."""
-  cfg = QUICK if args.quick else FULL
+  cfg = dict(QUICK if args.quick else FULL)
+  cfg["input_rows"] = args.input_rows or cfg["input_rows"]
+  cfg["transfer_mb"] = args.transfer_mb or cfg["transfer_mb"]
   if "steady" in args.sections:
     results["steady"] = steady(cfg, trials=args.trials, n=args.n, report=_print_steady)
     save()

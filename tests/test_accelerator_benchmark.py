@@ -44,7 +44,7 @@ def test_accelerator_cpu_mode_measures_every_section(tmp_path):
     "resident", "bare", "iter_jax_batches", "inline", "grain_device_put", "device_put",
   }  # fmt: skip
   (bound,) = results["input_bound"]
-  assert bound["workers"] == 0
+  assert bound["workers"] == 0 and bound["rows"] == 32
   assert set(bound["variants"]) == {"bare", "iter_jax_batches", "grain_device_put", "device_put"}
   for row in (steady, bound):
     assert row["step_ms"] > 0
@@ -53,7 +53,9 @@ def test_accelerator_cpu_mode_measures_every_section(tmp_path):
       assert {"cpu_ms", "cpu_ours_ms", "cpu_python_ms", "cpu_native_ms"} <= set(figures)
   (moved,) = results["transfer"]
   assert moved["bytes"] == (int(0.25e6) // 256) * 256
-  for key in ("put_1", "put_4", "put_16", "build", "build_p8", "build_inline", "put_call_ms"):
+  assert moved["trials"] == 1
+  variants = ("put_1", "put_4", "put_16", "build", "build_p8", "build_inline")
+  for key in (*variants, "grain_device_put", "device_put", "put_call_ms"):
     assert math.isfinite(moved[key]) and moved[key] > 0, (key, moved)
   lines = out.stdout.splitlines()
   assert lines[0].startswith("accelerator: 1 x cpu (cpu), jax ")

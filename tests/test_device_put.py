@@ -119,8 +119,7 @@ def _counted(n):
 def _settled(read, want, deadline_s=10.0):
   """How many elements are read once the pipeline stops reading (its buffers full).
 
-  Distinct elements: `device_put` reads the first one to choose its mode,
-  then restores the source, which reads it again.
+  Distinct elements, should one be read twice.
   """
   end = time.monotonic() + deadline_s
   while len(set(read)) < want and time.monotonic() < end:
@@ -295,6 +294,19 @@ def test_device_put_unbatched_state_resumes_in_grains_format():
   again = iter(gjs.device_put(ds, jax.devices()[0]))
   again.set_state(grain_state)  # Grain's own format: its parent's state.
   assert [int(e["label"]) for e in again] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_device_put_makes_each_element_once_the_first_handed_on_not_read_again(restored):
+  # Rewinding the source after the read that chooses the mode would drop
+  # what Grain's threads or workers read ahead, and make it again.
+  ds, read = _counted(12)
+  it = iter(gjs.device_put(ds))
+  if restored:
+    it.set_state({"next_index": 4})  # As Grain's own `device_put` saved it.
+  got = [int(np.asarray(b["x"])[0]) for b in it]
+  start = 4 if restored else 0
+  assert got == read == list(range(start, 12))
 
 
 def test_device_put_restores_a_checkpoint_written_by_grains_device_put():

@@ -46,20 +46,21 @@ def _plain_first(
   before: Callable[[], Any],
   options: options_lib.Options,
   placement: placement_lib.DevicePutPlacement,
-) -> list[Any] | None:
-  """[The first element] where elements are placed one by one, None for global batches.
+) -> tuple[bool, tuple[Any, Any] | None]:
+  """Whether elements are placed one by one, and the first element with the state before it.
 
-  For global batches `parent` is back where it was. ValueError if options
-  that need global batches are given.
+  The element read is handed on rather than read again: rewinding a Grain
+  iterator drops what its threads or worker processes read ahead, and they
+  make it again. None where nothing was read. ValueError if options that
+  need global batches are given.
   """
   if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
-    return None
+    return False, None
   start = before()
   first = next(parent, None)
   why = None if first is None else _unbatched(first)
   if first is None or not (why or placement.per_leaf):
-    parent.set_state(start)  # The engine reads it again.
-    return None
+    return False, None if first is None else (first, start)
   given = [k for k in ("paddings", "dtypes") if getattr(options, k) is not None]
   given += [k for k in ("mask_key", "drop_last") if getattr(options, k)]
   given += ["pad_shapes"] if options.pad_shapes is not None else []
@@ -75,7 +76,7 @@ def _plain_first(
       " elements are placed one by one as jax.device_put places them."
       " Batch the dataset first (e.g. `ds.batch(n)`) and pass one sharding"
     )
-  return [first]
+  return True, (first, start)
 
 
 def _state(count: int, source: Any, options: options_lib.Options | None = None) -> dict[str, Any]:
@@ -129,16 +130,20 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
-    first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
-    if first is None:
-      self._start_batches()
+    plain, first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
+    if not plain:
+      self._start_batches(first)
       return
     self._plain = True
     self._fresh = None  # The parent is read from here on.
     self._first.append(first[0])
 
-  def _start_batches(self) -> None:
-    source = grain_source.open_grain(self._parent, fresh=self._fresh) or self._parent
+  def _start_batches(self, first: tuple[Any, Any] | None) -> None:
+    source = grain_source.open_grain(self._parent, fresh=self._fresh, first=first)
+    if source is None:  # Not a Grain iterator: read again from the start.
+      if first is not None:
+        self._parent.set_state(first[1])
+      source = self._parent
     batches = iterator_lib.JaxBatchIterator(
       source, options=self._options, placement=self._placement.batches
     )
