@@ -14,7 +14,7 @@ from grain_jax_sync._src.placement import (
   global_to_local_shape,
   local_to_global_shape,
 )
-from grain_jax_sync._src.sources.elastic import elastic_source
+from grain_jax_sync._src.sources.elastic import elastic_mixture, elastic_source, pack_sequences
 from grain_jax_sync._src.sources.hugging_face import hf_pipeline
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline
@@ -33,6 +33,7 @@ __all__ = [
   "default_mesh",
   "default_sharding",
   "device_put",
+  "elastic_mixture",
   "elastic_source",
   "from_tf_data",
   "global_to_local_shape",
@@ -41,5 +42,6 @@ __all__ = [
   "iter_jax_batches",
   "jax_sync_generator",
   "local_to_global_shape",
+  "pack_sequences",
   "tfds_pipeline",
 ]

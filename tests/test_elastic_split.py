@@ -248,3 +248,24 @@ def test_forever_a_resize_in_a_later_epoch_then_fresh_epochs_every_record_once_e
       record_of(epoch_shares, j, shuffle=True, seed=seed) for j in range(listed + 2 * per_epoch)
     ]
   assert Counter(seen) == Counter((e, r) for e in range(6) for r in range(n))
+
+
+@PROPERTY_SETTINGS
+@given(n=st.integers(1, 80), count=st.integers(1, 5), new=st.integers(1, 5), data=st.data())
+def test_holes_a_packer_holds_are_resplit_with_the_records_not_read(n, count, new, data):
+  job = job_shares(n, 1, 0, (), count)
+  stops, holes = [], []
+  for j in job:
+    stop = data.draw(st.integers(0, j.length))
+    stops.append((stop,))
+    holes.append(
+      tuple(sorted(data.draw(st.sets(st.integers(0, max(stop - 1, 0)))) if stop else ()))
+    )
+  first, splits = es.resume(job, stops, holes)
+  splits = state_lib.splits_from_json(json.loads(json.dumps(state_lib.splits_to_json(splits))))
+  consumed = [
+    job[p].locate(j)[1] for p in range(count) for j in range(stops[p][0]) if j not in holes[p]
+  ]
+  after = job_shares(n, 1, first, splits, new)
+  rest = [a.locate(j)[1] for a in after for j in range(a.length)]
+  assert sorted(consumed + rest) == list(range(n))

@@ -92,7 +92,9 @@ class JaxBatchIterator(Iterator[Any]):
       ``get_state()``, ``exchange_s`` in key-value store calls and waits
       (or the collective fallback's all-gathers; 0 in one process),
       ``transfer_s`` building global arrays (padding, mask, host casts,
-      ``make_array_from_process_local_data``).
+      ``make_array_from_process_local_data``). A mixture (`elastic_mixture`)
+      adds ``sources``: per source, the ``rows`` this host consumed, their
+      ``share`` of its rows and the source's ``weight``.
 
       With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
       mapping per process (``process_index``, the keys above and
@@ -104,7 +106,8 @@ class JaxBatchIterator(Iterator[Any]):
     """
     if all_hosts:
       return self._streams.job.view()
-    return self._streams.snapshot()
+    mark = self._streams.mark
+    return {**self._streams.snapshot(), **self._streams.source.stats(mark.state)}
 
   # -- state -------------------------------------------------------------------
 

@@ -64,6 +64,11 @@ class SourceIterator:
   def close(self) -> None:
     pass
 
+  def stats(self, state: Any) -> dict[str, Any]:
+    """Figures of its own for `stats()` as of a held `state` (default: none)."""
+    del state
+    return {}
+
   def local_iterator(self, owner: Any) -> Any:
     """Its own iterator type seen through `owner` (``local_state``/``restore_local``), or None."""
     del owner

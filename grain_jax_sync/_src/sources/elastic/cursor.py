@@ -13,6 +13,8 @@ from typing import Any
 
 TAG = "grain_jax_sync_elastic_stream"
 SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
+# A packer's own tag: {TAG: {"next_index": past its last read}, "holes": its records in flight}.
+PACKED = "grain_jax_sync_elastic_packed"
 _INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
 _PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
 _NOT_ALONE = "its Grain state holds more than its parent's: packing, mixing"
@@ -22,6 +24,8 @@ Why = str | None  # Why a cursor is not exact (None: it is).
 def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
   """Every tag inside a Grain state, with why its path keeps more than the cursor."""
   if isinstance(state, Mapping):
+    if PACKED in state:  # Stands for its parent's state: the records in flight are named.
+      return [(state[PACKED], why or state[PACKED].get("why"))]
     if TAG in state:
       return [(state, why or (None if set(state) <= {TAG, SLICE} else _NOT_ALONE))]
     if all(k in state for k in _INTERLEAVE):
@@ -48,10 +52,11 @@ def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
   return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
 
 
-def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
-  """(stream thresholds, why not exact) of a Grain iterator's nested state, or None.
+def find_position(state: Any) -> tuple[tuple[int, ...], str | None, list[int]] | None:
+  """(stream thresholds, why not exact, holes) of a Grain iterator's nested state, or None.
 
-  Stream index ``j`` is consumed when ``j < T[j % len(T)]``. Not exact (for a
+  Stream index ``j`` is consumed when ``j < T[j % len(T)]`` and ``j`` is not
+  in the holes (a packer's records in flight, `PACKED`). Not exact (for a
   re-split; Grain's own resume is): a transform that keeps a state beside its
   parent's (a mix, packing within a packed batch) may hold records read past
   the cursor, and a sequential `mp_prefetch` reads blocks, not strides.
@@ -60,6 +65,13 @@ def find_position(state: Any) -> tuple[tuple[int, ...], str | None] | None:
   if not tags:
     return None
   why = next((w for _, w in tags if w is not None), None)
+  holes = sorted(int(j) for t, _ in tags for j in t.get("holes", ()))
+  found = _thresholds(tags, why)
+  return found[0], found[1], holes
+
+
+def _thresholds(tags: list[tuple[Mapping[str, Any], Why]], why: Why) -> tuple[tuple[int, ...], Why]:
+  """(stream thresholds, why not exact) of the tags of one state."""
   sliced = [(t[SLICE], int(t[TAG]["next_index"])) for t, _ in tags if SLICE in t]
   plain = [int(t[TAG]["next_index"]) for t, _ in tags if SLICE not in t]
   if not sliced:

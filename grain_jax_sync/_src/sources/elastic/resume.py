@@ -7,6 +7,7 @@ left (`split.resume`) and any other source refuses. Pure Python.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,11 +97,26 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
   return tuple(strided)
 
 
+def _holes(source: Mapping[str, Any], i: int, position: int) -> tuple[int, ...]:
+  """A state's stream indices below its position not consumed (a packer's records in flight)."""
+  try:
+    holes = state_lib.unpack_ints(source.get("holes", []))
+  except (ValueError, TypeError, zlib.error) as e:
+    raise ValueError(f"`state[{i}]['source']['holes']` is not a list of ints ({e})") from e
+  if not all(0 <= j < position for j in holes):
+    raise ValueError(
+      f"`state[{i}]['source']['holes']` must be stream indices below 'position' {position},"
+      f" got {holes[:8]}"
+    )
+  return holes
+
+
 def _resplit(
   source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
   olds: list[EpochShares] = []
   cursors: list[tuple[int, ...]] = []
+  holes: list[tuple[int, ...]] = []
   for i, s in enumerate(states):
     if "source" not in s:
       raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
@@ -122,7 +138,8 @@ def _resplit(
       )
     olds.append(old)
     cursors.append(_thresholds(s["source"], i, position, old.length))
-  first, splits = resume(olds, cursors)
+    holes.append(_holes(s["source"], i, position))
+  first, splits = resume(olds, cursors, holes)
   new = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   return {
     **states[0],

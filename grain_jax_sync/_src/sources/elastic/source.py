@@ -22,6 +22,14 @@ class ElasticSource:
   shuffle: bool
   seed: int
   num_epochs: int | None
+  # A `mixture.Mixture`: `records` are its endless global rows, read
+  # `mixture.epoch_length` an epoch (epoch e's position i is row e * length + i).
+  mixture: Any = None
+
+  @property
+  def num_records(self) -> int:
+    """Records (positions) per epoch."""
+    return len(self.records) if self.mixture is None else self.mixture.epoch_length
 
 
 def elastic_source(

@@ -6,7 +6,8 @@ not yet read, a list of ranges ``[start, stop)``, into `count` contiguous
 shares in process order, the first ``num_records % count`` one longer; each
 process keeps a cursor: how many of its share's positions are consumed, or,
 strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
-``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th).
+``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th),
+or `Holes`: a prefix but for the positions a packer holds in flight.
 A resize appends ``(old_count, cursors)`` to the epoch's split history, which
 replays to the current split, so a state never lists records. Pure Python and
 NumPy.
@@ -22,8 +23,18 @@ from collections.abc import Sequence
 import numpy as np
 
 Range = tuple[int, int]
-# A consumed cursor over a share: a prefix length, or strided thresholds (see above).
-Cursor = int | tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Holes:
+  """A consumed prefix ``stop`` of a share but for `holes`: positions read, not yet delivered."""
+
+  stop: int
+  holes: tuple[int, ...]
+
+
+# A consumed cursor over a share: a prefix length, strided thresholds or holes (see above).
+Cursor = int | tuple[int, ...] | Holes
 # (old process count, each old process's cursor over its share of that split).
 Resize = tuple[int, tuple[Cursor, ...]]
 
@@ -76,6 +87,12 @@ def _unconsumed(share: Sequence[Range], cursor: Cursor) -> list[Range]:
   n = total(share)
   if isinstance(cursor, int):
     return take(share, cursor, n)
+  if isinstance(cursor, Holes):
+    out = []
+    for i in (*cursor.holes, cursor.stop):
+      for start, stop in take(share, i, i + 1 if i < cursor.stop else n):
+        _append(out, start, stop)
+    return out
   lo, hi, width = min(cursor), max(cursor), len(cursor)
   out: list[Range] = []
   for i in range(lo, hi):  # Between the thresholds: position by position.
@@ -93,6 +110,13 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
   for i, (share, cursor) in enumerate(zip(shares, cursors, strict=True)):
     n = total(share)
     values = (cursor,) if isinstance(cursor, int) else cursor
+    if isinstance(cursor, Holes):
+      values = (cursor.stop,)
+      if (
+        list(cursor.holes) != sorted(set(cursor.holes))
+        or max(cursor.holes, default=-1) >= cursor.stop
+      ):
+        raise ValueError(f"process {i}'s holes {cursor.holes[:8]} are not sorted share positions")
     if not values or not all(0 <= c <= n for c in values):
       raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
     for start, stop in _unconsumed(share, cursor):
@@ -231,7 +255,7 @@ class EpochShares:
     epoch, share, _ = self.epochs[-1]
     return epoch, total(share)
 
-  def _entry(self, epoch: int) -> tuple[list[Range], int]:
+  def entry(self, epoch: int) -> tuple[list[Range], int]:
     """(this process's share of `epoch`, its first stream index)."""
     for e, share, offset in self.epochs:
       if e == epoch:
@@ -240,35 +264,49 @@ class EpochShares:
       return self._fresh, self._listed + (epoch - self._end) * self._period
     raise ValueError(f"epoch {epoch} is not in this stream")
 
-  def epoch_cursor(self, epoch: int, thresholds: Sequence[int]) -> Cursor:
-    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``)."""
-    share, offset = self._entry(epoch)
+  def epoch_cursor(
+    self, epoch: int, thresholds: Sequence[int], holes: Sequence[int] = ()
+  ) -> Cursor:
+    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``).
+
+    `holes`: stream indices below the thresholds not consumed (one threshold only).
+    """
+    share, offset = self.entry(epoch)
     n, width = total(share), len(thresholds)
     # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
     local = tuple(min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width))
+    mine = tuple(j - offset for j in holes if 0 <= j - offset < local[0])
+    if mine:
+      return Holes(local[0], mine)
     return local[0] if len(set(local)) == 1 else local
 
-  def epoch_span(self, thresholds: Sequence[int]) -> tuple[int, int]:
+  def epoch_span(self, thresholds: Sequence[int], holes: Sequence[int] = ()) -> tuple[int, int]:
     """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
-    return self.cursor(min(thresholds))[0], self.cursor(max(thresholds))[0]
+    return self.cursor(min((*thresholds, *holes)))[0], self.cursor(max(thresholds))[0]
 
 
 def resume(
-  olds: Sequence[EpochShares], thresholds: Sequence[Sequence[int]]
+  olds: Sequence[EpochShares],
+  thresholds: Sequence[Sequence[int]],
+  holes: Sequence[Sequence[int]] | None = None,
 ) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
   """The next job's (first epoch, splits) from every old process's shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
-  ``j < thresholds[p][j % len(thresholds[p])]``. Every epoch some old process
-  had not finished gets the old job's cursors as a resize.
+  ``j < thresholds[p][j % len(thresholds[p])]`` and ``j`` is not in
+  ``holes[p]``. Every epoch some old process had not finished gets the old
+  job's cursors as a resize.
   """
-  spans = [old.epoch_span(t) for old, t in zip(olds, thresholds, strict=True)]
+  holes = holes or [()] * len(olds)
+  spans = [old.epoch_span(t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
   splits = []
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
   for epoch in range(first, end + 1):
-    row = tuple(old.epoch_cursor(epoch, t) for old, t in zip(olds, thresholds, strict=True))
+    row = tuple(
+      old.epoch_cursor(epoch, t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)
+    )
     splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).
   splits.extend((e, h) for e, h in sorted(base.items()) if e > last)

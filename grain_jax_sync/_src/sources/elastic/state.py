@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src.sources.elastic.source import ElasticSource
-from grain_jax_sync._src.sources.elastic.split import Cursor, EpochShares, Resize
+from grain_jax_sync._src.sources.elastic.split import Cursor, EpochShares, Holes, Resize
 
 FORMAT = "grain_jax_sync.elastic/1"
 
@@ -45,7 +45,14 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
 
 
 def _row_to_json(row: Sequence[Cursor]) -> Any:
-  """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds."""
+  """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds.
+
+  With `Holes`: ``{"cursors": the row of their stops, "holes": each cursor's holes}``.
+  """
+  if any(isinstance(c, Holes) for c in row):
+    stops = [c.stop if isinstance(c, Holes) else c for c in row]
+    holes = [pack_ints(c.holes if isinstance(c, Holes) else ()) for c in row]
+    return {"cursors": _row_to_json(stops), "holes": holes}
   if all(isinstance(c, int) for c in row):
     return pack_ints([int(c) for c in row])  # type: ignore[arg-type]  # ints, checked above.
   cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
@@ -59,6 +66,9 @@ def _row_from_json(value: Any) -> tuple[Cursor, ...]:
   """The inverse of `_row_to_json`."""
   if not isinstance(value, Mapping):
     return unpack_ints(value)
+  if "holes" in value:
+    stops, holes = _row_from_json(value["cursors"]), [unpack_ints(h) for h in value["holes"]]
+    return tuple(Holes(c, h) if h else c for c, h in zip(stops, holes, strict=True))  # type: ignore[arg-type]
   widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
   if any(w < 1 for w in widths) or sum(widths) != len(flat):
     raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
@@ -93,10 +103,12 @@ def export(
   spec: ElasticSource,
   *,
   why_not: str | None = None,
+  holes: Sequence[int] = (),
 ) -> dict:
   """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
-  `why_not`: why the cursor cannot be re-split (None: it can).
+  `why_not`: why the cursor cannot be re-split (None: it can). `holes`: the
+  stream indices below it not consumed (a packer's records in flight).
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)
@@ -117,8 +129,12 @@ def export(
     "resplittable": why_not is None,
     "grain": grain_state,
   }
+  if spec.mixture is not None:
+    out["mixture"] = spec.mixture.key
   if len(thresholds) > 1:
     out["strided"] = [int(t) for t in thresholds]
+  if holes:
+    out["holes"] = pack_ints(sorted(holes))
   if why_not is not None:
     out["why_not_resplittable"] = why_not
   return out
@@ -156,6 +172,13 @@ def check_source_state(
         f"`state['source'][{key!r}]` is {saved!r}, but this elastic source has {key}={now!r};"
         " restore with the records and options the state was saved with"
       )
+  mixture = None if spec.mixture is None else spec.mixture.key
+  if state.get("mixture") != mixture:
+    raise ValueError(
+      f"`state['source']['mixture']` (the proportions, sizes and shuffling) is"
+      f" {state.get('mixture')!r:.100}, but this source's is {mixture!r:.100}; resume a"
+      " mixture with the sources and weights it was saved with"
+    )
   epoch = _field(state, "epoch")
   if spec.num_epochs is not None and epoch >= spec.num_epochs:
     raise ValueError(

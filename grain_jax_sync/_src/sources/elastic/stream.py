@@ -52,11 +52,12 @@ def _classes() -> tuple[type, type]:
   class Stream(grain.MapDataset):
     """This process's records, in stream order: `records[order[position]]`."""
 
-    def __init__(self, records: Any, shares: EpochShares, shuffle: bool, seed: int):
+    def __init__(self, records: Any, shares: EpochShares, spec: ElasticSource):
       super().__init__(records)
       self._shares = shares
-      self._shuffle = shuffle
-      self._seed = seed
+      self._shuffle = spec.shuffle
+      self._seed = spec.seed
+      self._endless = spec.mixture is not None  # Epoch e starts at row e * num_records.
 
     def __len__(self) -> int:
       return self._shares.length
@@ -68,7 +69,8 @@ def _classes() -> tuple[type, type]:
       order = epoch_order(
         self._shares.num_records, shuffle=self._shuffle, seed=self._seed, epoch=epoch
       )
-      return self._parent[pos if order is None else int(order[pos])]
+      pos = pos if order is None else int(order[pos])
+      return self._parent[pos + epoch * self._shares.num_records if self._endless else pos]
 
     def __str__(self) -> str:
       return f"ElasticStream(process {self._shares.index} of {self._shares.count})"
@@ -133,7 +135,7 @@ class ElasticIterator(base.WrappedIterator):
 
   def __init__(self, spec: ElasticSource, *, index: int, count: int):
     self.spec = spec
-    self.num_records = len(spec.records)
+    self.num_records = spec.num_records
     self.description = f"an elastic source of {self.num_records} records"
     self._it: Any = None
     self._open(EpochShares(self.num_records, spec.num_epochs, 0, (), count, index))
@@ -145,7 +147,7 @@ class ElasticIterator(base.WrappedIterator):
     if not isinstance(records, grain.MapDataset):
       records = grain.MapDataset.source(records)
     ds = cursor_cls(
-      stream_cls(records, shares, self.spec.shuffle, self.spec.seed).to_iter_dataset(),
+      stream_cls(records, shares, self.spec).to_iter_dataset(),
       shares.length,
     )
     if self.spec.transform is not None:
@@ -169,7 +171,25 @@ class ElasticIterator(base.WrappedIterator):
         " `transform` must build on the IterDataset it is given with Grain"
         " transformations that nest their parent's state (map, filter, batch)"
       )
-    return state_lib.export(state.shares, found[0], state.grain, self.spec, why_not=found[1])
+    thresholds, why, holes = found
+    return state_lib.export(
+      state.shares, thresholds, state.grain, self.spec, why_not=why, holes=holes
+    )
+
+  def stats(self, state: Any) -> dict[str, Any]:
+    """A mixture's ``sources``: each one's rows this process consumed, against its weight."""
+    mixture = self.spec.mixture
+    if mixture is None or state is None:
+      return {}
+    if isinstance(state, _Snapshot):
+      found = cursor_lib.find_position(state.grain)
+      if found is None:
+        return {}
+      shares, position, holes = state.shares, min(found[0]), found[2]
+    else:  # Exported (restored by set_state): checked there.
+      shares, position, _ = state_lib.check_source_state(state, self.spec, self.num_records)
+      holes = state_lib.unpack_ints(state.get("holes", []))
+    return {"sources": mixture.stats(mixture.consumed(shares, position, holes))}
 
   def set_state(self, state: Any) -> None:
     shares, position, grain_state = state_lib.check_source_state(state, self.spec, self.num_records)

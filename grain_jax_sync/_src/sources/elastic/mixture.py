@@ -1,0 +1,172 @@
+"""`elastic_mixture`: a weighted mixture of sources, read as one elastic source.
+
+Global row ``g`` of the mixture comes from the source and row that Grain's
+`MapDataset.mix` selects for ``g``: a function of ``g`` and the weights
+only, with every prefix of rows within one row of the weights. Each source
+is an endless `MapDataset` (`repeat`, and `shuffle` seeded per source and
+per epoch of that source), so row ``n`` of source ``k`` is its epoch
+``n // len(k)``. The mixture's rows, read `epoch_length` an epoch, are an
+elastic source's records: the elastic split gives each process its share of
+global rows, and its cursor is every source's cursor. No thread or buffer
+per source: the transform reads the whole mixture once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync._src import extras
+from grain_jax_sync._src import options as options_lib
+from grain_jax_sync._src.sources.elastic import split
+from grain_jax_sync._src.sources.elastic.source import ElasticSource, elastic_source
+
+_SCALE = 100  # Grain's mix scales the least weight to this integer proportion.
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+  """The mixture's arithmetic: integer proportions (as Grain's) and each source's size."""
+
+  proportions: tuple[int, ...]
+  sizes: tuple[int, ...]
+  shuffle: bool
+
+  @property
+  def epoch_length(self) -> int:
+    """Global rows per epoch of the mixture: as many as the sources hold together."""
+    return sum(self.sizes)
+
+  @property
+  def key(self) -> list[list[int]]:
+    """What a state must match: the proportions, the sizes and the sources' shuffling."""
+    return [list(self.proportions), list(self.sizes), self.shuffle]
+
+  def counts(self, g: int) -> list[int]:
+    """Rows of each source among global rows ``0 .. g - 1`` (Grain's `mix` selection)."""
+    out, left, k = [], sum(self.proportions), g
+    for p in self.proportions:
+      rest = k * (left - p) // left
+      out.append(k - rest)
+      left, k = left - p, rest
+    return out
+
+  def consumed(self, shares: split.EpochShares, position: int, holes: Sequence[int]) -> list[int]:
+    """Rows of each source a process consumed: stream ``0 .. position - 1`` but `holes`."""
+    out = np.zeros(len(self.sizes), np.int64)
+    last, cursor = shares.cursor(position)
+    for epoch in range(shares.first_epoch, last + 1):
+      share, _ = shares.entry(epoch)
+      base = epoch * self.epoch_length
+      for start, stop in split.take(share, 0, cursor if epoch == last else split.total(share)):
+        out += np.subtract(self.counts(base + stop), self.counts(base + start))
+    for j in holes:
+      epoch, pos = shares.locate(j)
+      g = epoch * self.epoch_length + pos
+      out -= np.subtract(self.counts(g + 1), self.counts(g))
+    return [int(n) for n in out]
+
+  def stats(self, rows: Sequence[int]) -> list[dict[str, float]]:
+    """Per source: ``rows`` read, their ``share`` of all rows, and the ``weight``."""
+    total = max(sum(rows), 1)
+    weights = [p / sum(self.proportions) for p in self.proportions]
+    return [
+      {"rows": int(n), "share": n / total, "weight": w} for n, w in zip(rows, weights, strict=True)
+    ]
+
+
+def _proportions(weights: Sequence[float], count: int) -> tuple[int, ...]:
+  weights = list(weights)
+  if len(weights) != count or not all(
+    isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
+  ):
+    raise ValueError(f"`weights` must be {count} numbers > 0, one per source, got {weights!r:.100}")
+  return tuple(int(w * _SCALE / min(weights)) for w in weights)
+
+
+def _records(source: Any, i: int) -> Any:
+  """A source's random-access records (an `elastic_source` gives its own)."""
+  if isinstance(source, ElasticSource):
+    if source.transform is not None or source.mixture is not None:
+      raise ValueError(
+        f"`sources[{i}]` is an elastic source with a transform or a mixture; give its"
+        " records: the mixture's `transform` reads every source"
+      )
+    source = source.records
+  try:
+    size = len(source)
+  except TypeError as e:
+    raise ValueError(
+      f"`sources[{i}]` must be a grain.MapDataset or a random-access sequence, got"
+      f" {type(source).__name__} (no len())"
+    ) from e
+  if not size:
+    raise ValueError(f"`sources[{i}]` is empty")
+  return source
+
+
+def elastic_mixture(
+  sources: Sequence[Any],
+  weights: Sequence[float],
+  transform: Callable[[Any], Any] | None = None,
+  *,
+  shuffle: bool = True,
+  seed: int = 0,
+  num_epochs: int | None = None,
+) -> ElasticSource:
+  """A weighted mixture of sources, split over processes and resumable on any count.
+
+  Which source global row ``g`` comes from is Grain's `MapDataset.mix`
+  selection for ``g`` and the weights: the same on every process count, and
+  every prefix of rows is within one row of the weights. Each source repeats
+  without end, reshuffled (seeded by `seed`, the source and its epoch) each
+  time it is read through, so no row of a source appears twice in one of its
+  epochs. The rows are read as an `elastic_source`: each process reads its
+  share of global rows through ``transform``, one pipeline for the whole
+  mixture (no thread or buffer per source), and a state resumes exactly on
+  the same process count and, as the list of every old process's state, on
+  any other. `stats()` gives each source's rows against its weight. A state
+  holds the weights: resume with the same ones.
+
+  Args:
+    sources: Each a `grain.MapDataset` or a random-access sequence of records
+      (a Hugging Face `Dataset`, a TFDS data source, a list), or an
+      `elastic_source` without a transform (its records).
+    weights: One number > 0 per source (normalised).
+    transform: Maps this process's `grain.IterDataset` of rows to batches, as
+      for `elastic_source` (`pack_sequences` included).
+    shuffle: Whether each source is reshuffled each of its epochs.
+    seed: The shuffles' seed.
+    num_epochs: Epochs of the mixture to read, each as many rows as the
+      sources hold together (None: forever).
+
+  Returns:
+    A source for `iter_jax_batches`.
+
+  Raises:
+    ValueError: If a source is empty or not random-access, or a weight is not > 0.
+
+  Example:
+
+    >>> src = elastic_mixture([list(range(10)), list(range(100))], [1, 3], lambda ds: ds.batch(4))
+    >>> it = iter_jax_batches(src, batch_size=4, paddings=0, mask_key="mask")
+  """
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_mixture")
+  if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
+    raise ValueError(f"`sources` must be a non-empty list of sources, got {sources!r:.100}")
+  records = [_records(s, i) for i, s in enumerate(sources)]
+  proportions = _proportions(weights, len(records))
+  seed = options_lib.checked_int("seed", seed, minimum=0)
+  parents = []
+  for k, r in enumerate(records):
+    ds = r if isinstance(r, grain.MapDataset) else grain.MapDataset.source(r)
+    if shuffle:
+      ds = ds.shuffle(seed=int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
+    parents.append(ds.repeat())
+  mixed = grain.MapDataset.mix(parents, list(proportions))
+  checked = elastic_source(mixed, transform, shuffle=False, seed=seed, num_epochs=num_epochs)
+  mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
+  return dataclasses.replace(checked, mixture=mixture)

@@ -1,0 +1,187 @@
+"""`elastic_mixture`: which source each global row comes from, resumed on any process count.
+
+The selection and the re-split are checked in one process over the library's
+own per-process iterators (no JAX); one test runs the real 2 x 4 -> 3 x 4 job.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import lm_jobs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grain_jax_sync as gjs
+from grain_jax_sync import testing
+from grain_jax_sync._src.sources.elastic import split as es
+from grain_jax_sync._src.sources.elastic.mixture import Mixture
+
+SIZES = (300, 900, 2500)  # Unequal; mixed 1:2:5.
+
+
+def source_of(m: Mixture, g: int) -> tuple[int, int]:
+  """(source, its row count before) of global row `g`."""
+  step = np.subtract(m.counts(g + 1), m.counts(g))
+  k = int(np.argmax(step))
+  return k, m.counts(g)[k]
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.integers(1, 9), min_size=1, max_size=5), start=st.integers(0, 10**6))
+def test_counts_are_grains_mix_selection_and_every_window_keeps_the_weights(weights, start):
+  import grain
+
+  parents = [grain.MapDataset.range(10**9).map(lambda i, k=k: (k, i)) for k in range(len(weights))]
+  mixed = grain.MapDataset.mix(parents, weights)
+  m = gjs.elastic_mixture([[0]] * len(weights), weights).mixture
+  for g in range(start, start + 40):
+    assert mixed[g] == source_of(m, g)
+  window = np.subtract(m.counts(start + 2000), m.counts(start))
+  assert np.all(np.abs(window / 2000 - np.divide(weights, sum(weights))) < 0.01)
+
+
+def keys(m: Mixture, batches: list[dict], positions: list[int]) -> list[tuple[int, int, int, int]]:
+  """(global row, source, source epoch, record) of each row, given each row's global position."""
+  out = []
+  recs = [(int(s), int(i)) for b in batches for s, i in zip(b["s"], b["i"], strict=True)]
+  for g, (s, i) in zip(positions, recs, strict=True):
+    k, n = source_of(m, g)
+    assert s == k  # The source is the selection's for the row's global position.
+    out.append((g, s, n // m.sizes[s], i))
+  return out
+
+
+def positions(m: Mixture, count: int, splits: tuple, p: int, rows: int) -> list[int]:
+  """The global positions of process `p`'s first `rows` stream rows."""
+  shares = es.EpochShares(m.epoch_length, None, 0, splits, count, p)
+  out = []
+  for j in range(rows):
+    epoch, pos = shares.locate(j)
+    out.append(epoch * m.epoch_length + pos)
+  return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+  counts=st.sampled_from([(2, 3), (3, 2), (2, 1), (4, 3)]),
+  stop=st.integers(0, 40),
+  shuffle=st.booleans(),
+)
+def test_a_resize_reads_each_source_row_at_most_once_per_epoch_and_keeps_the_sources(
+  counts, stop, shuffle
+):
+  src = lm_jobs.mixture("rows", (30, 70, 200), 4, shuffle=shuffle, seed=1, num_epochs=1)
+  m = src.mixture
+  first, states = lm_jobs.play(src, counts[0], stop)
+  rest, _ = lm_jobs.play(src, counts[1], None, states)
+  history = ((0, ((counts[0], tuple(s["source"]["position"] for s in states)),)),)
+  seen = []
+  for p, got in enumerate(first):
+    seen += keys(m, got, positions(m, counts[0], (), p, sum(len(b["s"]) for b in got)))
+  for p, got in enumerate(rest):
+    seen += keys(m, got, positions(m, counts[1], history, p, sum(len(b["s"]) for b in got)))
+  # One epoch of the mixture: every global row once, each source row once per source epoch.
+  assert sorted(g for g, *_ in seen) == list(range(m.epoch_length))
+  assert len({(s, e, i) for _, s, e, i in seen}) == len(seen)
+  same, _ = lm_jobs.play(src, counts[0], None, states)
+  whole, _ = lm_jobs.play(src, counts[0], None)
+  for a, b in zip(same, whole, strict=True):  # The same count: exactly the rest.
+    assert len(b) == min(stop, len(b)) + len(a)
+    for x, y in zip(a, b[stop:], strict=True):
+      assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_stats_give_each_source_s_rows_against_its_weight_and_a_state_keeps_the_weights():
+  src = lm_jobs.mixture("rows", SIZES, 8, seed=2)
+  it = gjs.iter_jax_batches(src, batch_size=8)
+  got = Counter(int(s) for b in itertools.islice(it, 250) for s in b["s"])
+  sources = it.stats()["sources"]
+  state = it.get_state()
+  it.close()
+  assert [x["rows"] for x in sources] == [got[k] for k in range(3)] == [250, 500, 1250]
+  assert [x["weight"] for x in sources] == [1 / 8, 2 / 8, 5 / 8]
+  it = gjs.iter_jax_batches(
+    gjs.elastic_mixture([lm_jobs.rows(k, n) for k, n in enumerate(SIZES)], [1, 1, 1], seed=2),
+    batch_size=8,
+  )
+  with pytest.raises(
+    ValueError, match=r"`state\['source'\]\['mixture'\]`.*the sources and weights it was saved with"
+  ):
+    it.set_state(state)
+  it.close()
+
+
+@pytest.mark.parametrize(
+  ("sources", "weights", "match"),
+  [
+    ([[1], [2]], [1], r"`weights` must be 2 numbers > 0"),
+    ([[1], [2]], [1, 0], r"`weights` must be 2 numbers > 0"),
+    ([[1], []], [1, 1], r"`sources\[1\]` is empty"),
+    ([[1], iter([2])], [1, 1], r"`sources\[1\]` must be a grain.MapDataset.*list_iterator"),
+    ([], [], r"`sources` must be a non-empty list"),
+  ],
+)
+def test_elastic_mixture_checks_its_arguments(sources, weights, match):
+  with pytest.raises(ValueError, match=match):
+    gjs.elastic_mixture(sources, weights)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_2x4_checkpoint_at_batch_7_resumes_exactly_on_2_and_elastic_on_3(tmp_path):
+  batch, steps = 16, 60  # Per host; 2 hosts: 32 rows a batch, 2,144 rows in the whole run.
+  m = lm_jobs.mixture("rows", SIZES, batch).mixture
+
+  def job(count, name, load, k):
+    outs = testing.values(
+      testing.run_processes(
+        lm_jobs.lm_job,
+        num_processes=count,
+        devices_per_process=4,
+        args=("rows", SIZES, batch, str(tmp_path), name, load, k),
+        timeout_s=180,
+      )
+    )
+    assert all(o["batches"] == outs[0]["batches"] for o in outs)
+    return outs
+
+  whole = job(2, "whole", None, 7 + steps)
+  head = job(2, "head", None, 7)
+  same = job(2, "same", "head", steps)
+  three = job(3, "three", "head", steps)
+  assert head[0]["batches"] == whole[0]["batches"][:7]
+  assert same[0]["batches"] == whole[0]["batches"][7:]  # Exact on the same count.
+  # The delivered shares over the first 2,000 rows keep the weights within 1%.
+  first = [s for b in whole[0]["batches"] for s in b["s"]][:2000]
+  assert np.all(np.abs(np.bincount(first) / 2000 - np.divide(lm_jobs.WEIGHTS, 8)) < 0.01)
+  assert (
+    sum(h["sources"][0]["rows"] for h in whole)
+    == Counter(s for b in whole[0]["batches"] for s in b["s"])[0]
+  )
+
+  def by_position(batches, count, splits):
+    """Each global row's (source, source epoch, record), keyed by its global position."""
+    out = {}
+    for p in range(count):
+      mine = [{k: b[k][p * batch : (p + 1) * batch] for k in ("s", "i")} for b in batches]
+      pos = positions(m, count, splits, p, batch * len(batches))
+      out.update({g: tuple(rest) for g, *rest in keys(m, mine, pos)})
+    return out
+
+  cursors = tuple(s["state"]["source"]["position"] for s in head)
+  history = ((0, ((2, cursors),)),)
+  uninterrupted = by_position(whole[0]["batches"], 2, ())
+  before, after = (
+    by_position(head[0]["batches"], 2, ()),
+    by_position(three[0]["batches"], 3, history),
+  )
+  assert not set(before) & set(after)
+  rows = list(before.values()) + list(after.values())
+  assert len(set(rows)) == len(rows)  # Every source row at most once per source epoch.
+  common = set(after) & set(uninterrupted)
+  assert len(common) > 1000  # The sources and rows at 3 hosts are those of the run at 2.
+  assert all(after[g] == uninterrupted[g] for g in common)
