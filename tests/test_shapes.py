@@ -29,7 +29,7 @@ from grain_jax_sync._src.agreement import ledger as ledger_lib
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 240
-CASES = ["plain", "resume", "tf", "grain", "above", "other_dim"]
+CASES = ["plain", "resume", "tf", "grain", "above", "other_dim", "aot"]
 
 # The scenarios, run in every process: each case returns this host's source
 # batches as NumPy (read a second time, for the expectation) and every output
@@ -202,6 +202,84 @@ def _other_dim(p: int, n: int) -> dict[str, Any]:
     return _consume(it)
 
 
+# Ahead of time (`batch_specs`): three buckets, every one compiled before the loop.
+AOT_BUCKETS = [16, 32, 64]
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def aot_batches(p: int) -> list[dict[str, np.ndarray]]:
+  """`plain_batches` without the unbucketed column."""
+  return [{k: v for k, v in b.items() if k != "feats"} for b in plain_batches(p)]
+
+
+def aot_sums(srcs: list[list[dict[str, np.ndarray]]]) -> list[int]:
+  """Per global batch, the real tokens and labels summed over every host (`_aot_step`)."""
+  out = []
+  for j in range(max(len(s) for s in srcs)):
+    here = [s[j] for s in srcs if j < len(s)]
+    out.append(int(sum(b["tokens"].sum() + b["label"].sum() for b in here)))
+  return out
+
+
+def _aot_step(batch: Any) -> Any:
+  import jax.numpy as jnp
+
+  tokens = jnp.where(batch["tokens_mask"], batch["tokens"], 0).sum()
+  return tokens + jnp.where(batch["mask"], batch["label"], 0).sum()
+
+
+def _described(tree: Any) -> list[Any]:
+  """Per leaf (sorted by key): its key, shape, dtype and sharding."""
+  return [(k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in sorted(tree.items())]
+
+
+def _aot(p: int, **kw: Any) -> dict[str, Any]:
+  """Every bucket's step compiled from `batch_specs()` before the loop; compiles counted in it."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  batch_size = 4 if jax.process_count() > 1 else 8
+  options = dict(KW, batch_size=batch_size, pad_shapes={"tokens": 1}, **kw)
+  options.update(shape_buckets={"tokens": AOT_BUCKETS}, shape_mask_keys={"tokens": "tokens_mask"})
+  step = jax.jit(_aot_step)
+  compiles: list[str] = []
+
+  def listen(name: str, _secs: float, **_: Any) -> None:
+    if name == COMPILE_EVENT:
+      compiles.append(name)
+
+  with gjs.iter_jax_batches(aot_batches(p), **options) as it:
+    specs = it.batch_specs()
+    received_before = it.get_state()["batches"]
+    compiled = {s["tokens"].shape: step.lower(s).compile() for s in specs}
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      sums, matched, widths = [], [], []
+      for batch in it:
+        spec = next(s for s in specs if s["tokens"].shape == batch["tokens"].shape)
+        matched.append(_described(batch) == _described(spec))
+        widths.append(batch["tokens"].shape[1])
+        sums.append(int(compiled[batch["tokens"].shape](batch)))
+        sums.append(int(step(batch)))  # The jitted step finds its compiled bucket too.
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+  return {
+    "specs": [[(k, shape, dtype) for k, shape, dtype, _ in _described(s)] for s in specs],
+    "received_before": received_before,
+    "matched": matched,
+    "widths": widths,
+    "sums": sums[::2],
+    "jit_sums": sums[1::2],
+    "compiles": len(compiles),
+  }
+
+
+def _aot_cases(p: int) -> dict[str, Any]:
+  """With prefetch (the build thread) and without (every stage in the call)."""
+  return {"prefetch": _aot(p), "inline": _aot(p, prefetch_batches=0)}
+
+
 def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
   """Runs each case in turn on this host."""
   import jax
@@ -214,6 +292,7 @@ def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
     "grain": lambda: _grain(p),
     "above": lambda: _above(p, n),
     "other_dim": lambda: _other_dim(p, n),
+    "aot": lambda: _aot_cases(p),
   }
   return [runs[c]() for c in cases]
 
@@ -362,7 +441,40 @@ def test_dim_not_named_still_must_match(n, d):
   assert all(r["error_type"] == "ValueError" for r in runs)
 
 
+def check_aot(run: dict[str, Any], srcs: list[Any], rows: int) -> None:
+  """Three specs, the buckets ascending; every batch matched its spec; no compile in the loop."""
+  want = [
+    [
+      ("label", (rows,), "int32"),
+      ("mask", (rows,), "bool"),
+      ("tokens", (rows, b), "int32"),
+      ("tokens_mask", (rows, b), "bool"),
+    ]
+    for b in AOT_BUCKETS
+  ]
+  assert run["specs"] == want
+  assert run["received_before"] == 0
+  assert run["sums"] == run["jit_sums"] == aot_sums(srcs)
+  assert run["matched"] == [True] * len(run["sums"])
+  assert sorted(set(run["widths"])) == AOT_BUCKETS  # Every bucket came up in the loop.
+  assert run["compiles"] == 0
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_batch_specs_compile_every_bucket_before_the_loop_2x4():
+  runs = _run(2, 4)["aot"]
+  srcs = [aot_batches(p) for p in range(2)]
+  for r in runs:
+    for how in ("prefetch", "inline"):
+      check_aot(r[how], srcs, rows=8)
+
+
 # -- one process -----------------------------------------------------------------
+
+
+def test_batch_specs_compile_every_bucket_before_the_loop_one_process():
+  check_aot(_aot(0), [aot_batches(0)], rows=8)
+  check_aot(_aot(0, prefetch_batches=0), [aot_batches(0)], rows=8)
 
 
 def _one(data, **kw):
