@@ -14,6 +14,8 @@ import bisect
 import json
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scenarios
@@ -656,3 +658,57 @@ def test_ledger_keeps_sizes_beside_rows():
   led.forget(1)
   assert [r.sizes for r in led.window_reports(1, 1, with_config=False)] == [((9,),), ((2,),)]
   assert ledger_lib.Ledger(1).window_reports(0, 0, with_config=False)[0].sizes == ()
+
+
+def test_batch_specs_without_pad_shapes_one_spec_with_casts_and_nesting():
+  data = [{"a": {"x": np.full((8, 3), i, np.float32)}, "y": np.arange(8) + i} for i in range(3)]
+  with gjs.iter_jax_batches(data, dtypes={"a/x": "bfloat16"}, prefetch_batches=0) as it:
+    (spec,) = it.batch_specs()
+    assert it.get_state()["batches"] == 0
+    got = list(it)
+    assert it.batch_specs() == [spec]  # Known: at once, after the end too.
+  assert [float(b["a"]["x"][0, 0]) for b in got] == [0.0, 1.0, 2.0]  # None was skipped.
+  for b in got:
+    pairs = zip(jax.tree.leaves(b), jax.tree.leaves(spec), strict=True)
+    assert [(a.shape, a.dtype, a.sharding) for a, _ in pairs] == [
+      (s.shape, s.dtype, s.sharding) for s in jax.tree.leaves(spec)
+    ]
+  assert (spec["a"]["x"].dtype, spec["y"].dtype) == (jnp.bfloat16, np.int32)
+  assert jax.tree.structure(spec) == jax.tree.structure(got[0])
+
+
+def test_batch_specs_refuses_a_varying_dim_without_buckets():
+  data = [{"tokens": np.ones((8, n), np.int32)} for n in (3, 9)]
+  with gjs.iter_jax_batches(data, paddings=0, pad_shapes={"tokens": 1}) as it:
+    with pytest.raises(ValueError, match="column 'tokens' dim 1 varies.*without `shape_buckets`"):
+      it.batch_specs()
+    assert [b["tokens"].shape for b in it] == [(8, 3), (8, 9)]
+
+
+@pytest.mark.parametrize("prefetch", [2, 0])
+def test_batch_specs_raises_the_streams_ending_before_its_first_batch(prefetch):
+  with gjs.iter_jax_batches([], prefetch_batches=prefetch) as it:
+    with pytest.raises(RuntimeError, match="ended before its first batch"):
+      it.batch_specs()
+    assert list(it) == []
+  unbatched = [{"id": np.int32(i)} for i in range(8)]
+  with gjs.iter_jax_batches(unbatched, prefetch_batches=prefetch) as it:
+    with pytest.raises(ValueError, match="column 'id': 0-d leaf.*Batch the elements first"):
+      it.batch_specs()
+    assert list(it) == []  # The error ended the stream, as raised by `next()`.
+
+
+def test_device_put_iterator_batch_specs_before_its_first_batch():
+  import grain
+
+  rows = [{"x": np.full((2,), i, np.int32)} for i in range(20)]
+  ds = grain.MapDataset.source(rows).batch(8)
+  it = iter(gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask"))
+  (spec,) = it.batch_specs()
+  got = list(it)
+  assert [np.asarray(b["x"])[:, 0].tolist() for b in got] == [
+    list(range(8)), list(range(8, 16)), [16, 17, 18, 19, 0, 0, 0, 0]
+  ]  # fmt: skip
+  for b in got:
+    assert _described(b) == _described(spec)
+  it.close()

@@ -251,7 +251,9 @@ class JaxBatchIterator(Iterator[Any]):
         except StopIteration:
           pass
         raise RuntimeError("batch_specs(): the stream ended before its first batch")
-      self._first = (first, first.rows or stream.batch_size)
+      rows = first.rows or stream.batch_size
+      assert rows is not None  # Pinned by the first decided position.
+      self._first = (first, rows)
     if self._first is None:
       raise RuntimeError("batch_specs(): the stream ended before its first batch")
     first, rows = self._first

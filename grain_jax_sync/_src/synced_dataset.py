@@ -161,6 +161,20 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._count += 1
     return jax.device_put(element, self._placement.element)
 
+  def batch_specs(self) -> list[Any]:
+    """`JaxBatchIterator.batch_specs`: the global batches' specs, before the first batch.
+
+    Raises:
+      ValueError: Where elements are placed one by one (one process,
+        unbatched elements or a `device` of several placements).
+    """
+    self._assert_not_closed()
+    if self._jax is None and not self._plain:
+      self._choose()
+    if self._jax is None:
+      raise ValueError("batch_specs() needs global batches; these elements are placed one by one")
+    return self._jax.batch_specs()
+
   def get_state(self) -> dict[str, Any]:
     if self._jax is not None:
       return self._jax.get_state()
