@@ -249,57 +249,44 @@ def trailing_shapes(sig: batches_lib.Signature, sizes: tuple[int, ...]) -> list[
   return [tuple(next(it) if d == batches_lib.VARYING else d for d in shape) for shape in sig.shapes]
 
 
-@dataclasses.dataclass(frozen=True)
-class First:
-  """What the first decided run of a stream tells before any batch is built.
-
-  Attributes:
-    signature: The agreed batch structure.
-    rows: This host's rows in the first batch (None: the run only drops).
-  """
-
-  signature: batches_lib.Signature
-  rows: int | None
-
-
 class FirstRun:
   """A stream's decided runs, whose first one can be waited for without building a batch.
 
   Whichever thread asks first takes the first run, under a lock: the build
   thread as it starts, or `wait` in the consumer's call (where the build runs
-  in that call, or has not started). The other waits for it. Later runs pass
+  in that call, or has not started); the other waits for it. Later runs pass
   through, unlocked.
+
+  Attributes:
+    signature: The first run's agreed batch structure; None until it came,
+      or where the runs ended (or raised) before one.
+    rows: This host's rows in the first batch (None: the run only drops).
   """
 
   def __init__(self, runs: Iterable[agreement_common.Run]):
     self._runs = iter(runs)
     self._lock = threading.Lock()
-    self._taken = False  # The first run (or the end) was taken from `_runs`.
-    self._held: list[agreement_common.Run] = []  # Taken by `wait`, not built yet.
-    self._raised: BaseException | None = None  # The runs' ending, taken by `wait`.
-    self.known: First | None = None
+    self._taken = False  # The first run, or the runs' ending, was taken: set last.
+    self._held: list[Any] = []  # That run or ending, not handed on yet.
+    self.signature: batches_lib.Signature | None = None
+    self.rows: int | None = None
 
-  def wait(self) -> First | None:
-    """The first run's `First`; None where the runs ended (or raised) before one."""
+  def wait(self) -> None:
+    """Returns once the first run came, or the runs ended before one."""
     with self._lock:
       self._take_first()
-    return self.known
 
   def _take_first(self) -> None:
     if self._taken:
       return
-    self._taken = True
     try:
       run = next(self._runs)
-    except StopIteration:
-      return
+      self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
+      self.signature = run.signature
+      self._held.append(run)
     except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
-      self._raised = e
-      return
-    rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
-    assert run.signature is not None  # A decided position has a host's batch.
-    self.known = First(run.signature, rows)
-    self._held.append(run)
+      self._held.append(e)
+    self._taken = True
 
   def __iter__(self) -> FirstRun:
     return self
@@ -309,10 +296,10 @@ class FirstRun:
       with self._lock:
         self._take_first()
     if self._held:
-      return self._held.pop()
-    raised, self._raised = self._raised, None
-    if raised is not None:
-      raise raised
+      run = self._held.pop()
+      if isinstance(run, BaseException):
+        raise run
+      return run
     return next(self._runs)
 
 
@@ -477,7 +464,7 @@ def taken(steps: Any) -> Iterator[Any]:
     yield left.pop()
 
 
-def specs(first: First, rows: int, *, options: Any, placement: Any) -> list[Any]:
+def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any) -> list[Any]:
   """Every global batch's pytree of `jax.ShapeDtypeStruct`, one per bucket, known before it is built.
 
   `rows` is this host's rows per batch. Each spec holds the leaves' global
@@ -490,7 +477,6 @@ def specs(first: First, rows: int, *, options: Any, placement: Any) -> list[Any]
       position's largest, not known ahead), or the options do not fit the
       batches (as the first batch would).
   """
-  sig = first.signature
   layout = _layout(sig, options)
   landed = [jax.dtypes.canonicalize_dtype(d or h) for d, h in zip(layout.device, layout.host)]
   mask_keys = [] if options.mask_key is None else [options.mask_key]

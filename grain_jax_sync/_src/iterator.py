@@ -9,12 +9,14 @@ sees is the state after the last batch they received.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 
+from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import lifetime as lifetime_lib
@@ -59,7 +61,7 @@ class JaxBatchIterator(Iterator[Any]):
     # Holds no reference to this iterator: its finalizer closes it.
     self._life = lifetime_lib.Lifetime(self._streams)
     # The first run of the latest stream, and its rows per batch (`batch_specs`).
-    self._first: tuple[build_lib.First, int] | None = None
+    self._first: tuple[batches_lib.Signature, int] | None = None
     self._finalizer = weakref.finalize(self, self._life.collected)
 
   def __iter__(self) -> JaxBatchIterator:
@@ -244,20 +246,18 @@ class JaxBatchIterator(Iterator[Any]):
       raise ValueError(streams.refusal)
     if not streams.exhausted:
       stream = streams.current()
-      first = stream.first_run()
-      if first is None:  # No batch: the stream's ending, raised as `next()` raises it.
-        try:
+      first, self._first = stream.first_run(), None
+      if first.signature is None:  # No batch: the stream's ending, raised as `next()` raises it.
+        with contextlib.suppress(StopIteration):
           streams.next()
-        except StopIteration:
-          pass
-        raise RuntimeError("batch_specs(): the stream ended before its first batch")
-      rows = first.rows or stream.batch_size
-      assert rows is not None  # Pinned by the first decided position.
-      self._first = (first, rows)
+      else:
+        rows = first.rows or stream.batch_size
+        assert rows is not None  # Pinned by the first decided position.
+        self._first = (first.signature, rows)
     if self._first is None:
       raise RuntimeError("batch_specs(): the stream ended before its first batch")
-    first, rows = self._first
-    return build_lib.specs(first, rows, options=self._options, placement=self._placement)
+    sig, rows = self._first
+    return build_lib.specs(sig, rows, options=self._options, placement=self._placement)
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 

@@ -257,13 +257,14 @@ class Stream:
         inline.post_stop()  # One asked for during this call (a signal handler, a thread).
     return item
 
-  def first_run(self) -> build_lib.First | None:
-    """The first decided run's signature, waited for without building a batch. In the call.
+  def first_run(self) -> build_lib.FirstRun:
+    """The first decided run, waited for without building a batch. In the call.
 
-    None where the stream ended before it: the next `__next__` raises how.
+    Its signature is None where the stream ended before it: `__next__` raises how.
     """
+    first = self._builder.first
     with self._turn():
-      first = self._builder.first.wait()
+      first.wait()
     if self._inline is not None:
       self._inline.post_stop()  # One asked for during this call.
     return first

@@ -162,12 +162,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     return jax.device_put(element, self._placement.element)
 
   def batch_specs(self) -> list[Any]:
-    """`JaxBatchIterator.batch_specs`: the global batches' specs, before the first batch.
-
-    Raises:
-      ValueError: Where elements are placed one by one (one process,
-        unbatched elements or a `device` of several placements).
-    """
+    """`JaxBatchIterator.batch_specs`; a ValueError where elements are placed one by one."""
     self._assert_not_closed()
     if self._jax is None and not self._plain:
       self._choose()
