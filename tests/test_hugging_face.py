@@ -134,11 +134,24 @@ def mismatched_column(directory: str) -> str:
   return "no error"
 
 
+def unbatched_error() -> tuple[str, str]:
+  """A `Dataset` passed as is whose items are rows, not batches: the error's type and message."""
+  ds = datasets.Dataset.from_dict(
+    {"id": np.arange(16, dtype=np.int32), "x": np.ones((16, 3), np.float32)}
+  )
+  try:
+    with gjs.iter_jax_batches(ds.with_format("numpy"), batch_size=BATCH) as it:
+      next(it)
+  except Exception as e:  # noqa: BLE001 - returned to the test.
+    return type(e).__name__, str(e)
+  return "none", "no error"
+
+
 def hf_job(paths: dict[str, str], directory: str) -> dict[str, Any]:
   """Every scenario of one job; saves elastic and streaming checkpoints at batch 2."""
   import jax
 
-  out: dict[str, Any] = {"mismatch": mismatched_column(directory)}
+  out: dict[str, Any] = {"mismatch": mismatched_column(directory), "unbatched": unbatched_error()}
   if jax.process_count() == 4:  # A model axis across processes 0-1 and 2-3: they share rows.
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     out["shard"] = list(gjs.data_shard_info(mesh))
@@ -217,6 +230,15 @@ def check_job(out: dict[str, Any], processes: int) -> None:
     counts.append(half)
   assert len(set(counts)) > 1  # Hosts hold different numbers of rows.
   assert "column 'x'" in out["mismatch"] and "float32" in out["mismatch"]
+  check_unbatched(out["unbatched"])
+
+
+def check_unbatched(error: tuple[str, str]) -> None:
+  """docs/sources.md's error for unbatched elements: a ValueError naming the column, with the hint."""
+  kind, message = error
+  assert kind == "ValueError", error
+  assert "column 'id': 0-d leaf (a scalar of dtype int32)" in message
+  assert "Batch the elements first" in message
 
 
 def _strip_process(message: str) -> str:
@@ -237,6 +259,7 @@ def test_hf_2x4_every_row_once_exact_resume_then_3x2_elastic_resume_and_streamin
   assert outs[0] == outs[1]
   check_job(outs[0], 2)
   assert len({_strip_process(o["mismatch"]) for o in outs}) == 1  # The same error everywhere.
+  assert outs[0]["unbatched"][1].startswith("process 0, batch 0,")  # Named on every host.
   resized = testing.values(
     testing.run_processes(
       resize_job, num_processes=3, devices_per_process=2, args=(paths, str(tmp_path)), timeout_s=120
@@ -284,6 +307,10 @@ def test_collate_pads_ragged_columns_and_keeps_fixed_ones_uncopied():
   assert "t_mask" not in hugging_face.collate(rows)
   with pytest.raises(ValueError, match="column 't' has rows of different shapes.*ragged_columns"):
     hugging_face.collate({"t": t})
+
+
+def test_unbatched_dataset_passed_as_is_raises_the_documented_error_one_process():
+  check_unbatched(unbatched_error())
 
 
 def test_arrow_columns_are_views_of_arrow_buffers_where_the_type_allows():

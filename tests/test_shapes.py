@@ -14,6 +14,8 @@ import bisect
 import json
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scenarios
@@ -29,7 +31,7 @@ from grain_jax_sync._src.agreement import ledger as ledger_lib
 
 TOPOLOGIES = [pytest.param(2, 4, id="2x4"), pytest.param(4, 2, id="4x2")]
 TIMEOUT = 240
-CASES = ["plain", "resume", "tf", "grain", "above", "other_dim"]
+CASES = ["plain", "resume", "tf", "grain", "above", "other_dim", "aot"]
 
 # The scenarios, run in every process: each case returns this host's source
 # batches as NumPy (read a second time, for the expectation) and every output
@@ -202,6 +204,84 @@ def _other_dim(p: int, n: int) -> dict[str, Any]:
     return _consume(it)
 
 
+# Ahead of time (`batch_specs`): three buckets, every one compiled before the loop.
+AOT_BUCKETS = [16, 32, 64]
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def aot_batches(p: int) -> list[dict[str, np.ndarray]]:
+  """`plain_batches` without the unbucketed column."""
+  return [{k: v for k, v in b.items() if k != "feats"} for b in plain_batches(p)]
+
+
+def aot_sums(srcs: list[list[dict[str, np.ndarray]]]) -> list[int]:
+  """Per global batch, the real tokens and labels summed over every host (`_aot_step`)."""
+  out = []
+  for j in range(max(len(s) for s in srcs)):
+    here = [s[j] for s in srcs if j < len(s)]
+    out.append(int(sum(b["tokens"].sum() + b["label"].sum() for b in here)))
+  return out
+
+
+def _aot_step(batch: Any) -> Any:
+  import jax.numpy as jnp
+
+  tokens = jnp.where(batch["tokens_mask"], batch["tokens"], 0).sum()
+  return tokens + jnp.where(batch["mask"], batch["label"], 0).sum()
+
+
+def _described(tree: Any) -> list[Any]:
+  """Per leaf (sorted by key): its key, shape, dtype and sharding."""
+  return [(k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in sorted(tree.items())]
+
+
+def _aot(p: int, **kw: Any) -> dict[str, Any]:
+  """Every bucket's step compiled from `batch_specs()` before the loop; compiles counted in it."""
+  import jax
+
+  import grain_jax_sync as gjs
+
+  batch_size = 4 if jax.process_count() > 1 else 8
+  options = dict(KW, batch_size=batch_size, pad_shapes={"tokens": 1}, **kw)
+  options.update(shape_buckets={"tokens": AOT_BUCKETS}, shape_mask_keys={"tokens": "tokens_mask"})
+  step = jax.jit(_aot_step)
+  compiles: list[str] = []
+
+  def listen(name: str, _secs: float, **_: Any) -> None:
+    if name == COMPILE_EVENT:
+      compiles.append(name)
+
+  with gjs.iter_jax_batches(aot_batches(p), **options) as it:
+    specs = it.batch_specs()
+    received_before = it.get_state()["batches"]
+    compiled = {s["tokens"].shape: step.lower(s).compile() for s in specs}
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      sums, matched, widths = [], [], []
+      for batch in it:
+        spec = next(s for s in specs if s["tokens"].shape == batch["tokens"].shape)
+        matched.append(_described(batch) == _described(spec))
+        widths.append(batch["tokens"].shape[1])
+        sums.append(int(compiled[batch["tokens"].shape](batch)))
+        sums.append(int(step(batch)))  # The jitted step finds its compiled bucket too.
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+  return {
+    "specs": [[(k, shape, dtype) for k, shape, dtype, _ in _described(s)] for s in specs],
+    "received_before": received_before,
+    "matched": matched,
+    "widths": widths,
+    "sums": sums[::2],
+    "jit_sums": sums[1::2],
+    "compiles": len(compiles),
+  }
+
+
+def _aot_cases(p: int) -> dict[str, Any]:
+  """With prefetch (the build thread) and without (every stage in the call)."""
+  return {"prefetch": _aot(p), "inline": _aot(p, prefetch_batches=0)}
+
+
 def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
   """Runs each case in turn on this host."""
   import jax
@@ -214,6 +294,7 @@ def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
     "grain": lambda: _grain(p),
     "above": lambda: _above(p, n),
     "other_dim": lambda: _other_dim(p, n),
+    "aot": lambda: _aot_cases(p),
   }
   return [runs[c]() for c in cases]
 
@@ -362,7 +443,45 @@ def test_dim_not_named_still_must_match(n, d):
   assert all(r["error_type"] == "ValueError" for r in runs)
 
 
+def check_aot(run: dict[str, Any], srcs: list[Any], rows: int) -> None:
+  """Three specs, the buckets ascending; every batch matched its spec; no compile in the loop."""
+  want = [
+    [
+      ("label", (rows,), "int32"),
+      ("mask", (rows,), "bool"),
+      ("tokens", (rows, b), "int32"),
+      ("tokens_mask", (rows, b), "bool"),
+    ]
+    for b in AOT_BUCKETS
+  ]
+  assert run["specs"] == want
+  assert run["received_before"] == 0
+  assert run["sums"] == run["jit_sums"] == aot_sums(srcs)
+  assert run["matched"] == [True] * len(run["sums"])
+  assert set(run["widths"]) <= set(AOT_BUCKETS)
+  assert run["compiles"] == 0
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_batch_specs_compile_every_bucket_before_the_loop(n, d):
+  runs = _run(n, d)["aot"]
+  srcs = [aot_batches(p) for p in range(n)]
+  for r in runs:
+    for how in ("prefetch", "inline"):
+      check_aot(r[how], srcs, rows=4 * n)
+  if n == 2:  # Every bucket came up in the loop (at 4 hosts the longest lengths skip 16).
+    assert sorted(set(runs[0]["prefetch"]["widths"])) == AOT_BUCKETS
+
+
 # -- one process -----------------------------------------------------------------
+
+
+def test_batch_specs_compile_every_bucket_before_the_loop_one_process():
+  for kw in ({}, {"prefetch_batches": 0}):
+    run = _aot(0, **kw)
+    check_aot(run, [aot_batches(0)], rows=8)
+    assert sorted(set(run["widths"])) == AOT_BUCKETS  # Every bucket came up in the loop.
 
 
 def _one(data, **kw):
@@ -544,3 +663,57 @@ def test_ledger_keeps_sizes_beside_rows():
   led.forget(1)
   assert [r.sizes for r in led.window_reports(1, 1, with_config=False)] == [((9,),), ((2,),)]
   assert ledger_lib.Ledger(1).window_reports(0, 0, with_config=False)[0].sizes == ()
+
+
+def test_batch_specs_without_pad_shapes_one_spec_with_casts_and_nesting():
+  data = [{"a": {"x": np.full((8, 3), i, np.float32)}, "y": np.arange(8) + i} for i in range(3)]
+  with gjs.iter_jax_batches(data, dtypes={"a/x": "bfloat16"}, prefetch_batches=0) as it:
+    (spec,) = it.batch_specs()
+    assert it.get_state()["batches"] == 0
+    got = list(it)
+    assert it.batch_specs() == [spec]  # Known: at once, after the end too.
+  assert [float(b["a"]["x"][0, 0]) for b in got] == [0.0, 1.0, 2.0]  # None was skipped.
+  for b in got:
+    pairs = zip(jax.tree.leaves(b), jax.tree.leaves(spec), strict=True)
+    assert [(a.shape, a.dtype, a.sharding) for a, _ in pairs] == [
+      (s.shape, s.dtype, s.sharding) for s in jax.tree.leaves(spec)
+    ]
+  assert (spec["a"]["x"].dtype, spec["y"].dtype) == (jnp.bfloat16, np.int32)
+  assert jax.tree.structure(spec) == jax.tree.structure(got[0])
+
+
+def test_batch_specs_refuses_a_varying_dim_without_buckets():
+  data = [{"tokens": np.ones((8, n), np.int32)} for n in (3, 9)]
+  with gjs.iter_jax_batches(data, paddings=0, pad_shapes={"tokens": 1}) as it:
+    with pytest.raises(ValueError, match="column 'tokens' dim 1 varies.*without `shape_buckets`"):
+      it.batch_specs()
+    assert [b["tokens"].shape for b in it] == [(8, 3), (8, 9)]
+
+
+@pytest.mark.parametrize("prefetch", [2, 0])
+def test_batch_specs_raises_the_streams_ending_before_its_first_batch(prefetch):
+  with gjs.iter_jax_batches([], prefetch_batches=prefetch) as it:
+    with pytest.raises(RuntimeError, match="ended before its first batch"):
+      it.batch_specs()
+    assert list(it) == []
+  unbatched = [{"id": np.int32(i)} for i in range(8)]
+  with gjs.iter_jax_batches(unbatched, prefetch_batches=prefetch) as it:
+    with pytest.raises(ValueError, match="column 'id': 0-d leaf.*Batch the elements first"):
+      it.batch_specs()
+    assert list(it) == []  # The error ended the stream, as raised by `next()`.
+
+
+def test_device_put_iterator_batch_specs_before_its_first_batch():
+  import grain
+
+  rows = [{"x": np.full((2,), i, np.int32)} for i in range(20)]
+  ds = grain.MapDataset.source(rows).batch(8)
+  it = iter(gjs.device_put(ds, batch_size=8, paddings=0, mask_key="mask"))
+  (spec,) = it.batch_specs()
+  got = list(it)
+  assert [np.asarray(b["x"])[:, 0].tolist() for b in got] == [
+    list(range(8)), list(range(8, 16)), [16, 17, 18, 19, 0, 0, 0, 0]
+  ]  # fmt: skip
+  for b in got:
+    assert _described(b) == _described(spec)
+  it.close()

@@ -8,6 +8,7 @@ host's read (or to none: a dummy batch), one `transfer.to_global_leaves` per bat
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
 from grain_jax_sync._src import messages, padding, transfer, trees
 from grain_jax_sync._src import reader as reader_lib
+from grain_jax_sync._src import shapes as shapes_lib
 from grain_jax_sync._src import stats as stats_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
@@ -133,6 +135,17 @@ class Layout:
     return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks)
 
 
+def _layout(sig: batches_lib.Signature, options: Any) -> Layout:
+  """The `Layout` of `sig` under the iterator's options."""
+  return Layout.of(
+    sig,
+    dtypes=options.dtypes,
+    paddings=options.paddings,
+    mask_key=options.mask_key,
+    shapes=options.pad_shapes,
+  )
+
+
 def narrowing(sig: batches_lib.Signature, *, dtypes: Any) -> list[reader_lib.Narrowing]:
   """The leaves whose values are cast on the host to a float dtype of smaller range.
 
@@ -236,6 +249,60 @@ def trailing_shapes(sig: batches_lib.Signature, sizes: tuple[int, ...]) -> list[
   return [tuple(next(it) if d == batches_lib.VARYING else d for d in shape) for shape in sig.shapes]
 
 
+class FirstRun:
+  """A stream's decided runs, whose first one can be waited for without building a batch.
+
+  Whichever thread asks first takes the first run, under a lock: the build
+  thread as it starts, or `wait` in the consumer's call (where the build runs
+  in that call, or has not started); the other waits for it. Later runs pass
+  through, unlocked.
+
+  Attributes:
+    signature: The first run's agreed batch structure; None until it came,
+      or where the runs ended (or raised) before one.
+    rows: This host's rows in the first batch (None: the run only drops).
+  """
+
+  def __init__(self, runs: Iterable[agreement_common.Run]):
+    self._runs = iter(runs)
+    self._lock = threading.Lock()
+    self._taken = False  # The first run, or the runs' ending, was taken: set last.
+    self._held: list[Any] = []  # That run or ending, not handed on yet.
+    self.signature: batches_lib.Signature | None = None
+    self.rows: int | None = None
+
+  def wait(self) -> None:
+    """Returns once the first run came, or the runs ended before one."""
+    with self._lock:
+      self._take_first()
+
+  def _take_first(self) -> None:
+    if self._taken:
+      return
+    try:
+      run = next(self._runs)
+      self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
+      self.signature = run.signature
+      self._held.append(run)
+    except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
+      self._held.append(e)
+    self._taken = True
+
+  def __iter__(self) -> FirstRun:
+    return self
+
+  def __next__(self) -> agreement_common.Run:
+    if not self._taken:
+      with self._lock:
+        self._take_first()
+    if self._held:
+      run = self._held.pop()
+      if isinstance(run, BaseException):
+        raise run
+      return run
+    return next(self._runs)
+
+
 class Builder:
   """Turns decided runs into `Item`s (global batches with their state).
 
@@ -258,6 +325,7 @@ class Builder:
     self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     self.transfer_s = 0.0
     self.dropped = 0
+    self.first = FirstRun(())  # The stream's runs (`__call__`).
     self._done = 0  # Positions handed on or dropped.
     self._advanced = threading.Condition()  # Notified as `_done` grows.
     # The positions done in the last `decide_ahead_s`, the queue's fill left out (`pace`).
@@ -288,6 +356,11 @@ class Builder:
       self._advanced.notify_all()
 
   def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
+    """The items of `runs`, built one by one; `first` waits for the first run meanwhile."""
+    self.first = FirstRun(runs)
+    return self._items(self.first)
+
+  def _items(self, runs: Iterator[agreement_common.Run]) -> Iterator[Item]:
     for run in runs:
       # Each host batch is let go once it is built, not held to the end of
       # its run or while the next run is awaited: a source batch lives only
@@ -337,13 +410,7 @@ class Builder:
   def build(self, read: reader_lib.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
     if self._layout is None:
-      self._layout = Layout.of(
-        sig,
-        dtypes=self._options.dtypes,
-        paddings=self._options.paddings,
-        mask_key=self._options.mask_key,
-        shapes=self._options.pad_shapes,
-      )
+      self._layout = _layout(sig, self._options)
     layout = self._layout
     shapes = sig.shapes
     if step.sizes:
@@ -366,14 +433,19 @@ class Builder:
       self._targets[key] = targets
     # The one seam where local rows become global arrays (the masks, last, are not cast).
     out = transfer.to_global_leaves(local, self._placement, layout.device, targets=targets)
-    n = len(out) - len(mask_keys)
-    if layout.keys is not None:
-      tree = dict(zip(layout.keys, out[:n], strict=True))
-    else:
-      tree = trees.unflatten(sig.spec, out[:n])
-    for name, m in zip(mask_keys, out[n:], strict=True):  # Masks need dict batches.
-      tree[name] = m
-    return tree
+    return _tree(layout, sig, out, mask_keys)
+
+
+def _tree(layout: Layout, sig: batches_lib.Signature, out: list[Any], mask_keys: list[str]) -> Any:
+  """The batch's pytree of `out` (its leaves, then its masks named `mask_keys`)."""
+  n = len(out) - len(mask_keys)
+  if layout.keys is not None:
+    tree = dict(zip(layout.keys, out[:n], strict=True))
+  else:
+    tree = trees.unflatten(sig.spec, out[:n])
+  for name, m in zip(mask_keys, out[n:], strict=True):  # Masks need dict batches.
+    tree[name] = m
+  return tree
 
 
 def taken(steps: Any) -> Iterator[Any]:
@@ -382,3 +454,52 @@ def taken(steps: Any) -> Iterator[Any]:
   del steps
   while left:
     yield left.pop()
+
+
+def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any) -> list[Any]:
+  """Every global batch's pytree of `jax.ShapeDtypeStruct`, one per bucket, known before it is built.
+
+  `rows` is this host's rows per batch. Each spec holds the leaves' global
+  shapes, the dtypes they land in on the devices and their shardings, as
+  `Builder.build` makes them, masks included. With `pad_shapes`, one spec per
+  combination of the varying dims' `shape_buckets`, ascending.
+
+  Raises:
+    ValueError: If a varying dim has no `shape_buckets` (its size is each
+      position's largest, not known ahead), or the options do not fit the
+      batches (as the first batch would).
+  """
+  layout = _layout(sig, options)
+  landed = [jax.dtypes.canonicalize_dtype(d or h) for d, h in zip(layout.device, layout.host)]
+  mask_keys = [] if options.mask_key is None else [options.mask_key]
+  mask_keys += [name for _, name in layout.masks]
+  out = []
+  for sizes in _bucket_sizes(sig, options.pad_shapes):
+    trailing = trailing_shapes(sig, sizes)
+    local = [(rows, *t) for t in trailing]
+    if options.mask_key is not None:
+      local.append((rows,))
+    local += [(rows, *trailing[k][: sig.varying[k][-1] + 1]) for k, _ in layout.masks]
+    dtypes = landed + [np.dtype(np.bool_)] * len(mask_keys)
+    shardings, shapes = transfer.global_targets(local, placement)
+    leaves = [
+      jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+      for shape, dtype, sharding in zip(shapes, dtypes, shardings, strict=True)
+    ]
+    out.append(_tree(layout, sig, leaves, mask_keys))
+  return out
+
+
+def _bucket_sizes(sig: batches_lib.Signature, shapes: Any) -> list[tuple[int, ...]]:
+  """Every combination of agreed sizes the varying dims can take (`shape_buckets`); [()] if none vary."""
+  if shapes is None:
+    return [()]
+  flat = shapes_lib.flat(shapes, sig.names, sig.shapes)
+  for name, buckets in zip(flat.names, flat.buckets, strict=True):
+    if not buckets:
+      raise ValueError(
+        f"{name} varies (`pad_shapes`) without `shape_buckets`: its size is each"
+        " batch's largest, not known before the batch. Give its column"
+        " `shape_buckets` to know every shape ahead"
+      )
+  return list(itertools.product(*flat.buckets))

@@ -9,12 +9,15 @@ sees is the state after the last batch they received.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 
+from grain_jax_sync._src import batches as batches_lib
+from grain_jax_sync._src import build as build_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import options as options_lib
@@ -57,6 +60,8 @@ class JaxBatchIterator(Iterator[Any]):
     )
     # Holds no reference to this iterator: its finalizer closes it.
     self._life = lifetime_lib.Lifetime(self._streams)
+    # The first run of the latest stream, and its rows per batch (`batch_specs`).
+    self._first: tuple[batches_lib.Signature, int] | None = None
     self._finalizer = weakref.finalize(self, self._life.collected)
 
   def __iter__(self) -> JaxBatchIterator:
@@ -160,12 +165,12 @@ class JaxBatchIterator(Iterator[Any]):
     """
     self._in_turn("set_state()", self._set_state, state)
 
-  def _in_turn(self, what: str, fn: Any, *args: Any) -> None:
+  def _in_turn(self, what: str, fn: Any, *args: Any) -> Any:
     """Runs call `what` as this thread's turn (two threads would start two streams for the peers)."""
     life = self._life
     life.take_turn(what)
     try:
-      fn(*args)
+      return fn(*args)
     finally:
       life.give_turn()
 
@@ -201,6 +206,61 @@ class JaxBatchIterator(Iterator[Any]):
         another thread's `next()` is in progress.
     """
     self._in_turn("reset()", self._streams.reset)
+
+  # -- shapes ahead of time ------------------------------------------------------
+
+  def batch_specs(self) -> list[Any]:
+    """The global batches' shapes, dtypes and shardings, before the first batch.
+
+    One pytree of `jax.ShapeDtypeStruct` per shape the batches can take, in
+    the batches' structure, `mask_key` and `shape_mask_keys` included: one
+    without `pad_shapes`; with it, one per combination of the `shape_buckets`
+    of the dims that vary, ascending. Compile each step with
+    ``jax.jit(step).lower(spec).compile()`` before the loop, and the loop
+    compiles nothing (docs/shapes.md). A spec is of a full batch: a short
+    last batch (without `paddings` or `drop_last`) has fewer rows.
+
+    The structure comes from the first read, agreed across hosts: the first
+    call starts the stream and waits for that agreement round (no batch is
+    consumed; every host must iterate, as for ``next()``); later calls
+    return at once.
+
+    Returns:
+      A list of pytrees of `jax.ShapeDtypeStruct`, each with its sharding.
+
+    Raises:
+      ValueError: If a dim of `pad_shapes` has no `shape_buckets`, or for
+        the stream's own errors before its first batch (raised on every host).
+      RuntimeError: If the stream ended before its first batch, or the
+        iterator is closed.
+
+    Example::
+
+      step = jax.jit(train_step)
+      compiled = {s["tokens"].shape: step.lower(s).compile() for s in it.batch_specs()}
+      for batch in it:
+        loss = compiled[batch["tokens"].shape](batch)  # Never compiles.
+    """
+    return self._in_turn("batch_specs()", self._batch_specs)
+
+  def _batch_specs(self) -> list[Any]:
+    streams = self._streams
+    if streams.refusal is not None:
+      raise ValueError(streams.refusal)
+    if not streams.exhausted:
+      stream = streams.current()
+      first, self._first = stream.first_run(), None
+      if first.signature is None:  # No batch: the stream's ending, raised as `next()` raises it.
+        with contextlib.suppress(StopIteration):
+          streams.next()
+      else:
+        rows = first.rows or stream.batch_size
+        assert rows is not None  # Pinned by the first decided position.
+        self._first = (first.signature, rows)
+    if self._first is None:
+      raise RuntimeError("batch_specs(): the stream ended before its first batch")
+    sig, rows = self._first
+    return build_lib.specs(sig, rows, options=self._options, placement=self._placement)
 
   # -- the source's own iterator (MaxText checkpoints it) ----------------------
 

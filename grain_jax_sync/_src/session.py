@@ -264,6 +264,18 @@ class Stream:
         inline.post_stop()  # One asked for during this call (a signal handler, a thread).
     return item
 
+  def first_run(self) -> build_lib.FirstRun:
+    """The first decided run, waited for without building a batch. In the call.
+
+    Its signature is None where the stream ended before it: `__next__` raises how.
+    """
+    first = self._builder.first
+    with self._turn():
+      first.wait()
+    if self._inline is not None:
+      self._inline.post_stop()  # One asked for during this call.
+    return first
+
   def times(self) -> stats_lib.Times:
     """The stages' time so far (each written by its own thread only)."""
     return stats_lib.Times(self._read.source_s, self._exchange.busy_s, self._builder.transfer_s)

@@ -136,7 +136,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       return
     self._plain = True
     self._fresh = None  # The parent is read from here on.
-    self._first.append(first[0])
+    self._first.append(first[0])  # type: ignore[index]  # A plain parent gave its first element.
 
   def _start_batches(self, first: tuple[Any, Any] | None) -> None:
     source = grain_source.open_grain(self._parent, fresh=self._fresh, first=first)
@@ -165,6 +165,15 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     element = self._first.pop() if self._first else next(self._parent)
     self._count += 1
     return jax.device_put(element, self._placement.element)
+
+  def batch_specs(self) -> list[Any]:
+    """`JaxBatchIterator.batch_specs`; a ValueError where elements are placed one by one."""
+    self._assert_not_closed()
+    if self._jax is None and not self._plain:
+      self._choose()
+    if self._jax is None:
+      raise ValueError("batch_specs() needs global batches; these elements are placed one by one")
+    return self._jax.batch_specs()
 
   def get_state(self) -> dict[str, Any]:
     if self._jax is not None:

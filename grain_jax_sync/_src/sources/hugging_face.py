@@ -62,8 +62,12 @@ def collate(
     batch = {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
   out: dict[str, Any] = {}
   for name, column in batch.items():
-    if name not in ragged and isinstance(column, np.ndarray) and column.dtype != object:
-      out[name] = column  # Arrow's buffer, not copied.
+    if (
+      name not in ragged and isinstance(column, (np.ndarray, np.generic)) and column.dtype != object
+    ):
+      # Arrow's buffer, not copied. A scalar (a row of an unbatched `Dataset`)
+      # passes too: the reader refuses it as it does any unbatched element.
+      out[name] = column
       continue
     items = [np.asarray(x) for x in column]
     if name not in ragged:

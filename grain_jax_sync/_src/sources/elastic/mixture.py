@@ -41,7 +41,7 @@ class Mixture:
     return sum(self.sizes)
 
   @property
-  def key(self) -> list[list[int]]:
+  def key(self) -> list[Any]:
     """What a state must match: the proportions, the sizes and the sources' shuffling."""
     return [list(self.proportions), list(self.sizes), self.shuffle]
 

@@ -76,6 +76,8 @@ def _stream_index(state: Any) -> tuple[int | None, str | None]:
 class PackIterator:
   """Packs its parent's records (see the module); a `grain.DatasetIterator` by `_classes`."""
 
+  _parent: Any  # Set by `grain.DatasetIterator.__init__`.
+
   def _start(self, length: int, num_bins: int) -> None:
     self._length, self._num_bins = length, num_bins
     self._rows: list[list[_Record]] = []

@@ -87,14 +87,13 @@ def _unconsumed(share: Sequence[Range], cursor: Cursor) -> list[Range]:
   n = total(share)
   if isinstance(cursor, int):
     return take(share, cursor, n)
+  out: list[Range] = []
   if isinstance(cursor, Holes):
-    out = []
     for i in (*cursor.holes, cursor.stop):
       for start, stop in take(share, i, i + 1 if i < cursor.stop else n):
         _append(out, start, stop)
     return out
   lo, hi, width = min(cursor), max(cursor), len(cursor)
-  out: list[Range] = []
   for i in range(lo, hi):  # Between the thresholds: position by position.
     if i >= cursor[i % width]:
       for start, stop in take(share, i, i + 1):
@@ -109,7 +108,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
   out: list[Range] = []
   for i, (share, cursor) in enumerate(zip(shares, cursors, strict=True)):
     n = total(share)
-    values = (cursor,) if isinstance(cursor, int) else cursor
+    values: tuple[int, ...]
     if isinstance(cursor, Holes):
       values = (cursor.stop,)
       if (
@@ -117,6 +116,8 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
         or max(cursor.holes, default=-1) >= cursor.stop
       ):
         raise ValueError(f"process {i}'s holes {cursor.holes[:8]} are not sorted share positions")
+    else:
+      values = (cursor,) if isinstance(cursor, int) else tuple(cursor)
     if not values or not all(0 <= c <= n for c in values):
       raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
     for start, stop in _unconsumed(share, cursor):

@@ -55,7 +55,7 @@ def _row_to_json(row: Sequence[Cursor]) -> Any:
     return {"cursors": _row_to_json(stops), "holes": holes}
   if all(isinstance(c, int) for c in row):
     return pack_ints([int(c) for c in row])  # type: ignore[arg-type]  # ints, checked above.
-  cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]
+  cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]  # type: ignore[arg-type]  # No holes here.
   return {
     "widths": pack_ints([len(c) for c in cursors]),
     "strided": pack_ints([t for c in cursors for t in c]),

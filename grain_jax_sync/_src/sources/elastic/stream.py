@@ -185,7 +185,7 @@ class ElasticIterator(base.WrappedIterator):
       found = cursor_lib.find_position(state.grain)
       if found is None:
         return {}
-      shares, position, holes = state.shares, min(found[0]), found[2]
+      shares, position, holes = state.shares, min(found[0]), tuple(found[2])
     else:  # Exported (restored by set_state): checked there.
       shares, position, _ = state_lib.check_source_state(state, self.spec, self.num_records)
       holes = state_lib.unpack_ints(state.get("holes", []))
