@@ -19,9 +19,10 @@ The concurrency contract:
   own thread or waits on a stage that waits on it. A close from another
   thread waits for the call in progress to end (it was woken), then closes.
 
-The phase, the turn and the call in progress are guarded by ``_lock``; a
-close asked for is `session.Streams.closing`, set without a lock; the
-streams carry every ending out.
+The phase is changed under ``_lock``; the turn is claimed and given back
+with one atomic `dict` operation each, so the steady `next()` takes no lock
+(`Lifetime._held`); a close asked for is `session.Streams.closing`, set
+without a lock; the streams carry every ending out.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ class Lifetime:
     self._idle = threading.Condition(self._lock)  # A closer waits here for the call to end.
     self._local = threading.local()  # Per thread: inside a call, or a close.
     self._phase = Phase.OPEN
-    self._turn: int | None = None  # The thread in a call (None: nobody).
-    self._call = ""  # The call in progress, for messages.
+    # The turn: {"turn": (thread, call)} while a call (or the close) is in
+    # progress. Claimed with `dict.setdefault` and given back with `dict.pop`,
+    # each atomic: the steady `next()` takes no lock. Every change of `_phase`
+    # is made under `_lock`, and a call that ends while the phase is not OPEN
+    # (or a close was asked for) takes `_lock` to wake the closer.
+    self._held: dict[str, tuple[int, str]] = {}
     self._closed = threading.Event()
 
   def in_turn(self) -> bool:
@@ -72,34 +77,44 @@ class Lifetime:
         f"{what} was called from inside this thread's own next() (a signal"
         " handler, the source?); call it between batches"
       )
-    self._local.turn = True  # Before the lock: a handler landing in it only asks.
-    try:
+    self._local.turn = True  # Before the claim: a handler landing in it only asks.
+    me = threading.get_ident()
+    holder = self._held.setdefault("turn", (me, what))
+    if holder[0] == me and self._phase is Phase.OPEN and not self.streams.closing:
+      return
+    mine = holder[0] == me
+    if mine:
+      self._held.pop("turn", None)
       with self._lock:
-        if self._phase is not Phase.OPEN or self.streams.closing:
-          raise RuntimeError("the iterator is closed")
-        if self._turn is not None:
-          raise RuntimeError(
-            f"{what} was called while {self._call} is in progress in another"
-            " thread; next(), set_state() and reset() belong to one thread at"
-            " a time (get_state(), stats(), close() and request_stop() may be"
-            " called from any thread)"
-          )
-        self._turn, self._call = threading.get_ident(), what
-    except BaseException:
-      self._local.turn = False
-      self._close_if_asked()  # By this thread's handler, after the check above.
-      raise
+        self._idle.notify_all()  # A closer waiting for the turn.
+    self._local.turn = False
+    closed = mine or self._phase is not Phase.OPEN or self.streams.closing
+    self._close_if_asked()  # By this thread's handler, after the check above.
+    if closed:
+      raise RuntimeError("the iterator is closed")
+    raise RuntimeError(
+      f"{what} was called while {holder[1]} is in progress in another"
+      " thread; next(), set_state() and reset() belong to one thread at"
+      " a time (get_state(), stats(), close() and request_stop() may be"
+      " called from any thread)"
+    )
 
   def give_turn(self) -> None:
     """Ends this thread's call; carries out a close asked for meanwhile."""
-    finish = False
-    with self._lock:
-      self._turn, self._call = None, ""
-      if self.streams.closing and self._phase is Phase.OPEN:
-        self._phase, self._turn, self._call = Phase.CLOSING, threading.get_ident(), "close()"
-        finish = self._local.closing = True  # Before the call ends: a handler only asks.
-      self._idle.notify_all()  # A closer waiting for the call to end.
+    self._held.pop("turn", None)
     self._local.turn = False
+    if self._phase is Phase.OPEN and not self.streams.closing:
+      return  # The steady state: nobody waits for this call to end.
+    me, finish = threading.get_ident(), False
+    with self._lock:
+      if (
+        self.streams.closing
+        and self._phase is Phase.OPEN
+        and self._held.setdefault("turn", (me, "close()"))[0] == me
+      ):
+        self._phase = Phase.CLOSING
+        finish = self._local.closing = True  # A handler from here on only asks.
+      self._idle.notify_all()  # A closer waiting for the call to end.
     if finish:
       try:
         self._finish()
@@ -166,16 +181,17 @@ class Lifetime:
     if not first:
       self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
       return
+    me = threading.get_ident()
     with self._lock:
       # A turn in progress was woken above; one that reads the source itself
       # (a generator cannot be closed while it runs) carries the close out
       # when its read returns, if it outlasts this wait.
-      if self._turn is not None and not self._idle.wait_for(
-        lambda: self._turn is None, prefetch_lib.JOIN_TIMEOUT_S
+      if not self._idle.wait_for(
+        lambda: self._held.setdefault("turn", (me, "close()"))[0] == me,
+        prefetch_lib.JOIN_TIMEOUT_S,
       ):
         self._phase = Phase.OPEN
         return  # `give_turn` finishes it.
-      self._turn, self._call = threading.get_ident(), "close()"
     self._finish()
 
   def _finish(self) -> None:
@@ -186,6 +202,7 @@ class Lifetime:
       logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
     finally:
       with self._lock:
-        self._phase, self._turn, self._call = Phase.CLOSED, None, ""
+        self._phase = Phase.CLOSED
+        self._held.pop("turn", None)
         self._idle.notify_all()
       self._closed.set()

@@ -261,7 +261,9 @@ class Stream:
     finally:
       if inline is not None:
         inline.turn.release()
-        inline.post_stop()  # One asked for during this call (a signal handler, a thread).
+        inline.post_stop(
+          in_call=True
+        )  # One asked for during this call (a signal handler, a thread).
     return item
 
   def first_run(self) -> build_lib.FirstRun:
@@ -273,7 +275,7 @@ class Stream:
     with self._turn():
       first.wait()
     if self._inline is not None:
-      self._inline.post_stop()  # One asked for during this call.
+      self._inline.post_stop(in_call=True)  # One asked for during this call.
     return first
 
   def times(self) -> stats_lib.Times:

@@ -10,6 +10,7 @@ this host's reads, the build stage's progress and the clock.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -55,9 +56,18 @@ class Driver:
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
     self.turn = threading.Lock()
+    # Stops asked for from any thread or a signal handler: one reentrant put
+    # each; the thread that runs the core hands them to it (`_take_asks`).
+    self._asks: queue.SimpleQueue[int] = queue.SimpleQueue()
     exchange_lib.stream_started(exchange.namespace)
 
+  def _take_asks(self) -> None:
+    """Hands the stops asked for to the core (in the thread that runs it)."""
+    while not self._asks.empty():
+      self.core.request_stop(self._asks.get_nowait())
+
   def _now(self) -> core.Now:
+    self._take_asks()
     thread, built = self._thread, self._built
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
@@ -135,21 +145,25 @@ class Driver:
     return self.core.reached_end
 
   def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop; wakes a wait for the reading thread, or inline posts it now."""
-    self.core.request_stop(at_batch)
+    """Asks every host to stop: one put; wakes a wait for the reading thread, or inline posts it now."""
+    self._asks.put(at_batch)
     if self._thread is not None:
       self._thread.nudge()
     else:
       self.post_stop()
 
-  def post_stop(self) -> None:
+  def post_stop(self, *, in_call: bool = False) -> None:
     """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
     Never waits for the turn: a signal handler must not wait on a lock that
-    the code it interrupted may hold.
+    the code it interrupted may hold. `in_call`: the consumer's call ends here
+    (the core runs in this thread, so its own state is read too).
     """
-    while self.core.stop_pending() and self.turn.acquire(False):
+    while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
+      False
+    ):
       try:
+        self._take_asks()
         for _ in self._drive(_aside(self.core.stop_now()), _raise):
           pass
       except Exception as e:  # noqa: BLE001 - from `request_stop`: it never raises.
