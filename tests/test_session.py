@@ -8,6 +8,7 @@ a restart (`reset`, `set_state`) stopping the old start before the new one runs.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -117,3 +118,83 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
       assert out["running"] == sorted(threads)
     else:
       assert out["running"] == []
+
+
+# What a synchronisation call is: a lock, a queue, a semaphore, an event or a
+# condition, called from the library's own code.
+_SYNC = {
+  "acquire",
+  "release",
+  "get",
+  "put",
+  "get_nowait",
+  "put_nowait",
+  "wait",
+  "notify",
+  "set",
+  "__enter__",
+}
+_SYNC_TYPES = ("lock", "Lock", "SimpleQueue", "Queue", "Semaphore", "Event", "Condition")
+
+
+def _sync_calls_in(fn: Any) -> list[str]:
+  """The synchronisation calls the library makes in this thread while `fn` runs."""
+  calls = []
+
+  def profile(frame, event, arg):
+    if event == "c_call":
+      owner = getattr(arg, "__self__", None)
+      caller = frame
+    elif event == "call":
+      owner = frame.f_locals.get("self")
+      caller = frame.f_back
+    else:
+      return
+    name = getattr(arg, "__name__", None) if event == "c_call" else frame.f_code.co_name
+    if (
+      name in _SYNC
+      and caller is not None
+      and "grain_jax_sync" in caller.f_code.co_filename
+      and type(owner).__name__.lstrip("_").endswith(_SYNC_TYPES)
+    ):
+      calls.append(f"{type(owner).__name__}.{name} in {caller.f_code.co_name}")
+
+  sys.setprofile(profile)
+  try:
+    fn()
+  finally:
+    sys.setprofile(None)
+  return calls
+
+
+class _CountedLock:
+  """The lifetime's lock, seen by the profile (a `with` on a C lock is not)."""
+
+  def __init__(self, lock: Any):
+    self._lock = lock
+
+  def __enter__(self) -> Any:
+    return self._lock.__enter__()
+
+  def __exit__(self, *exc: Any) -> Any:
+    return self._lock.__exit__(*exc)
+
+  def acquire(self, *args: Any, **kwargs: Any) -> Any:
+    return self._lock.acquire(*args, **kwargs)
+
+  def release(self) -> None:
+    self._lock.release()
+
+
+def test_the_steady_next_makes_at_most_two_synchronisation_calls():
+  # Grain's thread prefetch makes one queue get; ours one get and the
+  # release of the slot it frees for the build thread. The turn is one
+  # atomic claim and give-back, the state one value replaced whole.
+  with gjs.iter_jax_batches(_rows(400), batch_size=8, prefetch_batches=2) as it:
+    for _ in range(50):
+      next(it)
+    it._life._lock = _CountedLock(it._life._lock)
+    counts = [len(_sync_calls_in(lambda: next(it))) for _ in range(100)]
+    calls = _sync_calls_in(lambda: next(it))
+  assert max(counts) <= 2, calls
+  assert sorted(calls) == ["Semaphore.release in __next__", "SimpleQueue.get in __next__"], calls

@@ -410,7 +410,7 @@ class _Host:
       self.out.received.append(clock.now)
       b = len(self.out.received)
       if plan.close_at == b:
-        self._close()
+        self._closes()
         return
       if plan.stop is not None and plan.stop[0] == b:
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
@@ -449,11 +449,11 @@ class _Host:
     else:
       self.out.ending, self.out.message = type(item).__name__, str(item)
       self._post_end(len(self.out.received), None)
-    self.c.stop(self)
+    self.c.retire(self)
 
-  def _close(self) -> None:
+  def _closes(self) -> None:
     self.out.ending, self.out.ended_at = "closed", self.c.clock.now
-    self.c.stop(self)
+    self.c.retire(self)
     self.closed_note = f'["{_NS}", "process {self.p} closed its iterator"]'
     self._post_end(len(self.out.received), None)
 
@@ -466,7 +466,7 @@ class _Host:
     yield (None, self.plan.kill_at if self.plan.kill_at is not None else INF)
     self.killed_at = self.c.clock.now
     self.out.ending, self.out.ended_at = "killed", self.c.clock.now
-    self.c.stop(self)
+    self.c.retire(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -517,7 +517,7 @@ class SimulatedCluster:
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
 
-  def stop(self, host: _Host) -> None:
+  def retire(self, host: _Host) -> None:
     """Ends every task of `host` (its threads joined, or its process gone)."""
     self.clock.dead.update(id(t) for t in self._tasks[host.p])
 
