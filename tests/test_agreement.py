@@ -262,7 +262,7 @@ def _check_decided_as_planned(n, hosts, out, ended, rules, steps, outcomes, text
   want = _expected(n, hosts, rules)
   want_steps = [(s.action.value, s.rows) for s in want.steps]
   aborted = any(out[p][0] == "closed" for p in range(n)) or any(
-    isinstance(out[p][2], exchange.PeerTimeoutError) for p in ended
+    isinstance(out[p][2], endings.PeerTimeoutError) for p in ended
   )
   if aborted:
     assert steps == want_steps[: len(steps)]

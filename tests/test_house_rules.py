@@ -224,3 +224,27 @@ def test_no_import_circle_among_the_package_modules():
   circles = import_circles(import_graph(MODULES))
   shown = ["  " + " <-> ".join(c) for c in circles]
   assert not circles, "import circles (lazy and TYPE_CHECKING imports count):\n" + "\n".join(shown)
+
+
+# The agreement's core: one host's protocol, with no thread, clock or store
+# (docs/internals.md, "The core and its drivers"). Its drivers are the I/O.
+CORE = ("core", "common", "streamed", "decider", "follower", "ledger", "endings")
+NOT_IN_CORE = ("threading", "queue", "time", "asyncio", "socket")
+NOT_IN_CORE_MODULES = ("exchange", "prefetch", "liveness", "agreement.driver", "session")
+
+
+def test_the_agreements_core_imports_no_thread_clock_store_or_stage():
+  graph = import_graph(MODULES)
+  for name in CORE:
+    module = f"grain_jax_sync._src.agreement.{name}"
+    path = ROOT / "grain_jax_sync" / "_src" / "agreement" / f"{name}.py"
+    stdlib = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        stdlib.update(a.name.split(".")[0] for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        stdlib.add(node.module.split(".")[0])
+    assert not stdlib & set(NOT_IN_CORE), (module, sorted(stdlib & set(NOT_IN_CORE)))
+    reached = {m.removeprefix("grain_jax_sync._src.") for m in graph[module]}
+    bad = [m for m in reached if m.startswith(NOT_IN_CORE_MODULES)]
+    assert not bad, (module, bad)

@@ -49,7 +49,7 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import decider, driver, endings, follower, lockstep
+from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, follower, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 
 logger = logging.getLogger(__name__)
@@ -645,6 +645,6 @@ def _post_unstarted(
   try:
     ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
     if isinstance(ex, exchange_lib.KeyValueExchange):
-      endings.post_end(ex, position, error)
+      cross_wait.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

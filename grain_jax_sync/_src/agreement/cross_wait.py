@@ -77,7 +77,7 @@ class CrossWait:
     # two finds it first, both raise this message (not a close of the other).
     exchange_lib.pre_end(theirs, message)
     try:
-      endings.post_end(self._exchange.sibling(theirs), 0, error)
+      post_end(self._exchange.sibling(theirs), 0, error)
     except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
       logger.warning("grain_jax_sync: could not post the ending to %s: %s", theirs, e)
     return error
@@ -90,3 +90,23 @@ class CrossWait:
 def _iterator(namespace: str) -> str:
   """An iterator's key prefix, without its stream's generation."""
   return namespace.rsplit("/", 1)[0]
+
+
+def post_end(
+  ex: exchange_lib.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
+) -> None:
+  """Posts this host's ending (closed, or `error`) to a stream it never started.
+
+  As the stream's first and final decision (process 0) or chunk (any other).
+  """
+  p = ex.process_index
+  error = error or endings.closed_error(p, at_batch)
+  try:
+    if p == 0:
+      final = messages.Decision(0, (), messages.Outcome.RAISE, error)
+      ex.post_decision(0, final.to_json(), final=True)
+    else:
+      report = messages.Report(process_index=p, error=error, local_devices=1)
+      ex.post_chunk(messages.Chunk(start=0, ack=0, report=report).to_json(), final=True)
+  finally:
+    ex.end()

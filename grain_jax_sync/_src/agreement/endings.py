@@ -1,15 +1,42 @@
-"""Every ending's error: the exception each host raises for an agreed ending, the messages, `post_end`."""
+"""Every ending's error: the exception each host raises for an agreed ending, and the messages."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.messages import Chunk, Decision, ErrorKind, Outcome, Report, ReportedError
+from grain_jax_sync._src.messages import ErrorKind, ReportedError
+
+if TYPE_CHECKING:  # This host's own end: only its exception is read.
+  from grain_jax_sync._src import reader as reader_lib
 
 logger = logging.getLogger(__name__)
+
+
+class PeerTimeoutError(RuntimeError):
+  """A live peer did not report within `sync_timeout_s`.
+
+  Attributes:
+    missing: Indices of the processes that were waited for.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class PeerLostError(RuntimeError):
+  """A peer stopped its liveness beat: it died.
+
+  Attributes:
+    missing: Indices of the lost processes.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
 
 
 def to_exception(error: ReportedError, process: int, own: reader_lib.End | None) -> BaseException:
@@ -19,9 +46,9 @@ def to_exception(error: ReportedError, process: int, own: reader_lib.End | None)
   if error.kind == ErrorKind.VALUE:
     return ValueError(error.message)
   if error.kind == ErrorKind.TIMEOUT:
-    return exchange_lib.PeerTimeoutError(error.message, error.missing)
+    return PeerTimeoutError(error.message, error.missing)
   if error.kind == ErrorKind.LOST:
-    return exchange_lib.PeerLostError(error.message, error.missing)
+    return PeerLostError(error.message, error.missing)
   if error.kind == ErrorKind.CLOSED:
     return RuntimeError(error.message)
   return RuntimeError(
@@ -95,21 +122,3 @@ def stopped_error(process: int, at_batch: int) -> ReportedError:
     at_batch,
     "stop",
   )
-
-
-def post_end(ex: exchange_lib.KeyValueExchange, at_batch: int, error: ReportedError | None) -> None:
-  """Posts this host's ending (closed, or `error`) to a stream it never started.
-
-  As the stream's first and final decision (process 0) or chunk (any other).
-  """
-  p = ex.process_index
-  error = error or closed_error(p, at_batch)
-  try:
-    if p == 0:
-      final = Decision(0, (), Outcome.RAISE, error)
-      ex.post_decision(0, final.to_json(), final=True)
-    else:
-      report = Report(process_index=p, error=error, local_devices=1)
-      ex.post_chunk(Chunk(start=0, ack=0, report=report).to_json(), final=True)
-  finally:
-    ex.end()

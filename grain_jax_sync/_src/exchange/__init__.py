@@ -10,7 +10,6 @@ iterator's keys. Only this package talks to other processes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 from grain_jax_sync._src.exchange.collective import CollectiveExchange
 from grain_jax_sync._src.exchange.key_value import (
@@ -43,30 +42,6 @@ from grain_jax_sync._src.exchange.streams import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class PeerTimeoutError(RuntimeError):
-  """A live peer did not report within `sync_timeout_s`.
-
-  Attributes:
-    missing: Indices of the processes that were waited for.
-  """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
-
-
-class PeerLostError(RuntimeError):
-  """A peer stopped its liveness beat: it died.
-
-  Attributes:
-    missing: Indices of the lost processes.
-  """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
 
 
 class LocalExchange:
