@@ -269,9 +269,7 @@ class _Host:
     )
     self.done = 0  # The build's positions handed on.
     self.pace = stats.Pace(cluster.decide_ahead_s, options.prefetch_batches)
-    self.read_q: collections.deque[Any] = (
-      collections.deque()
-    )  # Reads made by the reading task, not taken.
+    self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.asked = self.reading = 0
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.killed_at = INF
