@@ -9,8 +9,6 @@ The last process is the faulty one ("victim").
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +23,8 @@ KW = {"batch_size": 8, "synchronize_lookahead": 2}
 # `agreement.READ_AHEAD_WINDOWS` x lookahead = 64 here: its undecided reads, a
 # run held by the agreement thread and one queued, the build stage's decided
 # positions, its ready items; see docs/performance.md, Memory). Longer than
-# that, so that a close lands mid-stream and a pause makes peers wait.
+# that, so that a close lands mid-stream.
 CLOSE_LENGTH = 400
-LATE_LENGTH = 400
 SIBLING_LENGTH = 2000  # Beyond the read-ahead: process 1 needs process 0's `b` to go on.
 
 
@@ -171,9 +168,7 @@ def _state(it: Any, kind: str, victim: bool, p: int) -> Any:
   state["batches"], state["source"] = 3, {"i": 3}
   if not victim:
     return state
-  if kind == "resume_positions":
-    state["batches"], state["source"] = 5, {"i": 5}
-  elif kind == "state_settings":
+  if kind == "state_settings":
     state["settings"] = {**state["settings"], "batch_size": 4}
   elif kind == "state_missing_field":
     del state["batches"]
@@ -208,16 +203,10 @@ def run_case(c: int, kind: str) -> dict[str, Any]:
       it.close()
       out["elapsed_s"] = time.monotonic() - start
       return out
-  if victim and kind == "close_before":
-    it.close()
-    return {**out, "elapsed_s": 0.0}
-  if victim and kind in ("close_mid", "close_drop"):
+  if victim and kind == "close_drop":
     out = drain(it, limit=2)
-    if kind == "close_mid":
-      it.close()
-    else:
-      del it
-      gc.collect()
+    del it
+    gc.collect()
     return out
   out = drain(it)
   it.close()
@@ -227,47 +216,6 @@ def run_case(c: int, kind: str) -> dict[str, Any]:
 def run_endings(kinds: list[str]) -> list[dict[str, Any]]:
   """Runs every ending case in turn in this set of processes."""
   return [run_case(c, kind) for c, kind in enumerate(kinds)]
-
-
-# -- late, paused and dead hosts ---------------------------------------------------
-
-
-def _stop_me_for(seconds: float) -> None:
-  """SIGSTOPs this process now and SIGCONTs it `seconds` later (from a shell)."""
-  pid = os.getpid()
-  subprocess.Popen(
-    ["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"],
-    start_new_session=True,
-  )
-  time.sleep(seconds + 0.5)  # Stopped here, from the shell's first command on.
-
-
-def _stopping(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
-  for b, batch in enumerate(batches):
-    if b == at:
-      _stop_me_for(seconds)
-    yield batch
-
-
-def run_late(case: str, seconds: float, sync_timeout_s: float | None) -> dict[str, Any]:
-  """The last process is late: stopped (SIGSTOP) in its source, or pausing its loop."""
-  import jax
-
-  import grain_jax_sync as gjs
-
-  p, n = jax.process_index(), jax.process_count()
-  victim = p == n - 1
-  batches = scenarios.make_batches(p, [8] * LATE_LENGTH)
-  src = _stopping(batches, 2, seconds) if victim and case == "sigstop" else batches
-  kw = dict(KW)
-  if sync_timeout_s is not None:
-    kw["sync_timeout_s"] = sync_timeout_s
-  it = gjs.iter_jax_batches(src, name=f"late_{case}", **kw)
-  pause = (1, seconds) if victim and case == "pause" else None
-  out = drain(it, pause=pause)
-  it.close()
-  out["threads"] = threads_once_reads_return(seconds + 5.0)
-  return out
 
 
 def threads_once_reads_return(timeout_s: float) -> list[str]:
@@ -354,7 +302,7 @@ def run_collective_reset_peer(resetter: int) -> dict[str, Any]:
   return out
 
 
-def run_restart_alone(restarter: int, how: str, length: int) -> dict[str, Any]:
+def run_restart_alone(restarter: int, how: str, length: int, case: int = 0) -> dict[str, Any]:
   """`restarter` alone restarts mid-stream (after batch 3); its peer iterates on, then closes.
 
   `how`: "set_state" (to the state after batch 1) or "reset". Batch b holds
@@ -385,10 +333,15 @@ def run_restart_alone(restarter: int, how: str, length: int) -> dict[str, Any]:
   out["elapsed_s"] = time.monotonic() - start
   it.close()
   client = distributed.global_state.client
-  client.wait_at_barrier("restart_alone/closed", 60_000)
+  client.wait_at_barrier(f"restart_alone/{case}/closed", 60_000)
   out["keys"] = scenarios_faults.iterator_keys(client)
-  client.wait_at_barrier("restart_alone/looked", 60_000)
+  client.wait_at_barrier(f"restart_alone/{case}/looked", 60_000)
   return out
+
+
+def run_restarts_alone(cases: list[tuple[int, str, int]]) -> list[dict[str, Any]]:
+  """`run_restart_alone` of each ``(restarter, how, length)``, in turn."""
+  return [run_restart_alone(*c, case=i) for i, c in enumerate(cases)]
 
 
 def _fail_at_1_on(p: int, failing: int) -> Iterator[Any]:
@@ -527,7 +480,9 @@ def hanging(batches: list[Any], at: int, seconds: float) -> Iterator[Any]:
     yield batch
 
 
-def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str, Any]:
+def run_close_from_thread(
+  prefetch: int, stall: bool, after: float, case: int = 0
+) -> dict[str, Any]:
   """Process 1 closes its iterator from a watchdog thread.
 
   With `stall`, process 0's source hangs at its batch 2 and the watchdog
@@ -542,7 +497,7 @@ def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str,
   p = jax.process_index()
   batches = scenarios.make_batches(p, [8] * 4000)
   src = hanging(batches, 2, 6.0) if (stall and p == 0) else batches
-  it = gjs.iter_jax_batches(src, name="close_thread", prefetch_batches=prefetch, **KW)
+  it = gjs.iter_jax_batches(src, name=f"close_thread{case}", prefetch_batches=prefetch, **KW)
   reached = threading.Event()
   if p == 1:
 
@@ -557,3 +512,8 @@ def run_close_from_thread(prefetch: int, stall: bool, after: float) -> dict[str,
   it.close()
   out["threads"] = threads_once_reads_return(10.0)
   return out
+
+
+def run_closes_from_thread(cases: list[tuple[int, bool, float]]) -> list[dict[str, Any]]:
+  """`run_close_from_thread` of each ``(prefetch, stall, after)``, in turn."""
+  return [run_close_from_thread(*c, case=i) for i, c in enumerate(cases)]

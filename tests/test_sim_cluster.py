@@ -7,12 +7,15 @@ thread, no real second: each run takes milliseconds.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grain_jax_sync import testing
 from grain_jax_sync._src import liveness
+from grain_jax_sync._src.agreement import common
 
 STEPS_S = (0.005, 0.05, 0.5, 2.0, 5.0, 10.0)
 DECIDE_AHEAD_S = 1.0
@@ -163,3 +166,263 @@ def test_the_same_schedule_gives_the_same_run():
   plans[5] = testing.HostPlan(batches=30, step_s=0.1, stop=(4, 0.05))
   a, b = _run(8, 2, plans), _run(8, 2, plans)
   assert a == b
+
+
+# -- the twins of the real-process ending tests ---------------------------------------
+#
+# Each names the real-process test it replaced (tests/test_endings.py,
+# tests/test_faults.py, tests/test_stop.py); the closing note of issue 48 lists them.
+
+H = testing.HostPlan
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("at", [0, 1, 2, 5])
+@pytest.mark.parametrize(
+  "error",
+  [OSError("disk on fire"), KeyboardInterrupt("interrupted"), SystemExit("the source gave up")],
+  ids=lambda e: type(e).__name__,
+)
+def test_a_source_error_of_any_type_ends_every_host_naming_it(error, at, n, prefetch):
+  # Was test_endings.test_any_error_type_on_one_host_ends_every_host (source kinds)
+  # and test_faults.test_source_raise_on_one_host_raises_on_every_host, at 4 x 2.
+  v, kind = n - 1, type(error).__name__
+  plans = [H(batches=6)] * (n - 1) + [H(batches=6, error_at=at, error=error)]
+  out = _run(n, prefetch, plans)
+  assert (out[v].ending, out[v].message) == (kind, str(error))  # Its own exception.
+  assert {o.batches for o in out} == {at}  # The batches before the failure, everywhere.
+  assert len({o.message for o in out[:v]}) == 1  # Word for word the same on every peer.
+  for o in out[:v]:
+    assert o.ending == "RuntimeError"
+    assert f"process {v} failed while reading batch {at} from its source: {kind}: {error}" in (
+      o.message
+    )
+    assert f"process {v} raised {kind}" in o.message
+
+
+def _same_value_error(out, text):
+  assert {(o.ending, o.batches) for o in out} == {("ValueError", 0)}, out
+  assert len({o.message for o in out}) == 1
+  assert out[0].message.startswith(text), out[0].message
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_diverged_resume_positions_raise_the_same_value_error_on_every_host(n, prefetch):
+  # Was test_endings.test_different_resume_positions_raise_on_every_host_before_any_batch.
+  out = _run(n, prefetch, [H(resume=3)] * (n - 1) + [H(resume=5)])
+  where = ", ".join(f"process {p} at batch {5 if p == n - 1 else 3}" for p in range(n))
+  _same_value_error(out, f"the processes resume from different positions ({where})")
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_diverged_settings_raise_the_same_value_error_on_every_host(n, prefetch):
+  # Was test_faults.test_settings_disagreement_raises_on_every_host_before_any_batch, at 4 x 2.
+  good, bad = {"batch_size": 8, "drop_last": False}, {"batch_size": 16, "drop_last": False}
+  out = _run(n, prefetch, [H(config=good)] * (n - 1) + [H(config=bad)])
+  _same_value_error(out, f"processes 0 and {n - 1} were given different settings (batch_size: 8")
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_refused_state_on_one_host_raises_the_same_value_error_on_every_host(n, prefetch):
+  # Was test_endings.test_bad_state_on_one_host_raises_the_same_value_error_on_every_host,
+  # at 4 x 2, and the peer's side of ..._refused_state_on_a_host_that_keeps_its_iterator_open.
+  message = f"process {n - 1}: `state['batches']` must be an int >= 0, got 'three'"
+  out = _run(n, prefetch, [H()] * (n - 1) + [H(refused=message)])
+  _same_value_error(out, message)
+  assert max(o.ended_at for o in out) < 1.0  # At once, not `sync_timeout_s` later.
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("length", [40, 400])
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_a_host_that_closes_at_any_batch_ends_every_peer_naming_it(at, length, n, prefetch):
+  # Was test_endings.test_closing_host_ends_every_peer_naming_it (close_before, close_mid)
+  # and test_stop.test_a_host_that_closes_is_known_within_a_few_batches_and_never_ends_a_peer_normally.
+  v, step_s = n - 1, 0.05
+  out = _run(n, prefetch, [H(batches=length, step_s=step_s)] * v + [H(batches=length, close_at=at)])
+  assert (out[v].ending, out[v].batches) == ("closed", at)
+  assert len({(o.message, o.batches) for o in out[:v]}) == 1
+  for o in out[:v]:
+    assert (o.ending, o.message) == (
+      "RuntimeError",
+      f"process {v} closed its iterator at batch {at}",
+    )
+    assert at <= o.batches <= at + 2 * (10 + prefetch)  # Never ended normally; a few batches on.
+    assert o.ended_at - out[v].ended_at <= bound_s(prefetch, step_s)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("stall", [True, False])
+def test_a_close_from_another_thread_ends_the_peer_naming_the_batches_it_received(stall, prefetch):
+  # Was test_endings.test_close_from_another_thread_ends_that_next_and_the_peer_counts_exactly:
+  # process 1 closes 1 s into process 0's 6 s stall (its consumer waits for a
+  # decision), or mid-stream.
+  plans = [H(batches=4000, stall=(2, 6.0) if stall else None), H(batches=4000, close_s=1.0)]
+  out = _run(2, prefetch, plans)
+  closer, peer = out[1], out[0]
+  n = closer.batches
+  assert (closer.ending, closer.ended_at) == ("closed", 1.0)
+  assert n in (0, 1, 2) if stall else 10 <= n < 4000, n
+  assert (peer.ending, peer.message) == (
+    "RuntimeError",
+    f"process 1 closed its iterator at batch {n}",
+  )
+  assert peer.batches >= n  # The batches already decided.
+  # With prefetch, the peer's agreement thread sees the close while its source stalls.
+  assert peer.ended_at - 1.0 <= (6.0 if stall and prefetch == 0 else bound_s(prefetch, 0.05))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("late", ["stall", "pause"])
+def test_a_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout(late, n, prefetch):
+  # Was test_endings.test_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout
+  # (sigstop: a stall in its source; pause: in its loop): 4 s late with
+  # `sync_timeout_s`=2, under the liveness period: slow, not lost.
+  v = n - 1
+  slow = H(batches=400, stall=(2, 4.0)) if late == "stall" else H(batches=400, pause=(1, 4.0))
+  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, sync_timeout_s=2.0)
+  out = cluster.run([H(batches=400)] * v + [slow])
+  assert len({(o.ending, o.message, o.batches) for o in out}) == 1, out
+  assert out[0].ending == "PeerTimeoutError"
+  assert f"process {v} did not report batch {out[0].batches}" in out[0].message
+  assert "`sync_timeout_s`=2s" in out[0].message
+  assert out[0].ended_at < 2.0 + 2.0 and max(o.ended_at for o in out) < 4.0 + 1.0
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_25_s_pause_in_one_hosts_loop_ends_normally_everywhere(prefetch):
+  # Was test_endings.test_a_25_s_pause_in_one_hosts_loop_ends_normally_everywhere.
+  out = _run(2, prefetch, [H(batches=400), H(batches=400, pause=(1, 25.0))])
+  assert {(o.ending, o.batches) for o in out} == {("end", 400)}
+  assert out[1].ended_at >= 25.0 + 399 * 0.05  # Its pause, then every step.
+
+
+def test_a_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout():
+  # Was test_endings.test_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeout:
+  # process 0 alive but stuck 26 s in its source; its agreement thread decides
+  # the follower's timed-out ending at once, long before the source returns.
+  grace = common.FOLLOWER_GRACE_S
+  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=2, sync_timeout_s=1.0)
+  out = cluster.run([H(batches=400, stall=(2, 2 * grace + 6)), H(batches=400)])
+  assert len({(o.ending, o.message, o.batches) for o in out}) == 1, out
+  n = out[0].batches
+  assert n in (0, 1, 2) and out[0].ending == "PeerTimeoutError"
+  assert f"process 1 got no decision on batch {n} from process 0" in out[0].message
+  for o in out:
+    assert 1.0 + grace - 1 < o.ended_at < 1.0 + grace + 3.0, o.ended_at
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stream_started_late_within_sync_timeout_ends_normally(prefetch):
+  # The order of the first next(): process 1 starts its stream 5 s after process 0.
+  out = _run(2, prefetch, [H(batches=40), H(batches=40, start_s=5.0)])
+  assert {(o.ending, o.batches) for o in out} == {("end", 40)}
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stream_process_0_starts_too_late_times_out_naming_the_order_on_the_follower(prefetch):
+  # Was test_endings.test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_follower.
+  grace = common.FOLLOWER_GRACE_S
+  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=prefetch, sync_timeout_s=1.0)
+  out = cluster.run([H(batches=40, start_s=100.0), H(batches=40)])
+  follower = out[1]
+  assert (follower.ending, follower.batches) == ("PeerTimeoutError", 0)
+  assert "process 1 got no decision on batch 0 from process 0" in follower.message
+  assert "it has posted no decision on this iterator yet" in follower.message
+  assert "created or started their iterators in a different order" in follower.message
+  assert 1.0 + 2 * grace - 1 < follower.ended_at <= 1.0 + 2 * grace + 1
+  assert (out[0].ending, out[0].message) == ("PeerTimeoutError", follower.message)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="process 0 decides positions from a follower's rows posted before that follower's"
+  " timed-out ending: it yields batches the follower never received",
+)
+@pytest.mark.parametrize(
+  "plans",
+  [
+    [H(batches=40, start_s=100.0), H(batches=40)],  # Process 0's stream starts too late.
+    [H(batches=400, stall=(2, 26.0)), H(batches=400)],  # Inline: stuck in its own next().
+  ],
+  ids=["late_start", "inline_stuck"],
+)
+def test_a_followers_timed_out_ending_ends_process_0_at_the_same_batch(plans):
+  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=0, sync_timeout_s=1.0)
+  out = cluster.run(plans)
+  assert out[0].batches == out[1].batches, out
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_killed_peer_with_a_short_sync_timeout_is_named_by_the_timeout(prefetch):
+  # Was test_faults.test_killed_host_survivors_raise_naming_it_within_sync_timeout, at 4 x 2.
+  n = 4
+  plans = [H(batches=400)] * n
+  plans[1] = H(batches=400, kill_at=0.12)
+  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, sync_timeout_s=4.0)
+  out = cluster.run(plans)
+  assert out[1].ending == "killed"
+  others = [o for o in out if o.process != 1]
+  assert len({(o.ending, o.message, o.batches) for o in others}) == 1
+  for o in others:
+    assert o.ending == "PeerTimeoutError"
+    assert re.match(r"process 1 did not report batch \d+.* within `sync_timeout_s`=4s", o.message)
+    assert "may have died" in o.message
+    assert 4.0 <= o.ended_at - 0.12 < 4.0 + 2.0
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_two_hosts_asking_a_stop_at_once_end_every_host_at_one_batch_named_alike(n, prefetch):
+  # Was the "two" case of test_stop.test_request_stop_ends_every_host_at_one_batch_and_resumes_exactly.
+  plans = [H(batches=200, step_s=0.005)] * n
+  plans[0] = plans[n - 1] = H(batches=200, step_s=0.005, stop=(3, 0.0))
+  out = _run(n, prefetch, plans)
+  assert {o.ending for o in out} == {"end"}
+  assert len({(o.batches, o.stopped_by) for o in out}) == 1
+  assert out[0].stopped_by in (0, n - 1)
+  assert 3 <= out[0].batches <= 3 + 2 * (10 + prefetch)
+
+
+@pytest.mark.parametrize("asker", [0, 1])
+@pytest.mark.parametrize("step_s", [0.01, 3.0])
+def test_inline_a_stop_asked_during_a_call_reaches_every_host_within_the_bound(step_s, asker):
+  # Was the "handler" and "thread" cases of
+  # test_stop.test_inline_a_stop_asked_between_or_during_calls_reaches_every_host_within_the_bound:
+  # asked inside the next() that reads batch 4. Each read takes half a step: the
+  # loop's period, which the bound counts, is 1.5 steps.
+  plans = [H(batches=400, step_s=step_s, read_s=step_s / 2)] * 2
+  plans[asker] = H(batches=400, step_s=step_s, read_s=step_s / 2, stop=(3, step_s * 1.25))
+  out = _run(2, 0, plans)
+  asked_at = out[asker].received[2] + step_s * 1.25
+  assert {(o.ending, o.stopped_by) for o in out} == {("end", asker)}
+  assert len({o.batches for o in out}) == 1 and out[0].batches >= 3
+  assert max(o.ended_at for o in out) - asked_at <= bound_s(0, 1.5 * step_s)
+
+
+def test_a_close_during_its_own_20_s_source_stall_reaches_the_peer_within_the_bound():
+  # Was the close of test_stop.test_a_stop_and_a_close_during_a_peers_20_s_source_stall_end_every_host_within_seconds
+  # (its stop is test_a_stop_during_a_peers_20_s_stall_ends_every_host_within_the_bound).
+  step_s = 0.05
+  out = _run(2, 2, [H(batches=400, step_s=step_s), H(batches=400, stall=(10, 20.0), close_s=2.0)])
+  closer, peer = out[1], out[0]
+  assert closer.ending == "closed" and 6 <= closer.batches <= 10
+  assert peer.message == f"process 1 closed its iterator at batch {closer.batches}"
+  assert peer.ended_at - 2.0 <= bound_s(2, step_s)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_empty_shard_is_padded_to_the_longest_and_all_empty_yield_nothing(n, prefetch):
+  # Was test_faults.test_one_empty_shard_with_paddings_yields_masked_dummies and
+  # test_all_shards_empty_yield_zero_batches_without_error, at 4 x 2.
+  out = _run(n, prefetch, [H(batches=2)] * (n - 1) + [H(batches=0)])
+  assert {(o.ending, o.batches) for o in out} == {("end", 2)}
+  out = _run(n, prefetch, [H(batches=0)] * n)
+  assert {(o.ending, o.batches) for o in out} == {("end", 0)}

@@ -41,11 +41,19 @@ class HostPlan:
     rows: Rows of each batch.
     step_s: Its training step, after each batch it receives.
     read_s: Each read of its source.
-    stall: ``(batch, seconds)``: that read takes this long.
-    error_at: Its source raises an `OSError` at this batch.
+    stall: ``(batch, seconds)``: that read takes this long (the process is alive).
+    error_at: Its source raises `error` (default: an `OSError`) at this batch.
+    error: What its source raises.
+    refused: Its state was refused (`set_state`): this `ValueError` text is its ending.
     stop: ``(batch, seconds)``: `request_stop()` this long into the step after that batch.
-    close_at: `close()` right after receiving this batch.
+    pause: ``(batch, seconds)``: its loop pauses this long after that batch's step (alive).
+    close_at: `close()` instead of its next call once it received this many batches.
+    close_s: `close()` from another thread at this time.
     kill_at: The process dies at this time (its beat stops).
+    start_s: Its first `next()` (its stream's start) at this time.
+    resume: The batch its restored state resumes from.
+    config: Its settings, as its first report carries them.
+    sync_timeout_s: Its own `sync_timeout_s`, if not the cluster's.
   """
 
   batches: int = 20
@@ -54,9 +62,17 @@ class HostPlan:
   read_s: float = 0.0
   stall: tuple[int, float] | None = None
   error_at: int | None = None
+  error: BaseException | None = None
+  refused: str | None = None
   stop: tuple[int, float] | None = None
+  pause: tuple[int, float] | None = None
   close_at: int | None = None
+  close_s: float | None = None
   kill_at: float | None = None
+  start_s: float = 0.0
+  resume: int = 0
+  config: Any = None
+  sync_timeout_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -230,7 +246,8 @@ class _Host:
     self.out = HostOutcome(p)
     n, options = cluster.processes, cluster
     self.ex = exchange_lib.KeyValueExchange(cluster.store, _NS, process_index=p, process_count=n)
-    who = common.Identity(process=p, devices=1, config={"sim": 1}, resume=0)
+    config = {"sim": 1} if plan.config is None else plan.config
+    who = common.Identity(process=p, devices=1, config=config, resume=plan.resume)
     kind = decider.Decider if p == 0 else follower.Follower
     self.threaded = options.prefetch_batches > 0
     rules = plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True)
@@ -240,20 +257,19 @@ class _Host:
       namespace=_NS,
       process_count=n,
       lookahead=options.synchronize_lookahead,
-      timeout_s=options.sync_timeout_s,
+      timeout_s=plan.sync_timeout_s or options.sync_timeout_s,
       dead_after_s=liveness.DEAD_AFTER_S,
-      position=0,
+      position=plan.resume,
       threaded=self.threaded,
       inline=not self.threaded,
     )
+    refused = None if plan.refused is None else ValueError(plan.refused)
     self.reads = reader.Reader(
-      sources.open_source(self._source()), process_index=p, check_int32=False
+      sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
     self.done = 0  # The build's positions handed on.
     self.pace = stats.Pace(cluster.decide_ahead_s, options.prefetch_batches)
-    self.read_q: collections.deque[Any] = (
-      collections.deque()
-    )  # Reads made by the reading task, not taken.
+    self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.asked = self.reading = 0
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.killed_at = INF
@@ -262,16 +278,12 @@ class _Host:
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
     for b in range(self.plan.batches):
       if b == self.plan.error_at:
-        raise OSError(f"process {self.p}'s source failed at batch {b}")
+        raise self.plan.error or OSError(f"process {self.p}'s source failed at batch {b}")
       yield {"x": np.full(self.plan.rows, 1000 * self.p + b, np.int32)}
 
   def _read_s(self) -> float:
     stall = self.plan.stall
-    return stall[1] if stall is not None and stall[0] == self.reads_made else self.plan.read_s
-
-  @property
-  def reads_made(self) -> int:
-    return self.reading
+    return stall[1] if stall is not None and stall[0] == self.reading else self.plan.read_s
 
   # -- the core's actions ------------------------------------------------------------
 
@@ -359,7 +371,7 @@ class _Host:
       except _Finished:
         runs.put(_END)
         return
-      except Exception as e:  # noqa: BLE001 - handed on, as the stage hands it on.
+      except BaseException as e:  # noqa: BLE001 - handed on, as the stage hands it on.
         runs.put(e)
         return
 
@@ -375,7 +387,7 @@ class _Host:
           handed = False
         while not pending:
           run = yield from runs.get()
-          if run is _END or isinstance(run, Exception):
+          if run is _END or isinstance(run, BaseException):
             items.put(run)
             return
           pending.extend(run.steps)
@@ -396,30 +408,31 @@ class _Host:
     clock, plan = self.c.clock, self.plan
     inline: collections.deque[Any] = collections.deque()
     while True:
+      if plan.close_at == len(self.out.received):
+        self._closes()
+        return
       self.busy = True
       try:
         item = yield from self._next(items, inline)
       except _Finished:
         item = _END
-      except Exception as e:  # noqa: BLE001 - recorded.
+      except BaseException as e:  # noqa: BLE001 - recorded, as the loop gets it.
         item = e
       self.busy = False
-      if item is _END or isinstance(item, Exception):
+      if item is _END or isinstance(item, BaseException):
         self._ended(item)
         return
       self.out.received.append(clock.now)
       b = len(self.out.received)
-      if plan.close_at == b:
-        self._closes()
-        return
       if plan.stop is not None and plan.stop[0] == b:
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
-      yield (None, clock.now + plan.step_s)
+      pause = plan.pause[1] if plan.pause is not None and plan.pause[0] == b else 0.0
+      yield (None, clock.now + plan.step_s + pause)
 
   def _next(self, items: _Queue | None, inline: collections.deque[Any]) -> Any:
     if items is not None:
       item = yield from items.get()
-      if isinstance(item, Exception):
+      if isinstance(item, BaseException):
         raise item
       return item
     while not inline:
@@ -462,8 +475,13 @@ class _Host:
     for call in calls:
       driver.call_store(self.ex, call)
 
-  def kill_task(self) -> Task:
-    yield (None, self.plan.kill_at if self.plan.kill_at is not None else INF)
+  def timed_task(self) -> Task:
+    """A `close()` from another thread (`close_s`), or the process's death (`kill_at`)."""
+    close_s, kill_at = (INF if t is None else t for t in (self.plan.close_s, self.plan.kill_at))
+    yield (None, min(close_s, kill_at))
+    if close_s < kill_at:
+      self._closes()
+      return
     self.killed_at = self.c.clock.now
     self.out.ending, self.out.ended_at = "killed", self.c.clock.now
     self.c.retire(self)
@@ -504,16 +522,17 @@ class SimulatedCluster:
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
     self._tasks: dict[int, list[Task]] = {}
     for h in self.hosts:
-      tasks = [h.kill_task()]
+      tasks = []
       if h.threaded:
         runs, items = _Queue(self.clock, 1), _Queue(self.clock, self.prefetch_batches)
         tasks += [h.reading_task(), h.agree_task(runs), h.build_task(runs, items)]
         tasks.append(h.consumer_task(items))
       else:
         tasks.append(h.consumer_task(None))
-      self._tasks[h.p] = tasks
-      for task in tasks:
-        self.clock.spawn(task)
+      for task in tasks:  # Its stream starts at its first next().
+        self.clock.spawn(task, h.plan.start_s)
+      self._tasks[h.p] = [*tasks, h.timed_task()]
+      self.clock.spawn(self._tasks[h.p][-1])
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
 
