@@ -104,6 +104,7 @@ def throughput(batches: int, rounds: int) -> dict[str, Any]:
     "mixture_packed_rows_s": round(float(np.median(mix_rates))),
     "one_source_rows_s": round(float(np.median(one_rates))),
     "ratio": round(float(np.median(np.divide(mix_rates, one_rates))), 3),
+    "round_ratios": [round(float(r), 2) for r in np.divide(mix_rates, one_rates)],
     "same_rows": same,
   }
 
