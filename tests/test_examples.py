@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,6 +194,36 @@ def test_elastic_resume_example_trains_every_kept_record_once_across_2_then_3_ho
     assert o == dict(outs[0], phase="resume", processes=3, exactly_once=True)
     assert o["trained_examples"] == o["kept_examples"] == 160
     assert o["steps"] > 3
+
+
+@pytest.mark.multiprocess
+def test_lm_mixture_example_stopped_on_2_hosts_resumed_on_3_trains_each_document_whole_once(
+  tmp_path,
+):
+  example, ckpt = "examples/lm_mixture.py", ["--ckpt-dir", str(tmp_path / "ckpt")]
+  stopped = _simulate(example, "--signal", "1:SIGTERM:3", *ckpt)
+  stop = stopped[0]["step"]
+  # Process 1's SIGTERM after its batch 3 stopped both hosts at one step, and each saved there.
+  assert stopped[0]["stopped_by"] == 1 and 3 <= stop <= 3 + 2 * (10 + 2) < 40
+  files = sorted(os.listdir(tmp_path / "ckpt" / str(stop) / "data"))
+  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
+  resumed = _simulate(example, *ckpt, processes=3)
+  for runs, n in ((stopped, 2), (resumed, 3)):
+    for r in runs:  # Every host agrees; one packed shape, compiled before the loop.
+      assert {k: v for k, v in r.items() if k != "shares_this_host"} == {
+        k: v for k, v in runs[0].items() if k != "shares_this_host"
+      }
+      assert r["processes"] == n and r["specs"] == [[4 * n, 64]] and r["compiles_in_loop"] == 0
+      assert r["documents_whole_once"] is True
+  last = resumed[0]
+  assert last["resumed_from"] == stop and last["step"] == 40 and last["stopped_by"] is None
+  docs = last["documents_per_source"]
+  assert sum(docs) > sum(stopped[0]["documents_per_source"]) > 0
+  # The 1:2:5 weights, short of the documents still in the packers' open rows.
+  assert np.allclose(np.divide(docs, sum(docs)), [1 / 8, 2 / 8, 5 / 8], atol=0.03), docs
+  for r in resumed:
+    assert np.allclose(r["shares_this_host"], [1 / 8, 2 / 8, 5 / 8], atol=0.03)
+  assert last["loss_first_last"][1] < 0.6 * stopped[0]["loss_first_last"][0]  # It learns.
 
 
 @pytest.mark.multiprocess

@@ -44,6 +44,32 @@ def test_counts_are_grains_mix_selection_and_every_window_keeps_the_weights(weig
   assert np.all(np.abs(window / 2000 - np.divide(weights, sum(weights))) < 0.01)
 
 
+@settings(max_examples=30, deadline=None)
+@given(weights=st.lists(st.integers(1, 9), min_size=1, max_size=4), start=st.integers(0, 10**5))
+def test_the_records_read_in_chunks_are_the_selection_s_and_each_source_epoch_is_a_permutation(
+  weights, start
+):
+  sizes = [5 + 7 * k for k in range(len(weights))]
+  sources = [[(k, i) for i in range(n)] for k, n in enumerate(sizes)]
+  src = gjs.elastic_mixture(sources, weights, seed=3)
+  rows = range(start, start + 300)
+  read = src.records._getitems(list(rows))  # The stream's chunked read.
+  assert read == [src.records[g] for g in rows]  # Row by row (another block).
+  epochs: dict[tuple[int, int], list[int]] = {}
+  for g, (k, i) in zip(rows, read, strict=True):
+    sk, n = source_of(src.mixture, g)
+    assert k == sk  # Grain's mix selection.
+    epochs.setdefault((k, n // sizes[k]), []).append(i)
+  for (k, _), got in epochs.items():  # No record twice in one epoch of its source.
+    assert len(set(got)) == len(got) and set(got) <= set(range(sizes[k]))
+  whole = src.records._getitems(list(range(sum(sizes) * 3)))  # Whole epochs: every record.
+  for k, n in enumerate(sizes):
+    mine = [i for kk, i in whole if kk == k]
+    for e in range(len(mine) // n):
+      assert sorted(mine[e * n : (e + 1) * n]) == list(range(n))
+  assert [i for kk, i in whole if kk == 0][: sizes[0]] != list(range(sizes[0]))  # Shuffled.
+
+
 def keys(m: Mixture, batches: list[dict], positions: list[int]) -> list[tuple[int, int, int, int]]:
   """(global row, source, source epoch, record) of each row, given each row's global position."""
   out = []

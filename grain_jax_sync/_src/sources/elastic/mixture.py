@@ -1,11 +1,12 @@
 """`elastic_mixture`: a weighted mixture of sources, read as one elastic source.
 
 Global row ``g`` of the mixture comes from the source and row that Grain's
-`MapDataset.mix` selects for ``g``: a function of ``g`` and the weights
-only, with every prefix of rows within one row of the weights. Each source
-is an endless `MapDataset` (`repeat`, and `shuffle` seeded per source and
-per epoch of that source), so row ``n`` of source ``k`` is its epoch
-``n // len(k)``. The mixture's rows, read `epoch_length` an epoch, are an
+`MapDataset.mix` selects for ``g`` (its arithmetic, computed here for a
+chunk of rows at once): a function of ``g`` and the weights only, with every
+prefix of rows within one row of the weights. Each source repeats without
+end, row ``n`` of source ``k`` being its epoch ``n // len(k)``, each epoch
+in the order of a seeded bijection (`_shuffled`, per source and epoch). The
+mixture's rows (`MixedRecords`), read `epoch_length` an epoch, are an
 elastic source's records: the elastic split gives each process its share of
 global rows, and its cursor is every source's cursor. No thread or buffer
 per source: the transform reads the whole mixture once.
@@ -14,12 +15,13 @@ per source: the transform reads the whole mixture once.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import extras
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources.elastic import split
 from grain_jax_sync._src.sources.elastic.source import ElasticSource, elastic_source
@@ -76,6 +78,89 @@ class Mixture:
     return [
       {"rows": int(n), "share": n / total, "weight": w} for n, w in zip(rows, weights, strict=True)
     ]
+
+  def select(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, its row) of each global row in `rows`, as Grain's `mix` selects them."""
+    big = max(rows, default=0) >= 2**62 // sum(self.proportions)  # Python ints past int64.
+    g: Any = np.asarray(rows, dtype=object if big else np.int64)
+    before = np.stack(self.counts(g))
+    source = np.argmax(np.stack(self.counts(g + 1)) - before, axis=0)
+    return source, before[source, np.arange(len(g))]
+
+
+@functools.lru_cache(maxsize=256)
+def _keys(seed: int, source: int, epoch: int) -> np.ndarray:
+  return np.random.SeedSequence([seed, source, epoch]).generate_state(4, np.uint64)
+
+
+def _shuffled(i: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
+  """Each ``i[m]`` through a bijection of ``0 .. n[m] - 1`` keyed by ``keys[m]`` (4 keys).
+
+  A Feistel network over the bits that hold ``n - 1`` (alternating its two
+  halves: a bijection of that range), applied again to any value ``>= n``
+  (cycle walking) until it is below ``n``: a bijection of ``0 .. n - 1``,
+  computed per index with O(1) memory.
+  """
+  bits = np.maximum(2, np.ceil(np.log2(np.maximum(n, 2)))).astype(np.uint64)
+  out, n = i.astype(np.uint64), n.astype(np.uint64)
+  todo = np.ones(len(i), bool)
+  while todo.any():
+    x, key, left = out[todo], keys[todo], bits[todo] // np.uint64(2)
+    right = bits[todo] - left
+    for r in range(keys.shape[1]):
+      low = x & ((np.uint64(1) << right) - np.uint64(1))
+      mixed = (low ^ key[:, r]) * np.uint64(0x9E3779B97F4A7C15)  # Wraps: a hash.
+      x = (low << left) | ((x >> right) ^ (mixed >> (np.uint64(64) - left)))
+      left, right = right, left
+    out[todo] = x
+    todo = out >= n
+  return out.astype(np.int64)
+
+
+_BLOCK = 4096  # Global rows whose source and row are found at once (16 bytes each).
+
+
+class MixedRecords:
+  """The mixture's endless global rows, read a chunk at a time (`_getitems`).
+
+  Each global row's source and row are found for a block of rows at once
+  and kept, so a process reading its rows in order pays once a block.
+  """
+
+  def __init__(self, records: Sequence[Any], mixture: Mixture, seed: int):
+    self._records, self._mixture, self._seed = list(records), mixture, seed
+    self._block: tuple[int, np.ndarray, np.ndarray] = (0, np.zeros(0, int), np.zeros(0, int))
+
+  def __len__(self) -> int:
+    return sys.maxsize
+
+  def __getitem__(self, g: int) -> Any:
+    return self._getitems([g])[0]
+
+  def _getitems(self, rows: Sequence[int]) -> list[Any]:
+    """The records of global rows `rows`."""
+    g = np.asarray(rows, np.int64)
+    start, sources, at = self._block
+    if len(g) and not (start <= g.min() and g.max() < start + len(sources)):
+      first = int(g.min())
+      if g.max() - first >= _BLOCK:
+        start, (sources, at) = first, self._find(g)
+      else:
+        self._block = start, sources, at = (first, *self._find(np.arange(first, first + _BLOCK)))
+    sources, at = sources[g - start].tolist(), at[g - start].tolist()
+    return [self._records[k][j] for k, j in zip(sources, at, strict=True)]
+
+  def _find(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, the record in it) of each global row in `g`."""
+    sources, keys = self._mixture.select(g.tolist())
+    sizes = np.asarray(self._mixture.sizes, np.int64)[sources]
+    epochs, at = np.divmod(keys.astype(np.int64), sizes)
+    if self._mixture.shuffle:
+      count = len(self._mixture.sizes)
+      pairs, which = np.unique(epochs * count + sources, return_inverse=True)
+      table = np.stack([_keys(self._seed, int(p % count), int(p // count)) for p in pairs])
+      at = _shuffled(at, sizes, table[which])
+    return sources, at
 
 
 def _proportions(weights: Sequence[float], count: int) -> tuple[int, ...]:
@@ -154,19 +239,12 @@ def elastic_mixture(
     >>> src = elastic_mixture([list(range(10)), list(range(100))], [1, 3], lambda ds: ds.batch(4))
     >>> it = iter_jax_batches(src, batch_size=4, paddings=0, mask_key="mask")
   """
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_mixture")
   if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
     raise ValueError(f"`sources` must be a non-empty list of sources, got {sources!r:.100}")
   records = [_records(s, i) for i, s in enumerate(sources)]
   proportions = _proportions(weights, len(records))
   seed = options_lib.checked_int("seed", seed, minimum=0)
-  parents = []
-  for k, r in enumerate(records):
-    ds = r if isinstance(r, grain.MapDataset) else grain.MapDataset.source(r)
-    if shuffle:
-      ds = ds.shuffle(seed=int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
-    parents.append(ds.repeat())
-  mixed = grain.MapDataset.mix(parents, list(proportions))
-  checked = elastic_source(mixed, transform, shuffle=False, seed=seed, num_epochs=num_epochs)
   mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
+  mixed = MixedRecords(records, mixture, seed)
+  checked = elastic_source(mixed, transform, shuffle=False, seed=seed, num_epochs=num_epochs)
   return dataclasses.replace(checked, mixture=mixture)

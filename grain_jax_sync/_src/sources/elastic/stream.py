@@ -1,9 +1,10 @@
 """One process's stream of an elastic source: a Grain pipeline over its share of each epoch.
 
-`open_stream` opens an `ElasticSource` as ``Stream`` (a `MapDataset` of this
-process's records in stream order, `split.EpochShares`) ->
-``to_iter_dataset()`` -> ``Cursor`` (tags the stream index in the state) ->
-the user's transform. Grain nests a parent's state in its iterators' states
+`open_stream` opens an `ElasticSource` as ``Stream`` (this process's records
+in stream order, `split.EpochShares`), read by ``Reader`` (a chunk of
+positions at a time, one batched read each; its state is the positions
+delivered, as Grain's `to_iter_dataset()`'s) -> ``Cursor`` (tags the stream
+index in the state) -> the user's transform. Grain nests a parent's state in its iterators' states
 as it was after the last element they took, so the tag inside the state kept
 after each delivered batch is the consumed cursor as of that batch; under
 `mp_prefetch` each worker slices ``Cursor`` and the host's cursor is one
@@ -13,6 +14,7 @@ when a state is exported. Grain is imported when the source is opened.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -44,38 +46,100 @@ def _worker_slice(sl: slice, sequential: bool, length: int) -> tuple[slice, tupl
   return slice(start, start + size + (1 if worker < extra else 0)), (start, 1, True)
 
 
-@functools.cache
-def _classes() -> tuple[type, type]:
-  """(_Stream, _Cursor), built on first use (Grain loads lazily)."""
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
+_CHUNK = 256  # Stream positions read at once: amortizes each read's fixed cost.
 
-  class Stream(grain.MapDataset):
-    """This process's records, in stream order: `records[order[position]]`."""
 
-    def __init__(self, records: Any, shares: EpochShares, spec: ElasticSource):
-      super().__init__(records)
-      self._shares = shares
-      self._shuffle = spec.shuffle
-      self._seed = spec.seed
-      self._endless = spec.mixture is not None  # Epoch e starts at row e * num_records.
+class Stream:
+  """This process's records, in stream order: `records[order[position]]`."""
 
-    def __len__(self) -> int:
-      return self._shares.length
+  def __init__(self, records: Any, shares: EpochShares, spec: ElasticSource):
+    self._records, self._shares, self._spec = records, shares, spec
+    self._endless = spec.mixture is not None  # Epoch e starts at row e * num_records.
 
-    def __getitem__(self, j):
-      if isinstance(j, slice):
-        return self.slice(j)
+  def __len__(self) -> int:
+    return self._shares.length
+
+  def read(self, positions: range) -> list[Any]:
+    """The records at stream `positions`, in one batched read where the records have one."""
+    rows = []
+    for j in positions:
       epoch, pos = self._shares.locate(j)
       order = epoch_order(
-        self._shares.num_records, shuffle=self._shuffle, seed=self._seed, epoch=epoch
+        self._shares.num_records, shuffle=self._spec.shuffle, seed=self._spec.seed, epoch=epoch
       )
       pos = pos if order is None else int(order[pos])
-      return self._parent[pos + epoch * self._shares.num_records if self._endless else pos]
+      rows.append(pos + epoch * self._shares.num_records if self._endless else pos)
+    getitems = getattr(self._records, "_getitems", None)  # Grain's and `MixedRecords`' batch read.
+    return list(getitems(rows)) if getitems else [self._records[r] for r in rows]
+
+
+class Chunks:
+  """`stream` at `positions`, in order, read a chunk at a time."""
+
+  def __init__(self, stream: Stream, positions: range):
+    self._stream, self._positions = stream, positions
+    self.delivered = 0  # Of `positions`.
+    self._buffer: collections.deque[Any] = collections.deque()
+
+  def next(self) -> Any:
+    while True:
+      if not self._buffer:
+        if self.delivered >= len(self._positions):
+          raise StopIteration
+        chunk = self._positions[self.delivered : self.delivered + _CHUNK]
+        self._buffer.extend(self._stream.read(chunk))
+      self.delivered += 1
+      value = self._buffer.popleft()
+      if value is not None:  # A Grain `filter` on the records leaves None.
+        return value
+
+  def seek(self, delivered: int) -> None:
+    self.delivered = delivered
+    self._buffer.clear()
+
+
+@functools.cache
+def _classes() -> tuple[type, type]:
+  """(_Reader, _Cursor), built on first use (Grain loads lazily)."""
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
+  return _reader_class(grain), _cursor_class(grain)
+
+
+def _reader_class(grain: Any) -> type:
+  """The `Reader` dataset (see `_classes`)."""
+
+  class ReaderIterator(grain.DatasetIterator):
+    def __init__(self, stream: Stream, positions: range):
+      super().__init__()
+      self._read = Chunks(stream, positions)
+
+    def __next__(self):
+      return self._read.next()
+
+    def get_state(self):
+      return {"next_index": self._read.delivered}
+
+    def set_state(self, state):
+      self._read.seek(int(state["next_index"]))
+
+  class Reader(grain.IterDataset):
+    """The stream read in chunks of positions, its state the positions delivered."""
+
+    def __init__(self, stream: Stream):
+      super().__init__()
+      self._stream, self._positions = stream, range(len(stream))
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+      del sequential_slice  # `Cursor` gives the slice to read.
+      self._positions = self._positions[sl]
+
+    def __iter__(self):
+      return ReaderIterator(self._stream, self._positions)
 
     def __str__(self) -> str:
-      return f"ElasticStream(process {self._shares.index} of {self._shares.count})"
+      return f"ElasticStream(process {self._stream._shares.index} of {self._stream._shares.count})"
 
-  return Stream, _cursor_class(grain)
+  return Reader
 
 
 def _cursor_class(grain: Any) -> type:
@@ -142,14 +206,8 @@ class ElasticIterator(base.WrappedIterator):
 
   def _open(self, shares: EpochShares) -> None:
     grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
-    stream_cls, cursor_cls = _classes()
-    records = self.spec.records
-    if not isinstance(records, grain.MapDataset):
-      records = grain.MapDataset.source(records)
-    ds = cursor_cls(
-      stream_cls(records, shares, self.spec).to_iter_dataset(),
-      shares.length,
-    )
+    reader_cls, cursor_cls = _classes()
+    ds = cursor_cls(reader_cls(Stream(self.spec.records, shares, self.spec)), shares.length)
     if self.spec.transform is not None:
       ds = self.spec.transform(ds)
       if not isinstance(ds, grain.IterDataset):
