@@ -3,6 +3,7 @@
 Run from the repository root:
 
   python -m benchmarks.sim_scale --processes 1024,4096,16384
+  python -m benchmarks.sim_scale --bounds     # the stop's latency at every step, 8 hosts
 
 Every host runs the library's real agreement core
 (`grain_jax_sync.testing.SimulatedCluster`: the real `KeyValueExchange` over
@@ -66,10 +67,35 @@ def run(n: int) -> dict[str, float | int | list[int]]:
   }
 
 
+def bounds(n: int = 8) -> None:
+  """Prints, per prefetch and step, the worst stop latency over requests at batches 1 to 6."""
+  print("| prefetch | step | worst latency (s) | bound (s) | worst / bound | runs |")
+  print("|---|---|---|---|---|---|")
+  for prefetch in (0, 2):
+    for step in (0.005, 0.05, 0.5, 2.0, 5.0, 10.0):
+      worst, runs = 0.0, 0
+      for at in range(1, 7):
+        for offset in (0.0, 0.3, 0.9):
+          plans = [testing.HostPlan(batches=40, step_s=step)] * n
+          plans[-1] = testing.HostPlan(batches=40, step_s=step, stop=(at, offset * step))
+          out = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch).run(plans)
+          assert len({o.batches for o in out}) == 1, "not one batch everywhere"
+          asked = out[-1].received[at - 1] + offset * step
+          worst, runs = max(worst, max(o.ended_at for o in out) - asked), runs + 1
+      bound = 1.0 + (prefetch + 1) * step + 1.0
+      print(
+        f"| {prefetch} | {step:g} s | {worst:.3f} | {bound:.3f} | {worst / bound:.2f} | {runs} |"
+      )
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--processes", default="64,1024", help="comma-separated host counts")
+  parser.add_argument("--bounds", action="store_true", help="the stop's latency table instead")
   args = parser.parse_args(argv)
+  if args.bounds:
+    bounds()
+    return 0
   for n in (int(x) for x in args.processes.split(",")):
     print(json.dumps(run(n)), flush=True)
   return 0
