@@ -39,3 +39,30 @@ def run(fn, n, d, *args, **kwargs):
   return testing.run_processes(
     fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
   )
+
+
+def run_cases(n: int, d: int, cases: dict, timeout_s: float = TIMEOUT) -> list[dict]:
+  """`scenarios.run_cases` in one launch of n processes x d devices; per process {case: value}."""
+  import scenarios
+
+  return testing.values(
+    testing.run_processes(
+      scenarios.run_cases,
+      num_processes=n,
+      devices_per_process=d,
+      args=({k: ((f.__module__, f.__qualname__), a, kw) for k, (f, a, kw) in cases.items()},),
+      timeout_s=timeout_s,
+    )
+  )
+
+
+def check_cases(results: list[dict], checks: dict) -> None:
+  """Runs ``checks[case](values of every process)`` for each case; fails naming every failed case."""
+  assert all(sorted(r) == sorted(checks) for r in results), "every case has its checks"
+  failed = []
+  for case, check in checks.items():
+    try:
+      check([r[case] for r in results])
+    except AssertionError as e:
+      failed.append(f"case {case!r}: {e}")
+  assert not failed, "\n\n".join(failed)
