@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -59,10 +60,17 @@ def run_cases(n: int, d: int, cases: dict, timeout_s: float = TIMEOUT) -> list[d
 def check_cases(results: list[dict], checks: dict) -> None:
   """Runs ``checks[case](values of every process)`` for each case; fails naming every failed case."""
   assert all(sorted(r) == sorted(checks) for r in results), "every case has its checks"
+  check_each(
+    {case: functools.partial(check, [r[case] for r in results]) for case, check in checks.items()}
+  )
+
+
+def check_each(checks: dict) -> None:
+  """Runs every ``checks[case]()``; fails naming every case that failed, with its message."""
   failed = []
   for case, check in checks.items():
     try:
-      check([r[case] for r in results])
+      check()
     except AssertionError as e:
       failed.append(f"case {case!r}: {e}")
   assert not failed, "\n\n".join(failed)
