@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import threading
 import time
 
@@ -51,10 +53,18 @@ def run_cases(n: int, d: int, cases: dict, timeout_s: float = TIMEOUT) -> list[d
       scenarios.run_cases,
       num_processes=n,
       devices_per_process=d,
-      args=({k: ((f.__module__, f.__qualname__), a, kw) for k, (f, a, kw) in cases.items()},),
+      args=({k: (_by_name(f), a, kw) for k, (f, a, kw) in cases.items()},),
       timeout_s=timeout_s,
     )
   )
+
+
+def _by_name(fn) -> tuple[str, str, str]:
+  """A module-level function as (module, name, the folder that makes the module importable)."""
+  root = os.path.dirname(os.path.abspath(inspect.getfile(fn)))
+  for _ in range(fn.__module__.count(".")):
+    root = os.path.dirname(root)
+  return fn.__module__, fn.__qualname__, root
 
 
 def check_cases(results: list[dict], checks: dict) -> None:

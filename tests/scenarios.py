@@ -125,7 +125,7 @@ def run_structured(variant_by_process: list[str], kwargs: dict[str, Any]) -> dic
 
 
 def run_cases(cases: dict[str, tuple[Any, tuple, dict[str, Any]]]) -> dict[str, Any]:
-  """Runs every case, ``name: ((module, function name), args, kwargs)``, in turn here.
+  """Runs every case, ``name: ((module, function name, its root), args, kwargs)``, in turn here.
 
   One launch for several scenarios of one topology: {name: fn(*args, **kwargs)}.
   Functions travel by name: the job is unpickled before the tests' folder is
@@ -133,9 +133,12 @@ def run_cases(cases: dict[str, tuple[Any, tuple, dict[str, Any]]]) -> dict[str, 
   A case that raises is re-raised naming the case.
   """
   import importlib
+  import sys
 
   out = {}
-  for name, ((module, qualname), args, kwargs) in cases.items():
+  for name, ((module, qualname, root), args, kwargs) in cases.items():
+    if root not in sys.path:
+      sys.path.append(root)
     fn = getattr(importlib.import_module(module), qualname)
     try:
       out[name] = fn(*args, **kwargs)
