@@ -39,9 +39,7 @@ cd "$work"  # Outside the checkout: the installed package is the one imported.
 "$py" -m grain_jax_sync demo
 "$py" -m pytest -q -p no:cacheprovider -c "$root/pyproject.toml" --rootdir "$root" \
   "$root/tests/test_smoke.py" \
-  "$root/tests/test_sources_grain.py::test_grain_source_two_processes_uneven_shards_every_example_once" \
-  "$root/tests/test_sources_grain.py::test_grain_resume_after_k_batches_continues_like_uninterrupted_run" \
-  "$root/tests/test_device_put.py::test_device_put_two_processes_uneven_shards_every_example_once" \
-  "$root/tests/test_device_put.py::test_device_put_two_processes_grain_checkpoint_and_unbatched_elements" \
+  "$root/tests/test_sources_grain.py::test_grain_sources_two_processes_every_example_once_and_resume_exactly" \
+  "$root/tests/test_device_put.py::test_device_put_two_processes_every_example_once_resumes_and_checkpoints_through_grain" \
   "$root/tests/test_endings.py::test_sixty_iterators_broken_off_early_leave_no_key_on_any_host"
 "$py" -c "import grain_jax_sync, sys; assert grain_jax_sync.__file__.startswith('$work/venv'), grain_jax_sync.__file__"

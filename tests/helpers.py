@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import threading
 import time
 
@@ -39,3 +42,45 @@ def run(fn, n, d, *args, **kwargs):
   return testing.run_processes(
     fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
   )
+
+
+def run_cases(n: int, d: int, cases: dict, timeout_s: float = TIMEOUT) -> list[dict]:
+  """`scenarios.run_cases` in one launch of n processes x d devices; per process {case: value}."""
+  import scenarios
+
+  return testing.values(
+    testing.run_processes(
+      scenarios.run_cases,
+      num_processes=n,
+      devices_per_process=d,
+      args=({k: (_by_name(f), a, kw) for k, (f, a, kw) in cases.items()},),
+      timeout_s=timeout_s,
+    )
+  )
+
+
+def _by_name(fn) -> tuple[str, str, str]:
+  """A module-level function as (module, name, the folder that makes the module importable)."""
+  root = os.path.dirname(os.path.abspath(inspect.getfile(fn)))
+  for _ in range(fn.__module__.count(".")):
+    root = os.path.dirname(root)
+  return fn.__module__, fn.__qualname__, root
+
+
+def check_cases(results: list[dict], checks: dict) -> None:
+  """Runs ``checks[case](values of every process)`` for each case; fails naming every failed case."""
+  assert all(sorted(r) == sorted(checks) for r in results), "every case has its checks"
+  check_each(
+    {case: functools.partial(check, [r[case] for r in results]) for case, check in checks.items()}
+  )
+
+
+def check_each(checks: dict) -> None:
+  """Runs every ``checks[case]()``; fails naming every case that failed, with its message."""
+  failed = []
+  for case, check in checks.items():
+    try:
+      check()
+    except AssertionError as e:
+      failed.append(f"case {case!r}: {e}")
+  assert not failed, "\n\n".join(failed)

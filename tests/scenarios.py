@@ -122,3 +122,26 @@ def run_structured(variant_by_process: list[str], kwargs: dict[str, Any]) -> dic
   data = structured_batches(p, variant_by_process[p])
   with gjs.iter_jax_batches(data, **kwargs) as it:
     return consume(it)
+
+
+def run_cases(cases: dict[str, tuple[Any, tuple, dict[str, Any]]]) -> dict[str, Any]:
+  """Runs every case, ``name: ((module, function name, its root), args, kwargs)``, in turn here.
+
+  One launch for several scenarios of one topology: {name: fn(*args, **kwargs)}.
+  Functions travel by name: the job is unpickled before the tests' folder is
+  on `sys.path`.
+  A case that raises is re-raised naming the case.
+  """
+  import importlib
+  import sys
+
+  out = {}
+  for name, ((module, qualname, root), args, kwargs) in cases.items():
+    if root not in sys.path:
+      sys.path.append(root)
+    fn = getattr(importlib.import_module(module), qualname)
+    try:
+      out[name] = fn(*args, **kwargs)
+    except Exception as e:
+      raise RuntimeError(f"case {name!r} raised {type(e).__name__}: {e}") from e
+  return out

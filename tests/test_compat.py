@@ -7,6 +7,7 @@ devices for everything that involves more than one host.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_dropin
+from helpers import check_each, run
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -165,60 +167,36 @@ SIZES = {
   "not_divisible": [[6], [6]],
   "larger": [[8, 16, 8], [8, 16, 8]],
 }
-_RUN: dict = {}
-
-
-def _outs():
-  if "outs" not in _RUN:
-    _RUN["outs"] = testing.values(
-      testing.run_processes(
-        scenarios_dropin.run_compat_cases,
-        num_processes=2,
-        devices_per_process=4,
-        args=(SIZES,),
-        timeout_s=180,
-      )
-    )
-  return _RUN["outs"]
 
 
 def _expected(case, b, n=8):
   return np.concatenate([scenarios.rows_for(p, b, n) for p in range(2)]).tolist()
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("sync", [False, True])
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_compat_two_processes_defaults_yield_every_equal_batch(sync, drop_last):
-  for out in _outs():
+def check_compat_two_processes_defaults_yield_every_equal_batch(outs, sync, drop_last):
+  for out in outs:
     res = out[f"defaults/sync={sync}/drop_last={drop_last}"]
     assert res["error"] is None
     assert [b["x"].tolist() for b in res["batches"]] == [_expected("equal", b) for b in range(3)]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  ("case", "start", "detail"),
-  [
-    (
-      "uneven_sizes",
-      "Uneven batch sizes detected across JAX workers at batch 1:",
-      "range from 4 to 8 (process 0: 8, process 1: 4)",
-    ),
-    (
-      "uneven_count",
-      "Uneven number of batches detected across JAX workers:",
-      "process 1 ran out of data at batch 1 while process 0 still has batches",
-    ),
-    (
-      "not_divisible",
-      "The local batch size (6) must be evenly divisible by the number of local JAX devices (4)",
-      "batch 0 has 6 rows per host",
-    ),
-  ],
-)
-def test_compat_two_processes_errors_start_with_the_reference_phrases(case, start, detail):
-  outs = _outs()
+ERRORS = {
+  "uneven_sizes": (
+    "Uneven batch sizes detected across JAX workers at batch 1:",
+    "range from 4 to 8 (process 0: 8, process 1: 4)",
+  ),
+  "uneven_count": (
+    "Uneven number of batches detected across JAX workers:",
+    "process 1 ran out of data at batch 1 while process 0 still has batches",
+  ),
+  "not_divisible": (
+    "The local batch size (6) must be evenly divisible by the number of local JAX devices (4)",
+    "batch 0 has 6 rows per host",
+  ),
+}
+
+
+def check_compat_two_processes_errors_start_with_the_reference_phrases(outs, case, start, detail):
   for out in outs:
     res = out[case]
     assert res["error_type"] == "ValueError"
@@ -226,26 +204,51 @@ def test_compat_two_processes_errors_start_with_the_reference_phrases(case, star
   assert outs[0][case]["error"] == outs[1][case]["error"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["larger", "batch_size_none"])
-def test_compat_two_processes_larger_batches_pass_through(case):
-  for out in _outs():
+def check_compat_two_processes_larger_batches_pass_through(outs, case):
+  for out in outs:
     res = out[case]
     assert res["error"] is None
     got = [b["x"].tolist() for b in res["batches"]]
     assert got == [_expected(case, 0), _expected(case, 1, 16), _expected(case, 2)]
 
 
-@pytest.mark.multiprocess
-def test_compat_two_processes_synchronized_reads_in_the_callers_thread():
-  for out in _outs():
+def check_compat_two_processes_synchronized_reads_in_the_callers_thread(outs):
+  for out in outs:
     res = out["lazy_sync"]
     assert res["error"] is None and len(res["batches"]) == 3
     assert res["read_threads"] == [res["caller_thread"]]
 
 
-@pytest.mark.multiprocess
-def test_compat_two_processes_unsynchronized_read_one_batch_per_yield():
-  for out in _outs():
+def check_compat_two_processes_unsynchronized_read_one_batch_per_yield(outs):
+  for out in outs:
     res = out["lazy_unsync"]
     assert res["reads"] == [1, 2, 3] and len(res["threads"]) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_compat_two_processes_every_case_behaves_as_the_reference():
+  # One launch runs every case (`run_compat_cases`); each case's own checks.
+  outs = testing.values(run(scenarios_dropin.run_compat_cases, 2, 4, SIZES))
+  calls = {
+    f"defaults/sync={sync}/drop_last={drop_last}": functools.partial(
+      check_compat_two_processes_defaults_yield_every_equal_batch, outs, sync, drop_last
+    )
+    for sync in (False, True)
+    for drop_last in (False, True)
+  }
+  for case, (start, detail) in ERRORS.items():
+    calls[case] = functools.partial(
+      check_compat_two_processes_errors_start_with_the_reference_phrases, outs, case, start, detail
+    )
+  for case in ("larger", "batch_size_none"):
+    calls[case] = functools.partial(
+      check_compat_two_processes_larger_batches_pass_through, outs, case
+    )
+  calls["lazy_sync"] = functools.partial(
+    check_compat_two_processes_synchronized_reads_in_the_callers_thread, outs
+  )
+  calls["lazy_unsync"] = functools.partial(
+    check_compat_two_processes_unsynchronized_read_one_batch_per_yield, outs
+  )
+  check_each(calls)

@@ -14,9 +14,12 @@ shorter than `batch_size` is dropped on every process.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import scenarios_faults
+from helpers import check_each
 
 from grain_jax_sync import testing
 
@@ -74,10 +77,7 @@ def _local_batches(kind, n):
   return local
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_padded_union_of_unmasked_rows_is_the_dataset_each_record_once(n, d, kind):
+def check_padded_union_of_unmasked_rows_is_the_dataset_each_record_once(n, d, kind):
   outs = _outs(n, d, kind, "padded")
   local = _local_batches(kind, n)
   assert [o["local_sizes"] for o in outs] == [[len(b) for b in bs] for bs in local]
@@ -100,10 +100,7 @@ def test_padded_union_of_unmasked_rows_is_the_dataset_each_record_once(n, d, kin
     assert ids == first  # Every process sees the same global batches.
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_drop_last_drops_exactly_the_documented_rows(n, d, kind):
+def check_drop_last_drops_exactly_the_documented_rows(n, d, kind):
   outs = _outs(n, d, kind, "drop_last")
   local = _local_batches(kind, n)
   shortest = min(len(bs) for bs in local)
@@ -118,3 +115,19 @@ def test_drop_last_drops_exactly_the_documented_rows(n, d, kind):
     got = sorted(int(i) for batch in out["batches"] for i in batch["id"])
     assert sorted(set(range(NUM_RECORDS[kind])) - set(got)) == dropped
     assert len(got) == len(set(got))  # No record twice.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_every_record_once_padded_and_exactly_the_documented_rows_dropped(n, d):
+  # One launch per topology runs every kind and mode; each case's own checks.
+  calls = {}
+  for kind in KINDS:
+    calls[f"padded/{kind}"] = functools.partial(
+      check_padded_union_of_unmasked_rows_is_the_dataset_each_record_once, n, d, kind
+    )
+    calls[f"drop_last/{kind}"] = functools.partial(
+      check_drop_last_drops_exactly_the_documented_rows, n, d, kind
+    )
+  check_each(calls)

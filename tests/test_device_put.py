@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import scenarios_dropin as ss_dropin
 import scenarios_sources as ss
+from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -31,13 +32,7 @@ def run_device_put(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-@pytest.mark.multiprocess
-def test_device_put_two_processes_uneven_shards_every_example_once():
-  outs = testing.values(
-    testing.run_processes(
-      run_device_put, num_processes=2, devices_per_process=4, args=(SIZES, PADDED), timeout_s=120
-    )
-  )
+def check_device_put_two_processes_uneven_shards_every_example_once(outs):
   assert outs[0] == outs[1]
   out = outs[0]
   assert out["is_grain"]  # A grain.IterDataset whose iterator is a DatasetIterator.
@@ -47,17 +42,7 @@ def test_device_put_two_processes_uneven_shards_every_example_once():
   assert len(out["ids"]) == 4
 
 
-@pytest.mark.multiprocess
-def test_device_put_resume_after_k_batches_continues_like_uninterrupted_run():
-  outs = testing.values(
-    testing.run_processes(
-      ss.resume,
-      num_processes=2,
-      devices_per_process=4,
-      args=("device_put", SIZES, 2, PADDED),
-      timeout_s=120,
-    )
-  )
+def check_device_put_resume_after_k_batches_continues_like_uninterrupted_run(outs):
   for out in outs:
     assert out["head"] == 2
     assert out["resumed"] == out["full"]
@@ -336,17 +321,7 @@ def test_device_put_warns_once_for_paddings_without_mask_key(caplog):
 # -- several processes ------------------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-def test_device_put_two_processes_grain_checkpoint_and_unbatched_elements():
-  outs = testing.values(
-    testing.run_processes(
-      ss_dropin.run_device_put_cases,
-      num_processes=2,
-      devices_per_process=4,
-      args=(40, 8, 2),
-      timeout_s=180,
-    )
-  )
+def check_device_put_two_processes_grain_checkpoint_and_unbatched_elements(outs):
   for p, out in enumerate(outs):
     # Grain's own iterator saved its parent's state; ours resumes from it.
     assert out["grain_state"] == {"next_index": 2}
@@ -427,6 +402,27 @@ def stop_device_put_on_sigterm(asker: int, after: int, records: int, directory: 
   resumed = [_host_first(b) for b in fresh]
   fresh.close()
   return {"full": full, "rows": rows, "batches": batches, "by": by, "resumed": resumed}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_device_put_two_processes_every_example_once_resumes_and_checkpoints_through_grain():
+  # One launch runs the three scenarios in turn; each case's own checks.
+  cases = {
+    "uneven_shards": (run_device_put, (SIZES, PADDED), {}),
+    "resume_after_k": (ss.resume, ("device_put", SIZES, 2, PADDED), {}),
+    "grain_checkpoint_and_unbatched": (ss_dropin.run_device_put_cases, (40, 8, 2), {}),
+  }
+  check_cases(
+    run_cases(2, 4, cases, timeout_s=240),
+    {
+      "uneven_shards": check_device_put_two_processes_uneven_shards_every_example_once,
+      "resume_after_k": check_device_put_resume_after_k_batches_continues_like_uninterrupted_run,
+      "grain_checkpoint_and_unbatched": (
+        check_device_put_two_processes_grain_checkpoint_and_unbatched_elements
+      ),
+    },
+  )
 
 
 @pytest.mark.multiprocess

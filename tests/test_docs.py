@@ -199,17 +199,18 @@ def test_internals_walk_names_only_modules_that_exist():
 
 
 def test_every_test_the_guarantees_name_exists():
-  # Each promise names the test that keeps it; a renamed or removed test
+  # Each promise names the test that keeps it, or the `check_*` function of
+  # a test that runs several cases in one launch; a renamed or removed test
   # must not leave a promise pointing at nothing. A trailing `*` names every
   # test with that prefix.
   with open(os.path.join(DOCS, "guarantees.md")) as f:
-    named = re.findall(r"`(?:tests/[\w/]+\.py::)?(test_\w+)(\*?)`", f.read())
+    named = re.findall(r"`(?:tests/[\w/]+\.py::)?((?:test|check)_\w+)(\*?)`", f.read())
   defined = set()
   tests = os.path.join(ROOT, "tests")
   for name in os.listdir(tests):
     if name.endswith(".py"):
       with open(os.path.join(tests, name)) as f:
-        defined |= set(re.findall(r"^def (test_\w+)", f.read(), re.M))
+        defined |= set(re.findall(r"^def ((?:test|check)_\w+)", f.read(), re.M))
   missing = [
     n + star
     for n, star in named

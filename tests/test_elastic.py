@@ -8,6 +8,7 @@ the unmasked rows, and every masked row is padding.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -18,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import check_each, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src.sources.elastic import source as source_lib
 from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic import state as state_lib
@@ -143,7 +144,7 @@ def elastic_job(
   resumed_at = it.get_state()["batches"]
   asker = stop_at is not None and p == jax.process_count() - 1
   if asker:
-    signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
+    previous = signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
   out = []
   for b in it:
     g = gather(b)
@@ -152,6 +153,8 @@ def elastic_job(
       os.kill(os.getpid(), signal.SIGTERM)
     if steps is not None and len(out) == steps:
       break
+  if asker:  # Later jobs run in these same processes.
+    signal.signal(signal.SIGTERM, previous)
   if mngr is not None:
     mngr.save(job + 1, args=ocp.args.Composite(data=gjs.checkpoint_save(it)))
     mngr.wait_until_finished()
@@ -202,33 +205,92 @@ def refusals(n: int, directory: str) -> dict[str, str]:
   return out
 
 
-def run_chain(
-  counts,
-  steps,
-  directory,
-  mode,
-  *,
-  shuffle=False,
-  n=N,
-  num_epochs=1,
-  workers=0,
-  pack=False,
-  first_job=0,
-):
-  jobs = []
-  for job, (count, k) in enumerate(zip(counts, steps, strict=True), start=first_job):
-    outs = testing.values(
-      testing.run_processes(
-        elastic_job,
-        num_processes=count,
-        devices_per_process=1,
-        args=(job, n, k, directory, mode, shuffle, num_epochs, workers, pack),
-        timeout_s=120,
+@dataclasses.dataclass
+class Chain:
+  """Jobs of one scenario, in order: job k runs on ``counts[k]`` processes and reads ``steps[k]``.
+
+  `kwargs` go to every `elastic_job` (`first` to job 0 only); with `then`, a
+  last job runs that function instead, on ``then[1]`` processes.
+  """
+
+  counts: list[int]
+  steps: list[int | None]
+  mode: str = "json"
+  kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  first: dict[str, Any] = dataclasses.field(default_factory=dict)
+  n: int = N
+  then: tuple[Any, int] | None = None
+
+
+def chains() -> dict[str, Chain]:
+  shuffled = {"shuffle": True}
+  return {
+    "resizes_json": Chain([2, 4, 2, 1, 2, 4, 3], [2, 1, 2, 3, 2, 1, None]),
+    "resizes_orbax": Chain([2, 4, 2, 1, 2, 4, 3], [2, 1, 2, 3, 2, 1, None], "orbax"),
+    "requested_stop": Chain([2, 3], [None, None], first={"stop_at": 3}, n=800),
+    "shuffled_orbax": Chain([4, 3, 1], [2, 2, None], "orbax", shuffled),
+    "two_epochs": Chain([4, 2], [2, None], kwargs={**shuffled, "num_epochs": 2}, n=40),
+    "mp_prefetch": Chain([2, 2, 3], [2, 2, None], kwargs={**shuffled, "workers": 2}),
+    "packing": Chain([2, 3], [2, None], "orbax", {**shuffled, "pack": True}),
+    "refusals": Chain([1], [2], kwargs=shuffled, then=(refusals, 2)),
+  }
+
+
+def rounds(all_chains: dict[str, Chain]) -> list[tuple[int, dict[str, tuple]]]:
+  """The chains' jobs packed into launches: each launch runs one job of several chains.
+
+  Greedy in order: a chain's next job joins the first launch after its
+  previous job's that has its process count, or a new launch at the end.
+  """
+  launches: list[tuple[int, dict[str, tuple]]] = []
+  for name, chain in all_chains.items():
+    jobs = [
+      (
+        count,
+        (
+          elastic_job,
+          (k, chain.n, step, "{dir}/" + name, chain.mode),
+          {**chain.kwargs, **(chain.first if k == 0 else {})},
+        ),
       )
-    )
-    assert all(o == outs[0] for o in outs)  # Every host sees the same global batches.
-    jobs.append(outs[0])
-  return jobs
+      for k, (count, step) in enumerate(zip(chain.counts, chain.steps, strict=True))
+    ]
+    if chain.then is not None:
+      jobs.append((chain.then[1], (chain.then[0], (chain.n, "{dir}/" + name), {})))
+    after = -1
+    for count, job in jobs:
+      at = next((i for i in range(after + 1, len(launches)) if launches[i][0] == count), None)
+      if at is None:
+        launches.append((count, {}))
+        at = len(launches) - 1
+      launches[at][1][name] = job
+      after = at
+  return launches
+
+
+def run_chains(all_chains: dict[str, Chain], directory: str) -> dict[str, list[list[Any]]]:
+  """Every chain's jobs, a few launches in all; per chain, each job's values per process."""
+  out: dict[str, list[list[Any]]] = {name: [] for name in all_chains}
+  for count, jobs in rounds(all_chains):
+    cases = {
+      name: (
+        fn,
+        tuple(a.replace("{dir}", directory) if isinstance(a, str) else a for a in args),
+        kw,
+      )
+      for name, (fn, args, kw) in jobs.items()
+    }
+    values = run_cases(count, 1, cases, timeout_s=300)
+    for name in jobs:
+      out[name].append([v[name] for v in values])
+  return out
+
+
+def same_on_every_host(jobs: list[list[Any]]) -> list[Any]:
+  """Each job's value, after checking that every host sees the same global batches."""
+  for outs in jobs:
+    assert all(o == outs[0] for o in outs)
+  return [outs[0] for outs in jobs]
 
 
 def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
@@ -249,13 +311,10 @@ def check_exactly_once(jobs, counts, *, n=N, num_epochs=1):
     at += len(job["batches"])
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["json", "orbax"])
-def test_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(mode, tmp_path):
+def check_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(jobs, tmp_path, mode):
   counts = [2, 4, 2, 1, 2, 4, 3]  # 2->4, 4->2, 2->1, 1->2, 2->4->3 (two resizes).
   steps = [2, 1, 2, 3, 2, 1, None]
-  jobs = run_chain(counts, steps, str(tmp_path), mode)
+  jobs = same_on_every_host(jobs)
   check_exactly_once(jobs, counts)
   for job, k in zip(jobs[:-1], steps[:-1], strict=True):
     assert len(job["batches"]) == k  # Every resize was mid-epoch.
@@ -268,28 +327,15 @@ def test_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once(mode, tmp_path):
   assert [c for c, _ in state["source"]["splits"][0][1]] == [2, 4, 2, 1, 2]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_requested_stop_saves_one_position_that_resumes_on_another_count(tmp_path):
+def check_a_requested_stop_saves_one_position_that_resumes_on_another_count(jobs, tmp_path):
   # A SIGTERM handler on host 1 asks for the stop after its batch 3: both
   # hosts end at one batch and save; a job of 3 processes goes on from
   # there, and over both jobs every record is read once.
   n, bound = 800, 3 + 2 * (10 + 2)
-  first = testing.values(
-    testing.run_processes(
-      elastic_job,
-      num_processes=2,
-      devices_per_process=1,
-      args=(0, n, None, str(tmp_path), "json"),
-      kwargs={"stop_at": 3},
-      timeout_s=120,
-    )
-  )
-  assert first[0] == first[1]
-  assert first[0]["stopped_by"] == 1 and 3 <= len(first[0]["batches"]) <= bound
-  (second,) = run_chain([3], [None], str(tmp_path), "json", n=n, first_job=1)
+  first, second = same_on_every_host(jobs)
+  assert first["stopped_by"] == 1 and 3 <= len(first["batches"]) <= bound
   assert second["stopped_by"] is None
-  check_exactly_once([first[0], second], [2, 3], n=n)
+  check_exactly_once([first, second], [2, 3], n=n)
 
 
 def orbax_states(directory, step):
@@ -318,11 +364,9 @@ def predicted(states, count, *, n=N, shuffle=True, seed=5):
   return [sum((h[b] for h in hosts if b < len(h)), []) for b in range(longest)]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history(tmp_path):
-  counts, steps = [4, 3, 1], [2, 2, None]
-  jobs = run_chain(counts, steps, str(tmp_path), "orbax", shuffle=True)
+def check_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history(jobs, tmp_path):
+  counts = [4, 3, 1]
+  jobs = same_on_every_host(jobs)
   check_exactly_once(jobs, counts)
   # Each resumed order is the one the seed and the resize history give.
   for job in (1, 2):
@@ -335,23 +379,19 @@ def test_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history(tmp_pa
   assert first != sorted(first)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(tmp_path):
+def check_two_epochs_resized_while_hosts_straddle_the_epoch_boundary(jobs, tmp_path):
   n = 40  # 26 kept records: 4 hosts read ~7 each per epoch.
-  counts, steps = [4, 2], [2, None]
-  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, n=n, num_epochs=2)
+  counts = [4, 2]
+  jobs = same_on_every_host(jobs)
   check_exactly_once(jobs, counts, n=n, num_epochs=2)
   epochs = {json.loads(f.read_text())["source"]["epoch"] for f in (tmp_path / "job0").iterdir()}
   assert epochs == {0, 1}  # Some hosts were still in epoch 0, others in epoch 1.
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(400)
-def test_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3(tmp_path):
+def check_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3(jobs, tmp_path):
   # Two mp_prefetch workers per host, each reading every other record of the host's share.
-  counts, steps = [2, 2, 3], [2, 2, None]
-  jobs = run_chain(counts, steps, str(tmp_path), "json", shuffle=True, workers=2)
+  counts = [2, 2, 3]
+  jobs = same_on_every_host(jobs)
   check_exactly_once(jobs, counts)
   for job in (0, 1):
     for f in (tmp_path / f"job{job}").iterdir():
@@ -365,11 +405,9 @@ def test_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3(tmp_path)
   )
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly(tmp_path):
-  counts, steps = [2, 3], [2, None]
-  jobs = run_chain(counts, steps, str(tmp_path), "orbax", shuffle=True, pack=True)
+def check_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly(jobs, tmp_path):
+  counts = [2, 3]
+  jobs = same_on_every_host(jobs)
   seen = Counter()
   for job, count in zip(jobs, counts, strict=True):
     for b in job["batches"]:
@@ -382,15 +420,9 @@ def test_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly(t
   assert len(jobs[0]["batches"]) == 2 and jobs[1]["resumed_at"] == 2
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
-  run_chain([1], [2], str(tmp_path), "json", shuffle=True)
-  outs = testing.values(
-    testing.run_processes(
-      refusals, num_processes=2, devices_per_process=1, args=(N, str(tmp_path)), timeout_s=120
-    )
-  )
+def check_states_that_do_not_fit_raise_on_every_host_naming_the_field(jobs, tmp_path):
+  same_on_every_host(jobs[:1])
+  outs = jobs[1]  # The refusals, on 2 processes: each names its process.
   for p, out in enumerate(outs):
     assert out["seed"].startswith(f"process {p}: ")
     assert "`state['source']['seed']` is 5, but this elastic source has seed=6" in out["seed"]
@@ -401,6 +433,31 @@ def test_states_that_do_not_fit_raise_on_every_host_naming_the_field(tmp_path):
     assert "cannot be re-split over another process count" in out["not_elastic"]
     assert "the states are from 1 processes, this job has 2" in out["not_elastic"]
     assert "elastic_source" in out["not_elastic"]
+
+
+# -- every chain: a few launches in all, each chain with its own checks -------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1500)
+def test_states_resume_on_other_process_counts_every_record_once(tmp_path):
+  # Each job restores its chain's previous job's states; the chains' jobs of
+  # one process count share a launch (`rounds`).
+  jobs = run_chains(chains(), str(tmp_path))
+  resizes = check_resizes_2_4_2_1_2_4_3_mid_epoch_every_record_once
+  checks = {
+    "resizes_json": functools.partial(resizes, mode="json"),
+    "resizes_orbax": functools.partial(resizes, mode="orbax"),
+    "requested_stop": check_a_requested_stop_saves_one_position_that_resumes_on_another_count,
+    "shuffled_orbax": check_shuffled_resizes_4_3_1_through_orbax_follow_the_seed_and_history,
+    "two_epochs": check_two_epochs_resized_while_hosts_straddle_the_epoch_boundary,
+    "mp_prefetch": check_mp_prefetch_workers_resume_on_the_same_count_then_resplit_2_3,
+    "packing": check_packing_that_ends_a_packed_batch_with_each_batch_resplits_2_3_exactly,
+    "refusals": check_states_that_do_not_fit_raise_on_every_host_naming_the_field,
+  }
+  check_each(
+    {name: functools.partial(check, jobs[name], tmp_path / name) for name, check in checks.items()}
+  )
 
 
 # -- one process ---------------------------------------------------------------------

@@ -342,19 +342,6 @@ with gjs.iter_jax_batches(shard, batch_size=4, paddings=0) as it:  # No mask_key
 """
 
 
-@pytest.mark.multiprocess
-def test_simulate_shows_every_process_output_and_the_library_warnings_labelled(tmp_path):
-  script = tmp_path / "unmasked.py"
-  script.write_text(UNMASKED)
-  proc = _run("simulate", str(script), "-n", "2", "-d", "2", "--timeout", "120", timeout=180)
-  out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
-  assert "[process 0] host 0: 3 batches" in out and "[process 1] host 1: 3 batches" in out
-  assert out[-2:] == ["== process 0: ok ==", "== process 1: ok =="]
-  for p in (0, 1):  # Logged by the library in processes that succeeded.
-    warned = [line for line in err if line.startswith(f"[process {p}] grain_jax_sync: `paddings`")]
-    assert len(warned) == 1 and "`mask_key` is not" in warned[0]
-
-
 SIGNALLED = """
 import signal
 import jax
@@ -370,19 +357,29 @@ print(f"host {jax.process_index()}: {n} batches, SIGINT at {got}")
 
 
 @pytest.mark.multiprocess
-def test_simulate_signal_option_signals_one_process_after_its_batch(tmp_path):
-  script = tmp_path / "signalled.py"
-  script.write_text(SIGNALLED)
+def test_simulate_labels_every_process_output_and_warning_and_signals_one_process(tmp_path):
+  # One run: the signalled iterator (SIGINT after batch 2 on process 1), then
+  # the unmasked one (a library warning on every process).
+  script = tmp_path / "signalled_then_unmasked.py"
+  script.write_text(SIGNALLED + UNMASKED)
   proc = _run(
     "simulate", str(script), "-n", "2", "-d", "2", "--signal", "1:INT:2", "--timeout", "120",
     timeout=180,
   )  # fmt: skip
+  # --signal: one process, after its batch 2.
   assert "[process 0] host 0: 5 batches, SIGINT at []" in proc.stdout
   assert "[process 1] host 1: 5 batches, SIGINT at [2]" in proc.stdout
   sent = "] grain_jax_sync: testing signal_at: sending SIGINT to this process after batch 2"
   assert [line[: line.index("]") + 1] for line in proc.stderr.splitlines() if sent in line] == [
     "[process 1]"
   ]
+  # Every process's output and the library's warnings, labelled.
+  out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+  assert "[process 0] host 0: 3 batches" in out and "[process 1] host 1: 3 batches" in out
+  assert out[-2:] == ["== process 0: ok ==", "== process 1: ok =="]
+  for p in (0, 1):  # Logged by the library in processes that succeeded.
+    warned = [line for line in err if line.startswith(f"[process {p}] grain_jax_sync: `paddings`")]
+    assert len(warned) == 1 and "`mask_key` is not" in warned[0]
 
 
 @pytest.mark.parametrize(

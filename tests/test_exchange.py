@@ -7,11 +7,13 @@ test_ledger.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import scenarios
 import scenarios_perf
+from helpers import check_cases, run_cases
 
 from grain_jax_sync import testing
 from grain_jax_sync._src import exchange
@@ -56,8 +58,10 @@ def test_chunks_up_decisions_down_release_and_end_round_trip(n):
     assert o["left_after_end"] == []
 
 
-def keys_after_iteration(sizes: list[list[int]], kwargs: dict[str, Any]) -> dict[str, Any]:
-  """Drains an iterator, then lists what is left in the key-value store."""
+def keys_after_iteration(
+  sizes: list[list[int]], kwargs: dict[str, Any], tag: str = ""
+) -> dict[str, Any]:
+  """Drains an iterator, then lists what is left in the key-value store (`tag`: its barrier's)."""
   import jax
 
   import grain_jax_sync as gjs
@@ -72,7 +76,7 @@ def keys_after_iteration(sizes: list[list[int]], kwargs: dict[str, Any]) -> dict
     error = type(e).__name__
   it.close()
   client = exchange.distributed_client()
-  client.wait_at_barrier("keys_after_iteration", 30_000)
+  client.wait_at_barrier(f"keys_after_iteration{tag}", 30_000)
   left = [
     k
     for k, _ in client.key_value_dir_get("grain_jax_sync/")
@@ -81,21 +85,16 @@ def keys_after_iteration(sizes: list[list[int]], kwargs: dict[str, Any]) -> dict
   return {"batches": n, "error": error, "left": left}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  ("kw", "batches", "error"),
-  [
-    pytest.param({}, 27, "ValueError", id="error_at_end"),
-    pytest.param({"drop_last": True}, 27, None, id="drop_last"),
-    pytest.param({"paddings": 0}, 30, None, id="padded"),
-    pytest.param(
-      {"paddings": 0, "synchronize_lookahead": 1, "prefetch_batches": 0}, 30, None, id="lookahead1"
-    ),
-  ],
-)
-def test_no_keys_left_after_a_full_iteration(kw, batches, error):
-  sizes = [[8] * 30, [8] * 27 + [4]]
-  outs = run(keys_after_iteration, sizes, {"batch_size": 8, **kw})
+FULL_ITERATIONS = {
+  "error_at_end": ({}, 27, "ValueError"),
+  "drop_last": ({"drop_last": True}, 27, None),
+  "padded": ({"paddings": 0}, 30, None),
+  "lookahead1": ({"paddings": 0, "synchronize_lookahead": 1, "prefetch_batches": 0}, 30, None),
+}
+FULL_SIZES = [[8] * 30, [8] * 27 + [4]]
+
+
+def check_no_keys_left_after_a_full_iteration(outs, batches, error):
   for o in outs:
     assert o["batches"] == batches
     assert o["error"] == error
@@ -123,15 +122,31 @@ def peer_never_comes(timeout_s: float) -> dict[str, Any]:
   return out
 
 
-@pytest.mark.multiprocess
-def test_missing_peer_times_out_naming_it():
-  outs = run(peer_never_comes, 2.0)
+def check_missing_peer_times_out_naming_it(outs):
   o = outs[0]
   assert o["type"] == "PeerTimeoutError"
   assert "process 1 did not report" in o["message"]
   assert "sync_timeout_s" in o["message"]
   assert o["missing"] == (1,)
   assert o["threads"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_no_keys_left_after_full_iterations_and_a_missing_peer_named():
+  # One launch: the full iterations, then the peer that never comes (last:
+  # process 1 leaves it at once).
+  cases = {
+    name: (keys_after_iteration, (FULL_SIZES, {"batch_size": 8, **kw}, f"/{name}"), {})
+    for name, (kw, _, _) in FULL_ITERATIONS.items()
+  }
+  cases["missing_peer"] = (peer_never_comes, (2.0,), {})
+  checks = {
+    name: functools.partial(check_no_keys_left_after_a_full_iteration, batches=b, error=e)
+    for name, (_, b, e) in FULL_ITERATIONS.items()
+  }
+  checks["missing_peer"] = check_missing_peer_times_out_naming_it
+  check_cases(run_cases(2, 4, cases), checks)
 
 
 def test_a_closed_iterators_streams_are_forgotten():

@@ -10,10 +10,13 @@ processes covers every kind; single-process checks repeat the valid kinds.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import scenarios
 import scenarios_faults
+from helpers import check_each
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -97,9 +100,7 @@ def _normal_y(process, batch):
   return np.stack([x, -x], axis=1)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", [*INVALID, *BATCH_LEVEL])
-def test_hostile_leaf_on_one_host_raises_same_error_on_every_host(kind):
+def check_hostile_leaf_on_one_host_raises_same_error_on_every_host(kind):
   outs = _outs(kind)
   assert len({out["error"] for out in outs}) == 1  # Word for word the same.
   for out in outs:
@@ -114,9 +115,7 @@ def test_hostile_leaf_on_one_host_raises_same_error_on_every_host(kind):
     )
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", VALID_ONE_BATCH)
-def test_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
+def check_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
   odd = np.asarray(scenarios_faults.hostile_leaf(kind, B), np.float32)
   for out in _outs(kind):
     assert out["error"] is None and out["n"] == 3
@@ -128,9 +127,10 @@ def test_unusual_but_valid_array_on_one_host_arrives_exactly(kind):
       np.testing.assert_array_equal(y, np.concatenate(want))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("kind", "dtype"), [("bool", np.bool_), ("list_of_lists", np.float32)])
-def test_bool_and_python_lists_on_every_host_convert(kind, dtype):
+EVERY_HOST_DTYPES = {"bool": np.bool_, "list_of_lists": np.float32}
+
+
+def check_bool_and_python_lists_on_every_host_convert(kind, dtype):
   # Lists of floats become float64 in NumPy and float32 on the device (JAX
   # without x64), the same on every host.
   local = np.asarray(scenarios_faults.hostile_leaf(kind, B))
@@ -139,6 +139,21 @@ def test_bool_and_python_lists_on_every_host_convert(kind, dtype):
     for y in out["batches"]:
       assert y.dtype == dtype
       np.testing.assert_array_equal(y, np.concatenate([local] * N).astype(dtype))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_hostile_and_unusual_leaves_across_real_processes():
+  # One launch runs every kind (`KINDS`); each kind's own checks.
+  calls = {
+    kind: functools.partial(check_hostile_leaf_on_one_host_raises_same_error_on_every_host, kind)
+    for kind in [*INVALID, *BATCH_LEVEL]
+  }
+  for kind in VALID_ONE_BATCH:
+    calls[kind] = functools.partial(check_unusual_but_valid_array_on_one_host_arrives_exactly, kind)
+  for kind, dtype in EVERY_HOST_DTYPES.items():
+    calls[kind] = functools.partial(check_bool_and_python_lists_on_every_host_convert, kind, dtype)
+  check_each(calls)
 
 
 # -- one process: the same conversions without the exchange ---------------------------

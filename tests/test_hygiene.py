@@ -11,6 +11,7 @@ processes stop on `close()`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -21,33 +22,17 @@ import psutil
 import pytest
 import scenarios
 import scenarios_faults
+from helpers import check_each
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 
 ENDINGS = ["drained", "closed_early", "context", "error_no_close", "source_error_no_close"]
 ENDINGS += ["collected"]
-_RUN: dict = {}
 
 
-def _hygiene():
-  if "run" not in _RUN:
-    try:
-      outcomes = testing.run_processes(
-        scenarios_faults.run_hygiene, num_processes=2, devices_per_process=4, timeout_s=150
-      )
-      _RUN["run"] = testing.values(outcomes)
-    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
-      _RUN["run"] = e
-  if isinstance(_RUN["run"], Exception):
-    raise _RUN["run"]
-  return _RUN["run"]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("ending", ENDINGS)
-def test_nothing_left_behind_across_processes(ending):
-  for out in _hygiene():
+def check_nothing_left_behind_across_processes(outs, ending):
+  for out in outs:
     left = dict(out[ending])
     streams = left.pop("streams")
     assert left == {"threads": [], "children": [], "keys": []}
@@ -58,15 +43,30 @@ def test_nothing_left_behind_across_processes(ending):
       assert streams == [], streams  # A closed iterator leaves nothing recorded.
 
 
-@pytest.mark.multiprocess
-def test_hygiene_cases_ended_as_intended():
-  outs = _hygiene()
+def check_hygiene_cases_ended_as_intended(outs):
   for out in outs:
     assert out["drained_n"] == 12
     assert out["error_message"].startswith(
       "Uneven number of batches detected across JAX workers: process 0 ran out"
     )
   assert [out["source_error_type"] for out in outs] == ["OSError", "RuntimeError"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(210)
+def test_nothing_left_behind_after_every_ending_across_processes():
+  # One launch runs every ending (`run_hygiene`); each ending's own checks.
+  outs = testing.values(
+    testing.run_processes(
+      scenarios_faults.run_hygiene, num_processes=2, devices_per_process=4, timeout_s=150
+    )
+  )
+  calls = {
+    ending: functools.partial(check_nothing_left_behind_across_processes, outs, ending)
+    for ending in ENDINGS
+  }
+  calls["ended_as_intended"] = functools.partial(check_hygiene_cases_ended_as_intended, outs)
+  check_each(calls)
 
 
 # -- one process -------------------------------------------------------------------

@@ -3,21 +3,24 @@
 Topologies: 1 process x 8 devices (in-process, see conftest.py), 2 processes x
 4 devices and 4 processes x 2 devices (real processes joined by
 jax.distributed with gloo). Every check reads the rows of the global arrays.
+Each topology's real-process cases run in turn in one launch
+(`test_every_rule_holds_across_real_processes`); a `check_*` function holds
+each case's assertions, and a failure names the case.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
 import scenarios
-from helpers import MULTI, run
+from helpers import MULTI, TIMEOUT, check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 
 def expected_x(sizes, out_index_to_source, target, pad):
@@ -35,11 +38,13 @@ def expected_x(sizes, out_index_to_source, target, pad):
 # -- equal batches ---------------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_equal_batches_rows_in_process_order(n, d):
-  sizes = [[8, 8, 8]] * n
-  for out in testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8})):
+def _equal_sizes(n):
+  return [[8, 8, 8]] * n
+
+
+def check_equal_batches_rows_in_process_order(outs, n):
+  sizes = _equal_sizes(n)
+  for out in outs:
     assert out["error"] is None and len(out["batches"]) == 3
     for b, batch in enumerate(out["batches"]):
       want = expected_x(sizes, [b] * n, 8, 0)
@@ -61,12 +66,16 @@ def test_single_process_yields_rows_and_structure():
 # -- uneven numbers of batches -----------------------------------------------------
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_uneven_counts_with_paddings_yield_masked_dummies(n, d):
-  sizes = [[8, 8, 4]] + [[8]] * (n - 1)
-  kwargs = {"batch_size": 8, "paddings": {"x": -1, "y": 0.5}, "mask_key": "mask"}
-  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+def _uneven_counts_sizes(n):
+  return [[8, 8, 4]] + [[8]] * (n - 1)
+
+
+UNEVEN_COUNTS_KW = {"batch_size": 8, "paddings": {"x": -1, "y": 0.5}, "mask_key": "mask"}
+
+
+def check_uneven_counts_with_paddings_yield_masked_dummies(outs, n):
+  sizes = _uneven_counts_sizes(n)
+  for out in outs:
     assert out["error"] is None and len(out["batches"]) == 3
     for b, batch in enumerate(out["batches"]):
       src = [b] + [b if b == 0 else None] * (n - 1)
@@ -81,22 +90,18 @@ def test_uneven_counts_with_paddings_yield_masked_dummies(n, d):
       )
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_uneven_counts_with_drop_last_stop_at_shortest(n, d):
-  sizes = [[8, 8, 8]] + [[8, 8]] * (n - 1)
-  for out in testing.values(
-    run(scenarios.run_iter, n, d, sizes, {"batch_size": 8, "drop_last": True})
-  ):
+def _drop_last_sizes(n):
+  return [[8, 8, 8]] + [[8, 8]] * (n - 1)
+
+
+def check_uneven_counts_with_drop_last_stop_at_shortest(outs, n):
+  sizes = _drop_last_sizes(n)
+  for out in outs:
     assert out["error"] is None and len(out["batches"]) == 2
     np.testing.assert_array_equal(out["batches"][1]["x"], expected_x(sizes, [1] * n, 8, 0))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_uneven_counts_without_options_raise_on_every_host(n, d):
-  sizes = [[8, 8]] + [[8]] * (n - 1)
-  outs = testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8}))
+def check_uneven_counts_without_options_raise_on_every_host(outs, n):
   for out in outs:
     assert out["error_type"] == "ValueError"
     assert out["error"].startswith("Uneven number of batches detected across JAX workers: ")
@@ -108,12 +113,13 @@ def test_uneven_counts_without_options_raise_on_every_host(n, d):
 # -- uneven row counts ---------------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_uneven_rows_padded_to_batch_size_and_masked(n, d):
-  sizes = [[8, 6 - 2 * (p % 2)] for p in range(n)]
-  kwargs = {"batch_size": 8, "paddings": 0, "mask_key": "mask"}
-  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+def _uneven_rows_sizes(n):
+  return [[8, 6 - 2 * (p % 2)] for p in range(n)]
+
+
+def check_uneven_rows_padded_to_batch_size_and_masked(outs, n):
+  sizes = _uneven_rows_sizes(n)
+  for out in outs:
     last = out["batches"][1]
     np.testing.assert_array_equal(last["x"], expected_x(sizes, [1] * n, 8, 0))
     want_mask = np.concatenate([np.arange(8) < sizes[p][1] for p in range(n)])
@@ -135,19 +141,14 @@ def test_single_process_pads_short_batch_and_masks_it():
   np.testing.assert_array_equal(np.asarray(out[0]["mask"]), np.ones(8, bool))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_uneven_rows_without_paddings_raise_range(n, d):
-  sizes = [[8]] + [[4]] * (n - 1)
-  for out in testing.values(run(scenarios.run_iter, n, d, sizes, {"batch_size": 8})):
+def check_uneven_rows_without_paddings_raise_range(outs, n):
+  for out in outs:
     assert out["error_type"] == "ValueError"
     assert out["error"].startswith("Uneven batch sizes detected across JAX workers at batch 0")
     assert "host batch sizes range from 4 to 8" in out["error"]
 
 
-@pytest.mark.multiprocess
-def test_rows_not_divisible_by_local_devices_raise_everywhere():
-  outs = testing.values(run(scenarios.run_iter, 2, 4, [[6], [6]], {"batch_size": 8}))
+def check_rows_not_divisible_by_local_devices_raise_everywhere(outs, n):
   for out in outs:
     assert out["error_type"] == "ValueError"
     assert out["error"].startswith(
@@ -168,11 +169,13 @@ def test_single_process_rows_not_divisible_raise():
 # -- the reference's defects ---------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-def test_drop_last_without_sync_drops_short_final_batch_two_hosts():
-  sizes = [[8, 8, 5], [8, 8, 3]]
-  kwargs = {"drop_last": True, "batch_size": 8, "synchronize_batches": False}
-  for out in testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs, compat=True)):
+COMPAT_DROP_SIZES = [[8, 8, 5], [8, 8, 3]]
+COMPAT_DROP_KW = {"drop_last": True, "batch_size": 8, "synchronize_batches": False}
+
+
+def check_drop_last_without_sync_drops_short_final_batch_two_hosts(outs, n):
+  sizes = COMPAT_DROP_SIZES
+  for out in outs:
     assert out["error"] is None and len(out["batches"]) == 2
     np.testing.assert_array_equal(out["batches"][1]["x"], expected_x(sizes, [1, 1], 8, 0))
 
@@ -185,16 +188,13 @@ def test_drop_last_without_sync_drops_short_final_batch_one_host():
   np.testing.assert_array_equal(np.asarray(out[1]["x"]), scenarios.rows_for(0, 1, 8))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  ("variants", "needle"),
-  [
-    (["plain", "extra_column"], "columns only in the second: ['extra']"),
-    (["plain", "float"], "column 'x': dtype int32 vs float32"),
-  ],
-)
-def test_structure_mismatch_raises_naming_processes_and_columns(variants, needle):
-  outs = testing.values(run(scenarios.run_structured, 2, 4, variants, {"batch_size": 4}))
+STRUCTURE_MISMATCHES = {
+  "extra_column": "columns only in the second: ['extra']",
+  "float": "column 'x': dtype int32 vs float32",
+}
+
+
+def check_structure_mismatch_raises_naming_processes_and_columns(outs, n, needle):
   for out in outs:
     assert out["error_type"] == "ValueError"
     assert "processes 0 and 1 yield batches of different structure" in out["error"]
@@ -202,12 +202,16 @@ def test_structure_mismatch_raises_naming_processes_and_columns(variants, needle
     assert out["batches"] == []
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_empty_host_with_paddings_builds_dummies_from_peer_structure(n, d):
-  sizes = [[8, 8]] + [[]] * (n - 1)
-  kwargs = {"batch_size": 8, "paddings": {"x": -7, "y": 0}, "mask_key": "mask"}
-  for out in testing.values(run(scenarios.run_iter, n, d, sizes, kwargs)):
+def _empty_host_sizes(n):
+  return [[8, 8]] + [[]] * (n - 1)
+
+
+EMPTY_HOST_KW = {"batch_size": 8, "paddings": {"x": -7, "y": 0}, "mask_key": "mask"}
+
+
+def check_empty_host_with_paddings_builds_dummies_from_peer_structure(outs, n):
+  sizes = _empty_host_sizes(n)
+  for out in outs:
     assert out["error"] is None and len(out["batches"]) == 2
     for b, batch in enumerate(out["batches"]):
       np.testing.assert_array_equal(batch["x"], expected_x(sizes, [b] + [None] * (n - 1), 8, -7))
@@ -215,11 +219,11 @@ def test_empty_host_with_paddings_builds_dummies_from_peer_structure(n, d):
       assert batch["y"].shape == (8 * n, 2)
 
 
-@pytest.mark.multiprocess
-def test_empty_host_compat_generator_synchronized():
+COMPAT_EMPTY_KW = {"drop_last": False, "batch_size": 8, "paddings": 0, "synchronize_batches": True}
+
+
+def check_empty_host_compat_generator_synchronized(outs, n):
   sizes = [[8], []]
-  kwargs = {"drop_last": False, "batch_size": 8, "paddings": 0, "synchronize_batches": True}
-  outs = testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs, compat=True))
   for out in outs:
     assert out["error"] is None and len(out["batches"]) == 1
     np.testing.assert_array_equal(out["batches"][0]["x"], expected_x(sizes, [0, None], 8, 0))
@@ -238,13 +242,7 @@ def run_failing(
     return scenarios.consume(it)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), MULTI)
-def test_source_failure_raises_promptly_on_every_host(n, d):
-  sizes = [[8, 8, 8]] * n
-  outs = testing.values(
-    run(run_failing, n, d, sizes, {1: 2}, {"batch_size": 8, "synchronize_lookahead": 10})
-  )
+def check_source_failure_raises_promptly_on_every_host(outs, n):
   assert outs[1]["error_type"] == "KeyError" and "record 2 is missing" in outs[1]["error"]
   for p, out in enumerate(outs):
     assert len(out["batches"]) == 2  # Batches before the failure, on every host.
@@ -268,11 +266,12 @@ def test_paddings_batch_size_not_divisible_checked_before_first_batch():
 # -- dtypes, pytrees, mask -----------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-def test_dtypes_per_column_across_hosts():
+DTYPES_KW = {"batch_size": 8, "dtypes": {"x": "int16", "y": "bfloat16"}}
+
+
+def check_dtypes_per_column_across_hosts(outs, n):
   sizes = [[8], [8]]
-  kwargs = {"batch_size": 8, "dtypes": {"x": "int16", "y": "bfloat16"}}
-  for out in testing.values(run(scenarios.run_iter, 2, 4, sizes, kwargs)):
+  for out in outs:
     batch = out["batches"][0]
     assert batch["x"].dtype == np.int16 and batch["y"].dtype.name == "bfloat16"
     np.testing.assert_array_equal(batch["x"], expected_x(sizes, [0, 0], 8, 0))
@@ -285,11 +284,7 @@ def test_dtypes_scalar_and_bare_array_batches():
   np.testing.assert_array_equal(np.asarray(out[1])[:, 0], np.arange(8))
 
 
-@pytest.mark.multiprocess
-def test_nested_pytree_batches_keep_structure_across_hosts():
-  outs = testing.values(
-    run(scenarios.run_structured, 2, 4, ["nested", "nested"], {"batch_size": 4})
-  )
+def check_nested_pytree_batches_keep_structure_across_hosts(outs, n):
   for out in outs:
     batch = out["batches"][1]
     x = np.concatenate([scenarios.rows_for(p, 1, 4) for p in range(2)])
@@ -361,20 +356,104 @@ def run_dataclass_batches(
   return out
 
 
-@pytest.mark.multiprocess
-def test_two_processes_registered_dataclass_batches_and_an_empty_host():
-  sizes = [[8, 8], []]  # Process 1 builds dummy Batches from process 0's structure.
-  kwargs = {"batch_size": 8, "paddings": 0}
-  outs = testing.values(run(run_dataclass_batches, 2, 4, sizes, kwargs, ["train", "train"]))
+DATACLASS_KW = {"batch_size": 8, "paddings": 0}
+
+
+def check_registered_dataclass_batches_and_an_empty_host(outs, n):
+  # Process 1 (sizes [[8, 8], []]) builds dummy Batches from process 0's structure.
   for out in outs:
     assert out["error"] is None, out["error"]
     assert out["types"] == ["Batch", "Batch"] and out["tags"] == ["train", "train"]
     for b, batch in enumerate(out["batches"]):
       assert batch["x"].tolist() == [10 * b + r for r in range(8)] + [0] * 8
       assert batch["y"].shape == (16, 2) and batch["none"] is None
+
+
+def check_registered_dataclass_static_field_differs_raises_the_same_error(outs, n):
   # A static field that differs between hosts is a different structure: the
   # same error on every host.
-  outs = testing.values(run(run_dataclass_batches, 2, 4, [[8], [8]], kwargs, ["train", "eval"]))
   assert outs[0]["error"] == outs[1]["error"] and "structure" in outs[0]["error"]
   assert "Batch[('train',)]" in outs[0]["error"] and "Batch[('eval',)]" in outs[0]["error"]
   assert "'p':" not in outs[0]["error"]  # Named by the node, not by its pickled treedef.
+
+
+# -- every real-process case: one launch per topology ---------------------------------
+
+
+def cases_for(n: int) -> dict[str, tuple[Any, tuple, dict[str, Any]]]:
+  """The scenarios run in turn in one launch of n processes; the 2-process ones at n == 2."""
+  it = scenarios.run_iter
+  cases = {
+    "equal": (it, (_equal_sizes(n), {"batch_size": 8}), {}),
+    "uneven_counts_paddings": (it, (_uneven_counts_sizes(n), UNEVEN_COUNTS_KW), {}),
+    "uneven_counts_drop_last": (it, (_drop_last_sizes(n), {"batch_size": 8, "drop_last": True}), {}),
+    "uneven_counts_raise": (it, ([[8, 8]] + [[8]] * (n - 1), {"batch_size": 8}), {}),
+    "uneven_rows_padded": (
+      it, (_uneven_rows_sizes(n), {"batch_size": 8, "paddings": 0, "mask_key": "mask"}), {}
+    ),
+    "uneven_rows_raise": (it, ([[8]] + [[4]] * (n - 1), {"batch_size": 8}), {}),
+    "empty_host": (it, (_empty_host_sizes(n), EMPTY_HOST_KW), {}),
+    "source_failure": (
+      run_failing, (_equal_sizes(n), {1: 2}, {"batch_size": 8, "synchronize_lookahead": 10}), {}
+    ),
+  }  # fmt: skip
+  if n != 2:
+    return cases
+  structured = scenarios.run_structured
+  return {
+    **cases,
+    "not_divisible": (it, ([[6], [6]], {"batch_size": 8}), {}),
+    "compat_drop_last": (it, (COMPAT_DROP_SIZES, COMPAT_DROP_KW), {"compat": True}),
+    "structure_extra_column": (structured, (["plain", "extra_column"], {"batch_size": 4}), {}),
+    "structure_float": (structured, (["plain", "float"], {"batch_size": 4}), {}),
+    "compat_empty_host": (it, ([[8], []], COMPAT_EMPTY_KW), {"compat": True}),
+    "dtypes": (it, ([[8], [8]], DTYPES_KW), {}),
+    "nested": (structured, (["nested", "nested"], {"batch_size": 4}), {}),
+    "dataclass_empty_host": (
+      run_dataclass_batches, ([[8, 8], []], DATACLASS_KW, ["train", "train"]), {}
+    ),
+    "dataclass_static_differs": (
+      run_dataclass_batches, ([[8], [8]], DATACLASS_KW, ["train", "eval"]), {}
+    ),
+  }  # fmt: skip
+
+
+def checks_for(n: int) -> dict[str, Any]:
+  """Each case's assertions, by case name (as `cases_for`)."""
+  checks = {
+    "equal": check_equal_batches_rows_in_process_order,
+    "uneven_counts_paddings": check_uneven_counts_with_paddings_yield_masked_dummies,
+    "uneven_counts_drop_last": check_uneven_counts_with_drop_last_stop_at_shortest,
+    "uneven_counts_raise": check_uneven_counts_without_options_raise_on_every_host,
+    "uneven_rows_padded": check_uneven_rows_padded_to_batch_size_and_masked,
+    "uneven_rows_raise": check_uneven_rows_without_paddings_raise_range,
+    "empty_host": check_empty_host_with_paddings_builds_dummies_from_peer_structure,
+    "source_failure": check_source_failure_raises_promptly_on_every_host,
+  }
+  if n == 2:
+    checks.update(
+      {
+        "not_divisible": check_rows_not_divisible_by_local_devices_raise_everywhere,
+        "compat_drop_last": check_drop_last_without_sync_drops_short_final_batch_two_hosts,
+        "compat_empty_host": check_empty_host_compat_generator_synchronized,
+        "dtypes": check_dtypes_per_column_across_hosts,
+        "nested": check_nested_pytree_batches_keep_structure_across_hosts,
+        "dataclass_empty_host": check_registered_dataclass_batches_and_an_empty_host,
+        "dataclass_static_differs": (
+          check_registered_dataclass_static_field_differs_raises_the_same_error
+        ),
+      }
+    )
+    for variant, needle in STRUCTURE_MISMATCHES.items():
+      checks[f"structure_{variant}"] = functools.partial(
+        check_structure_mismatch_raises_naming_processes_and_columns, needle=needle
+      )
+  return {name: functools.partial(check, n=n) for name, check in checks.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), MULTI)
+def test_every_rule_holds_across_real_processes(n, d):
+  # One launch per topology runs every case in turn; each case's own checks.
+  check_cases(run_cases(n, d, cases_for(n)), checks_for(n))

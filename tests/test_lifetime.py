@@ -23,21 +23,13 @@ import grain
 import numpy as np
 import pytest
 import scenarios
+from helpers import check_cases, run_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 TIMEOUT = 180
-
-
-def run(fn, *args, n=2, d=4, **kwargs):
-  return testing.values(
-    testing.run_processes(
-      fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
-    )
-  )
 
 
 def library_threads() -> list[str]:
@@ -175,9 +167,7 @@ def state_before_the_first_batch_of_device_put() -> dict[str, Any]:
   return {"first": first, "again": again, "state": state}
 
 
-@pytest.mark.multiprocess
-def test_a_device_put_state_before_the_first_batch_restores_two_processes():
-  outs = run(state_before_the_first_batch_of_device_put)
+def check_a_device_put_state_before_the_first_batch_restores_two_processes(outs):
   for o in outs:
     assert o["state"]["batches"] == 0
     assert o["first"] == o["again"] == [[0, 100], [8, 108]]
@@ -228,9 +218,7 @@ def created_in_another_order() -> dict[str, Any]:
   return {"error": error}
 
 
-@pytest.mark.multiprocess
-def test_iterators_created_in_another_order_name_creation_order_on_every_host():
-  outs = run(created_in_another_order)
+def check_iterators_created_in_another_order_name_creation_order_on_every_host(outs):
   for o in outs:
     assert o["error"] is not None
     assert "created their iterators in a different order" in o["error"], o["error"]
@@ -308,13 +296,11 @@ def _local_first(batch: Any) -> int:
   return int(np.asarray(batch["x"].addressable_shards[0].data).reshape(-1)[0])
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_an_iterator_finalized_in_a_library_thread_posts_its_ending(prefetch):
+def check_an_iterator_finalized_in_a_library_thread_posts_its_ending(outs):
   # The finalizer ran in the read or agreement thread: it could not join its
   # own thread, or deadlocked joining the build thread that waited on it, and
   # the peer waited `sync_timeout_s` (60 s here) for an ending never posted.
-  p0, p1 = run(dropped_in_a_cycle_collected_in_a_library_thread, prefetch)
+  p0, p1 = outs
   assert p1["got"] == [100, 101, 102]
   assert p0["error"] == "RuntimeError: process 1 closed its iterator at batch 3", p0["error"]
   # The positions decided before the close (process 1's read-ahead) come first.
@@ -370,14 +356,12 @@ def left_in_a_cycle_while_the_collector_runs_on_its_own(reader: str) -> dict[str
   return {"got": got, "threads": wait_for_no_threads(70.0)}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("reader", ["library", "own_thread"])
-def test_an_iterator_left_in_a_cycle_is_reported_closed_wherever_the_collector_runs(reader):
+def check_an_iterator_left_in_a_cycle_is_reported_closed_wherever_the_collector_runs(outs):
   # No gc.collect(): the source's garbage makes the collector run where it
   # allocates. In the source's own thread, the close ran there and joined the
   # agreement thread that waited on that very thread: after 30 s it gave up
   # without posting, and the peer waited `sync_timeout_s` (60 s).
-  p0, p1 = run(left_in_a_cycle_while_the_collector_runs_on_its_own, reader)
+  p0, p1 = outs
   assert p1["got"] == [100, 101, 102]
   assert p0["error"] == "RuntimeError: process 1 closed its iterator at batch 3", p0["error"]
   assert p0["seconds"] < 10, p0["seconds"]
@@ -720,16 +704,12 @@ def random_schedules(seeds: list[int], prefetch: int) -> list[dict[str, Any]]:
   return [_one_schedule(seed, prefetch, jax.process_index()) for seed in seeds]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_random_schedules_on_two_processes_end_the_same_way(prefetch):
+def check_random_schedules_on_two_processes_end_the_same_way(outs):
   # The same random schedule on both hosts (next, get_state/stats from a
   # checkpoint thread, set_state, reset), with a close from another thread
   # on one host at a random point: no hang, every batch counted once, every
   # state the source's position, the peer ends naming the closer, and no
   # thread is left.
-  seeds = list(range(6))
-  outs = run(random_schedules, seeds, prefetch)
   for p, per_host in enumerate(outs):
     for o in per_host:
       assert o["threads"] == [], o
@@ -775,14 +755,12 @@ def _first_next_ending(first: Any, a: Any, b: Any) -> dict[str, Any]:
   return {"error": error, "seconds": seconds}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_first_next_in_another_order_ends_every_host_with_one_error(prefetch):
+def check_first_next_in_another_order_ends_every_host_with_one_error(outs):
   # Each host waited in a stream the other never started: after
   # `sync_timeout_s` process 0 raised PeerTimeoutError (whose hint did not
   # fit) and process 1 another error. Now both name the cause, at half
   # `sync_timeout_s` (20 s here) at the latest.
-  p0, p1 = run(first_next_in_another_order, prefetch)
+  p0, p1 = outs
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
   assert "created or started their iterators in a different order" in p0["error"]
@@ -808,12 +786,13 @@ def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
   return _first_next_ending(a, a, b)
 
 
-@pytest.mark.multiprocess
-def test_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix():
+def check_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix(
+  outs,
+):
   # Host 0 makes `a` then `b`, host 1 `b` then `a`, no `name=`; both call
   # next(a) first. The message named only the order of the next() calls,
   # which was the same on both hosts.
-  p0, p1 = run(created_in_another_order_same_settings, 2)
+  p0, p1 = outs
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith(
     "RuntimeError: process 0 waits for the first batch of iterator 'grain_jax_sync/0' and"
@@ -824,3 +803,92 @@ def test_iterators_created_in_another_order_with_the_same_settings_name_both_cau
   assert "or pass the same `name=` to the iterators that belong together" in p0["error"]
   # At half `sync_timeout_s` (10 s here), well before a timeout.
   assert 4 < p0["seconds"] < 9 and 4 < p1["seconds"] < 9, (p0, p1)
+
+
+# -- real processes: one launch per group of cases, each case with its own checks ---------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_creation_and_first_next_orders_and_a_step_0_state_across_two_processes():
+  # The same-settings case first: it names the job's first two iterators.
+  by_case = run_cases(
+    2,
+    4,
+    {
+      "created_in_another_order_same_settings": (created_in_another_order_same_settings, (2,), {}),
+      "created_in_another_order": (created_in_another_order, (), {}),
+      "first_next_in_another_order_prefetch_0": (first_next_in_another_order, (0,), {}),
+      "first_next_in_another_order_prefetch_2": (first_next_in_another_order, (2,), {}),
+      "device_put_state_before_the_first_batch": (
+        state_before_the_first_batch_of_device_put,
+        (),
+        {},
+      ),
+    },
+    timeout_s=TIMEOUT,
+  )
+  first_next = check_first_next_in_another_order_ends_every_host_with_one_error
+  check_cases(
+    by_case,
+    {
+      "created_in_another_order_same_settings": (
+        check_iterators_created_in_another_order_with_the_same_settings_name_both_causes_and_the_fix
+      ),
+      "created_in_another_order": (
+        check_iterators_created_in_another_order_name_creation_order_on_every_host
+      ),
+      "first_next_in_another_order_prefetch_0": first_next,
+      "first_next_in_another_order_prefetch_2": first_next,
+      "device_put_state_before_the_first_batch": (
+        check_a_device_put_state_before_the_first_batch_restores_two_processes
+      ),
+    },
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_an_iterator_dropped_in_a_cycle_posts_its_ending_wherever_the_collector_runs():
+  finalized = dropped_in_a_cycle_collected_in_a_library_thread
+  left = left_in_a_cycle_while_the_collector_runs_on_its_own
+  by_case = run_cases(
+    2,
+    4,
+    {
+      "finalized_in_a_library_thread_prefetch_1": (finalized, (1,), {}),
+      "finalized_in_a_library_thread_prefetch_2": (finalized, (2,), {}),
+      "left_in_a_cycle_library_reader": (left, ("library",), {}),
+      "left_in_a_cycle_own_thread_reader": (left, ("own_thread",), {}),
+    },
+    timeout_s=2 * TIMEOUT,
+  )
+  finalized_check = check_an_iterator_finalized_in_a_library_thread_posts_its_ending
+  left_check = check_an_iterator_left_in_a_cycle_is_reported_closed_wherever_the_collector_runs
+  check_cases(
+    by_case,
+    {
+      "finalized_in_a_library_thread_prefetch_1": finalized_check,
+      "finalized_in_a_library_thread_prefetch_2": finalized_check,
+      "left_in_a_cycle_library_reader": left_check,
+      "left_in_a_cycle_own_thread_reader": left_check,
+    },
+  )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_random_schedules_on_two_processes_end_the_same_way_with_and_without_prefetch():
+  seeds = list(range(6))
+  by_case = run_cases(
+    2,
+    4,
+    {f"prefetch_{k}": (random_schedules, (seeds, k), {}) for k in (0, 2)},
+    timeout_s=2 * TIMEOUT,
+  )
+  check_cases(
+    by_case,
+    dict.fromkeys(
+      ("prefetch_0", "prefetch_2"), check_random_schedules_on_two_processes_end_the_same_way
+    ),
+  )

@@ -7,6 +7,7 @@ tests run that loop unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_dropin
+from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 
 def _ds(n):
@@ -55,17 +56,7 @@ def test_local_iterator_state_is_the_state_after_the_last_consumed_batch():
   fresh.close()
 
 
-@pytest.mark.multiprocess
-def test_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes(tmp_path):
-  outs = testing.values(
-    testing.run_processes(
-      scenarios_dropin.run_maxtext_loop,
-      num_processes=2,
-      devices_per_process=4,
-      args=(48, [24, 16], str(tmp_path / "ckpt")),
-      timeout_s=180,
-    )
-  )
+def check_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes(outs):
   for out in outs:
     assert out["trained"] == out["full"][:4]
     assert out["rest"] == out["full"][4:]  # Resumed from local_iterator's checkpoint.
@@ -163,16 +154,7 @@ def run_local_restore_mid_run() -> dict[str, Any]:
   return out
 
 
-@pytest.mark.multiprocess
-def test_hosts_restoring_a_local_state_mid_run_resume_its_rows_and_count_from_zero():
-  outs = testing.values(
-    testing.run_processes(
-      run_local_restore_mid_run,
-      num_processes=2,
-      devices_per_process=4,
-      timeout_s=120,
-    )
-  )
+def check_hosts_restoring_a_local_state_mid_run_resume_its_rows_and_count_from_zero(outs):
   # Host 0's 8 rows, then host 1's, for batches 3 to 7 of each host's 8.
   want = [[*range(8 * b, 8 * b + 8), *range(1000 + 8 * b, 1008 + 8 * b)] for b in range(3, 8)]
   for out in outs:
@@ -214,19 +196,35 @@ def run_reset_peer(resetter: int, prefetch: int) -> dict[str, Any]:
   return out
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("resetter", [0, 1])
-def test_reset_while_a_peer_iterates_raises_on_the_peer_naming_the_process(resetter):
-  outs = testing.values(
-    testing.run_processes(
-      run_reset_peer,
-      num_processes=2,
-      devices_per_process=4,
-      args=(resetter, 2),
-      timeout_s=120,
-    )
-  )
+def check_reset_while_a_peer_iterates_raises_on_the_peer_naming_the_process(outs, resetter):
   peer = outs[1 - resetter]
   assert peer["error_type"] == "RuntimeError"
   assert f"process {resetter} reset its iterator at batch 1" in peer["error"]
   assert outs[resetter] == {"reset": True}
+
+
+# -- real processes: every case in one launch, each with its own checks -----------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_maxtext_loop_local_restore_and_reset_across_two_processes(tmp_path):
+  # The resetter cases last: the resetter leaves while its peer still reads.
+  cases = {
+    "maxtext_loop": (scenarios_dropin.run_maxtext_loop, (48, [24, 16], str(tmp_path / "ckpt")), {}),
+    "local_restore_mid_run": (run_local_restore_mid_run, (), {}),
+    "reset_by_0": (run_reset_peer, (0, 2), {}),
+    "reset_by_1": (run_reset_peer, (1, 2), {}),
+  }
+  reset = check_reset_while_a_peer_iterates_raises_on_the_peer_naming_the_process
+  check_cases(
+    run_cases(2, 4, cases, timeout_s=240),
+    {
+      "maxtext_loop": check_maxtext_loop_train_eval_with_reset_checkpoint_resume_two_processes,
+      "local_restore_mid_run": (
+        check_hosts_restoring_a_local_state_mid_run_resume_its_rows_and_count_from_zero
+      ),
+      "reset_by_0": functools.partial(reset, resetter=0),
+      "reset_by_1": functools.partial(reset, resetter=1),
+    },
+  )

@@ -1,5 +1,6 @@
 """Orbax: save and restore the iterator with Grain's handler, one file per process."""
 
+import functools
 import json
 
 import grain
@@ -7,26 +8,32 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import scenarios_sources as ss
+from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 SIZES = [13, 6]
 PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
 
 
+KINDS = ["dataloader", "iterdataset", "device_put"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["dataloader", "iterdataset", "device_put"])
-def test_orbax_checkpoint_manager_resumes_exactly_on_every_host(kind, tmp_path):
-  outs = testing.values(
-    testing.run_processes(
-      ss.orbax_resume,
-      num_processes=2,
-      devices_per_process=4,
-      args=(kind, SIZES, 2, PADDED, str(tmp_path / "ckpt")),
-      timeout_s=180,
-    )
+@pytest.mark.timeout(300)
+def test_orbax_checkpoint_manager_resumes_exactly_on_every_host(tmp_path):
+  # One launch runs every kind, each with its own checkpoint folder; each kind's own checks.
+  cases = {
+    kind: (ss.orbax_resume, (kind, SIZES, 2, PADDED, str(tmp_path / kind / "ckpt")), {})
+    for kind in KINDS
+  }
+  check_cases(
+    run_cases(2, 4, cases, timeout_s=240),
+    {kind: functools.partial(check_orbax_resume, folder=tmp_path / kind) for kind in KINDS},
   )
+
+
+def check_orbax_resume(outs, folder):
   for out in outs:
     assert out["step"] == 2
     assert [f for f in out["files"] if f.endswith(".json")] == [
@@ -38,7 +45,7 @@ def test_orbax_checkpoint_manager_resumes_exactly_on_every_host(kind, tmp_path):
   assert outs[0]["full"] == outs[1]["full"]
   # Each process's file holds that process's state after 2 batches.
   for p in range(2):
-    state = json.loads((tmp_path / "ckpt" / "2" / "data" / f"process_{p}-of-2.json").read_text())
+    state = json.loads((folder / "ckpt" / "2" / "data" / f"process_{p}-of-2.json").read_text())
     assert (state["process_index"], state["process_count"], state["batches"]) == (p, 2, 2)
 
 

@@ -8,13 +8,15 @@ helpers (`element_mask`, `fill_leaf`) run in this process.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import scenarios
 import scenarios_dropin
+from helpers import check_each, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src import padding
 
 # -- paddings without a mask ---------------------------------------------------------
@@ -115,28 +117,7 @@ def test_single_process_decisions_reused_for_repeated_sizes_keep_positions_and_m
     np.testing.assert_array_equal(m, np.arange(8) < n)
 
 
-_SIZES: dict = {}
-
-
-def _size_outs(prefetch):
-  if prefetch not in _SIZES:
-    _SIZES[prefetch] = testing.values(
-      testing.run_processes(
-        scenarios_dropin.run_size_cases,
-        num_processes=2,
-        devices_per_process=4,
-        args=(prefetch,),
-        timeout_s=180,
-      )
-    )
-  return _SIZES[prefetch]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("short", [0, 1])
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(prefetch, short):
-  outs = _size_outs(prefetch)
+def check_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(outs, short):
   case = f"short_not_last/{short}"
   for out in outs:
     res = out[case]
@@ -146,10 +127,8 @@ def test_two_processes_short_batch_that_is_not_the_last_raises_on_every_host(pre
   assert outs[0][case]["error"] == outs[1][case]["error"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(prefetch):
-  for out in _size_outs(prefetch):
+def check_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(outs):
+  for out in outs:
     pad = out["derived_pad"]
     assert pad["error"] is None and [len(b["x"]) for b in pad["batches"]] == [48] * 3
     mask = pad["batches"][2]["mask"].tolist()
@@ -161,6 +140,25 @@ def test_two_processes_without_batch_size_pad_or_drop_by_the_first_batch(prefetc
     rest = out["resumed"]
     assert rest["error"] is None and [len(b["x"]) for b in rest["batches"]] == [48]
     assert rest["batches"][0]["mask"].tolist() == ([True] * 16 + [False] * 8) * 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_processes_batch_sizes_with_and_without_prefetch():
+  # One launch runs the size cases at prefetch 0, then at 2; each case's own checks.
+  cases = {f"prefetch={k}": (scenarios_dropin.run_size_cases, (k,), {}) for k in (0, 2)}
+  values = run_cases(2, 4, cases, timeout_s=240)
+  calls = {}
+  for case in cases:
+    outs = [v[case] for v in values]
+    for short in (0, 1):
+      calls[f"{case}/short_not_last/{short}"] = functools.partial(
+        check_two_processes_short_batch_that_is_not_the_last_raises_on_every_host, outs, short
+      )
+    calls[f"{case}/without_batch_size"] = functools.partial(
+      check_two_processes_without_batch_size_pad_or_drop_by_the_first_batch, outs
+    )
+  check_each(calls)
 
 
 # -- per-column options (`padding.per_leaf`) -------------------------------------------

@@ -3,13 +3,14 @@
 The default-order tests use fake device objects (mesh_utils only reads their
 attributes); the other single-process tests run on this process's 8 CPU
 devices (conftest.py); 2x4 and 4x2 in real processes, one run per topology
-(`cases_2x4`, `cases_4x2`), every check on the rows of the global arrays. Rows
+(`cases_2x4`, `cases_4x2`) and one test each, a `check_*` per case; every check on the rows of the global arrays. Rows
 encode their input shard: 1000 * shard + 10 * batch + row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 import scenarios
+from helpers import check_each
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -40,21 +42,10 @@ def _shards(batch, per_shard_rows):
   return np.concatenate([scenarios.rows_for(s, batch, n) for s, n in enumerate(per_shard_rows)])
 
 
-_RUNS: dict = {}
-
-
-def _once(key, fn, n, d):
-  """One run per topology for every test that reads it; a failure is kept too."""
-  if key not in _RUNS:
-    try:
-      _RUNS[key] = testing.values(
-        testing.run_processes(fn, num_processes=n, devices_per_process=d, timeout_s=TIMEOUT)
-      )
-    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
-      _RUNS[key] = e
-  if isinstance(_RUNS[key], Exception):
-    raise _RUNS[key]
-  return _RUNS[key]
+def _launch(fn, n, d):
+  return testing.values(
+    testing.run_processes(fn, num_processes=n, devices_per_process=d, timeout_s=TIMEOUT)
+  )
 
 
 # -- 1 process x 8 devices -------------------------------------------------------------
@@ -618,13 +609,18 @@ def _shapes(inside: Any, across: Any, strided: Any) -> dict[str, Any]:
   return out
 
 
-def _run_2x4():
-  return _once("2x4", cases_2x4, 2, 4)
+MESH_MISMATCHES = {
+  "mesh_order_differs": "sharding_device_order: '8 devices, digest ",
+  "mesh_order_differs_lockstep": "sharding_device_order: '8 devices, digest ",
+  "data_axes_differ": (
+    "sharding: \"mesh {'data': 4, 'model': 2}, spec ('data',)\" vs"
+    " \"mesh {'data': 4, 'model': 2}, spec (('data', 'model'),)\""
+  ),
+}
 
 
-@pytest.mark.multiprocess
-def test_2x4_model_axis_inside_a_process_rows_per_process():
-  for p, out in enumerate(_run_2x4()):
+def check_model_axis_inside_a_process_rows_per_process(outs):
+  for p, out in enumerate(outs):
     r = out["inside"]
     assert r["error"] is None and len(r["batches"]) == 2
     assert r["info"] == (p, 2) and r["local_blocks"] == [2 * p, 2 * p + 1]
@@ -634,9 +630,8 @@ def test_2x4_model_axis_inside_a_process_rows_per_process():
       assert batch["y"].shape == (16, 2)
 
 
-@pytest.mark.multiprocess
-def test_2x4_model_axis_across_processes_both_feed_the_same_rows():
-  for out in _run_2x4():
+def check_model_axis_across_processes_both_feed_the_same_rows(outs):
+  for out in outs:
     r = out["across"]
     assert r["error"] is None and len(r["batches"]) == 2
     assert r["info"] == (0, 1) and r["local_blocks"] == [0, 1, 2, 3]
@@ -650,9 +645,7 @@ def test_2x4_model_axis_across_processes_both_feed_the_same_rows():
     assert out["context_info"] == (0, 1) and out["context_mesh_is_user_mesh"]
 
 
-@pytest.mark.multiprocess
-def test_2x4_processes_sharing_a_data_shard_with_different_rows_raise_everywhere():
-  outs = _run_2x4()
+def check_processes_sharing_a_data_shard_with_different_rows_raise_everywhere(outs):
   for out in outs:
     r = out["across_differ"]
     assert r["error_type"] == "ValueError"
@@ -661,10 +654,8 @@ def test_2x4_processes_sharing_a_data_shard_with_different_rows_raise_everywhere
   assert all(out["across_differ"]["batches"] == [] for out in outs)  # Raised before batch 0.
 
 
-@pytest.mark.multiprocess
-def test_2x4_shared_rows_that_differ_later_raise_everywhere_in_lockstep():
+def check_shared_rows_that_differ_later_raise_everywhere_in_lockstep(outs):
   # The collective fallback: batch 0 agrees and is yielded, batch 1 differs.
-  outs = _run_2x4()
   for out in outs:
     r = out["across_differ_lockstep"]
     assert r["error_type"] == "ValueError"
@@ -674,12 +665,9 @@ def test_2x4_shared_rows_that_differ_later_raise_everywhere_in_lockstep():
   assert len({out["across_differ_lockstep"]["error"] for out in outs}) == 1
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["across_one_ends", "across_one_ends_lockstep"])
-def test_2x4_shared_rows_where_one_replica_ran_out_raise_everywhere(case):
+def check_shared_rows_where_one_replica_ran_out_raise_everywhere(outs, case):
   # Padding would give process 0 a dummy batch 2 and process 1 its rows:
   # copies of one global array that differ from host to host, silently.
-  outs = _run_2x4()
   for out in outs:
     r = out[case]
     assert r["error_type"] == "ValueError"
@@ -696,23 +684,9 @@ def test_2x4_shared_rows_where_one_replica_ran_out_raise_everywhere(case):
       assert batch["mask"].all()
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  ("case", "key"),
-  [
-    ("mesh_order_differs", "sharding_device_order: '8 devices, digest "),
-    ("mesh_order_differs_lockstep", "sharding_device_order: '8 devices, digest "),
-    (
-      "data_axes_differ",
-      "sharding: \"mesh {'data': 4, 'model': 2}, spec ('data',)\" vs"
-      " \"mesh {'data': 4, 'model': 2}, spec (('data', 'model'),)\"",
-    ),
-  ],
-)
-def test_2x4_processes_with_different_meshes_raise_the_same_error_before_any_batch(case, key):
+def check_processes_with_different_meshes_raise_the_same_error_before_any_batch(outs, case, key):
   # Without the check, process 1 got two batches and process 0 timed out in
   # the transfer after 30 s (gloo), with inconsistent arrays in between.
-  outs = _run_2x4()
   for out in outs:
     r = out[case]
     assert r["error_type"] == "ValueError" and r["batches"] == []
@@ -722,10 +696,9 @@ def test_2x4_processes_with_different_meshes_raise_the_same_error_before_any_bat
   assert len({out[case]["error"] for out in outs}) == 1
 
 
-@pytest.mark.multiprocess
-def test_2x4_rows_not_divisible_by_the_data_shards_name_the_shards_not_the_devices():
+def check_rows_not_divisible_by_the_data_shards_name_the_shards_not_the_devices(outs):
   # 4 local devices hold 2 data shards: 5 rows fail on the shards' count.
-  for out in _run_2x4():
+  for out in outs:
     r = out["inside_not_divisible"]
     assert r["error_type"] == "ValueError" and len(r["batches"]) == 1
     assert r["error"].startswith(
@@ -734,11 +707,10 @@ def test_2x4_rows_not_divisible_by_the_data_shards_name_the_shards_not_the_devic
     assert "batch 1 has 5 rows per host, not divisible by process 0's 2 data shards" in r["error"]
 
 
-@pytest.mark.multiprocess
-def test_2x4_non_contiguous_data_shards_interleave_the_processes_rows():
+def check_non_contiguous_data_shards_interleave_the_processes_rows(outs):
   # Rows over (y, x) of an (x=2, y=4) mesh whose x is the process: process p
   # holds data shards p, p + 2, p + 4, p + 6, two rows each.
-  for p, out in enumerate(_run_2x4()):
+  for p, out in enumerate(outs):
     r = out["strided"]
     assert r["error"] is None and r["info"] == (p, 2)
     assert r["local_blocks"] == [p, p + 2, p + 4, p + 6]
@@ -748,9 +720,8 @@ def test_2x4_non_contiguous_data_shards_interleave_the_processes_rows():
     np.testing.assert_array_equal(r["batches"][0]["x"], want)
 
 
-@pytest.mark.multiprocess
-def test_2x4_user_sharding_with_a_model_split_feature_column():
-  for out in _run_2x4():
+def check_user_sharding_with_a_model_split_feature_column(outs):
+  for out in outs:
     r = out["sharding"]
     assert r["error"] is None and r["spec"] == "P('data', 'model')"
     x = _shards(0, [8, 8])
@@ -758,18 +729,15 @@ def test_2x4_user_sharding_with_a_model_split_feature_column():
     np.testing.assert_array_equal(r["batches"][0]["y"], np.stack([x, -x], 1).astype(np.float32))
 
 
-@pytest.mark.multiprocess
-def test_2x4_device_put_over_data_model_mesh():
-  for out in _run_2x4():
+def check_device_put_over_data_model_mesh(outs):
+  for out in outs:
     r = out["device_put"]
     assert r["spec"] == "P('data',)" and len(r["batches"]) == 2
     for b, batch in enumerate(r["batches"]):
       np.testing.assert_array_equal(batch["x"], _shards(b, [8, 8]))
 
 
-@pytest.mark.multiprocess
-def test_2x4_tfds_pipeline_shards_by_the_mesh():
-  outs = _run_2x4()
+def check_tfds_pipeline_shards_by_the_mesh(outs):
   # Model across processes (the context mesh): both read every example, same order.
   assert outs[0]["tfds_across"] == outs[1]["tfds_across"]
   assert sum(len(b) for b in outs[0]["tfds_across"]) == 13
@@ -778,9 +746,8 @@ def test_2x4_tfds_pipeline_shards_by_the_mesh():
   assert sizes == [6, 7]
 
 
-@pytest.mark.multiprocess
-def test_2x4_up_front_checks_and_shape_helpers():
-  for p, out in enumerate(_run_2x4()):
+def check_up_front_checks_and_shape_helpers(outs):
+  for p, out in enumerate(outs):
     assert out["local_mesh_error"] == (
       "the `mesh` argument must span every device of the job: it has 4 of the 8"
       f" devices (4 devices of processes [{1 - p}] are missing). Build the mesh from"
@@ -846,14 +813,9 @@ def cases_4x2() -> dict[str, Any]:
   }
 
 
-def _run_4x2():
-  return _once("4x2", cases_4x2, 4, 2)
-
-
-@pytest.mark.multiprocess
-def test_4x2_2d_data_axes_with_model_pairs_across_processes():
+def check_2d_data_axes_with_model_pairs_across_processes(outs):
   # Rows over (replica, fsdp); processes (0, 1) and (2, 3) share data shards.
-  for p, out in enumerate(_run_4x2()):
+  for p, out in enumerate(outs):
     r = out["across"]
     assert r["error"] is None and len(r["batches"]) == 2
     assert r["spec"] == "P(('replica', 'fsdp'),)"
@@ -862,12 +824,54 @@ def test_4x2_2d_data_axes_with_model_pairs_across_processes():
       np.testing.assert_array_equal(batch["x"], _shards(b, [4, 4]))
 
 
-@pytest.mark.multiprocess
-def test_4x2_2d_data_axes_minor_first_orders_shards_by_rows():
+def check_2d_data_axes_minor_first_orders_shards_by_rows(outs):
   # Rows over (fsdp, replica) with process p at (replica p // 2, fsdp p % 2):
   # data shard of process p is 2 * (p % 2) + p // 2, so shards go 0, 2, 1, 3.
-  for p, out in enumerate(_run_4x2()):
+  for p, out in enumerate(outs):
     r = out["inside"]
     block = 2 * (p % 2) + p // 2
     assert r["error"] is None and r["info"] == (block, 4) and r["local_blocks"] == [block]
     np.testing.assert_array_equal(r["batches"][0]["x"], _shards(0, [4, 4, 4, 4]))
+
+
+# -- one launch per topology: every case above, each with its own checks --------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_2x4_every_placement_case_across_real_processes():
+  outs = _launch(cases_2x4, 2, 4)
+  checks = {
+    "model_axis_inside": check_model_axis_inside_a_process_rows_per_process,
+    "model_axis_across": check_model_axis_across_processes_both_feed_the_same_rows,
+    "across_differ": check_processes_sharing_a_data_shard_with_different_rows_raise_everywhere,
+    "across_differ_lockstep": check_shared_rows_that_differ_later_raise_everywhere_in_lockstep,
+    "not_divisible": check_rows_not_divisible_by_the_data_shards_name_the_shards_not_the_devices,
+    "strided": check_non_contiguous_data_shards_interleave_the_processes_rows,
+    "sharding": check_user_sharding_with_a_model_split_feature_column,
+    "device_put": check_device_put_over_data_model_mesh,
+    "tfds": check_tfds_pipeline_shards_by_the_mesh,
+    "up_front": check_up_front_checks_and_shape_helpers,
+  }
+  calls = {name: functools.partial(check, outs) for name, check in checks.items()}
+  for case in ("across_one_ends", "across_one_ends_lockstep"):
+    calls[case] = functools.partial(
+      check_shared_rows_where_one_replica_ran_out_raise_everywhere, outs, case
+    )
+  for case, key in MESH_MISMATCHES.items():
+    calls[case] = functools.partial(
+      check_processes_with_different_meshes_raise_the_same_error_before_any_batch, outs, case, key
+    )
+  check_each(calls)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_4x2_2d_data_axes_order_the_shards_across_real_processes():
+  outs = _launch(cases_4x2, 4, 2)
+  check_each(
+    {
+      "across": functools.partial(check_2d_data_axes_with_model_pairs_across_processes, outs),
+      "inside": functools.partial(check_2d_data_axes_minor_first_orders_shards_by_rows, outs),
+    }
+  )

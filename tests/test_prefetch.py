@@ -5,6 +5,7 @@ Behaviour only; speed lives in benchmarks/.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -18,20 +19,12 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_perf
+from helpers import check_each, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src import prefetch
 
 TIMEOUT = 180
-
-
-def run(fn, *args, n=2, d=4, **kwargs):
-  return testing.values(
-    testing.run_processes(
-      fn, num_processes=n, devices_per_process=d, args=args, kwargs=kwargs, timeout_s=TIMEOUT
-    )
-  )
 
 
 def xs(it):
@@ -244,20 +237,12 @@ def consume_with_state(
   return {"batches": got, "state": state, "threads": scenarios_perf.library_threads()}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("k", [1, 4])
-def test_state_after_k_batches_equals_no_prefetch_two_processes(k):
-  sizes = [[8, 8, 8, 4, 8, 8, 8, 8], [8, 8, 8, 8, 8, 2]]
-  kw = {"batch_size": 8, "paddings": 0, "mask_key": "m"}
-  outs = {}
-  for pf in (0, 2):
-    outs[pf] = run(
-      consume_with_state,
-      sizes,
-      {**kw, "prefetch_batches": pf},
-      k=k,
-      delay_s=[0.1, 0.1],
-    )
+STATE_SIZES = [[8, 8, 8, 4, 8, 8, 8, 8], [8, 8, 8, 8, 8, 2]]
+STATE_KW = {"batch_size": 8, "paddings": 0, "mask_key": "m"}
+
+
+def check_state_after_k_batches_equals_no_prefetch_two_processes(by_case, k):
+  outs = {pf: by_case[f"state_k={k}_prefetch={pf}"] for pf in (0, 2)}
   for p in range(2):
     assert outs[0][p]["state"] == outs[2][p]["state"]
     assert outs[0][p]["state"]["batches"] == k
@@ -281,22 +266,19 @@ def consume_all(
   return out
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  "kw",
-  [
-    pytest.param({"prefetch_batches": 0}, id="prefetch0"),
-    pytest.param({"prefetch_batches": 2}, id="prefetch2"),
-    pytest.param({"prefetch_batches": 2, "synchronize_lookahead": 1}, id="lookahead1"),
-    pytest.param({"prefetch_batches": 4, "synchronize_lookahead": 3}, id="lookahead3"),
-  ],
-)
-def test_decisions_do_not_depend_on_timing_two_processes(kw):
-  # Process 0 reads slowly, process 1 quickly; uneven sizes and counts.
-  sizes = [[8, 4, 8, 8, 6, 8, 8], [8, 8, 8, 2, 8]]
-  base = {"batch_size": 8, "paddings": -1, "mask_key": "m"}
-  want = run(consume_all, sizes, base, delay_s=[0.0, 0.0])
-  got = run(consume_all, sizes, {**base, **kw}, delay_s=[0.01, 0.0])
+TIMING_KW = {
+  "prefetch0": {"prefetch_batches": 0},
+  "prefetch2": {"prefetch_batches": 2},
+  "lookahead1": {"prefetch_batches": 2, "synchronize_lookahead": 1},
+  "lookahead3": {"prefetch_batches": 4, "synchronize_lookahead": 3},
+}
+# Process 0 reads slowly, process 1 quickly; uneven sizes and counts.
+TIMING_SIZES = [[8, 4, 8, 8, 6, 8, 8], [8, 8, 8, 2, 8]]
+TIMING_BASE = {"batch_size": 8, "paddings": -1, "mask_key": "m"}
+
+
+def check_decisions_do_not_depend_on_timing_two_processes(by_case, name):
+  want, got = by_case["timing_want"], by_case[f"timing_{name}"]
   for w, g in zip(want, got, strict=True):
     assert g["error"] is None and w["error"] is None
     assert len(g["batches"]) == len(w["batches"]) == 7
@@ -342,11 +324,8 @@ def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
   return {"during": during, "after": scenarios_perf.library_threads()}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["close", "drop"])
-def test_stopped_half_way_leaves_no_thread_two_processes(mode):
-  outs = run(stop_half_way, mode, {"batch_size": 8, "prefetch_batches": 2})
-  for o in outs:
+def check_stopped_half_way_leaves_no_thread_two_processes(by_case, mode):
+  for o in by_case[f"stopped_half_way_{mode}"]:
     assert "grain_jax_sync-prefetch" in o["during"]
     assert "grain_jax_sync-agree" in o["during"]
     assert "grain_jax_sync-read" in o["during"]
@@ -380,16 +359,8 @@ def source_error(kwargs: dict[str, Any], *, fail_process: int = 0, at: int = 3) 
   return out
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("prefetch_batches", [0, 2])
-def test_source_exception_reraised_with_traceback_two_processes(prefetch_batches):
-  outs = run(
-    source_error,
-    {"batch_size": 8, "prefetch_batches": prefetch_batches},
-    fail_process=1,
-    at=3,
-  )
-  p0, p1 = outs
+def check_source_exception_reraised_with_traceback_two_processes(by_case, prefetch_batches):
+  p0, p1 = by_case[f"source_error_prefetch={prefetch_batches}"]
   assert p1["type"] == "KeyError" and "bad record 3" in p1["message"]
   assert "_failing_source" in p1["frames"]
   assert p0["type"] == "RuntimeError"
@@ -470,10 +441,68 @@ def test_a_batch_the_consumer_dropped_is_freed_while_the_source_reads_the_next(k
   assert out == {"got": [0.0, 1.0, 2.0, 3.0, 4.0], "host": [], "built": []}
 
 
-@pytest.mark.multiprocess
-def test_a_batch_the_consumer_dropped_is_freed_while_the_decider_waits_on_a_peer():
+def check_a_batch_the_consumer_dropped_is_freed_while_the_decider_waits_on_a_peer(by_case):
   # Across the exchange: process 0's decider, waiting on process 1's slow
   # read, holds no run it handed to its build thread.
-  p0, p1 = run(drop_three_while_the_fourth_is_read, "iter_jax_batches", slow=1)
+  p0, p1 = by_case["dropped_while_a_peer_reads"]
   assert p0 == {"got": [0.0, 1.0, 2.0, 3.0, 4.0], "host": [], "built": []}
   assert p1["got"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+# -- every real-process case in one launch, each with its own checks --------------------
+
+
+def prefetch_cases() -> dict[str, tuple[Any, tuple, dict[str, Any]]]:
+  cases: dict[str, tuple[Any, tuple, dict[str, Any]]] = {}
+  for k in (1, 4):
+    for pf in (0, 2):
+      kw = {**STATE_KW, "prefetch_batches": pf}
+      cases[f"state_k={k}_prefetch={pf}"] = (
+        consume_with_state, (STATE_SIZES, kw), {"k": k, "delay_s": [0.1, 0.1]}
+      )  # fmt: skip
+  cases["timing_want"] = (consume_all, (TIMING_SIZES, TIMING_BASE), {"delay_s": [0.0, 0.0]})
+  for name, kw in TIMING_KW.items():
+    cases[f"timing_{name}"] = (
+      consume_all, (TIMING_SIZES, {**TIMING_BASE, **kw}), {"delay_s": [0.01, 0.0]}
+    )  # fmt: skip
+  for mode in ("close", "drop"):
+    cases[f"stopped_half_way_{mode}"] = (
+      stop_half_way, (mode, {"batch_size": 8, "prefetch_batches": 2}), {}
+    )  # fmt: skip
+  for pf in (0, 2):
+    cases[f"source_error_prefetch={pf}"] = (
+      source_error, ({"batch_size": 8, "prefetch_batches": pf},), {"fail_process": 1, "at": 3}
+    )  # fmt: skip
+  cases["dropped_while_a_peer_reads"] = (
+    drop_three_while_the_fourth_is_read, ("iter_jax_batches",), {"slow": 1}
+  )  # fmt: skip
+  return cases
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(2 * TIMEOUT + 60)
+def test_prefetch_matches_no_prefetch_and_leaves_no_thread_two_processes():
+  values = run_cases(2, 4, prefetch_cases(), timeout_s=2 * TIMEOUT)
+  by_case = {case: [v[case] for v in values] for case in values[0]}
+  calls = {
+    f"state_k={k}": functools.partial(
+      check_state_after_k_batches_equals_no_prefetch_two_processes, by_case, k
+    )
+    for k in (1, 4)
+  }
+  for name in TIMING_KW:
+    calls[f"timing_{name}"] = functools.partial(
+      check_decisions_do_not_depend_on_timing_two_processes, by_case, name
+    )
+  for mode in ("close", "drop"):
+    calls[f"stopped_half_way_{mode}"] = functools.partial(
+      check_stopped_half_way_leaves_no_thread_two_processes, by_case, mode
+    )
+  for pf in (0, 2):
+    calls[f"source_error_prefetch={pf}"] = functools.partial(
+      check_source_exception_reraised_with_traceback_two_processes, by_case, pf
+    )
+  calls["dropped_while_a_peer_reads"] = functools.partial(
+    check_a_batch_the_consumer_dropped_is_freed_while_the_decider_waits_on_a_peer, by_case
+  )
+  check_each(calls)

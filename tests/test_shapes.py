@@ -11,6 +11,7 @@ run in this process.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scenarios
-from helpers import unwire, wire
+from helpers import check_each, unwire, wire
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -299,23 +300,14 @@ def run_shapes(cases: list[str]) -> list[dict[str, Any]]:
   return [runs[c]() for c in cases]
 
 
-_RUNS: dict = {}
-
-
 def _run(n, d):
-  if (n, d) not in _RUNS:
-    try:
-      outs = testing.values(
-        testing.run_processes(
-          run_shapes, num_processes=n, devices_per_process=d, args=(CASES,), timeout_s=TIMEOUT
-        )
-      )
-      _RUNS[(n, d)] = {c: [outs[p][i] for p in range(n)] for i, c in enumerate(CASES)}
-    except Exception as e:  # noqa: BLE001 - re-raised by every test of the topology.
-      _RUNS[(n, d)] = e
-  if isinstance(_RUNS[(n, d)], Exception):
-    raise _RUNS[(n, d)]
-  return _RUNS[(n, d)]
+  """Every case in one launch of n processes x d devices: {case: [each process's value]}."""
+  outs = testing.values(
+    testing.run_processes(
+      run_shapes, num_processes=n, devices_per_process=d, args=(CASES,), timeout_s=TIMEOUT
+    )
+  )
+  return {c: [outs[p][i] for p in range(n)] for i, c in enumerate(CASES)}
 
 
 def _bucket(size, buckets):
@@ -363,10 +355,8 @@ def assert_batches(got, want):
 # -- real processes ------------------------------------------------------------
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_every_value_and_both_masks_variable_lengths(n, d):
-  runs = _run(n, d)["plain"]
+def check_every_value_and_both_masks_variable_lengths(by_case, n):
+  runs = by_case["plain"]
   srcs = [r["src"] for r in runs]
   want = expected(srcs, batch_size=4, buckets=BUCKETS)
   for r in runs:
@@ -383,10 +373,8 @@ def test_every_value_and_both_masks_variable_lengths(n, d):
     assert not got["feats_mask"][:4].any() and got["tokens_mask"][4:].any()
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_global_shapes_per_bucket_and_compile_count(n, d):
-  runs = _run(n, d)["plain"]
+def check_global_shapes_per_bucket_and_compile_count(by_case, n):
+  runs = by_case["plain"]
   shapes = {b["tokens"].shape for b in runs[0]["batches"]}
   assert {s[1] for s in shapes} <= set(BUCKETS)
   assert all(s[0] == 4 * n for s in shapes)
@@ -398,21 +386,16 @@ def test_global_shapes_per_bucket_and_compile_count(n, d):
     assert r["compiled"] == len(shapes) <= len(BUCKETS)
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_resume_mid_stream_exact_and_other_buckets_refused(n, d):
-  for r in _run(n, d)["resume"]:
+def check_resume_mid_stream_exact_and_other_buckets_refused(by_case, n):
+  for r in by_case["resume"]:
     full, first, rest = r["full"]["batches"], r["first"]["batches"], r["rest"]["batches"]
     assert len(first) == 3
     assert_batches(first + rest, full)
     assert r["refused"] is not None and "pad_shapes" in r["refused"]
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-@pytest.mark.parametrize("case", ["tf", "grain"])
-def test_tf_padded_batch_and_grain_batches(n, d, case):
-  runs = _run(n, d)[case]
+def check_tf_padded_batch_and_grain_batches(by_case, n, case):
+  runs = by_case[case]
   srcs = [r["src"] for r in runs]
   want = expected(srcs, batch_size=4, buckets=BUCKETS, varying=("tokens",))
   for r in runs:
@@ -422,10 +405,8 @@ def test_tf_padded_batch_and_grain_batches(n, d, case):
   assert len(lengths) > 3  # The lengths did vary per host and batch.
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_size_above_last_bucket_raises_on_every_host(n, d):
-  runs = _run(n, d)["above"]
+def check_size_above_last_bucket_raises_on_every_host(by_case, n):
+  runs = by_case["above"]
   errors = {r["error"] for r in runs}
   assert len(errors) == 1
   (error,) = errors
@@ -434,10 +415,8 @@ def test_size_above_last_bucket_raises_on_every_host(n, d):
   assert all(r["error_type"] == "ValueError" and len(r["batches"]) == 2 for r in runs)
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_dim_not_named_still_must_match(n, d):
-  runs = _run(n, d)["other_dim"]
+def check_dim_not_named_still_must_match(by_case, n):
+  runs = by_case["other_dim"]
   assert len({r["error"] for r in runs}) == 1
   assert "column 'feats': trailing shape (*, 2) vs (*, 4)" in runs[0]["error"], runs[0]["error"]
   assert all(r["error_type"] == "ValueError" for r in runs)
@@ -462,10 +441,8 @@ def check_aot(run: dict[str, Any], srcs: list[Any], rows: int) -> None:
   assert run["compiles"] == 0
 
 
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_batch_specs_compile_every_bucket_before_the_loop(n, d):
-  runs = _run(n, d)["aot"]
+def check_batch_specs_compile_every_bucket_before_the_loop(by_case, n):
+  runs = by_case["aot"]
   srcs = [aot_batches(p) for p in range(n)]
   for r in runs:
     for how in ("prefetch", "inline"):
@@ -717,3 +694,23 @@ def test_device_put_iterator_batch_specs_before_its_first_batch():
   for b in got:
     assert _described(b) == _described(spec)
   it.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
+def test_varying_shapes_agree_across_real_processes(n, d):
+  # One launch per topology runs every case (`CASES`); each case's own checks.
+  by_case = _run(n, d)
+  checks = {
+    "plain values and masks": check_every_value_and_both_masks_variable_lengths,
+    "plain shapes and compiles": check_global_shapes_per_bucket_and_compile_count,
+    "resume": check_resume_mid_stream_exact_and_other_buckets_refused,
+    "above": check_size_above_last_bucket_raises_on_every_host,
+    "other_dim": check_dim_not_named_still_must_match,
+    "aot": check_batch_specs_compile_every_bucket_before_the_loop,
+  }
+  calls = {name: functools.partial(check, by_case, n) for name, check in checks.items()}
+  for case in ("tf", "grain"):
+    calls[case] = functools.partial(check_tf_padded_batch_and_grain_batches, by_case, n, case)
+  check_each(calls)

@@ -7,9 +7,9 @@ import grain
 import numpy as np
 import pytest
 import scenarios_sources as ss
+from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 SIZES = [13, 6]  # Uneven shards: 4 vs 2 batches of 4 on the two hosts.
 PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
@@ -35,18 +35,11 @@ def run_grain(kind: str, sizes: list[int], kwargs: dict[str, Any]) -> dict[str, 
   return out
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["dataloader", "iterdataset", "mapdataset", "iterdataset_raw"])
-def test_grain_source_two_processes_uneven_shards_every_example_once(kind):
-  outs = testing.values(
-    testing.run_processes(
-      run_grain,
-      num_processes=2,
-      devices_per_process=4,
-      args=(kind, SIZES, PADDED),
-      timeout_s=120,
-    )
-  )
+SOURCE_KINDS = ["dataloader", "iterdataset", "mapdataset", "iterdataset_raw"]
+RESUME_KINDS = ["dataloader", "iterdataset"]
+
+
+def check_grain_source_two_processes_uneven_shards_every_example_once(outs):
   assert outs[0] == outs[1]  # Every host sees the same global batches.
   out = outs[0]
   assert out["error"] is None
@@ -62,24 +55,32 @@ def test_grain_source_two_processes_uneven_shards_every_example_once(kind):
   )
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["dataloader", "iterdataset"])
-def test_grain_resume_after_k_batches_continues_like_uninterrupted_run(kind):
-  outs = testing.values(
-    testing.run_processes(
-      ss.resume,
-      num_processes=2,
-      devices_per_process=4,
-      args=(kind, SIZES, 2, PADDED),
-      timeout_s=120,
-    )
-  )
+def check_grain_resume_after_k_batches_continues_like_uninterrupted_run(outs):
   for out in outs:
     assert out["head"] == 2
     assert out["resumed"] == out["full"]
     assert len(out["full"]["ids"]) == 4
     assert sorted(_unmasked(out["full"])) == list(range(sum(SIZES)))
   assert outs[0]["full"] == outs[1]["full"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_grain_sources_two_processes_every_example_once_and_resume_exactly():
+  # One launch runs every kind of source, then the resumes; each case's own checks.
+  cases = {f"source/{k}": (run_grain, (k, SIZES, PADDED), {}) for k in SOURCE_KINDS}
+  cases.update({f"resume/{k}": (ss.resume, (k, SIZES, 2, PADDED), {}) for k in RESUME_KINDS})
+  checks = dict.fromkeys(
+    (f"source/{k}" for k in SOURCE_KINDS),
+    check_grain_source_two_processes_uneven_shards_every_example_once,
+  )
+  checks.update(
+    dict.fromkeys(
+      (f"resume/{k}" for k in RESUME_KINDS),
+      check_grain_resume_after_k_batches_continues_like_uninterrupted_run,
+    )
+  )
+  check_cases(run_cases(2, 4, cases, timeout_s=240), checks)
 
 
 def _examples(n):

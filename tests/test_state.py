@@ -7,6 +7,7 @@ processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -16,10 +17,9 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_endings
-from helpers import run
+from helpers import TIMEOUT, check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 
 # -- state -------------------------------------------------------------------------
 
@@ -51,11 +51,18 @@ def run_resume(sizes: list[list[int]], kwargs: dict[str, Any], k: int) -> dict[s
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("k", [1, 4])
-def test_resume_continues_exactly_across_hosts(k):
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_resume_continues_exactly_across_hosts():
+  # One launch: a state after 1 batch, then after 4; each case's own checks.
   sizes = [[8, 8, 8, 8, 8, 5], [8, 8, 8]]
   kwargs = {"batch_size": 8, "paddings": 0, "mask_key": "mask", "synchronize_lookahead": 3}
-  for out in testing.values(run(run_resume, 2, 4, sizes, kwargs, k)):
+  cases = {f"k={k}": (run_resume, (sizes, kwargs, k), {}) for k in (1, 4)}
+  checks = {f"k={k}": functools.partial(check_resume_continues_exactly, k=k) for k in (1, 4)}
+  check_cases(run_cases(2, 4, cases), checks)
+
+
+def check_resume_continues_exactly(outs, k):
+  for out in outs:
     assert out["full"]["error"] is None and len(out["full"]["batches"]) == 6
     assert out["state"]["batches"] == k
     _assert_same_batches(out["first"]["batches"], out["full"]["batches"][:k])

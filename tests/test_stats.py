@@ -8,12 +8,14 @@ what must hold whatever the machine's speed (a slow source's sleeps are in
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
 
 import pytest
 import scenarios
+from helpers import check_cases, check_each, run_cases
 
 from grain_jax_sync import testing
 from grain_jax_sync._src import stats
@@ -132,14 +134,6 @@ def run_all() -> dict[str, Any]:
 _RUNS: dict[str, list[dict]] = {}
 
 
-def _two():
-  if "two" not in _RUNS:
-    _RUNS["two"] = testing.values(
-      testing.run_processes(run_all, num_processes=2, devices_per_process=2, timeout_s=180)
-    )
-  return _RUNS["two"]
-
-
 def _one():
   if "one" not in _RUNS:
     _RUNS["one"] = [run_all()]
@@ -157,10 +151,7 @@ def _check_times(s: dict) -> None:
   assert s["transfer_s"] > 0.0
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("case", sorted(TWO_PROCESSES))
-def test_stats_counts_are_exact_across_two_processes(case):
-  outs = _two()
+def check_stats_counts_are_exact_across_two_processes(outs, case):
   for p, out in enumerate(outs):
     r = out[case]
     assert _counts(r["stats"]) == TWO_PROCESSES[case][p], (p, r)
@@ -201,9 +192,8 @@ def _check_resumed(r: dict) -> None:
   assert _counts(r["stats"]) == (4, 29, 3, 0, 0)
 
 
-@pytest.mark.multiprocess
-def test_stats_count_received_batches_not_prefetched_ones_across_two_processes():
-  for out in _two():
+def check_stats_count_received_batches_not_prefetched_ones_across_two_processes(outs):
+  for out in outs:
     _check_mid_stream(out["mid_stream"], 6)
     _check_slow(out["slow"])
     assert out["slow"]["stats"]["exchange_s"] > 0.0
@@ -312,18 +302,7 @@ def stragglers(slowed: tuple[int, ...]) -> dict[int, dict[str, Any]]:
   return {slow: straggler(slow) for slow in slowed}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("processes", "devices", "slowed"), [(2, 4, (1, 0)), (4, 2, (2, 0))])
-def test_all_hosts_names_the_slowed_host_with_exact_counts(processes, devices, slowed):
-  outs = testing.values(
-    testing.run_processes(
-      stragglers,
-      num_processes=processes,
-      devices_per_process=devices,
-      args=(slowed,),
-      timeout_s=180,
-    )
-  )
+def check_all_hosts_names_the_slowed_host_with_exact_counts(outs, processes, slowed):
   _check_job(outs, processes, slowed)
 
 
@@ -366,20 +345,10 @@ def ended_figures(cases: list[tuple[int | None, int]]) -> list[dict[str, Any]]:
   return out
 
 
-@pytest.mark.multiprocess
-def test_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie():
+def check_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie(outs):
   # Host 1 saw host 0's wait_s and transfer_s as 0.0000 (as of the final
   # decision, before the last batches were built and received), and named a
   # slowest host when every source time printed as 0.0000.
-  outs = testing.values(
-    testing.run_processes(
-      ended_figures,
-      num_processes=2,
-      devices_per_process=4,
-      args=(ENDED_CASES,),
-      timeout_s=180,
-    )
-  )
   for c, (slow, _) in enumerate(ENDED_CASES):
     owns = [outs[p][c]["own"] for p in range(2)]
     for own in owns:
@@ -396,3 +365,41 @@ def test_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a
       assert _counts(peer) == _counts(owns[1 - p]), (c, p)
       for k in ("wait_s", "source_s", "exchange_s", "transfer_s"):
         assert peer[k] == round(owns[1 - p][k], 4), (c, p, k, peer, owns[1 - p])
+
+
+# -- real processes: one launch per topology, each case with its own checks -------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_stats_counts_are_exact_across_two_processes():
+  outs = testing.values(
+    testing.run_processes(run_all, num_processes=2, devices_per_process=2, timeout_s=180)
+  )
+  calls = {
+    case: functools.partial(check_stats_counts_are_exact_across_two_processes, outs, case)
+    for case in sorted(TWO_PROCESSES)
+  }
+  calls["received_not_prefetched"] = functools.partial(
+    check_stats_count_received_batches_not_prefetched_ones_across_two_processes, outs
+  )
+  check_each(calls)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("processes", "devices", "slowed"), [(2, 4, (1, 0)), (4, 2, (2, 0))])
+def test_all_hosts_view_names_the_slowed_host_and_each_peers_end(processes, devices, slowed):
+  # At 2 x 4 the same launch also takes every host's view once all have ended.
+  cases = {"stragglers": (stragglers, (slowed,), {})}
+  checks = {
+    "stragglers": functools.partial(
+      check_all_hosts_names_the_slowed_host_with_exact_counts, processes=processes, slowed=slowed
+    )
+  }
+  if processes == 2:
+    cases["ended"] = (ended_figures, (ENDED_CASES,), {})
+    checks["ended"] = (
+      check_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie
+    )
+  check_cases(run_cases(processes, devices, cases, timeout_s=240), checks)

@@ -1,5 +1,6 @@
 """Exact resume of tf.data pipelines through TensorFlow's iterator checkpointing."""
 
+import functools
 import json
 import os
 from typing import Any
@@ -7,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import scenarios_sources as ss
+from helpers import check_each
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
@@ -224,9 +226,7 @@ def _real_ids(summary):
   return sorted(i for ids, m in zip(summary["ids"], summary["mask"]) for i, ok in zip(ids, m) if ok)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("k", [3, 5])
-def test_tf_data_json_state_after_k_batches_resumes_shuffle_and_prefetch(cases, k):
+def check_tf_data_json_state_after_k_batches_resumes_shuffle_and_prefetch(cases, k):
   # Host 0: 6 batches, host 1: 4 (then masked dummies). k=3 leaves both
   # shuffle buffers partly consumed; k=5 is after host 1 ran out.
   for out in cases:
@@ -241,8 +241,7 @@ def test_tf_data_json_state_after_k_batches_resumes_shuffle_and_prefetch(cases, 
   assert cases[0]["json"][k]["full"]["ids"][0][:8] != list(range(8))
 
 
-@pytest.mark.multiprocess
-def test_tf_data_state_every_n_on_a_host_that_ran_out_between_snapshots(cases):
+def check_tf_data_state_every_n_on_a_host_that_ran_out_between_snapshots(cases):
   # `state_every=5`: host 1's dataset ended after read 4, and its dummy
   # batches carried read 4's state, which had no snapshot: get_state() at
   # batch 5 raised on host 1 alone. The end state is taken instead.
@@ -252,8 +251,7 @@ def test_tf_data_state_every_n_on_a_host_that_ran_out_between_snapshots(cases):
     assert _real_ids(got["full"]) == list(range(sum(SIZES)))
 
 
-@pytest.mark.multiprocess
-def test_tf_data_orbax_checkpoint_manager_resumes_one_file_per_process(cases):
+def check_tf_data_orbax_checkpoint_manager_resumes_one_file_per_process(cases):
   for out in cases:
     got = out["orbax"]
     assert got["resumed"] == got["full"]
@@ -265,8 +263,7 @@ def test_tf_data_orbax_checkpoint_manager_resumes_one_file_per_process(cases):
   assert cases[0]["orbax"]["full"] == cases[1]["orbax"]["full"]
 
 
-@pytest.mark.multiprocess
-def test_tfds_pipeline_tf_data_reader_resumes(cases):
+def check_tfds_pipeline_tf_data_reader_resumes(cases):
   for out in cases:
     got = out["tfds"]
     assert got["resumed"] == got["full"]
@@ -279,17 +276,39 @@ def test_tfds_pipeline_tf_data_reader_resumes(cases):
   assert cases[0]["tfds"]["full"] == cases[1]["tfds"]["full"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-  ("name", "op"),
-  [("py_function", "EagerPyFunc"), ("from_generator", "PyFunc"), ("tfds_mock", "PyFunc")],
-)
-def test_tf_data_uncheckpointable_pipeline_raises_naming_the_op(cases, name, op):
+UNCHECKPOINTABLE = {"py_function": "EagerPyFunc", "from_generator": "PyFunc", "tfds_mock": "PyFunc"}
+
+
+def check_tf_data_uncheckpointable_pipeline_raises_naming_the_op(cases, name, op):
   for out in cases:
     message = out["errors"][name]
     assert message.startswith("RuntimeError: a tf.data.Dataset")
     assert f"cannot be checkpointed: it contains the op {op!r}" in message
     assert "ExternalStatePolicy.IGNORE" in message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_tf_data_states_resume_across_two_processes(cases):
+  # One launch (the `cases` fixture) runs every scenario; each case's own checks.
+  calls = {
+    f"json_k={k}": functools.partial(
+      check_tf_data_json_state_after_k_batches_resumes_shuffle_and_prefetch, cases, k
+    )
+    for k in (3, 5)
+  }
+  calls["every_5"] = functools.partial(
+    check_tf_data_state_every_n_on_a_host_that_ran_out_between_snapshots, cases
+  )
+  calls["orbax"] = functools.partial(
+    check_tf_data_orbax_checkpoint_manager_resumes_one_file_per_process, cases
+  )
+  calls["tfds"] = functools.partial(check_tfds_pipeline_tf_data_reader_resumes, cases)
+  for name, op in UNCHECKPOINTABLE.items():
+    calls[f"errors/{name}"] = functools.partial(
+      check_tf_data_uncheckpointable_pipeline_raises_naming_the_op, cases, name, op
+    )
+  check_each(calls)
 
 
 # -- one process, in this interpreter ---------------------------------------------

@@ -1,13 +1,16 @@
 """tfds_pipeline: a TFDS name and split in, this process's batches out."""
 
+import functools
+import os
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
 import scenarios_sources as ss
+from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src.sources import tfds as tfds_source
 
 tfds = pytest.importorskip("tensorflow_datasets")
@@ -24,21 +27,9 @@ def test_shard_range_gives_every_example_to_exactly_one_process(n, processes):
   assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("via", ["iter_jax_batches", "device_put"])
-def test_tfds_data_source_mock_two_processes_every_example_once(via):
+def check_tfds_data_source_mock_two_processes_every_example_once(outs):
   # 13 mock mnist examples: shards of 6 and 7, so 2 batches on each host,
   # the second of 2 and 3 real rows, padded to 4 and masked.
-  outs = testing.values(
-    testing.run_processes(
-      ss.run_tfds_mock,
-      num_processes=2,
-      devices_per_process=4,
-      args=(13, PADDED),
-      kwargs={"device_put": via == "device_put"},
-      timeout_s=120,
-    )
-  )
   assert outs[0] == outs[1]
   out = outs[0]
   assert len(out["expected"]) == 13 and len(set(out["expected"])) == 13
@@ -144,23 +135,9 @@ def run_tfds_files(reader: str, data_dir: str, kwargs: dict[str, Any]) -> dict[s
   }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("reader", ["data_source", "tf_data"])
-def test_tfds_real_files_two_processes_every_example_once(reader, tmp_path):
+def check_tfds_real_files_two_processes_every_example_once(outs, reader):
   # TFDS's mock ignores sub-splits, so both readers are also checked on a
   # small real data set prepared here (13 examples: shards of 6 and 7).
-  pytest.importorskip("tensorflow")
-  fmt = "array_record" if reader == "data_source" else "tfrecord"
-  ss.build_tiny_ids(str(tmp_path), 13, fmt)
-  outs = testing.values(
-    testing.run_processes(
-      run_tfds_files,
-      num_processes=2,
-      devices_per_process=4,
-      args=(reader, str(tmp_path), PADDED),
-      timeout_s=240,
-    )
-  )
   assert outs[0] == outs[1]
   out = outs[0]
   real = [i for ids, m in zip(out["ids"], out["mask"]) for i, ok in zip(ids, m) if ok]
@@ -171,23 +148,7 @@ def test_tfds_real_files_two_processes_every_example_once(reader, tmp_path):
   np.testing.assert_array_equal(np.array(out["mask"]).sum(), 13)
 
 
-@pytest.mark.multiprocess
-def test_tfds_train_example_runs_on_mock_data_and_checkpoints(tmp_path):
-  import os
-  import sys
-
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from examples import tfds_train
-
-  outs = testing.values(
-    testing.run_processes(
-      tfds_train.train,
-      num_processes=2,
-      devices_per_process=4,
-      kwargs={"mock_examples": 100, "checkpoint_dir": str(tmp_path / "ckpt")},
-      timeout_s=180,
-    )
-  )
+def check_tfds_train_example_runs_on_mock_data_and_checkpoints(outs, tmp_path):
   assert outs[0] == outs[1]
   # 100 examples: shards of 50, batches of 32 -> 2 steps, every example once.
   assert outs[0]["steps"] == 2 and outs[0]["examples"] == 100
@@ -197,3 +158,41 @@ def test_tfds_train_example_runs_on_mock_data_and_checkpoints(tmp_path):
     "process_0-of-2.json",
     "process_1-of-2.json",
   ]
+
+
+# -- real processes: every case in one launch, each with its own checks -----------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_tfds_readers_and_the_train_example_across_two_processes(tmp_path):
+  pytest.importorskip("tensorflow")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from examples import tfds_train
+
+  dirs = {"data_source": str(tmp_path / "array_record"), "tf_data": str(tmp_path / "tfrecord")}
+  ss.build_tiny_ids(dirs["data_source"], 13, "array_record")
+  ss.build_tiny_ids(dirs["tf_data"], 13, "tfrecord")
+  # The cases that must not import TensorFlow come before the tf.data reader.
+  train_kw = {"mock_examples": 100, "checkpoint_dir": str(tmp_path / "ckpt")}
+  cases = {
+    "mock_iter_jax_batches": (ss.run_tfds_mock, (13, PADDED), {"device_put": False}),
+    "mock_device_put": (ss.run_tfds_mock, (13, PADDED), {"device_put": True}),
+    "files_data_source": (run_tfds_files, ("data_source", dirs["data_source"], PADDED), {}),
+    "files_tf_data": (run_tfds_files, ("tf_data", dirs["tf_data"], PADDED), {}),
+    "train_example": (tfds_train.train, (), train_kw),
+  }
+  mock = check_tfds_data_source_mock_two_processes_every_example_once
+  files = check_tfds_real_files_two_processes_every_example_once
+  check_cases(
+    run_cases(2, 4, cases, timeout_s=360),
+    {
+      "mock_iter_jax_batches": mock,
+      "mock_device_put": mock,
+      "files_data_source": functools.partial(files, reader="data_source"),
+      "files_tf_data": functools.partial(files, reader="tf_data"),
+      "train_example": functools.partial(
+        check_tfds_train_example_runs_on_mock_data_and_checkpoints, tmp_path=tmp_path
+      ),
+    },
+  )
