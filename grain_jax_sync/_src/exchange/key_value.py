@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grain_jax_sync._src.agreement import core
-from grain_jax_sync._src.exchange.streams import KEY_ROOT, waiting_streams
+from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_close
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ GROUP = 16
 # chunk not yet deleted, so the chunks of a group already read are read again
 # until the group goes.
 CHUNK_GROUP = 4
-_closes = 0  # This process's closes recorded (`register_close`); its beat carries the count.
 
 
 class Cancelled(Exception):
@@ -352,8 +351,7 @@ def register_close(base: str, note: str) -> None:
     return
   try:
     client.key_value_set(closed_key(base, jax.process_index()), note)
-    global _closes
-    _closes += 1  # After the note: a peer that sees the count finds it.
+    count_close()  # After the note: a peer that sees the count finds it.
     if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
       client.key_value_delete(base)
   except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
@@ -389,7 +387,8 @@ def read_times(base: str) -> list[tuple[int, str]]:
 
 def beat_text(n: int) -> str:
   """This process's `n`-th beat: ``{n}/{closes}`` (`liveness.Liveness.closed`), the streams it waits on."""
-  return " ".join([f"{n}/{_closes}", *waiting_streams()])
+  closes, waiting = beat_streams()
+  return " ".join([f"{n}/{closes}", *waiting])
 
 
 def put_beat(client: Any, process: int, value: str) -> None:
