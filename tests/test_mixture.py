@@ -19,6 +19,7 @@ import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic.mixture import Mixture
+from grain_jax_sync._src.sources.elastic.state import splits_from_json
 
 SIZES = (300, 900, 2500)  # Unequal; mixed 1:2:5.
 
@@ -211,3 +212,57 @@ def test_2x4_checkpoint_at_batch_7_resumes_exactly_on_2_and_elastic_on_3(tmp_pat
   common = set(after) & set(uninterrupted)
   assert len(common) > 1000  # The sources and rows at 3 hosts are those of the run at 2.
   assert all(after[g] == uninterrupted[g] for g in common)
+
+
+def reread(m: Mixture, batches: list[list[dict]], states: list[dict], starts: list[int]) -> list:
+  """`keys` of each process's rows, from stream index `starts[p]` of its state's split."""
+  out = []
+  for p, got in enumerate(batches):
+    s = states[p]["source"]
+    shares = es.EpochShares(
+      m.epoch_length, None, s["first_epoch"], splits_from_json(s["splits"]), len(states), p
+    )
+    rows = range(starts[p], starts[p] + sum(len(b["s"]) for b in got))
+    out += keys(m, got, [e * m.epoch_length + i for e, i in map(shares.locate, rows)])
+  return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+  counts=st.sampled_from([(2, 2), (2, 3), (3, 2), (3, 3)]),
+  stop=st.integers(0, 30),
+  new=st.sampled_from([(5, 2, 1), (1, 1, 1), (2, 7, 3)]),
+)
+def test_new_weights_at_a_resume_apply_from_the_first_row_past_every_cursor(counts, stop, new):
+  sizes, w1, w3 = (30, 70, 200), lm_jobs.WEIGHTS, (3, 1, 4)
+  sources = [lm_jobs.rows(k, n) for k, n in enumerate(sizes)]
+  runs = [(w1, counts[0], None), (new, counts[1], 8), (w3, counts[0], 8)]  # Two changes.
+  states, reads, expected = None, [], gjs.elastic_mixture(sources, w1).mixture
+  for weights, count, _ in runs:
+    src = gjs.elastic_mixture(sources, weights, lambda ds: ds.batch(4), seed=1, num_epochs=None)
+    same = states is not None and len(states) == count
+    starts = [s["source"]["position"] for s in states] if same else [0] * count
+    got, after = lm_jobs.play(src, count, stop if states is None else 8, states)
+    reads.append((got, after, starts))
+    if states is not None:  # g*: the first global row past every process's cursor.
+      top = max((r + 1 for g, a, s in reads[:-1] for r, *_ in reread(expected, g, a, s)), default=0)
+      expected = expected.switched(top, src.mixture.proportions)
+    states = after
+  m = src.mixture.restored(states[0]["source"].get("mixture_runs"))
+  assert m == expected
+  seen = [x for got, after, starts in reads for x in reread(m, got, after, starts)]
+  assert len({g for g, *_ in seen}) == len(seen)  # No global row twice.
+  assert len({(s, e, i) for _, s, e, i in seen}) == len(seen)  # Each source row once an epoch.
+  ends = [g for g, _, _ in m._runs[1:]] + [m._runs[-1][0] + 2000]
+  for (g, p, _), stop_at in zip(m._runs, ends, strict=True):  # A fresh mixture from each g*.
+    fresh, base = Mixture(p, m.sizes, True), m.counts(g)
+    for r in range(g, stop_at, 3):
+      k, n = source_of(fresh, r - g)
+      assert source_of(m, r) == (k, base[k] + n)
+  g, p, _ = m._runs[-1]
+  window = np.subtract(m.counts(g + 2000), m.counts(g))
+  assert np.all(np.abs(window / 2000 - np.divide(p, sum(p))) < 0.01)
+  end = m._runs[-1][0] + 500  # Every source row before `end` selected once: none skipped.
+  picked = sorted(source_of(m, g) for g in range(end))
+  assert picked == sorted((k, n) for k, c in enumerate(m.counts(end)) for n in range(int(c)))
+  assert [x["weight"] for x in m.stats([1, 1, 1])] == list(np.divide(w3, sum(w3)))

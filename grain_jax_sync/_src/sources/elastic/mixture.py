@@ -36,6 +36,8 @@ class Mixture:
   proportions: tuple[int, ...]
   sizes: tuple[int, ...]
   shuffle: bool
+  # (first global row, proportions) of each run of weights, when a resume changed them.
+  history: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
   @property
   def epoch_length(self) -> int:
@@ -47,14 +49,53 @@ class Mixture:
     """What a state must match: the proportions, the sizes and the sources' shuffling."""
     return [list(self.proportions), list(self.sizes), self.shuffle]
 
-  def counts(self, g: int) -> list[int]:
-    """Rows of each source among global rows ``0 .. g - 1`` (Grain's `mix` selection)."""
-    out, left, k = [], sum(self.proportions), g
-    for p in self.proportions:
-      rest = k * (left - p) // left
-      out.append(k - rest)
-      left, k = left - p, rest
+  @functools.cached_property
+  def _runs(self) -> list[tuple[int, tuple[int, ...], list[int]]]:
+    """(first global row, proportions, each source's rows before it) of each run of weights."""
+    out: list[tuple[int, tuple[int, ...], list[int]]] = []
+    for start, p in self.history or ((0, self.proportions),):
+      base = [0] * len(self.sizes)
+      if out:
+        was, q, before = out[-1]
+        base = [b + n for b, n in zip(before, _counts(q, start - was), strict=True)]
+      out.append((start, p, base))
     return out
+
+  def counts(self, g: Any) -> list[Any]:
+    """Rows of each source among global rows ``0 .. g - 1`` (Grain's `mix` selection, per run)."""
+    out = _counts(self._runs[0][1], g)
+    for start, p, base in self._runs[1:]:
+      later = np.asarray(g) >= start
+      out = [np.where(later, b + n, o) for o, b, n in zip(out, base, _counts(p, g - start))]
+    return out
+
+  def switched(self, g: int, proportions: tuple[int, ...]) -> Mixture:
+    """This mixture with `proportions` from global row `g` on (at least its last run's start)."""
+    g = max(g, self._runs[-1][0])
+    runs = (*((s, p) for s, p, _ in self._runs if s < g), (g, proportions))
+    return dataclasses.replace(self, proportions=proportions, history=runs if g else ())
+
+  def restored(self, runs: Any) -> Mixture:
+    """This mixture with a state's ``mixture_runs`` (None: its weights from row 0)."""
+    if runs is None:
+      return dataclasses.replace(self, history=())
+    try:
+      history = tuple((int(g), tuple(int(x) for x in p)) for g, p in runs)
+    except (TypeError, ValueError) as e:
+      raise ValueError(
+        f"`state['source']['mixture_runs']` is not [[row, proportions], ..] ({e})"
+      ) from e
+    starts = [g for g, _ in history]
+    if (
+      len(history) < 2
+      or starts[0]
+      or starts != sorted(set(starts))
+      or history[-1][1] != self.proportions
+    ):
+      raise ValueError(
+        f"`state['source']['mixture_runs']` {runs!r:.100} does not end in this mixture's weights"
+      )
+    return dataclasses.replace(self, history=history)
 
   def consumed(self, shares: split.EpochShares, position: int, holes: Sequence[int]) -> list[int]:
     """Rows of each source a process consumed: stream ``0 .. position - 1`` but `holes`."""
@@ -81,11 +122,23 @@ class Mixture:
 
   def select(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(source, its row) of each global row in `rows`, as Grain's `mix` selects them."""
-    big = max(rows, default=0) >= 2**62 // sum(self.proportions)  # Python ints past int64.
+    big = max(rows, default=0) >= 2**62 // max(
+      sum(p) for _, p, _ in self._runs
+    )  # Python ints past int64.
     g: Any = np.asarray(rows, dtype=object if big else np.int64)
     before = np.stack(self.counts(g))
     source = np.argmax(np.stack(self.counts(g + 1)) - before, axis=0)
     return source, before[source, np.arange(len(g))]
+
+
+def _counts(proportions: Sequence[int], g: Any) -> list[Any]:
+  """Rows of each source among rows ``0 .. g - 1`` of Grain's `mix` with `proportions`."""
+  out, left, k = [], sum(proportions), g
+  for p in proportions:
+    rest = k * (left - p) // left
+    out.append(k - rest)
+    left, k = left - p, rest
+  return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,6 +203,10 @@ class MixedRecords:
     sources, at = sources[g - start].tolist(), at[g - start].tolist()
     return [self._records[k][j] for k, j in zip(sources, at, strict=True)]
 
+  def remixed(self, mixture: Mixture) -> MixedRecords:
+    """The same sources, mixed by `mixture`."""
+    return MixedRecords(self._records, mixture, self._seed)
+
   def _find(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source, the record in it) of each global row in `g`."""
     sources, keys = self._mixture.select(g.tolist())
@@ -213,8 +270,9 @@ def elastic_mixture(
   share of global rows through ``transform``, one pipeline for the whole
   mixture (no thread or buffer per source), and a state resumes exactly on
   the same process count and, as the list of every old process's state, on
-  any other. `stats()` gives each source's rows against its weight. A state
-  holds the weights: resume with the same ones.
+  any other. `stats()` gives each source's rows against its weight. New weights
+  at a resume (from every old process's state) apply from the first global
+  row past every old cursor, each source going on from its count there.
 
   Args:
     sources: Each a `grain.MapDataset` or a random-access sequence of records

@@ -7,6 +7,7 @@ left (`split.resume`) and any other source refuses. Pure Python.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -67,6 +68,8 @@ def for_this_process(source: Any, state: Any, *, process_index: int, process_cou
   if not isinstance(state, (list, tuple)):
     return state  # `check_state` names what it got.
   states = _listed(state)
+  if is_elastic and source.spec.mixture is not None:
+    states = _switched(source, states)
   if len(states) == process_count:
     return states[process_index]
   if not is_elastic:
@@ -111,6 +114,42 @@ def _holes(source: Mapping[str, Any], i: int, position: int) -> tuple[int, ...]:
   return holes
 
 
+def _switched(source: ElasticIterator, states: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """`states` with the mixture's weights switched to `source`'s from row g*: the first global
+  row past every old process's consumed cursor (the same on every host and process count)."""
+  new, saved = source.spec.mixture, [s.get("source", {}) for s in states]
+  if not all(isinstance(s, Mapping) for s in saved):
+    return states  # `check_source_state` names it.
+  key = saved[0].get("mixture")
+  if (
+    key == new.key
+    or not isinstance(key, list)
+    or key[1:] != new.key[1:]
+    or len(key[0]) != len(new.proportions)
+  ):
+    return states  # The same weights, or `check_source_state` names what differs.
+  top = 0
+  for i, s in enumerate(saved):
+    if s.get("resplittable") is False:
+      raise ValueError(
+        f"`state[{i}]['source']` cannot take new weights: its cursor is not exact"
+        f" ({s.get('why_not_resplittable')}); resume it with the weights it was saved with"
+      )
+    old, position, _ = state_lib.check_source_state(
+      {**s, "mixture": new.key, "mixture_runs": None}, source.spec, source.num_records
+    )
+    end = min(max(_thresholds(s, i, position, old.length)), old.length)
+    if end:
+      epoch, pos = old.locate(end - 1)
+      top = max(top, epoch * old.num_records + pos + 1)
+  was = dataclasses.replace(new, proportions=tuple(key[0])).restored(saved[0].get("mixture_runs"))
+  fields = state_lib.mixture_fields(was.switched(top, new.proportions))
+  return [
+    {**s, "source": {**{k: v for k, v in s["source"].items() if k != "mixture_runs"}, **fields}}
+    for s in states
+  ]
+
+
 def _resplit(
   source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
 ) -> dict[str, Any]:
@@ -145,5 +184,7 @@ def _resplit(
     **states[0],
     "process_index": p,
     "process_count": count,
-    "source": state_lib.export(new, 0, None, source.spec),
+    "source": state_lib.export(
+      new, 0, None, state_lib.mixture_spec(states[0]["source"], source.spec)
+    ),
   }

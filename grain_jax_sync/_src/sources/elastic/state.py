@@ -10,6 +10,7 @@ the field that does not fit. Pure Python and NumPy (no JAX, no Grain).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -130,7 +131,7 @@ def export(
     "grain": grain_state,
   }
   if spec.mixture is not None:
-    out["mixture"] = spec.mixture.key
+    out.update(mixture_fields(spec.mixture))
   if len(thresholds) > 1:
     out["strided"] = [int(t) for t in thresholds]
   if holes:
@@ -138,6 +139,24 @@ def export(
   if why_not is not None:
     out["why_not_resplittable"] = why_not
   return out
+
+
+def mixture_fields(mixture: Any) -> dict[str, Any]:
+  """A mixture's fields in a state: its key, and its runs of weights if a resume changed them."""
+  out: dict[str, Any] = {"mixture": mixture.key}
+  if mixture.history:
+    out["mixture_runs"] = [[g, list(p)] for g, p in mixture.history]
+  return out
+
+
+def mixture_spec(state: Mapping[str, Any], spec: ElasticSource) -> ElasticSource:
+  """`spec` with the runs of weights a mixture's `state` was read with (`Mixture.history`)."""
+  if spec.mixture is None:
+    return spec
+  mixture = spec.mixture.restored(state.get("mixture_runs"))
+  if mixture == spec.mixture:
+    return spec
+  return dataclasses.replace(spec, mixture=mixture, records=spec.records.remixed(mixture))
 
 
 def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
@@ -177,8 +196,10 @@ def check_source_state(
     raise ValueError(
       f"`state['source']['mixture']` (the proportions, sizes and shuffling) is"
       f" {state.get('mixture')!r:.100}, but this source's is {mixture!r:.100}; resume a"
-      " mixture with the sources and weights it was saved with"
+      " mixture with the sources and weights it was saved with (new weights: from the"
+      " list of every old process's state)"
     )
+  mixture_spec(state, spec)  # Checks the weights' runs.
   epoch = _field(state, "epoch")
   if spec.num_epochs is not None and epoch >= spec.num_epochs:
     raise ValueError(

@@ -247,6 +247,7 @@ class ElasticIterator(base.WrappedIterator):
     else:  # Exported (restored by set_state): checked there.
       shares, position, _ = state_lib.check_source_state(state, self.spec, self.num_records)
       holes = state_lib.unpack_ints(state.get("holes", []))
+      mixture = state_lib.mixture_spec(state, self.spec).mixture
     return {"sources": mixture.stats(mixture.consumed(shares, position, holes))}
 
   def set_state(self, state: Any) -> None:
@@ -256,6 +257,7 @@ class ElasticIterator(base.WrappedIterator):
         f"`state['source']` is process {shares.index} of {shares.count}'s, but this is"
         f" process {self._shares.index} of {self._shares.count}"
       )
+    self.spec = state_lib.mixture_spec(state, self.spec)  # Its runs of weights.
     self._open(shares)
     if grain_state is not None:
       self._it.set_state(base.decode_state(grain_state))
