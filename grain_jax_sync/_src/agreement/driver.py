@@ -86,7 +86,11 @@ class Driver:
         return
       result = error = None
       if type(action) is core.Deliver:
-        yield action.run
+        run, action = action.run, None
+        yield run
+        # The build stage's alone once handed on: this frame must not hold it
+        # while it waits for the next slot (the read-ahead counts it as built).
+        del run
         continue
       try:
         result = self._do(action)
