@@ -259,6 +259,7 @@ class _Host:
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.killed_at = INF
     self.closed_note: str | None = None
+    self.all: list[Task] = []  # Its tasks, `timed_task` last.
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
     for b in range(self.plan.batches):
@@ -323,18 +324,13 @@ class _Host:
     self.asked -= 1
     return self.read_q.popleft()
 
-  # -- the stages: the reading, agreement and build threads, and the training loop ---------
-
   def tasks(self, prefetch: int) -> list[Task]:
+    """The reading, agreement and build threads and the training loop (inline: the loop only)."""
     if not self.threaded:
       return [self.consumer_task(None)]
     runs, items = _Queue(self.clock, 1), _Queue(self.clock, prefetch)
-    return [
-      self.reading_task(),
-      self.agree_task(runs),
-      self.build_task(runs, items),
-      self.consumer_task(items),
-    ]
+    stages = [self.reading_task(), self.agree_task(runs), self.build_task(runs, items)]
+    return [*stages, self.consumer_task(items)]
 
   def reading_task(self) -> Task:
     while True:
@@ -393,10 +389,9 @@ class _Host:
         item = e
       self.busy = False
       if item is _END:
-        return self._end("end", stopped_by=self.core.stop_requested_by)
+        return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
-        self._end(type(item).__name__, str(item))
-        return self._post_end()
+        return self._end(type(item).__name__, str(item), post=True)
       received.append(clock.now)
       if plan.stop is not None and plan.stop[0] == len(received):
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
@@ -430,19 +425,17 @@ class _Host:
     self.killed_at = self.clock.now
     self._end("killed")
 
-  def _end(self, ending: str, message: str = "", stopped_by: int | None = None) -> None:
-    self.out.ending, self.out.message, self.out.stopped_by = ending, message, stopped_by
+  def _end(self, ending: str, message: str = "", by: Any = None, post: bool = False) -> None:
+    """Records this host's ending and retires its tasks; with `post`, posts it for the peers."""
+    self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.c.retire(self)
+    for call in self.core.closing(len(self.out.received), None) if post else ():
+      driver.call_store(self.ex, call)
 
   def _close(self) -> None:
-    self._end("closed")
     self.closed_note = f'["{_NS}", "process {self.p} closed its iterator"]'
-    self._post_end()
-
-  def _post_end(self) -> None:
-    for call in self.core.closing(len(self.out.received), None):
-      driver.call_store(self.ex, call)
+    self._end("closed", post=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -478,18 +471,17 @@ class SimulatedCluster:
     self.clock = _Clock()
     self.store = MemoryStore(self.clock.signal)
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
-    self._tasks: dict[int, list[Task]] = {}
     for h in self.hosts:
-      self._tasks[h.p] = [*h.tasks(self.prefetch_batches), h.timed_task()]
-      for task in self._tasks[h.p][:-1]:  # Its stream starts at its first next().
+      h.all = [*h.tasks(self.prefetch_batches), h.timed_task()]
+      for task in h.all[:-1]:  # Its stream starts at its first next().
         self.clock.spawn(task, h.plan.start_s)
-      self.clock.spawn(self._tasks[h.p][-1])
+      self.clock.spawn(h.all[-1])
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
 
   def retire(self, host: _Host) -> None:
     """Ends every task of `host` (its threads joined, or its process gone)."""
-    self.clock.dead.update(id(t) for t in self._tasks[host.p])
+    self.clock.dead.update(id(t) for t in host.all)
 
   @property
   def store_ops(self) -> int:
