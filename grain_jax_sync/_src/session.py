@@ -238,9 +238,8 @@ class Stream:
     finally:
       if inline is not None:
         inline.turn.release()
-        inline.post_stop(
-          in_call=True
-        )  # One asked for during this call (a signal handler, a thread).
+        # One asked for during this call (a signal handler, a thread).
+        inline.post_stop(in_call=True)
     return item
 
   def first_run(self) -> build_lib.FirstRun:
