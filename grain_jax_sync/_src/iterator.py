@@ -26,7 +26,143 @@ from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src.sources import elastic
 
 
-class JaxBatchIterator(Iterator[Any]):
+class _Resumable:
+  """The resume state of a `JaxBatchIterator`, its restarts, and the source's own iterator."""
+
+  _options: options_lib.Options
+  _streams: session_lib.Streams
+  _life: lifetime_lib.Lifetime
+
+  def _in_turn(self, what: str, fn: Any, *args: Any) -> Any:
+    """Runs call `what` as this thread's turn (two threads would start two streams for the peers)."""
+    life = self._life
+    life.take_turn(what)
+    try:
+      return fn(*args)
+    finally:
+      life.give_turn()
+
+  def get_state(self) -> dict[str, Any]:
+    """The resume state after the last batch this consumer received.
+
+    Takes no lock and makes no store call: safe from a checkpoint thread or
+    a signal handler, and before the first batch.
+
+    Returns:
+      A JSON-serialisable dict, per process; restore it with `set_state` in a
+      freshly built iterator on the same process.
+
+    Raises:
+      RuntimeError: If the source cannot report its position.
+    """
+    mark = self._streams.mark
+    state = {
+      "version": options_lib.STATE_VERSION,
+      "batches": mark.position,
+      "process_index": jax.process_index(),
+      "process_count": jax.process_count(),
+      "settings": self._options.digest(),
+      "source": self._export(mark),
+    }
+    if self._options.batch_size is None and mark.batch_size is not None:
+      state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
+    return state
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Resumes after the batch that `state` was taken at.
+
+    Every process's resume position is compared before the first batch: a
+    difference raises the same ValueError on every process.
+
+    Args:
+      state: A dict from `get_state` on the same process index, or the list
+        of every process's `get_state()` in process order (an elastic source
+        restores it on any process count).
+
+    Raises:
+      ValueError: If the state is malformed (naming the field), from another
+        version, process or process count, or saved with other settings. The
+        source is not touched, and the error is this process's ending: its
+        peers raise it too, at once, and so does `next()` here until a
+        `set_state` or `reset` succeeds.
+      RuntimeError: If the iterator is closed, the source cannot resume, or
+        it is called from inside this thread's own `next()` (a signal
+        handler) or while another thread's `next()` is in progress.
+    """
+    self._in_turn("set_state()", self._set_state, state)
+
+  def _set_state(self, state: Mapping[str, Any]) -> None:
+    p, streams = jax.process_index(), self._streams
+    try:
+      # A list of every old process's state (issue 24): this process's, or
+      # for an elastic source on another count, a re-split one.
+      state = elastic.for_this_process(
+        streams.source, state, process_index=p, process_count=jax.process_count()
+      )
+      batches, source_state = options_lib.check_state(
+        state, options=self._options, process_index=p, process_count=jax.process_count()
+      )
+      batch_size = options_lib.pinned_batch_size(state)
+    except ValueError as e:
+      raise streams.refuse(e) from e
+    streams.restore(source_state, "set_state()", batches, batch_size)
+
+  def reset(self) -> None:
+    """Restarts the stream from the source's beginning, on every host.
+
+    Every process calls it at the same point (as MaxText's trainer calls
+    ``eval_iterator.reset()`` before each eval). A process still iterating
+    the stream this one left raises a RuntimeError naming this process. The
+    source is reopened if it is re-iterable (a sequence, a Grain dataset or
+    DataLoader, a `tf.data.Dataset`), else restored to its first state.
+
+    Raises:
+      RuntimeError: If the iterator is closed, the source can be read only
+        once (a generator without get_state()/set_state()), or it is called
+        from inside this thread's own `next()` (a signal handler) or while
+        another thread's `next()` is in progress.
+    """
+    self._in_turn("reset()", self._streams.reset)
+
+  # -- the source's own iterator (MaxText checkpoints it) ----------------------
+
+  @property
+  def local_iterator(self) -> Any:
+    """The source's own iterator type (Grain sources), as seen through this one.
+
+    Its ``get_state()`` is the source state after the last batch this
+    consumer received (not the read-ahead), its ``set_state()`` restarts this
+    iterator from such a state, so Grain's checkpoint handler saves and
+    restores it as MaxText's trainer does. A `grain.DatasetIterator` for
+    Grain datasets, a `DataLoaderIterator`-like object (JSON bytes) for a
+    `grain.DataLoader`; None for other sources.
+    """
+    return self._streams.source.local_iterator(self)
+
+  def local_state(self) -> Any:
+    """The source's JSON state after the last batch received (`local_iterator`)."""
+    return self._export(self._streams.mark)
+
+  def _export(self, mark: session_lib.Mark) -> Any:
+    """The source's JSON state at `mark`; raises if the source cannot report one."""
+    source = self._streams.source
+    if not source.supports_state:
+      source.get_state()  # Raises with the source's description.
+    return source.export_state(mark.state)
+
+  def restore_local(self, source_state: Any) -> None:
+    """Restarts from a `local_state()` (`local_iterator.set_state`).
+
+    Raises:
+      ValueError: If the source refuses the state (on the peers too).
+    """
+    # The source's state has no batch count: counting starts again, as after
+    # `reset()`, and so does every host's resume position.
+    what = "local_iterator.set_state()"
+    self._in_turn(what, self._streams.restore, source_state, what)
+
+
+class JaxBatchIterator(_Resumable, Iterator[Any]):
   """Iterates global `jax.Array` batches that every host agrees on.
 
   Build it with `iter_jax_batches` (or get one from `device_put`'s and
@@ -114,99 +250,6 @@ class JaxBatchIterator(Iterator[Any]):
     mark = self._streams.mark
     return {**self._streams.snapshot(), **self._streams.source.stats(mark.state)}
 
-  # -- state -------------------------------------------------------------------
-
-  def get_state(self) -> dict[str, Any]:
-    """The resume state after the last batch this consumer received.
-
-    Takes no lock and makes no store call: safe from a checkpoint thread or
-    a signal handler, and before the first batch.
-
-    Returns:
-      A JSON-serialisable dict, per process; restore it with `set_state` in a
-      freshly built iterator on the same process.
-
-    Raises:
-      RuntimeError: If the source cannot report its position.
-    """
-    mark = self._streams.mark
-    state = {
-      "version": options_lib.STATE_VERSION,
-      "batches": mark.position,
-      "process_index": jax.process_index(),
-      "process_count": jax.process_count(),
-      "settings": self._options.digest(),
-      "source": self._export(mark),
-    }
-    if self._options.batch_size is None and mark.batch_size is not None:
-      state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
-    return state
-
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    """Resumes after the batch that `state` was taken at.
-
-    Every process's resume position is compared before the first batch: a
-    difference raises the same ValueError on every process.
-
-    Args:
-      state: A dict from `get_state` on the same process index, or the list
-        of every process's `get_state()` in process order (an elastic source
-        restores it on any process count).
-
-    Raises:
-      ValueError: If the state is malformed (naming the field), from another
-        version, process or process count, or saved with other settings. The
-        source is not touched, and the error is this process's ending: its
-        peers raise it too, at once, and so does `next()` here until a
-        `set_state` or `reset` succeeds.
-      RuntimeError: If the iterator is closed, the source cannot resume, or
-        it is called from inside this thread's own `next()` (a signal
-        handler) or while another thread's `next()` is in progress.
-    """
-    self._in_turn("set_state()", self._set_state, state)
-
-  def _in_turn(self, what: str, fn: Any, *args: Any) -> Any:
-    """Runs call `what` as this thread's turn (two threads would start two streams for the peers)."""
-    life = self._life
-    life.take_turn(what)
-    try:
-      return fn(*args)
-    finally:
-      life.give_turn()
-
-  def _set_state(self, state: Mapping[str, Any]) -> None:
-    p, streams = jax.process_index(), self._streams
-    try:
-      # A list of every old process's state (issue 24): this process's, or
-      # for an elastic source on another count, a re-split one.
-      state = elastic.for_this_process(
-        streams.source, state, process_index=p, process_count=jax.process_count()
-      )
-      batches, source_state = options_lib.check_state(
-        state, options=self._options, process_index=p, process_count=jax.process_count()
-      )
-      batch_size = options_lib.pinned_batch_size(state)
-    except ValueError as e:
-      raise streams.refuse(e) from e
-    streams.restore(source_state, "set_state()", batches, batch_size)
-
-  def reset(self) -> None:
-    """Restarts the stream from the source's beginning, on every host.
-
-    Every process calls it at the same point (as MaxText's trainer calls
-    ``eval_iterator.reset()`` before each eval). A process still iterating
-    the stream this one left raises a RuntimeError naming this process. The
-    source is reopened if it is re-iterable (a sequence, a Grain dataset or
-    DataLoader, a `tf.data.Dataset`), else restored to its first state.
-
-    Raises:
-      RuntimeError: If the iterator is closed, the source can be read only
-        once (a generator without get_state()/set_state()), or it is called
-        from inside this thread's own `next()` (a signal handler) or while
-        another thread's `next()` is in progress.
-    """
-    self._in_turn("reset()", self._streams.reset)
-
   # -- shapes ahead of time ------------------------------------------------------
 
   def batch_specs(self) -> list[Any]:
@@ -261,43 +304,6 @@ class JaxBatchIterator(Iterator[Any]):
       raise RuntimeError("batch_specs(): the stream ended before its first batch")
     sig, rows = self._first
     return build_lib.specs(sig, rows, options=self._options, placement=self._placement)
-
-  # -- the source's own iterator (MaxText checkpoints it) ----------------------
-
-  @property
-  def local_iterator(self) -> Any:
-    """The source's own iterator type (Grain sources), as seen through this one.
-
-    Its ``get_state()`` is the source state after the last batch this
-    consumer received (not the read-ahead), its ``set_state()`` restarts this
-    iterator from such a state, so Grain's checkpoint handler saves and
-    restores it as MaxText's trainer does. A `grain.DatasetIterator` for
-    Grain datasets, a `DataLoaderIterator`-like object (JSON bytes) for a
-    `grain.DataLoader`; None for other sources.
-    """
-    return self._streams.source.local_iterator(self)
-
-  def local_state(self) -> Any:
-    """The source's JSON state after the last batch received (`local_iterator`)."""
-    return self._export(self._streams.mark)
-
-  def _export(self, mark: session_lib.Mark) -> Any:
-    """The source's JSON state at `mark`; raises if the source cannot report one."""
-    source = self._streams.source
-    if not source.supports_state:
-      source.get_state()  # Raises with the source's description.
-    return source.export_state(mark.state)
-
-  def restore_local(self, source_state: Any) -> None:
-    """Restarts from a `local_state()` (`local_iterator.set_state`).
-
-    Raises:
-      ValueError: If the source refuses the state (on the peers too).
-    """
-    # The source's state has no batch count: counting starts again, as after
-    # `reset()`, and so does every host's resume position.
-    what = "local_iterator.set_state()"
-    self._in_turn(what, self._streams.restore, source_state, what)
 
   # -- lifetime ----------------------------------------------------------------
 

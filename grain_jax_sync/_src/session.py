@@ -47,6 +47,7 @@ from grain_jax_sync._src import (
 )
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, follower, lockstep
@@ -145,15 +146,7 @@ class Stream:
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
     """The agreement of the form the exchange picks: decided runs."""
     options, ex = start.options, self._exchange
-    who = Identity(
-      process=ex.process_index,
-      devices=start.placement.local_shards,
-      # The options and the sharding (not saved in a state: a resumed job
-      # may run on another mesh, but its processes must share one).
-      config={**options.digest(), **start.placement.fingerprint()},
-      resume=self.position,
-      groups=start.placement.groups if self._shares(start) else (),
-    )
+    who = _identity(start, ex.process_index, shares=self._shares(start))
     rules = options.rules(batch_size=start.mark.batch_size)
     if not isinstance(ex, exchange_lib.KeyValueExchange):
       # Lockstep. One process, or each process alone: one read per batch
@@ -169,25 +162,9 @@ class Stream:
       # This host already posted its ending to this stream (the crosswise
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
-    kind = decider.Decider if ex.process_index == 0 else follower.Follower
     threaded = options.prefetch_batches > 0
-    core = kind(
-      rules,
-      who,
-      namespace=ex.namespace,
-      process_count=ex.process_count,
-      lookahead=options.synchronize_lookahead,
-      timeout_s=options.sync_timeout_s,
-      dead_after_s=liveness.DEAD_AFTER_S,
-      position=self.position,
-      read_ahead=options.read_ahead,
-      # With a build thread, what it has not built counts in the read-ahead.
-      threaded=threaded,
-      inline=not threaded,
-      job=start.job,
-    )
     self._agreement = driver.Driver(
-      core,
+      _core(start, ex, who, rules),
       # With prefetch, the source is read in a thread of its own, so that a
       # stuck read holds up no decision, stop or close.
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
@@ -261,9 +238,8 @@ class Stream:
     finally:
       if inline is not None:
         inline.turn.release()
-        inline.post_stop(
-          in_call=True
-        )  # One asked for during this call (a signal handler, a thread).
+        # One asked for during this call (a signal handler, a thread).
+        inline.post_stop(in_call=True)
     return item
 
   def first_run(self) -> build_lib.FirstRun:
@@ -615,6 +591,42 @@ class Streams:
   def snapshot(self) -> dict[str, Any]:
     """This host's `stats()`: no lock, from any thread or a signal handler."""
     return stats_lib.snapshot(self.mark.delivered, self.times())
+
+
+def _identity(start: Start, process: int, *, shares: bool) -> Identity:
+  """This host as its first report describes it to the agreement."""
+  return Identity(
+    process=process,
+    devices=start.placement.local_shards,
+    # The options and the sharding (not saved in a state: a resumed job
+    # may run on another mesh, but its processes must share one).
+    config={**start.options.digest(), **start.placement.fingerprint()},
+    resume=start.mark.position,
+    groups=start.placement.groups if shares else (),
+  )
+
+
+def _core(
+  start: Start, ex: exchange_lib.KeyValueExchange, who: Identity, rules: plan_lib.Rules
+) -> decider.Decider | follower.Follower:
+  """The streamed agreement's core: process 0 decides, the others follow."""
+  options, threaded = start.options, start.options.prefetch_batches > 0
+  kind = decider.Decider if ex.process_index == 0 else follower.Follower
+  return kind(
+    rules,
+    who,
+    namespace=ex.namespace,
+    process_count=ex.process_count,
+    lookahead=options.synchronize_lookahead,
+    timeout_s=options.sync_timeout_s,
+    dead_after_s=liveness.DEAD_AFTER_S,
+    position=start.mark.position,
+    read_ahead=options.read_ahead,
+    # With a build thread, what it has not built counts in the read-ahead.
+    threaded=threaded,
+    inline=not threaded,
+    job=start.job,
+  )
 
 
 def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:

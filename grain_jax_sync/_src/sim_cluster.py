@@ -1,13 +1,9 @@
 """A simulated cluster: N hosts' real agreement cores, an in-memory store, a virtual clock.
 
-Every host runs the library's own core (`agreement.decider.Decider` or
-`agreement.follower.Follower`) over the real `KeyValueExchange`, whose client
-is an in-memory store with the key-value store's semantics. What the threads
-of a real host do (the reading thread, the agreement thread, the build thread,
-the consumer's training step) are tasks of a discrete-event scheduler: a wait
-is a task parked on a key, a queue or a deadline, and time moves only from one
-event to the next. One process, no thread, deterministic: a bound in seconds
-is checked in milliseconds, at any host count.
+Each host runs the library's own core over the real `KeyValueExchange` on an
+in-memory store; its threads (reading, agreement, build, the training loop)
+are tasks of a discrete-event scheduler, so time moves from one event to the
+next. One process, no thread, deterministic: a bound in seconds takes milliseconds.
 """
 
 from __future__ import annotations
@@ -101,10 +97,8 @@ class HostOutcome:
 
 
 class MemoryStore:
-  """The key-value store's semantics in memory; a missing key read blocking raises at once.
-
-  The scheduler parks the reader on that key (`missed`) until it is set or the slice ends.
-  """
+  """The key-value store's semantics in memory; a blocking read of a missing key records it
+  (`missed`, where the scheduler parks the reader) and raises at once."""
 
   def __init__(self, on_set: Callable[[str], None]):
     self._data: dict[str, str] = {}
@@ -126,7 +120,6 @@ class MemoryStore:
     self._on_set(key)
 
   def _under(self, prefix: str) -> tuple[int, int]:
-    """The slice of `_keys` that start with `prefix`."""
     start = bisect.bisect_left(self._keys, prefix)
     return start, bisect.bisect_left(self._keys, prefix + "\U0010ffff", start)
 
@@ -138,11 +131,11 @@ class MemoryStore:
 
   def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
     del timeout_in_ms
-    self.ops += 1
     if key not in self._data:
+      self.ops += 1
       self.missed = key
       raise RuntimeError(f"DEADLINE_EXCEEDED: timed out waiting for {key}")
-    return self._data[key]
+    return self.key_value_try_get(key)
 
   def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
     self.ops += 1
@@ -150,15 +143,14 @@ class MemoryStore:
     return [(k, self._data[k]) for k in self._keys[start:stop]]
 
   def key_value_delete(self, key: str) -> None:
+    """Deletes `key` and every key under ``key/``."""
     self.ops += 1
-    self._data.pop(key, None)
-    for sub in (key, key.rstrip("/") + "/"):
-      start, stop = self._under(sub)
-      if sub == key:  # The key itself, not its siblings that share its prefix.
-        stop = start + (start < len(self._keys) and self._keys[start] == key)
-      for k in self._keys[start:stop]:
-        self._data.pop(k, None)
-      del self._keys[start:stop]
+    start, stop = self._under(key.rstrip("/") + "/")
+    for k in self._keys[start:stop]:
+      del self._data[k]
+    del self._keys[start:stop]
+    if self._data.pop(key, None) is not None:
+      del self._keys[bisect.bisect_left(self._keys, key)]
 
   def key_value_increment(self, key: str, increment: int) -> int:
     self.ops += 1
@@ -169,6 +161,7 @@ class MemoryStore:
 
 Wait = tuple[Any, float]  # (channel or None, deadline): resumed with True if signalled.
 Task = Generator[Wait, bool, None]
+_END = object()  # The core returned: the agreed end (or an agreed stop).
 
 
 class _Clock:
@@ -231,33 +224,26 @@ class _Queue:
     return self.items.popleft()
 
 
-_END = object()
-
-
-class _Finished(Exception):
-  """The core returned: the agreed end (or an agreed stop)."""
-
-
 class _Host:
   """One host: its core, the real exchange over the shared store, and its stages as tasks."""
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
-    self.c, self.p, self.plan = cluster, p, plan
+    self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
     self.out = HostOutcome(p)
-    n, options = cluster.processes, cluster
-    self.ex = exchange_lib.KeyValueExchange(cluster.store, _NS, process_index=p, process_count=n)
+    self.ex = exchange_lib.KeyValueExchange(
+      cluster.store, _NS, process_index=p, process_count=cluster.processes
+    )
     config = {"sim": 1} if plan.config is None else plan.config
     who = common.Identity(process=p, devices=1, config=config, resume=plan.resume)
-    kind = decider.Decider if p == 0 else follower.Follower
-    self.threaded = options.prefetch_batches > 0
+    self.threaded = cluster.prefetch_batches > 0
     rules = plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True)
-    self.core = kind(
+    self.core = (decider.Decider if p == 0 else follower.Follower)(
       rules,
       who,
       namespace=_NS,
-      process_count=n,
-      lookahead=options.synchronize_lookahead,
-      timeout_s=plan.sync_timeout_s or options.sync_timeout_s,
+      process_count=cluster.processes,
+      lookahead=cluster.synchronize_lookahead,
+      timeout_s=plan.sync_timeout_s or cluster.sync_timeout_s,
       dead_after_s=liveness.DEAD_AFTER_S,
       position=plan.resume,
       threaded=self.threaded,
@@ -267,13 +253,13 @@ class _Host:
     self.reads = reader.Reader(
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
-    self.done = 0  # The build's positions handed on.
-    self.pace = stats.Pace(cluster.decide_ahead_s, options.prefetch_batches)
+    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
+    self.pace = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
-    self.asked = self.reading = 0
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.killed_at = INF
     self.closed_note: str | None = None
+    self.all: list[Task] = []  # Its tasks, `timed_task` last.
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
     for b in range(self.plan.batches):
@@ -281,29 +267,28 @@ class _Host:
         raise self.plan.error or OSError(f"process {self.p}'s source failed at batch {b}")
       yield {"x": np.full(self.plan.rows, 1000 * self.p + b, np.int32)}
 
-  def _read_s(self) -> float:
+  def _read_one(self) -> Generator[Wait, bool, Any]:
     stall = self.plan.stall
-    return stall[1] if stall is not None and stall[0] == self.reading else self.plan.read_s
+    read_s = stall[1] if stall is not None and stall[0] == self.reading else self.plan.read_s
+    yield (None, self.clock.now + read_s)
+    self.reading += 1
+    return next(self.reads)
 
-  # -- the core's actions ------------------------------------------------------------
-
-  def _now(self) -> core.Now:
-    return core.Now(self.c.clock.now, self.done, bool(self.read_q) or not self.threaded)
-
-  def drive(self, deliver: Callable[[Any], Any]) -> Generator[Wait, bool, Any]:
-    """Runs the core until it delivers a run (handed to `deliver`) or ends; its error raised."""
-    result: Any = None
+  def drive(self, send: Any = None) -> Generator[Wait, bool, Any]:
+    """Runs the core (or `send`, a side run of its steps) to its next run; `_END` at its end."""
+    send, result = send or self.core.send, None
     while True:
+      now = core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
       try:
-        action = self.core.send(result, self._now())
+        action = send(result, now)
       except StopIteration:
-        raise _Finished() from None
+        return _END
       if type(action) is core.Deliver:
-        return deliver(action.run)
+        return action.run
       result = yield from self._do(action)
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
-    clock = self.c.clock
+    clock = self.clock
     if isinstance(action, core.Store):
       result = driver.call_store(self.ex, action)
       if action.op in ("wait_chunk", "wait_decision") and not result:
@@ -311,23 +296,24 @@ class _Host:
         if (yield (key, clock.now + common.WAIT_SLICE_S)):
           result = driver.call_store(self.ex, action)
       return result
-    if isinstance(action, core.Read):
-      return (yield from self._read(action))
     if isinstance(action, core.Pace):
       return self.pace.count(clock.now)
     if isinstance(action, core.WaitBuild):
       if self.done <= action.beyond:
         yield (("built", self.p), clock.now + common.WAIT_SLICE_S)
       return None
-    assert isinstance(action, core.Look), action
-    return self._look(action)
+    if isinstance(action, core.Look):
+      peer = self.c.hosts[action.peer]
+      if action.op == "dead":
+        return clock.now - peer.killed_at >= liveness.DEAD_AFTER_S
+      return peer.closed_note if action.op == "closed" else None  # One stream everywhere.
+    assert isinstance(action, core.Read), action
+    return (yield from self._read(action))
 
   def _read(self, action: core.Read) -> Generator[Wait, bool, Any]:
-    clock = self.c.clock
+    clock = self.clock
     if not self.threaded:
-      yield (None, clock.now + self._read_s())
-      self.reading += 1
-      return next(self.reads)
+      return (yield from self._read_one())
     if action.want > self.asked:
       self.asked = action.want
       clock.signal(("ask", self.p))
@@ -338,153 +324,118 @@ class _Host:
     self.asked -= 1
     return self.read_q.popleft()
 
-  def _look(self, look: core.Look) -> Any:
-    peer = self.c.hosts[look.peer]
-    if look.op == "dead":
-      return self.c.clock.now - peer.killed_at >= liveness.DEAD_AFTER_S
-    if look.op == "closed":
-      return peer.closed_note
-    return None  # "cross", "done": every host starts the one stream.
-
-  # -- the stages ----------------------------------------------------------------------
+  def tasks(self, prefetch: int) -> list[Task]:
+    """The reading, agreement and build threads and the training loop (inline: the loop only)."""
+    if not self.threaded:
+      return [self.consumer_task(None)]
+    runs, items = _Queue(self.clock, 1), _Queue(self.clock, prefetch)
+    stages = [self.reading_task(), self.agree_task(runs), self.build_task(runs, items)]
+    return [*stages, self.consumer_task(items)]
 
   def reading_task(self) -> Task:
-    """The reading thread: one read at a time, as many as asked for."""
-    clock = self.c.clock
     while True:
       while self.asked <= len(self.read_q):
         yield (("ask", self.p), INF)
-      yield (None, clock.now + self._read_s())
-      self.reading += 1
-      item = next(self.reads)
+      item = yield from self._read_one()
       self.read_q.append(item)
-      clock.signal(("read", self.p))
+      self.clock.signal(("read", self.p))
       if isinstance(item, reader.End):
         return
 
   def agree_task(self, runs: _Queue) -> Task:
-    """The agreement thread: a slot, then the core until its next run."""
-    while True:
+    item = None
+    while item is not _END and not isinstance(item, BaseException):
       yield from runs.take_slot()
       try:
-        yield from self.drive(runs.put)
-      except _Finished:
-        runs.put(_END)
-        return
+        item = yield from self.drive()
       except BaseException as e:  # noqa: BLE001 - handed on, as the stage hands it on.
-        runs.put(e)
-        return
+        item = e
+      runs.put(item)
 
   def build_task(self, runs: _Queue, items: _Queue) -> Task:
-    """The build thread: a slot, then the next position's batch (a drop takes none)."""
-    pending: collections.deque[Any] = collections.deque()
-    handed = False  # The last batch is counted done when the build resumes (`build.Builder`).
-    while True:
+    """A slot, then the next position's batch (a drop takes none)."""
+    steps: collections.deque[Any] = collections.deque()
+    for n in itertools.count():
       yield from items.take_slot()
+      if n:
+        self._built()  # The last batch, counted done when the build resumes (`build.Builder`).
       while True:
-        if handed:
-          self._built()
-          handed = False
-        while not pending:
+        while not steps:
           run = yield from runs.get()
           if run is _END or isinstance(run, BaseException):
             items.put(run)
             return
-          pending.extend(run.steps)
-        _, step = pending.popleft()
+          steps.extend(s for _, s in run.steps)
+        step = steps.popleft()
         if step.action == messages.Action.YIELD:
-          items.put(step)
-          handed = True
           break
         self._built()  # A drop: done at once.
+      items.put(step)
 
   def _built(self) -> None:
     self.done += 1
-    self.pace.done(self.c.clock.now)
-    self.c.clock.signal(("built", self.p))
+    self.pace.done(self.clock.now)
+    self.clock.signal(("built", self.p))
 
   def consumer_task(self, items: _Queue | None) -> Task:
-    """The training loop: a batch, a step, and what the plan asks of this host."""
-    clock, plan = self.c.clock, self.plan
+    """A batch, a step, and what the plan asks of this host."""
+    clock, plan, received = self.clock, self.plan, self.out.received
     inline: collections.deque[Any] = collections.deque()
-    while True:
-      if plan.close_at == len(self.out.received):
-        self._closes()
-        return
+    while plan.close_at != len(received):
       self.busy = True
       try:
         item = yield from self._next(items, inline)
-      except _Finished:
-        item = _END
       except BaseException as e:  # noqa: BLE001 - recorded, as the loop gets it.
         item = e
       self.busy = False
-      if item is _END or isinstance(item, BaseException):
-        self._ended(item)
-        return
-      self.out.received.append(clock.now)
-      b = len(self.out.received)
-      if plan.stop is not None and plan.stop[0] == b:
+      if item is _END:
+        return self._end("end", by=self.core.stop_requested_by)
+      if isinstance(item, BaseException):
+        return self._end(type(item).__name__, str(item), post=True)
+      received.append(clock.now)
+      if plan.stop is not None and plan.stop[0] == len(received):
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
-      pause = plan.pause[1] if plan.pause is not None and plan.pause[0] == b else 0.0
+      pause = plan.pause[1] if plan.pause is not None and plan.pause[0] == len(received) else 0.0
       yield (None, clock.now + plan.step_s + pause)
+    self._close()
 
   def _next(self, items: _Queue | None, inline: collections.deque[Any]) -> Any:
     if items is not None:
-      item = yield from items.get()
-      if isinstance(item, BaseException):
-        raise item
-      return item
+      return (yield from items.get())
     while not inline:
-      run = yield from self.drive(lambda r: r)
+      run = yield from self.drive()
+      if run is _END:
+        return run
       inline.extend(s for _, s in run.steps if s.action == messages.Action.YIELD)
     return inline.popleft()
 
   def _stop_task(self) -> Task:
     self.core.request_stop(len(self.out.received))
-    self.c.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
+    self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
-      yield from self.drive_aside(self.core.stop_now())
-
-  def drive_aside(self, steps: core.Steps) -> Generator[Wait, bool, None]:
-    result: Any = None
-    while True:
-      try:
-        action = steps.send(result)
-      except StopIteration:
-        return
-      result = yield from self._do(action)
-
-  def _ended(self, item: Any) -> None:
-    self.out.ended_at = self.c.clock.now
-    if item is _END:
-      self.out.ending, self.out.stopped_by = "end", self.core.stop_requested_by
-    else:
-      self.out.ending, self.out.message = type(item).__name__, str(item)
-      self._post_end(len(self.out.received), None)
-    self.c.retire(self)
-
-  def _closes(self) -> None:
-    self.out.ending, self.out.ended_at = "closed", self.c.clock.now
-    self.c.retire(self)
-    self.closed_note = f'["{_NS}", "process {self.p} closed its iterator"]'
-    self._post_end(len(self.out.received), None)
-
-  def _post_end(self, at: int, error: messages.ReportedError | None) -> None:
-    calls = self.core.closing(at, error)
-    for call in calls:
-      driver.call_store(self.ex, call)
+      steps = self.core.stop_now()
+      yield from self.drive(lambda result, _: steps.send(result))
 
   def timed_task(self) -> Task:
     """A `close()` from another thread (`close_s`), or the process's death (`kill_at`)."""
     close_s, kill_at = (INF if t is None else t for t in (self.plan.close_s, self.plan.kill_at))
     yield (None, min(close_s, kill_at))
     if close_s < kill_at:
-      self._closes()
-      return
-    self.killed_at = self.c.clock.now
-    self.out.ending, self.out.ended_at = "killed", self.c.clock.now
+      return self._close()
+    self.killed_at = self.clock.now
+    self._end("killed")
+
+  def _end(self, ending: str, message: str = "", by: Any = None, post: bool = False) -> None:
+    """Records this host's ending and retires its tasks; with `post`, posts it for the peers."""
+    self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
+    self.out.ended_at = self.clock.now
     self.c.retire(self)
+    for call in self.core.closing(len(self.out.received), None) if post else ():
+      driver.call_store(self.ex, call)
+
+  def _close(self) -> None:
+    self.closed_note = f'["{_NS}", "process {self.p} closed its iterator"]'
+    self._end("closed", post=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -520,25 +471,17 @@ class SimulatedCluster:
     self.clock = _Clock()
     self.store = MemoryStore(self.clock.signal)
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
-    self._tasks: dict[int, list[Task]] = {}
     for h in self.hosts:
-      tasks = []
-      if h.threaded:
-        runs, items = _Queue(self.clock, 1), _Queue(self.clock, self.prefetch_batches)
-        tasks += [h.reading_task(), h.agree_task(runs), h.build_task(runs, items)]
-        tasks.append(h.consumer_task(items))
-      else:
-        tasks.append(h.consumer_task(None))
-      for task in tasks:  # Its stream starts at its first next().
+      h.all = [*h.tasks(self.prefetch_batches), h.timed_task()]
+      for task in h.all[:-1]:  # Its stream starts at its first next().
         self.clock.spawn(task, h.plan.start_s)
-      self._tasks[h.p] = [*tasks, h.timed_task()]
-      self.clock.spawn(self._tasks[h.p][-1])
+      self.clock.spawn(h.all[-1])
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
 
   def retire(self, host: _Host) -> None:
     """Ends every task of `host` (its threads joined, or its process gone)."""
-    self.clock.dead.update(id(t) for t in self._tasks[host.p])
+    self.clock.dead.update(id(t) for t in host.all)
 
   @property
   def store_ops(self) -> int:
