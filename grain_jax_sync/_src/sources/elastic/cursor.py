@@ -66,8 +66,7 @@ def find_position(state: Any) -> tuple[tuple[int, ...], str | None, list[int]] |
     return None
   why = next((w for _, w in tags if w is not None), None)
   holes = sorted(int(j) for t, _ in tags for j in t.get("holes", ()))
-  found = _thresholds(tags, why)
-  return found[0], found[1], holes
+  return (*_thresholds(tags, why), holes)
 
 
 def _thresholds(tags: list[tuple[Mapping[str, Any], Why]], why: Why) -> tuple[tuple[int, ...], Why]:

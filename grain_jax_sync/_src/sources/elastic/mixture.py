@@ -1,15 +1,10 @@
 """`elastic_mixture`: a weighted mixture of sources, read as one elastic source.
 
-Global row ``g`` of the mixture comes from the source and row that Grain's
-`MapDataset.mix` selects for ``g`` (its arithmetic, computed here for a
-chunk of rows at once): a function of ``g`` and the weights only, with every
-prefix of rows within one row of the weights. Each source repeats without
-end, row ``n`` of source ``k`` being its epoch ``n // len(k)``, each epoch
-in the order of a seeded bijection (`_shuffled`, per source and epoch). The
-mixture's rows (`MixedRecords`), read `epoch_length` an epoch, are an
-elastic source's records: the elastic split gives each process its share of
-global rows, and its cursor is every source's cursor. No thread or buffer
-per source: the transform reads the whole mixture once.
+Global row ``g`` comes from the source and row Grain's `MapDataset.mix`
+selects for ``g`` (its arithmetic, for a chunk of rows at once). Row ``n``
+of source ``k`` is its epoch ``n // len(k)``, each epoch in the order of a
+seeded bijection (`_shuffled`). The mixture's rows (`MixedRecords`), read
+`epoch_length` an epoch, are an elastic source's records.
 """
 
 from __future__ import annotations
@@ -106,10 +101,8 @@ class Mixture:
       base = epoch * self.epoch_length
       for start, stop in split.take(share, 0, cursor if epoch == last else split.total(share)):
         out += np.subtract(self.counts(base + stop), self.counts(base + start))
-    for j in holes:
-      epoch, pos = shares.locate(j)
-      g = epoch * self.epoch_length + pos
-      out -= np.subtract(self.counts(g + 1), self.counts(g))
+    rows = [epoch * self.epoch_length + pos for epoch, pos in map(shares.locate, holes)]
+    np.subtract.at(out, self.select(rows)[0], 1)
     return [int(n) for n in out]
 
   def stats(self, rows: Sequence[int]) -> list[dict[str, float]]:
@@ -122,9 +115,8 @@ class Mixture:
 
   def select(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(source, its row) of each global row in `rows`, as Grain's `mix` selects them."""
-    big = max(rows, default=0) >= 2**62 // max(
-      sum(p) for _, p, _ in self._runs
-    )  # Python ints past int64.
+    top = max(sum(p) for _, p, _ in self._runs)
+    big = max(rows, default=0) >= 2**62 // top  # Python ints past int64.
     g: Any = np.asarray(rows, dtype=object if big else np.int64)
     before = np.stack(self.counts(g))
     source = np.argmax(np.stack(self.counts(g + 1)) - before, axis=0)
@@ -147,13 +139,8 @@ def _keys(seed: int, source: int, epoch: int) -> np.ndarray:
 
 
 def _shuffled(i: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
-  """Each ``i[m]`` through a bijection of ``0 .. n[m] - 1`` keyed by ``keys[m]`` (4 keys).
-
-  A Feistel network over the bits that hold ``n - 1`` (alternating its two
-  halves: a bijection of that range), applied again to any value ``>= n``
-  (cycle walking) until it is below ``n``: a bijection of ``0 .. n - 1``,
-  computed per index with O(1) memory.
-  """
+  """Each ``i[m]`` through a bijection of ``0 .. n[m] - 1`` keyed by ``keys[m]`` (4 keys):
+  a Feistel network over the bits of ``n - 1``, cycle-walked until below ``n``."""
   bits = np.maximum(2, np.ceil(np.log2(np.maximum(n, 2)))).astype(np.uint64)
   out, n = i.astype(np.uint64), n.astype(np.uint64)
   todo = np.ones(len(i), bool)
@@ -174,11 +161,7 @@ _BLOCK = 4096  # Global rows whose source and row are found at once (16 bytes ea
 
 
 class MixedRecords:
-  """The mixture's endless global rows, read a chunk at a time (`_getitems`).
-
-  Each global row's source and row are found for a block of rows at once
-  and kept, so a process reading its rows in order pays once a block.
-  """
+  """The mixture's endless global rows; each `_BLOCK` rows' sources are found at once."""
 
   def __init__(self, records: Sequence[Any], mixture: Mixture, seed: int):
     self._records, self._mixture, self._seed = list(records), mixture, seed
@@ -191,7 +174,6 @@ class MixedRecords:
     return self._getitems([g])[0]
 
   def _getitems(self, rows: Sequence[int]) -> list[Any]:
-    """The records of global rows `rows`."""
     g = np.asarray(rows, np.int64)
     start, sources, at = self._block
     if len(g) and not (start <= g.min() and g.max() < start + len(sources)):
@@ -218,15 +200,6 @@ class MixedRecords:
       table = np.stack([_keys(self._seed, int(p % count), int(p // count)) for p in pairs])
       at = _shuffled(at, sizes, table[which])
     return sources, at
-
-
-def _proportions(weights: Sequence[float], count: int) -> tuple[int, ...]:
-  weights = list(weights)
-  if len(weights) != count or not all(
-    isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
-  ):
-    raise ValueError(f"`weights` must be {count} numbers > 0, one per source, got {weights!r:.100}")
-  return tuple(int(w * _SCALE / min(weights)) for w in weights)
 
 
 def _records(source: Any, i: int) -> Any:
@@ -300,7 +273,12 @@ def elastic_mixture(
   if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
     raise ValueError(f"`sources` must be a non-empty list of sources, got {sources!r:.100}")
   records = [_records(s, i) for i, s in enumerate(sources)]
-  proportions = _proportions(weights, len(records))
+  weights, count = list(weights), len(records)
+  if len(weights) != count or not all(
+    isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
+  ):
+    raise ValueError(f"`weights` must be {count} numbers > 0, one per source, got {weights!r:.100}")
+  proportions = tuple(int(w * _SCALE / min(weights)) for w in weights)
   seed = options_lib.checked_int("seed", seed, minimum=0)
   mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
   mixed = MixedRecords(records, mixture, seed)

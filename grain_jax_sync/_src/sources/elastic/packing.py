@@ -1,11 +1,7 @@
 """`pack_sequences`: token sequences packed into rows of a context length, resumable anywhere.
 
-Each record (a dict of 1-D arrays) goes first-fit into one of `num_bins`
-open rows; a row is emitted when it is full or a record fits in no open row
-(the fullest one goes), and at the end the open rows go in order. Each
-emitted row holds, per feature ``k``, the tokens ``k`` (0 pads), which
-record each token is of ``k_segment_ids`` (1, 2, ..; 0 pads: the mask) and
-its position in that record ``k_positions``, as MaxText and T5 pack.
+A row is emitted when it is full or a record fits in no open row (the
+fullest one goes), and at the end the open rows go in order.
 
 The state names the records in flight (in the open rows): the parent's
 state before the first of them, which of the records read since are in
@@ -36,7 +32,6 @@ class _Record:
 
 
 def _used(row: list[_Record]) -> dict[str, int]:
-  """Tokens of each feature in a row."""
   return {k: sum(len(r.value[k]) for r in row) for k in row[0].value}
 
 
@@ -99,10 +94,7 @@ class PackIterator:
     return _Record(self._read - 1, value, before, self._last)
 
   def __next__(self) -> dict[str, np.ndarray]:
-    while not self._ended:
-      record = self._take()
-      if record is None:
-        break
+    while not self._ended and (record := self._take()) is not None:
       row = next((r for r in self._rows if _fits(r, record, self._length)), None)
       if row is not None:
         row.append(record)

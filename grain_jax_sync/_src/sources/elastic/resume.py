@@ -100,20 +100,6 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
   return tuple(strided)
 
 
-def _holes(source: Mapping[str, Any], i: int, position: int) -> tuple[int, ...]:
-  """A state's stream indices below its position not consumed (a packer's records in flight)."""
-  try:
-    holes = state_lib.unpack_ints(source.get("holes", []))
-  except (ValueError, TypeError, zlib.error) as e:
-    raise ValueError(f"`state[{i}]['source']['holes']` is not a list of ints ({e})") from e
-  if not all(0 <= j < position for j in holes):
-    raise ValueError(
-      f"`state[{i}]['source']['holes']` must be stream indices below 'position' {position},"
-      f" got {holes[:8]}"
-    )
-  return holes
-
-
 def _switched(source: ElasticIterator, states: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
   """`states` with the mixture's weights switched to `source`'s from row g*: the first global
   row past every old process's consumed cursor (the same on every host and process count)."""
@@ -177,7 +163,16 @@ def _resplit(
       )
     olds.append(old)
     cursors.append(_thresholds(s["source"], i, position, old.length))
-    holes.append(_holes(s["source"], i, position))
+    try:  # A packer's records in flight.
+      mine = state_lib.unpack_ints(s["source"].get("holes", []))
+    except (ValueError, TypeError, zlib.error) as e:
+      raise ValueError(f"`state[{i}]['source']['holes']` is not a list of ints ({e})") from e
+    if not all(0 <= j < position for j in mine):
+      raise ValueError(
+        f"`state[{i}]['source']['holes']` must be stream indices below 'position' {position},"
+        f" got {mine[:8]}"
+      )
+    holes.append(mine)
   first, splits = resume(olds, cursors, holes)
   new = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
   return {

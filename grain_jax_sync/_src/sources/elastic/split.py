@@ -111,10 +111,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
     values: tuple[int, ...]
     if isinstance(cursor, Holes):
       values = (cursor.stop,)
-      if (
-        list(cursor.holes) != sorted(set(cursor.holes))
-        or max(cursor.holes, default=-1) >= cursor.stop
-      ):
+      if [*cursor.holes, cursor.stop] != sorted({*cursor.holes, cursor.stop}):
         raise ValueError(f"process {i}'s holes {cursor.holes[:8]} are not sorted share positions")
     else:
       values = (cursor,) if isinstance(cursor, int) else tuple(cursor)

@@ -74,27 +74,30 @@ class Stream:
 
 
 class Chunks:
-  """`stream` at `positions`, in order, read a chunk at a time."""
+  """`stream` at `positions`, read in chunks; a `grain.DatasetIterator` by `_reader_class`."""
 
   def __init__(self, stream: Stream, positions: range):
     self._stream, self._positions = stream, positions
-    self.delivered = 0  # Of `positions`.
+    self._delivered = 0  # Of `positions`.
     self._buffer: collections.deque[Any] = collections.deque()
 
-  def next(self) -> Any:
+  def __next__(self) -> Any:
     while True:
       if not self._buffer:
-        if self.delivered >= len(self._positions):
+        if self._delivered >= len(self._positions):
           raise StopIteration
-        chunk = self._positions[self.delivered : self.delivered + _CHUNK]
+        chunk = self._positions[self._delivered : self._delivered + _CHUNK]
         self._buffer.extend(self._stream.read(chunk))
-      self.delivered += 1
+      self._delivered += 1
       value = self._buffer.popleft()
       if value is not None:  # A Grain `filter` on the records leaves None.
         return value
 
-  def seek(self, delivered: int) -> None:
-    self.delivered = delivered
+  def get_state(self) -> dict[str, int]:
+    return {"next_index": self._delivered}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._delivered = int(state["next_index"])
     self._buffer.clear()
 
 
@@ -108,19 +111,10 @@ def _classes() -> tuple[type, type]:
 def _reader_class(grain: Any) -> type:
   """The `Reader` dataset (see `_classes`)."""
 
-  class ReaderIterator(grain.DatasetIterator):
+  class ReaderIterator(Chunks, grain.DatasetIterator):
     def __init__(self, stream: Stream, positions: range):
-      super().__init__()
-      self._read = Chunks(stream, positions)
-
-    def __next__(self):
-      return self._read.next()
-
-    def get_state(self):
-      return {"next_index": self._read.delivered}
-
-    def set_state(self, state):
-      self._read.seek(int(state["next_index"]))
+      grain.DatasetIterator.__init__(self)
+      Chunks.__init__(self, stream, positions)
 
   class Reader(grain.IterDataset):
     """The stream read in chunks of positions, its state the positions delivered."""
