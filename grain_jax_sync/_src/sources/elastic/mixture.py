@@ -1,10 +1,6 @@
-"""`elastic_mixture`: a weighted mixture of sources, read as one elastic source.
+"""`elastic_mixture`: a weighted mixture of sources, read as one elastic source (`MixedRecords`).
 
-Global row ``g`` comes from the source and row Grain's `MapDataset.mix`
-selects for ``g`` (its arithmetic, for a chunk of rows at once). Row ``n``
-of source ``k`` is its epoch ``n // len(k)``, each epoch in the order of a
-seeded bijection (`_shuffled`). The mixture's rows (`MixedRecords`), read
-`epoch_length` an epoch, are an elastic source's records.
+Row ``n`` of source ``k`` is in its epoch ``n // len(k)``, in the order of a seeded bijection.
 """
 
 from __future__ import annotations
@@ -234,18 +230,15 @@ def elastic_mixture(
 ) -> ElasticSource:
   """A weighted mixture of sources, split over processes and resumable on any count.
 
-  Which source global row ``g`` comes from is Grain's `MapDataset.mix`
-  selection for ``g`` and the weights: the same on every process count, and
-  every prefix of rows is within one row of the weights. Each source repeats
-  without end, reshuffled (seeded by `seed`, the source and its epoch) each
-  time it is read through, so no row of a source appears twice in one of its
-  epochs. The rows are read as an `elastic_source`: each process reads its
-  share of global rows through ``transform``, one pipeline for the whole
-  mixture (no thread or buffer per source), and a state resumes exactly on
-  the same process count and, as the list of every old process's state, on
-  any other. `stats()` gives each source's rows against its weight. New weights
-  at a resume (from every old process's state) apply from the first global
-  row past every old cursor, each source going on from its count there.
+  Global row ``g`` comes from Grain's `MapDataset.mix` selection for ``g`` and
+  the weights, on any process count; every prefix of rows is within one row of
+  the weights. Each source repeats, reshuffled (by `seed`, the source and its
+  epoch) each epoch, so no row appears twice in one of its epochs. The rows are
+  read as an `elastic_source` through ``transform``, one pipeline for the whole
+  mixture: a state resumes exactly on the same count and, as the list of every
+  old process's state, on any other. `stats()` gives each source's rows against
+  its weight. New weights at a resume (from every old process's state) apply
+  from the first global row past every old cursor.
 
   Args:
     sources: Each a `grain.MapDataset` or a random-access sequence of records
