@@ -252,10 +252,8 @@ def trailing_shapes(sig: batches_lib.Signature, sizes: tuple[int, ...]) -> list[
 class FirstRun:
   """A stream's decided runs, whose first one can be waited for without building a batch.
 
-  Whichever thread asks first takes the first run, under a lock: the build
-  thread as it starts, or `wait` in the consumer's call (where the build runs
-  in that call, or has not started); the other waits for it. Later runs pass
-  through, unlocked.
+  Whichever thread asks first takes the first run under a lock (the build thread,
+  or `wait` in the consumer's call); the other waits for it. Later runs pass through.
 
   Attributes:
     signature: The first run's agreed batch structure; None until it came,
