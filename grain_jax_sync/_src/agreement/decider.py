@@ -202,15 +202,11 @@ class Decider(Streamed):
     ):
       self._abort = cross
     else:
-      stale, polled = self._waited, self._last_poll
+      stale = self._waited
       yield from self._absorb((yield from self._wait_slice("wait_chunk", peer)))
-      if self._process_count == 2:
-        # With one peer, the one chunk waited for, not every post: what
-        # follows it (a stop posted during the consumer's step, inline; a
-        # timed-out ending posted long ago) is read before deciding, once
-        # the last read of every post is old (`_news_stale`).
-        self._last_poll = polled
-        self._waited = stale and self._own.inline
+      # With one peer, the one chunk waited for: inline, a stop that peer
+      # posted during the consumer's step may follow it, read before deciding.
+      self._waited = stale and self._own.inline and self._process_count == 2
 
   def _read(self, wait_s: float) -> core.Steps:
     """Takes this host's next read into the ledger; False where none came within `wait_s`."""
