@@ -27,7 +27,6 @@ class Follower(Streamed):
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
-    self._chunks_posted = 0  # The exchange numbers chunks in the order posted.
     self._chunks: collections.deque[tuple[int, int]] = collections.deque()  # (seq, start)
     self._gave_up: messages.ReportedError | None = None
 
@@ -157,11 +156,14 @@ class Follower(Streamed):
       yield from self._post(final=False, error=None)
 
   def _post(self, *, final: bool, error: messages.ReportedError | None) -> core.Steps:
-    yield core.Store("post_chunk", self._chunk(final=final, error=error))
+    """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
+    start = self._posted
+    seq = yield core.Store("post_chunk", self._chunk(final=final, error=error))
+    if self._posted > start:
+      self._chunks.append((seq, start))
 
   def _chunk(self, *, final: bool, error: messages.ReportedError | None) -> tuple[str, bool]:
     """The next chunk's text, with `final`: unposted rows and, once read, the ending (or `error`)."""
-    """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
     end = self._own.end if not self._end_posted else None
     sig = None
     if not self._sent_signature and self._own.signature is not None:
@@ -177,9 +179,6 @@ class Follower(Streamed):
     times = self._job.times_to_post() if self._job is not None else None
     chunk = messages.Chunk(start=self._posted, ack=self._seq, report=report, times=times)
     self._sent_first = True
-    if report.rows:
-      self._chunks.append((self._chunks_posted, self._posted))
-    self._chunks_posted += 1
     self._posted += len(report.rows)
     self._unposted.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
