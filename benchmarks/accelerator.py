@@ -161,6 +161,7 @@ def _interleaved(variants: dict[str, Callable[[], dict]], trials: int) -> dict[s
   for t in range(trials):
     for k in keys[t % len(keys) :] + keys[: t % len(keys)]:
       runs[k].append(variants[k]())
+    print(f"    trial {t + 1}/{trials}", file=sys.stderr, flush=True)
   out = {}
   for k, rs in runs.items():
     out[k] = {f: statistics.median(r[f] for r in rs) for f in rs[0]}
@@ -318,12 +319,19 @@ def _trial(make: Callable[[], Iterable[Any]], step: Callable, params: Any, n: in
 # -- An input-bound Grain pipeline ---------------------------------------------
 
 
+_POOL: dict[int, np.ndarray] = {}
+
+
 def make_record(index: int, side: int = 64) -> dict[str, Any]:
-  """One record, made in NumPy as a decode and an augmentation would (module level: picklable)."""
-  rng = np.random.default_rng(index)
-  image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-  if index % 2:
-    image = np.ascontiguousarray(image[:, ::-1])
+  """One record as a decoder hands it over: a fresh image, one of 16 made once, flipped on odd indices.
+
+  Module level, so that worker processes can pickle it; each process makes its own 16.
+  """
+  pool = _POOL.get(side)
+  if pool is None:
+    pool = _POOL[side] = np.random.default_rng(0).integers(0, 256, (16, side, side, 3), np.uint8)
+  image = pool[index % 16]
+  image = np.ascontiguousarray(image[:, ::-1]) if index % 2 else image.copy()
   return {"image": image, "label": np.int32(index % 10)}
 
 
