@@ -356,8 +356,18 @@ def input_pipeline(rows: int, batches: int, side: int, *, workers: int, threads:
 
     if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags.
       flags.FLAGS.mark_as_parsed()
-    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    opts = grain.MultiprocessingOptions(num_workers=workers)
+    it = it.mp_prefetch(opts, worker_init_fn=_workers_on_cpu)
   return it
+
+
+def _workers_on_cpu(index: int, count: int) -> None:
+  """A Grain worker's JAX stays off the accelerator, which the parent holds."""
+  del index, count
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+
+  jax.config.update("jax_platforms", "cpu")
 
 
 def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[str, Callable]:
