@@ -156,7 +156,7 @@ def _expected(n, hosts, rules=RULES):
     if h["ending"] == "failed":
       position = len(rows)
       e = OSError(f"disk on fire at batch {h['at']}")
-      end = reader.failed(p, position, h["at"], e, f"reading batch {h['at']} from its source")
+      end = endings.failed(p, position, h["at"], e, f"reading batch {h['at']} from its source")
       error = end.error
     reports.append(
       messages.Report(process_index=p, rows=rows, exhausted=error is None, error=error)

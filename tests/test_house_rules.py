@@ -230,7 +230,15 @@ def test_no_import_circle_among_the_package_modules():
 # (docs/internals.md, "The core and its drivers"). Its drivers are the I/O.
 CORE = ("core", "common", "streamed", "decider", "follower", "ledger", "endings")
 NOT_IN_CORE = ("threading", "queue", "time", "asyncio", "socket")
-NOT_IN_CORE_MODULES = ("exchange", "prefetch", "liveness", "agreement.driver", "session")
+NOT_IN_CORE_MODULES = (
+  "exchange",
+  "prefetch",
+  "liveness",
+  "agreement.driver",
+  "session",
+  "reader",
+  "sources",
+)
 
 
 def test_the_agreements_core_imports_no_thread_clock_store_or_stage():

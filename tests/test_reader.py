@@ -13,6 +13,7 @@ import scenarios
 
 import grain_jax_sync as gjs
 from grain_jax_sync._src import batches, build, messages, reader, sources
+from grain_jax_sync._src.agreement import core
 
 
 class _CudaLike:
@@ -43,8 +44,8 @@ class _StateFails:
 def _drain(source, **kw):
   r = reader.Reader(sources.open_source(source), process_index=3, check_int32=True, **kw)
   items = list(r)
-  assert all(isinstance(i, reader.Read) for i in items[:-1])
-  assert isinstance(items[-1], reader.End)
+  assert all(isinstance(i, core.Read) for i in items[:-1])
+  assert isinstance(items[-1], core.End)
   return items[:-1], items[-1]
 
 

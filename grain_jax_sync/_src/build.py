@@ -28,6 +28,7 @@ from grain_jax_sync._src import stats as stats_lib
 
 if TYPE_CHECKING:  # Runs come from the agreement; this module needs only their type.
   from grain_jax_sync._src.agreement import common as agreement_common
+  from grain_jax_sync._src.agreement import core
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
 
 
 def _local_leaves(
-  read: reader_lib.Read | None,
+  read: core.Read | None,
   step: messages.Step,
   sig: batches_lib.Signature,
   layout: Layout,
@@ -379,7 +380,7 @@ class Builder:
 
   def step(
     self,
-    read: reader_lib.Read | None,
+    read: core.Read | None,
     step: messages.Step,
     sig: batches_lib.Signature | None,
   ) -> Item | None:
@@ -405,7 +406,7 @@ class Builder:
     dropped, self.dropped = self.dropped, 0
     return Item(value, self._state, real, step.rows, dropped)
 
-  def build(self, read: reader_lib.Read | None, step: messages.Step, sig: Any) -> Any:
+  def build(self, read: core.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
     if self._layout is None:
       self._layout = _layout(sig, self._options)

@@ -13,7 +13,6 @@ Pure NumPy; no JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import time
@@ -25,8 +24,9 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
-from grain_jax_sync._src import messages, sources
 from grain_jax_sync._src import shapes as shapes_lib
+from grain_jax_sync._src import sources
+from grain_jax_sync._src.agreement import core, endings
 
 _INT_RANGE = {
   np.dtype(np.int64): (np.iinfo(np.int32).min, np.iinfo(np.int32).max, "int32"),
@@ -49,76 +49,6 @@ class Narrowing(NamedTuple):
   dtype: np.dtype
   why: str
   fix: str
-
-
-@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
-class Read:
-  """One validated non-empty batch and the source state right after it.
-
-  Attributes:
-    batch: The batch.
-    state: The source state right after it.
-    digest: `rows_digest` of its rows, where processes share rows.
-  """
-
-  batch: batches_lib.HostBatch
-  state: Any
-  digest: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class End:
-  """How this host's stream ended.
-
-  Attributes:
-    position: Non-empty batches read before the end (the ended position).
-    error: None when the source was exhausted; else what failed, reported.
-    exception: The local exception (re-raised on this host only).
-  """
-
-  position: int
-  error: messages.ReportedError | None = None
-  exception: BaseException | None = None
-
-  @property
-  def exhausted(self) -> bool:
-    return self.error is None
-
-
-def _text(e: BaseException) -> str:
-  """`str(e)`, or a stand-in where the exception's own `__str__` fails."""
-  try:
-    return str(e)
-  except Exception as inner:  # noqa: BLE001 - the ending must still be posted.
-    return f"<str() of the exception raised {type(inner).__qualname__}>"
-
-
-def failed(
-  process: int,
-  position: int,
-  batch_index: int,
-  e: BaseException,
-  doing: str,
-  *,
-  data: bool = False,
-) -> End:
-  """The `End` for exception `e`.
-
-  With `data`, a ValueError is bad data or settings: every host raises the
-  same ValueError. Anything else is a failure of this host: it re-raises its
-  own exception, the others a RuntimeError naming it.
-  """
-  if data and isinstance(e, ValueError):
-    error = messages.ReportedError(messages.ErrorKind.VALUE, _text(e), process, batch_index)
-  else:
-    error = messages.ReportedError(
-      messages.ErrorKind.SOURCE,
-      f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
-      process,
-      batch_index,
-      type(e).__qualname__,
-    )
-  return End(position, error, e)
 
 
 class Reader:
@@ -174,39 +104,43 @@ class Reader:
   def __iter__(self) -> Reader:
     return self
 
-  def __next__(self) -> Read | End:
+  def __next__(self) -> core.Read | core.End:
     if self._done:
       raise StopIteration
     if self._start_error is not None:
       self._done = True
-      return failed(self._p, 0, 0, self._start_error, "restoring its state", data=True)
+      return endings.failed(self._p, 0, 0, self._start_error, "restoring its state", data=True)
     item = self._read()
     while item is None:  # An empty batch: skipped.
       item = self._read()
-    self._done = isinstance(item, End)
+    self._done = isinstance(item, core.End)
     return item
 
-  def _read(self) -> Read | End | None:
+  def _read(self) -> core.Read | core.End | None:
     index = self._index
     t0 = time.monotonic()
     try:
       raw = next(self._source)
     except StopIteration:
-      return End(self._position)
+      return core.End(self._position)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return failed(self._p, self._position, index, e, f"reading batch {index} from its source")
+      return endings.failed(
+        self._p, self._position, index, e, f"reading batch {index} from its source"
+      )
     finally:
       self.source_s += time.monotonic() - t0
     self._index += 1
     try:
       hb = self._validate(raw, index)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return failed(self._p, self._position, index, e, f"converting batch {index}", data=True)
+      return endings.failed(
+        self._p, self._position, index, e, f"converting batch {index}", data=True
+      )
     t0 = time.monotonic()
     try:
       state = self._source.get_state() if self._source.supports_state else None
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return failed(
+      return endings.failed(
         self._p, self._position, index, e, f"taking the source state after batch {index}"
       )
     finally:
@@ -215,7 +149,7 @@ class Reader:
       return None
     self._position += 1
     digest = None if self._digest is None else self._digest(hb.leaves)
-    return Read(hb, state, digest)
+    return core.Read(hb, state, digest)
 
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
     hb = None if self._matcher is None else self._matcher.match(raw)

@@ -379,7 +379,7 @@ class Streams:
       # The first stream's ending: its peers would otherwise wait
       # `sync_timeout_s` for a host that never reports.
       self.generation = 1
-      end = reader.failed(jax.process_index(), 0, 0, e, "opening its source")
+      end = endings.failed(jax.process_index(), 0, 0, e, "opening its source")
       _post_unstarted(options, self._keys(), 0, end.error)
       raise
     self.mark = Mark(0, self.initial, options.batch_size, stats_lib.Delivered())

@@ -307,10 +307,10 @@ class _Host:
       if action.op == "dead":
         return clock.now - peer.killed_at >= liveness.DEAD_AFTER_S
       return peer.closed_note if action.op == "closed" else None  # One stream everywhere.
-    assert isinstance(action, core.Read), action
+    assert isinstance(action, core.Take), action
     return (yield from self._read(action))
 
-  def _read(self, action: core.Read) -> Generator[Wait, bool, Any]:
+  def _read(self, action: core.Take) -> Generator[Wait, bool, Any]:
     clock = self.clock
     if not self.threaded:
       return (yield from self._read_one())
@@ -339,7 +339,7 @@ class _Host:
       item = yield from self._read_one()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))
-      if isinstance(item, reader.End):
+      if isinstance(item, core.End):
         return
 
   def agree_task(self, runs: _Queue) -> Task:

@@ -12,7 +12,6 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import core, endings
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ FOLLOWER_GRACE_S = core.DEAD_AFTER_S + 2.0
 WAIT_SLICE_S = core.LIVENESS_PERIOD_S
 
 
-def read_ahead_limit(read: reader_lib.Read, lookahead: int | None, cap: int | None = None) -> int:
+def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:
   """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`.
 
   At least 1; the time horizon (`OwnReads.limit`) comes on top.
@@ -59,9 +58,9 @@ class Identity:
 
 def make_report(
   who: Identity,
-  reads: Sequence[reader_lib.Read],
+  reads: Sequence[core.Read],
   rules: plan_lib.Rules,
-  end: reader_lib.End | None,
+  end: core.End | None,
   sig: Any,
   first: bool,
 ) -> messages.Report:
@@ -132,7 +131,7 @@ class Agreement:
       self._stop_at = at_batch
 
   def _agreed_end(
-    self, end: messages.Outcome, error: messages.ReportedError | None, own: reader_lib.End | None
+    self, end: messages.Outcome, error: messages.ReportedError | None, own: core.End | None
   ) -> bool:
     """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
 
@@ -159,14 +158,14 @@ class Run:
     signature: The agreed batch structure (None while no host has a batch).
   """
 
-  steps: tuple[tuple[reader_lib.Read | None, messages.Step], ...]
+  steps: tuple[tuple[core.Read | None, messages.Step], ...]
   signature: batches_lib.Signature | None
 
 
 class OwnReads:
   """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
 
-  No I/O: the reads come in from the driver (`core.Read`), inline or from the
+  No I/O: the reads come in from the driver (`core.Take`), inline or from the
   reading thread; then a stuck source holds up only the positions it has not read.
 
   The horizon (`limit`) is time: the positions the consumer took in the last
@@ -198,9 +197,9 @@ class OwnReads:
     # Until the first read tells the bytes of a batch.
     self._base = min((b for b in (lookahead, read_ahead) if b is not None), default=2)
     self.limit = 1 if paced else self._base  # Nothing consumed yet.
-    self.pending: collections.deque[reader_lib.Read] = collections.deque()
+    self.pending: collections.deque[core.Read] = collections.deque()
     self.count = 0  # Positions read.
-    self.end: reader_lib.End | None = None
+    self.end: core.End | None = None
     self.signature: batches_lib.Signature | None = None
     self.stopped = False  # A stop was asked for here: read nothing more.
     self.now = core.Now(0.0)  # The driver's last word (`Streamed.send`).
@@ -278,10 +277,10 @@ class OwnReads:
 
   def read(self, wait_s: float = 0.0) -> core.Steps:
     """This host's next read, or None where the reading thread had none within `wait_s`."""
-    item = yield core.Read(max(1, self._free()), wait_s)
+    item = yield core.Take(max(1, self._free()), wait_s)
     if item is None:
       return None
-    if isinstance(item, reader_lib.End):
+    if isinstance(item, core.End):
       self.end = item
       return item
     if self.count == 0:

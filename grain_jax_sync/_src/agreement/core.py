@@ -11,7 +11,7 @@ are its drivers.
 ```
        Now + result of the last action
 driver ───────────────────────────────> core ──> Deliver(run)   (a decided run, for the build)
-  ^                                      │       Read(want, wait_s)      (this host's next read)
+  ^                                      │       Take(want, wait_s)      (this host's next read)
   └──────────── action ──────────────────┘       Store(op, args)         (one exchange call)
                                                  Look(op, peer)          (a peer's beat)
                                                  WaitBuild(beyond)       (the build's next position)
@@ -24,8 +24,14 @@ step; an agreed error is raised by the core; a failed action is thrown into it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from grain_jax_sync._src import messages
+
+if TYPE_CHECKING:
+  from grain_jax_sync._src import batches as batches_lib
 
 # The liveness period: one beat per process, and the longest a wait (for a
 # read, in the store) lasts before the core looks at its peers' beats again;
@@ -34,6 +40,46 @@ LIVENESS_PERIOD_S = 1.0
 # A live process misses this much of beats only if its interpreter is frozen
 # (SIGSTOP, swapping), which a busy training loop is not: then it is dead.
 DEAD_AFTER_S = 8.0
+
+
+# -- The events from this host's reader (`reader.Reader`) -----------------------
+
+
+@dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
+class Read:
+  """One validated non-empty batch and the source state right after it.
+
+  Attributes:
+    batch: The batch.
+    state: The source state right after it.
+    digest: `rows_digest` of its rows, where processes share rows.
+  """
+
+  batch: batches_lib.HostBatch
+  state: Any
+  digest: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+  """How this host's stream ended.
+
+  Attributes:
+    position: Non-empty batches read before the end (the ended position).
+    error: None when the source was exhausted; else what failed, reported.
+    exception: The local exception (re-raised on this host only).
+  """
+
+  position: int
+  error: messages.ReportedError | None = None
+  exception: BaseException | None = None
+
+  @property
+  def exhausted(self) -> bool:
+    return self.error is None
+
+
+# -- What the driver tells the core, and the actions -----------------------------
 
 
 class Now(NamedTuple):
@@ -50,8 +96,8 @@ class Now(NamedTuple):
   ready: bool = True
 
 
-class Read(NamedTuple):
-  """Take this host's next read (a `reader.Read` or `reader.End`), or None within `wait_s`.
+class Take(NamedTuple):
+  """Take this host's next read (a `Read` or `End`), or None within `wait_s`.
 
   `want`: reads this host may hold undecided now (the reading stage is asked for as many).
   """
@@ -95,5 +141,5 @@ class Deliver(NamedTuple):
   run: Any
 
 
-Action = Read | Store | Look | WaitBuild | Pace | Deliver
+Action = Take | Store | Look | WaitBuild | Pace | Deliver
 Steps = Generator[Action, Any, Any]

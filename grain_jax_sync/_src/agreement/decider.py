@@ -10,7 +10,6 @@ from typing import Any
 
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.agreement import ledger as ledger_lib
 from grain_jax_sync._src.agreement.streamed import Streamed
@@ -214,7 +213,7 @@ class Decider(Streamed):
     if item is None:
       return False
     self._reads_since_look += 1
-    if isinstance(item, reader_lib.End):
+    if isinstance(item, core.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()
       self._ledger.end(common.make_report(self._who, (), self._rules, item, sig, False))
       return True

@@ -19,7 +19,6 @@ from typing import Any
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import messages, prefetch
-from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, core, cross_wait, endings, streamed
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class Driver:
   def __init__(
     self,
     agreement: streamed.Streamed,
-    reader: Iterator[reader_lib.Read | reader_lib.End] | prefetch.OnDemand[Any],
+    reader: Iterator[core.Read | core.End] | prefetch.OnDemand[Any],
     exchange: exchange_lib.KeyValueExchange,
     built: Any,
     live: liveness_lib.Liveness | None = None,
@@ -100,7 +99,7 @@ class Driver:
   def _do(self, action: core.Action) -> Any:
     if isinstance(action, core.Store):
       return call_store(self._exchange, action)
-    if isinstance(action, core.Read):
+    if isinstance(action, core.Take):
       return self._read(action)
     if isinstance(action, core.Pace):
       return self._built.pace()
@@ -111,7 +110,7 @@ class Driver:
     self._built.wait_done(action.beyond, common.WAIT_SLICE_S)
     return None
 
-  def _read(self, read: core.Read) -> reader_lib.Read | reader_lib.End | None:
+  def _read(self, read: core.Take) -> core.Read | core.End | None:
     thread = self._thread
     if thread is None:
       return next(self._reader)  # type: ignore[call-overload]

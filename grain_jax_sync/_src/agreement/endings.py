@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from grain_jax_sync._src import messages
+from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
-
-if TYPE_CHECKING:  # This host's own end: only its exception is read.
-  from grain_jax_sync._src import reader as reader_lib
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,43 @@ class PeerLostError(RuntimeError):
     self.missing = tuple(missing)
 
 
-def to_exception(error: ReportedError, process: int, own: reader_lib.End | None) -> BaseException:
+def _text(e: BaseException) -> str:
+  """`str(e)`, or a stand-in where the exception's own `__str__` fails."""
+  try:
+    return str(e)
+  except Exception as inner:  # noqa: BLE001 - the ending must still be posted.
+    return f"<str() of the exception raised {type(inner).__qualname__}>"
+
+
+def failed(
+  process: int,
+  position: int,
+  batch_index: int,
+  e: BaseException,
+  doing: str,
+  *,
+  data: bool = False,
+) -> core.End:
+  """The `End` for exception `e`.
+
+  With `data`, a ValueError is bad data or settings: every host raises the
+  same ValueError. Anything else is a failure of this host: it re-raises its
+  own exception, the others a RuntimeError naming it.
+  """
+  if data and isinstance(e, ValueError):
+    error = messages.ReportedError(messages.ErrorKind.VALUE, _text(e), process, batch_index)
+  else:
+    error = messages.ReportedError(
+      messages.ErrorKind.SOURCE,
+      f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
+      process,
+      batch_index,
+      type(e).__qualname__,
+    )
+  return core.End(position, error, e)
+
+
+def to_exception(error: ReportedError, process: int, own: core.End | None) -> BaseException:
   """The exception this host raises for an agreed error."""
   if own is not None and own.exception is not None and own.error == error:
     return own.exception  # This host's own failure: its own exception.

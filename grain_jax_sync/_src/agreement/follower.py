@@ -11,7 +11,6 @@ import collections
 from typing import Any
 
 from grain_jax_sync._src import messages
-from grain_jax_sync._src import reader as reader_lib
 from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
@@ -23,7 +22,7 @@ class Follower(Streamed):
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)
     self._posted = 0  # Own positions posted.
-    self._unposted: list[reader_lib.Read] = []  # Read, not posted yet (also in `_own.pending`).
+    self._unposted: list[core.Read] = []  # Read, not posted yet (also in `_own.pending`).
     self._end_posted = False
     self._sent_first = False
     self._sent_signature = False
@@ -141,7 +140,7 @@ class Follower(Streamed):
     item = yield from self._own.read(wait_s)
     if item is None:
       return None
-    if isinstance(item, reader_lib.End):
+    if isinstance(item, core.End):
       yield from self._flush()
       return False
     self._unposted.append(item)

@@ -11,8 +11,7 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src import reader as reader_lib
-from grain_jax_sync._src.agreement import common, endings
+from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.messages import ErrorKind, Outcome
 
 logger = logging.getLogger(__name__)
@@ -28,7 +27,7 @@ class Lockstep(common.Agreement):
 
   def __init__(
     self,
-    reader: Iterator[reader_lib.Read | reader_lib.End],
+    reader: Iterator[core.Read | core.End],
     exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
     rules: plan_lib.Rules,
     who: common.Identity,
@@ -41,8 +40,8 @@ class Lockstep(common.Agreement):
     self._window = window
     self._position = position
     self._signature: batches_lib.Signature | None = None
-    self._end: reader_lib.End | None = None
-    self._reads: list[reader_lib.Read] = []  # Undecided reads kept after a WAIT.
+    self._end: core.End | None = None
+    self._reads: list[core.Read] = []  # Undecided reads kept after a WAIT.
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
@@ -98,12 +97,12 @@ class Lockstep(common.Agreement):
 
 
 def _read(
-  reader: Iterator[reader_lib.Read | reader_lib.End], reads: list[reader_lib.Read], need: int
-) -> reader_lib.End | None:
+  reader: Iterator[core.Read | core.End], reads: list[core.Read], need: int
+) -> core.End | None:
   """Reads into `reads` until it holds `need` batches; the stream's end if reached first."""
   while len(reads) < need:
     item = next(reader)
-    if isinstance(item, reader_lib.End):
+    if isinstance(item, core.End):
       return item
     reads.append(item)
   return None

@@ -7,12 +7,15 @@ no thread, clock or store; `driver.Driver` carries their actions out.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import job_stats, messages
+from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
+
+if TYPE_CHECKING:  # Handed in by the session (it reads the clock); the core only calls it.
+  from grain_jax_sync._src import job_stats
 
 
 class Streamed(common.Agreement):
