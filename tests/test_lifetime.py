@@ -735,7 +735,7 @@ def first_next_in_another_order(prefetch: int) -> dict[str, Any]:
   import jax
 
   p = jax.process_index()
-  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 20.0}
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 8.0}
   a = gjs.iter_jax_batches(host_batches(4, p), **kw)
   b = gjs.iter_jax_batches(host_batches(4, p), **kw)
   return _first_next_ending(a if p == 0 else b, a, b)
@@ -759,13 +759,13 @@ def check_first_next_in_another_order_ends_every_host_with_one_error(outs):
   # Each host waited in a stream the other never started: after
   # `sync_timeout_s` process 0 raised PeerTimeoutError (whose hint did not
   # fit) and process 1 another error. Now both name the cause, at half
-  # `sync_timeout_s` (20 s here) at the latest.
+  # `sync_timeout_s` (8 s here), well before a timeout.
   p0, p1 = outs
   assert p0["error"] == p1["error"], (p0, p1)
   assert p0["error"].startswith("RuntimeError: process 0 waits for the first batch of iterator")
   assert "created or started their iterators in a different order" in p0["error"]
   assert "call next() on them in the same order on every process" in p0["error"]
-  assert p0["seconds"] < 18 and p1["seconds"] < 18, (p0, p1)
+  assert p0["seconds"] < 7.2 and p1["seconds"] < 7.2, (p0, p1)
 
 
 def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
@@ -777,7 +777,7 @@ def created_in_another_order_same_settings(prefetch: int) -> dict[str, Any]:
   import jax
 
   p = jax.process_index()
-  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 10.0}
+  kw = {"batch_size": 8, "prefetch_batches": prefetch, "sync_timeout_s": 8.0}
   make = lambda: gjs.iter_jax_batches(host_batches(4, p), **kw)  # noqa: E731
   if p == 0:
     a, b = make(), make()
@@ -801,8 +801,8 @@ def check_iterators_created_in_another_order_with_the_same_settings_name_both_ca
   ), p0["error"]
   assert "paired across processes by creation order unless given a `name=`" in p0["error"]
   assert "or pass the same `name=` to the iterators that belong together" in p0["error"]
-  # At half `sync_timeout_s` (10 s here), well before a timeout.
-  assert 4 < p0["seconds"] < 9 and 4 < p1["seconds"] < 9, (p0, p1)
+  # At half `sync_timeout_s` (8 s here), well before a timeout.
+  assert 3.2 < p0["seconds"] < 7.2 and 3.2 < p1["seconds"] < 7.2, (p0, p1)
 
 
 # -- real processes: one launch per group of cases, each case with its own checks ---------
