@@ -146,9 +146,28 @@ class Lifetime:
       # A stage's own thread (the source): this close would join it.
       self._hand_off()
       return
-    self._local.closing = True
+    self._local.closing = True  # A handler in this thread from here on only asks.
     try:
-      self._close()
+      with self._lock:
+        first = self._phase is Phase.OPEN
+        if first:
+          self._phase = Phase.CLOSING
+      self.streams.interrupt()
+      if not first:
+        self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
+        return
+      me = threading.get_ident()
+      with self._lock:
+        # A turn in progress was woken above; one that reads the source itself
+        # (a generator cannot be closed while it runs) carries the close out
+        # when its read returns, if it outlasts this wait.
+        if not self._idle.wait_for(
+          lambda: self._held.setdefault("turn", (me, "close()"))[0] == me,
+          prefetch_lib.JOIN_TIMEOUT_S,
+        ):
+          self._phase = Phase.OPEN
+          return  # `give_turn` finishes it.
+      self._finish()
     finally:
       self._local.closing = False
 
@@ -171,28 +190,6 @@ class Lifetime:
       threading.Thread(target=self.close, name=CLOSER_THREAD, daemon=True).start()
     except RuntimeError:  # At interpreter exit no thread starts; the stages are daemons.
       logger.debug("grain_jax_sync: could not start the closing thread", exc_info=True)
-
-  def _close(self) -> None:
-    with self._lock:
-      first = self._phase is Phase.OPEN
-      if first:
-        self._phase = Phase.CLOSING
-    self.streams.interrupt()
-    if not first:
-      self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
-      return
-    me = threading.get_ident()
-    with self._lock:
-      # A turn in progress was woken above; one that reads the source itself
-      # (a generator cannot be closed while it runs) carries the close out
-      # when its read returns, if it outlasts this wait.
-      if not self._idle.wait_for(
-        lambda: self._held.setdefault("turn", (me, "close()"))[0] == me,
-        prefetch_lib.JOIN_TIMEOUT_S,
-      ):
-        self._phase = Phase.OPEN
-        return  # `give_turn` finishes it.
-    self._finish()
 
   def _finish(self) -> None:
     """Ends the streams (this host's ending, the source closed); holds the turn. Once."""

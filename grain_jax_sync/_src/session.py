@@ -285,23 +285,39 @@ class Stream:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self._stopper is None else self._stopper.stop_requested_by
 
-  def halt(self) -> None:
-    """Stops every stage, from the user's end back to the source; posts nothing."""
+  def halt(self, ending: tuple[int, messages.ReportedError | None] | None = None) -> None:
+    """Stops every stage, from the user's end back to the source; then posts `ending`, if given.
+
+    Inline, all under the agreement's turn (a stop being posted is one
+    write). With an `ending` (`end`), a read in progress is not waited for
+    (`reading` may still be in it), and this host's ending is posted unless a
+    stage thread is still blocked.
+    """
     with self._turn():
-      self._halt(abandon_reads=False)
+      for stage in self._threads:
+        stage.close(wait=ending is None or not isinstance(stage, prefetch_lib.OnDemand))
+      if not self._threads:
+        prefetch_lib.close_producer(self._items)
+      if self._agreement is not None:
+        self._agreement.release()
+      if ending is None or self._agreement is None:
+        return
+      blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
+      if any(stage.thread.is_alive() for stage in blocked):
+        logger.warning(
+          "grain_jax_sync: a stage thread is still blocked; not posting this host's end"
+        )
+        return
+      try:
+        self._agreement.close(*ending)
+        if not self.reached_end and not self._failed:
+          self._agreement.leave(*ending)  # Peers may wait at the end: it never gets there.
+      except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+        logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
     """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
     return self._inline.turn if self._inline is not None else contextlib.nullcontext()
-
-  def _halt(self, *, abandon_reads: bool) -> None:
-    """With `abandon_reads`, a read in progress is not waited for (`reading` may still be in it)."""
-    for stage in self._threads:
-      stage.close(wait=not abandon_reads or not isinstance(stage, prefetch_lib.OnDemand))
-    if not self._threads:
-      prefetch_lib.close_producer(self._items)
-    if self._agreement is not None:
-      self._agreement.release()
 
   @property
   def reading(self) -> prefetch_lib.OnDemand[Any] | None:
@@ -310,8 +326,6 @@ class Stream:
 
   def end(self, at: int, error: messages.ReportedError | None = None) -> None:
     """Stops every stage, then posts this host's ending if the stream is still open. Once.
-
-    A read stuck in the source is not waited for (`reading` may still be in it).
 
     Args:
       at: The batches this host's consumer received.
@@ -322,23 +336,7 @@ class Stream:
     self._ended = True
     self._builder.wake()  # The agreement thread may wait for the build thread's room.
     self.interrupt()  # Every wait at once, before any join.
-    with self._turn():
-      self._end(at, error)
-
-  def _end(self, at: int, error: messages.ReportedError | None) -> None:
-    self._halt(abandon_reads=True)
-    if self._agreement is None:
-      return
-    blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
-    if any(stage.thread.is_alive() for stage in blocked):
-      logger.warning("grain_jax_sync: a stage thread is still blocked; not posting this host's end")
-      return
-    try:
-      self._agreement.close(at, error)
-      if not self.reached_end and not self._failed:
-        self._agreement.leave(at, error)  # Peers may wait at the end: it never gets there.
-    except Exception as e:  # noqa: BLE001 - best effort: close never raises.
-      logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+    self.halt((at, error))
 
 
 class Streams:
