@@ -8,13 +8,14 @@ the kills.
 Each case either raises the same clear error on every host or yields the same
 batches on every host, within a bound. To keep CI cheap, one run of N
 processes per topology executes every data and settings case in sequence (each
-with its own iterator and exchange keys, see `scenarios_faults.run_cases`);
-the tests below read their case from that run. Killed processes need a run of
-their own.
+with its own iterator and exchange keys, see `scenarios_faults.run_cases`),
+and one test checks every case of that run, naming each case that fails.
+Killed processes need a run of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_faults
+from helpers import check_each
 
 from grain_jax_sync import testing
 
@@ -81,27 +83,8 @@ def _cases(n):
   return cases
 
 
-_RUNS: dict = {}
-
-
-def _matrix(n, d):
-  """Runs every case of `_cases(n)` in one set of n processes.
-
-  The result, or the failure, is kept: a broken run fails each test that
-  reads it once, without being run again.
-  """
-  if (n, d) not in _RUNS:
-    try:
-      _RUNS[(n, d)] = _run_matrix(n, d)
-    except Exception as e:  # noqa: BLE001 - re-raised by every reader.
-      _RUNS[(n, d)] = e
-  got = _RUNS[(n, d)]
-  if isinstance(got, Exception):
-    raise got
-  return got
-
-
 def _run_matrix(n, d):
+  """Every case of `_cases(n)` in one set of n processes: {label: every process's value}, outcomes."""
   cases = _cases(n)
   outcomes = testing.run_processes(
     scenarios_faults.run_cases,
@@ -112,14 +95,6 @@ def _run_matrix(n, d):
   )
   per_process = testing.values(outcomes)
   return {label: [per_process[p][i] for p in range(n)] for i, label in enumerate(cases)}, outcomes
-
-
-def _case(n, d, label):
-  results, _ = _matrix(n, d)
-  outs = results[label]
-  for out in outs:
-    assert out["elapsed_s"] < BOUND_S, (label, out["elapsed_s"])
-  return outs
 
 
 def _assert_same_error_everywhere(outs, error_type, *needles):
@@ -133,39 +108,51 @@ def _assert_same_error_everywhere(outs, error_type, *needles):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_every_process_exits_cleanly_after_the_whole_matrix(n, d):
-  _, outcomes = _matrix(n, d)
-  assert [o.exit_code for o in outcomes] == [0] * n
+def test_every_fault_case_ends_every_host_the_same_way_within_the_bound(n, d):
+  # One launch; each case's checks run, and a failure names every failed case.
+  results, outcomes = _run_matrix(n, d)
+  assert [o.exit_code for o in outcomes] == [0] * n  # Every process exits cleanly after it all.
   assert all(o.elapsed_s < TIMEOUT for o in outcomes)
+  for label, outs in results.items():
+    for out in outs:
+      assert out["elapsed_s"] < BOUND_S, (label, out["elapsed_s"])
+  checks = {
+    f"structure_{label}": functools.partial(check_structure_disagreement, n, needles)
+    for label, needles in STRUCTURE_NEEDLES.items()
+  }
+  checks["structure_mid_stream"] = functools.partial(check_structure_change_mid_stream, n)
+  checks.update(
+    {
+      f"config_{label}": functools.partial(check_settings_disagreement, n, needle)
+      for label, needle in SETTINGS_NEEDLES.items()
+    }
+  )
+  checks["one_empty_plain"] = functools.partial(check_one_empty_shard_without_options, n)
+  checks["one_empty_padded"] = functools.partial(check_one_empty_shard_with_paddings, n)
+  checks["one_empty_drop_last"] = check_one_empty_shard_with_drop_last
+  assert sorted(checks) == sorted(results), "every case has its checks"
+  check_each({label: functools.partial(check, results[label]) for label, check in checks.items()})
 
 
 # -- structure disagreements -------------------------------------------------------
 
+STRUCTURE_NEEDLES = {
+  "keys": ["columns only in the first: ['y']"],
+  "renamed": ["columns only in the first: ['y']", "columns only in the second: ['z']"],
+  "nesting": ["columns only in the first: ['y']", "columns only in the second: ['y/inner']"],
+  "dtype": ["column 'y': dtype float32 vs float64"],
+  "trailing_shape": ["column 'y': trailing shape (2,) vs (3,)"],
+}
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-@pytest.mark.parametrize(
-  ("label", "needles"),
-  [
-    ("keys", ["columns only in the first: ['y']"]),
-    ("renamed", ["columns only in the first: ['y']", "columns only in the second: ['z']"]),
-    ("nesting", ["columns only in the first: ['y']", "columns only in the second: ['y/inner']"]),
-    ("dtype", ["column 'y': dtype float32 vs float64"]),
-    ("trailing_shape", ["column 'y': trailing shape (2,) vs (3,)"]),
-  ],
-)
-def test_structure_disagreement_raises_on_every_host(n, d, label, needles):
-  outs = _case(n, d, f"structure_{label}")
+
+def check_structure_disagreement(n, needles, outs):
   _assert_same_error_everywhere(
     outs, "ValueError", f"processes 0 and {n - 1} yield batches of different structure", *needles
   )
   assert all(out["n"] == 0 for out in outs)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_structure_change_mid_stream_on_one_host_raises_on_every_host(n, d):
-  outs = _case(n, d, "structure_mid_stream")
+def check_structure_change_mid_stream(n, outs):
   _assert_same_error_everywhere(
     outs,
     "ValueError",
@@ -177,21 +164,16 @@ def test_structure_change_mid_stream_on_one_host_raises_on_every_host(n, d):
 
 # -- settings disagreements --------------------------------------------------------
 
+SETTINGS_NEEDLES = {
+  "batch_size": "batch_size: 8 vs 16",
+  "drop_last": "drop_last: False vs True",
+  "paddings": "paddings: '0' vs '-1'",
+  "paddings_numpy_scalar": "paddings: '0.0' vs '1.0'",
+  "mask_key": "mask_key: 'mask' vs 'valid'",
+}
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-@pytest.mark.parametrize(
-  ("label", "needle"),
-  [
-    ("batch_size", "batch_size: 8 vs 16"),
-    ("drop_last", "drop_last: False vs True"),
-    ("paddings", "paddings: '0' vs '-1'"),
-    ("paddings_numpy_scalar", "paddings: '0.0' vs '1.0'"),
-    ("mask_key", "mask_key: 'mask' vs 'valid'"),
-  ],
-)
-def test_settings_disagreement_raises_on_every_host_before_any_batch(n, d, label, needle):
-  outs = _case(n, d, f"config_{label}")
+
+def check_settings_disagreement(n, needle, outs):
   _assert_same_error_everywhere(
     outs, "ValueError", f"processes 0 and {n - 1} were given different settings", needle
   )
@@ -202,10 +184,7 @@ def test_settings_disagreement_raises_on_every_host_before_any_batch(n, d, label
 # -- empty shards ------------------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_one_empty_shard_without_options_raises_on_every_host(n, d):
-  outs = _case(n, d, "one_empty_plain")
+def check_one_empty_shard_without_options(n, outs):
   _assert_same_error_everywhere(
     outs,
     "ValueError",
@@ -214,10 +193,8 @@ def test_one_empty_shard_without_options_raises_on_every_host(n, d):
   )
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_one_empty_shard_with_paddings_yields_masked_dummies(n, d):
-  for out in _case(n, d, "one_empty_padded"):
+def check_one_empty_shard_with_paddings(n, outs):
+  for out in outs:
     assert out["error"] is None and out["n"] == 2
     for b, batch in enumerate(out["batches"]):
       want = np.concatenate([scenarios.rows_for(q, b, 8) for q in range(n - 1)] + [np.zeros(8)])
@@ -225,10 +202,8 @@ def test_one_empty_shard_with_paddings_yields_masked_dummies(n, d):
       np.testing.assert_array_equal(batch["mask"], np.arange(8 * n) < 8 * (n - 1))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
-def test_one_empty_shard_with_drop_last_yields_nothing_everywhere(n, d):
-  for out in _case(n, d, "one_empty_drop_last"):
+def check_one_empty_shard_with_drop_last(outs):
+  for out in outs:
     assert out["error"] is None and out["n"] == 0
 
 

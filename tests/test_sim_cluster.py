@@ -219,7 +219,7 @@ def test_diverged_resume_positions_raise_the_same_value_error_on_every_host(n, p
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_diverged_settings_raise_the_same_value_error_on_every_host(n, prefetch):
-  # Was test_faults.test_settings_disagreement_raises_on_every_host_before_any_batch, at 4 x 2.
+  # Was test_faults' settings cases (`config_*`), at 4 x 2.
   good, bad = {"batch_size": 8, "drop_last": False}, {"batch_size": 16, "drop_last": False}
   out = _run(n, prefetch, [H(config=good)] * (n - 1) + [H(config=bad)])
   _same_value_error(out, f"processes 0 and {n - 1} were given different settings (batch_size: 8")
@@ -418,7 +418,7 @@ def test_a_close_during_its_own_20_s_source_stall_reaches_the_peer_within_the_bo
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("n", [2, 4])
 def test_an_empty_shard_is_padded_to_the_longest_and_all_empty_yield_nothing(n, prefetch):
-  # Was test_faults.test_one_empty_shard_with_paddings_yields_masked_dummies and
+  # Was test_faults' `one_empty_padded` case and
   # test_all_shards_empty_yield_zero_batches_without_error, at 4 x 2.
   out = _run(n, prefetch, [H(batches=2)] * (n - 1) + [H(batches=0)])
   assert {(o.ending, o.batches) for o in out} == {("end", 2)}
