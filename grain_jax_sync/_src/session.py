@@ -309,9 +309,7 @@ class Stream:
         )
         return
       try:
-        self._agreement.close(*ending)
-        if not self.reached_end and not self._failed:
-          self._agreement.leave(*ending)  # Peers may wait at the end: it never gets there.
+        self._agreement.close(*ending, left=not self.reached_end and not self._failed)
       except Exception as e:  # noqa: BLE001 - best effort: close never raises.
         logger.warning("grain_jax_sync: could not post this host's end: %s", e)
 

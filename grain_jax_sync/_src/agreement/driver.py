@@ -174,8 +174,14 @@ class Driver:
       finally:
         self.turn.release()
 
-  def close(self, at_batch: int, error: messages.ReportedError | None = None) -> None:
-    """Posts this host's ending (closed, or `error`) and ends the exchange."""
+  def close(
+    self, at_batch: int, error: messages.ReportedError | None = None, *, left: bool = False
+  ) -> None:
+    """Posts this host's ending (closed, or `error`) and ends the exchange.
+
+    With `left` (this host leaves before the agreed end), peers that wait at
+    the end are told too (best effort): they never see this host get there.
+    """
     calls = self.core.closing(at_batch, error)
     try:
       for call in calls[:-1]:
@@ -183,11 +189,8 @@ class Driver:
     finally:
       if calls:
         self._exchange.end()
-
-  def leave(self, at_batch: int, error: messages.ReportedError | None) -> None:
-    """Tells peers waiting at the end that this host left before it (best effort)."""
-    message = (error or endings.closed_error(self.core.process, at_batch)).message
-    self._exchange.post_left(message)
+    if left:
+      self._exchange.post_left((error or endings.closed_error(self.core.process, at_batch)).message)
 
   def release(self) -> None:
     self._cross.done()  # No longer a crosswise wait.
