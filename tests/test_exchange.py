@@ -82,6 +82,9 @@ def keys_after_iteration(
     for k, _ in client.key_value_dir_get("grain_jax_sync/")
     if not k.startswith(scenarios_perf.BEATS)
   ]
+  # Every process listed before any starts the next case's iterator (whose
+  # first keys a slower peer would otherwise list as left over).
+  client.wait_at_barrier(f"keys_listed{tag}", 30_000)
   return {"batches": n, "error": error, "left": left}
 
 
