@@ -232,12 +232,10 @@ def threads_once_reads_return(timeout_s: float) -> list[str]:
 def run_many(count: int) -> dict[str, Any]:
   """`count` iterators per process, each broken off early in one of five ways."""
   import jax
-  from jax._src import distributed
 
   import grain_jax_sync as gjs
 
   p = jax.process_index()
-  client = distributed.global_state.client
   ways = ["close", "drop", "before", "with", "error"]
   ended = {w: 0 for w in ways}
   for i in range(count):
@@ -261,9 +259,7 @@ def run_many(count: int) -> dict[str, Any]:
       it.close()
     ended[way] += 1
   gc.collect()
-  client.wait_at_barrier("many/closed", 60_000)
-  keys = scenarios_faults.iterator_keys(client)
-  client.wait_at_barrier("many/looked", 60_000)
+  keys = scenarios_faults.keys_left("many")
   threads = [t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")]
   return {"keys": keys, "ended": ended, "threads": threads}
 
@@ -311,7 +307,6 @@ def run_restart_alone(restarter: int, how: str, length: int, case: int = 0) -> d
   ended, and (after a barrier) the keys left in the store.
   """
   import jax
-  from jax._src import distributed
 
   import grain_jax_sync as gjs
 
@@ -332,10 +327,7 @@ def run_restart_alone(restarter: int, how: str, length: int, case: int = 0) -> d
     out["error"], out["error_type"] = str(e), type(e).__name__
   out["elapsed_s"] = time.monotonic() - start
   it.close()
-  client = distributed.global_state.client
-  client.wait_at_barrier(f"restart_alone/{case}/closed", 60_000)
-  out["keys"] = scenarios_faults.iterator_keys(client)
-  client.wait_at_barrier(f"restart_alone/{case}/looked", 60_000)
+  out["keys"] = scenarios_faults.keys_left(f"restart_alone/{case}")
   return out
 
 

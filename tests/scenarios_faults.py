@@ -341,6 +341,21 @@ def iterator_keys(client: Any) -> list[str]:
   )
 
 
+def keys_left(tag: str) -> list[str]:
+  """The store keys left once every process closed its iterator (beats aside).
+
+  Every process lists between two barriers: none lists before every one
+  closed, and none starts its next iterator before every one listed.
+  """
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  client.wait_at_barrier(f"{tag}/closed", 60_000)
+  keys = iterator_keys(client)
+  client.wait_at_barrier(f"{tag}/looked", 60_000)
+  return keys
+
+
 def _leftovers(tag: str) -> dict[str, Any]:
   """Threads, child processes and exchange keys left after a case.
 

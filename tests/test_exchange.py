@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import scenarios
+import scenarios_faults
 import scenarios_perf
 from helpers import check_cases, run_cases
 
@@ -75,16 +76,9 @@ def keys_after_iteration(
   except ValueError as e:
     error = type(e).__name__
   it.close()
-  client = exchange.distributed_client()
-  client.wait_at_barrier(f"keys_after_iteration{tag}", 30_000)
-  left = [
-    k
-    for k, _ in client.key_value_dir_get("grain_jax_sync/")
-    if not k.startswith(scenarios_perf.BEATS)
-  ]
-  # Every process listed before any starts the next case's iterator (whose
-  # first keys a slower peer would otherwise list as left over).
-  client.wait_at_barrier(f"keys_listed{tag}", 30_000)
+  # Listed before any process starts the next case's iterator (whose first
+  # keys a slower peer would otherwise list as left over).
+  left = scenarios_faults.keys_left(f"keys_after_iteration{tag}")
   return {"batches": n, "error": error, "left": left}
 
 

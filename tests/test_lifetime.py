@@ -23,6 +23,7 @@ import grain
 import numpy as np
 import pytest
 import scenarios
+import scenarios_faults
 from helpers import check_cases, run_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -669,7 +670,7 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
   counted = it.stats()["batches"]
   it.close()
   return {
-    "keys": _keys_left(f"schedule-{seed}"),
+    "keys": scenarios_faults.keys_left(f"schedule-{seed}"),
     "seed": seed,
     "got": host.got,
     "counted": counted,
@@ -678,18 +679,6 @@ def _one_schedule(seed: int, prefetch: int, p: int) -> dict[str, Any]:
     "closer": closer,
     "threads": wait_for_no_threads(10.0),
   }
-
-
-def _keys_left(tag: str) -> list[str]:
-  """The store keys left once every host closed this schedule's iterator (beats aside)."""
-  from jax._src import distributed
-  from scenarios_faults import iterator_keys
-
-  client = distributed.global_state.client
-  client.wait_at_barrier(f"{tag}/closed", 60_000)
-  keys = iterator_keys(client)
-  client.wait_at_barrier(f"{tag}/looked", 60_000)  # Nobody starts the next one before.
-  return keys
 
 
 def random_schedules(seeds: list[int], prefetch: int) -> list[dict[str, Any]]:
