@@ -6,7 +6,6 @@ import json
 import logging
 from collections.abc import Sequence
 
-from grain_jax_sync._src import messages
 from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
 
@@ -61,10 +60,10 @@ def failed(
   own exception, the others a RuntimeError naming it.
   """
   if data and isinstance(e, ValueError):
-    error = messages.ReportedError(messages.ErrorKind.VALUE, _text(e), process, batch_index)
+    error = ReportedError(ErrorKind.VALUE, _text(e), process, batch_index)
   else:
-    error = messages.ReportedError(
-      messages.ErrorKind.SOURCE,
+    error = ReportedError(
+      ErrorKind.SOURCE,
       f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
       process,
       batch_index,

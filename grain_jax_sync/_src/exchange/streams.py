@@ -102,11 +102,10 @@ def pre_ended(namespace: str | None) -> str | None:
     return REGISTRY.pre_ended.get(namespace)
 
 
-def count_close() -> int:
-  """Counts one more close recorded by this process; the count."""
+def count_close() -> None:
+  """Counts one more close recorded by this process (its beat carries the count)."""
   with REGISTRY.lock:
     REGISTRY.closes += 1
-    return REGISTRY.closes
 
 
 def forget(prefix: str) -> None:
