@@ -128,11 +128,6 @@ class Lifetime:
     if self.streams.closing and not self._closed.is_set():
       self.close()
 
-  def request_stop(self) -> None:
-    """Asks every host to stop at one position; no lock, returns at once (any thread, a handler)."""
-    if not self._closed.is_set():
-      self.streams.request_stop()
-
   # -- the close -------------------------------------------------------------------
 
   def close(self) -> None:

@@ -90,8 +90,12 @@ class Prefetcher(Generic[T]):
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
     self._slots = threading.Semaphore(0 if self._on_demand else buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
-    # Written without a lock (`interrupt` from a signal handler).
+    # Set under `_exit` by `close`, and without a lock by `interrupt` (a signal handler).
     self._stopped = False
+    self._exit = threading.Lock()  # Guards `_busy` (and `OnDemand`'s `_exited`, `_hooks`).
+    # Whether the producer may be inside its own `next()`: always, unless the
+    # stage watches it (`OnDemand`).
+    self._busy = not self._on_demand
     self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
     self.thread = threading.Thread(target=self._run, args=(producer,), name=name, daemon=True)
@@ -132,7 +136,9 @@ class Prefetcher(Generic[T]):
     Without `wait`, a producer inside its own ``next()`` is not waited for
     (`OnDemand`: a read stuck in the source; the final close reads no more).
     """
-    busy = self._stop()
+    with self._exit:
+      self._done = self._stopped = True
+      busy = self._busy  # Else the thread waits for a slot at most: joined at once.
     self._items.put(_WAKE)  # A consumer waiting in another thread.
     self._slots.release(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
@@ -157,11 +163,6 @@ class Prefetcher(Generic[T]):
     # The drain may have taken the wake-up before a consumer in another
     # thread got it: one more, which holds nothing.
     self._items.put(_WAKE)
-
-  def _stop(self) -> bool:
-    """Marks the stage stopped; whether its producer may be inside its own ``next()``."""
-    self._done = self._stopped = True
-    return True
 
   def _put(self, item: Any) -> bool:
     """Waits for room (unless taken before producing); False if the stage was stopped meanwhile."""
@@ -209,8 +210,6 @@ class OnDemand(Prefetcher[T]):
   _on_demand = True
 
   def __init__(self, producer: Iterator[T], *, name: str):
-    self._exit = threading.Lock()  # Guards `_busy`, `_exited` and `_hooks`.
-    self._busy = False  # Inside the producer's `next()`.
     self._exited = False
     self._hooks: list[Callable[[], None]] = []
     super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
@@ -251,11 +250,6 @@ class OnDemand(Prefetcher[T]):
   def nudge(self) -> None:
     """Wakes a `take` now; takes no lock (a signal handler may call it)."""
     self._items.put(_WAKE)
-
-  def _stop(self) -> bool:
-    with self._exit:
-      self._done = self._stopped = True
-      return self._busy  # Else the thread waits for a slot at most: joined at once.
 
   def after(self, hook: Callable[[], None]) -> None:
     """Runs `hook` once the producer's thread is done: now, or when its ``next()`` returns."""

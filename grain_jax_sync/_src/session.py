@@ -101,8 +101,8 @@ class Start:
 class Stream:
   """One (re)start of the stream: its stages, composed in the diagram's order, and its ending.
 
-  Owns every thread it starts and its exchange; `end` stops the stages in
-  reverse and posts this host's ending, once.
+  Owns every thread it starts and its exchange; `halt` stops the stages in
+  reverse and, given an ending, has it posted once (by the agreement's thread).
   """
 
   def __init__(self, start: Start):
@@ -119,7 +119,7 @@ class Stream:
     self._ended = False
     self._agreement: driver.Driver | None = None
     # Where a stop is asked for (`request_stop`): the agreement of either form.
-    self._stopper: Agreement | driver.Driver | None = None
+    self.stopper: Agreement | driver.Driver | None = None
     # The streamed agreement where it runs in the consumer's call: the call
     # holds its turn, and posts a stop asked for meanwhile when it ends.
     self._inline: driver.Driver | None = None
@@ -153,7 +153,7 @@ class Stream:
       # (lazy); the collective fallback runs in the caller's thread only.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
       stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
-      self._stopper = stepper
+      self.stopper = stepper
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
@@ -171,7 +171,7 @@ class Stream:
       ex,
       self._builder,
     )
-    self._stopper = self._agreement
+    self.stopper = self._agreement
     if not threaded:
       self._inline = self._agreement
       return iter(self._agreement)
@@ -270,37 +270,44 @@ class Stream:
     for stage in self._threads:
       stage.interrupt()
 
-  def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop at one position (the agreement posts it); no lock."""
-    if self._stopper is not None:
-      self._stopper.request_stop(at_batch)
-
   @property
   def batch_size(self) -> int | None:
     """The agreed full batch size (given, or derived from the first position); None until known."""
-    return None if self._stopper is None else self._stopper.batch_size
+    return None if self.stopper is None else self.stopper.batch_size
 
   @property
   def stop_requested_by(self) -> int | None:
     """The process whose stop ended the stream (the same on every host); None if none did."""
-    return None if self._stopper is None else self._stopper.stop_requested_by
+    return None if self.stopper is None else self.stopper.stop_requested_by
 
-  def halt(self, ending: tuple[int, messages.ReportedError | None] | None = None) -> None:
-    """Stops every stage, from the user's end back to the source; then posts `ending`, if given.
+  def halt(self, at: int | None = None, error: messages.ReportedError | None = None) -> None:
+    """Stops every stage, from the user's end back to the source; given `at`, ends the stream. Once.
 
-    Inline, all under the agreement's turn (a stop being posted is one
-    write). With an `ending` (`end`), a read in progress is not waited for
-    (`reading` may still be in it), and this host's ending is posted unless a
-    stage thread is still blocked.
+    Ending it (`at`: the batches this host's consumer received; `error`: the
+    ending, default closed at `at`), every wait is woken first, and this
+    host's ending is asked of the agreement, whose thread posts it as it
+    returns (no position is decided after it); a read in progress is not
+    waited for (`reading` may still be in it). Inline, all under the
+    agreement's turn (a stop being posted is one write).
     """
+    if at is not None:
+      if self._ended:
+        return
+      self._ended = True
+      self._builder.wake()  # The agreement thread may wait for the build thread's room.
+      self.interrupt()  # Every wait at once, before any join.
+      if self._agreement is not None:
+        left = not self.reached_end and not self._failed
+        self._agreement.ask_close(driver.Closing(at, error, left))
     with self._turn():
       for stage in self._threads:
-        stage.close(wait=ending is None or not isinstance(stage, prefetch_lib.OnDemand))
+        stage.close(wait=at is None or not isinstance(stage, prefetch_lib.OnDemand))
       if not self._threads:
         prefetch_lib.close_producer(self._items)
-      if self._agreement is not None:
-        self._agreement.release()
-      if ending is None or self._agreement is None:
+      if self._agreement is None:
+        return
+      self._agreement.release()
+      if at is None:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
       if any(stage.thread.is_alive() for stage in blocked):
@@ -308,10 +315,7 @@ class Stream:
           "grain_jax_sync: a stage thread is still blocked; not posting this host's end"
         )
         return
-      try:
-        self._agreement.close(*ending, left=not self.reached_end and not self._failed)
-      except Exception as e:  # noqa: BLE001 - best effort: close never raises.
-        logger.warning("grain_jax_sync: could not post this host's end: %s", e)
+      self._agreement.close()  # Where no thread posted it (inline, or it had returned).
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
     """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
@@ -321,20 +325,6 @@ class Stream:
   def reading(self) -> prefetch_lib.OnDemand[Any] | None:
     """The reading thread's stage, if this stream has one (a closed one may still be in the source)."""
     return next((s for s in self._threads if isinstance(s, prefetch_lib.OnDemand)), None)
-
-  def end(self, at: int, error: messages.ReportedError | None = None) -> None:
-    """Stops every stage, then posts this host's ending if the stream is still open. Once.
-
-    Args:
-      at: The batches this host's consumer received.
-      error: The ending to post (default: closed at batch `at`).
-    """
-    if self._ended:
-      return
-    self._ended = True
-    self._builder.wake()  # The agreement thread may wait for the build thread's room.
-    self.interrupt()  # Every wait at once, before any join.
-    self.halt((at, error))
 
 
 class Streams:
@@ -408,8 +398,8 @@ class Streams:
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
         stream.interrupt()
-      if self._stop_at is not None:  # A stop asked for before this stream.
-        stream.request_stop(self._stop_at)
+      if self._stop_at is not None and stream.stopper is not None:  # Asked before this stream.
+        stream.stopper.request_stop(self._stop_at)
     return stream
 
   def next(self) -> Any:
@@ -462,7 +452,7 @@ class Streams:
       return
     self.stream = None
     self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
-    stream.end(self.mark.position, ending)
+    stream.halt(self.mark.position, ending)
     self.finished = self.finished + stream.times()
     # The figures of the batches built after the final decision too; posted
     # for the peers only after an agreed end (an error ends every host, and
@@ -486,8 +476,8 @@ class Streams:
       return
     self._stop_at = self.mark.position
     stream = self.stream
-    if stream is not None:
-      stream.request_stop(self._stop_at)
+    if stream is not None and stream.stopper is not None:
+      stream.stopper.request_stop(self._stop_at)  # One put (`driver.Driver.request_stop`).
 
   # -- restarts ------------------------------------------------------------------
 

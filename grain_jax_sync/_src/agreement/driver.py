@@ -5,6 +5,14 @@ thread and a build thread) and inline, in the consumer's `next()`
 (`prefetch_batches=0`): only who iterates it differs. It owns the I/O the
 core has none of: the exchange, the liveness beats, the crosswise watch,
 this host's reads, the build stage's progress and the clock.
+
+Asking is one put into the driver's inbox (`_asks`), from any thread or a
+signal handler: a stop (`request_stop`) or this host's ending (`close`). The
+thread that runs the core takes them at its next step: a stop goes into the
+core, an ending ends the drive and is posted on the way out, by that same
+thread, so that no position is decided after it and the exchange has one
+writer. Only where no thread runs the core (inline, or its thread already
+returned) does `close` post the ending in the calling thread.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness as liveness_lib
@@ -22,6 +30,17 @@ from grain_jax_sync._src import messages, prefetch
 from grain_jax_sync._src.agreement import common, core, cross_wait, endings, streamed
 
 logger = logging.getLogger(__name__)
+
+
+class Closing(NamedTuple):
+  """This host's ending, asked of the driver: closed at `at_batch`, or `error`.
+
+  `left`: this host leaves before the agreed end, so peers waiting there are told too.
+  """
+
+  at_batch: int
+  error: messages.ReportedError | None = None
+  left: bool = False
 
 
 class Driver:
@@ -55,30 +74,43 @@ class Driver:
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
     self.turn = threading.Lock()
-    # Stops asked for from any thread or a signal handler: one reentrant put
-    # each; the thread that runs the core hands them to it (`_take_asks`).
-    self._asks: queue.SimpleQueue[int] = queue.SimpleQueue()
+    # The inbox: stops and this host's ending, asked from any thread or a
+    # signal handler, one reentrant put each; the thread that runs the core
+    # takes them (`_take_asks`).
+    self._asks: queue.SimpleQueue[int | Closing] = queue.SimpleQueue()
+    self._closing: Closing | None = None  # Taken from the inbox; posted once (`_post_closing`).
+    self._posted = False
     exchange_lib.stream_started(exchange.namespace)
 
   def _take_asks(self) -> None:
-    """Hands the stops asked for to the core (in the thread that runs it)."""
+    """Hands the stops asked for to the core and keeps an ending (in the thread that runs it)."""
     while not self._asks.empty():
-      self.core.request_stop(self._asks.get_nowait())
+      ask = self._asks.get_nowait()
+      if isinstance(ask, Closing):
+        self._closing = self._closing or ask
+      else:
+        self.core.request_stop(ask)
 
   def _now(self) -> core.Now:
-    self._take_asks()
     thread, built = self._thread, self._built
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
 
   def __iter__(self) -> Iterator[common.Run]:
-    """The core's runs; its other actions carried out here."""
-    return self._drive(self.core.send, self.core.throw)
+    """The core's runs; its other actions carried out here; an ending asked for, posted on the way out."""
+    try:
+      yield from self._drive(self.core.send, self.core.throw)
+    finally:
+      self._take_asks()
+      self._post_closing()
 
   def _drive(self, send: Any, throw: Any) -> Iterator[common.Run]:
     result: Any = None
     error: Exception | None = None
     while True:
+      self._take_asks()
+      if self._closing is not None:
+        return  # This host's ending: no position is decided after it.
       try:
         action = send(result, self._now()) if error is None else throw(error, self._now())
       except StopIteration:
@@ -174,23 +206,41 @@ class Driver:
       finally:
         self.turn.release()
 
-  def close(
-    self, at_batch: int, error: messages.ReportedError | None = None, *, left: bool = False
-  ) -> None:
-    """Posts this host's ending (closed, or `error`) and ends the exchange.
+  def ask_close(self, ending: Closing) -> None:
+    """Asks for this host's ending: one put; the thread that runs the core posts it as it returns."""
+    self._asks.put(ending)
+    if self._thread is not None:
+      self._thread.nudge()
 
-    With `left` (this host leaves before the agreed end), peers that wait at
-    the end are told too (best effort): they never see this host get there.
+  def close(self, ending: Closing | None = None) -> None:
+    """Posts this host's ending (`ending`, or the one asked for) here, where no thread did.
+
+    Called once the thread that runs the core, if any, has returned: inline,
+    or where that thread ended before it took the ending.
     """
-    calls = self.core.closing(at_batch, error)
+    if ending is not None:
+      self._asks.put(ending)
+    self._take_asks()
+    self._post_closing()
+
+  def _post_closing(self) -> None:
+    """Posts the ending taken from the inbox (closed, or its error) and ends the exchange. Once."""
+    closing = self._closing
+    if closing is None or self._posted:
+      return
+    self._posted = True
+    calls = self.core.closing(closing.at_batch, closing.error)
     try:
       for call in calls[:-1]:
         call_store(self._exchange, call)
+      if closing.left:
+        error = closing.error or endings.closed_error(self.core.process, closing.at_batch)
+        self._exchange.post_left(error.message)
+    except Exception as e:  # noqa: BLE001 - best effort: an ending never raises.
+      logger.warning("grain_jax_sync: could not post this host's end: %s", e)
     finally:
       if calls:
         self._exchange.end()
-    if left:
-      self._exchange.post_left((error or endings.closed_error(self.core.process, at_batch)).message)
 
   def release(self) -> None:
     self._cross.done()  # No longer a crosswise wait.

@@ -179,7 +179,7 @@ class EpochShares:
     return shares(self.num_records, (), self.count)[self.index]
 
   @functools.cached_property
-  def _end(self) -> int:
+  def _end_epoch(self) -> int:
     """The first epoch past `epochs` (the periodic tail's first, when forever)."""
     if self.num_epochs is not None:
       return self.num_epochs
@@ -195,7 +195,7 @@ class EpochShares:
     """(epoch, this process's share, stream index of its first position) per listed epoch."""
     history = dict(self.splits)
     out, offset = [], 0
-    for epoch in range(self.first_epoch, self._end):
+    for epoch in range(self.first_epoch, self._end_epoch):
       if epoch in history:
         share = shares(self.num_records, history[epoch], self.count)[self.index]
       else:
@@ -234,7 +234,7 @@ class EpochShares:
       raise IndexError(f"stream index {j} is outside this process's {self.length} positions")
     if j >= self._listed:  # The periodic tail: a fresh share is one range.
       k, r = divmod(j - self._listed, self._period)
-      return self._end + k, self._fresh[0][0] + r
+      return self._end_epoch + k, self._fresh[0][0] + r
     offsets, heads = self._flat
     k = bisect.bisect_right(offsets, j) - 1
     epoch, start = heads[k]
@@ -244,9 +244,9 @@ class EpochShares:
     """(epoch, consumed cursor in that epoch's share) once `j` stream positions are consumed."""
     if j >= self._listed and self._period:
       k, r = divmod(j - self._listed, self._period)
-      return self._end + k, r
+      return self._end_epoch + k, r
     if not self.epochs:
-      return self._end, 0
+      return self._end_epoch, 0
     for epoch, share, offset in self.epochs:
       if j < offset + total(share):
         return epoch, j - offset
@@ -258,8 +258,8 @@ class EpochShares:
     for e, share, offset in self.epochs:
       if e == epoch:
         return share, offset
-    if self._period and epoch >= self._end:
-      return self._fresh, self._listed + (epoch - self._end) * self._period
+    if self._period and epoch >= self._end_epoch:
+      return self._fresh, self._listed + (epoch - self._end_epoch) * self._period
     raise ValueError(f"epoch {epoch} is not in this stream")
 
   def epoch_cursor(
