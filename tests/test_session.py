@@ -19,6 +19,7 @@ import pytest
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import session
+from grain_jax_sync._src.exchange import key_value
 
 TIMEOUT = 180
 
@@ -90,7 +91,23 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
   rows = [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0])]
   out["running"] = library_threads()
   rows += [int(np.asarray(next(it)["x"].addressable_shards[0].data)[0]) for _ in range(4)]
-  it.close()  # Mid-stream, on every host at the same batch.
+  # Mid-stream, on every host at the same batch, from another thread; each
+  # store call of the stream's exchange meanwhile is recorded with its thread.
+  calls: list[tuple[str, str]] = []
+  real = key_value.KeyValueExchange._call
+
+  def recorded(self: Any, doing: str, *args: Any, **kwargs: Any) -> Any:
+    calls.append((threading.current_thread().name, doing))
+    return real(self, doing, *args, **kwargs)
+
+  key_value.KeyValueExchange._call = recorded  # type: ignore[method-assign]
+  try:
+    closer = threading.Thread(target=it.close, name="closer")
+    closer.start()
+    closer.join(TIMEOUT)
+  finally:
+    key_value.KeyValueExchange._call = real  # type: ignore[method-assign]
+  out["close_calls"] = calls
   out["rows"] = rows
   out["after"] = _no_threads()
   return out
@@ -118,6 +135,13 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
       assert out["running"] == sorted(threads)
     else:
       assert out["running"] == []
+    # This host's ending is posted by the thread that runs the core, the
+    # agreement thread, on its way out: the closing thread only asks, and the
+    # exchange has one writer. Inline, the closing thread runs the core.
+    writer = session.AGREE_THREAD if prefetch else "closer"
+    posted = [doing for _, doing in out["close_calls"] if doing.startswith("posting")]
+    assert posted, out["close_calls"]  # The final chunk or decision, at least.
+    assert {name for name, _ in out["close_calls"]} == {writer}, out["close_calls"]
 
 
 # What a synchronisation call is: a lock, a queue, a semaphore, an event or a
