@@ -103,7 +103,7 @@ class Process:
         os.killpg(self.popen.pid, signal.SIGKILL)
       self.popen.wait()
 
-  def finish(self) -> None:
+  def drain(self) -> None:
     """Waits for the rest of the output (up to `_OUTPUT_GRACE_S`) and closes the log."""
     deadline = time.monotonic() + _OUTPUT_GRACE_S
     for thread in self._threads:
@@ -141,7 +141,7 @@ def wait_or_kill(processes: Sequence[Process], timeout_s: float) -> None:
     for p in processes:
       p.kill()
   for p in processes:
-    p.finish()
+    p.drain()
   if timed_out:
     tails = "\n".join(
       f"--- process {i} (exit {p.popen.returncode}) ---\n{tail(p.log_path, 2000)}"
