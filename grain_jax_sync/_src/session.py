@@ -29,7 +29,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -118,8 +118,10 @@ class Stream:
     self._exchange = ex
     self._ended = False
     self._agreement: driver.Driver | None = None
-    # Where a stop is asked for (`request_stop`): the agreement of either form.
+    # The agreement of either form: the batch size it pinned, who stopped it.
     self.stopper: Agreement | driver.Driver | None = None
+    # Where a stop is asked for: the agreement's inbox (`Driver.ask`) or field.
+    self.ask: Callable[[int], None] | None = None
     # The streamed agreement where it runs in the consumer's call: the call
     # holds its turn, and posts a stop asked for meanwhile when it ends.
     self._inline: driver.Driver | None = None
@@ -153,7 +155,7 @@ class Stream:
       # (lazy); the collective fallback runs in the caller's thread only.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
       stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
-      self.stopper = stepper
+      self.stopper, self.ask = stepper, stepper.stop_asked
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
@@ -171,7 +173,7 @@ class Stream:
       ex,
       self._builder,
     )
-    self.stopper = self._agreement
+    self.stopper, self.ask = self._agreement, self._agreement.ask
     if not threaded:
       self._inline = self._agreement
       return iter(self._agreement)
@@ -298,7 +300,7 @@ class Stream:
       self.interrupt()  # Every wait at once, before any join.
       if self._agreement is not None:
         left = not self.reached_end and not self._failed
-        self._agreement.ask_close(driver.Closing(at, error, left))
+        self._agreement.ask(driver.Closing(at, error, left))
     with self._turn():
       for stage in self._threads:
         stage.close(wait=at is None or not isinstance(stage, prefetch_lib.OnDemand))
@@ -398,8 +400,8 @@ class Streams:
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
         stream.interrupt()
-      if self._stop_at is not None and stream.stopper is not None:  # Asked before this stream.
-        stream.stopper.request_stop(self._stop_at)
+      if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
+        stream.ask(self._stop_at)
     return stream
 
   def next(self) -> Any:
@@ -476,8 +478,8 @@ class Streams:
       return
     self._stop_at = self.mark.position
     stream = self.stream
-    if stream is not None and stream.stopper is not None:
-      stream.stopper.request_stop(self._stop_at)  # One put (`driver.Driver.request_stop`).
+    if stream is not None and stream.ask is not None:
+      stream.ask(self._stop_at)  # One put (`driver.Driver.ask`), or a field (lockstep).
 
   # -- restarts ------------------------------------------------------------------
 

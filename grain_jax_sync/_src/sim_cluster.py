@@ -410,7 +410,7 @@ class _Host:
     return inline.popleft()
 
   def _stop_task(self) -> Task:
-    self.core.request_stop(len(self.out.received))
+    self.core.stop_asked(len(self.out.received))
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
       steps = self.core.stop_now()

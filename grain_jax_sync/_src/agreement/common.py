@@ -111,13 +111,13 @@ def decide(
 class Agreement:
   """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
 
-  `request_stop` may come from any thread or a signal handler: it takes no lock.
+  `stop_asked` may come from any thread or a signal handler: it takes no lock.
   """
 
   def __init__(self, rules: plan_lib.Rules, who: Identity):
     self._rules = rules
     self._who = who
-    self._stop_at: int | None = None  # `request_stop`: the batches received then.
+    self._stop_at: int | None = None  # `stop_asked`: the batches received then.
     self.stop_requested_by: int | None = None  # Set by an agreed stop.
 
   @property
@@ -125,8 +125,8 @@ class Agreement:
     """The agreed full batch size (given, or derived from the first position); None until known."""
     return self._rules.batch_size
 
-  def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop (`JaxBatchIterator.request_stop`); no lock, returns at once."""
+  def stop_asked(self, at_batch: int) -> None:
+    """A stop was asked for here after batch `at_batch` (`JaxBatchIterator.request_stop`); no lock."""
     if self._stop_at is None:
       self._stop_at = at_batch
 

@@ -7,7 +7,7 @@ core has none of: the exchange, the liveness beats, the crosswise watch,
 this host's reads, the build stage's progress and the clock.
 
 Asking is one put into the driver's inbox (`_asks`), from any thread or a
-signal handler: a stop (`request_stop`) or this host's ending (`close`). The
+signal handler (`ask`): a stop, or this host's ending (a `Closing`). The
 thread that runs the core takes them at its next step: a stop goes into the
 core, an ending ends the drive and is posted on the way out, by that same
 thread, so that no position is decided after it and the exchange has one
@@ -89,7 +89,7 @@ class Driver:
       if isinstance(ask, Closing):
         self._closing = self._closing or ask
       else:
-        self.core.request_stop(ask)
+        self.core.stop_asked(ask)
 
   def _now(self) -> core.Now:
     thread, built = self._thread, self._built
@@ -179,12 +179,18 @@ class Driver:
   def reached_end(self) -> bool:
     return self.core.reached_end
 
-  def request_stop(self, at_batch: int) -> None:
-    """Asks every host to stop: one put; wakes a wait for the reading thread, or inline posts it now."""
-    self._asks.put(at_batch)
+  def ask(self, ask: int | Closing) -> None:
+    """Asks every host to stop after batch `ask`, or for this host's ending: one put, then a wake.
+
+    Any thread, a signal handler: no lock. The thread that runs the core takes
+    it at its next step (a wait for the reading thread is woken). Inline, a
+    stop is posted now if no call runs the core (`post_stop`); an ending is
+    posted by the ending thread (`close`).
+    """
+    self._asks.put(ask)
     if self._thread is not None:
       self._thread.nudge()
-    else:
+    elif not isinstance(ask, Closing):
       self.post_stop()
 
   def post_stop(self, *, in_call: bool = False) -> None:
@@ -201,19 +207,13 @@ class Driver:
         self._take_asks()
         for _ in self._drive(_aside(self.core.stop_now()), _raise):
           pass
-      except Exception as e:  # noqa: BLE001 - from `request_stop`: it never raises.
+      except Exception as e:  # noqa: BLE001 - from `request_stop()`: it never raises.
         logger.warning("grain_jax_sync: could not post the stop: %s", e)
       finally:
         self.turn.release()
 
-  def ask_close(self, ending: Closing) -> None:
-    """Asks for this host's ending: one put; the thread that runs the core posts it as it returns."""
-    self._asks.put(ending)
-    if self._thread is not None:
-      self._thread.nudge()
-
   def close(self, ending: Closing | None = None) -> None:
-    """Posts this host's ending (`ending`, or the one asked for) here, where no thread did.
+    """Posts this host's ending (`ending`, or the one asked for: `ask`) here, where no thread did.
 
     Called once the thread that runs the core, if any, has returned: inline,
     or where that thread ended before it took the ending.
