@@ -65,3 +65,19 @@ def test_float_check_row_shows_the_extra_cpu_over_float32_and_the_check_alone():
   (row,) = host.rows({"float_check": fc})
   assert "one 0.50 MiB float64 column" in row[1] and "float32: 229 us" in row[1]
   assert row[2] == "+131 us (+95..+216); the check alone: 14 us per batch"
+
+
+def test_peak_rss_growth_counts_a_freed_peak_exactly_where_the_kernel_keeps_it():
+  import numpy as np
+
+  from benchmarks import workloads
+
+  size = 256 << 20
+
+  def spike():  # Touched, then freed before `fn` returns.
+    np.ones(size // 8).sum()
+
+  growth = workloads._peak_rss_growth(spike)  # noqa: SLF001
+  if workloads._reset_high_water():  # noqa: SLF001 - Linux: the kernel's high-water mark.
+    assert growth >= 0.9 * size, growth
+  assert workloads._peak_rss_growth(lambda: None) < size // 4  # noqa: SLF001
