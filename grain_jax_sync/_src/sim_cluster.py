@@ -1,9 +1,8 @@
 """A simulated cluster: N hosts' real agreement cores, an in-memory store, a virtual clock.
 
-Each host runs the library's own core over the real `KeyValueExchange` on an
-in-memory store; its threads (reading, agreement, build, the training loop)
-are tasks of a discrete-event scheduler, so time moves from one event to the
-next. One process, no thread, deterministic: a bound in seconds takes milliseconds.
+Each host runs the library's core over the real `KeyValueExchange` on an in-memory store; its
+threads (reading, agreement, build, the training loop) are tasks of a discrete-event scheduler.
+One process, no thread, deterministic: a bound in seconds takes milliseconds.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness, messages, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.agreement import common, core, decider, driver, follower
+from grain_jax_sync._src.agreement import common, core, decider, driver
 
 INF = math.inf
 _NS = "grain_jax_sync/sim/1"
@@ -130,7 +129,6 @@ class MemoryStore:
     return self._data[key]
 
   def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-    del timeout_in_ms
     if key not in self._data:
       self.ops += 1
       self.missed = key
@@ -237,17 +235,15 @@ class _Host:
     who = common.Identity(process=p, devices=1, config=config, resume=plan.resume)
     self.threaded = cluster.prefetch_batches > 0
     rules = plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True)
-    self.core = (decider.Decider if p == 0 else follower.Follower)(
+    self.core = decider.core_for(
       rules,
       who,
       namespace=_NS,
       process_count=cluster.processes,
       lookahead=cluster.synchronize_lookahead,
       timeout_s=plan.sync_timeout_s or cluster.sync_timeout_s,
-      dead_after_s=liveness.DEAD_AFTER_S,
       position=plan.resume,
       threaded=self.threaded,
-      inline=not self.threaded,
     )
     refused = None if plan.refused is None else ValueError(plan.refused)
     self.reads = reader.Reader(

@@ -33,14 +33,6 @@ from grain_jax_sync._src import messages
 if TYPE_CHECKING:
   from grain_jax_sync._src import batches as batches_lib
 
-# The liveness period: one beat per process, and the longest a wait (for a
-# read, in the store) lasts before the core looks at its peers' beats again;
-# a shorter one would only add wakes (`liveness`, `exchange`).
-LIVENESS_PERIOD_S = 1.0
-# A live process misses this much of beats only if its interpreter is frozen
-# (SIGSTOP, swapping), which a busy training loop is not: then it is dead.
-DEAD_AFTER_S = 8.0
-
 
 # -- The events from this host's reader (`reader.Reader`) -----------------------
 

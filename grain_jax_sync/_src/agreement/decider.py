@@ -6,14 +6,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.agreement import common, core, endings
+from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
+
+if TYPE_CHECKING:
+  from grain_jax_sync._src import job_stats
 
 
 class Decider(Streamed):
@@ -260,3 +263,39 @@ class Decider(Streamed):
       self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
     )
     return [core.Store("post_decision", (self._seq, final.to_json(), True)), core.Store("end")]
+
+
+def core_for(
+  rules: plan_lib.Rules,
+  who: common.Identity,
+  *,
+  namespace: str,
+  process_count: int,
+  lookahead: int | None,
+  timeout_s: float,
+  position: int,
+  threaded: bool,
+  read_ahead: int | None = None,
+  job: job_stats.JobTable | None = None,
+) -> Decider | follower.Follower:
+  """The streamed core of process `who.process`: process 0 decides, the others follow.
+
+  With `threaded`, a build thread runs and a reading thread reads (what the
+  build has not built counts in the read-ahead); else the consumer's `next()`
+  reads. The other arguments are `Streamed`'s.
+  """
+  kind = Decider if who.process == 0 else follower.Follower
+  return kind(
+    rules,
+    who,
+    namespace=namespace,
+    process_count=process_count,
+    lookahead=lookahead,
+    timeout_s=timeout_s,
+    dead_after_s=periods.DEAD_AFTER_S,
+    position=position,
+    read_ahead=read_ahead,
+    threaded=threaded,
+    inline=not threaded,
+    job=job,
+  )
