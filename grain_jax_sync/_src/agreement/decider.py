@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
@@ -14,9 +14,6 @@ from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
-
-if TYPE_CHECKING:
-  from grain_jax_sync._src import job_stats
 
 
 class Decider(Streamed):
@@ -266,36 +263,19 @@ class Decider(Streamed):
 
 
 def core_for(
-  rules: plan_lib.Rules,
-  who: common.Identity,
-  *,
-  namespace: str,
-  process_count: int,
-  lookahead: int | None,
-  timeout_s: float,
-  position: int,
-  threaded: bool,
-  read_ahead: int | None = None,
-  job: job_stats.JobTable | None = None,
+  rules: plan_lib.Rules, who: common.Identity, *, threaded: bool, **settings: Any
 ) -> Decider | follower.Follower:
   """The streamed core of process `who.process`: process 0 decides, the others follow.
 
-  With `threaded`, a build thread runs and a reading thread reads (what the
-  build has not built counts in the read-ahead); else the consumer's `next()`
-  reads. The other arguments are `Streamed`'s.
+  `threaded`: a build thread and a reading thread run (else the consumer's
+  `next()` reads); `settings`: `Streamed`'s other keyword arguments.
   """
   kind = Decider if who.process == 0 else follower.Follower
   return kind(
     rules,
     who,
-    namespace=namespace,
-    process_count=process_count,
-    lookahead=lookahead,
-    timeout_s=timeout_s,
     dead_after_s=periods.DEAD_AFTER_S,
-    position=position,
-    read_ahead=read_ahead,
     threaded=threaded,
     inline=not threaded,
-    job=job,
+    **settings,
   )
