@@ -1,33 +1,9 @@
 """The cross-host view, ``JaxBatchIterator.stats(all_hosts=True)``, and the straggler warning.
 
-Gathered through the agreement's own messages, with no store call of its own
-while the stream runs (docs/performance.md, "Seeing the job"):
-
-* each process other than 0 adds its stage times (`stats.TIMES`) to the
-  chunk it posts anyway (`messages.Chunk.times`), when they changed;
-* process 0, the decider, counts every host's figures from the steps it
-  decides (`Step.real_rows`: exact, O(processes) per run of identical
-  steps), keeps the newest times of every host, and puts the rows that
-  changed into a decision (`messages.Decision.table`) at most once per
-  `TABLE_EVERY_S` (longer with more processes) and always into the final one;
-* every process merges those rows into its `JobTable`; its own row is always
-  its live `stats()`.
-
-The final decision comes before the last batches are built and received, so
-each process posts its times once more when its stream ends
-(`exchange.post_times`), and once this host's stream has ended, `view` reads
-those (one directory read a call, until every peer's are in).
-
-Straggler rule (process 0's view; `Stragglers`): a host's window ends each
-time its times reach process 0 (process 0's own at each read of the chunks).
-At the end of each window of the host with the most source time, it
-straggles if its source time (since the iterator started) is at least
-`STRAGGLER_RATIO` times the median of the other hosts' and at least
-`STRAGGLER_SHARE` of the wall time since process 0's iterator started (so a
-quick source, however much slower than quick peers, does not count).
-Straggling in `STRAGGLER_WINDOWS` of its windows in a row names it in one
-warning per iterator. Ratios only: no machine-tuned time; a source slow only
-at its start counts too, as it held every host back then.
+Gathered through the agreement's own messages (`messages.Chunk.times`,
+`messages.Decision.table`), with no store call of its own while the stream
+runs; the final times are posted once each stream ends (`exchange.post_times`).
+How, what it costs, and the straggler rule: docs/performance.md, "Seeing the job".
 """
 
 from __future__ import annotations
@@ -257,7 +233,7 @@ def slowest(hosts: Sequence[dict[str, Any]]) -> int | None:
 
 
 class Stragglers:
-  """The straggler rule of the module docstring, at process 0; warns once per iterator."""
+  """The straggler rule (docs/performance.md, "Straggler warning"), at process 0; warns once."""
 
   def __init__(self) -> None:
     self._start = time.monotonic()

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src.agreement import core
+from grain_jax_sync._src import periods
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # beat period), plus one decision hop: within docs/guarantees.md's promise, and
 # well before JAX's own heartbeat.
 BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
-DEAD_AFTER_S = core.DEAD_AFTER_S
+DEAD_AFTER_S = periods.DEAD_AFTER_S
 
 
 class Beat:

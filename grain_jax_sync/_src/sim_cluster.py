@@ -1,9 +1,8 @@
 """A simulated cluster: N hosts' real agreement cores, an in-memory store, a virtual clock.
 
-Each host runs the library's own core over the real `KeyValueExchange` on an
-in-memory store; its threads (reading, agreement, build, the training loop)
-are tasks of a discrete-event scheduler, so time moves from one event to the
-next. One process, no thread, deterministic: a bound in seconds takes milliseconds.
+Each host runs the library's core over the real `KeyValueExchange` on an in-memory store; its
+threads (reading, agreement, build, the training loop) are tasks of a discrete-event scheduler.
+One process, no thread, deterministic: a bound in seconds takes milliseconds.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness, messages, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.agreement import common, core, decider, driver, follower
+from grain_jax_sync._src.agreement import common, core, decider, driver
 
 INF = math.inf
 _NS = "grain_jax_sync/sim/1"
@@ -130,7 +129,6 @@ class MemoryStore:
     return self._data[key]
 
   def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-    del timeout_in_ms
     if key not in self._data:
       self.ops += 1
       self.missed = key
@@ -237,17 +235,15 @@ class _Host:
     who = common.Identity(process=p, devices=1, config=config, resume=plan.resume)
     self.threaded = cluster.prefetch_batches > 0
     rules = plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True)
-    self.core = (decider.Decider if p == 0 else follower.Follower)(
+    self.core = decider.core_for(
       rules,
       who,
       namespace=_NS,
       process_count=cluster.processes,
       lookahead=cluster.synchronize_lookahead,
       timeout_s=plan.sync_timeout_s or cluster.sync_timeout_s,
-      dead_after_s=liveness.DEAD_AFTER_S,
       position=plan.resume,
       threaded=self.threaded,
-      inline=not self.threaded,
     )
     refused = None if plan.refused is None else ValueError(plan.refused)
     self.reads = reader.Reader(
@@ -257,8 +253,6 @@ class _Host:
     self.pace = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
-    self.killed_at = INF
-    self.closed_note: str | None = None
     self.all: list[Task] = []  # Its tasks, `timed_task` last.
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
@@ -303,10 +297,12 @@ class _Host:
         yield (("built", self.p), clock.now + common.WAIT_SLICE_S)
       return None
     if isinstance(action, core.Look):
-      peer = self.c.hosts[action.peer]
+      ended = self.c.hosts[action.peer].out
       if action.op == "dead":
-        return clock.now - peer.killed_at >= liveness.DEAD_AFTER_S
-      return peer.closed_note if action.op == "closed" else None  # One stream everywhere.
+        return ended.ending == "killed" and clock.now - ended.ended_at >= liveness.DEAD_AFTER_S
+      if action.op == "closed" and ended.ending == "closed":  # One stream everywhere.
+        return f'["{_NS}", "process {action.peer} closed its iterator"]'
+      return None
     assert isinstance(action, core.Take), action
     return (yield from self._read(action))
 
@@ -397,7 +393,7 @@ class _Host:
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
       pause = plan.pause[1] if plan.pause is not None and plan.pause[0] == len(received) else 0.0
       yield (None, clock.now + plan.step_s + pause)
-    self._close()
+    self._end("closed", post=True)
 
   def _next(self, items: _Queue | None, inline: collections.deque[Any]) -> Any:
     if items is not None:
@@ -420,22 +416,15 @@ class _Host:
     """A `close()` from another thread (`close_s`), or the process's death (`kill_at`)."""
     close_s, kill_at = (INF if t is None else t for t in (self.plan.close_s, self.plan.kill_at))
     yield (None, min(close_s, kill_at))
-    if close_s < kill_at:
-      return self._close()
-    self.killed_at = self.clock.now
-    self._end("killed")
+    self._end("closed" if close_s < kill_at else "killed", post=close_s < kill_at)
 
   def _end(self, ending: str, message: str = "", by: Any = None, post: bool = False) -> None:
     """Records this host's ending and retires its tasks; with `post`, posts it for the peers."""
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
-    self.c.retire(self)
+    self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
     for call in self.core.closing(len(self.out.received), None) if post else ():
       driver.call_store(self.ex, call)
-
-  def _close(self) -> None:
-    self.closed_note = f'["{_NS}", "process {self.p} closed its iterator"]'
-    self._end("closed", post=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -478,10 +467,6 @@ class SimulatedCluster:
       self.clock.spawn(h.all[-1])
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
-
-  def retire(self, host: _Host) -> None:
-    """Ends every task of `host` (its threads joined, or its process gone)."""
-    self.clock.dead.update(id(t) for t in host.all)
 
   @property
   def store_ops(self) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import core, endings
@@ -23,10 +23,10 @@ READ_AHEAD_BYTES = 64 << 20
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
-FOLLOWER_GRACE_S = core.DEAD_AFTER_S + 2.0
+FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
 # A wait for this host's own read, or in the store, lasts at most a liveness
 # period before the core looks at its peers' beats again.
-WAIT_SLICE_S = core.LIVENESS_PERIOD_S
+WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 
 
 def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:

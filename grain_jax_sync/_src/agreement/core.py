@@ -6,18 +6,7 @@ action, and whoever drives it carries the action out and sends back its
 result together with a `Now`, the few facts of the world outside it. The
 agreement thread (`driver.Driver`), the inline mode (the same driver, in the
 consumer's `next()`) and the simulated cluster (`sim_cluster`, virtual time)
-are its drivers.
-
-```
-       Now + result of the last action
-driver ───────────────────────────────> core ──> Deliver(run)   (a decided run, for the build)
-  ^                                      │       Take(want, wait_s)      (this host's next read)
-  └──────────── action ──────────────────┘       Store(op, args)         (one exchange call)
-                                                 Look(op, peer)          (a peer's beat)
-                                                 WaitBuild(beyond)       (the build's next position)
-                                                 Pace()                  (the consumer's pace)
-```
-
+are its drivers (docs/internals.md, "The core and its drivers", draws them).
 An ending asked from outside (a stop) is a field the core reads at its next
 step; an agreed error is raised by the core; a failed action is thrown into it.
 """
@@ -32,14 +21,6 @@ from grain_jax_sync._src import messages
 
 if TYPE_CHECKING:
   from grain_jax_sync._src import batches as batches_lib
-
-# The liveness period: one beat per process, and the longest a wait (for a
-# read, in the store) lasts before the core looks at its peers' beats again;
-# a shorter one would only add wakes (`liveness`, `exchange`).
-LIVENESS_PERIOD_S = 1.0
-# A live process misses this much of beats only if its interpreter is frozen
-# (SIGSTOP, swapping), which a busy training loop is not: then it is dead.
-DEAD_AFTER_S = 8.0
 
 
 # -- The events from this host's reader (`reader.Reader`) -----------------------

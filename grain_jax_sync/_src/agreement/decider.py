@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.agreement import common, core, endings
+from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
 from grain_jax_sync._src.agreement.streamed import Streamed
 from grain_jax_sync._src.messages import Outcome
@@ -260,3 +260,22 @@ class Decider(Streamed):
       self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
     )
     return [core.Store("post_decision", (self._seq, final.to_json(), True)), core.Store("end")]
+
+
+def core_for(
+  rules: plan_lib.Rules, who: common.Identity, *, threaded: bool, **settings: Any
+) -> Decider | follower.Follower:
+  """The streamed core of process `who.process`: process 0 decides, the others follow.
+
+  `threaded`: a build thread and a reading thread run (else the consumer's
+  `next()` reads); `settings`: `Streamed`'s other keyword arguments.
+  """
+  kind = Decider if who.process == 0 else follower.Follower
+  return kind(
+    rules,
+    who,
+    dead_after_s=periods.DEAD_AFTER_S,
+    threaded=threaded,
+    inline=not threaded,
+    **settings,
+  )

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from grain_jax_sync._src.agreement import core
+from grain_jax_sync._src import periods
 from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_close
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # waits at most this long before the waiter checks for close(), its deadline
 # and the awaited peer's beat, which is read at most once a period: a shorter
 # slice would only add wakes.
-WAIT_SLICE_S = core.LIVENESS_PERIOD_S
+WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 # Chunks and decisions are keyed in groups of this many and deleted a group at
 # a time: one store call instead of one per key.
 GROUP = 16
