@@ -47,10 +47,9 @@ from grain_jax_sync._src import (
 )
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, follower, lockstep
+from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 
 logger = logging.getLogger(__name__)
@@ -166,7 +165,19 @@ class Stream:
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
     self._agreement = driver.Driver(
-      _core(start, ex, who, rules),
+      decider.core_for(
+        rules,
+        who,
+        # With a build thread, what it has not built counts in the read-ahead.
+        threaded=threaded,
+        namespace=ex.namespace,
+        process_count=ex.process_count,
+        lookahead=options.synchronize_lookahead,
+        timeout_s=options.sync_timeout_s,
+        position=start.mark.position,
+        read_ahead=options.read_ahead,
+        job=start.job,
+      ),
       # With prefetch, the source is read in a thread of its own, so that a
       # stuck read holds up no decision, stop or close.
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
@@ -591,29 +602,6 @@ def _identity(start: Start, process: int, *, shares: bool) -> Identity:
     config={**start.options.digest(), **start.placement.fingerprint()},
     resume=start.mark.position,
     groups=start.placement.groups if shares else (),
-  )
-
-
-def _core(
-  start: Start, ex: exchange_lib.KeyValueExchange, who: Identity, rules: plan_lib.Rules
-) -> decider.Decider | follower.Follower:
-  """The streamed agreement's core: process 0 decides, the others follow."""
-  options, threaded = start.options, start.options.prefetch_batches > 0
-  kind = decider.Decider if ex.process_index == 0 else follower.Follower
-  return kind(
-    rules,
-    who,
-    namespace=ex.namespace,
-    process_count=ex.process_count,
-    lookahead=options.synchronize_lookahead,
-    timeout_s=options.sync_timeout_s,
-    dead_after_s=liveness.DEAD_AFTER_S,
-    position=start.mark.position,
-    read_ahead=options.read_ahead,
-    # With a build thread, what it has not built counts in the read-ahead.
-    threaded=threaded,
-    inline=not threaded,
-    job=start.job,
   )
 
 
