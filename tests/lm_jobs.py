@@ -147,3 +147,31 @@ def lm_job(
   sources = it.stats().get("sources")
   it.close()
   return {"batches": out, "sources": sources, "state": state}
+
+
+def run_jobs(
+  count: int,
+  devices: int,
+  kind: str,
+  sizes: tuple[int, ...],
+  batch: int,
+  directory: str,
+  jobs: dict,
+) -> dict[str, list[dict[str, Any]]]:
+  """`lm_job`s, ``{name: (load, steps)}``, in turn in one launch of count x devices processes.
+
+  A job may load the states of a job before it in `jobs` or of an earlier
+  launch. Returns each job's value per process, after checking that every
+  process gathered the same global batches; a job that raises is named.
+  """
+  from helpers import TIMEOUT, run_cases
+
+  cases = {
+    name: (lm_job, (kind, sizes, batch, directory, name, load, steps), {})
+    for name, (load, steps) in jobs.items()
+  }
+  by_process = run_cases(count, devices, cases, timeout_s=TIMEOUT * len(jobs))
+  out = {name: [values[name] for values in by_process] for name in jobs}
+  for name, outs in out.items():
+    assert all(o["batches"] == outs[0]["batches"] for o in outs), name
+  return out

@@ -1,18 +1,23 @@
 """The examples, the README's example and the command-line tool run as documented.
 
-Each example runs as its header says, `python -m grain_jax_sync simulate
-examples/NAME.py --processes 2 --devices 4 ARGS`, at a small size; every host
-prints one ``result: {json}`` line, and the tests check its values.
+Each example runs as its header says, at a small size, under `python -m
+grain_jax_sync simulate` (2 processes x 4 devices unless said): several runs
+one after the other in one launch (`tests/example_runs.py` calls each
+example's ``main(argv)`` with the run's arguments), so that the processes
+start once. Every host prints one ``result: {json}`` line per run, and the
+tests check its values, each run's checks named on failure.
 """
 
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import check_each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -38,23 +43,77 @@ def _cli(*args: str, timeout: float = 240) -> str:
   return _run(*args, timeout=timeout).stdout
 
 
-RESULT = re.compile(r"^\[process (\d+)\] result: (.*)$", re.M)
+RUNS = os.path.join(ROOT, "tests", "example_runs.py")
+LABELLED = re.compile(r"^\[process (\d+)\] (.*)$", re.M)
 
 
-def _simulate(script: str, *args: str, processes: int = 2, devices: int = 4) -> list[dict]:
-  """Runs a script under `simulate`; each process's ``result:`` line, in process order."""
-  out = _cli(
-    "simulate", script, "--processes", str(processes), "--devices", str(devices), *args,
-    "--timeout", "200",
-  )  # fmt: skip
-  found = sorted((int(p), json.loads(text)) for p, text in RESULT.findall(out))
-  assert [p for p, _ in found] == list(range(processes)), out
-  return [result for _, result in found]
+class Launch:
+  """Example runs in one `simulate` launch of tests/example_runs.py, and what each process printed.
+
+  Each run's lines, per process: its ``loss``, ``eval`` and ``result`` lines
+  parsed (`lines`), and every line (`printed_by_every_process`). The runs go one after the other in the
+  same processes; a run that fails ends the launch, and `lines` of a run
+  that printed no result names it, with the launch's output.
+  """
+
+  def __init__(self, runs: dict[str, list[str]], *, processes=2, devices=4, signal=None):
+    # The first run's bound includes starting the processes (as one launch's was).
+    timeout = 100 * (len(runs) + 1)
+    specs = [
+      shlex.join([label, os.path.join(ROOT, path), *argv]) for label, (path, *argv) in runs.items()
+    ]
+    args = ["--processes", str(processes), "--devices", str(devices), "--timeout", str(timeout)]
+    args += ["--signal", signal] if signal else []
+    self.proc = subprocess.run(
+      [sys.executable, "-m", "grain_jax_sync", "simulate", RUNS, *args, "--", *specs],
+      cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
+    )  # fmt: skip
+    self.found: dict[str, list[dict[str, list]]] = {}
+    self.printed: dict[str, list[list[str]]] = {}
+    current: list[str | None] = [None] * processes
+    for p, line in LABELLED.findall(self.proc.stdout):
+      p = int(p)
+      if line.startswith("run: "):
+        current[p] = line[len("run: ") :]
+        fresh = [{"loss": [], "eval": [], "result": []} for _ in range(processes)]
+        self.found.setdefault(current[p], fresh)
+        self.printed.setdefault(current[p], [[] for _ in range(processes)])
+      elif current[p] is not None:
+        entry = self.found[current[p]][p]
+        self.printed[current[p]][p].append(line)
+        kind, sep, text = line.partition(": ")
+        if sep and kind in ("loss", "eval", "result"):
+          entry[kind].append(json.loads(text))
+
+  def _output(self) -> str:
+    return f"exit {self.proc.returncode}\n{self.proc.stdout[-4000:]}\n{self.proc.stderr[-4000:]}"
+
+  def check_exit(self) -> None:
+    assert self.proc.returncode == 0, self._output()
+
+  def lines(self, label: str) -> list[dict[str, list]]:
+    """The run's parsed lines per process, after checking that every process printed one result."""
+    got = self.found.get(label)
+    assert got is not None and [len(g["result"]) for g in got] == [1] * len(got), (
+      f"run {label!r} printed no result on every process\n{self._output()}"
+    )
+    return got
+
+  def printed_by_every_process(self, label: str) -> list[list[str]]:
+    """Every line of the run, per process (its lines past the launch's `run:` marker)."""
+    assert label in self.printed, f"run {label!r} did not start\n{self._output()}"
+    return self.printed[label]
+
+  def results(self, label: str) -> list[dict]:
+    """Each process's ``result:`` of the run, in process order."""
+    return [g["result"][0] for g in self.lines(label)]
 
 
-@pytest.mark.multiprocess
-def test_train_masked_example_converges_identically_on_every_host():
-  outs = _simulate("examples/train_masked.py", "--epochs", "20")
+def _ckpt_files(folder) -> list[str]:
+  return sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+
+
+def check_train_masked(outs):
   # Host 1 has 130 examples = 9 batches of 16; host 0 has 100 = 7: the short
   # host gets masked dummies, so both run 9 steps per epoch.
   assert outs[0] == outs[1]
@@ -62,9 +121,7 @@ def test_train_masked_example_converges_identically_on_every_host():
   assert abs(outs[0]["w"] - 3) < 0.05 and abs(outs[0]["b"] - 1) < 0.05
 
 
-@pytest.mark.multiprocess
-def test_flax_classifier_example_trains_on_every_mock_example_once():
-  outs = _simulate("examples/flax_classifier.py", "--mock-examples", "201", "--batch-size", "32")
+def check_flax_classifier(outs):
   # 201 mock examples: shards of 100 and 101, so 4 steps of 32 rows per host;
   # the masked count is every example once.
   assert outs[0] == outs[1]
@@ -72,9 +129,7 @@ def test_flax_classifier_example_trains_on_every_mock_example_once():
   assert 0 <= outs[0]["train_accuracy"] <= 1 and outs[0]["loss"] > 0
 
 
-@pytest.mark.multiprocess
-def test_exact_eval_example_matches_the_single_process_count():
-  outs = _simulate("examples/exact_eval.py", "--examples", "301", "--batch-size", "16")
+def check_exact_eval(outs):
   # Shares of 100 and 201 examples: host 0 runs out after 7 batches and yields
   # dummies until host 1's 13th; every example is counted once.
   assert [o["host_examples"] for o in outs] == [100, 201]
@@ -84,9 +139,7 @@ def test_exact_eval_example_matches_the_single_process_count():
   assert outs[0]["correct"] == outs[1]["correct"]
 
 
-@pytest.mark.multiprocess
-def test_drop_ins_example_both_replacements_yield_the_same_global_batches():
-  outs = _simulate("examples/drop_ins.py", "--records", "40", "--batch-size", "16")
+def check_drop_ins(outs):
   # 40 + 65 records: 5 batches of 16 per host (host 0 padded, then a dummy).
   for o in outs:
     assert o == {
@@ -99,9 +152,7 @@ def test_drop_ins_example_both_replacements_yield_the_same_global_batches():
     }
 
 
-@pytest.mark.multiprocess
-def test_orbax_resume_example_resumed_stream_equals_the_uninterrupted_one(tmp_path):
-  outs = _simulate("examples/orbax_resume.py", "--checkpoint-dir", str(tmp_path / "ckpt"))
+def check_orbax_resume(outs, ckpt):
   # 50 and 63 records in batches of 8: 8 global batches, saved after 3.
   for o in outs:
     assert o == {
@@ -110,34 +161,10 @@ def test_orbax_resume_example_resumed_stream_equals_the_uninterrupted_one(tmp_pa
       "resumed_equals_uninterrupted": True,
       "same_final_state": True,
     }
-  files = sorted(os.listdir(tmp_path / "ckpt" / "3" / "data"))
-  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
+  assert _ckpt_files(ckpt / "3" / "data") == ["process_0-of-2.json", "process_1-of-2.json"]
 
 
-LINE = re.compile(r"^\[process (\d+)\] (loss|eval|result): (.*)$", re.M)
-
-
-def _simulate_lines(script: str, *args: str) -> list[dict[str, list]]:
-  """Runs a script under `simulate` (2 processes x 4 devices); per process, its parsed lines by kind."""
-  out = _cli("simulate", script, *args, "--timeout", "200", timeout=260)
-  found: list[dict[str, list]] = [{"loss": [], "eval": [], "result": []} for _ in range(2)]
-  for p, kind, text in LINE.findall(out):
-    found[int(p)][kind].append(json.loads(text))
-  assert [len(f["result"]) for f in found] == [1, 1], out
-  return found
-
-
-@pytest.mark.multiprocess
-def test_train_flax_orbax_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(
-  tmp_path,
-):
-  example = "examples/train_flax_orbax.py"
-  small = ["--mock-examples", "601", "--batch-size", "8", "--epochs", "2"]
-  full = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "full"), *small)
-  stopped = _simulate_lines(
-    example, "--signal", "1:SIGTERM:5", "--ckpt-dir", str(tmp_path / "ckpt"), *small
-  )
-  resumed = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "ckpt"), *small)
+def check_train_flax_orbax(full, stopped, resumed, ckpt):
   # Shards of 300 and 301 examples: 38 steps of 8 rows per host each epoch.
   for runs in (full, stopped, resumed):
     assert runs[0] == runs[1]  # Every host printed the same losses, evals and result.
@@ -149,8 +176,8 @@ def test_train_flax_orbax_example_stopped_on_sigterm_and_resumed_equals_the_unin
   (stop,) = stopped[0]["result"]
   assert stop["stopped_by"] == 1 and 5 <= stop["step"] <= 5 + 2 * (10 + 2) < 38
   assert stopped[0]["eval"] == []
-  files = sorted(os.listdir(tmp_path / "ckpt" / str(stop["step"]) / "data"))
-  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
+  files = _ckpt_files(ckpt / str(stop["step"]) / "data")
+  assert files == ["process_0-of-2.json", "process_1-of-2.json"]
   # The restart continues from that step: the same losses, bit for bit, and the same evals.
   assert resumed[0]["result"] == [{"resumed_from": stop["step"], "step": 76, "stopped_by": None}]
   losses = stopped[0]["loss"] + resumed[0]["loss"]
@@ -159,14 +186,81 @@ def test_train_flax_orbax_example_stopped_on_sigterm_and_resumed_equals_the_unin
   assert resumed[0]["eval"] == full[0]["eval"]
 
 
+def check_readme(printed):
+  # Hosts hold 10 and 11 batches of 32 rows: 11 global batches, 672 real rows.
+  for p, lines in enumerate(printed):
+    assert f"host {p}: 672 real rows in 11 batches" in lines, lines
+
+
+def _readme_script(folder) -> str:
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  script = folder / "readme_example.py"
+  script.write_text(re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S).group(1))
+  return str(script)
+
+
+FLAX_SMALL = ["--mock-examples", "601", "--batch-size", "8", "--epochs", "2"]
+
+
 @pytest.mark.multiprocess
-def test_hf_text_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(tmp_path):
-  example, small = "examples/hf_text.py", ["--examples", "400"]
-  full = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "full"), *small)
-  stopped = _simulate_lines(
-    example, "--signal", "1:SIGTERM:4", "--ckpt-dir", str(tmp_path / "ckpt"), *small
+@pytest.mark.timeout(100 * 10 + 120)
+def test_examples_and_the_readme_example_print_their_documented_values_on_two_hosts(tmp_path):
+  # One launch, 2 processes x 4 devices, each example at its small size one
+  # after the other. train_flax_orbax first: process 1's SIGTERM after its
+  # batch 5 (the launch's --signal) stops that run; a restart on its
+  # checkpoint and an uninterrupted run follow.
+  flax = "examples/train_flax_orbax.py"
+  launch = Launch(
+    {
+      "flax_stopped": [flax, "--ckpt-dir", str(tmp_path / "flax"), *FLAX_SMALL],
+      "flax_resumed": [flax, "--ckpt-dir", str(tmp_path / "flax"), *FLAX_SMALL],
+      "flax_full": [flax, "--ckpt-dir", str(tmp_path / "flax_full"), *FLAX_SMALL],
+      "train_masked": ["examples/train_masked.py", "--epochs", "20"],
+      "flax_classifier": [
+        "examples/flax_classifier.py", "--mock-examples", "201", "--batch-size", "32"
+      ],
+      "exact_eval": ["examples/exact_eval.py", "--examples", "301", "--batch-size", "16"],
+      "drop_ins": ["examples/drop_ins.py", "--records", "40", "--batch-size", "16"],
+      "orbax_resume": ["examples/orbax_resume.py", "--checkpoint-dir", str(tmp_path / "orbax")],
+      "readme": [_readme_script(tmp_path)],
+    },
+    signal="1:SIGTERM:5",
+  )  # fmt: skip
+  check_each(
+    {
+      "launch": launch.check_exit,
+      "train_flax_orbax": lambda: check_train_flax_orbax(
+        *(launch.lines(f"flax_{k}") for k in ("full", "stopped", "resumed")), tmp_path / "flax"
+      ),
+      "train_masked": lambda: check_train_masked(launch.results("train_masked")),
+      "flax_classifier": lambda: check_flax_classifier(launch.results("flax_classifier")),
+      "exact_eval": lambda: check_exact_eval(launch.results("exact_eval")),
+      "drop_ins": lambda: check_drop_ins(launch.results("drop_ins")),
+      "orbax_resume": lambda: check_orbax_resume(
+        launch.results("orbax_resume"), tmp_path / "orbax"
+      ),
+      "readme": lambda: check_readme(launch.printed_by_every_process("readme")),
+    }
   )
-  resumed = _simulate_lines(example, "--ckpt-dir", str(tmp_path / "ckpt"), *small)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(100 * 4 + 120)
+def test_hf_text_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(tmp_path):
+  # One launch: process 1's SIGTERM after its batch 4 stops the first run;
+  # the restart on its checkpoint and an uninterrupted run follow.
+  example, small = "examples/hf_text.py", ["--examples", "400"]
+  launch = Launch(
+    {
+      "stopped": [example, "--ckpt-dir", str(tmp_path / "ckpt"), *small],
+      "resumed": [example, "--ckpt-dir", str(tmp_path / "ckpt"), *small],
+      "full": [example, "--ckpt-dir", str(tmp_path / "full"), *small],
+    },
+    signal="1:SIGTERM:4",
+  )
+  launch.check_exit()
+  full, stopped, resumed = (launch.lines(k) for k in ("full", "stopped", "resumed"))
   for runs in (full, stopped, resumed):
     assert runs[0] == runs[1]  # Every host printed the same losses and result.
   # 200 sentences a host, 8 a step: 25 steps an epoch, 2 epochs.
@@ -179,35 +273,19 @@ def test_hf_text_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted
   assert full[0]["loss"][-1]["loss"] < 0.5 * full[0]["loss"][0]["loss"]  # It learns.
 
 
-@pytest.mark.multiprocess
-def test_elastic_resume_example_trains_every_kept_record_once_across_2_then_3_hosts(tmp_path):
-  ckpt = str(tmp_path / "ckpt")
-  saved = _simulate(
-    "examples/elastic_resume.py", "--phase", "save", "--checkpoint-dir", ckpt, devices=2
-  )
+def check_elastic_resume(saved, outs):
   assert [o["trained_examples"] for o in saved] == [48, 48]  # 3 steps x 2 hosts x 8 rows.
-  outs = _simulate(
-    "examples/elastic_resume.py", "--phase", "resume", "--checkpoint-dir", ckpt,
-    processes=3, devices=2,
-  )  # fmt: skip
   for o in outs:
     assert o == dict(outs[0], phase="resume", processes=3, exactly_once=True)
     assert o["trained_examples"] == o["kept_examples"] == 160
     assert o["steps"] > 3
 
 
-@pytest.mark.multiprocess
-def test_lm_mixture_example_stopped_on_2_hosts_resumed_on_3_trains_each_document_whole_once(
-  tmp_path,
-):
-  example, ckpt = "examples/lm_mixture.py", ["--ckpt-dir", str(tmp_path / "ckpt")]
-  stopped = _simulate(example, "--signal", "1:SIGTERM:3", *ckpt)
+def check_lm_mixture(stopped, resumed, ckpt):
   stop = stopped[0]["step"]
   # Process 1's SIGTERM after its batch 3 stopped both hosts at one step, and each saved there.
   assert stopped[0]["stopped_by"] == 1 and 3 <= stop <= 3 + 2 * (10 + 2) < 40
-  files = sorted(os.listdir(tmp_path / "ckpt" / str(stop) / "data"))
-  assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json", "process_1-of-2.json"]
-  resumed = _simulate(example, *ckpt, processes=3)
+  assert _ckpt_files(ckpt / str(stop) / "data") == ["process_0-of-2.json", "process_1-of-2.json"]
   for runs, n in ((stopped, 2), (resumed, 3)):
     for r in runs:  # Every host agrees; one packed shape, compiled before the loop.
       assert {k: v for k, v in r.items() if k != "shares_this_host"} == {
@@ -227,16 +305,37 @@ def test_lm_mixture_example_stopped_on_2_hosts_resumed_on_3_trains_each_document
 
 
 @pytest.mark.multiprocess
-def test_readme_example_runs_as_written_under_simulate(tmp_path):
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    readme = f.read()
-  code = re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S).group(1)
-  script = tmp_path / "example.py"
-  script.write_text(code)
-  out = _cli("simulate", str(script), "--processes", "2", "--devices", "4")
-  # Hosts hold 10 and 11 batches of 32 rows: 11 global batches, 672 real rows.
-  assert "host 0: 672 real rows in 11 batches" in out
-  assert "host 1: 672 real rows in 11 batches" in out
+@pytest.mark.timeout(2 * 100 * 3 + 120)
+def test_lm_mixture_and_elastic_resume_examples_stopped_on_2_hosts_resume_on_3_every_record_once(
+  tmp_path,
+):
+  # Two launches of 2 devices a process: on 2 processes, lm_mixture stopped
+  # by process 1's SIGTERM after its batch 3, then elastic_resume's save
+  # phase; on 3 processes, both resume from their checkpoints.
+  lm, lm_ckpt = "examples/lm_mixture.py", ["--ckpt-dir", str(tmp_path / "lm")]
+  elastic = ["examples/elastic_resume.py", "--checkpoint-dir", str(tmp_path / "elastic")]
+  on_2 = Launch(
+    {"lm_mixture": [lm, *lm_ckpt], "elastic_resume": [*elastic, "--phase", "save"]},
+    devices=2,
+    signal="1:SIGTERM:3",
+  )
+  on_3 = Launch(
+    {"lm_mixture": [lm, *lm_ckpt], "elastic_resume": [*elastic, "--phase", "resume"]},
+    processes=3,
+    devices=2,
+  )
+  check_each(
+    {
+      "launch on 2 processes": on_2.check_exit,
+      "launch on 3 processes": on_3.check_exit,
+      "lm_mixture": lambda: check_lm_mixture(
+        on_2.results("lm_mixture"), on_3.results("lm_mixture"), tmp_path / "lm"
+      ),
+      "elastic_resume": lambda: check_elastic_resume(
+        on_2.results("elastic_resume"), on_3.results("elastic_resume")
+      ),
+    }
+  )
 
 
 # `python -m grain_jax_sync` as if tqdm were not installed.

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic.mixture import Mixture
 from grain_jax_sync._src.sources.elastic.state import splits_from_json
@@ -163,23 +162,13 @@ def test_2x4_checkpoint_at_batch_7_resumes_exactly_on_2_and_elastic_on_3(tmp_pat
   batch, steps = 16, 60  # Per host; 2 hosts: 32 rows a batch, 2,144 rows in the whole run.
   m = lm_jobs.mixture("rows", SIZES, batch).mixture
 
-  def job(count, name, load, k):
-    outs = testing.values(
-      testing.run_processes(
-        lm_jobs.lm_job,
-        num_processes=count,
-        devices_per_process=4,
-        args=("rows", SIZES, batch, str(tmp_path), name, load, k),
-        timeout_s=180,
-      )
-    )
-    assert all(o["batches"] == outs[0]["batches"] for o in outs)
-    return outs
-
-  whole = job(2, "whole", None, 7 + steps)
-  head = job(2, "head", None, 7)
-  same = job(2, "same", "head", steps)
-  three = job(3, "three", "head", steps)
+  # One launch of 2 x 4 (the whole run, its first 7 batches, the rest from
+  # their states), then one of 3 x 4 (the rest, re-split).
+  jobs = {"whole": (None, 7 + steps), "head": (None, 7), "same": ("head", steps)}
+  two = lm_jobs.run_jobs(2, 4, "rows", SIZES, batch, str(tmp_path), jobs)
+  whole, head, same = (two[name] for name in jobs)
+  three = lm_jobs.run_jobs(3, 4, "rows", SIZES, batch, str(tmp_path), {"three": ("head", steps)})
+  three = three["three"]
   assert head[0]["batches"] == whole[0]["batches"][:7]
   assert same[0]["batches"] == whole[0]["batches"][7:]  # Exact on the same count.
   # The delivered shares over the first 2,000 rows keep the weights within 1%.

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
-from grain_jax_sync import testing
 from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic import state as state_lib
 
@@ -80,27 +79,16 @@ def test_pack_sequences_checks_its_arguments_and_trims_long_records():
   assert [r["tok_segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1], [1, 1, 0, 0]]
 
 
-def _job(tmp_path, count, devices, name, load, steps):
-  outs = testing.values(
-    testing.run_processes(
-      lm_jobs.lm_job,
-      num_processes=count,
-      devices_per_process=devices,
-      args=("pack", SIZES, 8, str(tmp_path), name, load, steps),
-      timeout_s=180,
-    )
-  )
-  assert all(o["batches"] == outs[0]["batches"] for o in outs)
-  return outs[0]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_2x4_mid_packed_batch_resumes_exactly_on_2x4_and_resplits_on_3x2(tmp_path):
-  head = _job(tmp_path, 2, 4, "head", None, 3)
+  # One launch of 2 x 4 (the head, the whole run, the rest from the head's
+  # states), then one of 3 x 2 (the rest, re-split); process 0's values.
+  jobs = {"head": (None, 3), "whole": (None, None), "same": ("head", None)}
+  two = lm_jobs.run_jobs(2, 4, "pack", SIZES, 8, str(tmp_path), jobs)
+  head, whole, same = (two[name][0] for name in jobs)
   assert head["state"]["source"]["holes"]  # Records in flight: mid packed batch.
-  three = _job(tmp_path, 3, 2, "three", "head", None)
-  whole = _job(tmp_path, 2, 4, "whole", None, None)
-  same = _job(tmp_path, 2, 4, "same", "head", None)
+  three = lm_jobs.run_jobs(3, 2, "pack", SIZES, 8, str(tmp_path), {"three": ("head", None)})
+  three = three["three"][0]
   assert head["batches"] == whole["batches"][:3] and same["batches"] == whole["batches"][3:]
   assert tokens_of([head["batches"], three["batches"]]) == every_record()
