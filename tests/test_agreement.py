@@ -117,7 +117,8 @@ def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
     out[p] = ("stop", record, None)
   except _Closed:
     runs.close()
-    stage.close(driver.Closing(yielded))
+    stage.ask(driver.Closing(yielded))
+    stage.close()
     out[p] = ("closed", record, None)
   except BaseException as e:  # noqa: BLE001 - compared by the test.
     out[p] = ("raise", record, e)

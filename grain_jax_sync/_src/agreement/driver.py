@@ -212,14 +212,12 @@ class Driver:
       finally:
         self.turn.release()
 
-  def close(self, ending: Closing | None = None) -> None:
-    """Posts this host's ending (`ending`, or the one asked for: `ask`) here, where no thread did.
+  def close(self) -> None:
+    """Posts the ending asked for (`ask`) here, where no thread did.
 
     Called once the thread that runs the core, if any, has returned: inline,
     or where that thread ended before it took the ending.
     """
-    if ending is not None:
-      self._asks.put(ending)
     self._take_asks()
     self._post_closing()
 
