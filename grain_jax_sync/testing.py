@@ -191,6 +191,9 @@ def run_processes(
 ) -> list[ProcessOutcome]:
   """Runs ``fn(*args, **kwargs)`` in `num_processes` real JAX processes.
 
+  On Linux the processes are forked from a server that imported JAX once
+  (docs/testing.md); ``GRAIN_JAX_SYNC_SIM_FORK=0`` starts each fresh.
+
   Args:
     fn: A module-level function. It is imported in every process by module
       name or, failing that, by file path; it runs after

@@ -110,3 +110,60 @@ def test_signal_at_refuses_bad_values_before_starting(signal_at, match):
     testing.run_processes(
       signalled_at, num_processes=2, signal_at=signal_at, kwargs={}, timeout_s=10
     )
+
+
+def started_as() -> dict:
+  """Runs in every process: how it was started, and what it took of its own environment."""
+  import os
+
+  import jax
+
+  from grain_jax_sync._src import signal_at
+
+  return {
+    "parent": os.getppid(),
+    "session": os.getsid(0) == os.getpid(),
+    "cwd": os.getcwd(),
+    "own": os.environ.get("GJS_TEST_OWN"),
+    "signal_at": signal_at.AFTER_BATCH,
+    "devices": len(jax.local_devices()),
+    "draw": float(np.random.rand()),  # The legacy global state: forked, reseeded.
+  }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_each_process_has_its_own_environment_session_and_exit_forked_or_fresh(
+  fork, monkeypatch, tmp_path
+):
+  import os
+
+  monkeypatch.setenv("GRAIN_JAX_SYNC_SIM_FORK", fork)
+  monkeypatch.chdir(tmp_path)
+  outcomes = testing.run_processes(
+    started_as,
+    num_processes=2,
+    devices_per_process=3,
+    env={"GJS_TEST_OWN": f"fork {fork}"},
+    signal_at=testing.SignalAt(process=1, after_batch=7),
+    timeout_s=120,
+  )
+  got = testing.values(outcomes)
+  # Forked, the processes are the server's children; fresh, this process's.
+  assert [g["parent"] == os.getpid() for g in got] == [fork == "0"] * 2
+  assert [g["session"] for g in got] == [True, True]  # Each killed with its own group.
+  assert [g["cwd"] for g in got] == [str(tmp_path)] * 2
+  assert [g["own"] for g in got] == [f"fork {fork}"] * 2
+  assert [g["signal_at"] for g in got] == [-1, 7]
+  assert [g["devices"] for g in got] == [3, 3]
+  assert got[0]["draw"] != got[1]["draw"]  # Not the server's random state.
+  assert [o.exit_code for o in outcomes] == [0, 0]
+  # Killed past the bound: its exit code as `subprocess` gives it (-9).
+  with pytest.raises(TimeoutError, match=r"within 3s; all were killed.\n--- process 0 \(exit -9\)"):
+    testing.run_processes(paused, num_processes=1, timeout_s=3, env={"GJS_TEST_OWN": fork})
+
+
+def paused() -> None:
+  import signal
+
+  signal.pause()

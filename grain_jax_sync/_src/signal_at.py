@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ def parse(text: str) -> tuple[int, int]:
 
 
 AFTER_BATCH, _SIGNUM = parse(os.environ.get(ENV, ""))
+
+
+def arm(environ: Mapping[str, str]) -> None:
+  """Reads `ENV` from `environ` again (a process forked after this module's import)."""
+  global AFTER_BATCH, _SIGNUM
+  AFTER_BATCH, _SIGNUM = parse(environ.get(ENV, ""))
 
 
 def send() -> None:

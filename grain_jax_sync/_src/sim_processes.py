@@ -2,14 +2,23 @@
 
 `grain_jax_sync.testing.run_processes` starts each process here and waits for
 every one within one deadline or kills them all.
+
+On Linux a process is forked from a fork server (`sim_worker.serve`) that has
+imported JAX and this package already, one server per environment: a
+process's start is then its own work, not the imports. Where the server
+cannot start or answer, and with ``GRAIN_JAX_SYNC_SIM_FORK=0``, each process
+is a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +26,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from grain_jax_sync._src import signal_at
+from grain_jax_sync._src import signal_at, sim_worker
+
+logger = logging.getLogger(__name__)
 
 # How long a process's output may stay open after the process exited. What
 # it wrote itself is already in the pipe and is read in well under this,
@@ -26,6 +37,17 @@ from grain_jax_sync._src import signal_at
 _OUTPUT_GRACE_S = 5.0
 # One echoed line at a time, whichever process wrote it.
 _ECHO_LOCK = threading.Lock()
+# "0": every process a fresh interpreter, not forked from the server.
+FORK_ENV = "GRAIN_JAX_SYNC_SIM_FORK"
+# What a fork server has not read at its start: they may differ between the
+# processes it forks (`signal_at` is read again in the child; XLA's flags
+# when the child creates its backend).
+_PER_PROCESS = (signal_at.ENV, "XLA_FLAGS")
+# The fork servers kept, one per environment, the least recently used closed.
+_SERVERS_KEPT = 4
+# How long a server may take to fork a child and send its pid (its own start,
+# the imports, included); past it the process starts as a fresh interpreter.
+_FORK_TIMEOUT_S = 120.0
 
 
 def process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict[str, str]:
@@ -60,14 +82,7 @@ class Process:
     job_path = os.path.join(workdir, f"job_{index}.pkl")
     with open(job_path, "wb") as f:
       pickle.dump({**job, "result": self._result_path}, f)
-    self.popen = subprocess.Popen(
-      [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      stdin=subprocess.DEVNULL,
-      start_new_session=True,
-    )
+    self.popen = start(job_path, env)
     self.log_path = os.path.join(workdir, f"log_{index}.txt")
     self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed by `finish`.
     self._lock = threading.Lock()
@@ -117,6 +132,138 @@ class Process:
       return {}
     with open(self._result_path, "rb") as f:
       return pickle.load(f)
+
+
+def start(job_path: str, env: dict[str, str]) -> subprocess.Popen[bytes] | Forked:
+  """Starts ``python -m grain_jax_sync._src.sim_worker JOB``: forked from a server, or fresh."""
+  if sys.platform.startswith("linux") and os.environ.get(FORK_ENV, "1") != "0":
+    key = _key(env)
+    if key not in _FAILED:
+      try:
+        return _server(key).start(job_path, env)
+      except (OSError, TimeoutError) as e:
+        _FAILED.add(key)  # This environment's processes start fresh from now on.
+        logger.warning("grain_jax_sync.testing: the fork server failed (%r); starting fresh", e)
+  return subprocess.Popen(
+    [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    stdin=subprocess.DEVNULL,
+    start_new_session=True,
+  )
+
+
+class Forked:
+  """A process forked by the server: what `Process` uses of `subprocess.Popen`."""
+
+  def __init__(self, status: socket.socket, stdout: IO[bytes], stderr: IO[bytes]):
+    self.stdout, self.stderr = stdout, stderr
+    self.returncode: int | None = None
+    self._status = status
+    try:
+      self.pid = self._receive(_FORK_TIMEOUT_S)
+    except BaseException:
+      self._close()
+      raise
+
+  def _close(self) -> None:
+    for f in (self.stdout, self.stderr, self._status):
+      f.close()
+
+  def _receive(self, timeout_s: float | None) -> int:
+    self._status.settimeout(timeout_s)
+    data = self._status.recv(sim_worker.STATUS.size)
+    if not data:
+      raise ConnectionResetError("the fork server exited")
+    return sim_worker.STATUS.unpack(data)[0]
+
+  def poll(self) -> int | None:
+    if self.returncode is None:
+      with contextlib.suppress(BlockingIOError, TimeoutError):
+        self._exited(0)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    if self.returncode is None:
+      try:
+        self._exited(timeout)
+      except TimeoutError:
+        raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0) from None
+    assert self.returncode is not None
+    return self.returncode
+
+  def _exited(self, timeout_s: float | None) -> None:
+    try:
+      self.returncode = self._receive(timeout_s)
+    except ConnectionError:  # The server died: whatever the child does, it is not waited for.
+      self.returncode = -signal.SIGKILL
+    self._status.close()
+
+
+class _Server:
+  """One fork server (`sim_worker.serve`), started with `env`; exits when this process does."""
+
+  def __init__(self, env: Mapping[str, str]):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with theirs:
+      self.popen = subprocess.Popen(
+        [sys.executable, "-m", "grain_jax_sync._src.sim_worker", "--serve", str(theirs.fileno())],
+        env=dict(env),
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+      )
+    self._control = ours
+
+  def start(self, job_path: str, env: dict[str, str]) -> Forked:
+    request = pickle.dumps((job_path, os.getcwd(), env))
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+      socket.send_fds(self._control, [request], [out_w, err_w, theirs.fileno()])
+    except BaseException:
+      for fd in (out_r, err_r):
+        os.close(fd)
+      status.close()
+      raise
+    finally:
+      os.close(out_w)
+      os.close(err_w)
+      theirs.close()
+    return Forked(status, open(out_r, "rb"), open(err_r, "rb"))  # noqa: SIM115 - `Process` reads them.
+
+  def close(self) -> None:
+    self._control.close()  # The server exits; its children run on.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      self.popen.wait(1.0)
+
+
+_Key = tuple[tuple[str, str], ...]
+_SERVERS: collections.OrderedDict[_Key, _Server] = collections.OrderedDict()
+_SERVERS_LOCK = threading.Lock()
+_FAILED: set[_Key] = set()
+
+
+def _key(env: Mapping[str, str]) -> _Key:
+  """What a fork server's processes share: the environment but `_PER_PROCESS`, the interpreter."""
+  own = sorted((k, v) for k, v in env.items() if k not in _PER_PROCESS)
+  return (("", sys.executable), *own)
+
+
+def _server(key: _Key) -> _Server:
+  """The fork server for `key` (started now if there is none); raises OSError if it will not start."""
+  with _SERVERS_LOCK:
+    server = _SERVERS.pop(key, None)
+    if server is None or server.popen.poll() is not None:
+      server = _Server(dict(key[1:]))
+    _SERVERS[key] = server
+    while len(_SERVERS) > _SERVERS_KEPT:
+      _SERVERS.popitem(last=False)[1].close()
+  return server
 
 
 def tail(path: str, limit: int = 4000) -> str:

@@ -2,6 +2,13 @@
 
 ``python -m grain_jax_sync._src.sim_worker JOB`` joins its peers (gloo CPU
 collectives), runs the scenario and writes what it returned or raised.
+
+``python -m grain_jax_sync._src.sim_worker --serve FD`` is the fork server
+(`sim_processes` starts it): it imports JAX and this package once, then forks
+one child per job sent on the socket `FD`; each child takes the job's
+environment, working directory and output pipes and runs `run_job`, as the
+first form would, without importing them again (most of a process's start:
+ml_dtypes' import alone is most of a second).
 """
 
 from __future__ import annotations
@@ -11,6 +18,10 @@ import importlib
 import importlib.util
 import os
 import pickle
+import selectors
+import signal
+import socket
+import struct
 import sys
 import time
 import traceback
@@ -123,5 +134,112 @@ def run_job(job_path: str) -> None:
   os._exit(0)
 
 
+# One job's request to the fork server: its pickled (job path, working
+# directory, environment) and three descriptors: stdout, stderr and the
+# job's own socket, on which the server sends the child's pid, then its exit
+# code (`os.waitstatus_to_exitcode`: -N for signal N).
+REQUEST_FDS = 3
+REQUEST_BYTES = 1 << 20
+STATUS = struct.Struct("i")
+
+
+def serve(control_fd: int) -> None:
+  """The fork server's loop: a child per request on `control_fd`; exits when that closes.
+
+  Single-threaded, so that a fork copies no lock another thread holds:
+  requests and children's exits (SIGCHLD, through a wake-up pipe) are waited
+  for in one `selectors` call. Exits when the parent closes `control_fd`;
+  the children, each in a session of its own, run on.
+  """
+  import jax  # noqa: F401 - what the server is for: each child starts with these.
+
+  import grain_jax_sync  # noqa: F401
+
+  control = socket.socket(fileno=control_fd)
+  wake_r, wake_w = os.pipe()
+  os.set_blocking(wake_r, False)
+  os.set_blocking(wake_w, False)
+  signal.signal(signal.SIGCHLD, lambda *_: None)
+  signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+  children: dict[int, socket.socket] = {}
+  with selectors.DefaultSelector() as sel:
+    sel.register(control, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    while True:
+      for key, _ in sel.select():
+        if key.fileobj is control:
+          data, fds, _, _ = socket.recv_fds(control, REQUEST_BYTES, REQUEST_FDS)
+          if not data:
+            os._exit(0)  # The parent is gone.
+          pid = os.fork()
+          if pid == 0:
+            _child(pickle.loads(data), fds, [control, *children.values(), sel], (wake_r, wake_w))
+          out, err, status = fds
+          os.close(out)
+          os.close(err)
+          children[pid] = socket.socket(fileno=status)
+          with contextlib.suppress(OSError):  # The parent stopped listening.
+            children[pid].send(STATUS.pack(pid))
+        else:
+          with contextlib.suppress(BlockingIOError):
+            while os.read(wake_r, 4096):
+              pass
+          _reap(children)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+  """Sends each exited child's exit code on its job's socket."""
+  while children:
+    try:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+      return
+    if pid == 0:
+      return
+    sock = children.pop(pid, None)
+    if sock is not None:
+      with contextlib.suppress(OSError):  # The parent stopped listening.
+        sock.send(STATUS.pack(os.waitstatus_to_exitcode(status)))
+      sock.close()
+
+
+def _child(
+  request: tuple[str, str, dict[str, str]], fds: list[int], server: list[Any], pipe: tuple[int, int]
+) -> None:
+  """In the forked child: becomes the job's process (`run_job`), as a fresh one would; never returns."""
+  try:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for held in server:  # The server's sockets and selector.
+      held.close()
+    for fd in pipe:
+      os.close(fd)
+    job_path, cwd, env = request
+    out, err, status = fds
+    os.close(status)
+    os.setsid()  # As `start_new_session`: the run kills the process's group.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+      os.dup2(fd, target)
+      os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[0] = cwd  # `python -m`'s first entry.
+    sys.argv = [os.path.abspath(__file__), job_path]
+    from grain_jax_sync._src import signal_at  # pylint: disable=g-import-not-at-top
+
+    signal_at.arm(env)  # Read at import, in the server: this job's own.
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+      numpy_random.seed()  # Not the server's: each child its own, as each fresh process.
+    run_job(job_path)
+  finally:
+    os._exit(70)
+
+
 if __name__ == "__main__":
-  run_job(sys.argv[1])
+  if sys.argv[1] == "--serve":
+    serve(int(sys.argv[2]))
+  else:
+    run_job(sys.argv[1])
