@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import session
+from grain_jax_sync._src.agreement import driver
 from grain_jax_sync._src.exchange import key_value
 
 TIMEOUT = 180
@@ -100,14 +102,27 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
     calls.append((threading.current_thread().name, doing))
     return real(self, doing, *args, **kwargs)
 
+  # And each ending asked of the agreement: by which thread, through which frames from `close()`.
+  asks: list[tuple[str, list[str]]] = []
+  real_ask = driver.Driver.ask
+
+  def asked(self: Any, ask: Any) -> None:
+    if isinstance(ask, driver.Closing):
+      names = [f.name for f in traceback.extract_stack()[:-1]] + ["ask"]
+      asks.append((threading.current_thread().name, names[names.index("close") :]))
+    real_ask(self, ask)
+
   key_value.KeyValueExchange._call = recorded  # type: ignore[method-assign]
+  driver.Driver.ask = asked  # type: ignore[method-assign]
   try:
     closer = threading.Thread(target=it.close, name="closer")
     closer.start()
     closer.join(TIMEOUT)
   finally:
     key_value.KeyValueExchange._call = real  # type: ignore[method-assign]
+    driver.Driver.ask = real_ask  # type: ignore[method-assign]
   out["close_calls"] = calls
+  out["close_asks"] = asks
   out["rows"] = rows
   out["after"] = _no_threads()
   return out
@@ -141,6 +156,9 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     # at batch 5) ended this host's stream first, the agreement thread had
     # returned with no ending left to post, and the closing thread tells the
     # peers it left, after it. Inline, the closing thread runs the core.
+    # The close asks first, one put four frames from `close()`, before it
+    # waits for anything (the iterator's close, the lifetime's, the streams').
+    assert out["close_asks"][0] == ("closer", ["close", "close", "interrupt", "ask"]), out
     calls = out["close_calls"]
     names = [name for name, _ in calls]
     if prefetch:
