@@ -167,3 +167,18 @@ def paused() -> None:
   import signal
 
   signal.pause()
+
+
+def test_one_fork_server_serves_every_environment_that_differs_only_in_what_no_import_reads():
+  from grain_jax_sync._src import signal_at, sim_processes
+
+  base = {"PATH": "/bin", "JAX_PLATFORMS": "cpu"}
+  same = [
+    base,
+    {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},  # Read by the backend.
+    {**base, signal_at.ENV: "3:15"},  # Read again in the child.
+    {**base, "PYTEST_CURRENT_TEST": "tests/test_smoke.py::test (call)"},  # Set per test.
+  ]
+  assert len({sim_processes._key(env) for env in same}) == 1
+  # Read when JAX is imported, in the server: another server.
+  assert sim_processes._key({**base, "JAX_ENABLE_X64": "1"}) != sim_processes._key(base)

@@ -41,8 +41,9 @@ _ECHO_LOCK = threading.Lock()
 FORK_ENV = "GRAIN_JAX_SYNC_SIM_FORK"
 # What a fork server has not read at its start: they may differ between the
 # processes it forks (`signal_at` is read again in the child; XLA's flags
-# when the child creates its backend).
-_PER_PROCESS = (signal_at.ENV, "XLA_FLAGS")
+# when the child creates its backend; pytest's name of the running test,
+# which it sets for each test, by no import).
+_PER_PROCESS = (signal_at.ENV, "XLA_FLAGS", "PYTEST_CURRENT_TEST")
 # The fork servers kept, one per environment, the least recently used closed.
 _SERVERS_KEPT = 4
 # How long a server may take to fork a child and send its pid (its own start,
