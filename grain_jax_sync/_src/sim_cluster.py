@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src import exchange as exchange_lib
-from grain_jax_sync._src import liveness, messages, reader, sources, stats
+from grain_jax_sync._src import messages, periods, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, driver
 
@@ -299,7 +299,7 @@ class _Host:
     if isinstance(action, core.Look):
       ended = self.c.hosts[action.peer].out
       if action.op == "dead":
-        return ended.ending == "killed" and clock.now - ended.ended_at >= liveness.DEAD_AFTER_S
+        return ended.ending == "killed" and clock.now - ended.ended_at >= periods.DEAD_AFTER_S
       if action.op == "closed" and ended.ending == "closed":  # One stream everywhere.
         return f'["{_NS}", "process {action.peer} closed its iterator"]'
       return None
