@@ -415,7 +415,7 @@ class Streams:
       self.stream = stream = Stream(start)
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
-        stream.interrupt()
+        self.interrupt()
       if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
         stream.ask(self._stop_at)
     return stream
@@ -478,13 +478,7 @@ class Streams:
     self.job.ended(post=stream.reached_end)
 
   def interrupt(self) -> None:
-    """A close was asked for: this host's ending asked of the running stream's agreement, its waits woken.
-
-    No lock (any thread, a signal handler): one put into the agreement's
-    inbox (`driver.Driver.ask`), whose thread posts the ending at its next
-    step, before the call in progress has returned; the rest of the close
-    (the stages stopped, the source closed) follows in `close`, in the turn.
-    """
+    """A close was asked: this host's ending asked of the agreement (one put), the stream woken. No lock."""
     self.closing = True
     stream = self.stream
     if stream is not None:
@@ -509,10 +503,10 @@ class Streams:
 
   def reset(self) -> None:
     """Ends the stream as this host's reset and restarts at the source's beginning (reopened)."""
-    self._leave("reset its iterator")
+    self._restart(self.mark, "reset its iterator")
     self.source = sources.reopen(self._origin, self.source, self.initial)
     self.initial = self.source.get_state() if self.source.supports_state else None
-    self._restart(Mark(0, self.initial, self._options.batch_size, self.mark.delivered))
+    self.mark = Mark(0, self.initial, self._options.batch_size, self.mark.delivered)
 
   def restore(self, source_state: Any, how: str, batches: int = 0, batch_size: Any = None) -> None:
     """Moves the source to `source_state`, then restarts there after `batches` batches.
@@ -524,9 +518,8 @@ class Streams:
       self.move(source_state)
     except ValueError as e:
       raise self.refuse(e) from e
-    self._leave(f"restored a state ({how})")
-    batch_size = batch_size or self._options.batch_size
-    self._restart(Mark(batches, source_state, batch_size, self.mark.delivered))
+    mark = Mark(batches, source_state, batch_size or self._options.batch_size, self.mark.delivered)
+    self._restart(mark, f"restored a state ({how})")
 
   def move(self, source_state: Any) -> None:
     """Moves the source, once no stage thread reads it (the callers restart after)."""
@@ -562,14 +555,13 @@ class Streams:
     self.refusal = str(error)
     return error
 
-  def _leave(self, how: str) -> None:
-    """Ends the running stream with "process p {how} at batch i"; the source is moved next."""
-    self.end(endings.closed_error(jax.process_index(), self.mark.position, how), unstarted=False)
-    self._settle_reads()
-
-  def _restart(self, mark: Mark) -> None:
-    """Ends the running stream (closed); the next `current()` starts a new one at `mark`."""
-    self.end(unstarted=False)
+  def _restart(self, mark: Mark, how: str | None = None) -> None:
+    """Ends the running stream ("process p {how} at batch i", or closed); the next starts at `mark`."""
+    error = (
+      None if how is None else endings.closed_error(jax.process_index(), self.mark.position, how)
+    )
+    self.end(error, unstarted=False)
+    self._settle_reads()  # The source may be moved or reopened next.
     self.mark = mark
     self.refusal = None
     self.exhausted = False

@@ -165,12 +165,9 @@ class Forked:
     try:
       self.pid = self._receive(_FORK_TIMEOUT_S)
     except BaseException:
-      self._close()
+      for f in (stdout, stderr, status):
+        f.close()
       raise
-
-  def _close(self) -> None:
-    for f in (self.stdout, self.stderr, self._status):
-      f.close()
 
   def _receive(self, timeout_s: float | None) -> int:
     self._status.settimeout(timeout_s)
