@@ -12,6 +12,7 @@ is a fresh interpreter.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -244,6 +245,13 @@ _Key = tuple[tuple[str, str], ...]
 _SERVERS: collections.OrderedDict[_Key, _Server] = collections.OrderedDict()
 _SERVERS_LOCK = threading.Lock()
 _FAILED: set[_Key] = set()
+
+
+@atexit.register
+def _close_servers() -> None:
+  """At exit, each server exits now, not when the last holder of its socket (a fork of ours) exits."""
+  while _SERVERS:
+    _SERVERS.popitem()[1].close()
 
 
 def _key(env: Mapping[str, str]) -> _Key:
