@@ -182,3 +182,41 @@ def test_one_fork_server_serves_every_environment_that_differs_only_in_what_no_i
   assert len({sim_processes._key(env) for env in same}) == 1
   # Read when JAX is imported, in the server: another server.
   assert sim_processes._key({**base, "JAX_ENABLE_X64": "1"}) != sim_processes._key(base)
+
+
+def parent_pid() -> int:
+  import os
+
+  return os.getppid()
+
+
+@pytest.mark.multiprocess
+def test_a_dead_fork_server_is_replaced_and_one_that_will_not_start_falls_back_to_fresh(
+  monkeypatch, caplog
+):
+  import os
+
+  from grain_jax_sync._src import sim_processes
+
+  def run() -> int:
+    (parent,) = testing.values(testing.run_processes(parent_pid, num_processes=1, timeout_s=60))
+    return parent
+
+  monkeypatch.setenv("GRAIN_JAX_SYNC_SIM_FORK", "1")
+  first = run()
+  servers = {s.popen.pid for s in sim_processes._SERVERS.values()}
+  assert first in servers  # Forked by a server.
+  os.kill(first, 9)
+  os.waitpid(first, 0)
+  second = run()
+  assert second != first and second in {s.popen.pid for s in sim_processes._SERVERS.values()}
+
+  def refuses(env):
+    raise OSError("no server here")
+
+  monkeypatch.setattr(sim_processes, "_Server", refuses)
+  monkeypatch.setenv("GJS_TEST_OWN", "an environment no server serves yet")
+  assert run() == os.getpid()  # Fresh, this process's child.
+  assert "the fork server failed (OSError('no server here'))" in caplog.text
+  assert run() == os.getpid()  # And from then on, without trying again.
+  assert caplog.text.count("the fork server failed") == 1
