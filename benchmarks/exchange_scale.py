@@ -9,7 +9,7 @@ One process starts the coordination service that `jax.distributed.initialize`
 starts (`get_distributed_runtime_service`) and N clients of it
 (`get_distributed_runtime_client`, connected in threads: connect is a
 barrier), with no devices. Every client gets its own
-`exchange.KeyValueExchange` (the real key layout, deletes and end count) and
+`key_value.KeyValueExchange` (the real key layout, deletes and end count) and
 the simulation drives the real agreement pieces over many windows of
 `--lookahead` batch positions:
 
@@ -56,12 +56,13 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import job_stats, messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import common
 from grain_jax_sync._src.agreement import ledger as ledger_lib
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.exchange import streams as exchange_streams
 
 # Rows per batch in the simulated reports (any value: only the encoding length
 # depends on it).
@@ -172,7 +173,7 @@ def _shutdown(service: Any, clients: list[Any]) -> None:
 class _Follower:
   """The follower's side of one window: post rows, read the decision, delete."""
 
-  def __init__(self, ex: exchange_lib.KeyValueExchange, who: common.Identity):
+  def __init__(self, ex: key_value.KeyValueExchange, who: common.Identity):
     self.ex = ex
     self.who = who
     self.posted = 0
@@ -215,7 +216,7 @@ class _Follower:
 class _Decider:
   """Process 0's side: one directory read, the ledger, `plan.decide`, one post."""
 
-  def __init__(self, ex: exchange_lib.KeyValueExchange, who: common.Identity):
+  def __init__(self, ex: key_value.KeyValueExchange, who: common.Identity):
     self.ex = ex
     self.n = ex.process_count
     self.led = ledger_lib.Ledger(self.n)
@@ -284,9 +285,9 @@ def simulate(n: int, *, windows: int, lookahead: int, threads: int) -> dict[str,
   service, raw, connect_s = _connect(n)
   totals = {"ops": 0, "bytes": 0}
   lock = threading.Lock()
-  ns = f"{exchange_lib.KEY_ROOT}/scale{n}"
+  ns = f"{exchange_streams.KEY_ROOT}/scale{n}"
   exchanges = [
-    exchange_lib.KeyValueExchange(
+    key_value.KeyValueExchange(
       CountingClient(c, totals, lock), ns, process_index=i, process_count=n
     )
     for i, c in enumerate(raw)

@@ -50,9 +50,9 @@ def _block(tree: Any) -> None:
 def _timed(make_iter: Callable[[], Iterator[Any]], *, step_s: float = 0.0) -> tuple[float, int]:
   import jax
 
-  from grain_jax_sync._src import exchange
+  from grain_jax_sync._src.exchange import key_value
 
-  client = exchange.distributed_client()
+  client = key_value.distributed_client()
   if jax.process_count() > 1 and client is not None:
     _timed.count = getattr(_timed, "count", 0) + 1
     client.wait_at_barrier(f"bench/start/{_timed.count}", 120_000)

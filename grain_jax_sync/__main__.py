@@ -151,7 +151,8 @@ def _doctor(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
 
   import grain_jax_sync  # pylint: disable=g-import-not-at-top
-  from grain_jax_sync._src import exchange, placement  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src.exchange import key_value
 
   print(f"grain_jax_sync {grain_jax_sync.__version__}, Python {platform.python_version()}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
@@ -159,7 +160,7 @@ def _doctor(args: argparse.Namespace) -> int:
     f"processes {jax.process_count()} (this: {jax.process_index()}), devices {jax.device_count()} (local {jax.local_device_count()})"
   )
   print(
-    f"key-value store client: {'yes' if exchange.distributed_client() is not None else 'no (single process or jax.distributed not initialised)'}"
+    f"key-value store client: {'yes' if key_value.distributed_client() is not None else 'no (single process or jax.distributed not initialised)'}"
   )
   for mod in ("grain", "tensorflow", "tensorflow_datasets", "orbax.checkpoint", "ml_dtypes"):
     found = importlib.util.find_spec(mod.split(".")[0]) is not None

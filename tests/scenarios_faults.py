@@ -366,7 +366,7 @@ def _leftovers(tag: str) -> dict[str, Any]:
   import psutil
   from jax._src import distributed
 
-  from grain_jax_sync._src import exchange
+  from grain_jax_sync._src.exchange import streams as exchange_streams
 
   gc.collect()
   client = distributed.global_state.client
@@ -375,7 +375,7 @@ def _leftovers(tag: str) -> dict[str, Any]:
     "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync")),
     "children": [c.pid for c in psutil.Process().children(recursive=True)],
     "keys": iterator_keys(client),
-    "streams": exchange.recorded(),  # This process's record of its iterators' streams.
+    "streams": exchange_streams.recorded(),  # This process's record of its iterators' streams.
   }
   # Nobody starts the next case before every process has looked.
   client.wait_at_barrier(f"hygiene/{tag}/looked", 60_000)

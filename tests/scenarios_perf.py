@@ -32,12 +32,12 @@ def exchange_roundtrip(chunks: int) -> dict[str, Any]:
   """Chunks up to process 0 and decisions back down through KeyValueExchange."""
   import jax
 
-  from grain_jax_sync._src import exchange
+  from grain_jax_sync._src.exchange import key_value
 
-  client = exchange.distributed_client()
+  client = key_value.distributed_client()
   p, n = jax.process_index(), jax.process_count()
   ns = "grain_jax_sync/test_roundtrip"
-  ex = exchange.KeyValueExchange(client, ns, process_index=p, process_count=n)
+  ex = key_value.KeyValueExchange(client, ns, process_index=p, process_count=n)
   got: list[tuple[int, str]] = []
   deadline = time.monotonic() + 30
   if p == 0:

@@ -37,7 +37,6 @@ from hypothesis import strategies as st
 from memory_store import MemoryStore
 
 from grain_jax_sync._src import (
-  exchange,
   liveness,
   messages,
   plan,
@@ -46,6 +45,7 @@ from grain_jax_sync._src import (
   sources,
 )
 from grain_jax_sync._src.agreement import common, decider, driver, endings, follower, ledger
+from grain_jax_sync._src.exchange import key_value
 
 RULES = plan.Rules(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4
@@ -78,7 +78,7 @@ def _source(p, spec, seed):
 def _agreement(p, n, store, source, *, lookahead, timeout_s, rules=RULES, built=None):
   """Process p's side of the streamed agreement (decider or follower) over `store`."""
   read = reader.Reader(sources.open_source(source), process_index=p, check_int32=False)
-  ex = exchange.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
+  ex = key_value.KeyValueExchange(store, "grain_jax_sync/prop", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config={"batch_size": 8}, resume=0)
   return _driven(read, ex, rules, who, lookahead=lookahead, timeout_s=timeout_s, built=built)
 
@@ -566,7 +566,7 @@ def _shared_host(p, n, store, data, groups, lookahead, out):
     check_int32=False,
     digest=reader.rows_digest,
   )
-  ex = exchange.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
+  ex = key_value.KeyValueExchange(store, "grain_jax_sync/shared", process_index=p, process_count=n)
   who = common.Identity(process=p, devices=1, config=None, resume=0, groups=groups)
   stage = _driven(read, ex, RULES, who, lookahead=lookahead, timeout_s=5.0)
   record = []

@@ -9,10 +9,10 @@ def collective_all_gather(windows: int) -> list[list[str]]:
   """In each process: gathers payloads of a different length per process and window."""
   import jax
 
-  from grain_jax_sync._src import exchange
+  from grain_jax_sync._src.exchange import collective
 
   p = jax.process_index()
-  ex = exchange.CollectiveExchange(process_index=p, process_count=jax.process_count())
+  ex = collective.CollectiveExchange(process_index=p, process_count=jax.process_count())
   return [ex.all_gather(w, f"w{w}-p{p}-" + "x" * (p * 7 + w)) for w in range(windows)]
 
 

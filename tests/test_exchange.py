@@ -18,6 +18,8 @@ from helpers import check_cases, run_cases
 
 from grain_jax_sync import testing
 from grain_jax_sync._src import exchange
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.exchange import streams as exchange_streams
 
 TIMEOUT = 180
 
@@ -46,7 +48,7 @@ def test_make_exchange_single_process_is_local():
 @pytest.mark.parametrize("n", [2, 3])
 def test_chunks_up_decisions_down_release_and_end_round_trip(n):
   # One full group of chunks and decisions: released with one delete each.
-  k = exchange.GROUP
+  k = key_value.GROUP
   outs = run(scenarios_perf.exchange_roundtrip, k, n=n, d=1)
   for p, o in enumerate(outs):
     if p == 0:  # The decider reads every chunk, in order per process.
@@ -149,16 +151,16 @@ def test_no_keys_left_after_full_iterations_and_a_missing_peer_named():
 def test_a_closed_iterators_streams_are_forgotten():
   # The registry of this process's streams (the crosswise-wait detection's)
   # keeps nothing of an iterator once it closed, however its streams ended.
-  a, b = exchange.new_namespace("forget-a"), exchange.new_namespace("forget-b")
-  exchange.stream_started(f"{a}/1")
-  exchange.waiting_first(f"{a}/2", True)
-  exchange.pre_end(f"{a}/3", "process 0 closed its iterator at batch 0")
-  exchange.stream_started(f"{b}/1")
-  assert {a, f"{a}/1", f"{a}/2", f"{a}/3", b, f"{b}/1"} <= set(exchange.recorded())
-  exchange.forget(a)
-  left = exchange.recorded()
+  a, b = exchange_streams.new_namespace("forget-a"), exchange_streams.new_namespace("forget-b")
+  exchange_streams.stream_started(f"{a}/1")
+  exchange_streams.waiting_first(f"{a}/2", True)
+  exchange_streams.pre_end(f"{a}/3", "process 0 closed its iterator at batch 0")
+  exchange_streams.stream_started(f"{b}/1")
+  assert {a, f"{a}/1", f"{a}/2", f"{a}/3", b, f"{b}/1"} <= set(exchange_streams.recorded())
+  exchange_streams.forget(a)
+  left = exchange_streams.recorded()
   assert not [s for s in left if s == a or s.startswith(f"{a}/")], left
   assert {b, f"{b}/1"} <= set(left)  # Another iterator's record stays.
-  assert exchange.pre_ended(f"{a}/3") is None and not exchange.is_created(f"{a}/1")
-  exchange.forget(b)
-  assert not [s for s in exchange.recorded() if s.startswith((a, b))]
+  assert exchange_streams.pre_ended(f"{a}/3") is None and not exchange_streams.is_created(f"{a}/1")
+  exchange_streams.forget(b)
+  assert not [s for s in exchange_streams.recorded() if s.startswith((a, b))]

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from grain_jax_sync._src import exchange
+from grain_jax_sync._src.exchange import key_value
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,7 @@ def test_exchange_scale_quick_store_work_is_linear():
     # windows), and each follower's delete of a group of chunks in the window
     # that decides its last chunk (windows 1-5 are counted; window w decides
     # chunk w).
-    deletes = sum(1 for w in range(1, 6) if (w + 1) % exchange.CHUNK_GROUP == 0)
+    deletes = sum(1 for w in range(1, 6) if (w + 1) % key_value.CHUNK_GROUP == 0)
     assert r["store_ops_per_window"] == 2 * (n - 1) + 2 + (n - 1) * deletes / 5
     assert r["window_ms"] > 0
   small, big = results

@@ -14,7 +14,8 @@ import time
 
 from memory_store import MemoryStore
 
-from grain_jax_sync._src import exchange, liveness
+from grain_jax_sync._src import liveness
+from grain_jax_sync._src.exchange import key_value
 
 
 class _OnlyCallerWrites(MemoryStore):
@@ -38,11 +39,11 @@ def test_the_first_beat_is_written_before_the_beat_starts_its_thread():
   store = _OnlyCallerWrites(threading.current_thread())
   beat = liveness.Beat(store, 3)
   try:
-    assert store.key_value_try_get(exchange.beat_key(3)) == "0/0"  # Beat 0, no close.
+    assert store.key_value_try_get(key_value.beat_key(3)) == "0/0"  # Beat 0, no close.
   finally:
     store.release.set()
     beat.stop()
-  assert store.key_value_dir_get(exchange.beat_key(3)) == []  # Deleted on stop.
+  assert store.key_value_dir_get(key_value.beat_key(3)) == []  # Deleted on stop.
 
 
 def _beat_threads() -> set[threading.Thread]:
@@ -55,20 +56,20 @@ def test_the_beat_goes_on_until_stopped():
   beat = liveness.Beat(store, 0)
   try:
     deadline = time.monotonic() + 10 * liveness.BEAT_S
-    while store.key_value_try_get(exchange.beat_key(0)) in ("0/0", "1/0"):
+    while store.key_value_try_get(key_value.beat_key(0)) in ("0/0", "1/0"):
       assert time.monotonic() < deadline, "the beat did not advance"
       time.sleep(0.05)
-    count, closes = store.key_value_try_get(exchange.beat_key(0)).split("/")
+    count, closes = store.key_value_try_get(key_value.beat_key(0)).split("/")
     assert int(count) >= 2 and closes == "0"
     assert _beat_threads() - before  # Its own thread beats.
   finally:
     beat.stop()
   assert not _beat_threads() - before  # Stopped: its thread has ended.
-  assert store.key_value_dir_get(exchange.beat_key(0)) == []  # And its key is gone.
+  assert store.key_value_dir_get(key_value.beat_key(0)) == []  # And its key is gone.
 
 
 def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool]]:
-  ex = exchange.KeyValueExchange(store, "t", process_index=0, process_count=2)
+  ex = key_value.KeyValueExchange(store, "t", process_index=0, process_count=2)
   live = liveness.Liveness(ex, dead_after_s=dead_after_s)
   out = []
   start = time.monotonic()
@@ -80,7 +81,7 @@ def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool
 
 def test_a_peer_whose_beat_stops_is_dead_after_dead_after_s_and_not_before():
   store = MemoryStore()
-  store.key_value_set(exchange.beat_key(1), "5", True)  # Beat once, then silent.
+  store.key_value_set(key_value.beat_key(1), "5", True)  # Beat once, then silent.
   verdicts = _verdicts(store, dead_after_s=1.5)
   assert not [t for t, dead in verdicts if dead and t < 1.5]
   # Named at most one read period after the threshold.
@@ -115,13 +116,13 @@ def _until(fn, what: str):
 
 def test_a_close_note_is_read_only_when_the_beat_shows_a_new_close():
   store = _CountingReads()
-  ex = exchange.KeyValueExchange(store, "it/2", process_index=0, process_count=2)
+  ex = key_value.KeyValueExchange(store, "it/2", process_index=0, process_count=2)
   live = liveness.Liveness(ex)
-  store.key_value_set(exchange.beat_key(1), "7/0", True)
+  store.key_value_set(key_value.beat_key(1), "7/0", True)
   assert live.closed(1) is None and store.reads == {"beat": 1}  # No close: no note read.
   note = '["it/2", "process 1 closed its iterator at batch 3"]'
-  store.key_value_set(exchange.closed_key("it", 1), note)
-  store.key_value_set(exchange.beat_key(1), "8/1 other/1", True)  # Its beat shows the close.
+  store.key_value_set(key_value.closed_key("it", 1), note)
+  store.key_value_set(key_value.beat_key(1), "8/1 other/1", True)  # Its beat shows the close.
   assert _until(lambda: live.closed(1), "the close was not found") == note
   assert store.reads["closed"] == 1
   time.sleep(1.5 * liveness.BEAT_S)
@@ -131,11 +132,11 @@ def test_a_close_note_is_read_only_when_the_beat_shows_a_new_close():
 def test_a_close_note_is_read_once_a_beat_period_while_the_peer_has_no_beat():
   # A peer that closed and exited deleted its beat: its note is still found.
   store = _CountingReads()
-  ex = exchange.KeyValueExchange(store, "it/1", process_index=0, process_count=2)
+  ex = key_value.KeyValueExchange(store, "it/1", process_index=0, process_count=2)
   live = liveness.Liveness(ex)
   assert live.closed(1) is None and store.reads == {"beat": 1, "closed": 1}
   assert live.closed(1) is None and store.reads["closed"] == 1  # Not again within a period.
   note = '["it/1", "process 1 closed its iterator at batch 0"]'
-  store.key_value_set(exchange.closed_key("it", 1), note)
+  store.key_value_set(key_value.closed_key("it", 1), note)
   assert _until(lambda: live.closed(1), "the close was not found") == note
   assert store.reads["closed"] == 2

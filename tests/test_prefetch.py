@@ -305,7 +305,7 @@ def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
   hundred batches read ahead, and a finite source could be read to its end.
   """
 
-  from grain_jax_sync._src import exchange
+  from grain_jax_sync._src.exchange import key_value
 
   p = jax.process_index()
   it = gjs.iter_jax_batches(_endless(p, 0.001), **kwargs)
@@ -315,7 +315,7 @@ def stop_half_way(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
   during = scenarios_perf.library_threads()
   # A peer's close ends this host's stream (and its agreement thread): every
   # process looks before any closes.
-  exchange.distributed_client().wait_at_barrier(f"half_way/{mode}/looked", 30_000)
+  key_value.distributed_client().wait_at_barrier(f"half_way/{mode}/looked", 30_000)
   if mode == "close":
     it.close()
   else:

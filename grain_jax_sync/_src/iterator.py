@@ -18,11 +18,11 @@ import jax
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import build as build_lib
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import lifetime as lifetime_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import session as session_lib
+from grain_jax_sync._src.exchange import streams as exchange_streams
 from grain_jax_sync._src.sources import elastic
 
 
@@ -190,7 +190,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
     # counts this iterator (and can tell its peers it closed or failed).
     namespace = None
     if options.synchronize_batches and jax.process_count() > 1:
-      namespace = exchange_lib.new_namespace(options.name)
+      namespace = exchange_streams.new_namespace(options.name)
     self._streams = session_lib.Streams(
       source, options=options, placement=placement, namespace=namespace
     )

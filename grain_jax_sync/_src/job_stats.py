@@ -2,7 +2,7 @@
 
 Gathered through the agreement's own messages (`messages.Chunk.times`,
 `messages.Decision.table`), with no store call of its own while the stream
-runs; the final times are posted once each stream ends (`exchange.post_times`).
+runs; the final times are posted once each stream ends (`key_value.post_times`).
 How, what it costs, and the straggler rule: docs/performance.md, "Seeing the job".
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import jax
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import stats as stats_lib
+from grain_jax_sync._src.exchange import key_value
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class JobTable:
     if post:
       assert self._base is not None
       text = json.dumps([self._streams, *encode_times(self._probe())])
-      exchange_lib.post_times(self._base, text)
+      key_value.post_times(self._base, text)
 
   def _read_ends(self) -> None:
     """Once this host's stream ended: the times each peer posted at its end, if not all in yet."""
@@ -115,7 +115,7 @@ class JobTable:
       return
     assert self._base is not None
     posted = []
-    for p, text in exchange_lib.read_times(self._base):
+    for p, text in key_value.read_times(self._base):
       try:
         streams, *times = json.loads(text)
       except (TypeError, ValueError):

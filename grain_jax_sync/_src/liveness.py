@@ -1,7 +1,7 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every `BEAT_S` (`exchange.beat_text`). A process
+``grain_jax_sync/beat/{p}`` every `BEAT_S` (`key_value.beat_text`). A process
 that waits for a peer reads its beat once a wait slice brought nothing (once
 per `BEAT_S`): unchanged for `DEAD_AFTER_S` means dead; a peer that never beat
 has not built an iterator yet (late, not dead). The first beat is written
@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import periods
+from grain_jax_sync._src.exchange import key_value
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # of its last beat, which lags its death by up to 2 * BEAT_S (the slice plus the
 # beat period), plus one decision hop: within docs/guarantees.md's promise, and
 # well before JAX's own heartbeat.
-BEAT_S = exchange_lib.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
+BEAT_S = key_value.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
 DEAD_AFTER_S = periods.DEAD_AFTER_S
 
 
@@ -70,7 +70,7 @@ class Beat:
 
   def _beat(self, n: int) -> None:
     try:
-      exchange_lib.put_beat(self._client, self._process, exchange_lib.beat_text(n))
+      key_value.put_beat(self._client, self._process, key_value.beat_text(n))
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -84,7 +84,7 @@ class Beat:
     self._stop.set()
     self._thread.join(timeout=2 * BEAT_S)
     with contextlib.suppress(Exception):  # Best effort at exit.
-      exchange_lib.delete_beat(self._client, self._process)
+      key_value.delete_beat(self._client, self._process)
 
   @classmethod
   def stop_all(cls) -> None:
@@ -102,7 +102,7 @@ class Liveness:
   and its close note only when its beat shows a close not read yet.
   """
 
-  def __init__(self, exchange: exchange_lib.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
+  def __init__(self, exchange: key_value.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
     self._ex = exchange
     self.dead_after_s = dead_after_s
     # Per process: its beat, since when it is unchanged, when it was read.
@@ -139,7 +139,7 @@ class Liveness:
     while waiting for it means that it never started this stream.
     """
     beat, _, read_at = self._beat(process)
-    # `exchange.beat_text`: ``{n}/{closes}`` first.
+    # `key_value.beat_text`: ``{n}/{closes}`` first.
     mark = read_at if beat is None else int(beat.split()[0].partition("/")[2] or 0)
     seen, note = self._closed.get(process, (0, None))
     if mark != seen:

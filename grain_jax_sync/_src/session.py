@@ -51,6 +51,8 @@ from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
+from grain_jax_sync._src.exchange import collective, key_value
+from grain_jax_sync._src.exchange import streams as exchange_streams
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ class Stream:
     ex = exchange_lib.make_exchange(
       synchronize=options.synchronize_batches, namespace=start.namespace
     )
-    if isinstance(ex, exchange_lib.KeyValueExchange):
+    if isinstance(ex, key_value.KeyValueExchange):
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
     self.position = start.mark.position
     self.reached_end = False  # This host's consumer reached the agreed end (not an error).
@@ -150,7 +152,7 @@ class Stream:
     options, ex = start.options, self._exchange
     who = _identity(start, ex.process_index, shares=self._shares(start))
     rules = options.rules(batch_size=start.mark.batch_size)
-    if not isinstance(ex, exchange_lib.KeyValueExchange):
+    if not isinstance(ex, key_value.KeyValueExchange):
       # Lockstep. One process, or each process alone: one read per batch
       # (lazy); the collective fallback runs in the caller's thread only.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
@@ -159,7 +161,7 @@ class Stream:
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
-    ended = exchange_lib.pre_ended(start.namespace)
+    ended = exchange_streams.pre_ended(start.namespace)
     if ended is not None:
       # This host already posted its ending to this stream (the crosswise
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
@@ -202,8 +204,8 @@ class Stream:
     # host already ended raises at once.
     if (
       start.options.prefetch_batches == 0
-      or isinstance(self._exchange, exchange_lib.CollectiveExchange)
-      or exchange_lib.pre_ended(start.namespace) is not None
+      or isinstance(self._exchange, collective.CollectiveExchange)
+      or exchange_streams.pre_ended(start.namespace) is not None
     ):
       return self._builder(runs)
     return self._prefetched(self._builder(runs), start.options.prefetch_batches, BUILD_THREAD)
@@ -236,7 +238,7 @@ class Stream:
       inline.turn.acquire()  # A stop being posted meanwhile (`post_stop`) is one write.
     try:
       item = next(self._items)
-    except exchange_lib.Cancelled:
+    except key_value.Cancelled:
       raise
     except StopIteration:
       if self.agreement is not None and self.agreement.reached_end:
@@ -438,7 +440,7 @@ class Streams:
       if not self.closing:  # Else the close ends it, with its count.
         self.end()
       del stream  # Holds the ending (see `tracebacks.clear_library_frames`).
-      if self.closing and isinstance(e, (exchange_lib.Cancelled, StopIteration)):
+      if self.closing and isinstance(e, (key_value.Cancelled, StopIteration)):
         raise StopIteration from None  # Closed from another thread meanwhile.
       tracebacks.clear_library_frames(e)
       tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
@@ -581,8 +583,8 @@ class Streams:
     self.end()  # Closed: the peers raise "process p closed its iterator".
     if self._namespace is not None:
       message = f"process {jax.process_index()} closed its iterator at batch {at}"
-      exchange_lib.register_close(self._namespace, json.dumps([self._keys(), message]))
-      exchange_lib.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
+      key_value.register_close(self._namespace, json.dumps([self._keys(), message]))
+      exchange_streams.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
     if self._reading is None:
       self.source.close()
     else:
@@ -633,11 +635,11 @@ def _post_unstarted(
   error: messages.ReportedError | None,
 ) -> None:
   """Posts this host's ending of a stream it never started, where peers may wait in it."""
-  if namespace is None or exchange_lib.pre_ended(namespace) is not None:
+  if namespace is None or exchange_streams.pre_ended(namespace) is not None:
     return  # Nothing to tell, or told already.
   try:
     ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
-    if isinstance(ex, exchange_lib.KeyValueExchange):
+    if isinstance(ex, key_value.KeyValueExchange):
       cross_wait.post_end(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

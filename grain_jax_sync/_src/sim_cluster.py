@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages, periods, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, driver
+from grain_jax_sync._src.exchange import key_value
 
 INF = math.inf
 _NS = "grain_jax_sync/sim/1"
@@ -228,7 +228,7 @@ class _Host:
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
     self.out = HostOutcome(p)
-    self.ex = exchange_lib.KeyValueExchange(
+    self.ex = key_value.KeyValueExchange(
       cluster.store, _NS, process_index=p, process_count=cluster.processes
     )
     config = {"sim": 1} if plan.config is None else plan.config

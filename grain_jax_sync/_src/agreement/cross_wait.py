@@ -2,7 +2,7 @@
 
 Process a waits for the first decision of a stream that b has not started,
 and b for one that a has not started. Each beat carries the streams its
-process waits on (`exchange.waiting_first`): both find it, with one message.
+process waits on (`exchange_streams.waiting_first`): both find it, with one message.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src.agreement import endings
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.exchange import streams as exchange_streams
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class CrossWait:
   """Watches, while this process waits for a peer, whether the peer waits crosswise."""
 
   def __init__(
-    self, exchange: exchange_lib.KeyValueExchange, live: liveness_lib.Liveness, timeout_s: float
+    self, exchange: key_value.KeyValueExchange, live: liveness_lib.Liveness, timeout_s: float
   ):
     self._exchange = exchange
     self._live = live
@@ -41,15 +42,15 @@ class CrossWait:
 
     `at_batch`: output batches before this stream's first (nothing is decided yet).
     """
-    exchange_lib.waiting_first(self._exchange.namespace, True)
+    exchange_streams.waiting_first(self._exchange.namespace, True)
     # Streams of iterators made here but not started: an iterator never made
     # here is the timeout's case (created on some processes only).
     theirs = [
       t
       for t in self._live.waiting(peer)
       if t != self._exchange.namespace
-      and exchange_lib.is_created(t)
-      and not exchange_lib.is_started(t)
+      and exchange_streams.is_created(t)
+      and not exchange_streams.is_started(t)
     ]
     now = time.monotonic()
     if not theirs:
@@ -75,7 +76,7 @@ class CrossWait:
     )
     # The same ending in the peer's stream, where it waits: whichever of the
     # two finds it first, both raise this message (not a close of the other).
-    exchange_lib.pre_end(theirs, message)
+    exchange_streams.pre_end(theirs, message)
     try:
       post_end(self._exchange.sibling(theirs), 0, error)
     except Exception as e:  # noqa: BLE001 - the peer still finds it itself.
@@ -84,7 +85,7 @@ class CrossWait:
 
   def done(self) -> None:
     """This process no longer waits for its stream's first decision."""
-    exchange_lib.waiting_first(self._exchange.namespace, False)
+    exchange_streams.waiting_first(self._exchange.namespace, False)
 
 
 def _iterator(namespace: str) -> str:
@@ -93,7 +94,7 @@ def _iterator(namespace: str) -> str:
 
 
 def post_end(
-  ex: exchange_lib.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
+  ex: key_value.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
 ) -> None:
   """Posts this host's ending (closed, or `error`) to a stream it never started.
 

@@ -24,10 +24,11 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import messages, prefetch
 from grain_jax_sync._src.agreement import common, core, cross_wait, endings, streamed
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.exchange import streams as exchange_streams
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Driver:
     self,
     agreement: streamed.Streamed,
     reader: Iterator[core.Read | core.End] | prefetch.OnDemand[Any],
-    exchange: exchange_lib.KeyValueExchange,
+    exchange: key_value.KeyValueExchange,
     built: Any,
     live: liveness_lib.Liveness | None = None,
   ):
@@ -80,7 +81,7 @@ class Driver:
     self._asks: queue.SimpleQueue[int | Closing] = queue.SimpleQueue()
     self._closing: Closing | None = None  # Taken from the inbox; posted once (`_post_closing`).
     self._posted = False
-    exchange_lib.stream_started(exchange.namespace)
+    exchange_streams.stream_started(exchange.namespace)
 
   def _take_asks(self) -> None:
     """Hands the stops asked for to the core and keeps an ending (in the thread that runs it)."""
@@ -280,7 +281,7 @@ class Driver:
         raise endings.to_exception(error, process, None)
 
 
-def call_store(ex: exchange_lib.KeyValueExchange, call: core.Store) -> Any:
+def call_store(ex: key_value.KeyValueExchange, call: core.Store) -> Any:
   """Carries out one of the core's store calls on `ex`."""
   op, args = call.op, call.args
   if op == "post_chunk":

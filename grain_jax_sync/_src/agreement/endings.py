@@ -92,7 +92,7 @@ def to_exception(error: ReportedError, process: int, own: core.End | None) -> Ba
 
 
 def closed_peer_message(note: str, namespace: str) -> str:
-  """The error for a peer found closed (`exchange.register_close`) while waited for here.
+  """The error for a peer found closed (`key_value.register_close`) while waited for here.
 
   Closed in this stream, it could not post its ending (a stage thread was
   blocked); closed in an earlier one, it never started this restarted one.

@@ -12,6 +12,7 @@ from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
+from grain_jax_sync._src.exchange import collective
 from grain_jax_sync._src.messages import ErrorKind, Outcome
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class Lockstep(common.Agreement):
   def __init__(
     self,
     reader: Iterator[core.Read | core.End],
-    exchange: exchange_lib.LocalExchange | exchange_lib.CollectiveExchange,
+    exchange: exchange_lib.LocalExchange | collective.CollectiveExchange,
     rules: plan_lib.Rules,
     who: common.Identity,
     *,

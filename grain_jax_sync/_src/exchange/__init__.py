@@ -4,7 +4,8 @@ Three transports: `LocalExchange` (one process, or synchronization off),
 `KeyValueExchange` (`key_value.py`: the coordination service's key-value
 store) and `CollectiveExchange` (`collective.py`: the fallback without a
 store client, in the caller's thread only). `streams.py` names each
-iterator's keys. Only this package talks to other processes.
+iterator's keys. Only this package talks to other processes. Each name is
+imported from the module it lives in; this one holds what picks among them.
 """
 
 from __future__ import annotations
@@ -12,34 +13,7 @@ from __future__ import annotations
 import logging
 
 from grain_jax_sync._src.exchange.collective import CollectiveExchange
-from grain_jax_sync._src.exchange.key_value import (
-  CHUNK_GROUP,
-  GROUP,
-  WAIT_SLICE_S,
-  Cancelled,
-  KeyValueExchange,
-  beat_key,
-  beat_text,
-  closed_key,
-  delete_beat,
-  distributed_client,
-  post_times,
-  put_beat,
-  read_times,
-  register_close,
-)
-from grain_jax_sync._src.exchange.streams import (
-  KEY_ROOT,
-  forget,
-  is_created,
-  is_started,
-  new_namespace,
-  pre_end,
-  pre_ended,
-  recorded,
-  stream_started,
-  waiting_first,
-)
+from grain_jax_sync._src.exchange.key_value import KeyValueExchange, distributed_client
 
 logger = logging.getLogger(__name__)
 
@@ -75,34 +49,4 @@ def make_exchange(
   return CollectiveExchange(process_index=index, process_count=count)
 
 
-__all__ = [
-  "CHUNK_GROUP",
-  "GROUP",
-  "KEY_ROOT",
-  "WAIT_SLICE_S",
-  "Cancelled",
-  "CollectiveExchange",
-  "KeyValueExchange",
-  "LocalExchange",
-  "PeerLostError",
-  "PeerTimeoutError",
-  "beat_key",
-  "beat_text",
-  "closed_key",
-  "delete_beat",
-  "distributed_client",
-  "forget",
-  "is_created",
-  "is_started",
-  "make_exchange",
-  "new_namespace",
-  "pre_end",
-  "post_times",
-  "pre_ended",
-  "recorded",
-  "put_beat",
-  "read_times",
-  "register_close",
-  "stream_started",
-  "waiting_first",
-]
+__all__ = ["LocalExchange", "make_exchange"]
