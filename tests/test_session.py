@@ -156,9 +156,12 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     # at batch 5) ended this host's stream first, the agreement thread had
     # returned with no ending left to post, and the closing thread tells the
     # peers it left, after it. Inline, the closing thread runs the core.
-    # The close asks first, one put four frames from `close()`, before it
-    # waits for anything (the iterator's close, the lifetime's, the streams').
-    assert out["close_asks"][0] == ("closer", ["close", "close", "interrupt", "ask"]), out
+    # The closing thread asks for the ending once, in one put, after the call
+    # in progress returned: `close`, the lifetime's `close` and `_finish`, the
+    # streams' `close` and `end`, the stream's `halt`, the driver's `ask`.
+    assert out["close_asks"] == [
+      ("closer", ["close", "close", "_finish", "close", "end", "halt", "ask"])
+    ], out
     calls = out["close_calls"]
     names = [name for name, _ in calls]
     if prefetch:

@@ -118,8 +118,7 @@ class Stream:
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
     self._ended = False
-    # The streamed agreement's driver (None: lockstep), asked for this host's ending.
-    self.agreement: driver.Driver | None = None
+    self._agreement: driver.Driver | None = None
     # The agreement of either form: the batch size it pinned, who stopped it.
     self.stopper: Agreement | driver.Driver | None = None
     # Where a stop is asked for: the agreement's inbox (`Driver.ask`) or field.
@@ -167,7 +166,7 @@ class Stream:
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
-    self.agreement = driver.Driver(
+    self._agreement = driver.Driver(
       decider.core_for(
         rules,
         who,
@@ -187,11 +186,11 @@ class Stream:
       ex,
       self._builder,
     )
-    self.stopper, self.ask = self.agreement, self.agreement.ask
+    self.stopper, self.ask = self._agreement, self._agreement.ask
     if not threaded:
-      self._inline = self.agreement
-      return iter(self.agreement)
-    return self._agree_thread(self.agreement, options)
+      self._inline = self._agreement
+      return iter(self._agreement)
+    return self._agree_thread(self._agreement, options)
 
   def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[Run]:
     """The agreement in its own thread, one decided position queued (Grain's: `read_ahead`)."""
@@ -241,12 +240,12 @@ class Stream:
     except key_value.Cancelled:
       raise
     except StopIteration:
-      if self.agreement is not None and self.agreement.reached_end:
+      if self._agreement is not None and self._agreement.reached_end:
         # The agreed end (exhausted or a requested stop): every peer's
         # consumer must get there too, or this host raises naming the one
         # that left.
         self.reached_end = True
-        self.agreement.wait_for_peers_at_end()
+        self._agreement.wait_for_peers_at_end()
       raise
     except BaseException:
       self._failed = True
@@ -287,11 +286,6 @@ class Stream:
       stage.interrupt()
 
   @property
-  def leaving(self) -> bool:
-    """Whether this host's ending now leaves before the agreed end (peers waiting there are told)."""
-    return not self.reached_end and not self._failed
-
-  @property
   def batch_size(self) -> int | None:
     """The agreed full batch size (given, or derived from the first position); None until known."""
     return None if self.stopper is None else self.stopper.batch_size
@@ -317,16 +311,17 @@ class Stream:
       self._ended = True
       self._builder.wake()  # The agreement thread may wait for the build thread's room.
       self.interrupt()  # Every wait at once, before any join.
-      if self.agreement is not None:
-        self.agreement.ask(driver.Closing(at, error, self.leaving))
+      if self._agreement is not None:
+        left = not self.reached_end and not self._failed
+        self._agreement.ask(driver.Closing(at, error, left))
     with self._turn():
       for stage in self._threads:
         stage.close(wait=at is None or not isinstance(stage, prefetch_lib.OnDemand))
       if not self._threads:
         prefetch_lib.close_producer(self._items)
-      if self.agreement is None:
+      if self._agreement is None:
         return
-      self.agreement.release()
+      self._agreement.release()
       if at is None:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
@@ -335,7 +330,7 @@ class Stream:
           "grain_jax_sync: a stage thread is still blocked; not posting this host's end"
         )
         return
-      self.agreement.close()  # Where no thread posted it (inline, or it had returned).
+      self._agreement.close()  # Where no thread posted it (inline, or it had returned).
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
     """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
@@ -417,7 +412,7 @@ class Streams:
       self.stream = stream = Stream(start)
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
-        self.interrupt()
+        stream.interrupt()
       if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
         stream.ask(self._stop_at)
     return stream
@@ -480,12 +475,14 @@ class Streams:
     self.job.ended(post=stream.reached_end)
 
   def interrupt(self) -> None:
-    """A close was asked: this host's ending asked of the agreement (one put), the stream woken. No lock."""
+    """A close was asked for: wakes the running stream's waits, taking no lock.
+
+    Its ending is asked of the agreement in `end`, once the call in progress
+    has returned: the count of batches received is exact only then.
+    """
     self.closing = True
     stream = self.stream
     if stream is not None:
-      if stream.agreement is not None:
-        stream.agreement.ask(driver.Closing(self.mark.position, None, stream.leaving))
       stream.interrupt()
 
   def request_stop(self) -> None:
@@ -559,10 +556,8 @@ class Streams:
 
   def _restart(self, mark: Mark, how: str | None = None) -> None:
     """Ends the running stream ("process p {how} at batch i", or closed); the next starts at `mark`."""
-    error = (
-      None if how is None else endings.closed_error(jax.process_index(), self.mark.position, how)
-    )
-    self.end(error, unstarted=False)
+    p, at = jax.process_index(), self.mark.position
+    self.end(None if how is None else endings.closed_error(p, at, how), unstarted=False)
     self._settle_reads()  # The source may be moved or reopened next.
     self.mark = mark
     self.refusal = None
