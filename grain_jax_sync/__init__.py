@@ -14,7 +14,9 @@ from grain_jax_sync._src.placement import (
   global_to_local_shape,
   local_to_global_shape,
 )
-from grain_jax_sync._src.sources.elastic import elastic_mixture, elastic_source, pack_sequences
+from grain_jax_sync._src.sources.elastic.mixture import elastic_mixture
+from grain_jax_sync._src.sources.elastic.packing import pack_sequences
+from grain_jax_sync._src.sources.elastic.source import elastic_source
 from grain_jax_sync._src.sources.hugging_face import hf_pipeline
 from grain_jax_sync._src.sources.tf_data import from_tf_data
 from grain_jax_sync._src.sources.tfds import tfds_pipeline

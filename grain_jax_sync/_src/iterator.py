@@ -23,7 +23,7 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import session as session_lib
 from grain_jax_sync._src.exchange import streams as exchange_streams
-from grain_jax_sync._src.sources import elastic
+from grain_jax_sync._src.sources.elastic import resume as elastic_resume
 
 
 class _Resumable:
@@ -96,7 +96,7 @@ class _Resumable:
     try:
       # A list of every old process's state (issue 24): this process's, or
       # for an elastic source on another count, a re-split one.
-      state = elastic.for_this_process(
+      state = elastic_resume.for_this_process(
         streams.source, state, process_index=p, process_count=jax.process_count()
       )
       batches, source_state = options_lib.check_state(

@@ -25,8 +25,8 @@ import numpy as np
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import leaves as leaves_lib
 from grain_jax_sync._src import shapes as shapes_lib
-from grain_jax_sync._src import sources
 from grain_jax_sync._src.agreement import core, endings
+from grain_jax_sync._src.sources import base as sources_base
 
 _INT_RANGE = {
   np.dtype(np.int64): (np.iinfo(np.int32).min, np.iinfo(np.int32).max, "int32"),
@@ -74,7 +74,7 @@ class Reader:
 
   def __init__(
     self,
-    source: sources.SourceIterator,
+    source: sources_base.SourceIterator,
     *,
     process_index: int,
     check_int32: bool,

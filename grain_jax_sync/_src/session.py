@@ -53,6 +53,7 @@ from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, 
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 from grain_jax_sync._src.exchange import collective, key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
+from grain_jax_sync._src.sources import base as sources_base
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class Start:
 
   options: options_lib.Options
   placement: placement_lib.BatchPlacement
-  source: sources.SourceIterator
+  source: sources_base.SourceIterator
   mark: Mark
   start_error: BaseException | None
   namespace: str | None  # This stream's keys; None: nothing is exchanged.

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from grain_jax_sync._src.sources import elastic
 from grain_jax_sync._src.sources.base import SourceIterator
+from grain_jax_sync._src.sources.elastic import source as elastic_source
+from grain_jax_sync._src.sources.elastic import stream as elastic_stream
 from grain_jax_sync._src.sources.iterable import next_only, open_iterable
 
 
@@ -22,8 +23,8 @@ def open_source(source: Any) -> SourceIterator:
   """
   if isinstance(source, SourceIterator):
     return source
-  if isinstance(source, elastic.ElasticSource):
-    return elastic.open_stream(source)
+  if isinstance(source, elastic_source.ElasticSource):
+    return elastic_stream.open_stream(source)
   module = type(source).__module__ or ""
   adapted = None
   if module.startswith("datasets") or module == f"{__name__}.hugging_face":
@@ -62,4 +63,4 @@ def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator
   )
 
 
-__all__ = ["SourceIterator", "open_source", "reopen"]
+__all__ = ["open_source", "reopen"]

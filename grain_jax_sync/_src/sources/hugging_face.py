@@ -497,7 +497,7 @@ def _load(
 
 def _elastic(spec: HFSource) -> Any:
   """`spec`'s whole data set as an `elastic_source`: map, filter and batches per process."""
-  from grain_jax_sync._src.sources import elastic  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
 
   if not _is_map_style(spec.dataset):
     raise ValueError(

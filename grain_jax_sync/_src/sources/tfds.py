@@ -245,7 +245,7 @@ class _Request:
 
 def _elastic_pipeline(tfds: Any, r: _Request) -> Any:
   """The whole split as an `elastic_source` (read with Grain's default options): `map_fn` and batching per host."""
-  from grain_jax_sync._src.sources import elastic  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
 
   grain = extras.require("grain", needed_by="tfds_pipeline(elastic=True)", extra="tfds")
   source = _data_source(tfds, r)
