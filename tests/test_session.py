@@ -103,13 +103,13 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
     return real(self, doing, *args, **kwargs)
 
   # And each ending asked of the agreement: by which thread, through which frames from `close()`.
-  asks: list[tuple[str, list[str]]] = []
+  asks: list[tuple[str, list[str], int | None]] = []
   real_ask = driver.Driver.ask
 
   def asked(self: Any, ask: Any) -> None:
     if isinstance(ask, driver.Closing):
       names = [f.name for f in traceback.extract_stack()[:-1]] + ["ask"]
-      asks.append((threading.current_thread().name, names[names.index("close") :]))
+      asks.append((threading.current_thread().name, names[names.index("close") :], ask.at_batch))
     real_ask(self, ask)
 
   key_value.KeyValueExchange._call = recorded  # type: ignore[method-assign]
@@ -156,11 +156,13 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     # at batch 5) ended this host's stream first, the agreement thread had
     # returned with no ending left to post, and the closing thread tells the
     # peers it left, after it. Inline, the closing thread runs the core.
-    # The closing thread asks for the ending once, in one put, after the call
-    # in progress returned: `close`, the lifetime's `close` and `_finish`, the
-    # streams' `close` and `end`, the stream's `halt`, the driver's `ask`.
+    # A close asks twice, one put each: at once that its ending is on its way
+    # (the agreement decides no more), four frames from `close()`; then, once
+    # the call in progress returned, the ending with its exact count.
+    closing = ["close", "close", "_finish", "close", "end", "halt", "ask"]
     assert out["close_asks"] == [
-      ("closer", ["close", "close", "_finish", "close", "end", "halt", "ask"])
+      ("closer", ["close", "close", "interrupt", "ask"], None),
+      ("closer", closing, 5),
     ], out
     calls = out["close_calls"]
     names = [name for name, _ in calls]

@@ -119,7 +119,7 @@ class Stream:
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
     self._ended = False
-    self._agreement: driver.Driver | None = None
+    self.agreement: driver.Driver | None = None
     # The agreement of either form: the batch size it pinned, who stopped it.
     self.stopper: Agreement | driver.Driver | None = None
     # Where a stop is asked for: the agreement's inbox (`Driver.ask`) or field.
@@ -167,7 +167,7 @@ class Stream:
       # wait, `streamed.Streamed`): the stream raises it, with no exchange.
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
-    self._agreement = driver.Driver(
+    self.agreement = driver.Driver(
       decider.core_for(
         rules,
         who,
@@ -187,11 +187,11 @@ class Stream:
       ex,
       self._builder,
     )
-    self.stopper, self.ask = self._agreement, self._agreement.ask
+    self.stopper, self.ask = self.agreement, self.agreement.ask
     if not threaded:
-      self._inline = self._agreement
-      return iter(self._agreement)
-    return self._agree_thread(self._agreement, options)
+      self._inline = self.agreement
+      return iter(self.agreement)
+    return self._agree_thread(self.agreement, options)
 
   def _agree_thread(self, runs: Any, options: options_lib.Options) -> Iterator[Run]:
     """The agreement in its own thread, one decided position queued (Grain's: `read_ahead`)."""
@@ -241,12 +241,12 @@ class Stream:
     except key_value.Cancelled:
       raise
     except StopIteration:
-      if self._agreement is not None and self._agreement.reached_end:
+      if self.agreement is not None and self.agreement.reached_end:
         # The agreed end (exhausted or a requested stop): every peer's
         # consumer must get there too, or this host raises naming the one
         # that left.
         self.reached_end = True
-        self._agreement.wait_for_peers_at_end()
+        self.agreement.wait_for_peers_at_end()
       raise
     except BaseException:
       self._failed = True
@@ -310,19 +310,19 @@ class Stream:
       if self._ended:
         return
       self._ended = True
+      if self.agreement is not None:  # Before the wake: a woken agreement thread finds it.
+        left = not self.reached_end and not self._failed
+        self.agreement.ask(driver.Closing(at, error, left))
       self._builder.wake()  # The agreement thread may wait for the build thread's room.
       self.interrupt()  # Every wait at once, before any join.
-      if self._agreement is not None:
-        left = not self.reached_end and not self._failed
-        self._agreement.ask(driver.Closing(at, error, left))
     with self._turn():
       for stage in self._threads:
         stage.close(wait=at is None or not isinstance(stage, prefetch_lib.OnDemand))
       if not self._threads:
         prefetch_lib.close_producer(self._items)
-      if self._agreement is None:
+      if self.agreement is None:
         return
-      self._agreement.release()
+      self.agreement.release()
       if at is None:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
@@ -331,7 +331,7 @@ class Stream:
           "grain_jax_sync: a stage thread is still blocked; not posting this host's end"
         )
         return
-      self._agreement.close()  # Where no thread posted it (inline, or it had returned).
+      self.agreement.close()  # Where no thread posted it (inline, or it had returned).
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
     """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
@@ -413,7 +413,7 @@ class Streams:
       self.stream = stream = Stream(start)
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
-        stream.interrupt()
+        self.interrupt()
       if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
         stream.ask(self._stop_at)
     return stream
@@ -476,14 +476,12 @@ class Streams:
     self.job.ended(post=stream.reached_end)
 
   def interrupt(self) -> None:
-    """A close was asked for: wakes the running stream's waits, taking no lock.
-
-    Its ending is asked of the agreement in `end`, once the call in progress
-    has returned: the count of batches received is exact only then.
-    """
+    """A close (no lock): the agreement decides no more, waits are woken; `end` posts its count."""
     self.closing = True
     stream = self.stream
     if stream is not None:
+      if stream.agreement is not None:
+        stream.agreement.ask(driver.CLOSING)
       stream.interrupt()
 
   def request_stop(self) -> None:

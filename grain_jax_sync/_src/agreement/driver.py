@@ -11,8 +11,12 @@ signal handler (`ask`): a stop, or this host's ending (a `Closing`). The
 thread that runs the core takes them at its next step: a stop goes into the
 core, an ending ends the drive and is posted on the way out, by that same
 thread, so that no position is decided after it and the exchange has one
-writer. Only where no thread runs the core (inline, or its thread already
-returned) does `close` post the ending in the calling thread.
+writer. A close asks twice: at once, that its ending is on its way
+(`CLOSING`, no count yet: the consumer's call may still be delivering), and
+the drive stops deciding; then, once the call returned, the ending with its
+exact count, which the agreement thread, waiting for it, posts. Only where
+no thread runs the core (inline, or its thread already returned) does
+`close` post the ending in the calling thread.
 """
 
 from __future__ import annotations
@@ -36,12 +40,17 @@ logger = logging.getLogger(__name__)
 class Closing(NamedTuple):
   """This host's ending, asked of the driver: closed at `at_batch`, or `error`.
 
-  `left`: this host leaves before the agreed end, so peers waiting there are told too.
+  `at_batch` None: the ending is on its way (`CLOSING`). `left`: this host
+  leaves before the agreed end, so peers waiting there are told too.
   """
 
-  at_batch: int
+  at_batch: int | None
   error: messages.ReportedError | None = None
   left: bool = False
+
+
+# A close was asked for: decide no more; its ending (with its count) follows.
+CLOSING = Closing(None)
 
 
 class Driver:
@@ -80,6 +89,7 @@ class Driver:
     # takes them (`_take_asks`).
     self._asks: queue.SimpleQueue[int | Closing] = queue.SimpleQueue()
     self._closing: Closing | None = None  # Taken from the inbox; posted once (`_post_closing`).
+    self._coming = False  # `CLOSING` taken: the ending follows.
     self._posted = False
     exchange_streams.stream_started(exchange.namespace)
 
@@ -87,7 +97,9 @@ class Driver:
     """Hands the stops asked for to the core and keeps an ending (in the thread that runs it)."""
     while not self._asks.empty():
       ask = self._asks.get_nowait()
-      if isinstance(ask, Closing):
+      if ask is CLOSING:
+        self._coming = True
+      elif isinstance(ask, Closing):
         self._closing = self._closing or ask
       else:
         self.core.stop_asked(ask)
@@ -103,14 +115,23 @@ class Driver:
       yield from self._drive(self.core.send, self.core.throw)
     finally:
       self._take_asks()
+      if self._coming and self._closing is None and self._thread is not None:
+        self._closing = self._next_closing()  # The agreement thread posts it, with its count.
       self._post_closing()
+
+  def _next_closing(self) -> Closing:
+    """Waits for the ending whose `CLOSING` came first (asked once the consumer's call returned)."""
+    while True:
+      ask = self._asks.get()
+      if isinstance(ask, Closing) and ask is not CLOSING:
+        return ask
 
   def _drive(self, send: Any, throw: Any) -> Iterator[common.Run]:
     result: Any = None
     error: Exception | None = None
     while True:
       self._take_asks()
-      if self._closing is not None:
+      if self._closing is not None or self._coming:
         return  # This host's ending: no position is decided after it.
       try:
         action = send(result, self._now()) if error is None else throw(error, self._now())
@@ -228,12 +249,14 @@ class Driver:
     if closing is None or self._posted:
       return
     self._posted = True
-    calls = self.core.closing(closing.at_batch, closing.error)
+    at = closing.at_batch
+    assert at is not None  # `CLOSING` is never kept.
+    calls = self.core.closing(at, closing.error)
     try:
       for call in calls[:-1]:
         call_store(self._exchange, call)
       if closing.left:
-        error = closing.error or endings.closed_error(self.core.process, closing.at_batch)
+        error = closing.error or endings.closed_error(self.core.process, at)
         self._exchange.post_left(error.message)
     except Exception as e:  # noqa: BLE001 - best effort: an ending never raises.
       logger.warning("grain_jax_sync: could not post this host's end: %s", e)
