@@ -144,6 +144,8 @@ def lm_job(
   os.makedirs(os.path.join(directory, name), exist_ok=True)
   with open(os.path.join(directory, name, f"state_{jax.process_index():03d}.json"), "w") as f:
     json.dump(state, f)
+  # Every process's state is on disk before any process starts a job that loads them.
+  multihost_utils.sync_global_devices(f"lm_job {name}: states saved")
   sources = it.stats().get("sources")
   it.close()
   return {"batches": out, "sources": sources, "state": state}
