@@ -622,3 +622,35 @@ def test_a_peer_found_closed_is_named_with_the_stream_it_closed_in():
     " it at the same point"
   )
   assert endings.closed_peer_message("not json", "ns/2").startswith("not json, without starting")
+
+
+def _yields(run) -> int:
+  return sum(step.action == messages.Action.YIELD for _, step in run.steps)
+
+
+def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_asked_after():
+  store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
+
+  def process_0() -> None:
+    got = 0
+    try:
+      for run in _agreement(0, 2, store, _source(0, spec, 0), lookahead=2, timeout_s=5.0):
+        got += _yields(run)
+      out[0] = ("end", got)
+    except RuntimeError as e:
+      out[0] = (str(e), got)
+
+  thread = threading.Thread(target=process_0)
+  thread.start()
+  stage = _agreement(1, 2, store, _source(1, spec, 0), lookahead=2, timeout_s=5.0)
+  runs, got = iter(stage), 0
+  while got < 3:
+    got += _yields(next(runs))
+  stage.ask(driver.CLOSING)  # A close from another thread: the count is not known yet.
+  assert list(runs) == []  # Nothing more is decided here.
+  stage.ask(driver.Closing(got))  # The call returned: the ending, with its count.
+  stage.close()
+  thread.join(30)
+  message, received = out[0]
+  assert message.startswith(f"process 1 closed its iterator at batch {got}"), message
+  assert got <= received < 40
