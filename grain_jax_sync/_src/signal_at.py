@@ -38,13 +38,16 @@ def parse(text: str) -> tuple[int, int]:
   return int(batch), int(signum)
 
 
-AFTER_BATCH, _SIGNUM = parse(os.environ.get(ENV, ""))
+AFTER_BATCH, _SIGNUM = -1, 0
 
 
 def arm(environ: Mapping[str, str]) -> None:
-  """Reads `ENV` from `environ` again (a process forked after this module's import)."""
+  """Reads `ENV` from `environ`: at import, and again in a process forked after it."""
   global AFTER_BATCH, _SIGNUM
   AFTER_BATCH, _SIGNUM = parse(environ.get(ENV, ""))
+
+
+arm(os.environ)
 
 
 def send() -> None:

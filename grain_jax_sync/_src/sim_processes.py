@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 _OUTPUT_GRACE_S = 5.0
 # One echoed line at a time, whichever process wrote it.
 _ECHO_LOCK = threading.Lock()
+# Each process's program (`sim_worker`), and the fork server's with ``--serve``.
+_WORKER = (sys.executable, "-m", "grain_jax_sync._src.sim_worker")
 # "0": every process a fresh interpreter, not forked from the server.
 FORK_ENV = "GRAIN_JAX_SYNC_SIM_FORK"
 # What a fork server has not read at its start: they may differ between the
@@ -147,7 +149,7 @@ def start(job_path: str, env: dict[str, str]) -> subprocess.Popen[bytes] | Forke
         _FAILED.add(key)  # This environment's processes start fresh from now on.
         logger.warning("grain_jax_sync.testing: the fork server failed (%r); starting fresh", e)
   return subprocess.Popen(
-    [sys.executable, "-m", "grain_jax_sync._src.sim_worker", job_path],
+    [*_WORKER, job_path],
     env=env,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -207,7 +209,7 @@ class _Server:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with theirs:
       self.popen = subprocess.Popen(
-        [sys.executable, "-m", "grain_jax_sync._src.sim_worker", "--serve", str(theirs.fileno())],
+        [*_WORKER, "--serve", str(theirs.fileno())],
         env=dict(env),
         pass_fds=(theirs.fileno(),),
         stdin=subprocess.DEVNULL,
