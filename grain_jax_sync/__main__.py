@@ -152,7 +152,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
   import grain_jax_sync  # pylint: disable=g-import-not-at-top
   from grain_jax_sync._src import placement  # pylint: disable=g-import-not-at-top
-  from grain_jax_sync._src.exchange import key_value
+  from grain_jax_sync._src.exchange import key_value  # pylint: disable=g-import-not-at-top
 
   print(f"grain_jax_sync {grain_jax_sync.__version__}, Python {platform.python_version()}")
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
