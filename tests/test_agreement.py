@@ -118,7 +118,7 @@ def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
   except _Closed:
     runs.close()
     stage.ask(driver.Closing(yielded))
-    stage.close()
+    stage.post_ending()
     out[p] = ("closed", record, None)
   except BaseException as e:  # noqa: BLE001 - compared by the test.
     out[p] = ("raise", record, e)
@@ -649,7 +649,7 @@ def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_ask
   stage.ask(driver.CLOSING)  # A close from another thread: the count is not known yet.
   assert list(runs) == []  # Nothing more is decided here.
   stage.ask(driver.Closing(got))  # The call returned: the ending, with its count.
-  stage.close()
+  stage.post_ending()
   thread.join(30)
   message, received = out[0]
   assert message.startswith(f"process 1 closed its iterator at batch {got}"), message

@@ -156,13 +156,12 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     # at batch 5) ended this host's stream first, the agreement thread had
     # returned with no ending left to post, and the closing thread tells the
     # peers it left, after it. Inline, the closing thread runs the core.
-    # A close asks twice, one put each: at once that its ending is on its way
-    # (the agreement decides no more), four frames from `close()`; then, once
-    # the call in progress returned, the ending with its exact count.
-    closing = ["close", "close", "_finish", "close", "end", "halt", "ask"]
+    # A close asks twice, one put each, four frames from `close()`: at once
+    # that its ending is on its way (the agreement decides no more); then,
+    # once the call in progress returned, the ending with its exact count.
     assert out["close_asks"] == [
-      ("closer", ["close", "close", "interrupt", "ask"], None),
-      ("closer", closing, 5),
+      ("closer", ["close", "close", "ask", "ask"], None),
+      ("closer", ["close", "close", "end", "ask"], 5),
     ], out
     calls = out["close_calls"]
     names = [name for name, _ in calls]

@@ -328,7 +328,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
         state = train_step(state, batch)
       save(state, it.get_state())  # The same batch on every host.
     """
-    self._streams.request_stop()  # No lock; after a close, no stream hears it.
+    self._streams.ask(session_lib.STOP)  # No lock; after a close, no stream hears it.
 
   @property
   def stop_requested_by(self) -> int | None:

@@ -105,23 +105,9 @@ class Lifetime:
     self._local.turn = False
     if self._phase is Phase.OPEN and not self.streams.closing:
       return  # The steady state: nobody waits for this call to end.
-    me, finish = threading.get_ident(), False
     with self._lock:
-      if (
-        self.streams.closing
-        and self._phase is Phase.OPEN
-        and self._held.setdefault("turn", (me, "close()"))[0] == me
-      ):
-        self._phase = Phase.CLOSING
-        finish = self._local.closing = True  # A handler from here on only asks.
       self._idle.notify_all()  # A closer waiting for the call to end.
-    if finish:
-      try:
-        self._finish()
-      finally:
-        self._local.closing = False
-    else:
-      self._close_if_asked()  # By this thread's handler, after the check above.
+    self._close_if_asked()  # Here, or by a closer that waited for this call.
 
   def _close_if_asked(self) -> None:
     """Out of a turn: carries out a close that a handler asked for after the turn's last look."""
@@ -131,11 +117,16 @@ class Lifetime:
   # -- the close -------------------------------------------------------------------
 
   def close(self) -> None:
-    """The one close path, whoever calls it; idempotent, never raises."""
+    """The one close path, whoever calls it; idempotent, never raises.
+
+    Asks at once (`Streams.ask`: the agreement decides no more, every wait is
+    woken), takes the turn once the call in progress returned, then ends the
+    streams last (this host's ending with its count, the source closed).
+    """
     if self._closed.is_set():
       return  # Also at interpreter exit, where module globals may be gone.
     if self.in_turn() or getattr(self._local, "closing", False):
-      self.streams.interrupt()  # Inside this thread's own turn or close: that call finishes it.
+      self.streams.ask(session_lib.CLOSE)  # Inside this thread's own turn or close: it finishes.
       return
     if prefetch_lib.in_library_thread():
       # A stage's own thread (the source): this close would join it.
@@ -147,7 +138,7 @@ class Lifetime:
         first = self._phase is Phase.OPEN
         if first:
           self._phase = Phase.CLOSING
-      self.streams.interrupt()
+      self.streams.ask(session_lib.CLOSE)
       if not first:
         self._closed.wait(prefetch_lib.JOIN_TIMEOUT_S)  # Another thread closes.
         return
@@ -161,8 +152,17 @@ class Lifetime:
           prefetch_lib.JOIN_TIMEOUT_S,
         ):
           self._phase = Phase.OPEN
-          return  # `give_turn` finishes it.
-      self._finish()
+          return  # `give_turn` closes.
+      try:
+        self.streams.end(last=True)  # Closed: the peers raise "process p closed its iterator".
+      except Exception as e:  # noqa: BLE001 - best effort: close never raises.
+        logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
+      finally:
+        with self._lock:
+          self._phase = Phase.CLOSED
+          self._held.pop("turn", None)
+          self._idle.notify_all()
+        self._closed.set()
     finally:
       self._local.closing = False
 
@@ -180,21 +180,8 @@ class Lifetime:
 
   def _hand_off(self) -> None:
     """Asks for the close, then closes from a new thread (this one is a stage's, or a collection's)."""
-    self.streams.interrupt()
+    self.streams.ask(session_lib.CLOSE)
     try:
       threading.Thread(target=self.close, name=CLOSER_THREAD, daemon=True).start()
     except RuntimeError:  # At interpreter exit no thread starts; the stages are daemons.
       logger.debug("grain_jax_sync: could not start the closing thread", exc_info=True)
-
-  def _finish(self) -> None:
-    """Ends the streams (this host's ending, the source closed); holds the turn. Once."""
-    try:
-      self.streams.close()
-    except Exception as e:  # noqa: BLE001 - best effort: close never raises.
-      logger.warning("grain_jax_sync: closing the iterator failed: %s", e)
-    finally:
-      with self._lock:
-        self._phase = Phase.CLOSED
-        self._held.pop("turn", None)
-        self._idle.notify_all()
-      self._closed.set()

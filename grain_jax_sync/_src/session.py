@@ -13,12 +13,12 @@ runs (with the key-value store and prefetch, in a reading thread of its
 own). At most three threads per stream.
 
 A `Stream` is built from a frozen `Start` and owns every thread it starts;
-`lifetime.Lifetime` decides who calls `Streams.close` (once). The thread in
-the call (`next()`, `set_state()`, ...) makes, advances and ends the
-streams. Other threads only call `interrupt` (a close asked for),
-`request_stop` and `times` (`stats`): they set a flag, put on a queue, or
-read fields set before the stream was published and the stage counters
-(floats, each written by the one thread that runs its stage).
+`lifetime.Lifetime` decides who ends the streams last (`Streams.end` with
+``last``, once). The thread in the call (`next()`, `set_state()`, ...)
+makes, advances and ends the streams. Other threads only call `ask` (a stop
+or a close asked for) and `times` (`stats`): they set a flag, put on a
+queue, or read fields set before the stream was published and the stage
+counters (floats, each written by the one thread that runs its stage).
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ LOCKSTEP_WINDOW = 10
 # thread: one, so that positions are decided just ahead of the build, on any
 # host; the agreement's read-ahead is what overlaps the exchange.
 AGREE_BUFFER = 1
+# What `Streams.ask` takes: `request_stop()`, and a close (`lifetime.Lifetime`).
+STOP = "stop"
+CLOSE = "close"
 
 
 class Mark(NamedTuple):
@@ -104,7 +107,8 @@ class Stream:
   """One (re)start of the stream: its stages, composed in the diagram's order, and its ending.
 
   Owns every thread it starts and its exchange; `halt` stops the stages in
-  reverse and, given an ending, has it posted once (by the agreement's thread).
+  reverse and, at the stream's end, has its ending posted once (by the
+  agreement's thread, or here where none runs).
   """
 
   def __init__(self, start: Start):
@@ -278,7 +282,7 @@ class Stream:
     """Positions dropped after the last item; exact once the stream ended."""
     return self._builder.dropped
 
-  def interrupt(self) -> None:
+  def wake(self) -> None:
     """Wakes every wait of the stages, taking no lock (a signal handler may hold one)."""
     cancel = getattr(self._exchange, "cancel", None)
     if cancel is not None:
@@ -296,34 +300,35 @@ class Stream:
     """The process whose stop ended the stream (the same on every host); None if none did."""
     return None if self.stopper is None else self.stopper.stop_requested_by
 
-  def halt(self, at: int | None = None, error: messages.ReportedError | None = None) -> None:
-    """Stops every stage, from the user's end back to the source; given `at`, ends the stream. Once.
+  @property
+  def left(self) -> bool:
+    """Whether an ending now leaves before the agreed end (peers waiting there are told too)."""
+    return not self.reached_end and not self._failed
 
-    Ending it (`at`: the batches this host's consumer received; `error`: the
-    ending, default closed at `at`), every wait is woken first, and this
-    host's ending is asked of the agreement, whose thread posts it as it
-    returns (no position is decided after it); a read in progress is not
-    waited for (`reading` may still be in it). Inline, all under the
-    agreement's turn (a stop being posted is one write).
+  def halt(self, ended: bool = False) -> None:
+    """Stops every stage, from the user's end back to the source; `ended`: the stream's last. Once.
+
+    Ended, this host's ending was asked of the agreement (`Streams.end`),
+    whose thread posts it as it returns (no position is decided after it);
+    every wait is woken first, and a read in progress is not waited for
+    (`reading` may still be in it). Inline, all under the agreement's turn (a
+    stop being posted is one write), and the ending is posted here.
     """
-    if at is not None:
+    if ended:
       if self._ended:
         return
       self._ended = True
-      if self.agreement is not None:  # Before the wake: a woken agreement thread finds it.
-        left = not self.reached_end and not self._failed
-        self.agreement.ask(driver.Closing(at, error, left))
       self._builder.wake()  # The agreement thread may wait for the build thread's room.
-      self.interrupt()  # Every wait at once, before any join.
+      self.wake()  # Every wait at once, before any join.
     with self._turn():
       for stage in self._threads:
-        stage.close(wait=at is None or not isinstance(stage, prefetch_lib.OnDemand))
+        stage.close(wait=not ended or not isinstance(stage, prefetch_lib.OnDemand))
       if not self._threads:
         prefetch_lib.close_producer(self._items)
       if self.agreement is None:
         return
       self.agreement.release()
-      if at is None:
+      if not ended:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
       if any(stage.thread.is_alive() for stage in blocked):
@@ -331,7 +336,7 @@ class Stream:
           "grain_jax_sync: a stage thread is still blocked; not posting this host's end"
         )
         return
-      self.agreement.close()  # Where no thread posted it (inline, or it had returned).
+      self.agreement.post_ending()  # Where no thread posted it (inline, or it had returned).
 
   def _turn(self) -> contextlib.AbstractContextManager[Any]:
     """Inline, the agreement's turn (a stop being posted is one write); else nothing."""
@@ -347,11 +352,10 @@ class Streams:
   """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
 
   Every ending goes through `end`: the stream's own (from `next`), a restart
-  (`reset`, `restore`), a refused state (`refuse`) and the close (`close`,
+  (`reset`, `restore`), a refused state (`refuse`) and the close (``last``,
   also the finalizer's, through `lifetime.Lifetime`). The thread in the call
-  owns every field; other threads only call `interrupt` and `request_stop`
-  (no lock), and read ``mark``, ``stream`` and ``finished``, each one value
-  replaced whole.
+  owns every field; other threads only call `ask` (no lock), and read
+  ``mark``, ``stream`` and ``finished``, each one value replaced whole.
 
   Args:
     origin: What the user passed (reopened by `reset`).
@@ -413,7 +417,7 @@ class Streams:
       self.stream = stream = Stream(start)
       self.pending_start = False
       if self.closing:  # A close asked for meanwhile, before this stream could hear it.
-        self.interrupt()
+        self.ask(CLOSE)
       if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
         stream.ask(self._stop_at)
     return stream
@@ -452,48 +456,70 @@ class Streams:
       signal_at.send()
     return item.value
 
-  def end(self, ending: messages.ReportedError | None = None, *, unstarted: bool = True) -> None:
+  def end(
+    self,
+    ending: messages.ReportedError | None = None,
+    *,
+    unstarted: bool = True,
+    last: bool = False,
+  ) -> None:
     """The one ending path: ends the running stream with `ending` (default: closed). In the call.
 
-    With no stream running and `unstarted`, the ending goes to the stream
+    The ending, with this host's exact count, is asked of the stream's
+    agreement before any wait is woken (its thread, woken, finds it and posts
+    it). With no stream running and `unstarted`, the ending goes to the stream
     this host would start next, if none started since the last (re)start:
     its peers may wait in it. A read stuck in the source is left to return
-    on its own (`_settle_reads`).
+    on its own (`_settle_reads`). `last`: the iterator's close (`Lifetime`):
+    this host is marked closed and the source is closed too.
     """
-    stream = self.stream
-    if stream is None:
-      if unstarted and self._namespace is not None and self.pending_start:
-        self.generation += 1
-        _post_unstarted(self._options, self._keys(), self.mark.position, ending)
-      return
-    self.stream = None
-    self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
-    stream.halt(self.mark.position, ending)
-    self.finished = self.finished + stream.times()
-    # The figures of the batches built after the final decision too; posted
-    # for the peers only after an agreed end (an error ends every host, and
-    # its keys would outlive an iterator never closed).
-    self.job.ended(post=stream.reached_end)
-
-  def interrupt(self) -> None:
-    """A close (no lock): the agreement decides no more, waits are woken; `end` posts its count."""
-    self.closing = True
-    stream = self.stream
+    stream, at = self.stream, self.mark.position
     if stream is not None:
+      self.stream = None
+      self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
       if stream.agreement is not None:
-        stream.agreement.ask(driver.CLOSING)
-      stream.interrupt()
+        stream.agreement.ask(driver.Closing(at, ending, stream.left))
+      stream.halt(ended=True)
+      self.finished = self.finished + stream.times()
+      # The figures of the batches built after the final decision too; posted
+      # for the peers only after an agreed end (an error ends every host, and
+      # its keys would outlive an iterator never closed).
+      self.job.ended(post=stream.reached_end)
+      del stream  # Its ending may hold this iterator.
+    elif unstarted and self._namespace is not None and self.pending_start:
+      self.generation += 1
+      _post_unstarted(self._options, self._keys(), at, ending)
+    if not last:
+      return
+    if self._namespace is not None:
+      message = f"process {jax.process_index()} closed its iterator at batch {at}"
+      key_value.register_close(self._namespace, json.dumps([self._keys(), message]))
+      exchange_streams.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
+    if self._reading is None:
+      self.source.close()
+    else:
+      self._reading.after(self.source.close)  # Once a read stuck in the source returns.
 
-  def request_stop(self) -> None:
-    """Asks every host to stop at one position; no lock (any thread, a handler).
+  def ask(self, what: str) -> None:
+    """`STOP` or `CLOSE`, asked from any thread or a signal handler: no lock, one put.
 
-    The running stream's agreement posts it; a stream not started yet gets it
-    when it starts. Once asked, later requests change nothing.
+    A stop: every host stops at one position; the running stream's agreement
+    posts it, and a stream not started yet gets it when it starts; once
+    asked, later requests change nothing. A close: the agreement decides no
+    more and every wait is woken; `end` then asks the ending with its count.
     """
+    stream = self.stream
+    if what == CLOSE:
+      self.closing = True
+      if stream is not None:
+        if stream.agreement is not None:
+          stream.agreement.ask(driver.CLOSING)
+        stream.wake()
+      return
+    assert what == STOP, what
     if self._stop_at is not None or self.exhausted:
       return
     self._stop_at = self.mark.position
-    stream = self.stream
     if stream is not None and stream.ask is not None:
       stream.ask(self._stop_at)  # One put (`driver.Driver.ask`), or a field (lockstep).
 
@@ -570,19 +596,6 @@ class Streams:
     if self._reading is not None:
       self._reading.close()
       self._reading = None
-
-  def close(self) -> None:
-    """The close's ending: ends the stream (closed), marks this host closed, closes the source."""
-    at = self.mark.position
-    self.end()  # Closed: the peers raise "process p closed its iterator".
-    if self._namespace is not None:
-      message = f"process {jax.process_index()} closed its iterator at batch {at}"
-      key_value.register_close(self._namespace, json.dumps([self._keys(), message]))
-      exchange_streams.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
-    if self._reading is None:
-      self.source.close()
-    else:
-      self._reading.after(self.source.close)  # Once a read stuck in the source returns.
 
   def times(self) -> stats_lib.Times:
     stream = self.stream  # One value each: no lock.

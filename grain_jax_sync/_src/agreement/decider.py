@@ -215,7 +215,7 @@ class Decider(Streamed):
     self._reads_since_look += 1
     if isinstance(item, core.End):
       sig = None if self._own.signature is None else self._own.signature.to_json()
-      self._ledger.end(common.make_report(self._who, (), self._rules, item, sig, False))
+      self._ledger.add_end(common.make_report(self._who, (), self._rules, item, sig, False))
       return True
     if self._own.count == 1:
       self._set_own(signature=item.batch.signature.to_json())

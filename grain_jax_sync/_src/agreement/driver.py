@@ -16,7 +16,7 @@ writer. A close asks twice: at once, that its ending is on its way
 the drive stops deciding; then, once the call returned, the ending with its
 exact count, which the agreement thread, waiting for it, posts. Only where
 no thread runs the core (inline, or its thread already returned) does
-`close` post the ending in the calling thread.
+the ending thread post it (`post_ending`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Driver:
     # signal handler, one reentrant put each; the thread that runs the core
     # takes them (`_take_asks`).
     self._asks: queue.SimpleQueue[int | Closing] = queue.SimpleQueue()
-    self._closing: Closing | None = None  # Taken from the inbox; posted once (`_post_closing`).
+    self._closing: Closing | None = None  # Taken from the inbox; posted once (`post_ending`).
     self._coming = False  # `CLOSING` taken: the ending follows.
     self._posted = False
     exchange_streams.stream_started(exchange.namespace)
@@ -117,7 +117,7 @@ class Driver:
       self._take_asks()
       if self._coming and self._closing is None and self._thread is not None:
         self._closing = self._next_closing()  # The agreement thread posts it, with its count.
-      self._post_closing()
+      self.post_ending()
 
   def _next_closing(self) -> Closing:
     """Waits for the ending whose `CLOSING` came first (asked once the consumer's call returned)."""
@@ -207,7 +207,7 @@ class Driver:
     Any thread, a signal handler: no lock. The thread that runs the core takes
     it at its next step (a wait for the reading thread is woken). Inline, a
     stop is posted now if no call runs the core (`post_stop`); an ending is
-    posted by the ending thread (`close`).
+    posted by the ending thread (`post_ending`).
     """
     self._asks.put(ask)
     if self._thread is not None:
@@ -234,17 +234,14 @@ class Driver:
       finally:
         self.turn.release()
 
-  def close(self) -> None:
-    """Posts the ending asked for (`ask`) here, where no thread did.
+  def post_ending(self) -> None:
+    """Posts the ending asked for (`ask`), closed or its error, and ends the exchange. Once.
 
-    Called once the thread that runs the core, if any, has returned: inline,
-    or where that thread ended before it took the ending.
+    By the thread that runs the core, on its way out; else (inline, or where
+    that thread ended before it took the ending) by the ending thread once it
+    returned.
     """
     self._take_asks()
-    self._post_closing()
-
-  def _post_closing(self) -> None:
-    """Posts the ending taken from the inbox (closed, or its error) and ends the exchange. Once."""
     closing = self._closing
     if closing is None or self._posted:
       return

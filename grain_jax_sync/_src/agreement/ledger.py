@@ -151,7 +151,7 @@ class Ledger:
     if self._sizes is not None:
       self._sizes[p].append(sizes)
 
-  def end(self, report: messages.Report) -> None:
+  def add_end(self, report: messages.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
     p = report.process_index
     self._end[p] = report
