@@ -31,15 +31,28 @@ def test_decision_carries_the_table_only_when_given():
   assert messages.Decision.from_json(with_table.to_json()) == with_table
 
 
-def test_decided_counts_rows_per_host_and_the_table_goes_to_followers():
+def _no_clock() -> float:
+  raise AssertionError("the table read the host's clock for the core")
+
+
+def test_decided_counts_rows_per_host_and_the_table_goes_to_followers(monkeypatch):
   decider = job_stats.JobTable(lambda: _own(0.0))
+  # What the agreement's core calls reads no clock: it is handed the core's `now`.
+  monkeypatch.setattr(job_stats.time, "monotonic", _no_clock)
   decider.attach(0, 3)
   full = messages.Step(Y, 8, (8, 8, 8))
   decider.decided((full, full, messages.Step(Y, 8, (8, 5, 0)), messages.Step(D, 0, (8, 8, 3))))
   decider.add_times([(2, (0.0, 7.0, 0.0, 0.0))])
-  rows = decider.rows_to_send(final=True)
+  rows = decider.rows_to_send(final=True, now=0.0)
   assert rows is not None and [r[0] for r in rows] == [0, 1, 2]
-  assert decider.rows_to_send(final=True) is None  # Nothing changed since.
+  assert decider.rows_to_send(final=True, now=0.0) is None  # Nothing changed since.
+  # Between decisions the table is due on the core's clock (`now`), not the host's.
+  decider.add_times([(1, (0.0, 1.0, 0.0, 0.0))])
+  assert decider.rows_to_send(final=False, now=job_stats.TABLE_EVERY_S / 2) is None
+  later = decider.rows_to_send(final=False, now=job_stats.TABLE_EVERY_S)
+  assert later is not None and [r[0] for r in later] == [0, 1]
+  decider.check_stragglers(job_stats.TABLE_EVERY_S)
+  monkeypatch.undo()  # A table is made outside the core (`session.Streams`), on the host's clock.
   follower = job_stats.JobTable(lambda: _own(0.0))
   follower.attach(1, 3)
   follower.merge(rows)
@@ -88,15 +101,12 @@ def _own(source_s: float) -> dict:
     ([0.001, 0.001, 0.01, 0.001], None),  # 10x, but a quick source: 1% of the wall time.
   ],
 )
-def test_straggler_rule_is_ratios_over_windows_and_warns_once(caplog, monkeypatch, sources, warned):
-  clock = [100.0]
-  monkeypatch.setattr(job_stats.time, "monotonic", lambda: clock[0])
-  s = job_stats.Stragglers()
+def test_straggler_rule_is_ratios_over_windows_and_warns_once(caplog, sources, warned):
+  s = job_stats.Stragglers(100.0)
   with caplog.at_level(logging.WARNING, logger=job_stats.__name__):
     for w in range(1, 2 * job_stats.STRAGGLER_WINDOWS + 1):
-      clock[0] = 100.0 + w
       s.seen(2)
-      s.check(0, [x * w for x in sources])
+      s.check(0, [x * w for x in sources], 100.0 + w)
       if w < job_stats.STRAGGLER_WINDOWS:
         assert s.warned is None  # Not before the windows in a row.
   assert s.warned == warned
@@ -106,9 +116,9 @@ def test_straggler_rule_is_ratios_over_windows_and_warns_once(caplog, monkeypatc
 
 
 def test_straggler_streak_needs_fresh_figures_in_a_row():
-  s = job_stats.Stragglers()
-  for _ in range(2 * job_stats.STRAGGLER_WINDOWS):
-    s.check(0, [0.0, 1e9])  # Host 1's figure never refreshed: no window of its ends.
+  s = job_stats.Stragglers(0.0)
+  for w in range(2 * job_stats.STRAGGLER_WINDOWS):
+    s.check(0, [0.0, 1e9], float(w))  # Host 1's figure never refreshed: no window of its ends.
   assert s.warned is None
 
 

@@ -77,9 +77,9 @@ class JobTable:
     self._shared = [0] * len(COUNTS)
     self._times: list[tuple[float, ...]] = [(0.0,) * len(stats_lib.TIMES)]
     self._changed: set[int] = set()
-    self._sent_at = -1e9
+    self._sent_at: float | None = None  # When the last table went out (the core's clock).
     self._posted: tuple[float, ...] | None = None  # Own times in the last chunk.
-    self.stragglers = Stragglers()
+    self.stragglers = Stragglers(time.monotonic())
 
   def attach(self, process: int, process_count: int) -> None:
     """Sizes the table for a stream's processes (keeps what it knows)."""
@@ -87,7 +87,7 @@ class JobTable:
       self._me = process
       self._streams += 1
       self._running = True
-      self._sent_at = time.monotonic()  # The first table one interval in (or the final one).
+      self._sent_at = None  # The first table one interval in (or the final one).
       if process_count != self._n:
         self._n = process_count
         self._counts = [[0] * len(COUNTS) for _ in range(process_count)]
@@ -185,11 +185,12 @@ class JobTable:
   def _row_counts(self, p: int) -> list[int]:
     return [c + s for c, s in zip(self._counts[p], self._shared, strict=True)]
 
-  def rows_to_send(self, *, final: bool) -> tuple[tuple[Any, ...], ...] | None:
-    """The changed rows for the next decision, when due (always when `final`)."""
+  def rows_to_send(self, *, final: bool, now: float) -> tuple[tuple[Any, ...], ...] | None:
+    """The changed rows for the next decision, when due at `now` (always when `final`)."""
     every = TABLE_EVERY_S * max(1.0, (self._n / TABLE_PROCESSES) ** 2)
-    now = time.monotonic()
     with self._lock:
+      if self._sent_at is None:
+        self._sent_at = now
       if self._n < 2 or not self._changed or (not final and now - self._sent_at < every):
         return None
       self._sent_at = now
@@ -200,12 +201,12 @@ class JobTable:
       self._changed.clear()
       return rows
 
-  def check_stragglers(self) -> None:
-    """Process 0: closes a window once every peer posted fresh times (`Stragglers`)."""
+  def check_stragglers(self, now: float) -> None:
+    """Process 0, at `now`: closes a window once every peer posted fresh times (`Stragglers`)."""
     with self._lock:
       sources = [t[stats_lib.TIMES.index("source_s")] for t in self._times]
     sources[self._me] = float(self._probe()["source_s"])
-    self.stragglers.check(self._me, sources)
+    self.stragglers.check(self._me, sources, now)
 
   # -- stats(all_hosts=True) ---------------------------------------------------
 
@@ -235,8 +236,8 @@ def slowest(hosts: Sequence[dict[str, Any]]) -> int | None:
 class Stragglers:
   """The straggler rule (docs/performance.md, "Straggler warning"), at process 0; warns once."""
 
-  def __init__(self) -> None:
-    self._start = time.monotonic()
+  def __init__(self, start: float):
+    self._start = start  # When the iterator started, on the clock `check` is given.
     self._fresh: set[int] = set()
     self._last_own: float | None = None
     self._streak = (-1, 0)  # (process, windows in a row)
@@ -245,8 +246,8 @@ class Stragglers:
   def seen(self, process: int) -> None:
     self._fresh.add(process)
 
-  def check(self, me: int, sources: list[float]) -> None:
-    """Judges the host with the most source time, if its figure is fresh."""
+  def check(self, me: int, sources: list[float], now: float) -> None:
+    """Judges the host with the most source time at `now`, if its figure is fresh."""
     if sources[me] != self._last_own:
       self._last_own = sources[me]
       self._fresh.add(me)
@@ -258,7 +259,7 @@ class Stragglers:
       return
     mine = sources[slow]
     others = statistics.median(s for p, s in enumerate(sources) if p != slow)
-    wall = time.monotonic() - self._start
+    wall = now - self._start
     if not (mine >= STRAGGLER_RATIO * others and mine >= STRAGGLER_SHARE * wall > 0):
       self._streak = (-1, 0)
       return

@@ -121,8 +121,8 @@ class Decider(Streamed):
     table = None
     if self._job is not None:
       self._job.decided(plan.steps)
-      self._job.check_stragglers()  # Process 0's own times are fresh here.
-      table = self._job.rows_to_send(final=plan.end != Outcome.CONTINUE)
+      self._job.check_stragglers(self.now.t)  # Process 0's own times are fresh here.
+      table = self._job.rows_to_send(final=plan.end != Outcome.CONTINUE, now=self.now.t)
     batch_size = None  # Sent once, in the first decision that knows it.
     if not self._sent_batch_size and self._rules.batch_size is not None:
       batch_size = self._rules.batch_size
@@ -243,7 +243,7 @@ class Decider(Streamed):
         news.append((q, times))
     if items and self._job is not None:
       self._job.add_times(news)
-      self._job.check_stragglers()
+      self._job.check_stragglers(self.now.t)
     if items and self._process_count > 1:
       acked = min(self._ledger.ack(p) for p in range(self._process_count) if p != self._process)
       if acked > self._acked:
