@@ -356,6 +356,10 @@ class Streams:
   also the finalizer's, through `lifetime.Lifetime`). The thread in the call
   owns every field; other threads only call `ask` (no lock), and read
   ``mark``, ``stream`` and ``finished``, each one value replaced whole.
+  Three flags cross threads, each one store that only ever goes one way in a
+  stream: ``closing`` and ``_stop_at`` (written by `ask`, from a signal
+  handler too, where a lock the interrupted code holds would deadlock) and
+  ``exhausted`` (written in the call, read by `ask`).
 
   Args:
     origin: What the user passed (reopened by `reset`).
