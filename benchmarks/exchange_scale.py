@@ -253,7 +253,7 @@ class _Decider:
           news.append((p, times))
       if items:
         self.job.add_times(news)
-        self.job.check_stragglers()
+        self.job.check_stragglers(time.monotonic())
       size = self.led.window(self.j)
       cpu += time.perf_counter() - t0
       if size >= len(rows):
@@ -263,8 +263,8 @@ class _Decider:
     reports = self.led.window_reports(self.j, size, with_config=self.j == 0)
     plan = plan_lib.decide(reports, self.rules, position=self.j)
     self.job.decided(plan.steps)
-    self.job.check_stragglers()
-    table = self.job.rows_to_send(final=plan.end != messages.Outcome.CONTINUE)
+    self.job.check_stragglers(time.monotonic())
+    table = self.job.rows_to_send(final=plan.end != messages.Outcome.CONTINUE, now=time.monotonic())
     sig = SIGNATURE if self.j == 0 else None
     decision = messages.Decision(self.j, plan.steps, plan.end, plan.error, sig, table=table)
     text = decision.to_json()

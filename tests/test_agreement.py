@@ -654,3 +654,42 @@ def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_ask
   message, received = out[0]
   assert message.startswith(f"process 1 closed its iterator at batch {got}"), message
   assert got <= received < 40
+
+
+def test_an_ending_asked_while_a_decision_is_posted_goes_after_it_not_over_it():
+  # A close (or restart) asked while process 0's post of decision 2 is in
+  # flight: the post lands, and the ending must be decision 3. Posted over
+  # decision 2, a follower that read 2 waits for 3 until it finds process 0
+  # closed, and raises the wrong error (CI, a reset under load).
+  store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
+
+  def process_1() -> None:
+    got = 0
+    try:
+      for run in _agreement(1, 2, store, _source(1, spec, 0), lookahead=2, timeout_s=5.0):
+        got += _yields(run)
+      out[1] = ("end", got)
+    except RuntimeError as e:
+      out[1] = (str(e), got)
+
+  thread = threading.Thread(target=process_1)
+  thread.start()
+  stage = _agreement(0, 2, store, _source(0, spec, 0), lookahead=2, timeout_s=5.0)
+  ex, posted, got = stage._exchange, [], [0]
+  real = ex.post_decision
+
+  def post_decision(seq: int, payload: str, *, final: bool = False) -> None:
+    real(seq, payload, final=final)
+    posted.append((seq, messages.Decision.from_json(payload), final))
+    if seq == 2 and not final:
+      stage.ask(driver.Closing(got[0]))  # From another thread, as the post returns.
+
+  ex.post_decision = post_decision
+  for run in stage:
+    got[0] += _yields(run)
+  thread.join(30)
+  assert [(seq, final) for seq, _, final in posted] == [(0, False), (1, False), (2, False), (3, True)]
+  decided = sum(s.action == messages.Action.YIELD for _, d, _ in posted[:3] for s in d.steps)
+  message, received = out[1]
+  assert message.startswith(f"process 0 closed its iterator at batch {got[0]}"), message
+  assert received == decided  # Every position decided before the ending, then the ending.

@@ -16,11 +16,14 @@ writer. A close asks twice: at once, that its ending is on its way
 the drive stops deciding; then, once the call returned, the ending with its
 exact count, which the agreement thread, waiting for it, posts. Only where
 no thread runs the core (inline, or its thread already returned) does
-the ending thread post it (`post_ending`).
+the ending thread post it (`post_ending`). A store call carried out is
+always told to the core, also when an ending stops the drive right after it,
+so that the ending is posted after what the core posted, not over it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -129,15 +132,23 @@ class Driver:
   def _drive(self, send: Any, throw: Any) -> Iterator[common.Run]:
     result: Any = None
     error: Exception | None = None
+    stored = False  # The last action carried out was a store call, and it succeeded.
     while True:
       self._take_asks()
       if self._closing is not None or self._coming:
-        return  # This host's ending: no position is decided after it.
+        # This host's ending: no position is decided after it. A store call
+        # carried out is told to the core first (a decision posted moves the
+        # core's count, and its final one goes after it, not over it).
+        if stored:
+          with contextlib.suppress(Exception):  # StopIteration too: the core's own ending.
+            send(result, self._now())
+        return
       try:
         action = send(result, self._now()) if error is None else throw(error, self._now())
       except StopIteration:
         return
       result = error = None
+      stored = False
       if type(action) is core.Deliver:
         run, action = action.run, None
         yield run
@@ -147,6 +158,7 @@ class Driver:
         continue
       try:
         result = self._do(action)
+        stored = isinstance(action, core.Store)
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 
