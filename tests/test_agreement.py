@@ -628,20 +628,26 @@ def _yields(run) -> int:
   return sum(step.action == messages.Action.YIELD for _, step in run.steps)
 
 
-def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_asked_after():
-  store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
+def _peer(p: int, store, spec, out) -> threading.Thread:
+  """Process `p` of two in a thread: ``out[p]`` is ("end" or its error, batches yielded)."""
 
-  def process_0() -> None:
+  def run() -> None:
     got = 0
     try:
-      for run in _agreement(0, 2, store, _source(0, spec, 0), lookahead=2, timeout_s=5.0):
-        got += _yields(run)
-      out[0] = ("end", got)
+      for r in _agreement(p, 2, store, _source(p, spec, 0), lookahead=2, timeout_s=5.0):
+        got += _yields(r)
+      out[p] = ("end", got)
     except RuntimeError as e:
-      out[0] = (str(e), got)
+      out[p] = (str(e), got)
 
-  thread = threading.Thread(target=process_0)
+  thread = threading.Thread(target=run)
   thread.start()
+  return thread
+
+
+def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_asked_after():
+  store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
+  thread = _peer(0, store, spec, out)
   stage = _agreement(1, 2, store, _source(1, spec, 0), lookahead=2, timeout_s=5.0)
   runs, got = iter(stage), 0
   while got < 3:
@@ -662,18 +668,7 @@ def test_an_ending_asked_while_a_decision_is_posted_goes_after_it_not_over_it():
   # decision 2, a follower that read 2 waits for 3 until it finds process 0
   # closed, and raises the wrong error (CI, a reset under load).
   store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
-
-  def process_1() -> None:
-    got = 0
-    try:
-      for run in _agreement(1, 2, store, _source(1, spec, 0), lookahead=2, timeout_s=5.0):
-        got += _yields(run)
-      out[1] = ("end", got)
-    except RuntimeError as e:
-      out[1] = (str(e), got)
-
-  thread = threading.Thread(target=process_1)
-  thread.start()
+  thread = _peer(1, store, spec, out)
   stage = _agreement(0, 2, store, _source(0, spec, 0), lookahead=2, timeout_s=5.0)
   ex, posted, got = stage._exchange, [], [0]
   real = ex.post_decision
@@ -688,7 +683,12 @@ def test_an_ending_asked_while_a_decision_is_posted_goes_after_it_not_over_it():
   for run in stage:
     got[0] += _yields(run)
   thread.join(30)
-  assert [(seq, final) for seq, _, final in posted] == [(0, False), (1, False), (2, False), (3, True)]
+  assert [(seq, final) for seq, _, final in posted] == [
+    (0, False),
+    (1, False),
+    (2, False),
+    (3, True),
+  ]
   decided = sum(s.action == messages.Action.YIELD for _, d, _ in posted[:3] for s in d.steps)
   message, received = out[1]
   assert message.startswith(f"process 0 closed its iterator at batch {got[0]}"), message
