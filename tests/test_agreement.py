@@ -693,3 +693,31 @@ def test_an_ending_asked_while_a_decision_is_posted_goes_after_it_not_over_it():
   message, received = out[1]
   assert message.startswith(f"process 0 closed its iterator at batch {got[0]}"), message
   assert received == decided  # Every position decided before the ending, then the ending.
+
+
+@pytest.mark.parametrize("closer", [0, 1])
+@pytest.mark.parametrize("at_call", range(1, 13))
+def test_an_ending_asked_as_any_store_call_returns_reaches_the_peer(closer, at_call):
+  # Whatever the closer's agreement was doing in the store (a post, a read, a
+  # wait), its ending reaches the peer after the positions decided before it.
+  store, spec, out = MemoryStore(), {"rows": [8] * 40, "ending": "stop"}, {}
+  thread = _peer(1 - closer, store, spec, out)
+  stage = _agreement(closer, 2, store, _source(closer, spec, 0), lookahead=2, timeout_s=5.0)
+  ex, calls, got = stage._exchange, [0], [0]
+  real = ex._call
+
+  def call(*args, **kwargs):
+    try:
+      return real(*args, **kwargs)
+    finally:
+      calls[0] += 1
+      if calls[0] == at_call:
+        stage.ask(driver.Closing(got[0]))  # From another thread, as this call returns.
+
+  ex._call = call
+  for run in stage:
+    got[0] += _yields(run)
+  thread.join(30)
+  message, received = out[1 - closer]
+  assert message.startswith(f"process {closer} closed its iterator at batch {got[0]}"), message
+  assert received >= got[0]
