@@ -26,16 +26,16 @@ def bound_s(prefetch: int, step_s: float) -> float:
   return DECIDE_AHEAD_S + (prefetch + 1) * step_s + 1.0
 
 
-def _run(n, prefetch, plans):
-  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch)
+def _run(n, prefetch, plans, store_s=0.0):
+  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, store_s=store_s)
   return cluster.run(plans)
 
 
-def _check_stop(n, prefetch, step_s, at, offset):
+def _check_stop(n, prefetch, step_s, at, offset, store_s=0.0):
   plans = [testing.HostPlan(batches=40, step_s=step_s)] * n
   asker = n - 1
   plans[asker] = testing.HostPlan(batches=40, step_s=step_s, stop=(at, offset * step_s))
-  out = _run(n, prefetch, plans)
+  out = _run(n, prefetch, plans, store_s)
   asked_at = out[asker].received[at - 1] + offset * step_s
   assert {o.ending for o in out} == {"end"}, [(o.ending, o.message) for o in out]
   assert {o.stopped_by for o in out} == {asker}
@@ -54,6 +54,14 @@ def test_a_stop_asked_at_any_batch_ends_every_host_at_one_batch_within_the_bound
   for at in range(1, 7):
     for offset in (0.0, 0.3, 0.9):  # Into the step after batch `at`.
       _check_stop(n, prefetch, step_s, at, offset)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("step_s", [0.05, 2.0])
+def test_a_stop_with_5_ms_store_round_trips_ends_every_host_within_the_bound(step_s, prefetch):
+  # Every store call's result reaches its core 5 ms late (a loaded coordinator).
+  for at in range(1, 7):
+    _check_stop(8, prefetch, step_s, at, 0.3, store_s=0.005)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -275,6 +283,26 @@ def test_a_close_from_another_thread_ends_the_peer_naming_the_batches_it_receive
   assert peer.batches >= n  # The batches already decided.
   # With prefetch, the peer's agreement thread sees the close while its source stalls.
   assert peer.ended_at - 1.0 <= (6.0 if stall and prefetch == 0 else bound_s(prefetch, 0.05))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("closer", [0, 1])
+def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(closer, prefetch):
+  # Store calls take 3 ms: a close lands while a post's result is on its way
+  # back to the core at some of these 160 times. Its ending goes after what
+  # the core posted (`driver.tell_done`), never over it: the peer raises the
+  # close, not "closed ... without starting the stream".
+  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=prefetch, store_s=0.003)
+  for k in range(160):
+    plans = [H(batches=400, step_s=0.02)] * 2
+    plans[closer] = H(batches=400, step_s=0.02, close_s=0.05 + k * 0.00125)
+    out = cluster.run(plans)
+    n, peer = out[closer].batches, out[1 - closer]
+    assert (peer.ending, peer.message) == (
+      "RuntimeError",
+      f"process {closer} closed its iterator at batch {n}",
+    ), k
+    assert peer.batches >= n
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

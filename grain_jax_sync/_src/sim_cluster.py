@@ -253,6 +253,7 @@ class _Host:
     self.pace = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
+    self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.all: list[Task] = []  # Its tasks, `timed_task` last.
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
@@ -280,6 +281,10 @@ class _Host:
       if type(action) is core.Deliver:
         return action.run
       result = yield from self._do(action)
+      if isinstance(action, core.Store) and self.c.store_s > 0:
+        self.unacked = (send, result)  # In flight back to the core.
+        yield (None, self.clock.now + self.c.store_s)
+        self.unacked = None
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
     clock = self.clock
@@ -423,6 +428,8 @@ class _Host:
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
+    if post and self.unacked is not None:
+      driver.tell_done(*self.unacked, core.Now(self.clock.now, self.done, True))
     for call in self.core.closing(len(self.out.received), None) if post else ():
       driver.call_store(self.ex, call)
 
@@ -445,6 +452,9 @@ class SimulatedCluster:
     decide_ahead_s: As the iterator's.
     sync_timeout_s: As the iterator's.
     synchronize_lookahead: As the iterator's.
+    store_s: Each store call's round trip: its effect lands at once, its
+      result reaches the core this much later (an ending meanwhile tells it
+      first, as the driver does).
   """
 
   processes: int
@@ -452,6 +462,7 @@ class SimulatedCluster:
   decide_ahead_s: float = 1.0
   sync_timeout_s: float = 60.0
   synchronize_lookahead: int | None = None
+  store_s: float = 0.0
 
   def run(self, plans: list[HostPlan], *, until_s: float = 3600.0) -> list[HostOutcome]:
     """Runs every host to its ending (or `until_s` of virtual time); their outcomes."""

@@ -140,8 +140,7 @@ class Driver:
         # carried out is told to the core first (a decision posted moves the
         # core's count, and its final one goes after it, not over it).
         if stored:
-          with contextlib.suppress(Exception):  # StopIteration too: the core's own ending.
-            send(result, self._now())
+          tell_done(send, result, self._now())
         return
       try:
         action = send(result, self._now()) if error is None else throw(error, self._now())
@@ -311,6 +310,15 @@ class Driver:
           tuple(waiting),
         )
         raise endings.to_exception(error, process, None)
+
+
+def tell_done(send: Any, result: Any, now: core.Now) -> None:
+  """Tells the core the result of a store call carried out, where an ending stops the drive after it.
+
+  What the core does next is not carried out (nor raised): this host ends.
+  """
+  with contextlib.suppress(Exception):  # StopIteration too: the core's own ending.
+    send(result, now)
 
 
 def call_store(ex: key_value.KeyValueExchange, call: core.Store) -> Any:
