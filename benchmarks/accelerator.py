@@ -26,10 +26,16 @@ trial starts at the next variant), each trial a fresh iterator whose first
   NumPy and batches in Grain (``MapDataset.map(...).batch(...)``), read by
   Grain's threads or by worker processes (``mp_prefetch``), and a short
   step: the input is the bottleneck, at batches of about 3, 25 and 100 MB
-  (``--input-mb``). Wall and CPU per batch of ``bare``
+  (``--input-rows``). Wall and CPU per batch of ``bare``
   (``jax.device_put`` of each Grain batch), ``iter_jax_batches``,
   ``grain_device_put`` and ``device_put``, and where each thread's CPU went
-  (ours, the main thread, Grain's Python threads, native threads).
+  (ours, the main thread, Grain's Python threads, native threads, threads
+  that ended in the window), kernel CPU, page faults and context switches.
+  ``--diagnose`` adds ``inline``, ``device_put_b0`` (``device_buffer_size=0``)
+  and ``device_put`` with a batch more read (``_c5``), built (``_d3``) or
+  both (``_c5d3``: what Grain's ``device_put(4, 2)`` holds); ``--variants``
+  keeps the ones named. A trial waits for the Grain threads it started to
+  end before the next one starts.
 * ``transfer``: no step; GB/s (1e9 bytes per second) of one blocking
   ``jax.device_put`` at a time (``put_1``), ``jax.device_put`` with 4 and
   16 puts in flight (``put_4``, ``put_16``), `iter_jax_batches` at the
@@ -49,9 +55,11 @@ import argparse
 import collections
 import datetime
 import functools
+import gc
 import json
 import os
 import platform as platform_lib
+import resource
 import statistics
 import sys
 import threading
@@ -66,6 +74,9 @@ _GB = 1e9
 # buffers filling. More than any buffer compared here holds.
 SKIP = 8
 SECTIONS = ("steady", "input_bound", "transfer")
+# The longest wait for one thread a trial left running (`_settle`): a Grain
+# pool thread finishing one read. Beyond it the next trial starts anyway.
+SETTLE_S = 60.0
 
 
 # -- Timing --------------------------------------------------------------------
@@ -123,6 +134,27 @@ def _by_group(before: dict[int, float], after: dict[int, float]) -> dict[str, fl
   return out
 
 
+def _usage() -> tuple[float, float, int, int]:
+  """This process's user and kernel CPU seconds, minor page faults and context switches."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime, r.ru_stime, r.ru_minflt, r.ru_nvcsw + r.ru_nivcsw
+
+
+def _settle(before: set[threading.Thread]) -> float:
+  """Waits for the Grain and library threads a trial started to end; seconds waited.
+
+  A closed Grain `PrefetchDatasetIterator` cancels only the reads not yet
+  started: the ones its pool is running finish after the close, in the next
+  trial's time unless waited for here (its pool's threads then exit).
+  """
+  gc.collect()  # Iterators dropped but not closed (`bare`'s) are closed by their finalizers.
+  start = time.perf_counter()
+  for t in threading.enumerate():
+    if t not in before and t.name.startswith("grain"):
+      t.join(SETTLE_S)
+  return time.perf_counter() - start
+
+
 def _timed(
   batches: Iterable[Any], step: Callable[[Any, Any], Any], state: Any, n: int
 ) -> tuple[dict, Any]:
@@ -130,12 +162,13 @@ def _timed(
   and the step's last state."""
   import jax
 
+  before = set(threading.enumerate())
   it = iter(batches)
-  start: tuple[float, float, dict[int, float]] | None = None
+  start: tuple[float, float, dict[int, float], tuple[float, float, int, int]] | None = None
   for i, batch in enumerate(it):
     if i == SKIP:
       jax.block_until_ready(state)
-      start = (time.perf_counter(), time.process_time(), _thread_cpu())
+      start = (time.perf_counter(), time.process_time(), _thread_cpu(), _usage())
     state = step(state, batch)
     del batch
     if i == SKIP + n - 1:
@@ -144,11 +177,20 @@ def _timed(
   assert start is not None, "fewer batches than SKIP"
   wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
   threads = _by_group(start[2], _thread_cpu())
+  usage = [b - a for a, b in zip(start[3], _usage(), strict=True)]
   close = getattr(it, "close", None)
   if callable(close):
     close()
+  del it, batches
   out = {"wall_ms": wall / n * 1e3, "cpu_ms": cpu / n * 1e3}
   out.update({f"cpu_{k}_ms": v / n * 1e3 for k, v in threads.items()})
+  # Threads that ended within the window (their CPU is in the process's, in no group's).
+  live = sum(threads[g] for g in ("ours", "main", "python", "native"))
+  out["cpu_ended_ms"] = max(0.0, out["cpu_ms"] - live / n * 1e3)
+  out["sys_ms"] = usage[1] / n * 1e3
+  out["faults"] = usage[2] / n
+  out["switches"] = usage[3] / n
+  out["settle_ms"] = _settle(before) * 1e3
   return out, state
 
 
@@ -383,12 +425,35 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
     "grain_device_put": lambda: iter(grain.experimental.device_put(ds, sharding)),
     "device_put": lambda: iter(gjs.device_put(ds, sharding)),
   }
-  if diagnose:  # Where the difference goes: fewer threads of ours.
+  if diagnose:  # Where the difference goes: fewer threads of ours, or more batches held.
     feeds["inline"] = lambda: gjs.iter_jax_batches(
       ds, batch_size=rows, mesh=mesh, prefetch_batches=0
     )
     feeds["device_put_b0"] = lambda: iter(gjs.device_put(ds, sharding, device_buffer_size=0))
+    # Grain's `device_put(4, 2)` holds a batch more in each stage than ours
+    # (its thread's element in hand): ours with one more read, built, or both.
+    for name, kwargs in (("c5", {"cpu_buffer_size": 5}), ("d3", {"device_buffer_size": 3})):
+      feeds[f"device_put_{name}"] = functools.partial(_device_put, ds, sharding, **kwargs)
+    feeds["device_put_c5d3"] = functools.partial(
+      _device_put, ds, sharding, cpu_buffer_size=5, device_buffer_size=3
+    )
   return feeds
+
+
+def _device_put(ds: Any, sharding: Any, **kwargs: Any) -> Iterator[Any]:
+  import grain_jax_sync as gjs
+
+  return iter(gjs.device_put(ds, sharding, **kwargs))
+
+
+def _picked(feeds: dict[str, Callable], names: list[str] | None) -> dict[str, Callable]:
+  """The feeds named (all where `names` is None), in their own order; ValueError for an unknown one."""
+  if names is None:
+    return feeds
+  unknown = sorted(set(names) - set(feeds))
+  if unknown:
+    raise ValueError(f"`--variants`: no variant {unknown} here; the variants are {sorted(feeds)}")
+  return {k: v for k, v in feeds.items() if k in names}
 
 
 def input_bound(
@@ -421,7 +486,7 @@ def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: b
     make_record(i, side)
   record_ms = (time.process_time() - start) * 1e3
   ds = input_pipeline(rows, SKIP + n + 2, side, workers=w, threads=cfg["input_threads"])
-  feeds = _input_feeds(ds, sharding, rows, diagnose=diagnose)
+  feeds = _picked(_input_feeds(ds, sharding, rows, diagnose=diagnose), cfg.get("variants"))
   return {
     "workers": w,
     "threads": cfg["input_threads"],
@@ -573,11 +638,13 @@ def _meta(args: argparse.Namespace, where: str) -> dict:
 def _print_variants(title: str, variants: dict) -> None:
   print(title)
   for k, f in variants.items():
-    threads = " ".join(f"{g} {f[f'cpu_{g}_ms']:.2f}" for g in ("ours", "main", "python", "native"))
+    groups = ("ours", "main", "python", "native", "ended")
+    threads = " ".join(f"{g} {f[f'cpu_{g}_ms']:.2f}" for g in groups)
     print(
       f"  {k:17s} wall {f['wall_ms']:8.3f} ms ({f['wall_lo_ms']:.3f}..{f['wall_hi_ms']:.3f},"
       f" {f['trials']} trials)"
-      f"  cpu {f['cpu_ms']:7.2f} ms  [{threads}]",
+      f"  cpu {f['cpu_ms']:7.2f} ms  [{threads}]  sys {f['sys_ms']:.2f} ms,"
+      f" {f['faults']:.0f} faults, {f['switches']:.0f} switches",
       flush=True,
     )
 
@@ -605,8 +672,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--input-rows", type=int, nargs="+", help="input_bound: rows a batch")
   parser.add_argument("--transfer-mb", type=float, nargs="+", help="transfer: MB a batch")
   parser.add_argument(
-    "--diagnose", action="store_true", help="input_bound: also inline and device_buffer_size=0"
+    "--diagnose",
+    action="store_true",
+    help="input_bound: also inline, device_buffer_size=0, and device_put holding Grain's counts",
   )
+  parser.add_argument("--variants", nargs="+", help="input_bound: only these variants")
   parser.add_argument("--quick", action="store_true", help="small sizes (the tests' CPU run)")
   parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
   args = parser.parse_args(argv)
@@ -628,6 +698,7 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], No
   """Every section asked for, into `results`; prints each row as it comes, saves each section."""
   cfg = dict(QUICK if args.quick else FULL)
   cfg["input_rows"] = args.input_rows or cfg["input_rows"]
+  cfg["variants"] = args.variants
   cfg["transfer_mb"] = args.transfer_mb or cfg["transfer_mb"]
   if "steady" in args.sections:
     results["steady"] = steady(cfg, trials=args.trials, n=args.n, report=_print_steady)

@@ -66,3 +66,11 @@ def test_accelerator_without_an_accelerator_skips_with_exit_0():
   out = _run(["--quick"], JAX_PLATFORMS="cpu")  # A host without one, even beside one.
   assert out.stdout.startswith("accelerator: skipped, no accelerator found (1 x cpu (cpu))")
   assert len(out.stdout.splitlines()) == 1
+
+
+def test_accelerator_variants_keeps_the_input_bound_variants_named():
+  args = ["--platform", "cpu", "--quick", "--trials", "1", "--n", "4", "--workers", "0"]
+  args += ["--sections", "input_bound", "--diagnose", "--variants", "device_put_c5d3", "bare"]
+  out = _run(args)
+  rows = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+  assert rows == ["bare", "device_put_c5d3"]
