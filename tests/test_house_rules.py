@@ -31,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "grain_jax_sync"
 TREES = ("grain_jax_sync", "benchmarks", "tests", "examples")
 MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 250
 MAX_COMPLEXITY = 10
 
 # A comment that silences C901: `noqa` with C901 among its codes, or a bare
@@ -95,6 +96,17 @@ def test_every_function_has_at_most_60_lines_of_code(path):
     f" (at most {MAX_FUNCTION_LINES})"
     for fn in _functions(tree)
     if code_lines(fn) > MAX_FUNCTION_LINES
+  ]
+  assert not long, "\n".join(long)
+
+
+def test_no_class_is_over_250_lines():
+  # Issue 48: a class that grows past it holds more than one concept.
+  long = [
+    f"{_rel(path)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+    for path in MODULES
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+    if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
   ]
   assert not long, "\n".join(long)
 

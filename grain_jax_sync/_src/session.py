@@ -19,6 +19,10 @@ makes, advances and ends the streams. Other threads only call `ask` (a stop
 or a close asked for) and `times` (`stats`): they set a flag, put on a
 queue, or read fields set before the stream was published and the stage
 counters (floats, each written by the one thread that runs its stage).
+Three flags of `Streams` cross threads, each one store that only ever goes
+one way in a stream: ``closing`` and ``_stop_at`` (written by `ask`, from a
+signal handler too, where a lock that the interrupted code holds would
+deadlock) and ``exhausted`` (written in the call, read by `ask`).
 """
 
 from __future__ import annotations
@@ -355,11 +359,8 @@ class Streams:
   (`reset`, `restore`), a refused state (`refuse`) and the close (``last``,
   also the finalizer's, through `lifetime.Lifetime`). The thread in the call
   owns every field; other threads only call `ask` (no lock), and read
-  ``mark``, ``stream`` and ``finished``, each one value replaced whole.
-  Three flags cross threads, each one store that only ever goes one way in a
-  stream: ``closing`` and ``_stop_at`` (written by `ask`, from a signal
-  handler too, where a lock the interrupted code holds would deadlock) and
-  ``exhausted`` (written in the call, read by `ask`).
+  ``mark``, ``stream`` and ``finished``, each one value replaced whole, and
+  the three flags (module docstring).
 
   Args:
     origin: What the user passed (reopened by `reset`).
@@ -469,13 +470,12 @@ class Streams:
   ) -> None:
     """The one ending path: ends the running stream with `ending` (default: closed). In the call.
 
-    The ending, with this host's exact count, is asked of the stream's
-    agreement before any wait is woken (its thread, woken, finds it and posts
-    it). With no stream running and `unstarted`, the ending goes to the stream
-    this host would start next, if none started since the last (re)start:
-    its peers may wait in it. A read stuck in the source is left to return
-    on its own (`_settle_reads`). `last`: the iterator's close (`Lifetime`):
-    this host is marked closed and the source is closed too.
+    Asks the agreement for the ending with this host's exact count before any
+    wait is woken (a woken agreement thread finds it). With no stream running
+    and `unstarted`, the ending goes to the stream this host would start next,
+    if none started since the last (re)start: peers may wait in it. `last`:
+    the close, which marks this host closed and closes the source (once a
+    read stuck in it returns; `_settle_reads`).
     """
     stream, at = self.stream, self.mark.position
     if stream is not None:
@@ -489,28 +489,24 @@ class Streams:
       # for the peers only after an agreed end (an error ends every host, and
       # its keys would outlive an iterator never closed).
       self.job.ended(post=stream.reached_end)
-      del stream  # Its ending may hold this iterator.
     elif unstarted and self._namespace is not None and self.pending_start:
       self.generation += 1
       _post_unstarted(self._options, self._keys(), at, ending)
     if not last:
       return
     if self._namespace is not None:
-      message = f"process {jax.process_index()} closed its iterator at batch {at}"
-      key_value.register_close(self._namespace, json.dumps([self._keys(), message]))
-      exchange_streams.forget(self._namespace)  # Nothing of a closed iterator stays recorded.
+      _register_close(self._namespace, self._keys(), at)
     if self._reading is None:
       self.source.close()
     else:
       self._reading.after(self.source.close)  # Once a read stuck in the source returns.
 
   def ask(self, what: str) -> None:
-    """`STOP` or `CLOSE`, asked from any thread or a signal handler: no lock, one put.
+    """`STOP` or `CLOSE`, from any thread or a signal handler: no lock, one put.
 
-    A stop: every host stops at one position; the running stream's agreement
-    posts it, and a stream not started yet gets it when it starts; once
-    asked, later requests change nothing. A close: the agreement decides no
-    more and every wait is woken; `end` then asks the ending with its count.
+    A stop ends every host at one position (a stream not started yet gets it
+    at its start; once asked, later requests change nothing). A close: the
+    agreement decides no more, every wait is woken; `end` asks its ending.
     """
     stream = self.stream
     if what == CLOSE:
@@ -569,13 +565,11 @@ class Streams:
       raise
 
   def refuse(self, e: ValueError) -> ValueError:
-    """Makes a refused state's error this host's ending; `next()` raises it. In the call.
+    """Makes a refused state's error this host's ending, and `next()`'s until a restart. In the call.
 
-    Posted at once, to the running stream or to the one it would have
-    started, not when this host next iterates or closes: a host that lets the
-    error propagate keeps the iterator alive in its traceback, and its peers
-    waited `sync_timeout_s`. Until a `set_state` or `reset` succeeds,
-    `next()` raises the same error.
+    Posted at once (to the running stream, or the one it would start), not
+    at the next `next()` or close: a host that lets the error propagate keeps
+    the iterator alive in its traceback, and its peers would wait.
     """
     error = ValueError(f"process {jax.process_index()}: {e}")
     self.end(messages.ReportedError(messages.ErrorKind.VALUE, str(error), jax.process_index(), 0))
@@ -608,6 +602,13 @@ class Streams:
   def snapshot(self) -> dict[str, Any]:
     """This host's `stats()`: no lock, from any thread or a signal handler."""
     return stats_lib.snapshot(self.mark.delivered, self.times())
+
+
+def _register_close(namespace: str, keys: str | None, at: int) -> None:
+  """Marks this host closed for the peers (`key_value.register_close`); forgets the iterator."""
+  message = f"process {jax.process_index()} closed its iterator at batch {at}"
+  key_value.register_close(namespace, json.dumps([keys, message]))
+  exchange_streams.forget(namespace)  # Nothing of a closed iterator stays recorded.
 
 
 def _identity(start: Start, process: int, *, shares: bool) -> Identity:

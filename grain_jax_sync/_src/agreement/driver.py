@@ -135,11 +135,8 @@ class Driver:
     stored = False  # The last action carried out was a store call, and it succeeded.
     while True:
       self._take_asks()
-      if self._closing is not None or self._coming:
-        # This host's ending: no position is decided after it. A store call
-        # carried out is told to the core first (a decision posted moves the
-        # core's count, and its final one goes after it, not over it).
-        if stored:
+      if self._closing is not None or self._coming:  # No position is decided after it.
+        if stored:  # A decision posted moves the core's count: its ending goes after it.
           tell_done(send, result, self._now())
         return
       try:
@@ -248,9 +245,8 @@ class Driver:
   def post_ending(self) -> None:
     """Posts the ending asked for (`ask`), closed or its error, and ends the exchange. Once.
 
-    By the thread that runs the core, on its way out; else (inline, or where
-    that thread ended before it took the ending) by the ending thread once it
-    returned.
+    By the thread that runs the core, on its way out; else (inline, or that
+    thread ended first) by the ending thread.
     """
     self._take_asks()
     closing = self._closing
