@@ -32,8 +32,9 @@ trial starts at the next variant), each trial a fresh iterator whose first
   (ours, the main thread, Grain's Python threads, native threads, threads
   that ended in the window), kernel CPU, page faults and context switches.
   ``--diagnose`` adds ``inline``, ``device_put_b0`` (``device_buffer_size=0``)
-  and ``device_put`` with a batch more read (``_c5``), built (``_d3``) or
-  both (``_c5d3``: what Grain's ``device_put(4, 2)`` holds); ``--variants``
+  and ``device_put`` with a batch less read (``_c3``), built (``_d1``) or
+  both (``_c3d1``: what ``device_put(4, 2)`` held before it held Grain's
+  counts); ``--variants``
   keeps the ones named. A trial waits for the Grain threads it started to
   end before the next one starts.
 * ``transfer``: no step; GB/s (1e9 bytes per second) of one blocking
@@ -430,12 +431,12 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
       ds, batch_size=rows, mesh=mesh, prefetch_batches=0
     )
     feeds["device_put_b0"] = lambda: iter(gjs.device_put(ds, sharding, device_buffer_size=0))
-    # Grain's `device_put(4, 2)` holds a batch more in each stage than ours
-    # (its thread's element in hand): ours with one more read, built, or both.
-    for name, kwargs in (("c5", {"cpu_buffer_size": 5}), ("d3", {"device_buffer_size": 3})):
+    # Each stage holds what Grain's does (its buffer and its thread's element
+    # in hand): ours with one less read, built, or both, as before it did.
+    for name, kwargs in (("c3", {"cpu_buffer_size": 3}), ("d1", {"device_buffer_size": 1})):
       feeds[f"device_put_{name}"] = functools.partial(_device_put, ds, sharding, **kwargs)
-    feeds["device_put_c5d3"] = functools.partial(
-      _device_put, ds, sharding, cpu_buffer_size=5, device_buffer_size=3
+    feeds["device_put_c3d1"] = functools.partial(
+      _device_put, ds, sharding, cpu_buffer_size=3, device_buffer_size=1
     )
   return feeds
 

@@ -115,17 +115,23 @@ def _settled(read, want, deadline_s=10.0):
 
 @pytest.mark.parametrize(("cpu", "device"), [(1, 1), (4, 2), (2, 5)])
 def test_device_put_reads_ahead_at_most_its_two_buffer_sizes(cpu, device):
-  # At most `cpu_buffer_size` batches read and not yet built (the one being
-  # built included) and `device_buffer_size` built ahead of the consumer.
-  # Grain's own reads up to two more: its queue's producer and its map
-  # stage each hold one beside their buffers.
+  # As Grain's: each stage holds its buffer and one more in its thread's
+  # hand, so `cpu_buffer_size + 1` read and not yet built (the one being
+  # built included) and `device_buffer_size + 1` built ahead of the consumer.
   ds, read = _counted(40)
   it = iter(gjs.device_put(ds, cpu_buffer_size=cpu, device_buffer_size=device))
+  theirs, read_theirs = _counted(40)
+  grains = iter(
+    grain.experimental.device_put(theirs, None, cpu_buffer_size=cpu, device_buffer_size=device)
+  )
   for k in range(1, 4):
     assert np.asarray(next(it)["x"]).tolist() == [k - 1] * 8
-    assert _settled(read, k + cpu + device) == k + cpu + device
+    next(grains)
+    assert _settled(read, k + cpu + device + 2) == k + cpu + device + 2
+    assert _settled(read_theirs, k + cpu + device + 2) == k + cpu + device + 2  # The same.
   assert [int(np.asarray(b["x"])[0]) for b in it] == list(range(3, 40))
   it.close()
+  grains.close()
 
 
 def test_device_put_checks_iter_jax_batches_arguments_up_front():

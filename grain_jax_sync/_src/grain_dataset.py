@@ -64,12 +64,13 @@ def device_put(
       `jax.device_put(element, None)`: the default device, element by
       element (no padding, mask or agreement options); on several
       processes None is taken as unset (a global batch spans every host).
-    cpu_buffer_size: Batches read ahead on the host, at most, beside the
-      built ones (as Grain's host prefetch buffer).
-    device_buffer_size: Global batches built ahead on the devices (a thread);
-      0 builds in the caller's thread (with Grain's host prefetch thread of
-      `cpu_buffer_size`, as Grain's `device_put`). It stands for
-      `iter_jax_batches`'s `prefetch_batches`.
+    cpu_buffer_size: Batches read ahead on the host beside the built ones,
+      as Grain's: its buffer, and one more in its thread's hand.
+    device_buffer_size: Global batches built ahead on the devices (a
+      thread), as Grain's: its buffer, and one more in its thread's hand
+      (`iter_jax_batches`'s ``prefetch_batches=device_buffer_size + 1``). 0
+      builds in the caller's thread (with Grain's host prefetch thread of
+      `cpu_buffer_size`, as Grain's `device_put`).
     mesh: As in `iter_jax_batches`, instead of `device`.
     data_axes: As in `iter_jax_batches`: the mesh axes the rows are split
       over; default ``"data"`` if the mesh has it, else every axis.
@@ -116,9 +117,10 @@ def device_put(
     "device_put",
     options,
     process_count=jax.process_count(),
-    prefetch_batches=device_buffer_size,
-    # As Grain's: at most `cpu_buffer_size` batches read ahead of the built ones.
-    read_ahead=max(1, cpu_buffer_size) if device_buffer_size > 0 else None,
+    # What Grain's two `ThreadPrefetchIterDataset` stages hold: each its
+    # buffer, and one element in its thread's hand while it waits to put it.
+    prefetch_batches=device_buffer_size + 1 if device_buffer_size > 0 else 0,
+    read_ahead=cpu_buffer_size + 1 if device_buffer_size > 0 else None,
   )
   batches = placement.batches
   options_lib.check_divisible(checked, batches.local_shards, batches.describe_local())
