@@ -113,11 +113,13 @@ def _settled(read, want, deadline_s=10.0):
   return len(set(read))
 
 
-@pytest.mark.parametrize(("cpu", "device"), [(1, 1), (4, 2), (2, 5)])
+@pytest.mark.parametrize(("cpu", "device"), [(1, 1), (4, 2), (2, 5), (0, 2), (3, 0)])
 def test_device_put_reads_ahead_at_most_its_two_buffer_sizes(cpu, device):
   # As Grain's: each stage holds its buffer and one more in its thread's
   # hand, so `cpu_buffer_size + 1` read and not yet built (the one being
-  # built included) and `device_buffer_size + 1` built ahead of the consumer.
+  # built included) and `device_buffer_size + 1` built ahead of the consumer
+  # (one fewer where a stage has no buffer, and so no thread).
+  ahead = cpu + device + (cpu > 0) + (device > 0)
   ds, read = _counted(40)
   it = iter(gjs.device_put(ds, cpu_buffer_size=cpu, device_buffer_size=device))
   theirs, read_theirs = _counted(40)
@@ -127,8 +129,8 @@ def test_device_put_reads_ahead_at_most_its_two_buffer_sizes(cpu, device):
   for k in range(1, 4):
     assert np.asarray(next(it)["x"]).tolist() == [k - 1] * 8
     next(grains)
-    assert _settled(read, k + cpu + device + 2) == k + cpu + device + 2
-    assert _settled(read_theirs, k + cpu + device + 2) == k + cpu + device + 2  # The same.
+    assert _settled(read, k + ahead) == k + ahead
+    assert _settled(read_theirs, k + ahead) == k + ahead  # The same.
   assert [int(np.asarray(b["x"])[0]) for b in it] == list(range(3, 40))
   it.close()
   grains.close()

@@ -119,7 +119,9 @@ def device_put(
     process_count=jax.process_count(),
     # What Grain's two `ThreadPrefetchIterDataset` stages hold: each its
     # buffer, and one element in its thread's hand while it waits to put it.
-    prefetch_batches=device_buffer_size + 1 if device_buffer_size > 0 else 0,
+    # With no host buffer its device thread reads for itself: that element
+    # is the one ours has read ahead (the least it holds).
+    prefetch_batches=device_buffer_size + (cpu_buffer_size > 0) if device_buffer_size else 0,
     read_ahead=cpu_buffer_size + 1 if device_buffer_size > 0 else None,
   )
   batches = placement.batches
