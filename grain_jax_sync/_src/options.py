@@ -101,9 +101,9 @@ class Options:
       mask added to dict batches (``{"tokens": "tokens_mask"}``), shaped like
       the padded leaf up to its last named dim: True for real elements, False
       for padded elements and for padded and dummy rows.
-    read_ahead: Not an option of `iter_jax_batches`: `device_put`'s
-      `cpu_buffer_size` as the bound on batches read but not yet built (None:
-      the agreement's own bound, `agreement.read_ahead_limit`).
+    read_ahead: Not an option of `iter_jax_batches`: `device_put`'s bound on
+      batches read but not yet built, ``cpu_buffer_size + 1`` as Grain's
+      holds (None: the agreement's own bound, `agreement.read_ahead_limit`).
   """
 
   batch_size: int | None = None
