@@ -112,17 +112,19 @@ def device_put(
   cpu_buffer_size = options_lib.checked_int("cpu_buffer_size", cpu_buffer_size, minimum=0)
   device_buffer_size = options_lib.checked_int("device_buffer_size", device_buffer_size, minimum=0)
   placement = placement_lib.resolve_device_put(device, mesh, data_axes, sharding)
+  # What Grain's two `ThreadPrefetchIterDataset` stages hold: each its buffer
+  # and, where it has a thread (a size above 0), one element in the thread's
+  # hand while it waits to put it. Ours reads `read_ahead` ahead of the built
+  # batches (the one being built included) and builds the rest ahead.
+  held = cpu_buffer_size + device_buffer_size + (cpu_buffer_size > 0) + (device_buffer_size > 0)
+  read_ahead = cpu_buffer_size + 1 if device_buffer_size > 0 else None
   # Checked now rather than at the first `iter()`; no store, no thread.
   checked = options_lib.make(
     "device_put",
     options,
     process_count=jax.process_count(),
-    # What Grain's two `ThreadPrefetchIterDataset` stages hold: each its
-    # buffer, and one element in its thread's hand while it waits to put it.
-    # With no host buffer its device thread reads for itself: that element
-    # is the one ours has read ahead (the least it holds).
-    prefetch_batches=device_buffer_size + (cpu_buffer_size > 0) if device_buffer_size else 0,
-    read_ahead=cpu_buffer_size + 1 if device_buffer_size > 0 else None,
+    prefetch_batches=0 if read_ahead is None else held - read_ahead,
+    read_ahead=read_ahead,
   )
   batches = placement.batches
   options_lib.check_divisible(checked, batches.local_shards, batches.describe_local())
