@@ -273,9 +273,8 @@ class _Host:
     """Runs the core (or `send`, a side run of its steps) to its next run; `_END` at its end."""
     send, result = send or self.core.send, None
     while True:
-      now = core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
       try:
-        action = send(result, now)
+        action = send(result, self._now())
       except StopIteration:
         return _END
       if type(action) is core.Deliver:
@@ -285,6 +284,9 @@ class _Host:
         self.unacked = (send, result)  # In flight back to the core.
         yield (None, self.clock.now + self.c.store_s)
         self.unacked = None
+
+  def _now(self) -> core.Now:
+    return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
     clock = self.clock
@@ -429,7 +431,7 @@ class _Host:
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
     if post and self.unacked is not None:
-      driver.tell_done(*self.unacked, core.Now(self.clock.now, self.done, True))
+      driver.tell_done(*self.unacked, self._now())
     for call in self.core.closing(len(self.out.received), None) if post else ():
       driver.call_store(self.ex, call)
 
