@@ -34,7 +34,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memory_store import MemoryStore
 
 from grain_jax_sync._src import (
   liveness,
@@ -46,6 +45,7 @@ from grain_jax_sync._src import (
 )
 from grain_jax_sync._src.agreement import common, decider, driver, endings, follower, ledger
 from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.memory_store import MemoryStore
 
 RULES = plan.Rules(batch_size=8, drop_last=False, pad=True)
 TIMEOUT_S = 0.4

@@ -12,10 +12,9 @@ import collections
 import threading
 import time
 
-from memory_store import MemoryStore
-
 from grain_jax_sync._src import liveness
 from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.memory_store import MemoryStore
 
 
 class _OnlyCallerWrites(MemoryStore):

@@ -7,18 +7,17 @@ One process, no thread, deterministic: a bound in seconds takes milliseconds.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import messages, periods, reader, sources, stats
+from grain_jax_sync._src import memory_store, messages, periods, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, driver
 from grain_jax_sync._src.exchange import key_value
@@ -93,68 +92,6 @@ class HostOutcome:
   @property
   def batches(self) -> int:
     return len(self.received)
-
-
-class MemoryStore:
-  """The key-value store's semantics in memory; a blocking read of a missing key records it
-  (`missed`, where the scheduler parks the reader) and raises at once."""
-
-  def __init__(self, on_set: Callable[[str], None]):
-    self._data: dict[str, str] = {}
-    self._keys: list[str] = []  # Sorted: a directory is one slice.
-    self._on_set = on_set
-    self.ops = 0
-    self.missed: str | None = None
-
-  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-    self.ops += 1
-    if key in self._data and not allow_overwrite:
-      raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists")
-    self._put(key, value)
-
-  def _put(self, key: str, value: str) -> None:
-    if key not in self._data:
-      bisect.insort(self._keys, key)
-    self._data[key] = value
-    self._on_set(key)
-
-  def _under(self, prefix: str) -> tuple[int, int]:
-    start = bisect.bisect_left(self._keys, prefix)
-    return start, bisect.bisect_left(self._keys, prefix + "\U0010ffff", start)
-
-  def key_value_try_get(self, key: str) -> str:
-    self.ops += 1
-    if key not in self._data:
-      raise RuntimeError(f"NOT_FOUND: key {key} not found")
-    return self._data[key]
-
-  def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-    if key not in self._data:
-      self.ops += 1
-      self.missed = key
-      raise RuntimeError(f"DEADLINE_EXCEEDED: timed out waiting for {key}")
-    return self.key_value_try_get(key)
-
-  def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
-    self.ops += 1
-    start, stop = self._under(prefix)
-    return [(k, self._data[k]) for k in self._keys[start:stop]]
-
-  def key_value_delete(self, key: str) -> None:
-    """Deletes `key` and every key under ``key/``."""
-    self.ops += 1
-    start, stop = self._under(key.rstrip("/") + "/")
-    for k in self._keys[start:stop]:
-      del self._data[k]
-    del self._keys[start:stop]
-    if self._data.pop(key, None) is not None:
-      del self._keys[bisect.bisect_left(self._keys, key)]
-
-  def key_value_increment(self, key: str, increment: int) -> int:
-    self.ops += 1
-    value = int(self._data.get(key, "0")) + increment
-    self._put(key, str(value))
-    return value
 
 
 Wait = tuple[Any, float]  # (channel or None, deadline): resumed with True if signalled.
@@ -471,7 +408,7 @@ class SimulatedCluster:
     if len(plans) != self.processes:
       raise ValueError(f"`plans` must have {self.processes} entries, got {len(plans)}")
     self.clock = _Clock()
-    self.store = MemoryStore(self.clock.signal)
+    self.store = memory_store.MemoryStore(self.clock.signal, wait=False)
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
     for h in self.hosts:
       h.all = [*h.tasks(self.prefetch_batches), h.timed_task()]
