@@ -7,6 +7,7 @@ thread, no real second: each run takes milliseconds.
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -441,6 +442,18 @@ def test_a_close_during_its_own_20_s_source_stall_reaches_the_peer_within_the_bo
   assert closer.ending == "closed" and 6 <= closer.batches <= 10
   assert peer.message == f"process 1 closed its iterator at batch {closer.batches}"
   assert peer.ended_at - 2.0 <= bound_s(2, step_s)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_outcome_keeps_its_ending_once_the_cluster_is_collected(prefetch):
+  # The closer's loop is still parked in its stalled read when the run ends:
+  # collecting the cluster closes that task, which records and posts nothing.
+  plans = [H(batches=40, step_s=0.05), H(batches=40, step_s=0.05, stall=(8, 20.0), close_s=1.0)]
+  out = _run(2, prefetch, plans)
+  before = [(o.ending, o.message, o.ended_at) for o in out]
+  gc.collect()
+  assert [(o.ending, o.message, o.ended_at) for o in out] == before
+  assert before[1][0] == "closed"
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -96,7 +96,6 @@ class HostOutcome:
 
 Wait = tuple[Any, float]  # (channel or None, deadline): resumed with True if signalled.
 Task = Generator[Wait, bool, None]
-_END = object()  # The core returned: the agreed end (or an agreed stop).
 
 
 class _Clock:
@@ -207,16 +206,22 @@ class _Host:
     return next(self.reads)
 
   def drive(self, send: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `send`, a side run of its steps) to its next run; `_END` at its end."""
+    """Runs the core (or `send`, a side run of its steps) to its next run, or to its ending.
+
+    The ending is returned, to be handed on as a stage hands it on: a `StopIteration` at the
+    agreed end (or stop), else the error (any type) that the core or an action raised.
+    """
     send, result = send or self.core.send, None
     while True:
       try:
         action = send(result, self._now())
-      except StopIteration:
-        return _END
-      if type(action) is core.Deliver:
-        return action.run
-      result = yield from self._do(action)
+        if type(action) is core.Deliver:
+          return action.run
+        result = yield from self._do(action)
+      except GeneratorExit:
+        raise  # The task is closed (its host is gone): nothing is handed on.
+      except BaseException as e:  # noqa: BLE001 - any type is an ending.
+        return e
       if isinstance(action, core.Store) and self.c.store_s > 0:
         self.unacked = (send, result)  # In flight back to the core.
         yield (None, self.clock.now + self.c.store_s)
@@ -284,12 +289,9 @@ class _Host:
 
   def agree_task(self, runs: _Queue) -> Task:
     item = None
-    while item is not _END and not isinstance(item, BaseException):
+    while not isinstance(item, BaseException):
       yield from runs.take_slot()
-      try:
-        item = yield from self.drive()
-      except BaseException as e:  # noqa: BLE001 - handed on, as the stage hands it on.
-        item = e
+      item = yield from self.drive()
       runs.put(item)
 
   def build_task(self, runs: _Queue, items: _Queue) -> Task:
@@ -302,7 +304,7 @@ class _Host:
       while True:
         while not steps:
           run = yield from runs.get()
-          if run is _END or isinstance(run, BaseException):
+          if isinstance(run, BaseException):
             items.put(run)
             return
           steps.extend(s for _, s in run.steps)
@@ -323,12 +325,9 @@ class _Host:
     inline: collections.deque[Any] = collections.deque()
     while plan.close_at != len(received):
       self.busy = True
-      try:
-        item = yield from self._next(items, inline)
-      except BaseException as e:  # noqa: BLE001 - recorded, as the loop gets it.
-        item = e
+      item = yield from self._next(items, inline)
       self.busy = False
-      if item is _END:
+      if isinstance(item, StopIteration):
         return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
         return self._end(type(item).__name__, str(item), post=True)
@@ -344,7 +343,7 @@ class _Host:
       return (yield from items.get())
     while not inline:
       run = yield from self.drive()
-      if run is _END:
+      if isinstance(run, BaseException):
         return run
       inline.extend(s for _, s in run.steps if s.action == messages.Action.YIELD)
     return inline.popleft()
