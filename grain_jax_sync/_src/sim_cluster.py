@@ -159,7 +159,7 @@ class _Queue:
 
 
 class _Host:
-  """One host: its core, the real exchange over the shared store, and its stages as tasks."""
+  """One host: its core, the real exchange over the shared store, and its stages, spawned as tasks."""
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
@@ -190,7 +190,14 @@ class _Host:
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
-    self.all: list[Task] = []  # Its tasks, `timed_task` last.
+    items, stages = None, []  # Inline: the training loop's `next()` drives the core.
+    if self.threaded:  # The reading, agreement and build threads.
+      runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
+      stages = [self.reading_task(), self.agree_task(runs), self.build_task(runs, items)]
+    self.all = [*stages, self.consumer_task(items), self.timed_task()]
+    for task in self.all[:-1]:  # Its stream starts at its first next().
+      self.clock.spawn(task, plan.start_s)
+    self.clock.spawn(self.all[-1])
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
     for b in range(self.plan.batches):
@@ -231,24 +238,22 @@ class _Host:
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
-    clock = self.clock
     if isinstance(action, core.Store):
       result = driver.call_store(self.ex, action)
-      if action.op in ("wait_chunk", "wait_decision") and not result:
-        key, self.c.store.missed = self.c.store.missed, None
-        if (yield (key, clock.now + common.WAIT_SLICE_S)):
-          result = driver.call_store(self.ex, action)
+      key, self.c.store.missed = self.c.store.missed, None  # A wait that found nothing: park.
+      if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
+        result = driver.call_store(self.ex, action)
       return result
     if isinstance(action, core.Pace):
-      return self.pace.count(clock.now)
+      return self.pace.count(self.clock.now)
     if isinstance(action, core.WaitBuild):
       if self.done <= action.beyond:
-        yield (("built", self.p), clock.now + common.WAIT_SLICE_S)
+        yield (("built", self.p), self.clock.now + common.WAIT_SLICE_S)
       return None
     if isinstance(action, core.Look):
       ended = self.c.hosts[action.peer].out
       if action.op == "dead":
-        return ended.ending == "killed" and clock.now - ended.ended_at >= periods.DEAD_AFTER_S
+        return ended.ending == "killed" and self.clock.now - ended.ended_at >= periods.DEAD_AFTER_S
       if action.op == "closed" and ended.ending == "closed":  # One stream everywhere.
         return f'["{_NS}", "process {action.peer} closed its iterator"]'
       return None
@@ -256,26 +261,17 @@ class _Host:
     return (yield from self._read(action))
 
   def _read(self, action: core.Take) -> Generator[Wait, bool, Any]:
-    clock = self.clock
     if not self.threaded:
       return (yield from self._read_one())
     if action.want > self.asked:
       self.asked = action.want
-      clock.signal(("ask", self.p))
+      self.clock.signal(("ask", self.p))
     if not self.read_q and action.wait_s > 0:
-      yield (("read", self.p), clock.now + action.wait_s)
+      yield (("read", self.p), self.clock.now + action.wait_s)
     if not self.read_q:
       return None
     self.asked -= 1
     return self.read_q.popleft()
-
-  def tasks(self, prefetch: int) -> list[Task]:
-    """The reading, agreement and build threads and the training loop (inline: the loop only)."""
-    if not self.threaded:
-      return [self.consumer_task(None)]
-    runs, items = _Queue(self.clock, 1), _Queue(self.clock, prefetch)
-    stages = [self.reading_task(), self.agree_task(runs), self.build_task(runs, items)]
-    return [*stages, self.consumer_task(items)]
 
   def reading_task(self) -> Task:
     while True:
@@ -409,11 +405,6 @@ class SimulatedCluster:
     self.clock = _Clock()
     self.store = memory_store.MemoryStore(self.clock.signal, wait=False)
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
-    for h in self.hosts:
-      h.all = [*h.tasks(self.prefetch_batches), h.timed_task()]
-      for task in h.all[:-1]:  # Its stream starts at its first next().
-        self.clock.spawn(task, h.plan.start_s)
-      self.clock.spawn(h.all[-1])
     self.clock.run(until_s)
     return [h.out for h in self.hosts]
 
