@@ -159,7 +159,7 @@ class _Queue:
 
 
 class _Host:
-  """One host: its core, the real exchange over the shared store, and its stages, spawned as tasks."""
+  """One host: its core, the real exchange over the shared store, its stages spawned as tasks."""
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
@@ -291,29 +291,23 @@ class _Host:
       runs.put(item)
 
   def build_task(self, runs: _Queue, items: _Queue) -> Task:
-    """A slot, then the next position's batch (a drop takes none)."""
+    """A slot, then the next position's batch (a drop takes none); each position counted done."""
     steps: collections.deque[Any] = collections.deque()
-    for n in itertools.count():
-      yield from items.take_slot()
-      if n:
-        self._built()  # The last batch, counted done when the build resumes (`build.Builder`).
-      while True:
-        while not steps:
-          run = yield from runs.get()
-          if isinstance(run, BaseException):
-            items.put(run)
-            return
-          steps.extend(s for _, s in run.steps)
-        step = steps.popleft()
-        if step.action == messages.Action.YIELD:
-          break
-        self._built()  # A drop: done at once.
-      items.put(step)
-
-  def _built(self) -> None:
-    self.done += 1
-    self.pace.done(self.clock.now)
-    self.clock.signal(("built", self.p))
+    yield from items.take_slot()
+    while True:
+      while not steps:
+        run = yield from runs.get()
+        if isinstance(run, BaseException):
+          items.put(run)
+          return
+        steps.extend(s for _, s in run.steps)
+      step = steps.popleft()
+      if step.action == messages.Action.YIELD:
+        items.put(step)
+        yield from items.take_slot()  # Its batch is done once the build resumes (`build.Builder`).
+      self.done += 1  # A drop is done at once.
+      self.pace.done(self.clock.now)
+      self.clock.signal(("built", self.p))
 
   def consumer_task(self, items: _Queue | None) -> Task:
     """A batch, a step, and what the plan asks of this host."""
