@@ -342,8 +342,7 @@ class _Host:
     self.core.stop_asked(len(self.out.received))
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
-      steps = self.core.stop_now()
-      yield from self.drive(lambda result, _: steps.send(result))
+      yield from self.drive(driver.aside(self.core.stop_now()))
 
   def timed_task(self) -> Task:
     """A `close()` from another thread (`close_s`), or the process's death (`kill_at`)."""

@@ -235,7 +235,7 @@ class Driver:
     ):
       try:
         self._take_asks()
-        for _ in self._drive(_aside(self.core.stop_now()), _raise):
+        for _ in self._drive(aside(self.core.stop_now()), _raise):
           pass
       except Exception as e:  # noqa: BLE001 - from `request_stop()`: it never raises.
         logger.warning("grain_jax_sync: could not post the stop: %s", e)
@@ -329,8 +329,8 @@ def call_store(ex: key_value.KeyValueExchange, call: core.Store) -> Any:
   return getattr(ex, op)(*args)
 
 
-def _aside(steps: core.Steps) -> Any:
-  """`send` for a side run of the core's steps (`post_stop`)."""
+def aside(steps: core.Steps) -> Any:
+  """`send` for a side run of the core's steps (`post_stop`, and the simulated cluster's stop)."""
 
   def send(result: Any, now: core.Now) -> core.Action:
     del now
