@@ -168,12 +168,10 @@ class _Host:
       cluster.store, _NS, process_index=p, process_count=cluster.processes
     )
     config = {"sim": 1} if plan.config is None else plan.config
-    who = common.Identity(process=p, devices=1, config=config, resume=plan.resume)
     self.threaded = cluster.prefetch_batches > 0
-    rules = plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True)
     self.core = decider.core_for(
-      rules,
-      who,
+      plan_lib.Rules(batch_size=plan.rows, drop_last=False, pad=True, wait_for_last=True),
+      common.Identity(process=p, devices=1, config=config, resume=plan.resume),
       namespace=_NS,
       process_count=cluster.processes,
       lookahead=cluster.synchronize_lookahead,
@@ -213,11 +211,8 @@ class _Host:
     return next(self.reads)
 
   def drive(self, send: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `send`, a side run of its steps) to its next run, or to its ending.
-
-    The ending is returned, to be handed on as a stage hands it on: a `StopIteration` at the
-    agreed end (or stop), else the error (any type) that the core or an action raised.
-    """
+    """Runs the core (or `send`, a side run of its steps) to its next run, or returns its ending,
+    handed on as an item: a `StopIteration` at the agreed end or stop, else the error (any type)."""
     send, result = send or self.core.send, None
     while True:
       try:
@@ -239,8 +234,9 @@ class _Host:
 
   def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
     if isinstance(action, core.Store):
+      self.c.store.missed = None
       result = driver.call_store(self.ex, action)
-      key, self.c.store.missed = self.c.store.missed, None  # A wait that found nothing: park.
+      key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
       if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
         result = driver.call_store(self.ex, action)
       return result
@@ -274,14 +270,13 @@ class _Host:
     return self.read_q.popleft()
 
   def reading_task(self) -> Task:
-    while True:
+    item = None
+    while not isinstance(item, core.End):
       while self.asked <= len(self.read_q):
         yield (("ask", self.p), INF)
       item = yield from self._read_one()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))
-      if isinstance(item, core.End):
-        return
 
   def agree_task(self, runs: _Queue) -> Task:
     item = None
@@ -379,9 +374,8 @@ class SimulatedCluster:
     decide_ahead_s: As the iterator's.
     sync_timeout_s: As the iterator's.
     synchronize_lookahead: As the iterator's.
-    store_s: Each store call's round trip: its effect lands at once, its
-      result reaches the core this much later (an ending meanwhile tells it
-      first, as the driver does).
+    store_s: Each store call's round trip: its effect lands at once, its result reaches the core
+      this much later (an ending meanwhile tells it first, as the driver does).
   """
 
   processes: int
