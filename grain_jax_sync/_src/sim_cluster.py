@@ -299,8 +299,8 @@ class _Host:
       step = steps.popleft()
       if step.action == messages.Action.YIELD:
         items.put(step)
-        yield from items.take_slot()  # Its batch is done once the build resumes (`build.Builder`).
-      self.done += 1  # A drop is done at once.
+        yield from items.take_slot()
+      self.done += 1  # A drop at once; a batch once the build resumes (as `build.Builder` counts).
       self.pace.done(self.clock.now)
       self.clock.signal(("built", self.p))
 
