@@ -191,7 +191,7 @@ def test_prefetcher_produces_at_most_its_buffer_plus_the_one_in_hand(size):
   assert not p.thread.is_alive()
 
 
-def test_prefetcher_interrupt_takes_no_lock_and_wakes_the_consumer():
+def test_prefetcher_wake_takes_no_lock_and_wakes_the_consumer():
   # As a signal handler would: in the consumer's own thread, between two
   # lines; the consumer's next wait ends at once with StopIteration.
   gate = threading.Event()
@@ -201,7 +201,7 @@ def test_prefetcher_interrupt_takes_no_lock_and_wakes_the_consumer():
     yield 1
 
   p = prefetch.Prefetcher(producer(), buffer_size=1)
-  p.interrupt()
+  p.wake()
   t0 = time.monotonic()
   with pytest.raises(StopIteration):
     next(p)

@@ -7,7 +7,7 @@ buffer and are raised in the consumer with their original traceback.
 
 Each side blocks on one thing and neither polls: the consumer on a
 `queue.SimpleQueue` (whose `put` is reentrant, so a signal handler that
-interrupted the consumer may wake it: `interrupt`), the producer on a
+interrupted the consumer may wake it: `wake`), the producer on a
 semaphore of free slots. `close()` wakes both, lets the producer's hook
 cancel a wait of its own (`on_close`), and joins the thread, unless it is
 that thread.
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 END = object()  # The end of a stream, as a buffer item.
-_WAKE = object()  # Wakes the consumer to stop (`Prefetcher.interrupt`, `close`).
+_WAKE = object()  # Wakes the consumer to stop (`Prefetcher.wake`, `close`).
 # How long `close()` waits for a stage thread to return. A thread is blocked
 # there only inside a source's own `next()` (a store wait is cancelled, a full
 # buffer is woken): a read that outlives this is left to finish in a daemon
@@ -90,7 +90,7 @@ class Prefetcher(Generic[T]):
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
     self._slots = threading.Semaphore(0 if self._on_demand else buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
-    # Set under `_exit` by `close`, and without a lock by `interrupt` (a signal handler).
+    # Set under `_exit` by `close`, and without a lock by `wake` (a signal handler).
     self._stopped = False
     self._exit = threading.Lock()  # Guards `_busy` (and `OnDemand`'s `_exited`, `_hooks`).
     # Whether the producer may be inside its own `next()`: always, unless the
@@ -125,7 +125,7 @@ class Prefetcher(Generic[T]):
       raise item.error.with_traceback(item.error.__traceback__)
     return item
 
-  def interrupt(self) -> None:
+  def wake(self) -> None:
     """Wakes a waiting consumer to stop, taking no lock (a signal handler may hold one)."""
     self._stopped = True
     self._items.put(_WAKE)
@@ -154,7 +154,7 @@ class Prefetcher(Generic[T]):
           JOIN_TIMEOUT_S,
         )
     # Nothing built stays referenced. As many gets as items now: a signal
-    # handler's `interrupt` may put more meanwhile.
+    # handler's `wake` may put more meanwhile.
     for _ in range(self._items.qsize()):
       try:
         self._items.get_nowait()

@@ -292,7 +292,7 @@ class Stream:
     if cancel is not None:
       cancel()
     for stage in self._threads:
-      stage.interrupt()
+      stage.wake()
 
   @property
   def batch_size(self) -> int | None:
