@@ -93,19 +93,19 @@ class _Resumable:
 
   def _set_state(self, state: Mapping[str, Any]) -> None:
     p, streams = jax.process_index(), self._streams
-    try:
+
+    def resolve() -> tuple[Any, int, Any]:
       # A list of every old process's state (issue 24): this process's, or
       # for an elastic source on another count, a re-split one.
-      state = elastic_resume.for_this_process(
+      mine = elastic_resume.for_this_process(
         streams.source, state, process_index=p, process_count=jax.process_count()
       )
       batches, source_state = options_lib.check_state(
-        state, options=self._options, process_index=p, process_count=jax.process_count()
+        mine, options=self._options, process_index=p, process_count=jax.process_count()
       )
-      batch_size = options_lib.pinned_batch_size(state)
-    except ValueError as e:
-      raise streams.refuse(e) from e
-    streams.restore(source_state, "set_state()", batches, batch_size)
+      return source_state, batches, options_lib.pinned_batch_size(mine)
+
+    streams.restore("set_state()", resolve)
 
   def reset(self) -> None:
     """Restarts the stream from the source's beginning, on every host.
@@ -159,7 +159,7 @@ class _Resumable:
     # The source's state has no batch count: counting starts again, as after
     # `reset()`, and so does every host's resume position.
     what = "local_iterator.set_state()"
-    self._in_turn(what, self._streams.restore, source_state, what)
+    self._in_turn(what, self._streams.restore, what, lambda: (source_state, 0, None))
 
 
 class JaxBatchIterator(_Resumable, Iterator[Any]):

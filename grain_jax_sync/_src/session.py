@@ -356,8 +356,9 @@ class Streams:
   """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
 
   Every ending goes through `end`: the stream's own (from `next`), a restart
-  (`reset`, `restore`), a refused state (`refuse`) and the close (``last``,
-  also the finalizer's, through `lifetime.Lifetime`). The thread in the call
+  (`reset`, `restore`; a refused state is this host's ending too) and the
+  close (``last``, also the finalizer's, through `lifetime.Lifetime`). The
+  thread in the call
   owns every field; other threads only call `ask` (no lock), and read
   ``mark``, ``stream`` and ``finished``, each one value replaced whole, and
   the three flags (module docstring).
@@ -532,16 +533,26 @@ class Streams:
     self.initial = self.source.get_state() if self.source.supports_state else None
     self.mark = Mark(0, self.initial, self._options.batch_size, self.mark.delivered)
 
-  def restore(self, source_state: Any, how: str, batches: int = 0, batch_size: Any = None) -> None:
-    """Moves the source to `source_state`, then restarts there after `batches` batches.
+  def restore(self, how: str, resolve: Callable[[], tuple[Any, int, Any]]) -> None:
+    """Restarts at the state `resolve` gives: (source state, batches received, batch size).
 
     Raises:
-      ValueError: The source refused the state (this host's ending, `refuse`).
+      ValueError: `resolve` or the source refused the state. That is this
+        host's ending, posted at once to the running stream or the one it
+        would start (a host that lets the error propagate keeps the iterator
+        alive in its traceback, and its peers would wait), and `next()`'s
+        until a restart.
     """
     try:
+      source_state, batches, batch_size = resolve()
       self.move(source_state)
     except ValueError as e:
-      raise self.refuse(e) from e
+      p = jax.process_index()
+      error = ValueError(f"process {p}: {e}")
+      self.end(messages.ReportedError(messages.ErrorKind.VALUE, str(error), p, 0))
+      self.pending_start = True
+      self.refusal = str(error)
+      raise error from e
     mark = Mark(batches, source_state, batch_size or self._options.batch_size, self.mark.delivered)
     self._restart(mark, f"restored a state ({how})")
 
@@ -563,19 +574,6 @@ class Streams:
       self.start_error = e  # Halted: the next start raises it, on every host.
       self._restart(self.mark)
       raise
-
-  def refuse(self, e: ValueError) -> ValueError:
-    """Makes a refused state's error this host's ending, and `next()`'s until a restart. In the call.
-
-    Posted at once (to the running stream, or the one it would start), not
-    at the next `next()` or close: a host that lets the error propagate keeps
-    the iterator alive in its traceback, and its peers would wait.
-    """
-    error = ValueError(f"process {jax.process_index()}: {e}")
-    self.end(messages.ReportedError(messages.ErrorKind.VALUE, str(error), jax.process_index(), 0))
-    self.pending_start = True
-    self.refusal = str(error)
-    return error
 
   def _restart(self, mark: Mark, how: str | None = None) -> None:
     """Ends the running stream ("process p {how} at batch i", or closed); the next starts at `mark`."""
