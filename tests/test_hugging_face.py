@@ -4,6 +4,7 @@ Each multi-process test runs one job that goes through several scenarios
 (`hf_job`): a process launch costs more than the scenarios themselves.
 """
 
+import inspect
 import json
 import os
 from collections import Counter
@@ -413,3 +414,19 @@ def test_hf_pipeline_checks_its_arguments():
     gjs.hf_pipeline(ds.to_iterable_dataset(), batch_size=2, elastic=True)
   with pytest.raises(ValueError, match="`num_epochs` must be"):
     gjs.hf_pipeline(ds, batch_size=2, num_epochs=0)
+
+
+def test_a_streaming_source_closes_the_generator_it_reads():
+  # A streaming dataset's generator holds its open shard files until it is
+  # closed; `close()` closes it, not the garbage collector at some later time.
+  ds = datasets.Dataset.from_dict({"id": np.arange(16)}).to_iterable_dataset(num_shards=2)
+  source = hugging_face._Streaming(ds.batch(4))
+  assert collate_ids(next(source)) == [0, 1, 2, 3]
+  reading = source._it
+  assert inspect.getgeneratorstate(reading) == inspect.GEN_SUSPENDED
+  source.close()
+  assert inspect.getgeneratorstate(reading) == inspect.GEN_CLOSED
+
+
+def collate_ids(batch: dict[str, Any]) -> list[int]:
+  return np.asarray(batch["id"]).tolist()

@@ -26,6 +26,7 @@ class SourceIterator:
   supports_state: bool = False
   description: str = "source"
   _checked = False  # The first state kept was checked for JSON (`_kept`).
+  _it: Any = None  # The iterator it reads, if any: `close` closes it.
 
   def __iter__(self) -> SourceIterator:
     return self
@@ -62,7 +63,10 @@ class SourceIterator:
     self.get_state()
 
   def close(self) -> None:
-    pass
+    """Closes the iterator it reads, where that has a `close` (a generator's frees what it holds)."""
+    close = getattr(self._it, "close", None)
+    if callable(close):
+      close()
 
   def stats(self, state: Any) -> dict[str, Any]:
     """Figures of its own for `stats()` as of a held `state` (default: none)."""
@@ -78,8 +82,6 @@ class SourceIterator:
 class WrappedIterator(SourceIterator):
   """A source over another iterator, `_it` (set by subclasses), resumable through its own state."""
 
-  _it: Any
-
   def __next__(self) -> Any:
     return next(self._it)
 
@@ -93,11 +95,6 @@ class WrappedIterator(SourceIterator):
       super().set_state(state)
       return
     self._it.set_state(decode_state(state))
-
-  def close(self) -> None:
-    close = getattr(self._it, "close", None)
-    if callable(close):
-      close()
 
 
 _TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
