@@ -1,7 +1,9 @@
-"""`jax_sync_generator`: the drop-in with the signature of Ray Data's.
+"""`jax_sync_generator`: the drop-in with the reference's signature.
 
-The reference is ``ray.data.util.jax_util.jax_sync_generator`` (the version
-with `batch_size`, `paddings` and `dtypes`); docs/sources.md lists every difference.
+The reference is Ray Data's ``ray.data.util.jax_util.jax_sync_generator``
+(the version with `batch_size`, `paddings` and `dtypes`). Where the reference
+works, this one yields the same batches and raises errors that start with the
+same phrases; docs/sources.md lists every difference and its reason.
 """
 
 from __future__ import annotations

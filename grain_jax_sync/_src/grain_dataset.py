@@ -1,6 +1,8 @@
 """`device_put`: the drop-in for `grain.experimental.device_put`, with agreement.
 
-It returns a `grain.IterDataset` (`synced_dataset.py`) whose iterator runs
+Grain's version calls `jax.device_put` on each element, which on several
+hosts neither builds global arrays nor makes hosts agree on the batches. This
+one returns a `grain.IterDataset` (`synced_dataset.py`) whose iterator runs
 `iter_jax_batches` over the per-host batches. Grain is imported when
 `device_put` is first called, never by ``import grain_jax_sync``.
 """

@@ -2,7 +2,9 @@
 
 Each (re)start is one stream (`session.Stream`); `session.Streams` starts them
 and ends each in one place; `lifetime.Lifetime` holds the state machine, the
-turn and the one close path.
+turn and the one close path. Each produced batch carries the source state
+after it, so the state the user sees is the state after the last batch they
+received.
 """
 
 from __future__ import annotations

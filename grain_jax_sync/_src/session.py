@@ -358,10 +358,9 @@ class Streams:
   Every ending goes through `end`: the stream's own (from `next`), a restart
   (`reset`, `restore`; a refused state is this host's ending too) and the
   close (``last``, also the finalizer's, through `lifetime.Lifetime`). The
-  thread in the call
-  owns every field; other threads only call `ask` (no lock), and read
-  ``mark``, ``stream`` and ``finished``, each one value replaced whole, and
-  the three flags (module docstring).
+  thread in the call owns every field; other threads only call `ask` (no
+  lock), and read ``mark``, ``stream`` and ``finished``, each one value
+  replaced whole, and the three flags (module docstring).
 
   Args:
     origin: What the user passed (reopened by `reset`).
