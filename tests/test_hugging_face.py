@@ -430,3 +430,27 @@ def test_a_streaming_source_closes_the_generator_it_reads():
 
 def collate_ids(batch: dict[str, Any]) -> list[int]:
   return np.asarray(batch["id"]).tolist()
+
+
+def test_map_fn_returns_the_row_in_streaming_as_in_map_style(tmp_path):
+  # `IterableDataset.map` merges the returned row into the input row: a
+  # streaming pipeline kept the columns `map_fn` left out (here a string
+  # column, which then raised), where map-style and elastic yield its row.
+  rows = [{"id": i, "text": f"t{i}"} for i in range(10)]
+  path = str(tmp_path / "rows.jsonl")
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+  def double(row):
+    return {"id": row["id"], "twice": 2 * row["id"]}
+
+  def read(src):
+    with gjs.iter_jax_batches(src, batch_size=8, paddings=0, mask_key="mask") as it:
+      return [{k: v.tolist() for k, v in b.items()} for b in it]
+
+  generated = datasets.IterableDataset.from_generator(lambda: iter(rows))  # No features.
+  map_style = read(gjs.hf_pipeline("json", data_files=path, batch_size=8, map_fn=double))
+  assert set(map_style[0]) == {"id", "twice", "mask"}
+  for ds in ("json", generated):
+    kwargs = {"data_files": path, "streaming": True} if ds == "json" else {}
+    assert read(gjs.hf_pipeline(ds, batch_size=8, map_fn=double, **kwargs)) == map_style

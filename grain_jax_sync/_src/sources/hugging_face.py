@@ -456,7 +456,14 @@ def _stream(ds: Any, index: int, count: int, map_fn: Any, filter_fn: Any) -> Any
   """A new `IterableDataset` of input shard `index`'s rows, mapped and filtered, in Arrow format."""
   datasets = extras.require("datasets.distributed", needed_by=_NEEDED_BY, extra="hf")
   ds = datasets.split_dataset_by_node(_numpy(ds), rank=index, world_size=count)
-  ds = ds if map_fn is None else ds.map(map_fn)
+  if map_fn is not None:
+    # `IterableDataset.map` merges the returned row into the input row: remove
+    # the input's columns, so that the row is what `map_fn` returns, as in
+    # the map-style and elastic pipelines.
+    names = ds.column_names
+    if names is None:  # Features unknown (a generator's): from its first row.
+      names = ds._resolve_features().column_names
+    ds = ds.map(map_fn, remove_columns=names)
   ds = ds if filter_fn is None else ds.filter(filter_fn)
   return ds.with_format("arrow")  # Read as Arrow tables (`arrow_columns`).
 
