@@ -417,6 +417,42 @@ def test_close_from_a_real_signal_handler_while_next_waits():
     next(it)
 
 
+def test_close_from_another_thread_ends_a_waiting_next_while_the_source_is_stuck():
+  # One process, prefetch: the build thread is inside the source's read when
+  # a watchdog closes. The waiting next() ends at once; close() itself waits
+  # for the read (it may not close a source that is being read), then returns.
+  release, reading = threading.Event(), threading.Event()
+
+  def stuck():
+    for i in range(10):
+      if i == 2:
+        reading.set()
+        release.wait(60)
+      yield {"x": np.full(8, i, np.int32)}
+
+  it = gjs.iter_jax_batches(stuck(), batch_size=8, prefetch_batches=2)
+  assert [first(next(it)) for _ in range(2)] == [0, 1]
+  assert reading.wait(30)
+  closer = threading.Thread(target=it.close)
+  threading.Timer(0.2, closer.start).start()
+  try:
+    t0 = time.monotonic()
+    # StopIteration; "closed" only where a loaded machine let the close take the turn first.
+    with pytest.raises((StopIteration, RuntimeError)) as ended:
+      next(it)
+    waited = time.monotonic() - t0
+    assert ended.type is StopIteration or "the iterator is closed" in str(ended.value)
+    assert closer.is_alive()  # Still joining the read: the consumer did not wait for it.
+    assert waited < 10
+  finally:
+    release.set()
+    closer.join(60)
+  assert not closer.is_alive()
+  assert wait_for_no_threads() == []
+  with pytest.raises(RuntimeError, match="the iterator is closed"):
+    next(it)
+
+
 # -- random schedules -----------------------------------------------------------------
 
 

@@ -110,8 +110,19 @@ class Lifetime:
     self._close_if_asked()  # Here, or by a closer that waited for this call.
 
   def _close_if_asked(self) -> None:
-    """Out of a turn: carries out a close that a handler asked for after the turn's last look."""
-    if self.streams.closing and not self._closed.is_set():
+    """Out of a turn: carries out a close asked for after the turn's last look, unless a closer is at it.
+
+    A closer in another thread (the phase is not OPEN) closes once this call
+    gave the turn back; the call does not wait for it (its stages may be
+    joining a read stuck in the source). A closer that gave up waiting for
+    the turn set the phase back to OPEN first (under the lock), so this call
+    closes then.
+    """
+    if not self.streams.closing or self._closed.is_set():
+      return
+    with self._lock:
+      closer = self._phase is not Phase.OPEN
+    if not closer:
       self.close()
 
   # -- the close -------------------------------------------------------------------
