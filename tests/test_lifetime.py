@@ -24,24 +24,13 @@ import numpy as np
 import pytest
 import scenarios
 import scenarios_faults
-from helpers import check_cases, run_cases
+from helpers import check_cases, run_cases, wait_for_no_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
 
 TIMEOUT = 180
-
-
-def library_threads() -> list[str]:
-  return sorted(t.name for t in threading.enumerate() if t.name.startswith("grain_jax_sync-"))
-
-
-def wait_for_no_threads(deadline_s=10.0):
-  end = time.monotonic() + deadline_s
-  while library_threads() and time.monotonic() < end:
-    time.sleep(0.01)
-  return library_threads()
 
 
 def rows(n: int) -> list[dict[str, np.ndarray]]:
