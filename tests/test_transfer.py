@@ -49,3 +49,29 @@ def test_to_global_leaves_casts_on_the_device_where_asked():
   out = transfer.to_global_leaves(leaves, place, [np.dtype(np.float32), None, None])
   assert [x.dtype for x in out] == [np.float32, np.int32, np.float32]
   np.testing.assert_array_equal(np.asarray(out[0]), leaves[0].astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [None, np.dtype(np.float32)], ids=str)
+def test_a_large_leaf_for_one_device_crosses_as_pieces_joined_on_the_device(monkeypatch, dtype):
+  # A leaf bound for one device goes as several puts of rows (views, no host
+  # copy), joined there: the same values, shape and sharding as one put.
+  monkeypatch.setattr(transfer, "PIECE_BYTES", 1024)
+  monkeypatch.setattr(transfer, "NO_LINK", frozenset())  # As on an accelerator.
+  one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec("data"))
+  place = placement.placement_for(one, "test")
+  leaves = _leaves(rows=18)  # 3456 bytes of images: 3 pieces; 72 bytes of int32: 1.
+  shardings, _ = transfer.global_targets([x.shape for x in leaves], place)
+  assert [transfer.pieces(x, s) for x, s in zip(leaves, shardings)] == [3, 1, 1]
+  out = transfer.to_global_leaves(leaves, place, [dtype, None, None])
+  for got, host in zip(out, leaves, strict=True):
+    assert got.shape == host.shape
+    assert got.sharding == jax.device_put(host, one).sharding
+  assert out[0].dtype == (dtype or np.uint8)
+  np.testing.assert_array_equal(np.asarray(out[0]), leaves[0].astype(dtype or np.uint8))
+  np.testing.assert_array_equal(np.asarray(out[2]), leaves[2])
+  # Spread over several devices, a leaf already crosses as one put per device.
+  many = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+  assert transfer.pieces(leaves[0], many) == 1
+  monkeypatch.undo()  # CPU devices have no link: one put, however large.
+  monkeypatch.setattr(transfer, "PIECE_BYTES", 1024)
+  assert transfer.pieces(leaves[0], one) == 1

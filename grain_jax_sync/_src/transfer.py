@@ -6,14 +6,30 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from grain_jax_sync._src import placement as placement_lib
 
 Targets = tuple[list[jax.sharding.Sharding], list[tuple[int, ...]]]
+
+# A leaf bound for one device crosses the link as up to `PIECES` puts of
+# rows, each of at least `PIECE_BYTES`, joined on the device. One put is one
+# copy stream from host memory, which fills only part of a host-to-device
+# link; a few at once fill it, without holding any more host memory (the
+# pieces are views of the leaf). Joining costs one device copy, whose memory
+# bandwidth is far above any host link's. A leaf spread over several
+# devices already crosses as one put per device. The floor keeps each put's
+# fixed cost small beside its bytes, on any host. CPU devices have no link
+# (their arrays are host memory): a leaf goes to one as one put.
+PIECES = 4
+PIECE_BYTES = 4 << 20
+NO_LINK = frozenset({"cpu"})
 
 
 def global_targets(
@@ -24,6 +40,52 @@ def global_targets(
     [placement_lib.cut(placement.sharding, len(s)) for s in local_shapes],
     [placement.global_shape(s) for s in local_shapes],
   )
+
+
+def pieces(leaf: np.ndarray, sharding: jax.sharding.Sharding) -> int:
+  """How many puts of rows `leaf` crosses as (1: one put) to `sharding`'s devices."""
+  if leaf.ndim == 0 or len(sharding.device_set) != 1:
+    return 1
+  device: Any = next(iter(sharding.device_set))
+  if device.platform in NO_LINK:
+    return 1
+  return max(1, min(PIECES, leaf.nbytes // PIECE_BYTES, leaf.shape[0]))
+
+
+@functools.lru_cache(maxsize=64)
+def _joined(sharding: jax.sharding.Sharding, count: int, dtype: Any) -> Any:
+  """Joins `count` pieces along the rows on the device (and casts to `dtype`, unless None)."""
+
+  def join(*parts: jax.Array) -> jax.Array:
+    out = jnp.concatenate(parts, axis=0)
+    return out if dtype is None else out.astype(dtype)
+
+  del count  # In the key only: a jitted function per count of pieces.
+  return jax.jit(join, out_shardings=sharding)
+
+
+def _put(
+  leaves: Sequence[np.ndarray],
+  shardings: Sequence[jax.sharding.Sharding],
+  device_dtypes: Sequence[np.dtype | None],
+) -> list[jax.Array]:
+  """One batched `jax.device_put` of every leaf, as `pieces` of rows where it is large."""
+  counts = [pieces(x, s) for x, s in zip(leaves, shardings, strict=True)]
+  parts: list[np.ndarray] = []
+  targets: list[jax.sharding.Sharding] = []
+  for x, s, k in zip(leaves, shardings, counts, strict=True):
+    parts += np.array_split(x, k) if k > 1 else [x]  # Views: no copy.
+    targets += [s] * k
+  put = jax.device_put(parts, targets)
+  out: list[jax.Array] = []
+  at = 0
+  for k, s, dtype in zip(counts, shardings, device_dtypes, strict=True):
+    if k == 1:
+      out.append(put[at] if dtype is None else put[at].astype(dtype))
+    else:
+      out.append(_joined(s, k, dtype)(*put[at : at + k]))
+    at += k
+  return out
 
 
 def to_global_leaves(
@@ -38,18 +100,18 @@ def to_global_leaves(
   One `jax.make_array_from_process_local_data` call over the list of leaves.
   In a single process, where every global shape is the local one, that call
   makes one batched `jax.device_put`: this makes it itself, without the
-  call's per-leaf pytree work (`docs/performance.md`). No copy is made here;
+  call's per-leaf pytree work (`docs/performance.md`), a large leaf bound for
+  one device as several puts (`PIECES`). No copy is made on the host;
   widening casts (`device_dtypes`: per leaf from the first, a dtype or None)
   run on the device afterwards. `targets` is `global_targets` of the leaves'
   shapes, where the caller keeps it.
   """
   shardings, shapes = targets or global_targets([x.shape for x in leaves], placement)
+  dtypes = list(device_dtypes or []) + [None] * (len(leaves) - len(device_dtypes or []))
   if placement.single_process and all(x.shape == s for x, s in zip(leaves, shapes)):
-    out = list(jax.device_put(list(leaves), shardings))
-  else:
-    out = list(jax.make_array_from_process_local_data(shardings, list(leaves), shapes))
-  if device_dtypes is not None:
-    for k, dtype in enumerate(device_dtypes):
-      if dtype is not None:
-        out[k] = out[k].astype(dtype)
+    return _put(leaves, shardings, dtypes)
+  out = list(jax.make_array_from_process_local_data(shardings, list(leaves), shapes))
+  for k, dtype in enumerate(dtypes):
+    if dtype is not None:
+      out[k] = out[k].astype(dtype)
   return out
