@@ -199,7 +199,7 @@ def _loop(it: Any, plan: testing.HostPlan, row: Row, total: Any) -> dict[str, An
         threading.Timer(plan.stop[1], stop).start()
       if row.collective:
         total(batch).block_until_ready()
-      time.sleep(plan.step_s)
+      time.sleep(max(0.0, received[-1] + plan.step_s - time.time()))  # A step of `step_s`.
     ending = "closed"
     out["event"] = time.time()
     it.close()
@@ -220,7 +220,7 @@ def run_real(row: Row) -> list[dict[str, Any]]:
     real_host,
     num_processes=row.hosts,
     args=(row,),
-    timeout_s=300,
+    timeout_s=120,
     exit_barrier_timeout_s=0 if any(p.kill_at is not None for p in row.plans) else 30.0,
   )
   t0 = min(o.value["t0"] for o in outcomes if o.value is not None)
@@ -339,16 +339,32 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
   parser.add_argument("--runs", type=int, default=3, help="real runs per row")
   parser.add_argument("--sim-only", action="store_true")
+  parser.add_argument("--save", help="also write the real runs' summaries to this JSON file")
+  parser.add_argument("--load", help="the real runs' summaries from this file (no process runs)")
   args = parser.parse_args(argv)
   chosen = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
+  saved: dict[str, Any] = {}
+  if args.load:
+    with open(args.load) as f:
+      saved = json.load(f)
   for row in chosen:
     sim = summary(row, run_sim(row))
-    if args.sim_only:
+    if args.sim_only or (args.load and row.name not in saved):
       print(json.dumps({"row": row.name, **sim}, default=lambda x: round(x, 3)), flush=True)
       continue
     load = os.getloadavg()[0]
-    real = [summary(row, run_real(row)) for _ in range(args.runs)]
-    print(json.dumps({**compare(row, real, sim), "load": round(load, 1)}), flush=True)
+    if row.name not in saved:
+      saved[row.name] = {
+        "load": load,
+        "runs": [summary(row, run_real(row)) for _ in range(args.runs)],
+      }
+      if args.save:
+        with open(args.save, "w") as f:
+          json.dump(saved, f)
+    real = saved[row.name]
+    print(
+      json.dumps({**compare(row, real["runs"], sim), "load": round(real["load"], 1)}), flush=True
+    )
   return 0
 
 

@@ -483,3 +483,77 @@ def test_an_empty_shard_is_padded_to_the_longest_and_all_empty_yield_nothing(n, 
   assert {(o.ending, o.batches) for o in out} == {("end", 2)}
   out = _run(n, prefetch, [H(batches=0)] * n)
   assert {(o.ending, o.batches) for o in out} == {("end", 0)}
+
+
+# -- collective steps, and the plans a user writes ---------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_collective_step_holds_the_hosts_together_beside_a_slow_reader(prefetch):
+  # Host 1 reads for 1.5 s beside a 1 s step; host 0 asks a stop after batch 3.
+  # The step ends on both hosts once both entered it: they receive each batch
+  # together, and the stop ends both within the bound of the slow host's pace.
+  plans = [H(batches=40, step_s=1.0, stop=(3, 0.0)), H(batches=40, step_s=1.0, read_s=1.5)]
+  out = _run(2, prefetch, plans, collective=True)
+  if prefetch:  # Inline, host 1 reads its next batch in the call that returns this one.
+    assert out[0].received == out[1].received
+  assert {(o.ending, o.stopped_by, o.batches) for o in out} == {("end", 0, 3)}
+  asked_at = out[0].received[2]
+  assert max(o.ended_at for o in out) - asked_at <= bound_s(prefetch, 1.5 + 1.0)
+
+
+def test_independent_steps_let_the_hosts_drift_apart():
+  plans = [H(batches=10, step_s=1.0), H(batches=10, step_s=1.0, read_s=1.5)]
+  out = _run(2, 0, plans, collective=False)
+  assert out[0].received != out[1].received
+  assert {(o.ending, o.batches) for o in out} == {("end", 10)}
+
+
+def test_a_killed_peer_holds_the_others_in_a_collective_step():
+  plans = [H(batches=400, step_s=0.05), H(batches=400, step_s=0.05, kill_at=2.0)]
+  out = _run(2, 2, plans, collective=True)
+  assert out[1].ending == "killed"
+  # As a real job's collective: the survivor never leaves the step it is in.
+  assert (out[0].ending, out[0].ended_at) == (None, float("inf"))
+  assert 2.0 - 0.1 <= out[0].received[-1] <= 2.0 + 1e-9
+
+
+def test_an_outcome_names_the_batch_its_checkpoint_would():
+  out = _run(2, 2, [H(batches=5, resume=2)] * 2)
+  assert {(o.ending, len(o.received), o.batches, o.resume) for o in out} == {("end", 5, 7, 2)}
+  assert [o.process_index for o in out] == [0, 1]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stop_before_the_first_batch_ends_every_host_at_batch_0_or_just_after(prefetch):
+  plans = [H(batches=40), H(batches=40, stop=(0, 0.0))]
+  out = _run(2, prefetch, plans, collective=True)
+  assert {(o.ending, o.stopped_by) for o in out} == {("end", 1)}
+  assert len({o.batches for o in out}) == 1 and out[0].batches <= 1
+
+
+@pytest.mark.parametrize(
+  ("plan", "match"),
+  [
+    (dict(step_s=-1.0), "`step_s` must be a finite number of seconds >= 0, got -1.0"),
+    (dict(read_s=float("nan")), "`read_s` must be a finite number"),
+    (dict(stop=(2, -0.5)), r"`stop` must be a finite number of seconds >= 0, got \(2, -0.5\)"),
+    (dict(stop=(-1, 0.5)), r"`stop` must be an int >= 0, got \(-1, 0.5\)"),
+    (dict(pause=(0, 1.0)), r"`pause` must be an int >= 1, got \(0, 1.0\)"),
+    (dict(rows=0), "`rows` must be an int >= 1, got 0"),
+    (dict(batches=4, error_at=4), "`error_at` must be below `batches` \\(4\\)"),
+    (dict(batches=4, stall=(5, 1.0)), r"`stall` must name a read <= `batches` \(4\)"),
+    (dict(kill_at=-2.0), "`kill_at` must be a finite number of seconds >= 0"),
+  ],
+)
+def test_a_plan_that_cannot_happen_is_refused(plan, match):
+  with pytest.raises(ValueError, match=match):
+    H(**plan)
+
+
+@pytest.mark.parametrize("field", ["stop", "close_at", "pause"])
+def test_a_plan_past_the_jobs_last_batch_is_refused(field):
+  value = 9 if field == "close_at" else (9, 0.5)
+  plans = [H(batches=8), H(batches=6, **{field: value})]
+  with pytest.raises(ValueError, match=f"`{field}` names batch 9, past the job's last \\(8"):
+    _run(2, 2, plans)
