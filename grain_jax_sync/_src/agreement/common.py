@@ -208,7 +208,7 @@ class OwnReads:
 
   def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
-    pace = (yield core.Pace()) if self._paced else self._base
+    pace = (yield core.PACE) if self._paced else self._base
     self.limit = max(1, min(self._base, pace))
 
   def _free(self) -> int:
