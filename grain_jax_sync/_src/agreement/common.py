@@ -10,7 +10,6 @@ from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages, periods
-from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import core, endings
 
@@ -98,7 +97,7 @@ def decide(
     if step.action != messages.Action.YIELD:
       continue
     digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
-    message = placement_lib.shared_rows_error(digests, groups, index)
+    message = plan_lib.shared_rows_error(digests, groups, index)
     if message is not None:
       error = plan_lib.value_error(message, index)
       return dataclasses.replace(

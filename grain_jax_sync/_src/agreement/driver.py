@@ -3,7 +3,7 @@
 The same driver runs the core in the agreement thread (with a reading
 thread and a build thread) and inline, in the consumer's `next()`
 (`prefetch_batches=0`): only who iterates it differs. It owns the I/O the
-core has none of (`Threads`): the liveness beats, this process's streams,
+core has none of (its `interpreter.World`): the liveness beats, this process's streams,
 this host's reads, the build stage's progress and the clock; the actions
 themselves are carried out by `interpreter.Interpreter`, as in the simulated
 cluster.
@@ -57,85 +57,11 @@ class Closing(NamedTuple):
 CLOSING = Closing(None)
 
 
-class Threads(interpreter.World):
-  """A real host's world (`interpreter.World`): monotonic time, and waits that block its threads.
-
-  It owns the I/O the core has none of: the liveness beats, this process's
-  streams (the crosswise watch), this host's reads, the build stage's progress.
-  """
-
-  def __init__(
-    self,
-    agreement: streamed.Streamed,
-    reader: Iterator[core.Read | core.End] | prefetch.OnDemand[Any],
-    exchange: key_value.KeyValueExchange,
-    built: Any,
-    live: liveness_lib.Liveness,
-  ):
-    self._core = agreement
-    self._reader = reader
-    self.thread = reader if isinstance(reader, prefetch.OnDemand) else None
-    self._asked = 0  # Reads asked of the reading thread and not taken yet.
-    self._exchange = exchange
-    self._built = built
-    self.live = live
-
-  def now(self) -> core.Now:
-    thread, built = self.thread, self._built
-    done = built.done() if self._core.threaded else 0
-    return core.Now(time.monotonic(), done, thread is None or thread.ready())
-
-  def call(self, fn: Any) -> interpreter.Steps:
-    yield from ()  # A real call blocks in the client.
-    return fn()
-
-  def take(self, want: int, wait_s: float) -> interpreter.Steps:
-    yield from ()  # A real wait blocks in the reading stage.
-    thread = self.thread
-    if thread is None:
-      return next(self._reader)  # type: ignore[call-overload]
-    if want > self._asked:
-      thread.ask(want - self._asked)
-      self._asked = want
-    item = thread.take(wait_s)
-    if item is not None:
-      self._asked -= 1
-    return item
-
-  def wait_build(self, beyond: int) -> interpreter.Steps:
-    yield from ()  # A real wait blocks on the build stage.
-    self._exchange.check()
-    self._built.wait_done(beyond, common.WAIT_SLICE_S)
-
-  def pace(self) -> int:
-    return int(self._built.pace())
-
-  def dead(self, peer: int) -> bool:
-    return self.live.dead(peer)
-
-  def closed(self, peer: int) -> str | None:
-    return self.live.closed(peer)
-
-  def crosswise(self, peer: int) -> list[str]:
-    ns = self._exchange.namespace
-    exchange_streams.waiting_first(ns, True)
-    # Streams of iterators made here but not started: an iterator never made
-    # here is the timeout's case (created on some processes only).
-    return [
-      t
-      for t in self.live.waiting(peer)
-      if t != ns and exchange_streams.is_created(t) and not exchange_streams.is_started(t)
-    ]
-
-  def not_waiting(self) -> None:
-    exchange_streams.waiting_first(self._exchange.namespace, False)
-
-  def pre_end(self, namespace: str, message: str) -> None:
-    exchange_streams.pre_end(namespace, message)
-
-
-class Driver:
+class Driver(interpreter.World):
   """Runs one host's core (`decider.Decider` or `follower.Follower`) over the real exchange.
+
+  It is the core's world on a real host (`interpreter.World`): monotonic
+  time, and waits that block its threads.
 
   Args:
     agreement: The core.
@@ -154,11 +80,13 @@ class Driver:
     live: liveness_lib.Liveness | None = None,
   ):
     self.core = agreement
-    live = live or liveness_lib.Liveness(exchange)
-    self._world = Threads(agreement, reader, exchange, built, live)
-    self._thread = self._world.thread
-    self._interp = interpreter.Interpreter(exchange, self._world)
+    self._reader = reader
+    self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
+    self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._exchange = exchange
+    self._built = built
+    self._live = live or liveness_lib.Liveness(exchange)
+    self._interp = interpreter.Interpreter(exchange, self)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
@@ -213,9 +141,9 @@ class Driver:
         self._take_asks()
         if self._closing is not None or self._coming:  # No position is decided after it.
           if stored:  # A decision posted moves the core's count: its ending goes after it.
-            interpreter.tell_done(runner, result, self._world.now())
+            interpreter.tell_done(runner, result, self.now())
           return
-      now = self._world.now()
+      now = self.now()
       action = runner.send(result, now) if error is None else runner.throw(error, now)
       result = error = None
       stored = False
@@ -236,6 +164,61 @@ class Driver:
         stored = isinstance(action, core.StoreCall)
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
+
+  # -- the core's world on a real host (`interpreter.World`) ---------------------
+
+  def now(self) -> core.Now:
+    thread, built = self._thread, self._built
+    done = built.done() if self.core.threaded else 0
+    return core.Now(time.monotonic(), done, thread is None or thread.ready())
+
+  def call(self, fn: Any) -> interpreter.Steps:
+    yield from ()  # A real call blocks in the client.
+    return fn()
+
+  def take(self, want: int, wait_s: float) -> interpreter.Steps:
+    yield from ()  # A real wait blocks in the reading stage.
+    thread = self._thread
+    if thread is None:
+      return next(self._reader)  # type: ignore[call-overload]
+    if want > self._asked:
+      thread.ask(want - self._asked)
+      self._asked = want
+    item = thread.take(wait_s)
+    if item is not None:
+      self._asked -= 1
+    return item
+
+  def wait_build(self, beyond: int) -> interpreter.Steps:
+    yield from ()  # A real wait blocks on the build stage.
+    self._exchange.check()
+    self._built.wait_done(beyond, common.WAIT_SLICE_S)
+
+  def pace(self) -> int:
+    return int(self._built.pace())
+
+  def dead(self, peer: int) -> bool:
+    return self._live.dead(peer)
+
+  def closed(self, peer: int) -> str | None:
+    return self._live.closed(peer)
+
+  def crosswise(self, peer: int) -> list[str]:
+    ns = self._exchange.namespace
+    exchange_streams.waiting_first(ns, True)
+    # Streams of iterators made here but not started: an iterator never made
+    # here is the timeout's case (created on some processes only).
+    return [
+      t
+      for t in self._live.waiting(peer)
+      if t != ns and exchange_streams.is_created(t) and not exchange_streams.is_started(t)
+    ]
+
+  def not_waiting(self) -> None:
+    exchange_streams.waiting_first(self._exchange.namespace, False)
+
+  def pre_end(self, namespace: str, message: str) -> None:
+    exchange_streams.pre_end(namespace, message)
 
   # -- what the session asks of the stream's agreement -------------------------------
 
@@ -301,7 +284,7 @@ class Driver:
     interpreter.best_effort(self._exchange, calls)
 
   def release(self) -> None:
-    self._world.not_waiting()  # No longer a crosswise wait.
+    self.not_waiting()  # No longer a crosswise wait.
 
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.

@@ -7,7 +7,7 @@ things differ between a real host and a simulated one, and both come in:
 * the store: a `KeyValueExchange` over `jax.distributed`'s client, or over
   the in-memory store (`memory_store`);
 * the clock, with this host's stages: a `World`. On a real host
-  (`driver.Threads`) time is monotonic and a wait blocks a thread, so its
+  (`driver.Driver`) time is monotonic and a wait blocks a thread, so its
   steps never yield; in the simulated cluster (`sim_cluster`) time is
   virtual and a wait yields to the scheduler.
 
@@ -33,7 +33,7 @@ Steps = Generator[Any, Any, Any]
 
 
 class World:
-  """The clock and this host's stages, as `Interpreter` reaches them: real (`driver.Threads`) or simulated.
+  """The clock and this host's stages, as `Interpreter` reaches them: real (`driver.Driver`) or simulated.
 
   `now()` says the time, the build stage's progress and whether a read
   waits; `call(fn)` makes one store call; `take`, `wait_build` and `pace`
