@@ -251,17 +251,23 @@ NOT_IN_CORE_MODULES = (
 )
 
 
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+  """The top-level names of every absolute import in `path`, wherever it is."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      found.add(node.module.split(".")[0])
+  return found
+
+
 def test_the_agreements_core_imports_no_thread_clock_store_or_stage():
   graph = import_graph(MODULES)
   for name in CORE:
     module = f"grain_jax_sync._src.agreement.{name}"
     path = ROOT / "grain_jax_sync" / "_src" / "agreement" / f"{name}.py"
-    stdlib = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        stdlib.update(a.name.split(".")[0] for a in node.names)
-      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        stdlib.add(node.module.split(".")[0])
+    stdlib = _absolute_imports(path)
     assert not stdlib & set(NOT_IN_CORE), (module, sorted(stdlib & set(NOT_IN_CORE)))
     reached = {m.removeprefix("grain_jax_sync._src.") for m in graph[module]}
     bad = [m for m in reached if m.startswith(NOT_IN_CORE_MODULES)]
@@ -304,11 +310,6 @@ def test_importing_the_core_loads_no_jax_thread_clock_exchange_placement_or_stag
 
 def test_no_file_of_the_agreement_but_the_driver_imports_time_threading_or_queue():
   for path in sorted((ROOT / "grain_jax_sync" / "_src" / "agreement").glob("*.py")):
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        found.update(a.name.split(".")[0] for a in node.names)
-      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        found.add(node.module.split(".")[0])
     if path.name != "driver.py":
+      found = _absolute_imports(path)
       assert not found & {"time", "threading", "queue"}, (path.name, sorted(found))
