@@ -266,7 +266,7 @@ def rows_digest(leaves: Sequence[np.ndarray]) -> str:
   `DIGEST_FULL_BYTES`, else a strided sample of rows and of each row's
   elements. Equal rows give equal digests; rows loaded from another shard
   or another shuffle differ in the sample with near certainty. Processes that
-  share a data shard compare them (`placement.shared_rows_error`).
+  share a data shard compare them (`plan.shared_rows_error`).
 
   Args:
     leaves: The batch's leaves, rows first.

@@ -19,7 +19,7 @@ import numpy as np
 
 from grain_jax_sync._src import memory_store, messages, periods, reader, sources, stats
 from grain_jax_sync._src import plan as plan_lib
-from grain_jax_sync._src.agreement import common, core, decider, driver
+from grain_jax_sync._src.agreement import common, core, decider, interpreter
 from grain_jax_sync._src.exchange import key_value
 
 INF = math.inf
@@ -213,8 +213,12 @@ class _Queue:
     return self.items.popleft()
 
 
-class _Host:
-  """One host: its core, the real exchange over the shared store, its stages spawned as tasks."""
+class _Host(interpreter.World):
+  """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
+
+  It is the core's world in virtual time (`interpreter.World`): its actions are
+  carried out by the one `interpreter.Interpreter`, whose waits park here.
+  """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
@@ -239,11 +243,12 @@ class _Host:
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
     self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
-    self.pace = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
+    self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.calls = 0  # The client's calls the last store action made.
+    self.interp = interpreter.Interpreter(self.ex, self)
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -268,67 +273,75 @@ class _Host:
     self.reading += 1
     return next(self.reads)
 
-  def drive(self, send: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `send`, a side run of its steps) to its next run, or returns its ending,
+  def drive(self, runner: Any = None) -> Generator[Wait, bool, Any]:
+    """Runs the core (or `runner`, a side run of its steps) to its next run, or returns its ending,
     handed on as an item: a `StopIteration` at the agreed end or stop, else the error (any type)."""
-    send, result = send or self.core.send, None
+    runner, result, error = runner or self.core, None, None
     while True:
+      now = self.now()
+      action = runner.send(result, now) if error is None else runner.throw(error, now)
+      if type(action) is core.Ended:
+        return StopIteration() if action.error is None else action.error
+      if type(action) is core.Deliver:
+        return action.run
+      result = error = None
+      self.calls = 0
       try:
-        action = send(result, self._now())
-        if type(action) is core.Deliver:
-          return action.run
-        result = yield from self._do(action)
+        result = yield from self.interp.carry(action)
       except GeneratorExit:
         raise  # The task is closed (its host is gone): nothing is handed on.
-      except BaseException as e:  # noqa: BLE001 - any type is an ending.
-        return e
-      if isinstance(action, core.Store) and self.calls and self.c.store_s > 0:
-        self.unacked = (send, result)  # In flight back to the core.
+      except Exception as e:  # noqa: BLE001 - raised inside the core, as on a real host.
+        error = e
+      if isinstance(action, core.StoreCall) and self.calls and self.c.store_s > 0:
+        self.unacked = (runner, result)  # In flight back to the core.
         yield (None, self.clock.now + self.calls * self.c.store_s)
         self.unacked = None
 
-  def _now(self) -> core.Now:
+  # -- the core's world in virtual time (`interpreter.World`) --------------------------
+
+  def now(self) -> core.Now:
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
-  def _do(self, action: core.Action) -> Generator[Wait, bool, Any]:
-    if isinstance(action, core.Store):
-      self.c.store.missed, ops = None, self.ex.ops
-      result = driver.call_store(self.ex, action)
-      key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
-      if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
-        ops += 1  # Answered once the key is set: one call of the client.
-        result = driver.call_store(self.ex, action)
-      # Each of the client's calls is a round trip (a delete of no whole group makes none).
-      self.calls = self.ex.ops - ops
-      return result
-    if isinstance(action, core.Pace):
-      return self.pace.count(self.clock.now)
-    if isinstance(action, core.WaitBuild):
-      if self.done <= action.beyond:
-        yield (("built", self.p), self.clock.now + common.WAIT_SLICE_S)
-      return None
-    if isinstance(action, core.Look):
-      ended = self.c.hosts[action.peer].out
-      if action.op == "dead":
-        return ended.ending == "killed" and self.clock.now - ended.ended_at >= periods.DEAD_AFTER_S
-      if action.op == "closed" and ended.ending == "closed":  # One stream everywhere.
-        return f'["{_NS}", "process {action.peer} closed its iterator"]'
-      return None
-    assert isinstance(action, core.Take), action
-    return (yield from self._read(action))
+  def call(self, fn: Any) -> Generator[Wait, bool, Any]:
+    self.c.store.missed, ops = None, self.ex.ops
+    result = fn()
+    key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
+    if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
+      ops += 1  # Answered once the key is set: one call of the client.
+      result = fn()
+    # Each of the client's calls is a round trip (a delete of no whole group makes none).
+    self.calls = self.ex.ops - ops
+    return result
 
-  def _read(self, action: core.Take) -> Generator[Wait, bool, Any]:
+  def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
     if not self.threaded:
       return (yield from self._read_one())
-    if action.want > self.asked:
-      self.asked = action.want
+    if want > self.asked:
+      self.asked = want
       self.clock.signal(("ask", self.p))
-    if not self.read_q and action.wait_s > 0:
-      yield (("read", self.p), self.clock.now + action.wait_s)
+    if not self.read_q and wait_s > 0:
+      yield (("read", self.p), self.clock.now + wait_s)
     if not self.read_q:
       return None
     self.asked -= 1
     return self.read_q.popleft()
+
+  def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
+    if self.done <= beyond:
+      yield (("built", self.p), self.clock.now + common.WAIT_SLICE_S)
+
+  def pace(self) -> int:
+    return self.pace_of.count(self.clock.now)
+
+  def dead(self, peer: int) -> bool:
+    ended = self.c.hosts[peer].out
+    return ended.ending == "killed" and self.clock.now - ended.ended_at >= periods.DEAD_AFTER_S
+
+  def closed(self, peer: int) -> str | None:
+    host = self.c.hosts[peer]  # One stream everywhere.
+    if host.out.ending != "closed":
+      return None
+    return key_value.close_note(_NS, peer, len(host.out.received))
 
   def reading_task(self) -> Task:
     item = None
@@ -364,7 +377,7 @@ class _Host:
         items.put(step)
         yield from items.take_slot()
       self.done += 1  # A drop at once; a batch once the build resumes (as `build.Builder` counts).
-      self.pace.done(self.clock.now)
+      self.pace_of.done(self.clock.now)
       self.clock.signal(("built", self.p))
 
   def consumer_task(self, items: _Queue | None) -> Task:
@@ -391,7 +404,7 @@ class _Host:
     if items is not None:
       return (yield from items.get())
     if self.out.received:  # The builder counts a position handed on once the next call comes.
-      self.pace.done(self.clock.now)
+      self.pace_of.done(self.clock.now)
     while not inline:
       run = yield from self.drive()
       if isinstance(run, BaseException):
@@ -400,14 +413,14 @@ class _Host:
         if step.action == messages.Action.YIELD:
           inline.append(step)
         else:  # A drop, at once.
-          self.pace.done(self.clock.now)
+          self.pace_of.done(self.clock.now)
     return inline.popleft()
 
   def _stop_task(self) -> Task:
     self.core.stop_asked(len(self.out.received))
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
-      yield from self.drive(driver.aside(self.core.stop_now()))
+      yield from self.drive(self.core.side(self.core.stop_now()))
 
   def timed_task(self) -> Task:
     """A `close()` from another thread (`close_s`), or the process's death (`kill_at`)."""
@@ -421,9 +434,9 @@ class _Host:
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
     if post and self.unacked is not None:
-      driver.tell_done(*self.unacked, self._now())
-    for call in self.core.closing(len(self.out.received), None) if post else ():
-      driver.call_store(self.ex, call)
+      interpreter.tell_done(*self.unacked, self.now())
+    if post:
+      interpreter.best_effort(self.ex, self.core.closing(len(self.out.received), None))
 
 
 @dataclasses.dataclass(kw_only=True)
