@@ -81,9 +81,10 @@ class HostPlan:
   sync_timeout_s: float | None = None
 
   def __post_init__(self) -> None:
-    counts = {"batches": self.batches, "resume": self.resume, "close_at": self.close_at}
+    counts: dict[str, Any] = {"batches": self.batches, "resume": self.resume}
+    counts["close_at"] = self.close_at
     counts |= {"error_at": self.error_at, "rows": self.rows - 1}
-    times = {"step_s": self.step_s, "read_s": self.read_s, "close_s": self.close_s}
+    times: dict[str, Any] = {"step_s": self.step_s, "read_s": self.read_s, "close_s": self.close_s}
     times |= {"kill_at": self.kill_at, "start_s": self.start_s}
     for name, pair in (("stall", self.stall), ("stop", self.stop), ("pause", self.pause)):
       if pair is not None:
@@ -154,11 +155,16 @@ Task = Generator[Wait, bool, None]
 
 
 class _Clock:
-  """The discrete-event scheduler: tasks park on a channel and a deadline."""
+  """The discrete-event scheduler: tasks park on a channel and a deadline.
+
+  A wait on a channel that times out at the instant something else happens
+  runs after it (and after what that causes at the same instant): a real
+  wait starts a little after what started it, so it ends a little later.
+  """
 
   def __init__(self) -> None:
     self.now = 0.0
-    self._heap: list[tuple[float, int, Any, int, bool]] = []
+    self._heap: list[tuple[float, bool, int, Any, int, bool]] = []
     self._order = itertools.count()
     self._parked: dict[Any, list[tuple[Any, int]]] = collections.defaultdict(list)
     self._turn: dict[int, int] = {}  # Per task: its current wait.
@@ -166,15 +172,15 @@ class _Clock:
 
   def spawn(self, task: Task, at: float = 0.0) -> None:
     self._turn[id(task)] = 0
-    heapq.heappush(self._heap, (at, next(self._order), task, 0, False))
+    heapq.heappush(self._heap, (at, False, next(self._order), task, 0, False))
 
   def signal(self, channel: Any) -> None:
     for task, turn in self._parked.pop(channel, ()):
-      heapq.heappush(self._heap, (self.now, next(self._order), task, turn, True))
+      heapq.heappush(self._heap, (self.now, False, next(self._order), task, turn, True))
 
   def run(self, until: float) -> None:
     while self._heap and self._heap[0][0] <= until:
-      t, _, task, turn, signalled = heapq.heappop(self._heap)
+      t, _, _, task, turn, signalled = heapq.heappop(self._heap)
       if id(task) in self.dead or self._turn.get(id(task)) != turn:
         continue
       self.now = max(self.now, t)
@@ -187,7 +193,8 @@ class _Clock:
       if channel is not None:
         self._parked[channel].append((task, turn))
       if deadline < INF:
-        heapq.heappush(self._heap, (deadline, next(self._order), task, turn, False))
+        late = channel is not None  # A timeout: after what happens at that instant.
+        heapq.heappush(self._heap, (deadline, late, next(self._order), task, turn, False))
 
 
 class _Queue:
