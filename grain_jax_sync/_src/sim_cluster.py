@@ -395,6 +395,12 @@ class _Host(interpreter.World):
       self.busy = True
       item = yield from self._next(items, inline)
       self.busy = False
+      if isinstance(item, StopIteration) and self.core.reached_end:
+        # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
+        # peer's consumer got there, or raises naming the one that left.
+        self.busy = True
+        item = yield from self.drive(self.core.side(self.core.at_end()))
+        self.busy = False
       if isinstance(item, StopIteration):
         return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
