@@ -69,7 +69,7 @@ def test_rows_are_filled_first_fit_and_the_state_names_the_records_in_flight():
 def test_pack_sequences_checks_its_arguments_and_trims_long_records():
   import grain
 
-  with pytest.raises(ValueError, match="`length` must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match="`length` must be a positive int, got 0"):
     gjs.pack_sequences(grain.MapDataset.range(3).to_iter_dataset(), length=0)
   ds = grain.MapDataset.source(
     [{"tok": np.arange(1, 10)}, {"tok": np.arange(1, 3)}]

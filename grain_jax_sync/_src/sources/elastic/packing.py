@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import extras
+from grain_jax_sync._src import extras, leaves
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
 
 
@@ -57,6 +59,55 @@ def packed_row(row: list[_Record], length: int) -> dict[str, np.ndarray]:
   return out
 
 
+def checked_record(value: Any, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+  """A record as 1-D arrays of tokens, each of its feature's dtype in `dtypes` (the first record's).
+
+  One rule whatever the order the records come in: a feature of another
+  dtype than the first record's is refused, never cast.
+
+  Raises:
+    DataError: Naming the feature, its shape or dtype, and what was expected.
+  """
+  if not isinstance(value, Mapping) or not value:
+    raise leaves.DataError(
+      f"pack_sequences packs dicts of 1-D token arrays, got {type(value).__name__} {value!r:.80}"
+    )
+  out = {}
+  for k, v in value.items():
+    if not isinstance(k, str):
+      raise leaves.DataError(f"pack_sequences: feature names must be str, got {k!r:.40}")
+    where = f"pack_sequences: feature {k!r}"
+    try:
+      x = leaves.to_array(v, context=where)
+    except ValueError as e:
+      raise leaves.DataError(str(e)) from e
+    if x.ndim != 1:
+      raise leaves.DataError(
+        f"{where}: a {x.ndim}-d array of shape {x.shape}; expected a 1-D sequence of"
+        " tokens per record (one record per element: unbatch or flatten it first)"
+      )
+    out[k] = x
+  if dtypes and (set(out) != set(dtypes) or any(out[k].dtype != d for k, d in dtypes.items())):
+    raise leaves.DataError(_mismatch(out, dtypes))
+  return out
+
+
+def _mismatch(record: Mapping[str, np.ndarray], dtypes: Mapping[str, np.dtype]) -> str:
+  """Why `record` does not pack beside the first record (its features `dtypes`)."""
+  if set(record) != set(dtypes):
+    return (
+      f"pack_sequences: a record has the features {sorted(record)}, the first record"
+      f" {sorted(dtypes)}; every record must have the same features"
+    )
+  k = next(k for k, d in dtypes.items() if record[k].dtype != d)
+  empty = ": an empty list becomes float64" if not record[k].size else ""
+  return (
+    f"pack_sequences: feature {k!r} is {record[k].dtype} in a record"
+    f" ({record[k]!r:.60}{empty}), {dtypes[k]} in the first record; every record's"
+    f" feature must have one dtype (cast it in the map before pack_sequences)"
+  )
+
+
 def _stream_index(state: Any) -> tuple[int | None, str | None]:
   """(stream index past the last record read, why not exact) of a parent state."""
   found = cursor_lib.find_position(state)
@@ -78,6 +129,7 @@ class PackIterator:
     self._rows: list[list[_Record]] = []
     self._read = 0
     self._ended = False
+    self._dtypes: dict[str, np.dtype] = {}  # The first record's: every record's (`checked_record`).
     self._last = self._parent.get_state()
 
   def _take(self) -> _Record | None:
@@ -86,9 +138,9 @@ class PackIterator:
     except StopIteration:
       self._ended = True
       return None
-    if not isinstance(value, dict):
-      raise ValueError(f"pack_sequences packs dicts of 1-D arrays, got {type(value).__name__}")
-    value = {k: np.asarray(v)[: self._length] for k, v in value.items()}
+    value = checked_record(value, self._dtypes)
+    self._dtypes = self._dtypes or {k: v.dtype for k, v in value.items()}
+    value = {k: v[: self._length] for k, v in value.items()}
     before, self._last = self._last, self._parent.get_state()
     self._read += 1
     return _Record(self._read - 1, value, before, self._last)
@@ -190,7 +242,9 @@ def pack_sequences(ds: Any, *, length: int, num_bins: int = 8) -> Any:
     A `grain.IterDataset` of packed rows (batch them with `.batch`).
 
   Raises:
-    ValueError: If `length` or `num_bins` is not an int >= 1.
+    ValueError: If `length` or `num_bins` is not an int >= 1 (NumPy ints too); while reading,
+      naming the feature, if a record is not a dict of 1-D numeric arrays
+      with the first record's features and dtypes (raised on every host).
 
   Example:
 
@@ -198,7 +252,5 @@ def pack_sequences(ds: Any, *, length: int, num_bins: int = 8) -> Any:
     ...   return pack_sequences(ds.map(tokenize), length=64).batch(8)
     >>> src = elastic_mixture([web, code, books], [1, 2, 5], transform)
   """
-  for name, value in (("length", length), ("num_bins", num_bins)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
-  return _classes()(ds, length, num_bins)
+  length = options_lib.checked_int("length", length)
+  return _classes()(ds, length, options_lib.checked_int("num_bins", num_bins))
