@@ -10,8 +10,11 @@ processes covers every kind; single-process checks repeat the valid kinds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 
+import jax
 import numpy as np
 import pytest
 import scenarios
@@ -20,6 +23,7 @@ from helpers import check_each
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
+from grain_jax_sync._src import batches, trees
 
 N, D, B = 2, 4, 8
 BAD = 1  # The process that yields the hostile column.
@@ -396,3 +400,87 @@ def test_source_builders_take_numpy_ints_and_bools():
   )
   assert (src.shuffle, src.seed, src.num_epochs) == (True, 3, 2)
   assert type(src.seed) is int
+
+
+# -- a batch structure read from a peer: data of its form, or refused -----------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Node:
+  x: np.ndarray
+  tag: str = dataclasses.field(default="train", metadata={"static": True})
+
+
+def _node(**fields):
+  return {"o": f"{__name__}:Node", "a": "PyTreeDef(CustomNode(Node[('e',)], [*]))", **fields}
+
+
+@pytest.mark.parametrize(
+  ("spec", "needle"),
+  [
+    (_node(c=[["x", "*"]], p="gASV"), "a batch structure with {'o': "),  # The old pickle.
+    (_node(c=[["x", "*"]], x={"evil": 1}), "aux data {'evil': 1} is not plain data"),
+    (_node(c=[["x", "*"]], x=float("inf")), "aux data inf is not plain data"),
+    ({"d": [[["k"], "*"]]}, "a batch structure with {'d': [[['k'], '*']]}, which is not"),
+    ({"t": ["*"], "nt": "m:P", "f": ["a", "b"]}, "which is not a tree spec"),
+    ({"l": "*"}, "a batch structure with {'l': '*'}, which is not a tree spec"),
+    ("**", "a batch structure with '**', which is not a tree spec"),
+    (functools.reduce(lambda s, _: {"l": [s]}, range(100_000), "*"), "nested too deeply"),
+  ],
+  ids=["pickle", "aux_form", "aux_inf", "dict_key", "fields", "list", "leaf", "deep"],
+)
+def test_a_peer_structure_of_another_form_is_refused_when_read(spec, needle):
+  with pytest.raises(ValueError) as info:
+    trees.check_spec(spec)
+  assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+  ("node", "needle"),
+  [
+    ({"o": "os:system", "x": "touch /tmp/gjs"}, "(os:system): names no registered pytree node"),
+    ({"o": "builtins:dict", "x": ["x"]}, "(builtins:dict): names no registered pytree node"),
+    ({"o": "gjs_never_imported:Node", "x": None}, "names no registered pytree node type"),
+    pytest.param(
+      {"o": "subprocess:Popen", "x": None},
+      "(subprocess:Popen): cannot be rebuilt (RuntimeError",
+      marks=pytest.mark.skipif(
+        not hasattr(jax.tree_util.PyTreeDef, "from_node_data_and_children"),
+        reason="jax<0.8 rebuilds no node from data",
+      ),
+    ),
+    ({"x": {"t": ["e", "f"]}}, "1 children and 2 static fields, but the dataclass has 2 fields"),
+  ],
+  ids=["function", "builtin", "not_imported", "unregistered", "arity"],
+)
+def test_a_peer_node_that_is_no_registered_type_of_this_process_is_refused(node, needle):
+  spec = {**_node(c=[["x", "*"]]), **node}
+  trees._OWN.clear()
+  with pytest.raises(ValueError) as info:
+    trees.unflatten(trees.check_spec(spec), [np.arange(2)])
+  assert needle in str(info.value)
+  assert "gjs_never_imported" not in sys.modules
+
+
+def test_a_dataclass_node_with_too_few_children_is_refused_not_crashed():
+  # JAX rebuilds a dataclass node without its children; unflattening it would crash.
+  trees._OWN.clear()
+  with pytest.raises(ValueError, match="0 children and 1 static fields, but the dataclass has 2"):
+    trees.unflatten(_node(c=[], x={"t": ["e"]}), [])
+
+
+@pytest.mark.parametrize(
+  "signature",
+  [
+    {"spec": "*", "leaves": [["x", "object", []]]},
+    {"spec": "*", "leaves": [["x", "__loader__", []]]},
+    {"spec": "*", "leaves": [["x", "int32", [-2]]]},
+    {"spec": "*", "leaves": [["x", "int32"]]},
+    {"spec": "*", "leaves": [], "more": 1},
+    ["*"],
+  ],
+)
+def test_a_peer_signature_of_another_form_is_refused_when_read(signature):
+  with pytest.raises(ValueError, match="a batch signature .* that is not one"):
+    batches.checked_json(signature)
