@@ -1,11 +1,16 @@
-"""Hostile input on one host: the same clear error on every host, or correct rows.
+"""Hostile input: a clear error naming the argument or column, the same on every host, or correct rows.
 
-Process 1 of 2 (4 devices each) yields an unusual `y` column at batch 1. Bad
-leaves must raise, on both processes, a ValueError that names the process, the
-batch, the column and what was expected; unusual but valid arrays
-(non-contiguous, negative strides, read-only, big-endian, Fortran order, bool,
-lists of numbers) must arrive with their exact values. One run of two
-processes covers every kind; single-process checks repeat the valid kinds.
+Process 1 of 2 (4 devices each) yields an unusual `y` column at batch 1, or a
+bad record to `pack_sequences`. Bad leaves and records must raise, on both
+processes, a ValueError that names the process, the batch, the column or
+feature and what was expected; unusual but valid arrays (non-contiguous,
+negative strides, read-only, big-endian, Fortran order, bool, lists of
+numbers) must arrive with their exact values. One run of two processes covers
+every kind; single-process checks repeat them. Then the public entry points'
+arguments (NumPy numbers are numbers; non-finite numbers, bools as numbers,
+truthy flags and other forms are refused by name), a batch structure read
+from a peer (data of its form, or refused; nothing imported or unpickled)
+and `hf_pipeline`'s ragged columns (one dtype, never a cast).
 """
 
 from __future__ import annotations
@@ -312,6 +317,12 @@ def test_iter_jax_batches_refuses_non_finite_bool_and_mistyped_options(keywords,
   assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("batch_size", [8.0, 8.5, "8"])
+def test_jax_sync_generator_refuses_a_batch_size_that_is_no_int_never_truncating_it(batch_size):
+  with pytest.raises(ValueError, match=r"`batch_size` must be a positive int or None, got"):
+    next(gjs.jax_sync_generator(scenarios.make_batches(0, [8]), False, batch_size=batch_size))
+
+
 def test_iter_jax_batches_takes_numpy_numbers_and_bools_as_options():
   kwargs = {
     "batch_size": np.int64(8),
@@ -484,3 +495,40 @@ def test_a_dataclass_node_with_too_few_children_is_refused_not_crashed():
 def test_a_peer_signature_of_another_form_is_refused_when_read(signature):
   with pytest.raises(ValueError, match="a batch signature .* that is not one"):
     batches.checked_json(signature)
+
+
+# -- hf_pipeline's ragged columns: one dtype, a pad that fits, never a cast ------------
+
+
+def _ragged(*rows):
+  column = np.empty(len(rows), dtype=object)
+  column[:] = [np.asarray(r) for r in rows]
+  return column
+
+
+@pytest.mark.parametrize(
+  ("rows", "pad_id", "needle"),
+  [
+    (([1, 2], [1.5]), 0, "ragged column 't' has rows of dtypes ['float64', 'int64']; every row"),
+    (([1, 2], [3]), 0.5, "`pad_id` 0.5 is no value of ragged column 't' (int64)"),
+    (([1, 2], [3]), True, "`pad_id` True is no value of ragged column 't' (int64)"),
+    ((np.array([1], np.uint8), np.array([2], np.uint8)), -1, "`pad_id` -1 is no value"),
+    ((5, [1]), 0, "ragged column 't' has rows of shapes [(), (1,)]; expected rows of one"),
+    ((np.ones((2, 2)), np.ones((1, 3))), 0, "rows of shapes [(1, 3), (2, 2)]"),
+  ],
+  ids=["mixed_dtypes", "float_pad", "bool_pad", "negative_pad", "zero_d", "trailing"],
+)
+def test_a_ragged_column_of_mixed_rows_or_a_pad_that_does_not_fit_is_refused(rows, pad_id, needle):
+  from grain_jax_sync._src.sources import hugging_face
+
+  with pytest.raises(ValueError) as info:
+    hugging_face.collate({"t": _ragged(*rows)}, ragged=["t"], pad_id=pad_id)
+  assert needle in str(info.value)
+
+
+def test_an_empty_ragged_row_keeps_the_columns_dtype():
+  from grain_jax_sync._src.sources import hugging_face
+
+  out = hugging_face.collate({"t": _ragged([], [1, 2])}, ragged=["t"], pad_id=-1)
+  assert out["t"].dtype == np.int64 and out["t"].tolist() == [[-1, -1], [1, 2]]
+  assert out["t_mask"].tolist() == [[False, False], [True, True]]
