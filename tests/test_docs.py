@@ -45,9 +45,9 @@ def _located_blocks(path: str) -> list[tuple[int, str]]:
   """Each block with the page line its code starts on."""
   with open(path, encoding="utf-8") as f:
     text = f.read()
-  skip = -1
-  if path.endswith("README.md"):  # Its Example block runs in test_examples.py.
-    skip = text.index("## Example\n\n```python\n") + len("## Example\n\n```python\n")
+  example = "## Example\n\n```python\n"  # README's: it runs in test_examples.py.
+  at = text.find(example) if path.endswith("README.md") else -1
+  skip = at + len(example) if at >= 0 else -1
   return [
     (text.count("\n", 0, m.start(1)) + 1, m.group(1))
     for m in FENCE.finditer(text)
