@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
 from grain_jax_sync._src.sources.elastic import split as es
-from grain_jax_sync._src.sources.elastic.mixture import Mixture
 from grain_jax_sync._src.sources.elastic import state as state_lib
+from grain_jax_sync._src.sources.elastic.mixture import Mixture
 from grain_jax_sync._src.sources.elastic.state import splits_from_json
 
 SIZES = (300, 900, 2500)  # Unequal; mixed 1:2:5.
