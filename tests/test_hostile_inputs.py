@@ -58,6 +58,20 @@ BATCH_LEVEL = {
     "(process 0: 8, process 1: 16)",
   ],
 }
+# A bad record for `pack_sequences` (`scenarios_faults.packed_source`) -> substrings
+# of the error, after "process 1, batch 1: pack_sequences: ". Never a cast.
+FLOAT_AMONG_INT32 = (
+  "feature 'tok' is float64 in a record (array([1.5, 2.5])), int32 in the first record"
+)
+PACK = {
+  "pack_zero_d": ["feature 'tok': a 0-d array of shape (); expected a 1-D sequence of tokens"],
+  "pack_2d": ["feature 'tok': a 2-d array of shape (2, 2); expected a 1-D sequence of tokens"],
+  "pack_strings": ["feature 'tok': a string array (dtype <U1); expected a numeric or bool dtype"],
+  "pack_float_joins": [FLOAT_AMONG_INT32, "must have one dtype"],
+  "pack_float_opens": [FLOAT_AMONG_INT32, "must have one dtype"],
+}
+# Records 0 to 15, two to a row, on every host.
+PACKED_BATCH_0 = [[20 * i + 1, 20 * i + 2, 20 * i + 11, 20 * i + 12] for i in range(8)]
 VALID_ONE_BATCH = [
   "non_contiguous",
   "negative_stride",
@@ -67,7 +81,7 @@ VALID_ONE_BATCH = [
   "subclass",
 ]
 VALID_EVERY_HOST = sorted(scenarios_faults.EVERY_HOST_KINDS)
-KINDS = [*INVALID, *BATCH_LEVEL, *VALID_ONE_BATCH, *VALID_EVERY_HOST]
+KINDS = [*INVALID, *BATCH_LEVEL, *VALID_ONE_BATCH, *VALID_EVERY_HOST, *PACK]
 
 _RUN: dict = {}
 
@@ -141,6 +155,18 @@ def check_bool_and_python_lists_on_every_host_convert(kind, dtype):
       np.testing.assert_array_equal(y, np.concatenate([local] * N).astype(dtype))
 
 
+def check_bad_record_to_pack_on_one_host_raises_same_error_on_every_host(kind):
+  outs = _outs(kind)
+  assert len({out["error"] for out in outs}) == 1  # Word for word the same.
+  for out in outs:
+    assert out["error_type"] == "ValueError", out
+    assert out["error"].startswith("process 1, batch 1: pack_sequences: "), out["error"]
+    for needle in PACK[kind]:
+      assert needle in out["error"], (needle, out["error"])
+    assert out["n"] == 1  # The batch before the bad record, on every host; nothing cast.
+    assert out["batches"][0].tolist() == PACKED_BATCH_0 * N
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_hostile_and_unusual_leaves_across_real_processes():
@@ -153,6 +179,10 @@ def test_hostile_and_unusual_leaves_across_real_processes():
     calls[kind] = functools.partial(check_unusual_but_valid_array_on_one_host_arrives_exactly, kind)
   for kind, dtype in EVERY_HOST_DTYPES.items():
     calls[kind] = functools.partial(check_bool_and_python_lists_on_every_host_convert, kind, dtype)
+  for kind in PACK:
+    calls[kind] = functools.partial(
+      check_bad_record_to_pack_on_one_host_raises_same_error_on_every_host, kind
+    )
   check_each(calls)
 
 
@@ -167,15 +197,63 @@ def test_single_process_valid_kinds_keep_values(kind):
   np.testing.assert_array_equal(np.asarray(batch["y"]), np.asarray(leaf))
 
 
-@pytest.mark.parametrize("kind", list(INVALID))
-def test_single_process_invalid_kinds_raise_naming_batch_and_column(kind):
+def _one_process_source(kind):
+  """Process 0's source with the bad leaf (or record to pack) of `kind` at batch 1."""
+  if kind in PACK:
+    return scenarios_faults.packed_source(kind, 0, 0)
   batches = scenarios.make_batches(0, [8, 8])
   batches[1] = {**batches[1], "y": scenarios_faults.hostile_leaf(kind, 8)}
-  with gjs.iter_jax_batches(batches, batch_size=8) as it:
-    next(it)
+  return batches
+
+
+@pytest.mark.parametrize("kind", [*INVALID, *PACK])
+def test_single_process_invalid_kinds_raise_naming_batch_and_column(kind):
+  with gjs.iter_jax_batches(_one_process_source(kind), batch_size=8) as it:
+    first = next(it)
     with pytest.raises(ValueError) as info:
       next(it)
   message = str(info.value)
+  if kind in PACK:
+    assert np.asarray(first["tok"]).tolist() == PACKED_BATCH_0
+    assert message.startswith("process 0, batch 1: pack_sequences: ")
   assert message.startswith("process 0, batch 1")
-  for needle in INVALID[kind]:
+  for needle in {**INVALID, **PACK}[kind]:
     assert needle in message
+
+
+# -- arguments of the language-model APIs ----------------------------------------------
+
+
+SOURCES = [list(range(10)), list(range(20)), list(range(50))]
+
+
+@pytest.mark.parametrize(
+  "weights",
+  [np.array([1, 2, 5]), [np.float32(1), 2, 5], (1.0, np.int64(2), np.array(5.0)), [0.5, 1, 2.5]],
+)
+def test_elastic_mixture_takes_numpy_numbers_as_weights(weights):
+  src = gjs.elastic_mixture(SOURCES, weights)
+  assert src.mixture.proportions == (100, 200, 500)
+
+
+@pytest.mark.parametrize(
+  ("weights", "error", "needles"),
+  [
+    ([1, np.inf, 2], ValueError, ["`weights` must be 3 finite numbers > 0", "(inf is not)"]),
+    ([1, float("nan"), 2], ValueError, ["(nan is not)"]),
+    ([1, 10**400, 2], ValueError, ["finite numbers > 0", "is not)"]),
+    ([True, 1, 2], ValueError, ["(True is not)"]),
+    ([1, -1, 2], ValueError, ["(-1 is not)"]),
+    ([1, 2], ValueError, ["must be 3 finite numbers > 0", "(2 given)"]),
+    ([1, "2", 3], ValueError, ["('2' is not)"]),
+    (np.array([[1, 2, 5]]), ValueError, ["(array([1, 2, 5]) is not)"]),
+    ([1e-300, 1, 1e300], ValueError, ["span too wide a range"]),
+    (3, TypeError, ["`weights` must be a list of 3 numbers, got 3"]),
+    ("125", TypeError, ["`weights` must be a list of 3 numbers, got '125'"]),
+  ],
+)
+def test_elastic_mixture_refuses_weights_that_are_not_finite_numbers(weights, error, needles):
+  with pytest.raises(error) as info:
+    gjs.elastic_mixture(SOURCES, weights)
+  for needle in needles:
+    assert needle in str(info.value)

@@ -145,8 +145,8 @@ def test_stats_give_each_source_s_rows_against_its_weight_and_a_state_keeps_the_
 @pytest.mark.parametrize(
   ("sources", "weights", "match"),
   [
-    ([[1], [2]], [1], r"`weights` must be 2 numbers > 0"),
-    ([[1], [2]], [1, 0], r"`weights` must be 2 numbers > 0"),
+    ([[1], [2]], [1], r"`weights` must be 2 finite numbers > 0"),
+    ([[1], [2]], [1, 0], r"`weights` must be 2 finite numbers > 0"),
     ([[1], []], [1, 1], r"`sources\[1\]` is empty"),
     ([[1], iter([2])], [1, 1], r"`sources\[1\]` must be a grain.MapDataset.*list_iterator"),
     ([], [], r"`sources` must be a non-empty list"),

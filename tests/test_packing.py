@@ -87,7 +87,7 @@ def test_a_long_record_goes_over_rows_in_consecutive_pieces_unless_trimmed(
 
   from grain_jax_sync._src.sources.elastic import packing
 
-  with pytest.raises(ValueError, match="`length` must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match="`length` must be a positive int, got 0"):
     gjs.pack_sequences(grain.MapDataset.range(3).to_iter_dataset(), length=0)
   ds = grain.MapDataset.source(
     [{"tok": np.arange(1, 10)}, {"tok": np.arange(1, 3)}]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
@@ -339,6 +341,22 @@ def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> in
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
   return int(value)
+
+
+def finite_number(value: Any) -> float | None:
+  """`value` as a float if it is a finite real number (NumPy numbers and 0-d arrays too), else None.
+
+  A bool is not a number here: ``True`` for a weight or a timeout is a mistake.
+  """
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value[()]
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    return None
+  try:
+    out = float(value)
+  except (OverflowError, TypeError, ValueError):
+    return None
+  return out if math.isfinite(out) else None
 
 
 def checked_int_or_none(

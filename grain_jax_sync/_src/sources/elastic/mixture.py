@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -317,6 +318,24 @@ def _records(source: Any, i: int) -> Any:
   return source
 
 
+def _proportions(weights: Any, count: int) -> tuple[int, ...]:
+  """Grain's integer proportions of `weights`: `count` finite numbers > 0 (NumPy numbers too)."""
+  if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, (Sequence, np.ndarray)):
+    raise TypeError(f"`weights` must be a list of {count} numbers, got {weights!r:.100}")
+  given = [options_lib.finite_number(w) for w in weights]
+  bad = [w for w, f in zip(weights, given) if f is None or f <= 0]
+  if len(given) != count or bad:
+    why = f" ({bad[0]!r:.40} is not)" if bad else f" ({len(given)} given)"
+    raise ValueError(
+      f"`weights` must be {count} finite numbers > 0, one per source, got {weights!r:.100}{why}"
+    )
+  numbers = [f for f in given if f is not None]
+  ratios = [f * _SCALE / min(numbers) for f in numbers]
+  if not all(map(math.isfinite, ratios)):
+    raise ValueError(f"`weights` {weights!r:.100} span too wide a range: their ratio overflows")
+  return tuple(int(r) for r in ratios)
+
+
 def elastic_mixture(
   sources: Sequence[Any],
   weights: Sequence[float],
@@ -354,7 +373,9 @@ def elastic_mixture(
     A source for `iter_jax_batches`.
 
   Raises:
-    ValueError: If a source is empty or not random-access, or a weight is not > 0.
+    ValueError: If a source is empty or not random-access, or a weight is not
+      a finite number > 0 (NumPy numbers are numbers; bools are not).
+    TypeError: If `weights` is not a list (or 1-D array) of numbers.
 
   Example:
 
@@ -364,12 +385,7 @@ def elastic_mixture(
   if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
     raise ValueError(f"`sources` must be a non-empty list of sources, got {sources!r:.100}")
   records = [_records(s, i) for i, s in enumerate(sources)]
-  weights, count = list(weights), len(records)
-  if len(weights) != count or not all(
-    isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
-  ):
-    raise ValueError(f"`weights` must be {count} numbers > 0, one per source, got {weights!r:.100}")
-  proportions = tuple(int(w * _SCALE / min(weights)) for w in weights)
+  proportions = _proportions(weights, len(records))
   seed = options_lib.checked_int("seed", seed, minimum=0)
   mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
   mixed = MixedRecords(records, mixture, seed)

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import extras
+from grain_jax_sync._src import extras, leaves
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
 
 TOKENS = "grain_jax_sync_packed_tokens"  # [packed, padded, trimmed] in a packer's state.
@@ -85,6 +86,55 @@ def packed_row(row: list[_Piece], length: int, restart_positions: bool) -> dict[
   return out
 
 
+def checked_record(value: Any, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+  """A record as 1-D arrays of tokens, each of its feature's dtype in `dtypes` (the first record's).
+
+  One rule whatever the order the records come in: a feature of another
+  dtype than the first record's is refused, never cast.
+
+  Raises:
+    DataError: Naming the feature, its shape or dtype, and what was expected.
+  """
+  if not isinstance(value, Mapping) or not value:
+    raise leaves.DataError(
+      f"pack_sequences packs dicts of 1-D token arrays, got {type(value).__name__} {value!r:.80}"
+    )
+  out = {}
+  for k, v in value.items():
+    if not isinstance(k, str):
+      raise leaves.DataError(f"pack_sequences: feature names must be str, got {k!r:.40}")
+    where = f"pack_sequences: feature {k!r}"
+    try:
+      x = leaves.to_array(v, context=where)
+    except ValueError as e:
+      raise leaves.DataError(str(e)) from e
+    if x.ndim != 1:
+      raise leaves.DataError(
+        f"{where}: a {x.ndim}-d array of shape {x.shape}; expected a 1-D sequence of"
+        " tokens per record (one record per element: unbatch or flatten it first)"
+      )
+    out[k] = x
+  if dtypes and (set(out) != set(dtypes) or any(out[k].dtype != d for k, d in dtypes.items())):
+    raise leaves.DataError(_mismatch(out, dtypes))
+  return out
+
+
+def _mismatch(record: Mapping[str, np.ndarray], dtypes: Mapping[str, np.dtype]) -> str:
+  """Why `record` does not pack beside the first record (its features `dtypes`)."""
+  if set(record) != set(dtypes):
+    return (
+      f"pack_sequences: a record has the features {sorted(record)}, the first record"
+      f" {sorted(dtypes)}; every record must have the same features"
+    )
+  k = next(k for k, d in dtypes.items() if record[k].dtype != d)
+  empty = ": an empty list becomes float64" if not record[k].size else ""
+  return (
+    f"pack_sequences: feature {k!r} is {record[k].dtype} in a record"
+    f" ({record[k]!r:.60}{empty}), {dtypes[k]} in the first record; every record's"
+    f" feature must have one dtype (cast it in the map before pack_sequences)"
+  )
+
+
 def _stream_index(state: Any) -> tuple[int | None, str | None]:
   """(stream index past the last record read, why not exact) of a parent state."""
   found = cursor_lib.find_position(state)
@@ -130,6 +180,7 @@ class PackIterator:
     self._read = 0
     self._ended = False
     self._tokens = [0, 0, 0]  # Packed, padded, trimmed, in the rows emitted.
+    self._dtypes: dict[str, np.dtype] = {}  # The first record's: every record's (`checked_record`).
     self._last = self._parent.get_state()
 
   def _take(self) -> _Piece | None:
@@ -139,9 +190,8 @@ class PackIterator:
     except StopIteration:
       self._ended = True
       return None
-    if not isinstance(value, dict):
-      raise ValueError(f"pack_sequences packs dicts of 1-D arrays, got {type(value).__name__}")
-    value = {k: np.asarray(v) for k, v in value.items()}
+    value = checked_record(value, self._dtypes)
+    self._dtypes = self._dtypes or {k: v.dtype for k, v in value.items()}
     trimmed = 0
     if self._trim:
       trimmed = sum(max(len(v) - self._length, 0) for v in value.values())
@@ -313,7 +363,9 @@ def pack_sequences(
     A `grain.IterDataset` of packed rows (batch them with `.batch`).
 
   Raises:
-    ValueError: If `length` or `num_bins` is not an int >= 1.
+    ValueError: If `length` or `num_bins` is not an int >= 1 (NumPy ints too); while reading,
+      naming the feature, if a record is not a dict of 1-D numeric arrays
+      with the first record's features and dtypes (raised on every host).
 
   Example:
 
@@ -321,7 +373,6 @@ def pack_sequences(
     ...   return pack_sequences(ds.map(tokenize), length=64).batch(8)
     >>> src = elastic_mixture([web, code, books], [1, 2, 5], transform)
   """
-  for name, value in (("length", length), ("num_bins", num_bins)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
+  length = options_lib.checked_int("length", length)
+  num_bins = options_lib.checked_int("num_bins", num_bins)
   return _classes()(ds, (length, num_bins, bool(trim), bool(restart_positions)))
