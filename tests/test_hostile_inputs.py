@@ -257,3 +257,142 @@ def test_elastic_mixture_refuses_weights_that_are_not_finite_numbers(weights, er
     gjs.elastic_mixture(SOURCES, weights)
   for needle in needles:
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+  ("shape_buckets", "needle"),
+  [
+    (
+      {"a": {1: [4, 16], 2: [8]}},
+      "`shape_buckets` for column 'a': expected a non-empty list of ascending ints >= 1 (one"
+      " list for all of the column's dims, not one per dim) such as [128, 256, 512], got {1:",
+    ),
+    ({"a": {4, 16}}, "expected a non-empty list of ascending ints >= 1 such as"),
+    ({"a": [16, 4]}, "got [16, 4]"),
+    ({"a": [True, 4]}, "got [True, 4]"),
+    ({"a": [4.0, 16]}, "got [4.0, 16]"),
+  ],
+)
+def test_shape_buckets_in_another_form_are_refused_when_built(shape_buckets, needle):
+  with pytest.raises(ValueError) as info:
+    gjs.iter_jax_batches([], paddings=0, pad_shapes={"a": (1, 2)}, shape_buckets=shape_buckets)
+  assert needle in str(info.value)
+
+
+def test_pad_shapes_and_shape_buckets_take_numpy_ints():
+  data = [{"a": np.ones((8, 3), np.int32)}]
+  kwargs = {"pad_shapes": {"a": np.int64(1)}, "shape_buckets": {"a": np.array([4, 16])}}
+  with gjs.iter_jax_batches(data, batch_size=8, paddings=0, mask_key=None, **kwargs) as it:
+    (batch,) = list(it)
+  assert np.asarray(batch["a"]).tolist() == [[1, 1, 1, 0]] * 8
+
+
+@pytest.mark.parametrize(
+  ("keywords", "error", "needle"),
+  [
+    ({"sync_timeout_s": np.inf}, ValueError, "`sync_timeout_s` must be a finite number of"),
+    ({"sync_timeout_s": True}, ValueError, "seconds > 0, got True"),
+    ({"decide_ahead_s": np.nan}, ValueError, "`decide_ahead_s` must be a finite number of"),
+    ({"decide_ahead_s": -1}, ValueError, "seconds >= 0, got -1"),
+    ({"drop_last": 1}, TypeError, "`drop_last` must be True or False, got 1"),
+    ({"drop_last": "False"}, TypeError, "`drop_last` must be True or False, got 'False'"),
+    ({"synchronize_batches": None}, TypeError, "`synchronize_batches` must be True or False"),
+    ({"name": 3}, ValueError, "`name` must be a str or None, got 3"),
+    ({"batch_size": 8.0}, ValueError, "`batch_size` must be a positive int or None, got 8.0"),
+    ({"prefetch_batches": True}, ValueError, "`prefetch_batches` must be an int >= 0, got True"),
+  ],
+)
+def test_iter_jax_batches_refuses_non_finite_bool_and_mistyped_options(keywords, error, needle):
+  with pytest.raises(error) as info:
+    gjs.iter_jax_batches([], **keywords)
+  assert needle in str(info.value)
+
+
+def test_iter_jax_batches_takes_numpy_numbers_and_bools_as_options():
+  kwargs = {
+    "batch_size": np.int64(8),
+    "sync_timeout_s": np.float32(30),
+    "decide_ahead_s": np.array(0.5),
+    "drop_last": np.True_,
+  }
+  with gjs.iter_jax_batches(scenarios.make_batches(0, [8, 8, 3]), **kwargs) as it:
+    assert [np.asarray(b["x"]).tolist() for b in it] == [list(range(8)), list(range(10, 18))]
+
+
+# paddings value -> the error, for the int32 column `x` and the float32 column `y`.
+BAD_PADDINGS = {
+  True: "`paddings` value True for column 'x' does not fit dtype int32: a bool pads bool columns only",
+  "0": "`paddings` value '0' for column 'x' does not fit dtype int32: expected a number, got a value",
+  np.nan: "`paddings` value nan for column 'x' does not fit dtype int32: it would become",
+  2**40: "`paddings` value 1099511627776 for column 'x' does not fit dtype int32: it would become",
+  10**400: "for column 'x' does not fit dtype int32: int too large to convert to float",
+  1j: "`paddings` value 1j for column 'x' does not fit dtype int32: it would become 0",
+}
+
+
+@pytest.mark.parametrize("pad", list(BAD_PADDINGS), ids=[str(p)[:10] for p in BAD_PADDINGS])
+def test_a_padding_value_that_is_no_value_of_its_column_is_refused_naming_it(pad):
+  it = gjs.iter_jax_batches(scenarios.make_batches(0, [8]), batch_size=8, paddings=pad)
+  with it, pytest.raises(ValueError) as info:
+    next(it)
+  assert BAD_PADDINGS[pad] in str(info.value)
+
+
+def test_numpy_scalars_and_0d_arrays_pad_as_numbers():
+  paddings = {"x": np.int8(-1), "y": np.array(0.5, np.float32)}
+  with gjs.iter_jax_batches(scenarios.make_batches(0, [3]), batch_size=8, paddings=paddings) as it:
+    (batch,) = list(it)
+  assert np.asarray(batch["x"]).tolist() == [0, 1, 2] + [-1] * 5
+  assert np.asarray(batch["y"])[3:].tolist() == [[0.5, 0.5]] * 5
+
+
+@pytest.mark.parametrize(
+  ("function", "shape", "error", "needle"),
+  [
+    (
+      "local_to_global_shape",
+      (8.0, 3),
+      ValueError,
+      "`local_shape` must be ints >= 0, got (8.0, 3)",
+    ),
+    ("local_to_global_shape", (True, 3), ValueError, "`local_shape` must be ints >= 0, got (True"),
+    ("global_to_local_shape", (-8, 3), ValueError, "`global_shape` must be ints >= 0, got (-8, 3)"),
+    ("global_to_local_shape", 8, TypeError, "`global_shape` must be a sequence of ints (a shape)"),
+  ],
+)
+def test_shape_helpers_refuse_what_is_not_a_shape(function, shape, error, needle):
+  with pytest.raises(error) as info:
+    getattr(gjs, function)(shape, gjs.default_mesh())
+  assert needle in str(info.value)
+
+
+def test_shape_helpers_take_numpy_ints_and_give_python_ints():
+  mesh = gjs.default_mesh()
+  for function in (gjs.local_to_global_shape, gjs.global_to_local_shape):
+    out = function(np.array([8, 3]), mesh)
+    assert out == (8, 3) and all(type(d) is int for d in out)
+
+
+@pytest.mark.parametrize(
+  ("call", "error", "needle"),
+  [
+    (lambda: gjs.elastic_source([1, 2], shuffle="yes"), TypeError, "`shuffle` must be True or"),
+    (lambda: gjs.elastic_mixture([[1], [2]], [1, 1], shuffle=1), TypeError, "`shuffle` must be"),
+    (lambda: gjs.elastic_source([1, 2], seed=1.5), ValueError, "`seed` must be an int >= 0"),
+    (lambda: gjs.elastic_source([1, 2], num_epochs=np.inf), ValueError, "`num_epochs` must be"),
+    (lambda: gjs.pack_sequences(None, length=64.0), ValueError, "`length` must be a positive int"),
+    (lambda: gjs.pack_sequences(None, length=True), ValueError, "`length` must be a positive int"),
+  ],
+)
+def test_source_builders_refuse_mistyped_numbers_and_flags(call, error, needle):
+  with pytest.raises(error) as info:
+    call()
+  assert needle in str(info.value)
+
+
+def test_source_builders_take_numpy_ints_and_bools():
+  src = gjs.elastic_source(
+    list(range(4)), shuffle=np.True_, seed=np.int64(3), num_epochs=np.int8(2)
+  )
+  assert (src.shuffle, src.seed, src.num_epochs) == (True, 3, 2)
+  assert type(src.seed) is int

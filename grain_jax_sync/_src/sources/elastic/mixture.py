@@ -387,7 +387,8 @@ def elastic_mixture(
   records = [_records(s, i) for i, s in enumerate(sources)]
   proportions = _proportions(weights, len(records))
   seed = options_lib.checked_int("seed", seed, minimum=0)
-  mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
+  shuffle = options_lib.checked_bool("shuffle", shuffle)
+  mixture = Mixture(proportions, tuple(len(r) for r in records), shuffle)
   mixed = MixedRecords(records, mixture, seed)
   checked = elastic_source(mixed, transform, shuffle=False, seed=seed, num_epochs=num_epochs)
   return dataclasses.replace(checked, mixture=mixture)
