@@ -434,10 +434,10 @@ def hf_pipeline(
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
   window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
-  spec = HFSource(
-    ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
-  )
-  spec = dataclasses.replace(spec, drop_remainder=bool(drop_remainder), window=window)
+  shuffle = options_lib.checked_bool("shuffle", shuffle)
+  spec = HFSource(ds, batch_size, map_fn, filter_fn, pad_id, ragged, shuffle, int(seed), num_epochs)
+  drop_remainder = options_lib.checked_bool("drop_remainder", drop_remainder)
+  spec = dataclasses.replace(spec, drop_remainder=drop_remainder, window=window)
   if elastic:
     return _elastic(spec)
   index, count = tfds_lib.input_shard(
