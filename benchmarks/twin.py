@@ -65,9 +65,9 @@ def _stop_row(name: str, n: int, step_s: float, prefetch: int = 2, store_s: floa
   return Row(name, tuple(plans), prefetch=prefetch, store_s=store_s)
 
 
-def _pace_row(store_s: float, prefetch: int) -> Row:
-  name = f"pace_{round(store_s * 1000)}ms_p{prefetch}"
-  return Row(name, (H(batches=120, step_s=0.02),) * 2, prefetch=prefetch, store_s=store_s)
+def _pace_row(store_s: float, prefetch: int, n: int = 2) -> Row:
+  name = f"pace_{round(store_s * 1000)}ms_p{prefetch}" + (f"_{n}" if n != 2 else "")
+  return Row(name, (H(batches=120, step_s=0.02),) * n, prefetch=prefetch, store_s=store_s)
 
 
 def _slow_row(prefetch: int) -> Row:
@@ -79,6 +79,7 @@ def _slow_row(prefetch: int) -> Row:
 def rows() -> list[Row]:
   """The table: stops at 2 to 32 hosts, a close, a kill, a stall, an error, store round trips."""
   out = [_pace_row(s, p) for s in (0.0, 0.02, 0.05) for p in (0, 2)]
+  out += [_pace_row(0.05, 2, 8)]  # More than one peer: each wait reads every peer's posts.
   out += [
     _stop_row("stop_2", 2, 0.5),
     _stop_row("stop_2_p0", 2, 0.5, prefetch=0),
@@ -120,6 +121,7 @@ class _Slowed:
   def __init__(self, client: Any, store_s: float):
     self._client, self._store_s = client, store_s
     self.calls: dict[str, int] = {}  # Per method: calls made.
+    self.extra: list[float] = []  # Per call but blocking reads: seconds beyond `store_s`.
 
   def __getattr__(self, name: str) -> Any:
     attr = getattr(self._client, name)
@@ -128,10 +130,13 @@ class _Slowed:
 
     def call(*args: Any, **kwargs: Any) -> Any:
       self.calls[name] = self.calls.get(name, 0) + 1
+      t0 = time.monotonic()
       try:
         return attr(*args, **kwargs)
       finally:
         time.sleep(self._store_s)
+        if name != "blocking_key_value_get":  # Its wait is not the store's.
+          self.extra.append(time.monotonic() - t0 - self._store_s)
 
     return call
 
@@ -179,6 +184,7 @@ def real_host(row: Row) -> dict[str, Any]:
   finally:
     distributed.global_state.client = client
   out["calls"] = slowed.calls
+  out["extra_s"] = sorted(slowed.extra)
   return out
 
 
