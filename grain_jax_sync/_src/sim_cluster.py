@@ -513,4 +513,5 @@ class SimulatedCluster:
 
   @property
   def store_ops(self) -> int:
+    """Calls of the in-memory store in the last `run`, every host's."""
     return self.store.ops
