@@ -18,7 +18,6 @@ import json
 import math
 import numbers
 import sys
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,10 +123,10 @@ def _registered_node(x: Any) -> tuple[list[tuple[str, Any]], Any] | None:
 
 # The one-level treedefs of the registered nodes this process flattened, by
 # `_node_key`: a process rebuilds its own structures without reading their
-# aux data back. A bounded cache: written under the lock by reading threads,
-# read (one `get`) by building threads.
-_OWN: dict[str, Any] = {}
-_OWN_LOCK = threading.Lock()
+# aux data back. A bounded cache whose every access is one atomic dict call
+# (a set, a `popitem`, a `get`), so it needs no lock: reading threads write
+# it, building threads read it; two writers at once may each evict one.
+_OWN: collections.OrderedDict[str, Any] = collections.OrderedDict()
 _OWN_LIMIT = 64  # Distinct registered-node structures; a batch has a handful.
 
 
@@ -141,10 +140,9 @@ def _own_node(spec: dict[str, Any], treedef: Any) -> dict[str, Any]:
     spec["x"] = _to_data(treedef.node_data()[1])
   except (TypeError, RecursionError):
     pass  # Not plain data: rebuilt only where a batch of it was flattened.
-  with _OWN_LOCK:
-    _OWN[_node_key(spec)] = treedef
-    if len(_OWN) > _OWN_LIMIT:
-      del _OWN[next(iter(_OWN))]  # The first one kept.
+  _OWN[_node_key(spec)] = treedef
+  if len(_OWN) > _OWN_LIMIT:
+    _OWN.popitem(last=False)  # The first one kept.
   return spec
 
 
