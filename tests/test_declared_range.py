@@ -111,3 +111,7 @@ def test_readme_states_the_tested_range():
   text = " ".join(_read("README.md").split())
   assert f"jax/jaxlib {pins['jax']} to" in text
   assert f"Grain {pins['grain']} to" in text
+  # The Pythons the classifiers declare are the ones CI tests (.ci/run's and .ci/newest.sh's).
+  classifiers = tomllib.loads(_read("pyproject.toml"))["project"]["classifiers"]
+  pythons = [c.rsplit(" ", 1)[1] for c in classifiers if re.search(r"Python :: 3\.\d+$", c)]
+  assert pythons and f"Python {' and '.join(pythons)}." in text, pythons
