@@ -225,9 +225,7 @@ def test_import_graph_counts_lazy_imports_and_finds_circles():
   graph = import_graph(MODULES)
   # A lazy import, inside `open_source`: counted.
   assert "grain_jax_sync._src.sources.grain" in graph["grain_jax_sync._src.sources"]
-  assert (
-    "grain_jax_sync._src.agreement.endings" in graph["grain_jax_sync._src.agreement.cross_wait"]
-  )
+  assert "grain_jax_sync._src.agreement.endings" in graph["grain_jax_sync._src.agreement.streamed"]
   circles = import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}})
   assert circles == [["a", "b", "c"], ["e"]]
 
@@ -253,18 +251,65 @@ NOT_IN_CORE_MODULES = (
 )
 
 
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+  """The top-level names of every absolute import in `path`, wherever it is."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      found.add(node.module.split(".")[0])
+  return found
+
+
 def test_the_agreements_core_imports_no_thread_clock_store_or_stage():
   graph = import_graph(MODULES)
   for name in CORE:
     module = f"grain_jax_sync._src.agreement.{name}"
     path = ROOT / "grain_jax_sync" / "_src" / "agreement" / f"{name}.py"
-    stdlib = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        stdlib.update(a.name.split(".")[0] for a in node.names)
-      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        stdlib.add(node.module.split(".")[0])
+    stdlib = _absolute_imports(path)
     assert not stdlib & set(NOT_IN_CORE), (module, sorted(stdlib & set(NOT_IN_CORE)))
     reached = {m.removeprefix("grain_jax_sync._src.") for m in graph[module]}
     bad = [m for m in reached if m.startswith(NOT_IN_CORE_MODULES)]
     assert not bad, (module, bad)
+
+
+def _loaded_imports(path: pathlib.Path, name: str) -> list[str]:
+  """The module names that importing `path` imports: its top-level imports, not under TYPE_CHECKING."""
+  names = []
+  for node in ast.parse(path.read_text()).body:
+    if (
+      isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", "") != "__future__"
+    ):
+      names += _imported(node, name, path.name == "__init__.py")
+  return names
+
+
+def test_importing_the_core_loads_no_jax_thread_clock_exchange_placement_or_stage():
+  # The issue 58 structure target: what importing the core loads (lazy imports
+  # in functions it never calls, and type-only imports, are not loaded).
+  modules = {_module_name(p): p for p in MODULES}
+  todo = [f"grain_jax_sync._src.agreement.{name}" for name in CORE]
+  loaded: set[str] = set()
+  external: set[str] = set()
+  while todo:
+    module = todo.pop()
+    if module in loaded:
+      continue
+    loaded.add(module)
+    for name in _loaded_imports(modules[module], module):
+      if name in modules:
+        todo.append(name)
+      elif not name.startswith("grain_jax_sync"):
+        external.add(name.split(".")[0])
+  assert not external & {"jax", "threading", "time", "queue"}, sorted(external)
+  forbidden = (*NOT_IN_CORE_MODULES, "placement", "agreement.interpreter", "agreement.lockstep")
+  reached = {m.removeprefix("grain_jax_sync._src.") for m in loaded}
+  assert not [m for m in reached if m.startswith(forbidden)], sorted(reached)
+
+
+def test_no_file_of_the_agreement_but_the_driver_imports_time_threading_or_queue():
+  for path in sorted((ROOT / "grain_jax_sync" / "_src" / "agreement").glob("*.py")):
+    if path.name != "driver.py":
+      found = _absolute_imports(path)
+      assert not found & {"time", "threading", "queue"}, (path.name, sorted(found))

@@ -372,33 +372,6 @@ def test_jax_sync_generator_keeps_the_1d_default_mesh_inside_set_mesh():
 # -- identical rows where processes share a data shard -----------------------------
 
 
-def test_shared_rows_error_names_the_processes_and_the_batch():
-  groups = [(0, 1), (2, 3)]
-  same = ["a", "a", "b", "b"]
-  assert placement.shared_rows_error(same, groups, 3) is None
-  assert placement.shared_rows_error(["a", "a", None, None], groups, 3) is None  # Both dummies.
-  # A dummy on one replica and rows on the other: copies of one global array
-  # would differ from process to process.
-  assert placement.shared_rows_error(["a", "a", "b", None], groups, 3) == (
-    "batch 3: processes [2, 3] hold the same data shards (input shard 1) and must"
-    " feed identical rows, but process 3 had no batch 3 (its source ended) while"
-    " process 2 had one. Processes that share data shards must feed the same number"
-    " of batches: load the data with grain_jax_sync.data_shard_info(mesh) as the"
-    " shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
-  )
-  message = placement.shared_rows_error(["a", "a", "b", "c"], groups, 3)
-  assert message == (
-    "batch 3: processes [2, 3] hold the same data shards (input shard 1) and"
-    " must feed identical rows, but their rows differ (row digests process 2:"
-    " b, process 3: c). Load the data with grain_jax_sync.data_shard_info(mesh)"
-    " as the shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
-  )
-  assert placement.shared_rows_error(["a", "b"], [(0,), (1,)], 0) is None  # No sharing.
-
-
-# -- 2 processes x 4 devices -------------------------------------------------------------
-
-
 def _devices_by_process() -> list[list[Any]]:
   import jax
 

@@ -284,3 +284,30 @@ def test_decide_waits_only_where_being_the_last_changes_the_outcome(rules, waits
 def test_decide_raises_at_once_rather_than_waiting_when_a_short_batch_is_known_early():
   p = plan_lib.decide([rep(0, [8, 5, 8]), rep(1, [8, 4])], WAIT_DROP)
   assert p.end == Outcome.RAISE and "process 0, batch 1: 5 rows" in p.error.message
+
+
+def test_shared_rows_error_names_the_processes_and_the_batch():
+  groups = [(0, 1), (2, 3)]
+  same = ["a", "a", "b", "b"]
+  assert plan_lib.shared_rows_error(same, groups, 3) is None
+  assert plan_lib.shared_rows_error(["a", "a", None, None], groups, 3) is None  # Both dummies.
+  # A dummy on one replica and rows on the other: copies of one global array
+  # would differ from process to process.
+  assert plan_lib.shared_rows_error(["a", "a", "b", None], groups, 3) == (
+    "batch 3: processes [2, 3] hold the same data shards (input shard 1) and must"
+    " feed identical rows, but process 3 had no batch 3 (its source ended) while"
+    " process 2 had one. Processes that share data shards must feed the same number"
+    " of batches: load the data with grain_jax_sync.data_shard_info(mesh) as the"
+    " shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
+  )
+  message = plan_lib.shared_rows_error(["a", "a", "b", "c"], groups, 3)
+  assert message == (
+    "batch 3: processes [2, 3] hold the same data shards (input shard 1) and"
+    " must feed identical rows, but their rows differ (row digests process 2:"
+    " b, process 3: c). Load the data with grain_jax_sync.data_shard_info(mesh)"
+    " as the shard (tfds_pipeline(mesh=...) does) and the same seed on every process"
+  )
+  assert plan_lib.shared_rows_error(["a", "b"], [(0,), (1,)], 0) is None  # No sharing.
+
+
+# -- 2 processes x 4 devices -------------------------------------------------------------

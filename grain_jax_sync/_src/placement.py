@@ -18,7 +18,7 @@ import hashlib
 import logging
 import operator
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -161,6 +161,10 @@ def data_axes_of(mesh: jax.sharding.Mesh, data_axes: str | Sequence[str] | None)
   names = tuple(mesh.axis_names)
   if data_axes is None:
     return (DATA_AXIS,) if DATA_AXIS in names else names
+  if not isinstance(data_axes, (str, Sequence)):
+    raise TypeError(
+      f"`data_axes` must be an axis name or a sequence of them, got {data_axes!r:.100}"
+    )
   axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
   if not axes:
     raise ValueError(
@@ -287,7 +291,19 @@ def local_to_global_shape(
     >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
     (16, 3)
   """
-  return _local_to_global(_as_sharding(sharding, "sharding"), tuple(local_shape))
+  return _local_to_global(_as_sharding(sharding, "sharding"), _shape("local_shape", local_shape))
+
+
+def _shape(arg: str, shape: Any) -> tuple[int, ...]:
+  """`shape` as a tuple of Python ints >= 0 (NumPy's too), or an error naming `arg`."""
+  if isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, (Sequence, np.ndarray)):
+    raise TypeError(f"`{arg}` must be a sequence of ints (a shape), got {shape!r:.100}")
+  bad = [
+    d for d in shape if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer))
+  ]
+  if bad or any(d < 0 for d in shape):
+    raise ValueError(f"`{arg}` must be ints >= 0, got {tuple(shape)!r:.100}")
+  return tuple(int(d) for d in shape)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -332,6 +348,7 @@ def global_to_local_shape(
     >>> global_to_local_shape((16, 3), NamedSharding(mesh, P("data")))
     (8, 3)
   """
+  global_shape = _shape("global_shape", global_shape)
   s = cut(_as_sharding(sharding, "sharding"), len(global_shape))
   pi = jax.process_index()
   out = []
@@ -598,49 +615,6 @@ def data_shard_info(
   else:
     p = resolve_placement(sharding=mesh_or_sharding, data_axes=data_axes)
   return DataShardInfo(p.shard_index, p.shard_count)
-
-
-# -- identical rows where processes share a data shard ----------------------------
-
-
-def shared_rows_error(
-  digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
-) -> str | None:
-  """The error when processes that share a data shard fed different rows; None if they agree.
-
-  `digests`: per process index, `reader.rows_digest` of its rows at this
-  batch, or None where it fed none (a dummy batch). Every host raises the
-  message as ValueError.
-  """
-  for shard, procs in enumerate(groups):
-    fed = {p: digests[p] for p in procs if digests[p] is not None}
-    ended = [p for p in procs if digests[p] is None]
-    head = (
-      f"batch {batch_index}: processes {list(procs)} hold the same data shards"
-      f" (input shard {shard}) and must feed identical rows, but"
-    )
-    if fed and ended:
-      # A dummy batch on one replica and real rows on another would make a
-      # global array whose copies differ from process to process.
-      return (
-        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
-        f" {_processes(list(fed))} had one. Processes that share data shards must"
-        f" feed the same number of batches: load {_LOAD_SHARD}"
-      )
-    if len(set(fed.values())) > 1:
-      detail = ", ".join(f"process {p}: {d}" for p, d in fed.items())
-      return f"{head} their rows differ (row digests {detail}). Load {_LOAD_SHARD}"
-  return None
-
-
-_LOAD_SHARD = (
-  "the data with grain_jax_sync.data_shard_info(mesh) as the shard"
-  " (tfds_pipeline(mesh=...) does) and the same seed on every process"
-)
-
-
-def _processes(ps: Sequence[int]) -> str:
-  return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"
 
 
 # -- device_put's `device`, resolved once ------------------------------------------

@@ -490,3 +490,46 @@ def divisibility_error(reports: Sequence[Report], target: int, index: int) -> Re
         " multiple of that count"
       )
   return None
+
+
+# -- identical rows where processes share a data shard ----------------------------
+
+
+def shared_rows_error(
+  digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
+) -> str | None:
+  """The error when processes that share a data shard fed different rows; None if they agree.
+
+  `digests`: per process index, `reader.rows_digest` of its rows at this
+  batch, or None where it fed none (a dummy batch). Every host raises the
+  message as ValueError.
+  """
+  for shard, procs in enumerate(groups):
+    fed = {p: digests[p] for p in procs if digests[p] is not None}
+    ended = [p for p in procs if digests[p] is None]
+    head = (
+      f"batch {batch_index}: processes {list(procs)} hold the same data shards"
+      f" (input shard {shard}) and must feed identical rows, but"
+    )
+    if fed and ended:
+      # A dummy batch on one replica and real rows on another would make a
+      # global array whose copies differ from process to process.
+      return (
+        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
+        f" {_processes(list(fed))} had one. Processes that share data shards must"
+        f" feed the same number of batches: load {_LOAD_SHARD}"
+      )
+    if len(set(fed.values())) > 1:
+      detail = ", ".join(f"process {p}: {d}" for p, d in fed.items())
+      return f"{head} their rows differ (row digests {detail}). Load {_LOAD_SHARD}"
+  return None
+
+
+_LOAD_SHARD = (
+  "the data with grain_jax_sync.data_shard_info(mesh) as the shard"
+  " (tfds_pipeline(mesh=...) does) and the same seed on every process"
+)
+
+
+def _processes(ps: Sequence[int]) -> str:
+  return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"

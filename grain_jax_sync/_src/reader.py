@@ -123,6 +123,10 @@ class Reader:
       raw = next(self._source)
     except StopIteration:
       return core.End(self._position)
+    except leaves_lib.DataError as e:  # Bad records: the same ValueError on every host.
+      error = ValueError(f"{leaves_lib.where(self._p, index)}: {e}")
+      error.__cause__ = e
+      return endings.failed(self._p, self._position, index, error, "reading", data=True)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
       return endings.failed(
         self._p, self._position, index, e, f"reading batch {index} from its source"
@@ -266,7 +270,7 @@ def rows_digest(leaves: Sequence[np.ndarray]) -> str:
   `DIGEST_FULL_BYTES`, else a strided sample of rows and of each row's
   elements. Equal rows give equal digests; rows loaded from another shard
   or another shuffle differ in the sample with near certainty. Processes that
-  share a data shard compare them (`placement.shared_rows_error`).
+  share a data shard compare them (`plan.shared_rows_error`).
 
   Args:
     leaves: The batch's leaves, rows first.

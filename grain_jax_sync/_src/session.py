@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +52,7 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import cross_wait, decider, driver, endings, lockstep
+from grain_jax_sync._src.agreement import decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 from grain_jax_sync._src.exchange import collective, key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
@@ -603,8 +602,7 @@ class Streams:
 
 def _register_close(namespace: str, keys: str | None, at: int) -> None:
   """Marks this host closed for the peers (`key_value.register_close`); forgets the iterator."""
-  message = f"process {jax.process_index()} closed its iterator at batch {at}"
-  key_value.register_close(namespace, json.dumps([keys, message]))
+  key_value.register_close(namespace, key_value.close_note(keys, jax.process_index(), at))
   exchange_streams.forget(namespace)  # Nothing of a closed iterator stays recorded.
 
 
@@ -649,6 +647,6 @@ def _post_unstarted(
   try:
     ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
     if isinstance(ex, key_value.KeyValueExchange):
-      cross_wait.post_end(ex, position, error)
+      driver.post_unstarted(ex, position, error)
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

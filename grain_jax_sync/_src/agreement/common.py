@@ -10,7 +10,6 @@ from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages, periods
-from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import core, endings
 
@@ -98,7 +97,7 @@ def decide(
     if step.action != messages.Action.YIELD:
       continue
     digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
-    message = placement_lib.shared_rows_error(digests, groups, index)
+    message = plan_lib.shared_rows_error(digests, groups, index)
     if message is not None:
       error = plan_lib.value_error(message, index)
       return dataclasses.replace(
@@ -208,7 +207,7 @@ class OwnReads:
 
   def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
-    pace = (yield core.Pace()) if self._paced else self._base
+    pace = (yield core.PACE) if self._paced else self._base
     self.limit = max(1, min(self._base, pace))
 
   def _free(self) -> int:

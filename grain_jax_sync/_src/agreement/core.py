@@ -8,14 +8,17 @@ agreement thread (`driver.Driver`), the inline mode (the same driver, in the
 consumer's `next()`) and the simulated cluster (`sim_cluster`, virtual time)
 are its drivers (docs/internals.md, "The core and its drivers", draws them).
 An ending asked from outside (a stop) is a field the core reads at its next
-step; an agreed error is raised by the core; a failed action is thrown into it.
+step; a failed action is thrown into it; its last output is `Ended`: the agreed
+end or stop, or the error this host raises. Every action is a small frozen
+type, dispatched by type where it is carried out (`interpreter`, the one
+place that gives actions their meaning).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, dataclass_transform
 
 from grain_jax_sync._src import messages
 
@@ -77,50 +80,182 @@ class Now(NamedTuple):
   ready: bool = True
 
 
-class Take(NamedTuple):
-  """Take this host's next read (a `Read` or `End`), or None within `wait_s`.
+_T = TypeVar("_T")
 
-  `want`: reads this host may hold undecided now (the reading stage is asked for as many).
-  """
+
+@dataclass_transform(frozen_default=True)
+def _action(cls: type[_T]) -> type[_T]:
+  """An action: a small frozen type, dispatched by type."""
+  return dataclasses.dataclass(frozen=True, slots=True)(cls)
+
+
+@_action
+class Take:
+  """This host's next read (a `Read` or `End`), or None within `wait_s`; `want`: reads it may hold."""
 
   want: int
   wait_s: float
 
 
-class Store(NamedTuple):
-  """One call of the exchange (`KeyValueExchange`'s method `op`); its result comes back."""
+class StoreCall:
+  """A call of the exchange (`exchange.key_value.KeyValueExchange`'s method of that name)."""
 
-  op: str
-  args: tuple[Any, ...] = ()
-
-
-class Look(NamedTuple):
-  """A look at `peer`'s liveness beat (`liveness.Liveness`'s method `op`: dead, closed; or cross).
-
-  `cross`: whether `peer` waits crosswise at the start of a stream not started here
-  (`cross_wait.CrossWait.check`, with `at_batch`); `done`: no longer waiting at the start.
-  """
-
-  op: str
-  peer: int = 0
-  at_batch: int = 0
+  __slots__ = ()
 
 
-class WaitBuild(NamedTuple):
-  """Block until the build stage hands on more than `beyond` positions (or a liveness period)."""
+@_action
+class PostChunk(StoreCall):  # Its sequence number comes back.
+  text: str
+  final: bool = False
+
+
+@_action
+class PostDecision(StoreCall):
+  seq: int
+  text: str
+  final: bool = False
+
+
+@_action
+class DeleteChunks(StoreCall):
+  below: int
+
+
+@_action
+class DeleteDecisions(StoreCall):
+  below: int
+
+
+@_action
+class ReadChunks(StoreCall):
+  """Every peer's new chunks, ``[(process, text)]``."""
+
+
+@_action
+class WaitChunk(StoreCall):  # A liveness period at most: what came, as `ReadChunks`.
+  peer: int
+
+
+@_action
+class TryDecision(StoreCall):  # Its text, or None.
+  seq: int
+
+
+@_action
+class WaitDecision(StoreCall):  # A liveness period at most: its text, or None.
+  seq: int
+
+
+@_action
+class EndExchange(StoreCall):
+  """Counts this host out of the stream's keys: its last call in it."""
+
+
+@_action
+class PostLeft(StoreCall):  # Peers waiting at the agreed end are told why this host left.
+  message: str
+
+
+@_action
+class PostReachedEnd(StoreCall):
+  """This host's consumer reached the agreed end."""
+
+
+@_action
+class WaitAllReachedEnd(StoreCall):
+  """A liveness period at most: whether every host reached the agreed end."""
+
+
+@_action
+class EndNotes(StoreCall):
+  """Per host at the agreed end or gone: "" (it got there) or why it left."""
+
+
+@_action
+class Elsewhere:
+  """`calls` in stream `namespace`, which this host never started (best effort, never raised)."""
+
+  namespace: str
+  calls: tuple[StoreCall, ...]
+
+
+class Look:
+  """A look at this process's streams or at a peer's liveness beat (`liveness.Liveness`)."""
+
+  __slots__ = ()
+
+
+@_action
+class IsDead(Look):  # Its beat stopped.
+  peer: int
+
+
+@_action
+class ClosedNote(
+  Look
+):  # What it wrote as it closed its iterator (`key_value.close_note`), or None.
+  peer: int
+
+
+@_action
+class Crosswise(
+  Look
+):  # Streams it waits at the start of, made and not started here; marks this one.
+  peer: int
+
+
+@_action
+class NotWaiting(Look):
+  """This host no longer waits for its stream's first decision."""
+
+
+@_action
+class PreEnd(Look):  # The ending this host posted to a stream before it started it.
+  namespace: str
+  message: str
+
+
+@_action
+class WaitBuild:
+  """Until the build stage hands on more than `beyond` positions (or a liveness period)."""
 
   beyond: int
 
 
-class Pace(NamedTuple):
+@_action
+class Pace:
   """The positions the consumer took in the last `decide_ahead_s` seconds (an int comes back)."""
 
 
-class Deliver(NamedTuple):
+PACE = Pace()
+
+
+@_action
+class Deliver:
   """A decided run (`common.Run`), for the build stage."""
 
   run: Any
 
 
-Action = Take | Store | Look | WaitBuild | Pace | Deliver
-Steps = Generator[Action, Any, Any]
+@_action
+class Ended:
+  """The core's last output: the agreed end or stop (`error` None), or the error this host raises."""
+
+  error: BaseException | None = None
+
+
+Action = Take | StoreCall | Elsewhere | Look | WaitBuild | Pace | Deliver | Ended
+Steps = Generator[Any, Any, Any]
+
+
+ENDED = Ended()
+
+
+def step(steps: Steps, result: Any = None, error: BaseException | None = None) -> Any:
+  """The next action of `steps`, given the last one's `result` (or its `error`); `Ended` at the end."""
+  try:
+    return steps.send(result) if error is None else steps.throw(error)
+  except StopIteration:
+    return ENDED
+  except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
+    return Ended(e)

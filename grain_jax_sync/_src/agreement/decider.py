@@ -48,7 +48,7 @@ class Decider(Streamed):
         yield from self._advance()
         continue
       if plan.end == Outcome.CONTINUE and self._news_stale():
-        yield from self._absorb((yield from self._timed("read_chunks")))
+        yield from self._absorb((yield from self._timed(core.ReadChunks())))
         continue  # Decide again with what the peers posted meanwhile.
       decision = yield from self._post(plan)
       yield from self._hand_on(decision)
@@ -130,7 +130,7 @@ class Decider(Streamed):
     decision = messages.Decision(
       self._decided, plan.steps, plan.end, plan.error, sig, batch_size, table
     )
-    yield core.Store("post_decision", (self._seq, decision.to_json()))
+    yield core.PostDecision(self._seq, decision.to_json())
     self._seq += 1
     return decision
 
@@ -146,14 +146,14 @@ class Decider(Streamed):
     if self._process in missing:
       self._waited = self._waited or not self._own.ready()  # A wait for the source.
       if not (yield from self._read(common.WAIT_SLICE_S)):
-        yield from self._absorb((yield from self._timed("read_chunks")))
+        yield from self._absorb((yield from self._timed(core.ReadChunks())))
       return
     # Before the stream's first decision the job waits for it: with its own
     # first read in hand, process 0 waits for the peers' rather than reads on.
     if self._own.room() and (self._decided > 0 or not missing) and self._own.ready():
       # Where the build thread holds nothing decided, look as often as the peers post.
       look = not self._own.waits_on_build() and self._own.due(self._reads_since_look)
-      if look and (yield from self._absorb((yield from self._timed("read_chunks")))):
+      if look and (yield from self._absorb((yield from self._timed(core.ReadChunks())))):
         return
       yield from self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
@@ -167,13 +167,13 @@ class Decider(Streamed):
 
   def _wait_for_peer(self, peer: int) -> core.Steps:
     """Waits for `peer`'s next post; names it where it is dead, closed, timed out or crosswise."""
-    if self._idle and (yield core.Look("dead", peer)):
+    if self._idle and (yield core.IsDead(peer)):
       where = f"its batch {self._yielded} (position {self._decided})"
       when = f"while the other processes waited for {where}"
       self._abort = endings.lost(peer, self._dead_after_s, self._yielded, when)
-    elif self._idle and (note := (yield core.Look("closed", peer))) is not None:
+    elif self._idle and (note := (yield core.ClosedNote(peer))) is not None:
       # Its ending here, if it posted one.
-      yield from self._absorb((yield from self._timed("read_chunks")))
+      yield from self._absorb((yield from self._timed(core.ReadChunks())))
       # A closing ending it posted here (`reset()`, `set_state()`, a close)
       # is the one to raise: the ledger holds it as its abort.
       if self._abort is None and self._ledger.abort is None and peer in self._needed():
@@ -194,15 +194,11 @@ class Decider(Streamed):
         "PeerTimeoutError",
         (peer,),
       )
-    elif (
-      self._idle
-      and not self._decided
-      and (cross := (yield core.Look("cross", peer, self._yielded)))
-    ):
+    elif self._idle and not self._decided and (cross := (yield from self._crosswise(peer))):
       self._abort = cross
     else:
       stale = self._waited
-      yield from self._absorb((yield from self._wait_slice("wait_chunk", peer)))
+      yield from self._absorb((yield from self._wait_slice(core.WaitChunk(peer))))
       # With one peer, the one chunk waited for: inline, a stop that peer
       # posted during the consumer's step may follow it, read before deciding.
       self._waited = stale and self._own.inline and self._process_count == 2
@@ -247,19 +243,16 @@ class Decider(Streamed):
     if items and self._process_count > 1:
       acked = min(self._ledger.ack(p) for p in range(self._process_count) if p != self._process)
       if acked > self._acked:
-        yield core.Store("delete_decisions", (acked,))
+        yield core.DeleteDecisions(acked)
         self._acked = acked
     return bool(items)
 
-  def closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.Store]:
+  def _closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.StoreCall]:
     """Posts this host's ending (closed, or `error`) as the final decision."""
-    if self.ended:
-      return []
-    self.ended = True
     final = messages.Decision(
       self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
     )
-    return [core.Store("post_decision", (self._seq, final.to_json(), True)), core.Store("end")]
+    return [core.PostDecision(self._seq, final.to_json(), True), core.EndExchange()]
 
 
 def core_for(

@@ -3,8 +3,10 @@
 The same driver runs the core in the agreement thread (with a reading
 thread and a build thread) and inline, in the consumer's `next()`
 (`prefetch_batches=0`): only who iterates it differs. It owns the I/O the
-core has none of: the exchange, the liveness beats, the crosswise watch,
-this host's reads, the build stage's progress and the clock.
+core has none of (its `interpreter.World`): the liveness beats, this process's streams,
+this host's reads, the build stage's progress and the clock; the actions
+themselves are carried out by `interpreter.Interpreter`, as in the simulated
+cluster.
 
 Asking is one put into the driver's inbox (`_asks`), from any thread or a
 signal handler (`ask`): a stop, or this host's ending (a `Closing`). The
@@ -23,7 +25,6 @@ so that the ending is posted after what the core posted, not over it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 
 from grain_jax_sync._src import liveness as liveness_lib
 from grain_jax_sync._src import messages, prefetch
-from grain_jax_sync._src.agreement import common, core, cross_wait, endings, streamed
+from grain_jax_sync._src.agreement import common, core, interpreter, streamed
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
 
@@ -56,8 +57,11 @@ class Closing(NamedTuple):
 CLOSING = Closing(None)
 
 
-class Driver:
+class Driver(interpreter.World):
   """Runs one host's core (`decider.Decider` or `follower.Follower`) over the real exchange.
+
+  It is the core's world on a real host (`interpreter.World`): monotonic
+  time, and waits that block its threads.
 
   Args:
     agreement: The core.
@@ -82,7 +86,7 @@ class Driver:
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
-    self._cross = cross_wait.CrossWait(exchange, self._live, agreement.timeout_s)
+    self._interp = interpreter.Interpreter(exchange, self)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
@@ -107,15 +111,10 @@ class Driver:
       else:
         self.core.stop_asked(ask)
 
-  def _now(self) -> core.Now:
-    thread, built = self._thread, self._built
-    done = built.done() if self.core.threaded else 0
-    return core.Now(time.monotonic(), done, thread is None or thread.ready())
-
   def __iter__(self) -> Iterator[common.Run]:
     """The core's runs; its other actions carried out here; an ending asked for, posted on the way out."""
     try:
-      yield from self._drive(self.core.send, self.core.throw)
+      yield from self._drive(self.core)
     finally:
       self._take_asks()
       if self._coming and self._closing is None and self._thread is not None:
@@ -129,23 +128,31 @@ class Driver:
       if isinstance(ask, Closing) and ask is not CLOSING:
         return ask
 
-  def _drive(self, send: Any, throw: Any) -> Iterator[common.Run]:
+  def _drive(self, runner: Any, *, asks: bool = True) -> Iterator[common.Run]:
+    """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
+
+    With `asks`, an ending asked for stops it before its next action.
+    """
     result: Any = None
     error: Exception | None = None
     stored = False  # The last action carried out was a store call, and it succeeded.
     while True:
-      self._take_asks()
-      if self._closing is not None or self._coming:  # No position is decided after it.
-        if stored:  # A decision posted moves the core's count: its ending goes after it.
-          tell_done(send, result, self._now())
-        return
-      try:
-        action = send(result, self._now()) if error is None else throw(error, self._now())
-      except StopIteration:
-        return
+      if asks:
+        self._take_asks()
+        if self._closing is not None or self._coming:  # No position is decided after it.
+          if stored:  # A decision posted moves the core's count: its ending goes after it.
+            interpreter.tell_done(runner, result, self.now())
+          return
+      now = self.now()
+      action = runner.send(result, now) if error is None else runner.throw(error, now)
       result = error = None
       stored = False
-      if type(action) is core.Deliver:
+      kind = type(action)
+      if kind is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      if kind is core.Deliver:
         run, action = action.run, None
         yield run
         # The build stage's alone once handed on: this frame must not hold it
@@ -153,47 +160,65 @@ class Driver:
         del run
         continue
       try:
-        result = self._do(action)
-        stored = isinstance(action, core.Store)
+        result = interpreter.blocking(self._interp.carry(action))
+        stored = isinstance(action, core.StoreCall)
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 
-  def _do(self, action: core.Action) -> Any:
-    if isinstance(action, core.Store):
-      return call_store(self._exchange, action)
-    if isinstance(action, core.Take):
-      return self._read(action)
-    if isinstance(action, core.Pace):
-      return self._built.pace()
-    if isinstance(action, core.Look):
-      return self._look(action)
-    assert isinstance(action, core.WaitBuild), action
-    self._exchange.check()
-    self._built.wait_done(action.beyond, common.WAIT_SLICE_S)
-    return None
+  # -- the core's world on a real host (`interpreter.World`) ---------------------
 
-  def _read(self, read: core.Take) -> core.Read | core.End | None:
+  def now(self) -> core.Now:
+    thread, built = self._thread, self._built
+    done = built.done() if self.core.threaded else 0
+    return core.Now(time.monotonic(), done, thread is None or thread.ready())
+
+  def call(self, fn: Any) -> interpreter.Steps:
+    yield from ()  # A real call blocks in the client.
+    return fn()
+
+  def take(self, want: int, wait_s: float) -> interpreter.Steps:
+    yield from ()  # A real wait blocks in the reading stage.
     thread = self._thread
     if thread is None:
       return next(self._reader)  # type: ignore[call-overload]
-    if read.want > self._asked:
-      thread.ask(read.want - self._asked)
-      self._asked = read.want
-    item = thread.take(read.wait_s)
+    if want > self._asked:
+      thread.ask(want - self._asked)
+      self._asked = want
+    item = thread.take(wait_s)
     if item is not None:
       self._asked -= 1
     return item
 
-  def _look(self, look: core.Look) -> Any:
-    if look.op == "dead":
-      return self._live.dead(look.peer)
-    if look.op == "closed":
-      return self._live.closed(look.peer)
-    if look.op == "cross":
-      return self._cross.check(look.peer, look.at_batch)
-    assert look.op == "done", look
-    self._cross.done()
-    return None
+  def wait_build(self, beyond: int) -> interpreter.Steps:
+    yield from ()  # A real wait blocks on the build stage.
+    self._exchange.check()
+    self._built.wait_done(beyond, common.WAIT_SLICE_S)
+
+  def pace(self) -> int:
+    return int(self._built.pace())
+
+  def dead(self, peer: int) -> bool:
+    return self._live.dead(peer)
+
+  def closed(self, peer: int) -> str | None:
+    return self._live.closed(peer)
+
+  def crosswise(self, peer: int) -> list[str]:
+    ns = self._exchange.namespace
+    exchange_streams.waiting_first(ns, True)
+    # Streams of iterators made here but not started: an iterator never made
+    # here is the timeout's case (created on some processes only).
+    return [
+      t
+      for t in self._live.waiting(peer)
+      if t != ns and exchange_streams.is_created(t) and not exchange_streams.is_started(t)
+    ]
+
+  def not_waiting(self) -> None:
+    exchange_streams.waiting_first(self._exchange.namespace, False)
+
+  def pre_end(self, namespace: str, message: str) -> None:
+    exchange_streams.pre_end(namespace, message)
 
   # -- what the session asks of the stream's agreement -------------------------------
 
@@ -235,7 +260,7 @@ class Driver:
     ):
       try:
         self._take_asks()
-        for _ in self._drive(aside(self.core.stop_now()), _raise):
+        for _ in self._drive(self.core.side(self.core.stop_now())):
           pass
       except Exception as e:  # noqa: BLE001 - from `request_stop()`: it never raises.
         logger.warning("grain_jax_sync: could not post the stop: %s", e)
@@ -255,90 +280,23 @@ class Driver:
     self._posted = True
     at = closing.at_batch
     assert at is not None  # `CLOSING` is never kept.
-    calls = self.core.closing(at, closing.error)
-    try:
-      for call in calls[:-1]:
-        call_store(self._exchange, call)
-      if closing.left:
-        error = closing.error or endings.closed_error(self.core.process, at)
-        self._exchange.post_left(error.message)
-    except Exception as e:  # noqa: BLE001 - best effort: an ending never raises.
-      logger.warning("grain_jax_sync: could not post this host's end: %s", e)
-    finally:
-      if calls:
-        self._exchange.end()
+    calls = self.core.closing(at, closing.error, left=closing.left)
+    interpreter.best_effort(self._exchange, calls)
 
   def release(self) -> None:
-    self._cross.done()  # No longer a crosswise wait.
+    self.not_waiting()  # No longer a crosswise wait.
 
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
 
-    A peer that left before the end (a close, a restart, a kill), even after
-    every position was decided, raises the error naming it; one that neither
-    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
+    Or raises the error naming the one that left, died or timed out (`streamed.Streamed.at_end`).
     """
-    ex, process, yielded = self._exchange, self.core.process, self.core.yielded
-    timeout_s = self.core.timeout_s
-    ex.post_reached_end()
-    since = time.monotonic()
-    while not ex.wait_all_reached_end():
-      notes = ex.end_notes()
-      left = [notes[q] for q in sorted(notes) if notes[q]]
-      if left:
-        raise RuntimeError(left[0])
-      waiting = [q for q in range(ex.process_count) if q not in notes]
-      for peer in waiting:
-        if self._live.dead(peer):
-          when = f"before it received the last batch ({yielded} batches)"
-          error = endings.lost(peer, self._live.dead_after_s, yielded, when)
-          raise endings.to_exception(error, process, None)
-      if waiting and time.monotonic() - since > timeout_s:
-        error = messages.ReportedError(
-          messages.ErrorKind.TIMEOUT,
-          f"processes {waiting} did not reach the end of the stream ({yielded}"
-          f" batches) within `sync_timeout_s`={timeout_s:g}s; they are alive"
-          " (their liveness beats are recent) but stopped iterating before the end"
-          " without closing the iterator",
-          waiting[0],
-          yielded,
-          "PeerTimeoutError",
-          tuple(waiting),
-        )
-        raise endings.to_exception(error, process, None)
+    for _ in self._drive(self.core.side(self.core.at_end()), asks=False):
+      pass
 
 
-def tell_done(send: Any, result: Any, now: core.Now) -> None:
-  """Tells the core the result of a store call carried out, where an ending stops the drive after it.
-
-  What the core does next is not carried out (nor raised): this host ends.
-  """
-  with contextlib.suppress(Exception):  # StopIteration too: the core's own ending.
-    send(result, now)
-
-
-def call_store(ex: key_value.KeyValueExchange, call: core.Store) -> Any:
-  """Carries out one of the core's store calls on `ex`."""
-  op, args = call.op, call.args
-  if op == "post_chunk":
-    text, final = args
-    return ex.post_chunk(text, final=final)
-  if op == "post_decision" and len(args) == 3:
-    seq, text, final = args
-    return ex.post_decision(seq, text, final=final)
-  return getattr(ex, op)(*args)
-
-
-def aside(steps: core.Steps) -> Any:
-  """`send` for a side run of the core's steps (`post_stop`, and the simulated cluster's stop)."""
-
-  def send(result: Any, now: core.Now) -> core.Action:
-    del now
-    return steps.send(result)
-
-  return send
-
-
-def _raise(error: BaseException, now: core.Now) -> core.Action:
-  del now
-  raise error
+def post_unstarted(
+  ex: key_value.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
+) -> None:
+  """Posts this host's ending (closed, or `error`) to stream `ex`, which it never started."""
+  interpreter.best_effort(ex, streamed.unstarted(ex.process_index, at_batch, error))

@@ -155,3 +155,35 @@ def stopped_error(process: int, at_batch: int) -> ReportedError:
     at_batch,
     "stop",
   )
+
+
+def not_at_end(waiting: list[int], yielded: int, timeout_s: float) -> ReportedError:
+  """The ending of peers alive but not at the agreed end within `sync_timeout_s`."""
+  return ReportedError(
+    ErrorKind.TIMEOUT,
+    f"processes {waiting} did not reach the end of the stream ({yielded}"
+    f" batches) within `sync_timeout_s`={timeout_s:g}s; they are alive"
+    " (their liveness beats are recent) but stopped iterating before the end"
+    " without closing the iterator",
+    waiting[0],
+    yielded,
+    "PeerTimeoutError",
+    tuple(waiting),
+  )
+
+
+def crosswise(mine: tuple[int, str], theirs: tuple[int, str], at_batch: int) -> ReportedError:
+  """Two processes, each waiting at the start of a stream the other never started: (process, stream) each."""
+  (a, sa), (b, sb) = sorted([mine, theirs])
+  message = (
+    f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
+    f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
+    f" started the other's: {order_cause()}"
+  )
+  peer = theirs[0]
+  return ReportedError(ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,))
+
+
+def _iterator(namespace: str) -> str:
+  """An iterator's key prefix, without its stream's generation."""
+  return namespace.rsplit("/", 1)[0]

@@ -64,7 +64,7 @@ class Follower(Streamed):
         if urgent:
           yield from self._flush()
           return (yield from self._wait())
-        return (yield from self._timed("try_decision", self._seq))
+        return (yield from self._timed(core.TryDecision(self._seq)))
       if not posted or self._own.waits_on_build():
         return None
       # Posted, nothing decided left to build: wait in the store for the
@@ -74,7 +74,7 @@ class Follower(Streamed):
       full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
       if self._seq == 0 or threaded and full:
         return (yield from self._wait())
-      return None if threaded else (yield from self._timed("try_decision", self._seq))
+      return None if threaded else (yield from self._timed(core.TryDecision(self._seq)))
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
         # Posts come in runs, not a batch each.
@@ -86,20 +86,20 @@ class Follower(Streamed):
     return (yield from self._wait())
 
   def _wait(self) -> core.Steps:
-    if self._idle and (yield core.Look("dead", 0)):
+    if self._idle and (yield core.IsDead(0)):
       yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
       error = endings.lost(0, self._dead_after_s, self._yielded, when, cause)
       raise endings.to_exception(error, self._process, None)
-    note = (yield core.Look("closed", 0)) if self._idle else None
+    note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:
-      text = yield from self._timed("try_decision", self._seq)  # Its ending here, if any.
+      text = yield from self._timed(core.TryDecision(self._seq))  # Its ending here, if any.
       if text is not None:
         return text
       yield from self._end_exchange()
       raise RuntimeError(endings.closed_peer_message(note, self._namespace))
-    if self._idle and self._seq == 0 and (cross := (yield core.Look("cross", 0, self._yielded))):
+    if self._idle and self._seq == 0 and (cross := (yield from self._crosswise(0))):
       yield from self._post(final=True, error=cross)
       yield from self._end_exchange()
       raise endings.to_exception(cross, self._process, None)
@@ -112,7 +112,7 @@ class Follower(Streamed):
     elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
       yield from self._end_exchange()
       raise endings.to_exception(self._gave_up, self._process, None)
-    return (yield from self._wait_slice("wait_decision", self._seq))
+    return (yield from self._wait_slice(core.WaitDecision(self._seq)))
 
   def _post_stop(self, stop: messages.ReportedError) -> core.Steps:
     # An ending's report carries no rows (`_post`): unposted rows are void.
@@ -157,11 +157,11 @@ class Follower(Streamed):
   def _post(self, *, final: bool, error: messages.ReportedError | None) -> core.Steps:
     """Posts unposted rows and, once read, the ending (or `error`, a closing one)."""
     start = self._posted
-    seq = yield core.Store("post_chunk", self._chunk(final=final, error=error))
+    seq = yield self._chunk(final=final, error=error)
     if self._posted > start:
       self._chunks.append((seq, start))
 
-  def _chunk(self, *, final: bool, error: messages.ReportedError | None) -> tuple[str, bool]:
+  def _chunk(self, *, final: bool, error: messages.ReportedError | None) -> core.PostChunk:
     """The next chunk's text, with `final`: unposted rows and, once read, the ending (or `error`)."""
     end = self._own.end if not self._end_posted else None
     sig = None
@@ -181,7 +181,7 @@ class Follower(Streamed):
     self._posted += len(report.rows)
     self._unposted.clear()
     self._end_posted = self._end_posted or end is not None or error is not None
-    return chunk.to_json(), final
+    return core.PostChunk(chunk.to_json(), final)
 
   def _forget_decided(self) -> core.Steps:
     """Deletes own chunks the decider has read (a later position is decided)."""
@@ -189,16 +189,13 @@ class Follower(Streamed):
     while self._chunks and self._chunks[0][1] < self._decided:
       read = self._chunks.popleft()[0] + 1
     if read is not None:
-      yield core.Store("delete_chunks", (read,))
+      yield core.DeleteChunks(read)
 
-  def closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.Store]:
+  def _closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.StoreCall]:
     """Posts this host's ending (closed, or `error`) as its final chunk."""
-    if self.ended:
-      return []
-    self.ended = True
-    calls = []
+    calls: list[core.StoreCall] = []
     if not self._end_posted or error is None or error.kind in messages.ABORTS:
       self._unposted.clear()
       error = error or endings.closed_error(self._process, at_batch)
-      calls.append(core.Store("post_chunk", self._chunk(final=True, error=error)))
-    return [*calls, core.Store("end")]
+      calls.append(self._chunk(final=True, error=error))
+    return [*calls, core.EndExchange()]

@@ -17,6 +17,33 @@ from grain_jax_sync._src.agreement import common, core, endings
 if TYPE_CHECKING:  # Handed in by the session (it reads the clock); the core only calls it.
   from grain_jax_sync._src import job_stats
 
+# Two processes that each wait at the start of a stream the other has not
+# started (iterators created or started in a different order: a stream starts
+# at its first `next()`) can never go on. Named after this long crosswise, or half
+# `sync_timeout_s` if shorter: longer than a live peer takes between the
+# first `next()` calls of iterators it starts together (threads), on any host.
+CROSS_WAIT_S = 30.0
+
+
+class Side:
+  """A run of steps of the core (its main run, or a side one): `send` and `throw` carry `Now` in.
+
+  Its last output is `core.Ended`.
+  """
+
+  def __init__(self, owner: Streamed, steps: core.Steps):
+    self._own, self._steps = owner._own, steps
+
+  def send(self, result: Any, now: core.Now) -> Any:
+    """The next action, given the last one's `result` and `now`."""
+    self._own.now = now
+    return core.step(self._steps, result)
+
+  def throw(self, error: BaseException, now: core.Now) -> Any:
+    """The last action failed with `error`: raised inside the core (it may end on it)."""
+    self._own.now = now
+    return core.step(self._steps, error=error)
+
 
 class Streamed(common.Agreement):
   """What the decider and the followers share: own reads, the runs, the ending.
@@ -74,31 +101,95 @@ class Streamed(common.Agreement):
     self.reached_end = False  # The final decision ended the stream without an error.
     self.ended = False  # The exchange is ended (the final decision, or this host's own).
     self._waiting_since: float | None = None
+    self._cross_since: float | None = None  # Since when a peer waits crosswise.
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
-    self._steps = self._run()
+    main = Side(self, self._run())
+    self.send, self.throw = main.send, main.throw
 
   @property
   def now(self) -> core.Now:
     return self._own.now
 
-  def send(self, result: Any, now: core.Now) -> core.Action:
-    """The next action, given the last one's `result` and `now`; StopIteration at the end."""
-    self._own.now = now
-    return self._steps.send(result)
-
-  def throw(self, error: BaseException, now: core.Now) -> core.Action:
-    """The last action failed with `error`: raised inside the core (it may end on it)."""
-    self._own.now = now
-    return self._steps.throw(error)
+  def side(self, steps: core.Steps) -> Side:
+    """A side run of this core's steps (`stop_now`, `at_end`)."""
+    return Side(self, steps)
 
   def _run(self) -> core.Steps:
     raise NotImplementedError
 
-  def closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.Store]:
-    """The store calls that post this host's ending (closed, or `error`); none once ended."""
+  def closing(
+    self, at_batch: int, error: messages.ReportedError | None, *, left: bool = False
+  ) -> list[core.StoreCall]:
+    """The store calls that post this host's ending (closed, or `error`); none once ended.
+
+    `left`: this host leaves before the agreed end, so peers waiting there are told too.
+    """
+    calls = [] if self.ended else self._closing(at_batch, error)
+    self.ended = True
+    if left:
+      why = error or endings.closed_error(self._process, at_batch)
+      calls.insert(max(0, len(calls) - 1), core.PostLeft(why.message))
+    return calls
+
+  def _closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.StoreCall]:
+    """The calls that post this host's ending in the stream, then `core.EndExchange`."""
     raise NotImplementedError
+
+  def tell(self, result: Any, now: core.Now) -> None:
+    """The result of a store call carried out where an ending stops the drive right after it.
+
+    So its ending is posted after what the core posted, not over it; what the
+    core does next is not carried out.
+    """
+    self.send(result, now)
+
+  def at_end(self) -> core.Steps:
+    """At the agreed end, in the consumer's thread: ends once every peer's consumer got there.
+
+    A peer that left before the end (a close, a restart, a kill), even after
+    every position was decided, raises the error naming it; one that neither
+    arrives nor leaves within `sync_timeout_s` raises `PeerTimeoutError`.
+    """
+    yield core.PostReachedEnd()
+    since, yielded = self.now.t, self._yielded
+    while not (yield core.WaitAllReachedEnd()):
+      notes = yield core.EndNotes()
+      left = [notes[q] for q in sorted(notes) if notes[q]]
+      if left:
+        raise RuntimeError(left[0])
+      waiting = [q for q in range(self._process_count) if q not in notes]
+      for peer in waiting:
+        if (yield core.IsDead(peer)):
+          when = f"before it received the last batch ({yielded} batches)"
+          error = endings.lost(peer, self._dead_after_s, yielded, when)
+          raise endings.to_exception(error, self._process, None)
+      if waiting and self.now.t - since > self._timeout_s:
+        error = endings.not_at_end(waiting, yielded, self._timeout_s)
+        raise endings.to_exception(error, self._process, None)
+
+  def _crosswise(self, peer: int) -> core.Steps:
+    """The crosswise ending once `peer` waited long enough at the start of a stream not started here.
+
+    Each of two processes waits for the first decision of a stream the other
+    has not started: each beat carries the streams its process waits on, and
+    both find it, with one message. It is posted to the peer's stream too,
+    where it waits: whichever of the two finds it first, both raise it.
+    """
+    theirs = yield core.Crosswise(peer)
+    if not theirs:
+      self._cross_since = None
+      return None
+    now = self.now.t
+    if self._cross_since is None:
+      self._cross_since = now
+    if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
+      return None
+    error = endings.crosswise((self._process, self._namespace), (peer, theirs[0]), self._yielded)
+    yield core.PreEnd(theirs[0], error.message)
+    yield core.Elsewhere(theirs[0], tuple(unstarted(self._process, 0, error)))
+    return error
 
   def _forget_decided(self) -> core.Steps:
     """Drops what the decided positions no longer need (`Decider` and `Follower` each their own)."""
@@ -116,11 +207,11 @@ class Streamed(common.Agreement):
 
   def _end_exchange(self) -> core.Steps:
     self.ended = True
-    yield core.Store("end")
+    yield core.EndExchange()
 
   def _hand_on(self, decision: messages.Decision) -> core.Steps:
     """Delivers this host's run of `decision`; after the final one, stops or raises the agreed error."""
-    yield core.Look("done")  # Decided: no longer a crosswise wait.
+    yield core.NotWaiting()  # Decided: no longer a crosswise wait.
     run = yield from self._apply(decision)
     yield from self._forget_decided()
     if decision.end != messages.Outcome.CONTINUE:
@@ -156,10 +247,10 @@ class Streamed(common.Agreement):
     self._own.stopped = True
     return endings.stopped_error(self._process, self._stop_at)
 
-  def _timed(self, op: str, *args: Any) -> core.Steps:
+  def _timed(self, call: core.StoreCall) -> core.Steps:
     """A store read of the peers' posts (its time marks the news as fresh where it read them all)."""
-    out = yield core.Store(op, args)
-    if op != "wait_chunk" or self._process_count > 2:
+    out = yield call
+    if type(call) is not core.WaitChunk or self._process_count > 2:
       # With one peer, a wait reads the one chunk waited for, not every post:
       # what follows it (a timed-out ending posted long ago) is read before
       # deciding once the last read of every post is old (`_news_stale`).
@@ -167,9 +258,9 @@ class Streamed(common.Agreement):
     self._reads_since_look = 0
     return out
 
-  def _wait_slice(self, op: str, *args: Any) -> core.Steps:
+  def _wait_slice(self, call: core.StoreCall) -> core.Steps:
     """A blocking read of the peers' posts; only after an empty one are beats read (`liveness`)."""
-    out = yield from self._timed(op, *args)
+    out = yield from self._timed(call)
     self._idle = not out
     return out
 
@@ -200,3 +291,19 @@ class Streamed(common.Agreement):
   def yielded(self) -> int:
     """Output batches decided so far (for messages)."""
     return self._yielded
+
+
+def unstarted(
+  process: int, at_batch: int, error: messages.ReportedError | None
+) -> list[core.StoreCall]:
+  """The calls that post `process`'s ending (closed, or `error`) to a stream it never started.
+
+  As the stream's first and final decision (process 0) or chunk (any other).
+  """
+  error = error or endings.closed_error(process, at_batch)
+  if process == 0:
+    final = messages.Decision(0, (), messages.Outcome.RAISE, error)
+    return [core.PostDecision(0, final.to_json(), True), core.EndExchange()]
+  report = messages.Report(process_index=process, error=error, local_devices=1)
+  chunk = messages.Chunk(start=0, ack=0, report=report)
+  return [core.PostChunk(chunk.to_json(), True), core.EndExchange()]

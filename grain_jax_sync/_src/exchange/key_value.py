@@ -36,6 +36,7 @@ Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -336,6 +337,11 @@ class KeyValueExchange:
 def closed_key(base: str, process: int) -> str:
   """The key `process` writes when it closes the iterator of key prefix `base`."""
   return f"{base}/closed/{process}"
+
+
+def close_note(stream: str | None, process: int, at_batch: int) -> str:
+  """What `process` writes when it closes its iterator in `stream` after `at_batch` batches."""
+  return json.dumps([stream, f"process {process} closed its iterator at batch {at_batch}"])
 
 
 def register_close(base: str, note: str) -> None:

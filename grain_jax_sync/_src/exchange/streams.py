@@ -4,7 +4,7 @@ An iterator's key prefix (`new_namespace`) is the same on every process;
 each (re)start of it is a stream, ``{prefix}/{generation}``. The registry
 (`REGISTRY`, the library's one process-wide registry) records which
 iterators were created here and which streams were started here, wait for
-their first decision (the beat carries those: `agreement.cross_wait`), or
+their first decision (the beat carries those: `agreement.driver.Driver.crosswise`), or
 were ended here before they started (`pre_end`), and how many closes the
 beat announces.
 """
@@ -24,7 +24,7 @@ class _Registry:
   Every field is guarded by `lock`. A process's iterators must know each
   other's streams: the beat carries the streams this process waits at the
   start of, and the crosswise watch asks whether a stream a peer waits on was
-  created and started here (`agreement.cross_wait`).
+  created and started here (`agreement.driver.Driver.crosswise`).
   """
 
   def __init__(self) -> None:

@@ -1,0 +1,236 @@
+"""The agreement's cores driven directly: no thread, no clock, time advanced by hand.
+
+As h11's `ConnectionPair` and aioquic's `roundtrip`: `Cores` wires N cores
+(`decider.Decider`, `follower.Follower`) to one in-memory store through the
+library's one `interpreter.Interpreter`, each with a `Hand` world whose time
+is the test's. A host steps until a wait in the store finds nothing (then the
+next host steps), until it delivers its runs and ends. Every ending the core
+decides has its test here: the agreed end and the wait at it, a close, a
+stream a peer never started, and two processes waiting crosswise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grain_jax_sync._src import messages, plan, reader, sources
+from grain_jax_sync._src.agreement import common, core, decider, endings, interpreter, streamed
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.memory_store import MemoryStore
+
+NS = "grain_jax_sync/core/1"
+RULES = plan.Rules(batch_size=4, drop_last=False, pad=True)
+# What a wait in the store that found nothing returns (`MemoryStore(wait=False)`).
+EMPTY = {core.WaitChunk: [], core.WaitDecision: None, core.WaitAllReachedEnd: False}
+
+
+class Hand(interpreter.World):
+  """One host's world with no thread: its reads from a list, the pair's time, the pair's looks."""
+
+  def __init__(self, cores: Cores, p: int, batches: int):
+    self.cores, self.p = cores, p
+    rows = ({"x": np.full(4, 100 * p + b, np.int32)} for b in range(batches))
+    self.reads = reader.Reader(sources.open_source(rows), process_index=p, check_int32=False)
+    self.theirs: list[str] = []  # The streams a peer waits on, made and not started here.
+    self.pre_ended: dict[str, str] = {}
+
+  def now(self) -> core.Now:
+    return core.Now(self.cores.t)
+
+  def call(self, fn):
+    yield from ()
+    return fn()
+
+  def take(self, want, wait_s):
+    yield from ()
+    return next(self.reads)
+
+  def pace(self) -> int:
+    return 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.
+
+  def dead(self, peer: int) -> bool:
+    return peer in self.cores.dead
+
+  def closed(self, peer: int) -> str | None:
+    return None
+
+  def crosswise(self, peer: int) -> list[str]:
+    return self.theirs
+
+  def pre_end(self, namespace: str, message: str) -> None:
+    self.pre_ended[namespace] = message
+
+
+class Cores:
+  """N cores over one in-memory store, stepped by hand (`step`, `roundtrip`), time set by hand (`t`)."""
+
+  def __init__(self, n: int, batches: int = 5, timeout_s: float = 100.0):
+    self.t = 0.0
+    self.dead: set[int] = set()
+    self.store = MemoryStore(wait=False)
+    self.ex = [
+      key_value.KeyValueExchange(self.store, NS, process_index=p, process_count=n) for p in range(n)
+    ]
+    self.world = [Hand(self, p, batches) for p in range(n)]
+    self.interp = [interpreter.Interpreter(self.ex[p], self.world[p]) for p in range(n)]
+    who = [common.Identity(process=p, devices=1, config={"c": 1}, resume=0) for p in range(n)]
+    self.cores = [
+      decider.core_for(
+        RULES,
+        who[p],
+        threaded=False,
+        namespace=NS,
+        process_count=n,
+        lookahead=None,
+        timeout_s=timeout_s,
+        position=0,
+      )
+      for p in range(n)
+    ]
+    self.runners: list = list(self.cores)  # The main runs; `side` puts a side run in their place.
+    self.results: list = [None] * n
+    self.yielded = [[] for _ in range(n)]  # Per host: the values of the batches it yields.
+    self.ended: list[core.Ended | None] = [None] * n
+
+  def step(self, p: int, limit: int = 1000) -> None:
+    """Host p acts until a wait in the store finds nothing, it delivers a run (its consumer's turn), or it ends."""
+    for _ in range(limit):
+      if self.ended[p] is not None:
+        return
+      action = self.runners[p].send(self.results[p], core.Now(self.t))
+      self.results[p] = None
+      if type(action) is core.Ended:
+        self.ended[p] = action
+      elif type(action) is core.Deliver:
+        for read, s in action.run.steps:
+          if s.action == messages.Action.YIELD:
+            self.yielded[p].append(None if read is None else int(read.batch.leaves[0][0]))
+        return
+      else:
+        self.results[p] = interpreter.blocking(self.interp[p].carry(action))
+        if EMPTY.get(type(action), ...) == self.results[p]:
+          return
+    raise AssertionError(f"host {p} never waited")
+
+  def roundtrip(self, rounds: int = 100) -> None:
+    """Every host steps in turn until every one ended (or `rounds` pass)."""
+    for _ in range(rounds):
+      if all(e is not None for e in self.ended):
+        return
+      for p in range(len(self.cores)):
+        self.step(p)
+
+  def side(self, p: int, steps: core.Steps) -> None:
+    """Host p runs `steps` (`at_end`) from here on, as a side run of its core."""
+    self.runners[p], self.ended[p], self.results[p] = self.cores[p].side(steps), None, None
+
+  def close(self, p: int, at_batch: int, *, left: bool = False) -> None:
+    """Host p's ending, asked: its closing calls carried out as the driver does."""
+    interpreter.best_effort(self.ex[p], self.cores[p].closing(at_batch, None, left=left))
+    self.ended[p] = core.Ended(None)
+
+
+def _error(ended: core.Ended | None) -> BaseException:
+  assert ended is not None and ended.error is not None, ended
+  return ended.error
+
+
+def test_cores_agree_on_every_batch_and_wait_for_each_other_at_the_end():
+  c = Cores(2, batches=5)
+  c.roundtrip()
+  assert c.ended == [core.Ended(None)] * 2
+  assert c.yielded == [[0, 1, 2, 3, 4], [100, 101, 102, 103, 104]]
+  assert all(x.reached_end for x in c.cores)
+  # The wait at the agreed end: host 0 gets there first and waits for host 1.
+  for p in (0, 1):
+    c.side(p, c.cores[p].at_end())
+  c.step(0)
+  assert c.ended[0] is None  # Host 1 is not there yet.
+  c.roundtrip()
+  assert c.ended == [core.Ended(None)] * 2
+
+
+def test_a_peer_that_never_reaches_the_end_times_out_once_the_hand_passes_the_timeout():
+  c = Cores(2, batches=3, timeout_s=10.0)
+  c.roundtrip()
+  c.side(0, c.cores[0].at_end())
+  c.step(0)
+  c.t = 9.0
+  c.step(0)
+  assert c.ended[0] is None  # Not yet: time is the test's.
+  c.t = 10.5
+  c.step(0)
+  error = _error(c.ended[0])
+  assert isinstance(error, endings.PeerTimeoutError) and error.missing == (1,)
+  assert "processes [1] did not reach the end of the stream (3 batches)" in str(error)
+
+
+def test_a_peer_that_left_before_the_end_is_named_at_the_end():
+  c = Cores(2, batches=3)
+  c.roundtrip()
+  c.close(1, 3, left=True)  # Its consumer closed before it received the end.
+  c.side(0, c.cores[0].at_end())
+  c.step(0)  # Posted that it got there; nobody else did.
+  c.step(0)
+  assert str(_error(c.ended[0])) == "process 1 closed its iterator at batch 3"
+
+
+@pytest.mark.parametrize("closer", [0, 1])
+def test_a_close_ends_the_peer_with_its_count(closer):
+  c = Cores(2, batches=20)
+  other = 1 - closer
+  while len(c.yielded[closer]) < 2:
+    c.step(0)
+    c.step(1)
+  at = len(c.yielded[closer])
+  c.close(closer, at)
+  c.roundtrip()
+  error = _error(c.ended[other])
+  assert isinstance(error, RuntimeError)
+  assert f"process {closer} closed its iterator at batch {at}" in str(error)
+  assert len(c.yielded[other]) >= at  # What was decided before the close reached it.
+
+
+@pytest.mark.parametrize("never", [0, 1])
+def test_a_stream_a_peer_never_started_ends_with_its_ending_posted_there(never):
+  c = Cores(2, batches=5)
+  # Its iterator closed (or restarted) before its first next(): the ending of
+  # the stream it never started, as `session.Streams.end` posts it.
+  interpreter.best_effort(c.ex[never], streamed.unstarted(never, 2, None))
+  c.ended[never] = core.Ended(None)
+  c.roundtrip()
+  error = _error(c.ended[1 - never])
+  assert str(error) == f"process {never} closed its iterator at batch 2"
+  assert c.yielded[1 - never] == []
+
+
+def test_two_cores_waiting_crosswise_end_once_the_hand_passes_the_crosswise_wait():
+  c = Cores(2, batches=5)
+  theirs = "grain_jax_sync/other/1"
+  c.world[0].theirs = [theirs]  # Process 1 waits at the start of a stream made here, not started.
+  c.step(0)
+  c.step(0)  # Idle: it looks at process 1's beat, crosswise from now.
+  assert c.ended[0] is None
+  c.t = streamed.CROSS_WAIT_S - 1
+  c.step(0)
+  assert c.ended[0] is None
+  c.t = streamed.CROSS_WAIT_S + 1
+  c.step(0)
+  error = _error(c.ended[0])
+  assert "neither has started the other's" in str(error)
+  assert c.world[0].pre_ended == {theirs: str(error)}
+  # Posted where process 1 waits too, as its first and final decision.
+  other = key_value.KeyValueExchange(c.store, theirs, process_index=1, process_count=2)
+  final = messages.Decision.from_json(other.try_decision(0))
+  assert final.end == messages.Outcome.RAISE and final.error.message == str(error)
+
+
+def test_a_dead_peer_is_named_once_its_beat_stopped():
+  c = Cores(2, batches=5)
+  c.step(0)
+  c.step(0)
+  c.dead.add(1)
+  c.step(0)
+  error = _error(c.ended[0])
+  assert isinstance(error, endings.PeerLostError) and error.missing == (1,)
