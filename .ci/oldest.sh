@@ -11,18 +11,8 @@ root="$PWD"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # The lower bounds in pyproject.toml (tests/test_declared_range.py checks).
 OLDEST=(jax==0.7.2 jaxlib==0.7.2 grain==0.2.15 numpy==2.0.0 ml_dtypes==0.5.0)
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-# This tree's files (tracked and untracked, less the ignored), so that the
-# build leaves nothing (build/, *.egg-info) in the checkout.
-mkdir "$work/src"
-if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
-else  # Not a git checkout (an unpacked archive): all of it.
-  cp -a . "$work/src"
-fi
-python3 -m venv "$work/venv"
-py="$work/venv/bin/python"
+. .ci/venv.sh
+new_venv python3
 "$py" -m pip install -q "${OLDEST[@]}" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
 "$py" -m pip install -q --no-deps "$work/src"
 "$py" -m pip check

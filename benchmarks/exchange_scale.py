@@ -56,7 +56,9 @@ import threading
 import time
 from typing import Any
 
-from grain_jax_sync._src import job_stats, messages
+import numpy as np
+
+from grain_jax_sync._src import batches, job_stats, messages, trees
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import common
@@ -68,7 +70,11 @@ from grain_jax_sync._src.exchange import streams as exchange_streams
 # depends on it).
 ROWS = 256
 # A realistic first-report payload: the structure signature and settings digest.
-SIGNATURE = {"image": [[ROWS, 32, 32, 3], "uint8"], "label": [[ROWS], "int32"]}
+SIGNATURE = batches.Signature.of(
+  *trees.flatten(
+    {"image": np.zeros((ROWS, 32, 32, 3), np.uint8), "label": np.zeros(ROWS, np.int32)}
+  )
+).to_json()
 CONFIG = {"batch_size": ROWS, "drop_last": False, "paddings": None, "digest": "0" * 16}
 # Generous service timeouts: 1,024 clients on 2 cores must not be declared dead.
 TIMEOUT_S = 600

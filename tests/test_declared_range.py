@@ -3,8 +3,8 @@
 `.ci/oldest.sh` installs pinned versions and runs the smoke tests and the demo
 there; these checks keep its pins equal to `pyproject.toml`'s lower bounds,
 run `.ci/run` (its commands stubbed) to see that it runs the README's test
-command with the oldest step beside it (either failing fails CI), and keep
-the README stating the range.
+command with the oldest and newest steps (`.ci/newest.sh`) beside it (any
+failing fails CI), and keep the README stating the range.
 (The venv run itself is CI's, not pytest's: it downloads and takes minutes.)
 """
 
@@ -15,7 +15,10 @@ import shutil
 import subprocess
 import tomllib
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BESIDE = ["bash .ci/oldest.sh", "bash .ci/newest.sh"]  # .ci/run's steps beside the suite.
 
 
 def _read(*parts):
@@ -74,15 +77,15 @@ def _run_ci(tmp_path, failing: str = "") -> tuple[int, list[str]]:
   return out.returncode, log.read_text().splitlines() if log.exists() else []
 
 
-def test_ci_runs_the_readme_command_and_the_oldest_step_beside_it(tmp_path):
+def test_ci_runs_the_readme_command_and_the_oldest_and_newest_steps_beside_it(tmp_path):
   readme = _read("README.md")
   command = re.search(r"Run the tests .*?```\n(.*?)\n```", readme, re.S).group(1)
   steps = [" ".join(shlex.split(step)) for step in command.split("&&")]
   code, calls = _run_ci(tmp_path)
   assert code == 0
-  # The oldest versions' step runs beside the README's command, in the background.
-  assert sorted(calls) == sorted([*steps, "bash .ci/oldest.sh"])
-  assert [c for c in calls if c != "bash .ci/oldest.sh"] == steps
+  # The oldest and newest versions' steps run beside the README's command, in the background.
+  assert sorted(calls) == sorted([*steps, *BESIDE])
+  assert [c for c in calls if c not in BESIDE] == steps
 
 
 def test_ci_fails_and_stops_when_a_step_of_the_readme_command_fails(tmp_path):
@@ -91,14 +94,16 @@ def test_ci_fails_and_stops_when_a_step_of_the_readme_command_fails(tmp_path):
   # the run must fail, before the tests.
   code, calls = _run_ci(tmp_path, failing="ruff format")
   assert code != 0
-  assert [c for c in calls if c != "bash .ci/oldest.sh"][-1] == "python3 -m ruff format --check ."
+  assert [c for c in calls if c not in BESIDE][-1] == "python3 -m ruff format --check ."
   assert not [c for c in calls if "pytest" in c]
 
 
-def test_ci_fails_when_the_oldest_step_fails_beside_a_passing_suite(tmp_path):
-  code, calls = _run_ci(tmp_path, failing="oldest")
+@pytest.mark.parametrize("step", ["oldest", "newest"])
+def test_ci_fails_when_a_step_beside_a_passing_suite_fails(tmp_path, step):
+  code, calls = _run_ci(tmp_path, failing=f".ci/{step}.sh")
   assert code != 0
-  assert any("pytest" in c for c in calls) and "bash .ci/oldest.sh" in calls
+  assert any("pytest" in c for c in calls)
+  assert sorted(c for c in calls if c in BESIDE) == sorted(BESIDE)
 
 
 def test_readme_states_the_tested_range():
@@ -106,3 +111,7 @@ def test_readme_states_the_tested_range():
   text = " ".join(_read("README.md").split())
   assert f"jax/jaxlib {pins['jax']} to" in text
   assert f"Grain {pins['grain']} to" in text
+  # The Pythons the classifiers declare are the ones CI tests (.ci/run's and .ci/newest.sh's).
+  classifiers = tomllib.loads(_read("pyproject.toml"))["project"]["classifiers"]
+  pythons = [c.rsplit(" ", 1)[1] for c in classifiers if re.search(r"Python :: 3\.\d+$", c)]
+  assert pythons and f"Python {' and '.join(pythons)}." in text, pythons

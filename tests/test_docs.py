@@ -17,6 +17,7 @@ Fences without a language (or ``text``) are commands and output, not code.
 """
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -77,6 +78,14 @@ def test_every_python_block_parses():
       ast.parse(block, filename=page)  # Even a snippet that is only shown.
 
 
+def _absent_imports(code: str) -> list[str]:
+  """The top-level modules that `code` imports and that are not installed."""
+  tree = ast.parse(code)
+  names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+  names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+  return sorted(t for t in {n.split(".")[0] for n in names} if importlib.util.find_spec(t) is None)
+
+
 # Runs a page's blocks, each as the `__main__` script `block_<line>.py` in a
 # directory of its own, and names every block that raised. The script's lines
 # are the page's (blank lines before the block), so tracebacks point there.
@@ -110,6 +119,10 @@ sys.exit(f"blocks that raised, by line: {failed}" if failed else 0)
 )
 def test_page_python_blocks_run_each_on_its_own(page, tmp_path):
   blocks = [(line, b) for line, b in _located_blocks(page) if _kind(b) == "run"]
+  # CI's newest-versions env (.ci/newest.sh) has only some extras: a block
+  # that imports one it lacks is left out, and the test then says so.
+  absent = {line: a for line, b in blocks if (a := _absent_imports(b))}
+  blocks = [(line, b) for line, b in blocks if line not in absent]
   (tmp_path / "blocks.json").write_text(json.dumps([page, blocks]))
   (tmp_path / "runner.py").write_text(_RUNNER)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -118,6 +131,8 @@ def test_page_python_blocks_run_each_on_its_own(page, tmp_path):
     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
   )  # fmt: skip
   assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+  if absent:
+    pytest.skip(f"the other blocks ran; not those at lines {absent} (imports not installed)")
 
 
 def test_readme_example_runs_alone_as_one_process(tmp_path):
@@ -163,6 +178,8 @@ def test_simulate_blocks_run_on_two_simulated_hosts(page, index, block, tmp_path
 
 
 def test_sphinx_site_builds_without_warnings(tmp_path):
+  pytest.importorskip("sphinx")
+  pytest.importorskip("myst_parser")
   proc = subprocess.run(
     [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", DOCS, str(tmp_path)],
     cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -7,6 +7,7 @@ public entry point that needs the extra, and prints the error it raised.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,7 +23,14 @@ CASES = [
     ["grain"], "gjs.device_put([1, 2])", "grain", "grain_jax_sync.device_put", id="device_put"
   ),
   pytest.param(
-    ["grain"], TFDS, "tfds", "tfds_pipeline(reader='data_source')", id="tfds_data_source"
+    ["grain"],
+    TFDS,
+    "tfds",
+    "tfds_pipeline(reader='data_source')",
+    id="tfds_data_source",
+    marks=pytest.mark.skipif(  # Grain missing beside an installed TFDS.
+      importlib.util.find_spec("tensorflow_datasets") is None, reason="needs tensorflow_datasets"
+    ),
   ),
   pytest.param(["tensorflow_datasets"], TFDS, "tfds", "grain_jax_sync.tfds_pipeline", id="tfds"),
   pytest.param(

@@ -336,7 +336,6 @@ def test_iter_jax_batches_takes_numpy_numbers_and_bools_as_options():
 
 # paddings value -> the error, for the int32 column `x` and the float32 column `y`.
 BAD_PADDINGS = {
-  True: "`paddings` value True for column 'x' does not fit dtype int32: a bool pads bool columns only",
   "0": "`paddings` value '0' for column 'x' does not fit dtype int32: expected a number, got a value",
   np.nan: "`paddings` value nan for column 'x' does not fit dtype int32: it would become",
   2**40: "`paddings` value 1099511627776 for column 'x' does not fit dtype int32: it would become",
@@ -511,12 +510,11 @@ def _ragged(*rows):
   [
     (([1, 2], [1.5]), 0, "ragged column 't' has rows of dtypes ['float64', 'int64']; every row"),
     (([1, 2], [3]), 0.5, "`pad_id` 0.5 is no value of ragged column 't' (int64)"),
-    (([1, 2], [3]), True, "`pad_id` True is no value of ragged column 't' (int64)"),
     ((np.array([1], np.uint8), np.array([2], np.uint8)), -1, "`pad_id` -1 is no value"),
     ((5, [1]), 0, "ragged column 't' has rows of shapes [(), (1,)]; expected rows of one"),
     ((np.ones((2, 2)), np.ones((1, 3))), 0, "rows of shapes [(1, 3), (2, 2)]"),
   ],
-  ids=["mixed_dtypes", "float_pad", "bool_pad", "negative_pad", "zero_d", "trailing"],
+  ids=["mixed_dtypes", "float_pad", "negative_pad", "zero_d", "trailing"],
 )
 def test_a_ragged_column_of_mixed_rows_or_a_pad_that_does_not_fit_is_refused(rows, pad_id, needle):
   from grain_jax_sync._src.sources import hugging_face

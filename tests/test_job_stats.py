@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
-from grain_jax_sync._src import job_stats, messages
+from grain_jax_sync._src import batches, job_stats, messages, trees
 from grain_jax_sync._src.agreement import ledger
 
 Y, D = messages.Action.YIELD, messages.Action.DROP
+SIGNATURE = batches.Signature.of(*trees.flatten({"x": np.zeros((8, 2), np.int32)})).to_json()
 
 
 def test_chunk_carries_times_only_when_given():
-  report = messages.Report(process_index=3, rows=(8, 5), exhausted=True, signature={"x": 1})
+  report = messages.Report(process_index=3, rows=(8, 5), exhausted=True, signature=SIGNATURE)
   plain = messages.Chunk(start=4, ack=2, report=report)
   timed = messages.Chunk(start=4, ack=2, report=report, times=(0.5, 1.25, 0.0, 2.0))
   assert '"t"' not in plain.to_json()
@@ -126,7 +128,7 @@ def test_straggler_streak_needs_fresh_figures_in_a_row():
   "report",
   [
     messages.Report(process_index=1, rows=(8, 8, 5)),
-    messages.Report(process_index=1, rows=(8, 3), exhausted=True, signature={"x": 1}),
+    messages.Report(process_index=1, rows=(8, 3), exhausted=True, signature=SIGNATURE),
     messages.Report(process_index=1, rows=(8,), config={"b": 8}, resume=0, more=True),
   ],
 )

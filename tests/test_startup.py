@@ -56,6 +56,7 @@ _TPU_NO_METADATA = {
 
 
 def test_init_distributed_on_a_tpu_without_its_metadata_server_raises_what_to_pass():
+  pytest.importorskip("requests")  # JAX reads the metadata server with it (jax[tpu] installs it).
   proc = _alone(
     "import jax, grain_jax_sync as gjs\n"
     "try:\n"

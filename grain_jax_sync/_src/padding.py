@@ -81,8 +81,6 @@ def _pad_value(pad: Any, dtype: np.dtype) -> np.ndarray:
     raise ValueError(f"expected a scalar, got shape {arr.shape}")
   if not (arr.dtype.kind in "biufc" or _is_float(arr.dtype) or _is_int(arr.dtype)):
     raise ValueError(f"expected a number, got a value of dtype {arr.dtype}")
-  if arr.dtype.kind == "b" and dtype.kind != "b":
-    raise ValueError("a bool pads bool columns only: give a number")
   with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
     warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # Judged below.
     value = np.asarray(arr.astype(dtype, casting="unsafe"))

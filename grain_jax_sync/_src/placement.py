@@ -658,7 +658,9 @@ def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> Batch
         f" {jax.process_count()} processes; pass a sharding (or mesh) that"
         " spans every process's devices, e.g. grain_jax_sync.default_mesh()"
       )
-    device = jax.sharding.SingleDeviceSharding(device)
+    # JAX 0.12 deprecates building SingleDeviceSharding; older JAX lacks the factory.
+    single = getattr(jax.sharding, "make_single_device_sharding", None)
+    device = single(device) if single else jax.sharding.SingleDeviceSharding(device)
   if device is not None:
     if mesh is not None or sharding is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`, not both")

@@ -271,9 +271,9 @@ class MixedRecords:
   def _getitems(self, rows: Sequence[int]) -> list[Any]:
     g = np.asarray(rows, np.int64)
     start, sources, at = self._block
-    if len(g) and not (start <= g.min() and g.max() < start + len(sources)):
-      first = int(g.min())
-      if g.max() - first >= _BLOCK:
+    if len(g) and not (start <= np.min(g) and np.max(g) < start + len(sources)):
+      first = int(np.min(g))
+      if np.max(g) - first >= _BLOCK:
         start, (sources, at) = first, self._find(g)
       else:
         self._block = start, sources, at = (first, *self._find(np.arange(first, first + _BLOCK)))
