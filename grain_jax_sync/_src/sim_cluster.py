@@ -362,8 +362,8 @@ class _Host(interpreter.World):
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
-    if post and self.unacked is not None:
-      interpreter.tell_done(*self.unacked, self.now())
+    if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
+      self.unacked[0].send(self.unacked[1], self.now())
     if post:
       interpreter.best_effort(self.ex, self.core.closing(len(self.out.received), None))
 

@@ -1,18 +1,11 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
-The core (`core`, `decider`, `follower`) says what to do as typed actions;
-`Interpreter.carry` gives each its meaning, dispatched by type. Only two
-things differ between a real host and a simulated one, and both come in:
-
-* the store: a `KeyValueExchange` over `jax.distributed`'s client, or over
-  the in-memory store (`memory_store`);
-* the clock, with this host's stages: a `World`. On a real host
-  (`driver.Driver`) time is monotonic and a wait blocks a thread, so its
-  steps never yield; in the simulated cluster (`sim_cluster`) time is
-  virtual and a wait yields to the scheduler.
-
-Both the real `driver.Driver` and `sim_cluster` use this module; neither
-gives an action a meaning of its own.
+`Interpreter.carry` gives each of the core's typed actions its meaning,
+dispatched by type. A real host (`driver.Driver`) and a simulated one
+(`sim_cluster`) differ only in what they hand in: the store (a
+`KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
+store) and the `World` (monotonic time and blocking threads, or the virtual
+scheduler, to which a wait yields).
 """
 
 from __future__ import annotations
@@ -33,15 +26,11 @@ Steps = Generator[Any, Any, Any]
 
 
 class World:
-  """The clock and this host's stages, as `Interpreter` reaches them: real (`driver.Driver`) or simulated.
+  """The clock and this host's stages, real (`driver.Driver`) or simulated (`sim_cluster`).
 
-  `now()` says the time, the build stage's progress and whether a read
-  waits; `call(fn)` makes one store call; `take`, `wait_build` and `pace`
-  carry out `core.Take`, `core.WaitBuild` and `core.Pace`; `dead` and
-  `closed` look at a peer. Each of `call`, `take` and `wait_build` is a
-  generator: a real one never yields (its waits block), a simulated one
-  yields its waits to the virtual scheduler. This process's streams (the
-  crosswise watch) are none by default: one stream per host.
+  `now()`, `call(fn)` (one store call), `take`, `wait_build`, `pace`, and the
+  looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
+  a real world never yields from (its waits block). No crosswise streams by default.
   """
 
   def crosswise(self, peer: int) -> list[str]:
@@ -138,12 +127,3 @@ def blocking(steps: Steps) -> Any:
   except StopIteration as done:
     return done.value
   raise AssertionError("a real host's action yielded: its waits block")
-
-
-def tell_done(runner: Any, result: Any, now: core.Now) -> None:
-  """Tells the core the result of a store call carried out, where an ending stops the drive after it.
-
-  So that its ending is posted after what the core posted, not over it;
-  what the core does next is not carried out (nor raised): this host ends.
-  """
-  runner.send(result, now)
