@@ -156,9 +156,10 @@ class EndNotes(StoreCall):
 
 
 class Elsewhere(Action):
-  """`calls` in stream `namespace`, which this host never started (best effort, never raised)."""
+  """Stream `namespace`, never started here: this host's ending there (`message`), recorded and posted."""
 
   namespace: str
+  message: str
   calls: tuple[StoreCall, ...]
 
 
@@ -184,11 +185,6 @@ class Crosswise(
 
 class NotWaiting(Look):
   """This host no longer waits for its stream's first decision."""
-
-
-class PreEnd(Look):  # The ending this host posted to a stream before it started it.
-  namespace: str
-  message: str
 
 
 class WaitBuild(Action):

@@ -97,9 +97,8 @@ class Interpreter:
         return w.crosswise(peer)
       case core.NotWaiting():
         return w.not_waiting()
-      case core.PreEnd(namespace, message):
-        return w.pre_end(namespace, message)
-      case core.Elsewhere(namespace, calls):
+      case core.Elsewhere(namespace, message, calls):
+        w.pre_end(namespace, message)
         return best_effort(self.exchange.sibling(namespace), calls)
     return (yield from w.call(_store_call(self.exchange, action)))
 
