@@ -38,9 +38,9 @@ class Hand(interpreter.World):
   def now(self) -> core.Now:
     return core.Now(self.cores.t)
 
-  def call(self, fn):
+  def call(self, fn, *args):
     yield from ()
-    return fn()
+    return fn(*args)
 
   def take(self, want, wait_s):
     yield from ()

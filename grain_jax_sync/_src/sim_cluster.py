@@ -243,12 +243,12 @@ class _Host(interpreter.World):
   def now(self) -> core.Now:
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
-  def call(self, fn: Any) -> Generator[Wait, bool, Any]:
+  def call(self, fn: Any, *args: Any) -> Generator[Wait, bool, Any]:
     self.c.store.missed = None
-    result = fn()
+    result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
     if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
-      result = fn()
+      result = fn(*args)
     return result
 
   def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:

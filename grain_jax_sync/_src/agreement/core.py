@@ -216,13 +216,3 @@ Steps = Generator[Any, Any, Any]
 
 
 ENDED = Ended()
-
-
-def step(steps: Steps, result: Any = None, error: BaseException | None = None) -> Any:
-  """The next action of `steps`, given the last one's `result` (or its `error`); `Ended` at the end."""
-  try:
-    return steps.send(result) if error is None else steps.throw(error)
-  except StopIteration:
-    return ENDED
-  except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
-    return Ended(e)

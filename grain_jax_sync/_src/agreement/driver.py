@@ -159,9 +159,9 @@ class Driver(interpreter.World):
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
 
-  def call(self, fn: Any) -> interpreter.Steps:
+  def call(self, fn: Any, *args: Any) -> interpreter.Steps:
     yield from ()  # A real call blocks in the client.
-    return fn()
+    return fn(*args)
 
   def take(self, want: int, wait_s: float) -> interpreter.Steps:
     yield from ()  # A real wait blocks in the reading stage.

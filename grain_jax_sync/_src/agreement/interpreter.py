@@ -10,7 +10,6 @@ scheduler, to which a wait yields).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ Steps = Generator[Any, Any, Any]
 class World:
   """The clock and this host's stages, real (`driver.Driver`) or simulated (`sim_cluster`).
 
-  `now()`, `call(fn)` (one store call), `take`, `wait_build`, `pace`, and the
+  `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
   looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
   a real world never yields from (its waits block). No crosswise streams by default.
   """
@@ -62,11 +61,6 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
 }
 
 
-def _store_call(ex: key_value.KeyValueExchange, action: core.StoreCall) -> Callable[[], Any]:
-  """The exchange's call for a store action."""
-  return functools.partial(_STORE[type(action)], ex, action)
-
-
 class Interpreter:
   """Carries out one host's actions on its stream's exchange and its `World`.
 
@@ -82,6 +76,9 @@ class Interpreter:
   def carry(self, action: Any) -> Steps:
     """Carries `action` out; its result. A real world's steps never yield."""
     w = self.world
+    store = _STORE.get(type(action))
+    if store is not None:
+      return (yield from w.call(store, self.exchange, action))
     match action:
       case core.Take(want, wait_s):
         return (yield from w.take(want, wait_s))
@@ -100,7 +97,7 @@ class Interpreter:
       case core.Elsewhere(namespace, message, calls):
         w.pre_end(namespace, message)
         return best_effort(self.exchange.sibling(namespace), calls)
-    return (yield from w.call(_store_call(self.exchange, action)))
+    raise TypeError(f"not an action: {action!r}")
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
@@ -111,7 +108,7 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
   last = len(calls) - 1 if calls and type(calls[-1]) is core.EndExchange else len(calls)
   try:
     for call in calls[:last]:
-      _store_call(ex, call)()
+      _STORE[type(call)](ex, call)
   except Exception as e:  # noqa: BLE001 - best effort: the peers find it otherwise.
     logger.warning("grain_jax_sync: could not post this host's end to %s: %s", ex.namespace, e)
   finally:

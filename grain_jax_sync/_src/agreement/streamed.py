@@ -34,12 +34,22 @@ class Side:
   def send(self, result: Any, now: core.Now) -> Any:
     """The next action, given the last one's `result` and `now`."""
     self._own.now = now
-    return core.step(self._steps, result)
+    try:
+      return self._steps.send(result)
+    except StopIteration:
+      return core.ENDED
+    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
+      return core.Ended(e)
 
   def throw(self, error: BaseException, now: core.Now) -> Any:
     """The last action failed with `error`: raised inside the core (it may end on it)."""
     self._own.now = now
-    return core.step(self._steps, error=error)
+    try:
+      return self._steps.throw(error)
+    except StopIteration:
+      return core.ENDED
+    except BaseException as e:  # noqa: BLE001 - as in `send`.
+      return core.Ended(e)
 
 
 class Streamed(common.Agreement):
