@@ -4,7 +4,7 @@ Run from the repository root:
 
   python -m benchmarks.endings                        # print every table
   python -m benchmarks.endings --only stop_latency    # one table (repeat --only for more)
-  python -m benchmarks.endings --write                # also append them to benchmarks/RESULTS.md
+  python -m benchmarks.endings --write                # also replace their tables in benchmarks/RESULTS.md
 
 Tables (`--only` names), 2 processes x 4 CPU devices, default settings unless
 a row names one:
@@ -36,17 +36,13 @@ machine's clock.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import resource
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks import timed_endings
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import results_file, timed_endings
 
 
 def _stalling(p: int, n: int, at: int | None, stall_s: float) -> Any:
@@ -197,6 +193,8 @@ TABLES = {
   "stuck": stuck_rows,
   "leavers": leaver_rows,
 }
+NAMES = [*TABLES, "stop_latency"]  # `--only` choices; each table's section of RESULTS.md:
+SECTION = "benchmarks.endings {}"
 STOP_HEADER = [
   "| step | prefetch | asked after batch | seconds from the request to every host's end, worst"
   " (each) | batches after the request, most (each) | bound (s) | within |",
@@ -206,25 +204,28 @@ STOP_HEADER = [
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
   parser.add_argument(
-    "--only", action="append", choices=[*TABLES, "stop_latency"], help="run only these tables"
+    "--write", action="store_true", help="replace their tables in benchmarks/RESULTS.md"
   )
+  parser.add_argument("--only", action="append", choices=NAMES, help="run only these tables")
   args = parser.parse_args()
-  only = args.only or [*TABLES, "stop_latency"]
-  tables = []
-  main_rows = [row for name in TABLES if name in only for row in TABLES[name]([0, 2])]
-  if main_rows:
-    tables.append(["| endings (2 x 4, defaults) | figure |", "|---|---|", *main_rows])
+  only = args.only or NAMES
+  tables = {
+    name: ["| endings (2 x 4, defaults) | figure |", "|---|---|", *rows([0, 2])]
+    for name, rows in TABLES.items()
+    if name in only
+  }
   if "stop_latency" in only:
-    tables.append([*STOP_HEADER, *stop_latency_rows([0, 2])])
-  text = "\n\n".join("\n".join(t) for t in tables)
-  print(text)
-  if args.write:
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["python -m benchmarks.endings", *[f"--only {o}" for o in args.only or []]])
-    with open(os.path.join(_ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-      f.write(f"\n## Endings ({stamp}, `{command} --write`)\n\n{text}\n")
+    tables["stop_latency"] = [*STOP_HEADER, *stop_latency_rows([0, 2])]
+  command = " ".join(
+    ["python -m benchmarks.endings", *[f"--only {o}" for o in args.only or []]]
+    + (["--write"] if args.write else [])
+  )
+  head = results_file.provenance(command)
+  print("\n\n".join("\n".join(t) for t in tables.values()) + f"\n\n{head}")
+  if args.write:  # Each table replaces its own section: RESULTS.md does not grow.
+    for name, table in tables.items():
+      results_file.write_section(SECTION.format(name), head + "\n" + "\n".join(table))
   return 0
 
 

@@ -3,7 +3,7 @@
 Run from the repository root:
 
   python -m benchmarks.run            # print the table
-  python -m benchmarks.run --write    # also write benchmarks/RESULTS.md
+  python -m benchmarks.run --write    # also replace its table in benchmarks/RESULTS.md
   python -m benchmarks.run --quick    # fewer batches and trials (a smoke run)
   python -m benchmarks.run --only cpu_per_batch --only input_bound   # some rows alone
 
@@ -21,18 +21,14 @@ JAX processes x D forced CPU devices joined by jax.distributed on loopback. The
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import host, workloads
+from benchmarks import host, results_file, workloads
 from grain_jax_sync import testing
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NOTES = "## Notes"
+SECTION = "benchmarks.run"  # Its section of benchmarks/RESULTS.md.
 
 
 def _run(
@@ -56,24 +52,6 @@ def _thr(res: dict[str, Any], key: str) -> float:
 def _worst(values: list[dict[str, Any]], fn: Any) -> float:
   """The slowest host decides a multi-host figure."""
   return min(fn(v) for v in values)
-
-
-def _machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  import jax
-
-  return (
-    f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()},"
-    f" jax {jax.__version__}, {platform.system()} {platform.release()}"
-  )
 
 
 # Workloads of the 1 x 8 and 2 x 4 runs, with their --quick arguments.
@@ -103,7 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawTextHelpFormatter
   )
-  parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
+  parser.add_argument(
+    "--write", action="store_true", help="replace its table in benchmarks/RESULTS.md"
+  )
   parser.add_argument("--quick", action="store_true", help="fewer batches and trials")
   known = sorted({*_ONE, *_TWO, *host.NAMES})
   parser.add_argument(
@@ -138,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
   command = (
     "python -m benchmarks.run" + (" --quick" if q else "") + (" --write" if args.write else "")
   )
-  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-  print(table)
-  print(f"\n{stamp}; {_machine()}; {time.monotonic() - started:.0f}s")
+  head = results_file.provenance(command, time.monotonic() - started)
+  print(f"{table}\n\n{head}")
   if args.write:
-    _write(table, stamp, command, time.monotonic() - started)
+    results_file.write_section(SECTION, f"{head}\n{table}")
   return 0
 
 
@@ -415,31 +394,6 @@ _ROWS = {
   "elastic": _rows_elastic,
   "hf_map_style": _rows_hf_map_style,
 }
-
-
-def _write(table: str, stamp: str, command: str, run_s: float) -> None:
-  text = (
-    "# Benchmark results\n\n"
-    f"- Date: {stamp}\n"
-    f"- Machine: {_machine()}\n"
-    f"- Command (from the repository root): `{command}`\n"
-    f"- Run time: {run_s:.0f}s\n\n"
-    "Each figure is a ratio within one run (or a byte count); multi-host figures"
-    " are the slowest host's. The peer column is what a figure is compared with"
-    " in the same run: Grain's `device_put` or the bare loop where it says so,"
-    " else `benchmarks/reference.py`, a baseline model of Ray Data's"
-    " `jax_sync_generator`, not Ray itself.\n\n"
-    f"{table}\n"
-  )
-  path = os.path.join(_ROOT, "benchmarks", "RESULTS.md")
-  notes = ""
-  if os.path.exists(path):  # Keep the hand-written notes below the table.
-    with open(path) as f:
-      old = f.read()
-    if _NOTES in old:
-      notes = "\n" + old[old.index(_NOTES) :]
-  with open(path, "w") as f:
-    f.write(text + notes)
 
 
 if __name__ == "__main__":

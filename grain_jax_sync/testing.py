@@ -2,8 +2,9 @@
 
 `SimulatedCluster` runs N hosts' real agreement cores over an in-memory
 store with a virtual clock, in this process: a user tests their own stop and
-preemption schedule (`HostPlan`) against 64 or 16,384 virtual hosts in a unit
-test, in milliseconds. `run_processes` runs real processes:
+preemption schedule (`HostPlan`) against 64 virtual hosts in a unit test, in
+milliseconds (16,384 take about a minute and a half). `run_processes` runs
+real processes:
 
 Each process is a fresh Python interpreter with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=D``, joined to its peers by

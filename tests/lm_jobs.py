@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 import grain_jax_sync as gjs
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources.elastic import resume as resume_lib
 from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
@@ -27,6 +28,33 @@ def rows(k: int, n: int) -> list[dict[str, Any]]:
 def texts(k: int, n: int) -> list[dict[str, Any]]:
   """Source `k`'s `n` token sequences: record ``(k, i)`` is ``1 + (7i + k) % 40`` tokens of one id."""
   return [{"tok": np.full(1 + (7 * i + k) % 40, 1 + 10_000 * k + i, np.int32)} for i in range(n)]
+
+
+def documents(n: int, seed: int = 0) -> list[dict[str, Any]]:
+  """`n` documents of 1 to 1,000 tokens: token ``i`` of document ``d`` is ``1000 d + i + 1``."""
+  lengths = np.random.default_rng(seed).integers(1, 1001, n)
+  return [{"tok": (1000 * d + 1 + np.arange(k)).astype(np.int32)} for d, k in enumerate(lengths)]
+
+
+def document_pieces(batches: Any) -> dict[int, list[np.ndarray]]:
+  """Each document's pieces (token offsets), in the order packed rows deliver them.
+
+  `batches`: jobs, each a list per process of its batches. Checks that each
+  piece's positions go on from the document's start (`restart_positions` off).
+  """
+  out: dict[int, list[np.ndarray]] = {}
+  for job in batches:
+    for per_process in job:
+      for b in per_process:
+        for tok, seg, pos in zip(
+          *(np.asarray(b[k]) for k in ("tok", "tok_segment_ids", "tok_positions")), strict=True
+        ):
+          assert np.all(tok[seg == 0] == 0)
+          for s in np.unique(seg[seg > 0]):
+            offsets = tok[seg == s] % 1000 - 1
+            assert np.array_equal(pos[seg == s], offsets)
+            out.setdefault(int(tok[seg == s][0]) // 1000, []).append(offsets)
+  return out
 
 
 def token_counts(sources: list[list[dict[str, Any]]]) -> dict[int, int]:
@@ -53,7 +81,16 @@ def packed_records(batch: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 def mixture(kind: str, sizes: tuple[int, ...], batch: int, **kwargs: Any) -> gjs.ElasticSource:
-  """The sources of `sizes` mixed 1:2:5; ``kind`` "rows" batches records, "pack" packs texts."""
+  """The sources of `sizes` mixed 1:2:5; ``kind`` "rows" batches records, "pack" packs texts.
+
+  ``kind`` "docs": no mixture, ``documents(sizes[0])`` packed at length 64.
+  """
+  if kind == "docs":
+
+    def pack(ds: Any) -> Any:
+      return gjs.pack_sequences(ds, length=64).batch(batch)
+
+    return gjs.elastic_source(documents(sizes[0]), pack, **kwargs)
   if kind == "rows":
     sources = [rows(k, n) for k, n in enumerate(sizes)]
     return gjs.elastic_mixture(sources, WEIGHTS, lambda ds: ds.batch(batch), **kwargs)
@@ -65,33 +102,49 @@ def mixture(kind: str, sizes: tuple[int, ...], batch: int, **kwargs: Any) -> gjs
   return gjs.elastic_mixture(sources, WEIGHTS, transform, **kwargs)
 
 
-def export(its: list[ElasticIterator], batches: int) -> list[dict[str, Any]]:
+def settings(batch_size: int) -> dict[str, Any]:
+  """The settings digest of `iter_jax_batches` with `batch_size`, ``paddings=0``, a mask."""
+  keywords = {"batch_size": batch_size, "paddings": 0, "mask_key": "mask"}
+  return options_lib.make("iter_jax_batches", keywords, process_count=1).digest()
+
+
+def export(its: list[ElasticIterator], batches: int, digest: Any = "s") -> list[dict[str, Any]]:
   """Every process's iterator-level state after `batches` batches (as `get_state` frames it)."""
   return [
     {
       "process_index": i,
       "process_count": len(its),
       "batches": batches,
-      "settings": "s",
-      "version": 1,
-      "batch_size": None,
+      "settings": digest,
+      "version": 1 if digest == "s" else 2,
       "source": json.loads(json.dumps(it.export_state(it.get_state()))),
     }
     for i, it in enumerate(its)
   ]
 
 
-def play(src: Any, count: int, steps: int | None, states: list[Any] | None = None):
+def play(
+  src: Any,
+  count: int,
+  steps: int | None,
+  states: list[Any] | None = None,
+  batch_size: int | None = None,
+):
   """A job of `count` processes in one process: each reads `steps` batches (None: all).
 
-  Returns (each process's batches, every process's state after them).
+  `batch_size`: the states carry `settings` of it, and a resume checks them as
+  `iter_jax_batches` does. Returns (each process's batches, every process's
+  state after them).
   """
   its = [ElasticIterator(src, index=p, count=count) for p in range(count)]
+  digest = "s" if batch_size is None else settings(batch_size)
   if states is not None:
     for p, it in enumerate(its):
-      it.set_state(
-        resume_lib.for_this_process(it, states, process_index=p, process_count=count)["source"]
+      mine = resume_lib.for_this_process(
+        it, states, process_index=p, process_count=count, settings=digest
       )
+      assert mine["settings"] == digest  # What `options.check_state` compares.
+      it.set_state(mine["source"])
   out = []
   for it in its:
     got = []
@@ -101,7 +154,7 @@ def play(src: Any, count: int, steps: int | None, states: list[Any] | None = Non
       except StopIteration:
         break
     out.append(got)
-  return out, export(its, steps or 0)
+  return out, export(its, steps or 0, digest)
 
 
 # -- real processes -------------------------------------------------------------------

@@ -180,6 +180,32 @@ class _Subclass(np.ndarray):
 
 EVERY_HOST_KINDS = frozenset({"bool", "list_of_lists"})
 
+# A bad record for `pack_sequences` among int32 records of 2 tokens (`packed_source`).
+PACK_RECORDS: dict[str, Any] = {
+  "pack_zero_d": np.int32(5),
+  "pack_2d": np.ones((2, 2), np.int32),
+  "pack_strings": np.array(["a", "b"]),
+  "pack_float_joins": np.array([1.5, 2.5]),  # Into the row that an int32 record opened.
+  "pack_float_opens": np.array([1.5, 2.5]),  # Opens its own row.
+}
+
+
+def packed_source(kind: str, process: int, bad_process: int) -> Any:
+  """32 records ``{"tok": [10 r + 1, 10 r + 2]}`` (int32) packed 2 to a row of 4, 8 rows a batch.
+
+  On `bad_process`, record 17 (`PACK_RECORDS[kind]`) joins the row that
+  record 16 opened; record 16 for ``"pack_float_opens"``. Either is read for batch 1.
+  """
+  import grain
+
+  import grain_jax_sync as gjs
+
+  records = [{"tok": np.array([10 * r + 1, 10 * r + 2], np.int32)} for r in range(32)]
+  if process == bad_process:
+    records[16 if kind == "pack_float_opens" else 17] = {"tok": PACK_RECORDS[kind]}
+  ds = grain.MapDataset.source(records).to_iter_dataset()
+  return gjs.pack_sequences(ds, length=4, num_bins=1).batch(8)
+
 
 def run_hostile(
   bad_process: int, kinds: list[str], *, batch_size: int = 8, bad_batch: int = 1
@@ -190,7 +216,8 @@ def run_hostile(
   ``{"x": int32 (n,), "y": float32 (n, 2)}``; kinds in `EVERY_HOST_KINDS`
   replace `y` in every batch on every host instead (a dtype all hosts share).
   ``"too_big"`` and ``"too_big_padded"`` make the batch twice `batch_size`
-  (the latter with `paddings`). Returns one outcome per kind with the gathered
+  (the latter with `paddings`); kinds in `PACK_RECORDS` read `packed_source`
+  (its `tok` is gathered). Returns one outcome per kind with the gathered
   `y` of each yielded batch.
   """
   import jax
@@ -202,7 +229,9 @@ def run_hostile(
   for k, kind in enumerate(kinds):
     data = scenarios.make_batches(p, [batch_size] * 3)
     kwargs: dict[str, Any] = {"batch_size": batch_size, "name": f"hostile{k}"}
-    if kind in EVERY_HOST_KINDS:
+    if kind in PACK_RECORDS:
+      data = packed_source(kind, p, bad_process)
+    elif kind in EVERY_HOST_KINDS:
       for b in data:
         b["y"] = hostile_leaf(kind, batch_size)
     elif kind.startswith("too_big"):
@@ -215,7 +244,7 @@ def run_hostile(
     it = gjs.iter_jax_batches(data, **kwargs)
     out = _outcome(it)
     it.close()
-    out["batches"] = [b["y"] for b in out["batches"]]
+    out["batches"] = [b["tok" if kind in PACK_RECORDS else "y"] for b in out["batches"]]
     results.append(out)
   return results
 

@@ -25,7 +25,9 @@ Properties:
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import random
 import threading
 import time
@@ -481,6 +483,72 @@ def test_a_chunk_that_does_not_parse_raises_naming_the_process():
   out = _run_some(2, store, hosts, [0])
   assert type(out[0][2]) is ValueError
   assert str(out[0][2]).startswith("process 1 posted a report that is not JSON")
+
+
+# -- a crafted signature in the store: refused as data, never run -----------------
+
+RAN: list[str] = []  # What a crafted pickle ran, were it unpickled.
+
+
+def _ran(what: str) -> None:
+  RAN.append(what)
+
+
+class _Payload:
+  """Unpickled, it calls `_ran`: the code anything that reaches the store could run."""
+
+  def __reduce__(self):
+    return (_ran, ("the crafted pickle",))
+
+
+def _crafted_signature() -> dict:
+  """A batch signature whose registered node carries a pickle (the old wire form's "p")."""
+  payload = base64.b64encode(pickle.dumps(_Payload())).decode("ascii")
+  node = {"o": "builtins:object", "a": "PyTreeDef(*)", "c": [["x", "*"]], "p": payload}
+  return {"spec": node, "leaves": [["x", "int32", []]]}
+
+
+def test_the_crafted_pickle_would_run_code_if_unpickled():
+  RAN.clear()
+  pickle.loads(base64.b64decode(_crafted_signature()["spec"]["p"]))  # noqa: S301 - the point.
+  assert RAN == ["the crafted pickle"]
+  RAN.clear()
+
+
+def test_a_decision_with_a_crafted_signature_is_refused_and_nothing_runs():
+  RAN.clear()
+  store = MemoryStore()
+  decision = {"v": messages.PROTOCOL_VERSION, "j": 0, "st": [["yield", 8, 1]], "e": "continue"}
+  store.key_value_set(
+    "grain_jax_sync/prop/d/0/0", json.dumps({**decision, "g": _crafted_signature()})
+  )
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 2
+  out = _run_some(2, store, hosts, [1])
+  assert out[1][0] == "raise" and type(out[1][2]) is ValueError
+  message = str(out[1][2])
+  assert message.startswith(
+    "process 0 posted a decision that does not parse (ValueError: a batch structure with"
+    " {'o': 'builtins:object', 'a': 'PyTreeDef(*)', 'c': [['x', '*']], 'p': "
+  )
+  assert "which is not a tree spec" in message
+  assert RAN == []
+
+
+def test_a_report_with_a_crafted_signature_is_the_same_error_on_every_host_and_nothing_runs():
+  RAN.clear()
+  store = MemoryStore()
+  report = {"p": 1, "r": [8], "x": True, "d": 1, "s": _crafted_signature()}
+  chunk = {"v": messages.PROTOCOL_VERSION, "s": 0, "a": 0, "R": report}
+  store.key_value_set("grain_jax_sync/prop/s/1/0/0", json.dumps(chunk))
+  hosts = [{"rows": [8, 8], "ending": "exhausted", "at": 0}] * 3
+  out = _run_some(3, store, hosts, [0, 2])
+  assert str(out[0][2]) == str(out[2][2])  # Word for word.
+  for p in (0, 2):
+    assert out[p][0] == "raise" and type(out[p][2]) is ValueError
+    assert str(out[p][2]).startswith(
+      "process 1 posted a report that does not parse (ValueError: a batch structure with {'o':"
+    )
+  assert RAN == []
 
 
 # -- processes that share rows: digests beside the decision ----------------------

@@ -1,7 +1,11 @@
 """Batch flattening, validation and signatures (pure NumPy)."""
 
 import collections
+import dataclasses
+import json
+import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -216,3 +220,87 @@ def test_matcher_tells_a_namedtuple_from_a_tuple_and_checks_nested_lengths():
   assert _same_as_validate(Point(_F4, _I4), (_F4, _I4)) is None
   assert _same_as_validate({"a": [_F4, _F4]}, {"a": [_F4]}) is None
   assert _same_as_validate({"a": [_F4, _F4]}, {"a": [_F4, _F4, _F4]}) is None
+
+
+# -- registered nodes travel as data, rebuilt from the registered type ------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Node:
+  """A registered dataclass node with static fields of plain data."""
+
+  x: np.ndarray
+  y: dict
+  tag: str = dataclasses.field(default="train", metadata={"static": True})
+  sizes: tuple = dataclasses.field(default=(1, (2.5, None)), metadata={"static": True})
+
+
+class Custom:
+  """A node registered with its own functions, and aux data that is no plain data."""
+
+  def __init__(self, a, b, aux):
+    self.a, self.b, self.aux = a, b, aux
+
+
+jax.tree_util.register_pytree_node(
+  Custom, lambda c: ((c.a, c.b), c.aux), lambda aux, children: Custom(*children, aux)
+)
+
+
+# JAX rebuilds a node from its type and aux data from 0.8 (a process that
+# read no batch of the structure needs it).
+needs_rebuild = pytest.mark.skipif(
+  not hasattr(jax.tree_util.PyTreeDef, "from_node_data_and_children"),
+  reason="jax<0.8 has no PyTreeDef.from_node_data_and_children",
+)
+
+
+def _as_if_from_a_peer(spec):
+  """`spec` through JSON, on a process that flattened no batch of it."""
+  trees._OWN.clear()
+  trees._rebuilt.cache_clear()
+  return trees.check_spec(json.loads(json.dumps(spec)))
+
+
+@needs_rebuild
+def test_a_registered_dataclass_is_rebuilt_from_its_type_and_plain_aux_data():
+  batch = {"n": Node(np.arange(4), {"z": np.ones(4)}, tag="eval", sizes=(3, {"k": [1.5]}))}
+  leaves, _, spec = batches.flatten(batch)
+  node = spec["d"][0][1]
+  assert node["o"] == f"{__name__}:Node" and node["x"] == {
+    "t": ["eval", {"t": [3, {"d": [["k", [1.5]]]}]}]
+  }
+  assert "p" not in node
+  rebuilt = trees.unflatten(_as_if_from_a_peer(spec), leaves)
+  assert type(rebuilt["n"]) is Node and rebuilt["n"].tag == "eval"
+  assert rebuilt["n"].sizes == (3, {"k": [1.5]})
+  assert rebuilt["n"].y["z"] is leaves[1]
+
+
+def test_a_node_whose_aux_data_is_not_plain_rebuilds_where_flattened_and_says_why_elsewhere():
+  batch = Custom(np.arange(2), np.arange(3), aux=np.dtype("int8"))
+  leaves, _, spec = batches.flatten(batch)
+  assert "x" not in spec
+  same = trees.unflatten(spec, leaves)  # This process flattened one.
+  assert type(same) is Custom and same.aux == np.dtype("int8") and same.b is leaves[1]
+  with pytest.raises(ValueError) as info:
+    trees.unflatten(_as_if_from_a_peer(spec), leaves)
+  assert f"({__name__}:Custom): its aux data (static fields) is not plain data" in str(info.value)
+
+
+@needs_rebuild
+def test_a_custom_node_with_plain_aux_data_is_rebuilt_from_data():
+  batch = Custom(np.arange(2), np.arange(3), aux={"name": "c", "dims": (1, 2)})
+  leaves, _, spec = batches.flatten(batch)
+  rebuilt = trees.unflatten(_as_if_from_a_peer(spec), leaves)
+  assert type(rebuilt) is Custom and rebuilt.aux == {"name": "c", "dims": (1, 2)}
+
+
+def test_a_namedtuple_type_is_found_only_among_imported_modules():
+  leaves, _, spec = batches.flatten({"p": Point(np.arange(2), np.arange(2))})
+  assert type(trees.unflatten(_as_if_from_a_peer(spec), leaves)["p"]) is Point
+  spec["d"][0][1]["nt"] = "gjs_never_imported:Point"  # Not imported: never imported here.
+  rebuilt = trees.unflatten(spec, leaves)["p"]
+  assert "gjs_never_imported" not in sys.modules
+  assert type(rebuilt) is not Point and rebuilt._fields == ("a", "b")

@@ -1,6 +1,7 @@
 """`benchmarks/run.py`'s options and the host rows' formatting (no benchmark runs)."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -81,3 +82,34 @@ def test_peak_rss_growth_counts_a_freed_peak_exactly_where_the_kernel_keeps_it()
   if workloads._reset_high_water():  # noqa: SLF001 - Linux: the kernel's high-water mark.
     assert growth >= 0.9 * size, growth
   assert workloads._peak_rss_growth(lambda: None) < size // 4  # noqa: SLF001
+
+
+def test_a_write_replaces_its_section_in_place_and_refuses_a_page_without_it(tmp_path):
+  from benchmarks import results_file
+
+  page = tmp_path / "RESULTS.md"
+  page.write_text(
+    "# Results\n\n<!-- a: begin -->\nold a\n<!-- a: end -->\n\n"
+    "<!-- b: begin -->\nold b\n<!-- b: end -->\n\nnotes\n"
+  )
+  for _ in range(3):  # Written again and again: the page does not grow.
+    results_file.write_section("a", "| new | a |\n", str(page))
+  assert page.read_text() == (
+    "# Results\n\n<!-- a: begin -->\n| new | a |\n<!-- a: end -->\n\n"
+    "<!-- b: begin -->\nold b\n<!-- b: end -->\n\nnotes\n"
+  )
+  with pytest.raises(ValueError, match="has no section `c`"):
+    results_file.write_section("c", "x", str(page))
+
+
+def test_results_page_has_every_written_section_once_fits_400_lines_and_names_no_issue():
+  from benchmarks import endings, results_file
+
+  with open(results_file.PATH, encoding="utf-8") as f:
+    text = f.read()
+  for name in [run.SECTION, *(endings.SECTION.format(n) for n in endings.NAMES)]:
+    begin, end = text.count(f"<!-- {name}: begin -->\n"), text.count(f"<!-- {name}: end -->")
+    assert (begin, end) == (1, 1), name
+    assert text.index(f"<!-- {name}: begin -->") < text.index(f"<!-- {name}: end -->"), name
+  assert len(text.splitlines()) <= 400
+  assert not re.findall(r"(?i)\bissues?\s+\d+|#\d+", text)

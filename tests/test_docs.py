@@ -2,8 +2,9 @@
 
 Every ```python block in docs/*.md and README.md is one of:
 
-* run in one process: the page's blocks run in order as one script in a
-  fresh interpreter with 8 CPU devices (later blocks see earlier names);
+* run as it is: each block on its own, with its own imports, in a fresh
+  namespace and working directory (a page's blocks share one interpreter
+  with 8 CPU devices, in order; a block sees no name an earlier one made);
 * first line ``# Runs under simulate``: run as its own script under
   ``python -m grain_jax_sync simulate FILE --processes 2 --devices 4``;
 * first line ``# Needs ...`` (a multi-host job, your data, MaxText): shown,
@@ -16,6 +17,7 @@ Fences without a language (or ``text``) are commands and output, not code.
 """
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -39,12 +41,22 @@ def _pages() -> list[str]:
   return [os.path.join(DOCS, f) for f in names] + [os.path.join(ROOT, "README.md")]
 
 
-def _blocks(path: str) -> list[str]:
+def _located_blocks(path: str) -> list[tuple[int, str]]:
+  """Each block with the page line its code starts on."""
   with open(path, encoding="utf-8") as f:
     text = f.read()
-  if path.endswith("README.md"):  # Its Example block runs in test_examples.py.
-    text = re.sub(r"## Example\n\n```python\n.*?```", "", text, count=1, flags=re.S)
-  return FENCE.findall(text)
+  example = "## Example\n\n```python\n"  # README's: it runs in test_examples.py.
+  at = text.find(example) if path.endswith("README.md") else -1
+  skip = at + len(example) if at >= 0 else -1
+  return [
+    (text.count("\n", 0, m.start(1)) + 1, m.group(1))
+    for m in FENCE.finditer(text)
+    if m.start(1) != skip
+  ]
+
+
+def _blocks(path: str) -> list[str]:
+  return [block for _, block in _located_blocks(path)]
 
 
 def _kind(block: str) -> str:
@@ -65,19 +77,47 @@ def test_every_python_block_parses():
       ast.parse(block, filename=page)  # Even a snippet that is only shown.
 
 
+# Runs a page's blocks, each as the `__main__` script `block_<line>.py` in a
+# directory of its own, and names every block that raised. The script's lines
+# are the page's (blank lines before the block), so tracebacks point there.
+_RUNNER = """
+import json, os, sys, traceback, types
+
+page, blocks = json.load(open(sys.argv[1]))
+failed = []
+for line, code in blocks:
+  where = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), f"block_{line}")
+  os.makedirs(where)
+  os.chdir(where)
+  path = os.path.join(where, f"block_{line}.py")
+  with open(path, "w") as f:
+    f.write("\\n" * (line - 1) + code)
+  main = types.ModuleType("__main__")
+  main.__file__ = path
+  sys.modules["__main__"] = main  # The simulator's processes import it from there.
+  try:
+    exec(compile("\\n" * (line - 1) + code, path, "exec"), main.__dict__)
+  except BaseException:
+    failed.append(line)
+    print(f"{page}: the block at line {line} raised:", file=sys.stderr)
+    traceback.print_exc()
+sys.exit(f"blocks that raised, by line: {failed}" if failed else 0)
+"""
+
+
 @pytest.mark.parametrize(
   "page", [p for p in PAGES if any(_kind(b) == "run" for b in _blocks(p))], ids=os.path.basename
 )
-def test_page_python_blocks_run_in_one_process(page, tmp_path):
-  code = "\n\n".join(b for b in _blocks(page) if _kind(b) == "run")
-  script = tmp_path / "page.py"
-  script.write_text(code)
+def test_page_python_blocks_run_each_on_its_own(page, tmp_path):
+  blocks = [(line, b) for line, b in _located_blocks(page) if _kind(b) == "run"]
+  (tmp_path / "blocks.json").write_text(json.dumps([page, blocks]))
+  (tmp_path / "runner.py").write_text(_RUNNER)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-    [sys.executable, str(script)],
+    [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "blocks.json")],
     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
   )  # fmt: skip
-  assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+  assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
 def test_readme_example_runs_alone_as_one_process(tmp_path):

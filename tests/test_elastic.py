@@ -647,3 +647,47 @@ def test_num_epochs_none_repeats_forever_each_epoch_shuffled_anew_and_resumes():
   resumed.set_state(state)
   assert ids_of(b for _, b in zip(range(3), resumed)) == tail
   resumed.close()
+
+
+# -- a fixed global batch across a resize (in one process) ------------------------
+
+
+def batched(batch_size: int) -> gjs.ElasticSource:
+  return gjs.elastic_source(records(N), lambda ds: ds.batch(batch_size), shuffle=True, seed=5)
+
+
+@pytest.mark.parametrize(("count", "batch_size"), [(1, 16), (4, 4), (2, 8), (2, 4)])
+def test_a_resume_on_m_hosts_may_change_batch_size_to_keep_the_global_batch(count, batch_size):
+  import lm_jobs
+
+  head, states = lm_jobs.play(batched(8), 2, 3, batch_size=8)  # Global batch 16 on 2 hosts.
+  rest, _ = lm_jobs.play(batched(batch_size), count, None, states, batch_size=batch_size)
+  ids = [int(i) for job in (head, rest) for per in job for b in per for i in b["id"]]
+  assert sorted(ids) == list(range(N))  # Every record exactly once.
+  steps = max(len(per) for per in rest)
+  global_rows = [sum(len(per[t]["id"]) for per in rest if t < len(per)) for t in range(steps)]
+  assert global_rows[:-1] == [count * batch_size] * (steps - 1) and global_rows[-1] <= 16
+
+
+def test_iter_jax_batches_resumes_2_hosts_of_batch_8_on_1_host_of_batch_16():
+  import lm_jobs
+
+  head, states = lm_jobs.play(batched(8), 2, 3, batch_size=8)
+  with gjs.iter_jax_batches(batched(16), batch_size=16, paddings=0, mask_key="mask") as it:
+    it.set_state(states)
+    rest = list(it)
+  assert all(b["id"].shape == (16,) for b in rest)
+  ids = [int(i) for per in head for b in per for i in b["id"]]
+  ids += [int(i) for b in rest for i, m in zip(b["id"], b["mask"], strict=True) if m]
+  assert sorted(ids) == list(range(N))
+  one = {**states[0], "process_count": 1}
+  with (
+    gjs.iter_jax_batches(batched(16), batch_size=16, paddings=0, mask_key="mask") as it,
+    pytest.raises(ValueError, match="changes its batch size from the list of every old"),
+  ):
+    it.set_state(one)
+  with (
+    gjs.iter_jax_batches(batched(16), batch_size=16, paddings=-1, mask_key="mask") as it,
+    pytest.raises(ValueError, match=r"other settings \(.*paddings: '0' vs '-1'"),
+  ):
+    it.set_state(states)  # Another setting beside `batch_size` is still refused.

@@ -24,7 +24,14 @@ def chunk(p, start, rows, *, exhausted=False, error=None, ack=0, sig=None):
 
 def test_chunk_json_round_trip():
   err = messages.ReportedError(messages.ErrorKind.SOURCE, "boom", 1, 3, "KeyError")
-  c = chunk(1, 3, [8, 4], error=err, ack=2, sig={"spec": "x", "leaves": []})
+  c = chunk(
+    1,
+    3,
+    [8, 4],
+    error=err,
+    ack=2,
+    sig={"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int32", []]]},
+  )
   assert messages.Chunk.from_json(c.to_json()) == c
 
 
@@ -111,7 +118,7 @@ def test_ack_is_the_largest_seen():
 def test_window_reports_reused_only_while_they_hold():
   """Reports kept across windows (`Ledger._held`) equal a fresh ledger's, JSON path included."""
   led = ledger_lib.Ledger(3)
-  sig = {"spec": "x", "leaves": []}
+  sig = {"spec": {"d": [["x", "*"]]}, "leaves": [["x", "int32", []]]}
   led.set_own(0, signature=sig, devices=1, config=None)
   posts = {  # Per window: process 1's and 2's chunks (process 0 adds its own rows).
     0: ([8, 8], [8, 8, 8]),

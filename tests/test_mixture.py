@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import grain_jax_sync as gjs
 from grain_jax_sync._src.sources.elastic import split as es
+from grain_jax_sync._src.sources.elastic import state as state_lib
 from grain_jax_sync._src.sources.elastic.mixture import Mixture
 from grain_jax_sync._src.sources.elastic.state import splits_from_json
 
@@ -75,7 +76,7 @@ def keys(m: Mixture, batches: list[dict], positions: list[int]) -> list[tuple[in
   out = []
   recs = [(int(s), int(i)) for b in batches for s, i in zip(b["s"], b["i"], strict=True)]
   for g, (s, i) in zip(positions, recs, strict=True):
-    k, n = source_of(m, g)
+    k, n = (int(x[0]) for x in m.select([g]))
     assert s == k  # The source is the selection's for the row's global position.
     out.append((g, s, n // m.sizes[s], i))
   return out
@@ -144,8 +145,8 @@ def test_stats_give_each_source_s_rows_against_its_weight_and_a_state_keeps_the_
 @pytest.mark.parametrize(
   ("sources", "weights", "match"),
   [
-    ([[1], [2]], [1], r"`weights` must be 2 numbers > 0"),
-    ([[1], [2]], [1, 0], r"`weights` must be 2 numbers > 0"),
+    ([[1], [2]], [1], r"`weights` must be 2 finite numbers > 0"),
+    ([[1], [2]], [1, 0], r"`weights` must be 2 finite numbers > 0"),
     ([[1], []], [1, 1], r"`sources\[1\]` is empty"),
     ([[1], iter([2])], [1, 1], r"`sources\[1\]` must be a grain.MapDataset.*list_iterator"),
     ([], [], r"`sources` must be a non-empty list"),
@@ -222,36 +223,58 @@ def reread(m: Mixture, batches: list[list[dict]], states: list[dict], starts: li
   stop=st.integers(0, 30),
   new=st.sampled_from([(5, 2, 1), (1, 1, 1), (2, 7, 3)]),
 )
-def test_new_weights_at_a_resume_apply_from_the_first_row_past_every_cursor(counts, stop, new):
+def test_new_weights_at_a_resume_reselect_every_row_not_consumed(counts, stop, new):
   sizes, w1, w3 = (30, 70, 200), lm_jobs.WEIGHTS, (3, 1, 4)
   sources = [lm_jobs.rows(k, n) for k, n in enumerate(sizes)]
-  runs = [(w1, counts[0], None), (new, counts[1], 8), (w3, counts[0], 8)]  # Two changes.
-  states, reads, expected = None, [], gjs.elastic_mixture(sources, w1).mixture
-  for weights, count, _ in runs:
+  runs = [(w1, counts[0], stop), (new, counts[1], 8), (w3, counts[0], 8)]  # Two changes.
+  states, reads = None, []
+  for weights, count, steps in runs:
     src = gjs.elastic_mixture(sources, weights, lambda ds: ds.batch(4), seed=1, num_epochs=None)
-    same = states is not None and len(states) == count
-    starts = [s["source"]["position"] for s in states] if same else [0] * count
-    got, after = lm_jobs.play(src, count, stop if states is None else 8, states)
-    reads.append((got, after, starts))
-    if states is not None:  # g*: the first global row past every process's cursor.
-      top = max((r + 1 for g, a, s in reads[:-1] for r, *_ in reread(expected, g, a, s)), default=0)
-      expected = expected.switched(top, src.mixture.proportions)
+    got, after = lm_jobs.play(src, count, steps, states)
+    reads.append((got, after, [0] * count))  # A new weight re-splits: each stream from 0.
     states = after
-  m = src.mixture.restored(states[0]["source"].get("mixture_runs"))
-  assert m == expected
-  seen = [x for got, after, starts in reads for x in reread(m, got, after, starts)]
+  m = src.mixture.restored(state_lib.runs_from_json(states[0]["source"]["mixture_runs"]))
+  scaled = [gjs.elastic_mixture(sources, w).mixture.proportions for w in (w1, new, w3)]
+  assert [p for _, p in m.history] == scaled
+  read = [reread(m, got, after, starts) for got, after, starts in reads]
+  seen = [x for job in read for x in job]
   assert len({g for g, *_ in seen}) == len(seen)  # No global row twice.
   assert len({(s, e, i) for _, s, e, i in seen}) == len(seen)  # Each source row once an epoch.
-  ends = [g for g, _, _ in m._runs[1:]] + [m._runs[-1][0] + 2000]
-  for (g, p, _), stop_at in zip(m._runs, ends, strict=True):  # A fresh mixture from each g*.
-    fresh, base = Mixture(p, m.sizes, True), m.counts(g)
-    for r in range(g, stop_at, 3):
-      k, n = source_of(fresh, r - g)
-      assert source_of(m, r) == (k, base[k] + n)
-  g, p, _ = m._runs[-1]
-  window = np.subtract(m.counts(g + 2000), m.counts(g))
-  assert np.all(np.abs(window / 2000 - np.divide(p, sum(p))) < 0.01)
-  end = m._runs[-1][0] + 500  # Every source row before `end` selected once: none skipped.
-  picked = sorted(source_of(m, g) for g in range(end))
-  assert picked == sorted((k, n) for k, c in enumerate(m.counts(end)) for n in range(int(c)))
+  for j, (kept, _) in enumerate(m.history[1:], start=1):  # A switch keeps the rows read.
+    rows = sorted(g for job in read[:j] for g, *_ in job)
+    assert [g for a, b in kept for g in range(a, b)] == rows
+  for job, (weights, count, _) in zip(read[1:], runs[1:], strict=True):
+    for p in range(count):  # Each host's rows keep the new weights from its first batch.
+      mine = [s for g, s, *_ in job[p * 32 : (p + 1) * 32]]
+      assert len(mine) == 32
+      assert np.all(
+        np.abs(np.bincount(mine, minlength=3) - np.multiply(32 / sum(weights), weights)) <= 2
+      )
+  # No source row twice, and none skipped: a row below one selected before `end`
+  # (a consumed row may hold a later one) is selected by a row further on.
+  end = max(g for g, *_ in seen) + 500
+  source, row = m.select(range(4 * end))
+  picked = list(zip(source.tolist(), row.tolist(), strict=True))
+  assert len(set(picked)) == len(picked)
+  for k in range(3):
+    top = max((n for s, n in picked[:end] if s == k), default=-1)
+    assert set(range(top + 1)) <= {n for s, n in picked if s == k}
   assert [x["weight"] for x in m.stats([1, 1, 1])] == list(np.divide(w3, sum(w3)))
+
+
+def test_new_weights_on_3_hosts_reach_every_host_from_its_next_batch():
+  sources = [lm_jobs.rows(k, 600) for k in range(3)]
+
+  def mixture(weights):
+    return gjs.elastic_mixture(sources, weights, lambda ds: ds.batch(10), seed=0)
+
+  head, states = lm_jobs.play(mixture([1, 1, 1]), 3, 5)
+  new = (0.9, 0.05, 0.05)
+  rest, after = lm_jobs.play(mixture(list(new)), 3, 40, states)
+  m = mixture(list(new)).mixture
+  m = m.restored(state_lib.runs_from_json(after[0]["source"]["mixture_runs"]))
+  for got in rest:  # Every host, over its next 40 batches.
+    share = np.bincount([int(s) for b in got for s in b["s"]], minlength=3) / 400
+    assert np.all(np.abs(share - new) < 0.02)
+  seen = reread(m, head, states, [0] * 3) + reread(m, rest, after, [0] * 3)
+  assert len({(s, e, i) for _, s, e, i in seen}) == len(seen) == 1350

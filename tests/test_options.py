@@ -137,7 +137,7 @@ def test_a_state_saved_before_resumes():
     ({"batch_size": 0}, "`batch_size` must be a positive int or None, got 0"),
     ({"synchronize_lookahead": 0}, "`synchronize_lookahead` must be a positive int or None, got 0"),
     ({"prefetch_batches": -1}, "`prefetch_batches` must be an int >= 0, got -1"),
-    ({"sync_timeout_s": 0}, "`sync_timeout_s` must be > 0, got 0"),
+    ({"sync_timeout_s": 0}, "`sync_timeout_s` must be a finite number of seconds > 0, got 0"),
     ({"mask_key": 3}, "`mask_key` must be a str or None, got 3"),
     ({"shape_buckets": {"x": [4]}}, "`shape_buckets` needs `pad_shapes`"),
   ],

@@ -1,7 +1,7 @@
 """`pack_sequences`: packed rows whose state names the records in flight.
 
 Checked in one process over the library's per-process iterators (no JAX) at
-random stops, then on real processes at 2 x 4 -> 3 x 2.
+random stops and inside long documents, then on real processes at 2 x 4 -> 3 x 2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import grain_jax_sync as gjs
 from grain_jax_sync._src.sources.elastic import split as es
 from grain_jax_sync._src.sources.elastic import state as state_lib
+from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
 SIZES = (40, 80, 200)  # 1:2:5 of 320 rows: one mixture epoch holds each record once.
 
@@ -66,29 +67,93 @@ def test_rows_are_filled_first_fit_and_the_state_names_the_records_in_flight():
   assert es.take(shares[0], 0, len(holes)) == es.take([(j, j + 1) for j in holes], 0, len(holes))
 
 
-def test_pack_sequences_checks_its_arguments_and_trims_long_records():
+@pytest.mark.parametrize(
+  ("options", "tokens", "positions", "counted"),
+  [
+    ({}, [[1, 2, 3, 4], [5, 6, 7, 8], [9, 1, 2, 0]], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 0, 1, 0]], 0),
+    (
+      {"restart_positions": True},
+      [[1, 2, 3, 4], [5, 6, 7, 8], [9, 1, 2, 0]],
+      [[0, 1, 2, 3], [0, 1, 2, 3], [0, 0, 1, 0]],
+      0,
+    ),
+    ({"trim": True}, [[1, 2, 3, 4], [1, 2, 0, 0]], [[0, 1, 2, 3], [0, 1, 0, 0]], 5),
+  ],
+)
+def test_a_long_record_goes_over_rows_in_consecutive_pieces_unless_trimmed(
+  options, tokens, positions, counted
+):
   import grain
 
-  with pytest.raises(ValueError, match="`length` must be an int >= 1, got 0"):
+  from grain_jax_sync._src.sources.elastic import packing
+
+  with pytest.raises(ValueError, match="`length` must be a positive int, got 0"):
     gjs.pack_sequences(grain.MapDataset.range(3).to_iter_dataset(), length=0)
   ds = grain.MapDataset.source(
     [{"tok": np.arange(1, 10)}, {"tok": np.arange(1, 3)}]
   ).to_iter_dataset()
-  rows = list(gjs.pack_sequences(ds, length=4, num_bins=1))
-  assert [r["tok"].tolist() for r in rows] == [[1, 2, 3, 4], [1, 2, 0, 0]]
-  assert [r["tok_segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1], [1, 1, 0, 0]]
+  it = iter(gjs.pack_sequences(ds, length=4, num_bins=1, **options))
+  rows = list(it)
+  assert [r["tok"].tolist() for r in rows] == tokens
+  assert [r["tok_positions"].tolist() for r in rows] == positions
+  assert rows[-1]["tok_segment_ids"].tolist() == ([1, 1, 0, 0] if counted else [1, 2, 2, 0])
+  packed = 11 - counted
+  assert packing.counters(it.get_state()) == {
+    "tokens_packed": packed,
+    "tokens_padded": 4 * len(rows) - packed,
+    "tokens_trimmed": counted,
+  }
+
+
+DOCUMENTS = 300  # Of 1 to 1,000 tokens: 157,845 tokens, packed at length 64.
+
+
+def test_documents_of_1_to_1000_tokens_are_packed_whole_across_a_stop_mid_document():
+  src = lm_jobs.mixture("docs", (DOCUMENTS,), 8, seed=3, num_epochs=1)
+  docs = lm_jobs.documents(DOCUMENTS)
+  head, states = lm_jobs.play(src, 2, 37)
+  partial = [s["source"].get("partial") for s in states]
+  assert all(partial)  # Each process stopped with documents partly delivered.
+  whole, _ = lm_jobs.play(src, 2, None)
+  for count in (3, 2, 1):
+    rest, _ = lm_jobs.play(src, count, None, states)
+    pieces = lm_jobs.document_pieces([head, rest])
+    assert sorted(pieces) == list(range(DOCUMENTS))
+    for d, got in pieces.items():  # Every token once, in order, in consecutive pieces.
+      assert np.array_equal(np.concatenate(got), np.arange(len(docs[d]["tok"])))
+    if count == 2:  # The same count: exactly the rest of the run.
+      for a, b in zip(rest, whole, strict=True):
+        assert len(b) == 37 + len(a)
+        for x, y in zip(a, b[37:], strict=True):
+          assert all(np.array_equal(x[k], y[k]) for k in x)
+  # The tokens in and out, and `stats()`'s count of them on each process.
+  its = [ElasticIterator(src, index=p, count=2) for p in range(2)]
+  rows = [[next(it) for _ in range(37)] for it in its]
+  for it, got in zip(its, rows, strict=True):
+    real = sum(int((b["tok_segment_ids"] > 0).sum()) for b in got)
+    assert it.stats(it.get_state())["packing"] == {
+      "tokens_packed": real,
+      "tokens_padded": 37 * 8 * 64 - real,
+      "tokens_trimmed": 0,
+    }
+  out = sum(len(p) for got in lm_jobs.document_pieces([whole]).values() for p in got)
+  assert out == sum(len(d["tok"]) for d in docs) == 157_845
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_2x4_mid_packed_batch_resumes_exactly_on_2x4_and_resplits_on_3x2(tmp_path):
+def test_2x4_stop_mid_document_resumes_exactly_on_2x4_and_resplits_on_3x2(tmp_path):
   # One launch of 2 x 4 (the head, the whole run, the rest from the head's
   # states), then one of 3 x 2 (the rest, re-split); process 0's values.
-  jobs = {"head": (None, 3), "whole": (None, None), "same": ("head", None)}
-  two = lm_jobs.run_jobs(2, 4, "pack", SIZES, 8, str(tmp_path), jobs)
+  jobs = {"head": (None, 20), "whole": (None, None), "same": ("head", None)}
+  two = lm_jobs.run_jobs(2, 4, "docs", (DOCUMENTS,), 8, str(tmp_path), jobs)
   head, whole, same = (two[name][0] for name in jobs)
-  assert head["state"]["source"]["holes"]  # Records in flight: mid packed batch.
-  three = lm_jobs.run_jobs(3, 2, "pack", SIZES, 8, str(tmp_path), {"three": ("head", None)})
+  assert head["state"]["source"]["partial"]  # A document partly delivered.
+  three = lm_jobs.run_jobs(3, 2, "docs", (DOCUMENTS,), 8, str(tmp_path), {"three": ("head", None)})
   three = three["three"][0]
-  assert head["batches"] == whole["batches"][:3] and same["batches"] == whole["batches"][3:]
-  assert tokens_of([head["batches"], three["batches"]]) == every_record()
+  assert head["batches"] == whole["batches"][:20] and same["batches"] == whole["batches"][20:]
+  docs = lm_jobs.documents(DOCUMENTS)
+  pieces = lm_jobs.document_pieces([[head["batches"]], [three["batches"]]])
+  assert sorted(pieces) == list(range(DOCUMENTS))
+  for d, got in pieces.items():
+    assert np.array_equal(np.concatenate(got), np.arange(len(docs[d]["tok"])))

@@ -27,8 +27,12 @@ def bound_s(prefetch: int, step_s: float) -> float:
   return DECIDE_AHEAD_S + (prefetch + 1) * step_s + 1.0
 
 
-def _run(n, prefetch, plans, store_s=0.0):
-  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, store_s=store_s)
+def _run(n, prefetch, plans, store_s=0.0, collective=False):
+  # Steps on their own, as the real-process tests these replaced did (no collective, so
+  # that a host that closed or died cannot hold a peer in its step); stops: collective.
+  cluster = testing.SimulatedCluster(
+    processes=n, prefetch_batches=prefetch, store_s=store_s, collective_steps=collective
+  )
   return cluster.run(plans)
 
 
@@ -36,7 +40,7 @@ def _check_stop(n, prefetch, step_s, at, offset, store_s=0.0):
   plans = [testing.HostPlan(batches=40, step_s=step_s)] * n
   asker = n - 1
   plans[asker] = testing.HostPlan(batches=40, step_s=step_s, stop=(at, offset * step_s))
-  out = _run(n, prefetch, plans, store_s)
+  out = _run(n, prefetch, plans, store_s, collective=True)
   asked_at = out[asker].received[at - 1] + offset * step_s
   assert {o.ending for o in out} == {"end"}, [(o.ending, o.message) for o in out]
   assert {o.stopped_by for o in out} == {asker}
@@ -93,7 +97,7 @@ def test_a_close_at_batch_5_reaches_every_peer_within_the_bound(step_s, prefetch
     assert "process 2 closed its iterator at batch 5" in o.message
     assert o.ended_at - closed_at <= bound_s(prefetch, step_s)
   # The peers get the batches decided before the close reached process 0, the same ones.
-  assert len({o.batches for o in out if o.process != 2}) == 1 and out[0].batches >= 5
+  assert len({o.batches for o in out if o.process_index != 2}) == 1 and out[0].batches >= 5
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -103,7 +107,7 @@ def test_a_source_error_at_batch_5_raises_the_same_error_on_every_host(n, prefet
   plans[1] = testing.HostPlan(batches=40, step_s=0.05, error_at=5)
   out = _run(n, prefetch, plans)
   assert {o.batches for o in out} == {5}  # The batches before the failed read.
-  messages = {o.message for o in out if o.process != 1}
+  messages = {o.message for o in out if o.process_index != 1}
   assert len(messages) == 1 and "process 1" in messages.pop()
   assert "source failed at batch 5" in out[1].message
   assert max(o.ended_at for o in out) - min(o.ended_at for o in out) <= bound_s(prefetch, 0.05)
@@ -151,19 +155,21 @@ def test_every_host_ends_the_same_way_on_any_schedule(
 ):
   who = who % n
   plans = [testing.HostPlan(batches=lengths[p], step_s=step_s) for p in range(n)]
-  base = plans[who]
+  base, last = plans[who], max(lengths[:n])  # A plan past the job's last batch is refused.
   if ending == "stop":
-    plans[who] = testing.HostPlan(batches=base.batches, step_s=step_s, stop=(at, 0.0))
+    plans[who] = testing.HostPlan(batches=base.batches, step_s=step_s, stop=(min(at, last), 0.0))
   elif ending == "close":
-    plans[who] = testing.HostPlan(batches=base.batches, step_s=step_s, close_at=at)
-  elif ending == "error":
+    plans[who] = testing.HostPlan(batches=base.batches, step_s=step_s, close_at=min(at, last))
+  elif ending == "error" and at < base.batches:
     plans[who] = testing.HostPlan(batches=base.batches, step_s=step_s, error_at=at)
+  elif ending == "error":
+    ending = "none"
   out = _run(n, prefetch, plans)
   # The host that closed, or whose source failed (it raises its own error), apart.
-  others = [o for o in out if o.process != who or o.ending in ("end", "PeerTimeoutError")]
+  others = [o for o in out if o.process_index != who or o.ending in ("end", "PeerTimeoutError")]
   assert len({o.ending for o in others}) == 1, [(o.ending, o.message) for o in out]
   assert len({o.batches for o in others}) == 1
-  assert len({o.message for o in others if o.process != who}) <= 1
+  assert len({o.message for o in others if o.process_index != who}) <= 1
   if out[who].ending == "OSError":
     assert all(out[who].message in o.message for o in others)
   if ending == "none":
@@ -211,7 +217,7 @@ def test_a_source_error_of_any_type_ends_every_host_naming_it(error, at, n, pref
 
 
 def _same_value_error(out, text):
-  assert {(o.ending, o.batches) for o in out} == {("ValueError", 0)}, out
+  assert {(o.ending, len(o.received)) for o in out} == {("ValueError", 0)}, out
   assert len({o.message for o in out}) == 1
   assert out[0].message.startswith(text), out[0].message
 
@@ -293,7 +299,9 @@ def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(c
   # back to the core at some of these 160 times. Its ending goes after what
   # the core posted (it is told the result first), never over it: the peer raises the
   # close, not "closed ... without starting the stream".
-  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=prefetch, store_s=0.003)
+  cluster = testing.SimulatedCluster(
+    processes=2, prefetch_batches=prefetch, store_s=0.003, collective_steps=False
+  )
   for k in range(160):
     plans = [H(batches=400, step_s=0.02)] * 2
     plans[closer] = H(batches=400, step_s=0.02, close_s=0.05 + k * 0.00125)
@@ -315,7 +323,9 @@ def test_a_host_late_beyond_sync_timeout_ends_every_host_with_the_same_timeout(l
   # `sync_timeout_s`=2, under the liveness period: slow, not lost.
   v = n - 1
   slow = H(batches=400, stall=(2, 4.0)) if late == "stall" else H(batches=400, pause=(1, 4.0))
-  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, sync_timeout_s=2.0)
+  cluster = testing.SimulatedCluster(
+    processes=n, prefetch_batches=prefetch, sync_timeout_s=2.0, collective_steps=False
+  )
   out = cluster.run([H(batches=400)] * v + [slow])
   assert len({(o.ending, o.message, o.batches) for o in out}) == 1, out
   assert out[0].ending == "PeerTimeoutError"
@@ -337,7 +347,9 @@ def test_a_decider_stuck_in_its_source_ends_every_host_with_the_followers_timeou
   # process 0 alive but stuck 26 s in its source; its agreement thread decides
   # the follower's timed-out ending at once, long before the source returns.
   grace = common.FOLLOWER_GRACE_S
-  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=2, sync_timeout_s=1.0)
+  cluster = testing.SimulatedCluster(
+    processes=2, prefetch_batches=2, sync_timeout_s=1.0, collective_steps=False
+  )
   out = cluster.run([H(batches=400, stall=(2, 2 * grace + 6)), H(batches=400)])
   assert len({(o.ending, o.message, o.batches) for o in out}) == 1, out
   n = out[0].batches
@@ -358,7 +370,9 @@ def test_a_stream_started_late_within_sync_timeout_ends_normally(prefetch):
 def test_a_stream_process_0_starts_too_late_times_out_naming_the_order_on_the_follower(prefetch):
   # Was test_endings.test_an_iterator_process_0_never_makes_times_out_naming_that_cause_on_the_follower.
   grace = common.FOLLOWER_GRACE_S
-  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=prefetch, sync_timeout_s=1.0)
+  cluster = testing.SimulatedCluster(
+    processes=2, prefetch_batches=prefetch, sync_timeout_s=1.0, collective_steps=False
+  )
   out = cluster.run([H(batches=40, start_s=100.0), H(batches=40)])
   follower = out[1]
   assert (follower.ending, follower.batches) == ("PeerTimeoutError", 0)
@@ -378,7 +392,9 @@ def test_a_stream_process_0_starts_too_late_times_out_naming_the_order_on_the_fo
   ids=["late_start", "inline_stuck"],
 )
 def test_a_followers_timed_out_ending_ends_process_0_at_the_same_batch(plans):
-  cluster = testing.SimulatedCluster(processes=2, prefetch_batches=0, sync_timeout_s=1.0)
+  cluster = testing.SimulatedCluster(
+    processes=2, prefetch_batches=0, sync_timeout_s=1.0, collective_steps=False
+  )
   out = cluster.run(plans)
   # The follower gave up, posted its timed-out ending and raised: process 0,
   # late, reads that ending before it decides from the rows posted before it.
@@ -392,10 +408,12 @@ def test_a_killed_peer_with_a_short_sync_timeout_is_named_by_the_timeout(prefetc
   n = 4
   plans = [H(batches=400)] * n
   plans[1] = H(batches=400, kill_at=0.12)
-  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=prefetch, sync_timeout_s=4.0)
+  cluster = testing.SimulatedCluster(
+    processes=n, prefetch_batches=prefetch, sync_timeout_s=4.0, collective_steps=False
+  )
   out = cluster.run(plans)
   assert out[1].ending == "killed"
-  others = [o for o in out if o.process != 1]
+  others = [o for o in out if o.process_index != 1]
   assert len({(o.ending, o.message, o.batches) for o in others}) == 1
   for o in others:
     assert o.ending == "PeerTimeoutError"
@@ -465,3 +483,77 @@ def test_an_empty_shard_is_padded_to_the_longest_and_all_empty_yield_nothing(n, 
   assert {(o.ending, o.batches) for o in out} == {("end", 2)}
   out = _run(n, prefetch, [H(batches=0)] * n)
   assert {(o.ending, o.batches) for o in out} == {("end", 0)}
+
+
+# -- collective steps, and the plans a user writes ---------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_collective_step_holds_the_hosts_together_beside_a_slow_reader(prefetch):
+  # Host 1 reads for 1.5 s beside a 1 s step; host 0 asks a stop after batch 3.
+  # The step ends on both hosts once both entered it: they receive each batch
+  # together, and the stop ends both within the bound of the slow host's pace.
+  plans = [H(batches=40, step_s=1.0, stop=(3, 0.0)), H(batches=40, step_s=1.0, read_s=1.5)]
+  out = _run(2, prefetch, plans, collective=True)
+  if prefetch:  # Inline, host 1 reads its next batch in the call that returns this one.
+    assert out[0].received == out[1].received
+  assert {(o.ending, o.stopped_by, o.batches) for o in out} == {("end", 0, 3)}
+  asked_at = out[0].received[2]
+  assert max(o.ended_at for o in out) - asked_at <= bound_s(prefetch, 1.5 + 1.0)
+
+
+def test_independent_steps_let_the_hosts_drift_apart():
+  plans = [H(batches=10, step_s=1.0), H(batches=10, step_s=1.0, read_s=1.5)]
+  out = _run(2, 0, plans, collective=False)
+  assert out[0].received != out[1].received
+  assert {(o.ending, o.batches) for o in out} == {("end", 10)}
+
+
+def test_a_killed_peer_holds_the_others_in_a_collective_step():
+  plans = [H(batches=400, step_s=0.05), H(batches=400, step_s=0.05, kill_at=2.0)]
+  out = _run(2, 2, plans, collective=True)
+  assert out[1].ending == "killed"
+  # As a real job's collective: the survivor never leaves the step it is in.
+  assert (out[0].ending, out[0].ended_at) == (None, float("inf"))
+  assert 2.0 - 0.1 <= out[0].received[-1] <= 2.0 + 1e-9
+
+
+def test_an_outcome_names_the_batch_its_checkpoint_would():
+  out = _run(2, 2, [H(batches=5, resume=2)] * 2)
+  assert {(o.ending, len(o.received), o.batches, o.resume) for o in out} == {("end", 5, 7, 2)}
+  assert [o.process_index for o in out] == [0, 1]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stop_before_the_first_batch_ends_every_host_at_batch_0_or_just_after(prefetch):
+  plans = [H(batches=40), H(batches=40, stop=(0, 0.0))]
+  out = _run(2, prefetch, plans, collective=True)
+  assert {(o.ending, o.stopped_by) for o in out} == {("end", 1)}
+  assert len({o.batches for o in out}) == 1 and out[0].batches <= 1
+
+
+@pytest.mark.parametrize(
+  ("plan", "match"),
+  [
+    (dict(step_s=-1.0), "`step_s` must be a finite number of seconds >= 0, got -1.0"),
+    (dict(read_s=float("nan")), "`read_s` must be a finite number"),
+    (dict(stop=(2, -0.5)), r"`stop` must be a finite number of seconds >= 0, got \(2, -0.5\)"),
+    (dict(stop=(-1, 0.5)), r"`stop` must be an int >= 0, got \(-1, 0.5\)"),
+    (dict(pause=(0, 1.0)), r"`pause` must be an int >= 1, got \(0, 1.0\)"),
+    (dict(rows=0), "`rows` must be an int >= 1, got 0"),
+    (dict(batches=4, error_at=4), "`error_at` must be below `batches` \\(4\\)"),
+    (dict(batches=4, stall=(5, 1.0)), r"`stall` must name a read <= `batches` \(4\)"),
+    (dict(kill_at=-2.0), "`kill_at` must be a finite number of seconds >= 0"),
+  ],
+)
+def test_a_plan_that_cannot_happen_is_refused(plan, match):
+  with pytest.raises(ValueError, match=match):
+    H(**plan)
+
+
+@pytest.mark.parametrize("field", ["stop", "close_at", "pause"])
+def test_a_plan_past_the_jobs_last_batch_is_refused(field):
+  value = 9 if field == "close_at" else (9, 0.5)
+  plans = [H(batches=8), H(batches=6, **{field: value})]
+  with pytest.raises(ValueError, match=f"`{field}` names batch 9, past the job's last \\(8"):
+    _run(2, 2, plans)

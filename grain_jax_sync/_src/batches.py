@@ -17,15 +17,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from grain_jax_sync._src.leaves import row_count, to_leaf_array, where
+from grain_jax_sync._src.leaves import dtype_ok, row_count, to_leaf_array, where
 from grain_jax_sync._src.trees import (
   LEAF,
   NONE,
   TreeSpec,
+  check_spec,
   flat_dict_keys,
   flatten,
   key_paths,
-  readable,
 )
 
 # A trailing size that `pad_shapes` lets vary, as a signature records it.
@@ -112,13 +112,49 @@ class Signature:
     )
 
   def np_dtypes(self) -> list[np.dtype]:
-    return [np.dtype(getattr(ml_dtypes, d, d)) for d in self.dtypes]
+    return [_np_dtype(d) for d in self.dtypes]
 
   def describe(self) -> str:
     return ", ".join(
       f"{n}: {d}[rows{''.join(f', {x if x != VARYING else chr(42)}' for x in s)}]"
       for n, d, s in zip(self.names, self.dtypes, self.shapes)
     )
+
+
+def _np_dtype(name: str) -> np.dtype:
+  return np.dtype(getattr(ml_dtypes, name, name))
+
+
+def checked_json(obj: Any) -> Any:
+  """`obj` if it is a `Signature.to_json` (data only, of dtypes a jax.Array holds), else a ValueError.
+
+  A peer's signature is checked when it is read, before any host builds from it.
+  """
+  if obj is None:
+    return None
+  leaves = obj.get("leaves") if type(obj) is dict else None
+  if (
+    type(obj) is not dict
+    or set(obj) != {"spec", "leaves"}
+    or type(leaves) is not list
+    or not all(type(leaf) is list and len(leaf) == 3 and _leaf_ok(*leaf) for leaf in leaves)
+  ):
+    raise ValueError(f"a batch signature {obj!r:.100} that is not one")
+  check_spec(obj["spec"])
+  return obj
+
+
+def _leaf_ok(name: Any, dtype: Any, shape: Any) -> bool:
+  """A signature's leaf: its name, a dtype name that a jax.Array holds, its trailing sizes."""
+  if type(name) is not str or type(dtype) is not str or type(shape) is not list:
+    return False
+  if not all(type(d) is int and d >= VARYING for d in shape):
+    return False
+  try:
+    found = _np_dtype(dtype)
+  except (TypeError, ValueError):
+    return False
+  return found.name == dtype and dtype_ok(found)
 
 
 def diff(a: Signature, b: Signature) -> list[str]:
@@ -138,7 +174,7 @@ def diff(a: Signature, b: Signature) -> list[str]:
       if sa != sb:
         out.append(f"column {n!r}: trailing shape {_shape_text(sa)} vs {_shape_text(sb)}")
   if not out and a.spec != b.spec:
-    out.append(f"tree structure {readable(a.spec)!r} vs {readable(b.spec)!r}")
+    out.append(f"tree structure {a.spec!r} vs {b.spec!r}")
   return out
 
 

@@ -83,7 +83,7 @@ def jax_sync_generator(
 
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
   # Not passed: the largest first host batch, not the reference's 256 (docs/sources.md).
-  full = None if batch_size is None or batch_size is _DEFAULT_BATCH_SIZE else int(batch_size)
+  full = None if batch_size is None or batch_size is _DEFAULT_BATCH_SIZE else batch_size
   it = api.iter_jax_batches(
     batch_iterable,
     batch_size=full,

@@ -98,7 +98,11 @@ class _Resumable:
       # A list of every old process's state (issue 24): this process's, or
       # for an elastic source on another count, a re-split one.
       mine = elastic_resume.for_this_process(
-        streams.source, state, process_index=p, process_count=jax.process_count()
+        streams.source,
+        state,
+        process_index=p,
+        process_count=jax.process_count(),
+        settings=self._options.digest(),
       )
       batches, source_state = options_lib.check_state(
         mine, options=self._options, process_index=p, process_count=jax.process_count()

@@ -14,6 +14,14 @@ import numpy as np
 _NUMERIC_KINDS = frozenset("biufc")
 
 
+class DataError(ValueError):
+  """Bad data that a source finds in its own records (a packer's record).
+
+  The reader raises it on every host as the same ValueError, prefixed with
+  the process and batch, as it raises a bad leaf.
+  """
+
+
 def where(process_index: int, batch_index: int, name: str | None = None) -> str:
   """The prefix of every data error: process, batch and column."""
   s = f"process {process_index}, batch {batch_index}"
@@ -41,18 +49,25 @@ def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
   tf.Tensor) or a list of numbers; it is copied only to change its byte order.
   Raises ValueError, prefixed with `context`, for a leaf no jax.Array can hold.
   """
-  x = _as_array(x, context)
-  dtype = x.dtype
-  _check_dtype(dtype, context)
+  x = to_array(x, context=context)
   if x.ndim == 0:
     raise ValueError(
-      f"{context}: 0-d leaf (a scalar of dtype {dtype}); expected an array"
+      f"{context}: 0-d leaf (a scalar of dtype {x.dtype}); expected an array"
       " whose first dimension is the row (batch) dimension. Batch the"
       " elements first (e.g. Grain's `.batch(n)` or tf.data's `.batch(n)`)"
     )
-  if not dtype.isnative:
-    x = x.astype(dtype.newbyteorder("="))
   return x
+
+
+def to_array(x: Any, *, context: str) -> np.ndarray:
+  """`x` as a native-byte-order NumPy array of any rank that a jax.Array can hold.
+
+  Raises ValueError, prefixed with `context`, for None, strings, masked,
+  ragged or non-numeric values.
+  """
+  x = _as_array(x, context)
+  _check_dtype(x.dtype, context)
+  return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
 
 
 def _as_array(x: Any, context: str) -> np.ndarray:

@@ -6,7 +6,8 @@ report per host into one `Step` per position and an `Outcome`. In the
 streamed agreement processes post their reports as `Chunk`s and process 0
 posts `Decision`s (run-length encoded steps), compact JSON that carries
 `PROTOCOL_VERSION`: every host raises the same `version_error` for a peer
-on another version. Pure Python: no JAX, no I/O.
+on another version; a peer's batch signature is checked to be data of its
+form (`batches.checked_json`) when read. Pure Python and NumPy: no JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from grain_jax_sync._src import batches
 
 # Carried in every chunk and decision; hosts on another version raise the same
 # clear error instead of misreading each other. 1 was the windowed protocol;
@@ -135,7 +138,7 @@ class Report:
       rows=tuple(obj["r"]),
       exhausted=obj["x"],
       error=error,
-      signature=obj.get("s"),
+      signature=batches.checked_json(obj.get("s")),
       local_devices=obj["d"],
       config=obj.get("c"),
       more=obj.get("m", False),
@@ -349,6 +352,7 @@ class Decision:
       error = ReportedError.from_json(obj["x"]) if "x" in obj else None
       table = tuple(tuple(row) for row in obj["t"]) if "t" in obj else None
       end = Outcome(obj["e"])
-      return cls(obj["j"], steps, end, error, obj.get("g"), obj.get("b"), table)
+      signature = batches.checked_json(obj.get("g"))
+      return cls(obj["j"], steps, end, error, signature, obj.get("b"), table)
     except (KeyError, TypeError, ValueError) as e:
       raise ProtocolError(f"a decision that does not parse ({type(e).__name__}: {e})") from e

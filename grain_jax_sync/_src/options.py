@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
@@ -55,7 +57,8 @@ class Options:
       of column name (or prefix) to scalar. None (the default) disables
       padding. A value must be one of its column's output dtype (as it lands
       on the device: int64 is int32 with x64 off): -1 for uint8, 0.5 for an
-      integer or 1e6 for float16 raise a `ValueError` naming the column.
+      integer, 1e6 for float16, True for a number column or a string raise a
+      `ValueError` naming the column.
     mask_key: If set, dict batches get a boolean ``(rows,)`` column of that
       name: True for real rows, False for padding and dummy batches. Left
       unset (the default) with `paddings`, one warning is logged that padded
@@ -198,18 +201,15 @@ def make(
   given = {**dataclasses.asdict(Options()), **unset, **keywords, **fixed}
   paddings = given["paddings"]
   mask_key = _warn_if_unmasked(paddings, given["mask_key"])
-  if mask_key is not None and not isinstance(mask_key, str):
-    raise ValueError(f"`mask_key` must be a str or None, got {mask_key!r}")
-  sync_timeout_s = given["sync_timeout_s"]
-  if not (isinstance(sync_timeout_s, (int, float)) and sync_timeout_s > 0):
-    raise ValueError(f"`sync_timeout_s` must be > 0, got {sync_timeout_s!r}")
-  decide_ahead_s = given["decide_ahead_s"]
-  if not (isinstance(decide_ahead_s, (int, float)) and decide_ahead_s >= 0):
-    raise ValueError(f"`decide_ahead_s` must be >= 0, got {decide_ahead_s!r}")
-  synchronize_batches = bool(given["synchronize_batches"])
+  for arg, value in (("mask_key", mask_key), ("name", given["name"])):
+    if value is not None and not isinstance(value, str):
+      raise ValueError(f"`{arg}` must be a str or None, got {value!r:.100}")
+  sync_timeout_s = checked_seconds("sync_timeout_s", given["sync_timeout_s"], zero=False)
+  decide_ahead_s = checked_seconds("decide_ahead_s", given["decide_ahead_s"])
+  synchronize_batches = checked_bool("synchronize_batches", given["synchronize_batches"])
   return Options(
     batch_size=checked_int_or_none("batch_size", given["batch_size"]),
-    drop_last=bool(given["drop_last"]),
+    drop_last=checked_bool("drop_last", given["drop_last"]),
     paddings=paddings,
     mask_key=mask_key,
     dtypes=given["dtypes"],
@@ -217,9 +217,9 @@ def make(
     synchronize_lookahead=checked_int_or_none(
       "synchronize_lookahead", given["synchronize_lookahead"]
     ),
-    decide_ahead_s=float(decide_ahead_s),
+    decide_ahead_s=decide_ahead_s,
     prefetch_batches=checked_int("prefetch_batches", given["prefetch_batches"], minimum=0),
-    sync_timeout_s=float(sync_timeout_s),
+    sync_timeout_s=sync_timeout_s,
     name=given["name"],
     read_ahead=checked_int_or_none("read_ahead", given["read_ahead"], minimum=0),
     pad_shapes=shapes_lib.make(
@@ -339,6 +339,39 @@ def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> in
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
   return int(value)
+
+
+def finite_number(value: Any) -> float | None:
+  """`value` as a float if it is a finite real number (NumPy numbers and 0-d arrays too), else None.
+
+  A bool is not a number here: ``True`` for a weight or a timeout is a mistake.
+  """
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value[()]
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    return None
+  try:
+    out = float(value)
+  except (OverflowError, TypeError, ValueError):
+    return None
+  return out if math.isfinite(out) else None
+
+
+def checked_seconds(arg: str, value: Any, *, zero: bool = True) -> float:
+  """`value` as a float, or a ValueError naming `arg` if it is no finite number >= 0 (> 0 unless `zero`)."""
+  out = finite_number(value)
+  if out is None or out < 0 or (out == 0 and not zero):
+    raise ValueError(
+      f"`{arg}` must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r:.100}"
+    )
+  return out
+
+
+def checked_bool(arg: str, value: Any) -> bool:
+  """`value` as a bool, or a TypeError naming `arg` if it is no bool (NumPy's too): never a truthy cast."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"`{arg}` must be True or False, got {value!r:.100}")
+  return bool(value)
 
 
 def checked_int_or_none(

@@ -58,7 +58,7 @@ def check_pad_values(
       out.append(_pad_value(pad, dtype))
     except (TypeError, ValueError, OverflowError) as e:
       raise ValueError(
-        f"`paddings` value {pad!r} for column {name!r} does not fit dtype {dtype}: {e}"
+        f"`paddings` value {pad!r:.60} for column {name!r} does not fit dtype {dtype}: {e}"
       ) from e
   return out
 
@@ -74,9 +74,15 @@ def fits(pad: Any, dtype: np.dtype) -> bool:
 
 def _pad_value(pad: Any, dtype: np.dtype) -> np.ndarray:
   """`pad` as a 0-d array of `dtype`; raises where it is not a value of it."""
+  if isinstance(pad, int) and not -(2**63) <= pad < 2**64:  # NumPy holds it as an object.
+    pad = float(pad)  # Raises OverflowError past float64; no integer column holds it either.
   arr = np.asarray(pad)
   if arr.ndim != 0:
     raise ValueError(f"expected a scalar, got shape {arr.shape}")
+  if not (arr.dtype.kind in "biufc" or _is_float(arr.dtype) or _is_int(arr.dtype)):
+    raise ValueError(f"expected a number, got a value of dtype {arr.dtype}")
+  if arr.dtype.kind == "b" and dtype.kind != "b":
+    raise ValueError("a bool pads bool columns only: give a number")
   with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
     warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # Judged below.
     value = np.asarray(arr.astype(dtype, casting="unsafe"))
@@ -98,8 +104,6 @@ def _same_value(pad: np.ndarray, value: np.ndarray) -> bool:
     return bool(pad.item().imag == 0) and _same_value(np.asarray(pad.item().real), value)
   if value.dtype.kind in "iub" or _is_int(value.dtype):
     return bool(value.item() == pad.item())
-  if pad.dtype.kind not in "iufb":
-    return True
   return bool(np.isfinite(value.astype(np.float64)) or not np.isfinite(pad.astype(np.float64)))
 
 

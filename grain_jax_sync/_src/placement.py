@@ -18,7 +18,7 @@ import hashlib
 import logging
 import operator
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -161,6 +161,10 @@ def data_axes_of(mesh: jax.sharding.Mesh, data_axes: str | Sequence[str] | None)
   names = tuple(mesh.axis_names)
   if data_axes is None:
     return (DATA_AXIS,) if DATA_AXIS in names else names
+  if not isinstance(data_axes, (str, Sequence)):
+    raise TypeError(
+      f"`data_axes` must be an axis name or a sequence of them, got {data_axes!r:.100}"
+    )
   axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
   if not axes:
     raise ValueError(
@@ -287,7 +291,19 @@ def local_to_global_shape(
     >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
     (16, 3)
   """
-  return _local_to_global(_as_sharding(sharding, "sharding"), tuple(local_shape))
+  return _local_to_global(_as_sharding(sharding, "sharding"), _shape("local_shape", local_shape))
+
+
+def _shape(arg: str, shape: Any) -> tuple[int, ...]:
+  """`shape` as a tuple of Python ints >= 0 (NumPy's too), or an error naming `arg`."""
+  if isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, (Sequence, np.ndarray)):
+    raise TypeError(f"`{arg}` must be a sequence of ints (a shape), got {shape!r:.100}")
+  bad = [
+    d for d in shape if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer))
+  ]
+  if bad or any(d < 0 for d in shape):
+    raise ValueError(f"`{arg}` must be ints >= 0, got {tuple(shape)!r:.100}")
+  return tuple(int(d) for d in shape)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -332,6 +348,7 @@ def global_to_local_shape(
     >>> global_to_local_shape((16, 3), NamedSharding(mesh, P("data")))
     (8, 3)
   """
+  global_shape = _shape("global_shape", global_shape)
   s = cut(_as_sharding(sharding, "sharding"), len(global_shape))
   pi = jax.process_index()
   out = []

@@ -123,6 +123,10 @@ class Reader:
       raw = next(self._source)
     except StopIteration:
       return core.End(self._position)
+    except leaves_lib.DataError as e:  # Bad records: the same ValueError on every host.
+      error = ValueError(f"{leaves_lib.where(self._p, index)}: {e}")
+      error.__cause__ = e
+      return endings.failed(self._p, self._position, index, error, "reading", data=True)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
       return endings.failed(
         self._p, self._position, index, e, f"reading batch {index} from its source"

@@ -5,7 +5,7 @@ between hosts and positions; signatures record them as -1. Hosts report
 their sizes per batch (`messages.Report.sizes`) and agree on the maximum,
 rounded up to the column's next bucket (`shape_buckets=`); every host pads to
 it (`padding.fill_leaf`) and adds an element mask where `shape_mask_keys=` asks.
-Pure Python; no JAX, no NumPy arrays.
+Pure Python (NumPy only to take its ints); no JAX.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import dataclasses
 import functools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from grain_jax_sync._src.trees import ROOT_NAME
 
@@ -43,33 +45,43 @@ class Shapes:
     }
 
 
+def _is_int(x: Any) -> bool:
+  """An int, NumPy's too; not a bool."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _ints(value: Any) -> list[Any] | None:
+  """The items of a list, tuple or 1-D array of ints; None for anything else (a dict, a set)."""
+  if isinstance(value, np.ndarray):
+    value = value.tolist() if value.ndim == 1 else None
+  if not isinstance(value, (list, tuple)) or not all(map(_is_int, value)):
+    return None
+  return [int(x) for x in value]
+
+
 def _dims(column: str, value: Any) -> tuple[int, ...]:
-  items = value if isinstance(value, (tuple, list)) else (value,)
-  out = []
-  for d in items:
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-      raise ValueError(
-        f"`pad_shapes` for column {column!r}: dims must be ints >= 1 (dim 0 is"
-        f" the row dim, which `paddings` pads), got {value!r}"
-      )
-    out.append(int(d))
+  out = [int(value)] if _is_int(value) else _ints(value)
+  if out is None or any(d < 1 for d in out):
+    raise ValueError(
+      f"`pad_shapes` for column {column!r}: dims must be ints >= 1 (dim 0 is"
+      f" the row dim, which `paddings` pads), got {value!r}"
+    )
   if not out or len(set(out)) != len(out):
     raise ValueError(f"`pad_shapes` for column {column!r}: expected distinct dims, got {value!r}")
   return tuple(sorted(out))
 
 
 def _buckets(column: str, value: Any) -> tuple[int, ...]:
-  try:
-    out = tuple(int(b) for b in value)
-    ok = all(isinstance(b, int) and not isinstance(b, bool) for b in value)
-  except TypeError:
-    out, ok = (), False
-  if not ok or not out or any(b < 1 for b in out) or list(out) != sorted(set(out)):
+  out = _ints(value)
+  if not out or any(b < 1 for b in out) or out != sorted(set(out)):
+    per_dim = " (one list for all of the column's dims, not one per dim)" * isinstance(
+      value, Mapping
+    )
     raise ValueError(
       f"`shape_buckets` for column {column!r}: expected a non-empty list of"
-      f" ascending ints >= 1, got {value!r}"
+      f" ascending ints >= 1{per_dim} such as [128, 256, 512], got {value!r:.100}"
     )
-  return out
+  return tuple(out)
 
 
 def make(

@@ -30,22 +30,34 @@ _NS = "grain_jax_sync/sim/1"
 class HostPlan:
   """What one simulated host does, in virtual seconds.
 
+  A "batch" below counts the batches its loop received (padded dummies
+  included), from 1; times are seconds >= 0. A plan that cannot happen is
+  refused: `ValueError` here, or from `SimulatedCluster.run` for a batch past
+  the job's last (the longest shard).
+
   Attributes:
     batches: Batches in its shard (then its source is exhausted).
     rows: Rows of each batch.
-    step_s: Its training step, after each batch it receives.
+    step_s: Its training step, after each batch it receives (a collective one
+      by default: `SimulatedCluster.collective_steps`).
     read_s: Each read of its source.
-    stall: ``(batch, seconds)``: that read takes this long (the process is alive).
-    error_at: Its source raises `error` (default: an `OSError`) at this batch.
+    stall: ``(read, seconds)``: its source's read `read` (from 0; `batches`
+      is the read that finds it exhausted) takes this long (the process is alive).
+    error_at: Its source raises `error` (default: an `OSError`) when asked for
+      batch `error_at` (from 0, below `batches`): the batches before it are
+      received.
     error: What its source raises.
     refused: Its state was refused (`set_state`): this `ValueError` text is its ending.
-    stop: ``(batch, seconds)``: `request_stop()` this long into the step after that batch.
+    stop: ``(batch, seconds)``: `request_stop()` this long into the step after
+      that batch; batch 0: this long after its stream's start (`start_s`),
+      before or during its first `next()`.
     pause: ``(batch, seconds)``: its loop pauses this long after that batch's step (alive).
     close_at: `close()` instead of its next call once it received this many batches.
     close_s: `close()` from another thread at this time.
     kill_at: The process dies at this time (its beat stops).
     start_s: Its first `next()` (its stream's start) at this time.
-    resume: The batch its restored state resumes from.
+    resume: The batch its restored state resumes from: its first batch is
+      batch ``resume`` of the job (its shard holds those after it).
     config: Its settings, as its first report carries them.
     sync_timeout_s: Its own `sync_timeout_s`, if not the cluster's.
   """
@@ -68,30 +80,74 @@ class HostPlan:
   config: Any = None
   sync_timeout_s: float | None = None
 
+  def __post_init__(self) -> None:
+    counts: dict[str, Any] = {"batches": self.batches, "resume": self.resume}
+    counts["close_at"] = self.close_at
+    counts |= {"error_at": self.error_at, "rows": self.rows - 1}
+    times: dict[str, Any] = {"step_s": self.step_s, "read_s": self.read_s, "close_s": self.close_s}
+    times |= {"kill_at": self.kill_at, "start_s": self.start_s}
+    for name, pair in (("stall", self.stall), ("stop", self.stop), ("pause", self.pause)):
+      if pair is not None:
+        counts[name] = pair[0] - (name == "pause")  # A pause follows a batch's step: from 1.
+        times[name] = pair[1]
+    for name, value in counts.items():
+      if value is not None and (not isinstance(value, int | np.integer) or value < 0):
+        least = 1 if name in ("rows", "pause") else 0
+        raise ValueError(f"`{name}` must be an int >= {least}, got {getattr(self, name)!r}")
+    for name, value in times.items():
+      if value is not None and not 0 <= value < INF:
+        raise ValueError(
+          f"`{name}` must be a finite number of seconds >= 0, got {getattr(self, name)!r}"
+        )
+    if self.error_at is not None and self.error_at >= self.batches:
+      raise ValueError(
+        f"`error_at` must be below `batches` ({self.batches}): its source never reads"
+        f" batch {self.error_at}, got {self.error_at}"
+      )
+    if self.stall is not None and self.stall[0] > self.batches:
+      raise ValueError(
+        f"`stall` must name a read <= `batches` ({self.batches}), got {self.stall!r}"
+      )
+
+  def check_within(self, last: int) -> None:
+    """Raises ValueError where a batch it names is past `last`, the job's last batch."""
+    for name, at in (("stop", self.stop), ("pause", self.pause), ("close_at", self.close_at)):
+      at = at[0] if isinstance(at, tuple) else at
+      if at is not None and at > last:
+        raise ValueError(
+          f"`{name}` names batch {at}, past the job's last ({last}, the longest shard):"
+          f" its loop never gets there, got {getattr(self, name)!r}"
+        )
+
 
 @dataclasses.dataclass
 class HostOutcome:
   """How one simulated host ended.
 
   Attributes:
-    process: Its index.
+    process_index: Its index (as `ProcessOutcome.process_index`).
     received: Virtual times at which its consumer received each batch.
-    ending: "end" (the agreed end or stop), "closed", "killed", or the error's type name.
+    ending: "end" (the agreed end or stop), "closed", "killed", or the
+      error's type name; None if it had not ended by `until_s` (a step
+      held by a peer that never entered it, as a collective is).
     message: The error's message, if any.
-    ended_at: When its consumer saw the ending.
+    ended_at: When its consumer saw the ending (`math.inf` if it did not).
     stopped_by: The process whose stop ended the stream, if one did.
+    resume: The batch its restored state resumed from (`HostPlan.resume`).
   """
 
-  process: int
+  process_index: int
   received: list[float] = dataclasses.field(default_factory=list)
   ending: str | None = None
   message: str = ""
   ended_at: float = INF
   stopped_by: int | None = None
+  resume: int = 0
 
   @property
   def batches(self) -> int:
-    return len(self.received)
+    """The batch its checkpoint would name (``get_state()["batches"]``): `resume` plus those received."""
+    return self.resume + len(self.received)
 
 
 Wait = tuple[Any, float]  # (channel or None, deadline): resumed with True if signalled.
@@ -99,11 +155,16 @@ Task = Generator[Wait, bool, None]
 
 
 class _Clock:
-  """The discrete-event scheduler: tasks park on a channel and a deadline."""
+  """The discrete-event scheduler: tasks park on a channel and a deadline.
+
+  A wait on a channel that times out at the instant something else happens
+  runs after it (and after what that causes at the same instant): a real
+  wait starts a little after what started it, so it ends a little later.
+  """
 
   def __init__(self) -> None:
     self.now = 0.0
-    self._heap: list[tuple[float, int, Any, int, bool]] = []
+    self._heap: list[tuple[float, bool, int, Any, int, bool]] = []
     self._order = itertools.count()
     self._parked: dict[Any, list[tuple[Any, int]]] = collections.defaultdict(list)
     self._turn: dict[int, int] = {}  # Per task: its current wait.
@@ -111,15 +172,15 @@ class _Clock:
 
   def spawn(self, task: Task, at: float = 0.0) -> None:
     self._turn[id(task)] = 0
-    heapq.heappush(self._heap, (at, next(self._order), task, 0, False))
+    heapq.heappush(self._heap, (at, False, next(self._order), task, 0, False))
 
   def signal(self, channel: Any) -> None:
     for task, turn in self._parked.pop(channel, ()):
-      heapq.heappush(self._heap, (self.now, next(self._order), task, turn, True))
+      heapq.heappush(self._heap, (self.now, False, next(self._order), task, turn, True))
 
   def run(self, until: float) -> None:
     while self._heap and self._heap[0][0] <= until:
-      t, _, task, turn, signalled = heapq.heappop(self._heap)
+      t, _, _, task, turn, signalled = heapq.heappop(self._heap)
       if id(task) in self.dead or self._turn.get(id(task)) != turn:
         continue
       self.now = max(self.now, t)
@@ -132,7 +193,8 @@ class _Clock:
       if channel is not None:
         self._parked[channel].append((task, turn))
       if deadline < INF:
-        heapq.heappush(self._heap, (deadline, next(self._order), task, turn, False))
+        late = channel is not None  # A timeout: after what happens at that instant.
+        heapq.heappush(self._heap, (deadline, late, next(self._order), task, turn, False))
 
 
 class _Queue:
@@ -167,7 +229,7 @@ class _Host(interpreter.World):
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
-    self.out = HostOutcome(p)
+    self.out = HostOutcome(p, resume=plan.resume)
     self.ex = key_value.KeyValueExchange(
       cluster.store, _NS, process_index=p, process_count=cluster.processes
     )
@@ -192,6 +254,7 @@ class _Host(interpreter.World):
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
+    self.calls = 0  # The client's calls the last store action made.
     self.interp = interpreter.Interpreter(self.ex, self)
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
@@ -201,6 +264,8 @@ class _Host(interpreter.World):
     for task in self.all[:-1]:  # Its stream starts at its first next().
       self.clock.spawn(task, plan.start_s)
     self.clock.spawn(self.all[-1])
+    if plan.stop is not None and plan.stop[0] == 0:  # Asked before its first batch.
+      self.clock.spawn(self._stop_task(), plan.start_s + plan.stop[1])
 
   def _source(self) -> Iterator[dict[str, np.ndarray]]:
     for b in range(self.plan.batches):
@@ -227,15 +292,16 @@ class _Host(interpreter.World):
       if type(action) is core.Deliver:
         return action.run
       result = error = None
+      self.calls = 0
       try:
         result = yield from self.interp.carry(action)
       except GeneratorExit:
         raise  # The task is closed (its host is gone): nothing is handed on.
       except Exception as e:  # noqa: BLE001 - raised inside the core, as on a real host.
         error = e
-      if isinstance(action, core.StoreCall) and self.c.store_s > 0:
+      if isinstance(action, core.StoreCall) and self.calls and self.c.store_s > 0:
         self.unacked = (runner, result)  # In flight back to the core.
-        yield (None, self.clock.now + self.c.store_s)
+        yield (None, self.clock.now + self.calls * self.c.store_s)
         self.unacked = None
 
   # -- the core's world in virtual time (`interpreter.World`) --------------------------
@@ -244,11 +310,14 @@ class _Host(interpreter.World):
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
   def call(self, fn: Any, *args: Any) -> Generator[Wait, bool, Any]:
-    self.c.store.missed = None
+    self.c.store.missed, ops = None, self.ex.ops
     result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
     if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
+      ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
+    # Each of the client's calls is a round trip (a delete of no whole group makes none).
+    self.calls = self.ex.ops - ops
     return result
 
   def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
@@ -309,6 +378,8 @@ class _Host(interpreter.World):
           return
         steps.extend(s for _, s in run.steps)
       step = steps.popleft()
+      # The agreement thread goes on while this position is built: it finds it not built yet.
+      yield (None, self.clock.now)
       if step.action == messages.Action.YIELD:
         items.put(step)
         yield from items.take_slot()
@@ -324,6 +395,12 @@ class _Host(interpreter.World):
       self.busy = True
       item = yield from self._next(items, inline)
       self.busy = False
+      if isinstance(item, StopIteration) and self.core.reached_end:
+        # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
+        # peer's consumer got there, or raises naming the one that left.
+        self.busy = True
+        item = yield from self.drive(self.core.side(self.core.at_end()))
+        self.busy = False
       if isinstance(item, StopIteration):
         return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
@@ -331,6 +408,7 @@ class _Host(interpreter.World):
       received.append(clock.now)
       if plan.stop is not None and plan.stop[0] == len(received):
         clock.spawn(self._stop_task(), clock.now + plan.stop[1])
+      yield from self.c.enter_step(len(received))
       pause = plan.pause[1] if plan.pause is not None and plan.pause[0] == len(received) else 0.0
       yield (None, clock.now + plan.step_s + pause)
     self._end("closed", post=True)
@@ -338,11 +416,17 @@ class _Host(interpreter.World):
   def _next(self, items: _Queue | None, inline: collections.deque[Any]) -> Any:
     if items is not None:
       return (yield from items.get())
+    if self.out.received:  # The builder counts a position handed on once the next call comes.
+      self.pace_of.done(self.clock.now)
     while not inline:
       run = yield from self.drive()
       if isinstance(run, BaseException):
         return run
-      inline.extend(s for _, s in run.steps if s.action == messages.Action.YIELD)
+      for _, step in run.steps:
+        if step.action == messages.Action.YIELD:
+          inline.append(step)
+        else:  # A drop, at once.
+          self.pace_of.done(self.clock.now)
     return inline.popleft()
 
   def _stop_task(self) -> Task:
@@ -388,6 +472,10 @@ class SimulatedCluster:
     synchronize_lookahead: As the iterator's.
     store_s: Each store call's round trip: its effect lands at once, its result reaches the core
       this much later (an ending meanwhile tells it first, as the driver does).
+    collective_steps: Each host's step after batch k is a collective, as a training step with a
+      cross-host reduction is: it ends on every host `step_s` after the last host entered it, so a
+      host that is slow, paused, stalled, closed or killed holds the others in it (those that never
+      enter it hold them to `until_s`: their `ending` stays None). False: each host steps on its own.
   """
 
   processes: int
@@ -396,12 +484,28 @@ class SimulatedCluster:
   sync_timeout_s: float = 60.0
   synchronize_lookahead: int | None = None
   store_s: float = 0.0
+  collective_steps: bool = True
+
+  def enter_step(self, k: int) -> Iterator[Wait]:
+    """A host enters its step after batch `k`: a collective returns once every host entered it."""
+    if not self.collective_steps:
+      return
+    entered = self._entered[k] = self._entered.get(k, 0) + 1
+    if entered == self.processes:
+      del self._entered[k]
+      self.clock.signal(("step", k))
+    else:
+      yield (("step", k), INF)  # Held by a peer that never enters it, as JAX's collective holds.
 
   def run(self, plans: list[HostPlan], *, until_s: float = 3600.0) -> list[HostOutcome]:
     """Runs every host to its ending (or `until_s` of virtual time); their outcomes."""
     if len(plans) != self.processes:
       raise ValueError(f"`plans` must have {self.processes} entries, got {len(plans)}")
+    last = max(p.resume + p.batches for p in plans) - min(p.resume for p in plans)
+    for plan in plans:
+      plan.check_within(last)
     self.clock = _Clock()
+    self._entered: dict[int, int] = {}  # Per collective step: the hosts that entered it.
     self.store = memory_store.MemoryStore(self.clock.signal, wait=False)
     self.hosts = [_Host(self, p, plan) for p, plan in enumerate(plans)]
     self.clock.run(until_s)
@@ -409,4 +513,5 @@ class SimulatedCluster:
 
   @property
   def store_ops(self) -> int:
+    """Calls of the in-memory store in the last `run`, every host's."""
     return self.store.ops

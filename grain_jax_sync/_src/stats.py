@@ -127,7 +127,9 @@ class Pace:
     self.count(now)
 
   def count(self, now: float) -> int:
+    # The window is (now - window_s, now]: a consumer that takes one every half window takes 2
+    # per window, not 3 when one position lands exactly on its edge (virtual time does that).
     times, since = self._times, now - self._window_s
-    while times and times[0] < since:
+    while times and times[0] <= since:
       times.popleft()
     return len(times)

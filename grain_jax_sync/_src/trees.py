@@ -4,17 +4,20 @@ A batch is a NumPy array or a pytree of them: dicts, lists, tuples,
 namedtuples, None (an empty node, as in JAX) and nodes registered with
 `jax.tree_util` (a `flax.struct.dataclass` batch). The spec is JSON so that
 it can travel in the exchange and let a host with no data of its own build
-dummy batches. NumPy only, except for registered nodes, which JAX flattens.
+dummy batches. It is data only: a host reads it (`check_spec`) and rebuilds
+a tree from it without unpickling or importing anything. NumPy only, except
+for registered nodes, which JAX flattens and rebuilds.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
+import dataclasses
 import functools
-import importlib
+import json
+import math
 import numbers
-import pickle
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,8 +27,9 @@ import numpy as np
 # {"d": [[key, sub]...]} a dict with keys in sorted order; {"l": [...]} a
 # list; {"t": [...]} a tuple; {"t": [...], "nt": "module:QualName", "f":
 # [fields]} a namedtuple; {"o": "module:QualName", "a": str(node), "c":
-# [[name, sub]...], "p": node} a node registered with `jax.tree_util`, "p"
-# its one-level `PyTreeDef` pickled (base64), which rebuilds it.
+# [[name, sub]...], "x": aux} a node registered with `jax.tree_util`, "x" its
+# aux data where that is plain data (`_to_data`), which rebuilds it from the
+# registered type.
 TreeSpec = Any
 LEAF = "*"
 NONE = "~"
@@ -89,12 +93,12 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
   node = _registered_node(x)
   if node is not None:
     children, treedef = node
-    return {
+    spec = {
       "o": f"{type(x).__module__}:{type(x).__qualname__}",
       "a": str(treedef),
       "c": [[k, _walk(v, _child_name(prefix, k), leaves, names)] for k, v in children],
-      "p": base64.b64encode(pickle.dumps(treedef)).decode("ascii"),
     }
+    return _own_node(spec, treedef)
   leaves.append(x)
   names.append(prefix or ROOT_NAME)
   return LEAF
@@ -117,21 +121,144 @@ def _registered_node(x: Any) -> tuple[list[tuple[str, Any]], Any] | None:
   return [(jax.tree_util.keystr(path, simple=True, separator="/"), v) for path, v in flat], treedef
 
 
-@functools.lru_cache(maxsize=64)
-def _treedef(blob: str) -> Any:
-  """A pickled one-level `PyTreeDef` (a spec's "p"), loaded once per structure."""
-  return pickle.loads(base64.b64decode(blob))  # noqa: S301 - a spec of this job's own hosts.
+# The one-level treedefs of the registered nodes this process flattened, by
+# `_node_key`: a process rebuilds its own structures without reading their
+# aux data back. A bounded cache whose every access is one atomic dict call
+# (a set, a `popitem`, a `get`), so it needs no lock: reading threads write
+# it, building threads read it; two writers at once may each evict one.
+_OWN: collections.OrderedDict[str, Any] = collections.OrderedDict()
+_OWN_LIMIT = 64  # Distinct registered-node structures; a batch has a handful.
 
 
-def _namedtuple_type(path: str, fields: Sequence[str]) -> type:
-  module, _, qualname = path.partition(":")
+def _node_key(spec: Mapping[str, Any]) -> str:
+  return json.dumps([spec["o"], spec["a"], spec.get("x"), len(spec["c"])])
+
+
+def _own_node(spec: dict[str, Any], treedef: Any) -> dict[str, Any]:
+  """`spec` with its aux data where plain ("x"); `treedef` kept as this process's own."""
   try:
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-      obj = getattr(obj, part)
-    return obj
-  except (ImportError, AttributeError):
-    return collections.namedtuple(qualname.rsplit(".", 1)[-1], fields)  # type: ignore[misc]
+    spec["x"] = _to_data(treedef.node_data()[1])
+  except (TypeError, RecursionError):
+    pass  # Not plain data: rebuilt only where a batch of it was flattened.
+  _OWN[_node_key(spec)] = treedef
+  if len(_OWN) > _OWN_LIMIT:
+    _OWN.popitem(last=False)  # The first one kept.
+  return spec
+
+
+def _to_data(x: Any) -> Any:
+  """Aux data as JSON data: None, bools, ints, finite floats, str, and lists, tuples
+  (``{"t": [...]}``) and str-keyed dicts (``{"d": [[k, v]...]}``) of them, exactly
+  those types. Raises TypeError for anything else."""
+  kind = type(x)
+  if kind in (type(None), bool, int, str) or (kind is float and math.isfinite(x)):
+    return x
+  if kind is list:
+    return [_to_data(v) for v in x]
+  if kind is tuple:
+    return {"t": [_to_data(v) for v in x]}
+  if kind is dict and all(type(k) is str for k in x):
+    return {"d": [[k, _to_data(v)] for k, v in x.items()]}
+  raise TypeError(f"not plain data: {kind.__name__}")
+
+
+def _from_data(x: Any) -> Any:
+  """The inverse of `_to_data`, for data read from a peer: ValueError for anything else."""
+  kind = type(x)
+  if kind in (type(None), bool, int, str) or (kind is float and math.isfinite(x)):
+    return x
+  if kind is list:
+    return [_from_data(v) for v in x]
+  if kind is dict and len(x) == 1 and type(x.get("t")) is list:
+    return tuple(_from_data(v) for v in x["t"])
+  if kind is dict and len(x) == 1 and _pair_subtrees(x.get("d"), (str,)) is not None:
+    return {k: _from_data(v) for k, v in x["d"]}
+  raise ValueError(f"aux data {x!r:.80} is not plain data")
+
+
+def _imported(path: str) -> Any:
+  """The object `path` ("module:QualName") names in a module imported already, or None.
+
+  Nothing is imported: a host that can build the type has imported it.
+  """
+  module, _, qualname = path.partition(":")
+  obj = sys.modules.get(module)
+  for part in qualname.split("."):
+    if obj is None or not part.isidentifier():
+      return None
+    obj = getattr(obj, part, None)
+  return obj
+
+
+@functools.lru_cache(maxsize=64)
+def _namedtuple_type(path: str, fields: tuple[str, ...]) -> type:
+  """The namedtuple type `path` names, where imported with these fields; else one made so."""
+  found = _imported(path)
+  if (
+    isinstance(found, type)
+    and issubclass(found, tuple)
+    and getattr(found, "_fields", None) == fields
+  ):
+    return found
+  return collections.namedtuple(path.partition(":")[2].rpartition(".")[2], fields)  # type: ignore[misc]
+
+
+def _node_treedef(spec: Mapping[str, Any]) -> Any:
+  """The one-level `PyTreeDef` of a registered node's spec: this process's own, or rebuilt."""
+  own = _OWN.get(_node_key(spec))
+  if own is not None:
+    return own
+  data = json.dumps(spec["x"]) if "x" in spec else None
+  return _rebuilt(spec["o"], spec["a"], data, len(spec["c"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
+  """A registered node's one-level treedef, from its type (imported here) and aux data.
+
+  Raises:
+    ValueError: Naming the node, where it cannot be rebuilt from data.
+  """
+  import jax  # Only for registered nodes.
+
+  where = f"the batch's node {shown} ({path})"
+  if data is None:
+    raise ValueError(
+      f"{where}: its aux data (static fields) is not plain data, so a process that"
+      " read no batch of this structure cannot rebuild it; make the static fields"
+      " None, bools, ints, floats, strings, or lists, tuples and dicts of them"
+    )
+  kind = _imported(path)
+  if not isinstance(kind, type) or kind.__module__ in ("builtins", "collections"):
+    raise ValueError(f"{where}: names no registered pytree node type of an imported module")
+  aux = _from_data(json.loads(data))
+  _check_arity(kind, aux, children, where)
+  make = getattr(jax.tree_util.PyTreeDef, "from_node_data_and_children", None)
+  if make is None:
+    raise ValueError(
+      f"{where}: a process that read no batch of this structure rebuilds it with"
+      " jax>=0.8 (`PyTreeDef.from_node_data_and_children`); upgrade jax and jaxlib"
+    )
+  leaf = jax.tree_util.tree_structure(0)
+  try:
+    return make(jax.tree_util.default_registry, (kind, aux), [leaf] * children)
+  except Exception as e:  # noqa: BLE001 - JAX's words, as a ValueError naming the node.
+    raise ValueError(f"{where}: cannot be rebuilt ({type(e).__name__}: {e})") from e
+
+
+def _check_arity(kind: type, aux: Any, children: int, where: str) -> None:
+  """A dataclass node (`jax.tree_util.register_dataclass`) has a child per field not in `aux`.
+
+  JAX does not check this when it rebuilds one from data.
+  """
+  if not dataclasses.is_dataclass(kind) or not isinstance(aux, tuple):
+    return
+  fields = sum(1 for f in dataclasses.fields(kind) if f.init)
+  if children + len(aux) != fields:
+    raise ValueError(
+      f"{where}: {children} children and {len(aux)} static fields, but the dataclass"
+      f" has {fields} fields"
+    )
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
@@ -145,14 +272,14 @@ def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
   if s == NONE:
     return None
   if "o" in s:
-    return _treedef(s["p"]).unflatten([_build(sub, it) for _, sub in s["c"]])
+    return _node_treedef(s).unflatten([_build(sub, it) for _, sub in s["c"]])
   if "d" in s:
     return {k: _build(sub, it) for k, sub in s["d"]}
   if "l" in s:
     return [_build(sub, it) for sub in s["l"]]
   values = [_build(sub, it) for sub in s["t"]]
   if "nt" in s:
-    return _namedtuple_type(s["nt"], s["f"])(*values)
+    return _namedtuple_type(s["nt"], tuple(s["f"]))(*values)
   return tuple(values)
 
 
@@ -200,10 +327,60 @@ def spec_keys(spec: TreeSpec) -> list[Any]:
   return [k for k, _ in spec["d"]] if is_dict_spec(spec) else []
 
 
-def readable(spec: TreeSpec) -> TreeSpec:
-  """`spec` without registered nodes' pickled treedefs (their "a" names them)."""
-  if isinstance(spec, dict):
-    return {k: readable(v) for k, v in spec.items() if k != "p"}
-  if isinstance(spec, list):
-    return [readable(v) for v in spec]
+def check_spec(spec: Any) -> TreeSpec:
+  """`spec` if it is a spec that `flatten` makes (data only), else a ValueError saying where not.
+
+  A peer's spec is checked before any host builds from it.
+  """
+  try:
+    _check(spec)
+  except RecursionError as e:
+    raise ValueError("a batch structure nested too deeply") from e
   return spec
+
+
+def _check(s: Any) -> None:
+  if type(s) is str and s in (LEAF, NONE):
+    return
+  subs = _subtrees(s)
+  if subs is None:
+    raise ValueError(f"a batch structure with {s!r:.100}, which is not a tree spec")
+  for sub in subs:
+    _check(sub)
+
+
+_KEYS = (str, int, float, bool, type(None))  # A dict key as JSON carries it.
+
+
+def _subtrees(s: Any) -> list[Any] | None:
+  """The subtrees of container spec `s`, or None if `s` is none of `flatten`'s forms."""
+  form = set(s) if type(s) is dict else set()
+  if form in ({"l"}, {"t"}, {"t", "nt", "f"}):
+    subs = s.get("l", s.get("t"))
+    if type(subs) is not list:
+      return None
+    if "nt" in form and not (type(s["nt"]) is str and _strs(s["f"], len(subs))):
+      return None
+    return subs
+  if form == {"d"}:
+    return _pair_subtrees(s["d"], _KEYS)
+  if form in ({"o", "a", "c"}, {"o", "a", "c", "x"}):
+    if type(s["o"]) is not str or type(s["a"]) is not str:
+      return None
+    if "x" in s:
+      _from_data(s["x"])
+    return _pair_subtrees(s["c"], (str,))
+  return None
+
+
+def _pair_subtrees(pairs: Any, keys: tuple[type, ...]) -> list[Any] | None:
+  """The subtrees of ``[[key, sub]...]`` whose keys are of the types `keys` (exactly)."""
+  if type(pairs) is not list or not all(
+    type(kv) is list and len(kv) == 2 and type(kv[0]) in keys for kv in pairs
+  ):
+    return None
+  return [sub for _, sub in pairs]
+
+
+def _strs(names: Any, count: int) -> bool:
+  return type(names) is list and len(names) == count and all(type(n) is str for n in names)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import extras
+from grain_jax_sync._src import extras, leaves, padding
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import base, iterable
 from grain_jax_sync._src.sources import tfds as tfds_lib
@@ -72,22 +72,49 @@ def collate(
     items = [np.asarray(x) for x in column]
     if name not in ragged:
       if len({x.shape for x in items}) > 1:
-        raise ValueError(
+        raise leaves.DataError(
           f"column {name!r} has rows of different shapes ({items[0].shape} and others):"
           " name it in hf_pipeline's `ragged_columns`, which pads it and adds a mask"
         )
       out[name] = np.stack(items) if items else np.asarray(column)
       continue
-    lengths = [len(x) for x in items]
     dense = np.full(
-      (len(items), max(lengths, default=0), *items[0].shape[1:]), pad_id, items[0].dtype
+      (len(items), *_ragged_shape(name, items)), pad_id, _ragged_dtype(name, items, pad_id)
     )
     mask = np.zeros(dense.shape[:2], bool)
-    for i, (x, n) in enumerate(zip(items, lengths, strict=True)):
-      dense[i, :n] = x
-      mask[i, :n] = True
+    for i, x in enumerate(items):
+      dense[i, : len(x)] = x
+      mask[i, : len(x)] = True
     out[name], out[f"{name}_mask"] = dense, mask
   return out
+
+
+def _ragged_shape(name: str, items: Sequence[np.ndarray]) -> tuple[int, ...]:
+  """A ragged column's padded row shape: the longest row, and the trailing dims every row shares."""
+  trailing = {x.shape[1:] for x in items if x.ndim}
+  if any(x.ndim == 0 for x in items) or len(trailing) > 1:
+    shapes = sorted({x.shape for x in items})
+    raise leaves.DataError(
+      f"ragged column {name!r} has rows of shapes {shapes[:4]}; expected rows of one or"
+      " more dims that differ in their first only"
+    )
+  return (max((len(x) for x in items), default=0), *(trailing.pop() if trailing else ()))
+
+
+def _ragged_dtype(name: str, items: Sequence[np.ndarray], pad_id: Any) -> np.dtype:
+  """The one dtype of a ragged column's non-empty rows, which `pad_id` fits; never a cast."""
+  found = {x.dtype for x in items if x.size} or {items[0].dtype if items else np.dtype(float)}
+  if len(found) > 1:
+    raise leaves.DataError(
+      f"ragged column {name!r} has rows of dtypes {sorted(d.name for d in found)}; every"
+      " row must have one dtype (cast it in `map_fn`)"
+    )
+  dtype = found.pop()
+  if not padding.fits(pad_id, dtype):
+    raise leaves.DataError(
+      f"`pad_id` {pad_id!r:.40} is no value of ragged column {name!r} ({dtype})"
+    )
+  return dtype
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # The data set is unhashable.
@@ -434,10 +461,10 @@ def hf_pipeline(
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
   window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
-  spec = HFSource(
-    ds, batch_size, map_fn, filter_fn, pad_id, ragged, bool(shuffle), int(seed), num_epochs
-  )
-  spec = dataclasses.replace(spec, drop_remainder=bool(drop_remainder), window=window)
+  shuffle = options_lib.checked_bool("shuffle", shuffle)
+  spec = HFSource(ds, batch_size, map_fn, filter_fn, pad_id, ragged, shuffle, int(seed), num_epochs)
+  drop_remainder = options_lib.checked_bool("drop_remainder", drop_remainder)
+  spec = dataclasses.replace(spec, drop_remainder=drop_remainder, window=window)
   if elastic:
     return _elastic(spec)
   index, count = tfds_lib.input_shard(

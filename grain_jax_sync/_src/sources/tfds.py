@@ -163,10 +163,10 @@ def tfds_pipeline(
     name=name,
     split=split,
     batch_size=batch_size,
-    shuffle=bool(shuffle),
+    shuffle=options_lib.checked_bool("shuffle", shuffle),
     seed=int(seed) if elastic else process_seed(seed, process_index),
     num_epochs=num_epochs,
-    drop_remainder=bool(drop_remainder),
+    drop_remainder=options_lib.checked_bool("drop_remainder", drop_remainder),
     map_fn=map_fn,
     drop_unsupported=drop_unsupported,
     load={
@@ -190,9 +190,9 @@ def check_args(
   """The checked `batch_size` of `tfds_pipeline` or `hf_pipeline`; ValueError for a bad option."""
   batch_size = options_lib.checked_int("batch_size", batch_size)
   options_lib.checked_int_or_none("num_epochs", num_epochs)
-  if not 0 <= int(seed) < 2**32:
+  if options_lib.checked_int("seed", seed, minimum=0) >= 2**32:
     raise ValueError(f"`seed` must be in [0, 2**32), got {seed!r}")
-  if elastic and any(x is not None for x in placement_args):
+  if options_lib.checked_bool("elastic", elastic) and any(x is not None for x in placement_args):
     raise ValueError(
       "`elastic=True` splits the records over the processes itself: pass no"
       " `process_index`, `process_count`, `mesh`, `data_axes` or `sharding`"
@@ -218,6 +218,10 @@ def input_shard(
   ):
     p = placement.resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
     return p.shard_index, p.shard_count
+  if process_index is not None:
+    process_index = options_lib.checked_int("process_index", process_index, minimum=0)
+  if process_count is not None:
+    process_count = options_lib.checked_int("process_count", process_count)
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:

@@ -9,11 +9,13 @@ records before it are exactly those of the batches delivered.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 TAG = "grain_jax_sync_elastic_stream"
 SLICE = "grain_jax_sync_elastic_slice"  # [start, step, sequential] of an mp_prefetch worker.
-# A packer's own tag: {TAG: {"next_index": past its last read}, "holes": its records in flight}.
+# The stream's state is {"next_index": .., "skip": tokens of its last record a resize says were
+# delivered (absent: 0)}. A packer's own tag: {TAG: {"next_index": past its last read},
+# "holes": its records in flight, "partial": [[hole, tokens delivered], ..]}.
 PACKED = "grain_jax_sync_elastic_packed"
 _INTERLEAVE = ("iterators_in_use_states", "iterators_in_use_indices")  # mp_prefetch's.
 _PACKING = {"parent", "next_row", "counter"}  # Grain's FirstFit/BestFit packing's.
@@ -52,21 +54,43 @@ def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
   return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
 
 
-def find_position(state: Any) -> tuple[tuple[int, ...], str | None, list[int]] | None:
-  """(stream thresholds, why not exact, holes) of a Grain iterator's nested state, or None.
+class Position(NamedTuple):
+  """A state's stream cursor: index ``j`` is consumed when ``j < thresholds[j % W]`` and not a hole."""
 
-  Stream index ``j`` is consumed when ``j < T[j % len(T)]`` and ``j`` is not
-  in the holes (a packer's records in flight, `PACKED`). Not exact (for a
-  re-split; Grain's own resume is): a transform that keeps a state beside its
-  parent's (a mix, packing within a packed batch) may hold records read past
-  the cursor, and a sequential `mp_prefetch` reads blocks, not strides.
+  thresholds: tuple[int, ...]
+  why: str | None  # Why it is not exact (None: it is).
+  holes: list[int]  # A packer's records in flight, below the thresholds.
+  partial: dict[int, int]  # Holes whose first tokens were delivered: how many.
+
+
+def find_position(state: Any) -> Position | None:
+  """The stream cursor of a Grain iterator's nested state, or None.
+
+  Not exact (for a re-split; Grain's own resume is): a transform that keeps
+  a state beside its parent's (a mix, packing within a packed batch) may
+  hold records read past the cursor, and a sequential `mp_prefetch` reads
+  blocks, not strides.
   """
   tags = _tags(state, None)
   if not tags:
     return None
   why = next((w for _, w in tags if w is not None), None)
   holes = sorted(int(j) for t, _ in tags for j in t.get("holes", ()))
-  return (*_thresholds(tags, why), holes)
+  partial = {int(j): int(k) for t, _ in tags for j, k in t.get("partial", ())}
+  return Position(*_thresholds(tags, why), holes, partial)
+
+
+def find_skip(state: Any) -> int:
+  """Tokens of the stream's last record delivered before a resize (its state's ``skip``)."""
+  if isinstance(state, Mapping):
+    if TAG in state and isinstance(state[TAG], Mapping):
+      return int(state[TAG].get("skip", 0))
+    values: Sequence[Any] = list(state.values())
+  elif isinstance(state, (list, tuple)):
+    values = state
+  else:
+    return 0
+  return next((k for k in map(find_skip, values) if k), 0)
 
 
 def _thresholds(tags: list[tuple[Mapping[str, Any], Why]], why: Why) -> tuple[tuple[int, ...], Why]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,15 +22,26 @@ from grain_jax_sync._src.sources.elastic.source import ElasticSource, elastic_so
 _SCALE = 100  # Grain's mix scales the least weight to this integer proportion.
 
 
+Range = split.Range
+
+
 @dataclasses.dataclass(frozen=True)
 class Mixture:
-  """The mixture's arithmetic: integer proportions (as Grain's) and each source's size."""
+  """The mixture's arithmetic: integer proportions (as Grain's) and each source's size.
+
+  Runs of weights: run 0 selects global row ``g`` by Grain's `mix` of its
+  proportions at ``g``. A resume with new weights starts a run that keeps
+  the rows the old job consumed (`kept`, global row ranges) and re-chooses
+  every other row: row ``g`` is its rank among the rows not kept, selected by
+  the new proportions, and a source's ``m``-th selection takes its ``m``-th
+  row that no kept row holds. So no source row is skipped or taken twice.
+  """
 
   proportions: tuple[int, ...]
   sizes: tuple[int, ...]
   shuffle: bool
-  # (first global row, proportions) of each run of weights, when a resume changed them.
-  history: tuple[tuple[int, tuple[int, ...]], ...] = ()
+  # (kept global row ranges, proportions) of each run, when a resume changed the weights.
+  history: tuple[tuple[tuple[Range, ...], tuple[int, ...]], ...] = ()
 
   @property
   def epoch_length(self) -> int:
@@ -41,52 +54,43 @@ class Mixture:
     return [list(self.proportions), list(self.sizes), self.shuffle]
 
   @functools.cached_property
-  def _runs(self) -> list[tuple[int, tuple[int, ...], list[int]]]:
-    """(first global row, proportions, each source's rows before it) of each run of weights."""
-    out: list[tuple[int, tuple[int, ...], list[int]]] = []
-    for start, p in self.history or ((0, self.proportions),):
-      base = [0] * len(self.sizes)
-      if out:
-        was, q, before = out[-1]
-        base = [b + n for b, n in zip(before, _counts(q, start - was), strict=True)]
-      out.append((start, p, base))
+  def _runs(self) -> list[_Run]:
+    """Each run with the source rows it may take (`_Run.free`), from the runs before it."""
+    out: list[_Run] = []
+    for kept, p in self.history or (((), self.proportions),):
+      if not out:
+        out.append(_Run(kept, p, [((), 0)] * len(self.sizes)))
+        continue
+      used: list[list[Range]] = [[] for _ in self.sizes]
+      for a, b in kept:
+        for k, rows in enumerate(_source_rows(out, a, b)):
+          used[k] += rows
+      out.append(_Run(kept, p, [_complement(u) for u in used]))
     return out
 
-  def counts(self, g: Any) -> list[Any]:
-    """Rows of each source among global rows ``0 .. g - 1`` (Grain's `mix` selection, per run)."""
-    out = _counts(self._runs[0][1], g)
-    for start, p, base in self._runs[1:]:
-      later = np.asarray(g) >= start
-      out = [np.where(later, b + n, o) for o, b, n in zip(out, base, _counts(p, g - start))]
+  def counts(self, g: int) -> list[int]:
+    """Rows of each source among global rows ``0 .. g - 1``."""
+    out = [0] * len(self.sizes)
+    for run, r0, r1 in _pieces(self._runs, 0, int(g)):
+      for k, (m0, m1) in enumerate(zip(_counts(run.p, r0), _counts(run.p, r1), strict=True)):
+        out[k] += int(m1 - m0)
     return out
 
-  def switched(self, g: int, proportions: tuple[int, ...]) -> Mixture:
-    """This mixture with `proportions` from global row `g` on (at least its last run's start)."""
-    g = max(g, self._runs[-1][0])
-    runs = (*((s, p) for s, p, _ in self._runs if s < g), (g, proportions))
-    return dataclasses.replace(self, proportions=proportions, history=runs if g else ())
+  def switched(self, kept: Sequence[Range], proportions: tuple[int, ...]) -> Mixture:
+    """This mixture with `proportions` for every global row but those in `kept` (sorted ranges)."""
+    runs = (*(self.history or (((), self.proportions),)), (tuple(kept), proportions))
+    return dataclasses.replace(self, proportions=proportions, history=runs)
 
-  def restored(self, runs: Any) -> Mixture:
-    """This mixture with a state's ``mixture_runs`` (None: its weights from row 0)."""
-    if runs is None:
+  def restored(self, history: Sequence[tuple[Sequence[Range], Sequence[int]]] | None) -> Mixture:
+    """This mixture with a state's runs of weights (`state.runs_from_json`; None: none)."""
+    if history is None:
       return dataclasses.replace(self, history=())
-    try:
-      history = tuple((int(g), tuple(int(x) for x in p)) for g, p in runs)
-    except (TypeError, ValueError) as e:
+    runs = tuple((tuple(kept), tuple(p)) for kept, p in history)
+    if len(runs) < 2 or runs[0][0] or runs[-1][1] != self.proportions:
       raise ValueError(
-        f"`state['source']['mixture_runs']` is not [[row, proportions], ..] ({e})"
-      ) from e
-    starts = [g for g, _ in history]
-    if (
-      len(history) < 2
-      or starts[0]
-      or starts != sorted(set(starts))
-      or history[-1][1] != self.proportions
-    ):
-      raise ValueError(
-        f"`state['source']['mixture_runs']` {runs!r:.100} does not end in this mixture's weights"
+        f"`state['source']['mixture_runs']` {history!r:.100} does not end in this mixture's weights"
       )
-    return dataclasses.replace(self, history=history)
+    return dataclasses.replace(self, history=runs)
 
   def consumed(self, shares: split.EpochShares, position: int, holes: Sequence[int]) -> list[int]:
     """Rows of each source a process consumed: stream ``0 .. position - 1`` but `holes`."""
@@ -110,13 +114,108 @@ class Mixture:
     ]
 
   def select(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(source, its row) of each global row in `rows`, as Grain's `mix` selects them."""
-    top = max(sum(p) for _, p, _ in self._runs)
-    big = max(rows, default=0) >= 2**62 // top  # Python ints past int64.
-    g: Any = np.asarray(rows, dtype=object if big else np.int64)
-    before = np.stack(self.counts(g))
-    source = np.argmax(np.stack(self.counts(g + 1)) - before, axis=0)
-    return source, before[source, np.arange(len(g))]
+    """(source, its row) of each global row in `rows`."""
+    g = np.asarray(rows, dtype=np.int64).reshape(-1)
+    owner = np.zeros(len(g), np.int64)
+    for j, run in enumerate(self._runs[1:], start=1):
+      owner[~_contains(run.kept, g)] = j
+    source, row = np.zeros(len(g), np.int64), np.zeros(len(g), np.int64)
+    for j, run in enumerate(self._runs):
+      mine = owner == j
+      if mine.any():
+        source[mine], row[mine] = run.select(g[mine] - _below(run.kept, g[mine]))
+    return source, row
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """A run of weights: its kept rows, its proportions, and per source the rows it may take
+  (finite ranges, then every row from the tail on)."""
+
+  kept: tuple[Range, ...]
+  p: tuple[int, ...]
+  free: list[tuple[tuple[Range, ...], int]]
+
+  def select(self, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, its row) of each rank among the rows this run selects."""
+    top = sum(self.p)
+    big = int(rank.max(initial=0)) + 1 >= 2**62 // top  # Python ints past int64.
+    r: Any = rank.astype(object) if big else rank
+    before = np.stack(_counts(self.p, r))
+    source = np.argmax(np.stack(_counts(self.p, r + 1)) - before, axis=0).astype(np.int64)
+    m = before[source, np.arange(len(r))].astype(np.int64)
+    row = np.zeros(len(m), np.int64)
+    for k, (ranges, tail) in enumerate(self.free):
+      mine = source == k
+      row[mine] = _nth(ranges, tail, m[mine])
+    return source, row
+
+
+def _below(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
+  """How many rows of `ranges` (sorted) are below each `g`."""
+  if not ranges:
+    return np.zeros(len(g), np.int64)
+  starts, stops = (np.asarray(x, np.int64) for x in zip(*ranges, strict=True))
+  before = np.concatenate([[0], np.cumsum(stops - starts)])
+  i = np.searchsorted(starts, g, side="right") - 1
+  inside = np.where(i >= 0, np.minimum(g - starts[i], (stops - starts)[i]), 0)
+  return np.where(i >= 0, before[np.maximum(i, 0)] + inside, 0)
+
+
+def _contains(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
+  if not ranges:
+    return np.zeros(len(g), bool)
+  starts, stops = (np.asarray(x, np.int64) for x in zip(*ranges, strict=True))
+  i = np.searchsorted(starts, g, side="right") - 1
+  return (i >= 0) & (g < stops[np.maximum(i, 0)])
+
+
+def _nth(ranges: Sequence[Range], tail: int, m: np.ndarray) -> np.ndarray:
+  """The `m`-th row of `ranges` then of ``tail, tail + 1, ..``."""
+  if not ranges:
+    return tail + m
+  starts, stops = (np.asarray(x, np.int64) for x in zip(*ranges, strict=True))
+  before = np.cumsum(stops - starts)
+  i = np.searchsorted(before, m, side="right")
+  first = np.concatenate([[0], before])[i]
+  at = np.concatenate([starts, [tail]])[i]
+  return at + m - first
+
+
+def _pieces(runs: Sequence[_Run], a: int, b: int) -> list[tuple[_Run, int, int]]:
+  """Global rows ``a .. b - 1`` as (owning run, first rank, past the last) of runs of one owner."""
+  cuts = sorted({a, b, *(x for run in runs for r in run.kept for x in r if a < x < b)})
+  out = []
+  for x, y in itertools.pairwise(cuts):
+    g = np.asarray([x], np.int64)
+    j = max(i for i, run in enumerate(runs) if i == 0 or not _contains(run.kept, g)[0])
+    r = x - int(_below(runs[j].kept, g)[0])
+    out.append((runs[j], r, r + y - x))
+  return out
+
+
+def _source_rows(runs: Sequence[_Run], a: int, b: int) -> list[list[Range]]:
+  """Per source, the rows that global rows ``a .. b - 1`` take (as ranges)."""
+  out: list[list[Range]] = [[] for _ in runs[0].free]
+  for run, r0, r1 in _pieces(runs, a, b):
+    for k, (m0, m1) in enumerate(zip(_counts(run.p, r0), _counts(run.p, r1), strict=True)):
+      ranges, tail = run.free[k]
+      lo, hi = int(m0), int(m1)
+      finite = split.total(ranges)
+      out[k] += split.take(ranges, lo, min(hi, finite))
+      if hi > finite:
+        out[k].append((tail + max(lo - finite, 0), tail + hi - finite))
+  return out
+
+
+def _complement(used: list[Range]) -> tuple[tuple[Range, ...], int]:
+  """(finite ranges, tail) of the rows from 0 on that `used` does not hold."""
+  out, at = [], 0
+  for a, b in sorted(used):
+    if a > at:
+      out.append((at, a))
+    at = max(at, b)
+  return tuple(out), at
 
 
 def _counts(proportions: Sequence[int], g: Any) -> list[Any]:
@@ -219,6 +318,24 @@ def _records(source: Any, i: int) -> Any:
   return source
 
 
+def _proportions(weights: Any, count: int) -> tuple[int, ...]:
+  """Grain's integer proportions of `weights`: `count` finite numbers > 0 (NumPy numbers too)."""
+  if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, (Sequence, np.ndarray)):
+    raise TypeError(f"`weights` must be a list of {count} numbers, got {weights!r:.100}")
+  given = [options_lib.finite_number(w) for w in weights]
+  bad = [w for w, f in zip(weights, given) if f is None or f <= 0]
+  if len(given) != count or bad:
+    why = f" ({bad[0]!r:.40} is not)" if bad else f" ({len(given)} given)"
+    raise ValueError(
+      f"`weights` must be {count} finite numbers > 0, one per source, got {weights!r:.100}{why}"
+    )
+  numbers = [f for f in given if f is not None]
+  ratios = [f * _SCALE / min(numbers) for f in numbers]
+  if not all(map(math.isfinite, ratios)):
+    raise ValueError(f"`weights` {weights!r:.100} span too wide a range: their ratio overflows")
+  return tuple(int(r) for r in ratios)
+
+
 def elastic_mixture(
   sources: Sequence[Any],
   weights: Sequence[float],
@@ -256,7 +373,9 @@ def elastic_mixture(
     A source for `iter_jax_batches`.
 
   Raises:
-    ValueError: If a source is empty or not random-access, or a weight is not > 0.
+    ValueError: If a source is empty or not random-access, or a weight is not
+      a finite number > 0 (NumPy numbers are numbers; bools are not).
+    TypeError: If `weights` is not a list (or 1-D array) of numbers.
 
   Example:
 
@@ -266,14 +385,10 @@ def elastic_mixture(
   if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
     raise ValueError(f"`sources` must be a non-empty list of sources, got {sources!r:.100}")
   records = [_records(s, i) for i, s in enumerate(sources)]
-  weights, count = list(weights), len(records)
-  if len(weights) != count or not all(
-    isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
-  ):
-    raise ValueError(f"`weights` must be {count} numbers > 0, one per source, got {weights!r:.100}")
-  proportions = tuple(int(w * _SCALE / min(weights)) for w in weights)
+  proportions = _proportions(weights, len(records))
   seed = options_lib.checked_int("seed", seed, minimum=0)
-  mixture = Mixture(proportions, tuple(len(r) for r in records), bool(shuffle))
+  shuffle = options_lib.checked_bool("shuffle", shuffle)
+  mixture = Mixture(proportions, tuple(len(r) for r in records), shuffle)
   mixed = MixedRecords(records, mixture, seed)
   checked = elastic_source(mixed, transform, shuffle=False, seed=seed, num_epochs=num_epochs)
   return dataclasses.replace(checked, mixture=mixture)

@@ -1,8 +1,9 @@
 """Resume states across job sizes: every old process's state -> this process's state.
 
 A list of every old process's state on the same process count gives this
-process's own; on another count an elastic source re-splits what the old job
-left (`split.resume`) and any other source refuses. Pure Python.
+process's own; on another count, or with another `batch_size` or new mixture
+weights, an elastic source re-splits what the old job left (`split.resume`)
+and any other source refuses another count. Pure Python.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from grain_jax_sync._src.sources.elastic import split
 from grain_jax_sync._src.sources.elastic import state as state_lib
-from grain_jax_sync._src.sources.elastic.split import EpochShares, resume
+from grain_jax_sync._src.sources.elastic.split import EpochShares, Resize, resume
 from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
 NOT_ELASTIC = (
@@ -47,39 +49,77 @@ def _listed(states: Sequence[Any]) -> list[Mapping[str, Any]]:
   return list(states)
 
 
-def for_this_process(source: Any, state: Any, *, process_index: int, process_count: int) -> Any:
+def for_this_process(
+  source: Any,
+  state: Any,
+  *,
+  process_index: int,
+  process_count: int,
+  settings: Mapping[str, Any] | None = None,
+) -> Any:
   """The state this process restores, from `state` as given to `set_state`.
 
   `state` is one state, or every old process's in process order: this
-  process's own, or for an elastic source on another count, one re-split
-  from the old job's. ValueError if the list is not one job's, or the source
-  cannot be re-split over another count.
+  process's own, or for an elastic source one re-split from the old job's
+  when the process count, the mixture's weights or the `batch_size` of the
+  `settings` now (the iterator's digest) differ. ValueError if the list is
+  not one job's, or the source cannot be re-split.
   """
   is_elastic = isinstance(source, ElasticIterator)
   if isinstance(state, Mapping):
-    old = state.get("process_count")
-    if is_elastic and isinstance(old, int) and old != process_count:
-      raise ValueError(
-        f"`state` is one process's state of a job of {old} processes; on {process_count}"
-        " processes an elastic iterator restores from the list of every old process's"
-        " state, in process order"
-      )
+    if is_elastic:
+      _check_one(state, process_count, settings)
     return state
   if not isinstance(state, (list, tuple)):
     return state  # `check_state` names what it got.
   states = _listed(state)
-  if is_elastic and source.spec.mixture is not None:
-    states = _switched(source, states)
-  if len(states) == process_count:
-    return states[process_index]
   if not is_elastic:
+    if len(states) == process_count:
+      return states[process_index]
     raise ValueError(
       NOT_ELASTIC.format(
         what=source.description,
         reason=f"the states are from {len(states)} processes, this job has {process_count}",
       )
     )
-  return _resplit(source, states, process_index, process_count)
+  why = []  # What a re-split is for.
+  if len(states) != process_count:
+    why.append("over another process count")
+  if _rebatched(states, settings):
+    states = [{**s, "settings": settings} for s in states]
+    why.append("to change `batch_size`")
+  if source.spec.mixture is not None and (switched := _switched(source, states)) is not None:
+    states = switched
+    why.append("to take new weights")
+  if not why:
+    return states[process_index]
+  return _resplit(source, states, process_index, process_count, " and ".join(why))
+
+
+def _check_one(state: Mapping[str, Any], count: int, settings: Mapping[str, Any] | None) -> None:
+  """Refuses one state of an elastic source where the list of every old process's is needed."""
+  old = state.get("process_count")
+  if isinstance(old, int) and old != count:
+    raise ValueError(
+      f"`state` is one process's state of a job of {old} processes; on {count}"
+      " processes an elastic iterator restores from the list of every old process's"
+      " state, in process order"
+    )
+  if _rebatched([state], settings):
+    raise ValueError(
+      "`state` was saved with another `batch_size`; an elastic iterator changes its"
+      " batch size from the list of every old process's state, in process order"
+    )
+
+
+def _rebatched(states: Sequence[Mapping[str, Any]], settings: Mapping[str, Any] | None) -> bool:
+  """Whether the old job's settings differ from `settings` in `batch_size` alone."""
+  saved = states[0].get("settings")
+  if settings is None or not isinstance(saved, Mapping):
+    return False
+  other = ("batch_size", "synchronize_lookahead")
+  rest = [{k: v for k, v in d.items() if k not in other} for d in (saved, settings)]
+  return rest[0] == rest[1] and saved.get("batch_size") != settings.get("batch_size")
 
 
 def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -> tuple[int, ...]:
@@ -100,12 +140,70 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
   return tuple(strided)
 
 
-def _switched(source: ElasticIterator, states: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-  """`states` with the mixture's weights switched to `source`'s from row g*: the first global
-  row past every old process's consumed cursor (the same on every host and process count)."""
+@dataclasses.dataclass(frozen=True)
+class _Old:
+  """What an old process consumed: its shares, its stream thresholds, its holes."""
+
+  shares: EpochShares
+  thresholds: tuple[int, ...]
+  holes: tuple[int, ...]
+  partial: dict[int, int]  # Holes whose first tokens were delivered: how many.
+
+
+def _olds(source: ElasticIterator, states: Sequence[Mapping[str, Any]], why: str) -> list[_Old]:
+  """Every old process's `_Old`, checked against `source` and process 0's split history."""
+  out: list[_Old] = []
+  for i, s in enumerate(states):
+    if "source" not in s:
+      raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
+    old, position, _ = state_lib.check_source_state(s["source"], source.spec, source.num_records)
+    if s["source"].get("resplittable") is False:
+      reason = s["source"].get("why_not_resplittable", "packing, mixing")
+      raise ValueError(
+        f"`state[{i}]['source']` cannot be re-split {why}: its cursor is not exact"
+        f" ({reason}), so the records the transform read may not all be in the batches"
+        " delivered. Resume it on the same process count with the same settings and"
+        " weights, or re-split a transform of map, filter, batch and mp_prefetch"
+      )
+    if old.count != len(states) or old.index != i:
+      raise ValueError(f"`state[{i}]['source']` is process {old.index} of {old.count}'s")
+    if out and (old.first_epoch, old.splits) != (out[0].shares.first_epoch, out[0].shares.splits):
+      raise ValueError(
+        f"`state[{i}]['source']` has another split history than process 0's: the states"
+        " are not from one job"
+      )
+    try:  # A packer's records in flight, and the tokens delivered of split ones.
+      holes = state_lib.unpack_ints(s["source"].get("holes", []))
+      partial = {int(j): int(k) for j, k in s["source"].get("partial", [])}
+    except (ValueError, TypeError, zlib.error) as e:
+      raise ValueError(f"`state[{i}]['source']['holes']` is not a list of ints ({e})") from e
+    if not all(0 <= j < position for j in holes) or not set(partial) <= set(holes):
+      raise ValueError(
+        f"`state[{i}]['source']['holes']` must be stream indices below 'position' {position}"
+        f" (and 'partial' some of them), got {holes[:8]}"
+      )
+    thresholds = _thresholds(s["source"], i, position, old.length)
+    out.append(_Old(old, thresholds, holes, partial))
+  return out
+
+
+def _resume(olds: list[_Old]) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
+  return resume(
+    [o.shares for o in olds],
+    [o.thresholds for o in olds],
+    [o.holes for o in olds],
+    [o.partial for o in olds],
+  )
+
+
+def _switched(
+  source: ElasticIterator, states: list[Mapping[str, Any]]
+) -> list[Mapping[str, Any]] | None:
+  """`states` with the mixture's weights switched to `source`'s for every global row not
+  consumed (nor partly delivered), or None if the weights are the same."""
   new, saved = source.spec.mixture, [s.get("source", {}) for s in states]
   if not all(isinstance(s, Mapping) for s in saved):
-    return states  # `check_source_state` names it.
+    return None  # `check_source_state` names it.
   key = saved[0].get("mixture")
   if (
     key == new.key
@@ -113,68 +211,51 @@ def _switched(source: ElasticIterator, states: list[Mapping[str, Any]]) -> list[
     or key[1:] != new.key[1:]
     or len(key[0]) != len(new.proportions)
   ):
-    return states  # The same weights, or `check_source_state` names what differs.
-  top = 0
-  for i, s in enumerate(saved):
-    if s.get("resplittable") is False:
-      raise ValueError(
-        f"`state[{i}]['source']` cannot take new weights: its cursor is not exact"
-        f" ({s.get('why_not_resplittable')}); resume it with the weights it was saved with"
-      )
-    old, position, _ = state_lib.check_source_state(
-      {**s, "mixture": new.key, "mixture_runs": None}, source.spec, source.num_records
-    )
-    end = min(max(_thresholds(s, i, position, old.length)), old.length)
-    if end:
-      epoch, pos = old.locate(end - 1)
-      top = max(top, epoch * old.num_records + pos + 1)
-  was = dataclasses.replace(new, proportions=tuple(key[0])).restored(saved[0].get("mixture_runs"))
-  fields = state_lib.mixture_fields(was.switched(top, new.proportions))
+    return None  # The same weights, or `check_source_state` names what differs.
+  patched = [
+    {**s, "source": {**s["source"], "mixture": new.key, "mixture_runs": None}} for s in states
+  ]
+  olds = _olds(source, patched, "to take new weights")
+  was = dataclasses.replace(new, proportions=tuple(key[0]))
+  was = was.restored(state_lib.runs_from_json(saved[0].get("mixture_runs")))
+  fields = state_lib.mixture_fields(was.switched(_kept(olds), new.proportions))
   return [
     {**s, "source": {**{k: v for k, v in s["source"].items() if k != "mixture_runs"}, **fields}}
     for s in states
   ]
 
 
+def _kept(olds: list[_Old]) -> list[tuple[int, int]]:
+  """The global rows (of a mixture) the old job consumed, or delivered in part, as ranges."""
+  first, splits = _resume(olds)
+  length = olds[0].shares.num_records
+  kept: list[tuple[int, int]] = [(0, first * length)] if first else []
+  for epoch, history in splits:
+    left = split.shares(length, history, 1)[0]  # What the old job left of the epoch.
+    at = 0
+    for a, b in [*left, (length, length)]:
+      if a > at:
+        kept.append((epoch * length + at, epoch * length + a))
+      at = b
+  for old in olds:
+    for j in old.partial:
+      epoch, pos = old.shares.locate(j)
+      kept.append((epoch * length + pos, epoch * length + pos + 1))
+  out: list[tuple[int, int]] = []
+  for a, b in sorted(kept):
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(b, out[-1][1]))
+    else:
+      out.append((a, b))
+  return out
+
+
 def _resplit(
-  source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int
+  source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int, why: str
 ) -> dict[str, Any]:
-  olds: list[EpochShares] = []
-  cursors: list[tuple[int, ...]] = []
-  holes: list[tuple[int, ...]] = []
-  for i, s in enumerate(states):
-    if "source" not in s:
-      raise ValueError(f"`state[{i}]` has no 'source' field; expected a dict from get_state()")
-    old, position, _ = state_lib.check_source_state(s["source"], source.spec, source.num_records)
-    if s["source"].get("resplittable") is False:
-      why = s["source"].get("why_not_resplittable", "packing, mixing")
-      raise ValueError(
-        f"`state[{i}]['source']` cannot be re-split over another process count: its"
-        f" cursor is not exact ({why}), so the records the transform read may not all be"
-        " in the batches delivered. Resume it on the same process count, or re-split a"
-        " transform of map, filter, batch and mp_prefetch"
-      )
-    if old.count != len(states) or old.index != i:
-      raise ValueError(f"`state[{i}]['source']` is process {old.index} of {old.count}'s")
-    if i and (old.first_epoch, old.splits) != (olds[0].first_epoch, olds[0].splits):
-      raise ValueError(
-        f"`state[{i}]['source']` has another split history than process 0's: the states"
-        " are not from one job"
-      )
-    olds.append(old)
-    cursors.append(_thresholds(s["source"], i, position, old.length))
-    try:  # A packer's records in flight.
-      mine = state_lib.unpack_ints(s["source"].get("holes", []))
-    except (ValueError, TypeError, zlib.error) as e:
-      raise ValueError(f"`state[{i}]['source']['holes']` is not a list of ints ({e})") from e
-    if not all(0 <= j < position for j in mine):
-      raise ValueError(
-        f"`state[{i}]['source']['holes']` must be stream indices below 'position' {position},"
-        f" got {mine[:8]}"
-      )
-    holes.append(mine)
-  first, splits = resume(olds, cursors, holes)
-  new = EpochShares(olds[0].num_records, olds[0].num_epochs, first, splits, count, p)
+  olds = _olds(source, states, why)
+  first, splits = _resume(olds)
+  new = EpochShares(olds[0].shares.num_records, olds[0].shares.num_epochs, first, splits, count, p)
   return {
     **states[0],
     "process_index": p,

@@ -84,4 +84,5 @@ def elastic_source(
       f"`records` must be a grain.MapDataset or a random-access sequence, got"
       f" {type(records).__name__} (no len())"
     ) from e
-  return ElasticSource(records, transform, bool(shuffle), seed, num_epochs)
+  shuffle = options_lib.checked_bool("shuffle", shuffle)
+  return ElasticSource(records, transform, shuffle, seed, num_epochs)

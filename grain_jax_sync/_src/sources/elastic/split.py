@@ -7,7 +7,8 @@ shares in process order, the first ``num_records % count`` one longer; each
 process keeps a cursor: how many of its share's positions are consumed, or,
 strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
 ``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th),
-or `Holes`: a prefix but for the positions a packer holds in flight.
+or `Holes`: a prefix but for the positions a packer holds in flight (with
+the tokens of each already delivered, where a long record was split).
 A resize appends ``(old_count, cursors)`` to the epoch's split history, which
 replays to the current split, so a state never lists records. Pure Python and
 NumPy.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class Holes:
 
   stop: int
   holes: tuple[int, ...]
+  offsets: tuple[int, ...] = ()  # Per hole, its tokens already delivered (empty: none).
 
 
 # A consumed cursor over a share: a prefix length, strided thresholds or holes (see above).
@@ -139,6 +141,25 @@ def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[l
       raise ValueError(f"a resize from {old_count} processes lists {len(cursors)} cursors")
     left = remaining(even_split(left, old_count), cursors)
   return even_split(left, count)
+
+
+def partial(num_records: int, history: Sequence[Resize]) -> dict[int, int]:
+  """The epoch positions whose records a resize left partly delivered: their tokens delivered.
+
+  A later resize's count replaces an earlier one's (it counts from the record's start).
+  """
+  out: dict[int, int] = {}
+  left: list[Range] = [(0, num_records)] if num_records else []
+  for old_count, cursors in history:
+    old = even_split(left, old_count)
+    for share, cursor in zip(old, cursors, strict=True):
+      if isinstance(cursor, Holes):
+        offsets = cursor.offsets or (0,) * len(cursor.holes)
+        for i, k in zip(cursor.holes, offsets, strict=True):
+          if k:
+            out[take(share, i, i + 1)[0][0]] = k
+    left = remaining(old, cursors)
+  return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -253,6 +274,18 @@ class EpochShares:
     epoch, share, _ = self.epochs[-1]
     return epoch, total(share)
 
+  @functools.cached_property
+  def _partial(self) -> dict[int, dict[int, int]]:
+    history = dict(self.splits)
+    return {e: partial(self.num_records, history[e]) for e, _, _ in self.epochs if e in history}
+
+  def skip(self, j: int) -> int:
+    """Tokens of stream index `j`'s record a resize left delivered (0: none)."""
+    if not self._partial:
+      return 0
+    epoch, pos = self.locate(j)
+    return self._partial.get(epoch, {}).get(pos, 0)
+
   def entry(self, epoch: int) -> tuple[list[Range], int]:
     """(this process's share of `epoch`, its first stream index)."""
     for e, share, offset in self.epochs:
@@ -263,19 +296,25 @@ class EpochShares:
     raise ValueError(f"epoch {epoch} is not in this stream")
 
   def epoch_cursor(
-    self, epoch: int, thresholds: Sequence[int], holes: Sequence[int] = ()
+    self,
+    epoch: int,
+    thresholds: Sequence[int],
+    holes: Sequence[int] = (),
+    partial: Mapping[int, int] | None = None,
   ) -> Cursor:
     """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``).
 
-    `holes`: stream indices below the thresholds not consumed (one threshold only).
+    `holes`: stream indices below the thresholds not consumed (one threshold
+    only); `partial`: the tokens delivered of some of them.
     """
     share, offset = self.entry(epoch)
     n, width = total(share), len(thresholds)
     # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
     local = tuple(min(max(thresholds[(offset + r) % width] - offset, 0), n) for r in range(width))
-    mine = tuple(j - offset for j in holes if 0 <= j - offset < local[0])
+    mine = tuple(j for j in holes if 0 <= j - offset < local[0])
     if mine:
-      return Holes(local[0], mine)
+      tokens = tuple((partial or {}).get(j, 0) for j in mine)
+      return Holes(local[0], tuple(j - offset for j in mine), tokens if any(tokens) else ())
     return local[0] if len(set(local)) == 1 else local
 
   def epoch_span(self, thresholds: Sequence[int], holes: Sequence[int] = ()) -> tuple[int, int]:
@@ -287,15 +326,17 @@ def resume(
   olds: Sequence[EpochShares],
   thresholds: Sequence[Sequence[int]],
   holes: Sequence[Sequence[int]] | None = None,
+  partial: Sequence[Mapping[int, int]] | None = None,
 ) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
   """The next job's (first epoch, splits) from every old process's shares and stream thresholds.
 
   Stream index ``j`` of old process ``p`` is consumed when
   ``j < thresholds[p][j % len(thresholds[p])]`` and ``j`` is not in
-  ``holes[p]``. Every epoch some old process had not finished gets the old
+  ``holes[p]`` (``partial[p]``: the tokens delivered of some holes). Every epoch some old process had not finished gets the old
   job's cursors as a resize.
   """
   holes = holes or [()] * len(olds)
+  partial = partial or [{}] * len(olds)
   spans = [old.epoch_span(t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)]
   first, last = min(a for a, _ in spans), max(b for _, b in spans)
   base = dict(olds[0].splits)
@@ -303,7 +344,8 @@ def resume(
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
   for epoch in range(first, end + 1):
     row = tuple(
-      old.epoch_cursor(epoch, t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)
+      old.epoch_cursor(epoch, t, h, k)
+      for old, t, h, k in zip(olds, thresholds, holes, partial, strict=True)
     )
     splits.append((epoch, (*base.get(epoch, ()), (len(olds), row))))
   # Later epochs no process has reached keep their histories (unread: no resize).

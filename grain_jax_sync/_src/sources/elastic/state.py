@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src.sources.elastic.source import ElasticSource
-from grain_jax_sync._src.sources.elastic.split import Cursor, EpochShares, Holes, Resize
+from grain_jax_sync._src.sources.elastic.split import Cursor, EpochShares, Holes, Range, Resize
 
 FORMAT = "grain_jax_sync.elastic/1"
 
@@ -48,12 +48,16 @@ def unpack_ints(packed: Any) -> tuple[int, ...]:
 def _row_to_json(row: Sequence[Cursor]) -> Any:
   """A resize's cursors: packed ints, or (strided) each cursor's width and all thresholds.
 
-  With `Holes`: ``{"cursors": the row of their stops, "holes": each cursor's holes}``.
+  With `Holes`: ``{"cursors": the row of their stops, "holes": each cursor's holes}``, and
+  ``"offsets"``: each cursor's holes' tokens delivered, where a long record was split.
   """
   if any(isinstance(c, Holes) for c in row):
     stops = [c.stop if isinstance(c, Holes) else c for c in row]
     holes = [pack_ints(c.holes if isinstance(c, Holes) else ()) for c in row]
-    return {"cursors": _row_to_json(stops), "holes": holes}
+    out: dict[str, Any] = {"cursors": _row_to_json(stops), "holes": holes}
+    if any(isinstance(c, Holes) and c.offsets for c in row):
+      out["offsets"] = [pack_ints(c.offsets if isinstance(c, Holes) else ()) for c in row]
+    return out
   if all(isinstance(c, int) for c in row):
     return pack_ints([int(c) for c in row])  # type: ignore[arg-type]  # ints, checked above.
   cursors = [(c,) if isinstance(c, int) else tuple(c) for c in row]  # type: ignore[arg-type]  # No holes here.
@@ -69,7 +73,13 @@ def _row_from_json(value: Any) -> tuple[Cursor, ...]:
     return unpack_ints(value)
   if "holes" in value:
     stops, holes = _row_from_json(value["cursors"]), [unpack_ints(h) for h in value["holes"]]
-    return tuple(Holes(c, h) if h else c for c, h in zip(stops, holes, strict=True))  # type: ignore[arg-type]
+    offsets = [unpack_ints(k) for k in value.get("offsets", [[]] * len(holes))]
+    if any(k and len(k) != len(h) for h, k in zip(holes, offsets, strict=True)):
+      raise ValueError(f"holes {holes!r:.60} and their offsets {offsets!r:.60} differ in length")
+    return tuple(
+      Holes(c, h, k) if h else c  # type: ignore[arg-type]  # A stop is an int.
+      for c, h, k in zip(stops, holes, offsets, strict=True)
+    )
   widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
   if any(w < 1 for w in widths) or sum(widths) != len(flat):
     raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
@@ -105,11 +115,13 @@ def export(
   *,
   why_not: str | None = None,
   holes: Sequence[int] = (),
+  partial: Mapping[int, int] | None = None,
 ) -> dict:
   """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
   `why_not`: why the cursor cannot be re-split (None: it can). `holes`: the
-  stream indices below it not consumed (a packer's records in flight).
+  stream indices below it not consumed (a packer's records in flight);
+  `partial`: the tokens delivered of some of them (a long record split).
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)
@@ -136,6 +148,8 @@ def export(
     out["strided"] = [int(t) for t in thresholds]
   if holes:
     out["holes"] = pack_ints(sorted(holes))
+  if partial:
+    out["partial"] = [[int(j), int(k)] for j, k in sorted(partial.items())]
   if why_not is not None:
     out["why_not_resplittable"] = why_not
   return out
@@ -145,7 +159,34 @@ def mixture_fields(mixture: Any) -> dict[str, Any]:
   """A mixture's fields in a state: its key, and its runs of weights if a resume changed them."""
   out: dict[str, Any] = {"mixture": mixture.key}
   if mixture.history:
-    out["mixture_runs"] = [[g, list(p)] for g, p in mixture.history]
+    out["mixture_runs"] = [
+      [pack_ints([x for r in kept for x in r]), list(p)] for kept, p in mixture.history
+    ]
+  return out
+
+
+def runs_from_json(value: Any) -> list[tuple[tuple[Range, ...], tuple[int, ...]]] | None:
+  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none).
+
+  A run's first entry was a row before 0.6 (it kept every row below it).
+  """
+  if value is None:
+    return None
+  try:
+    out = []
+    for kept, p in value:
+      if isinstance(kept, int) and not isinstance(kept, bool):
+        ranges: tuple[Range, ...] = ((0, kept),) if kept else ()
+      else:
+        flat = unpack_ints(kept)
+        ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
+        if any(a >= b for a, b in ranges) or list(flat) != sorted(flat):
+          raise ValueError(f"kept rows {flat[:8]} are not sorted ranges")
+      out.append((ranges, tuple(int(x) for x in p)))
+  except (TypeError, ValueError, zlib.error) as e:
+    raise ValueError(
+      f"`state['source']['mixture_runs']` is not [[kept rows, proportions], ..] ({e})"
+    ) from e
   return out
 
 
@@ -153,7 +194,7 @@ def mixture_spec(state: Mapping[str, Any], spec: ElasticSource) -> ElasticSource
   """`spec` with the runs of weights a mixture's `state` was read with (`Mixture.history`)."""
   if spec.mixture is None:
     return spec
-  mixture = spec.mixture.restored(state.get("mixture_runs"))
+  mixture = spec.mixture.restored(runs_from_json(state.get("mixture_runs")))
   if mixture == spec.mixture:
     return spec
   return dataclasses.replace(spec, mixture=mixture, records=spec.records.remixed(mixture))

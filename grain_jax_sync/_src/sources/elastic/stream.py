@@ -22,6 +22,7 @@ from typing import Any
 from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
+from grain_jax_sync._src.sources.elastic import packing
 from grain_jax_sync._src.sources.elastic import state as state_lib
 from grain_jax_sync._src.sources.elastic.source import ElasticSource
 from grain_jax_sync._src.sources.elastic.split import EpochShares, epoch_order
@@ -72,6 +73,10 @@ class Stream:
     getitems = getattr(self._records, "_getitems", None)  # Grain's and `MixedRecords`' batch read.
     return list(getitems(rows)) if getitems else [self._records[r] for r in rows]
 
+  def skip(self, j: int) -> int:
+    """Tokens of stream index `j`'s record a resize left delivered (a packer's split record)."""
+    return self._shares.skip(j)
+
 
 class Chunks:
   """`stream` at `positions`, read in chunks; a `grain.DatasetIterator` by `_reader_class`."""
@@ -94,7 +99,10 @@ class Chunks:
         return value
 
   def get_state(self) -> dict[str, int]:
-    return {"next_index": self._delivered}
+    state = {"next_index": self._delivered}
+    if self._delivered and (skip := self._stream.skip(self._positions[self._delivered - 1])):
+      state["skip"] = skip  # Its last record's tokens a resize left delivered.
+    return state
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._delivered = int(state["next_index"])
@@ -223,26 +231,38 @@ class ElasticIterator(base.WrappedIterator):
         " `transform` must build on the IterDataset it is given with Grain"
         " transformations that nest their parent's state (map, filter, batch)"
       )
-    thresholds, why, holes = found
     return state_lib.export(
-      state.shares, thresholds, state.grain, self.spec, why_not=why, holes=holes
+      state.shares,
+      found.thresholds,
+      state.grain,
+      self.spec,
+      why_not=found.why,
+      holes=found.holes,
+      partial=found.partial,
     )
 
   def stats(self, state: Any) -> dict[str, Any]:
-    """A mixture's ``sources``: each one's rows this process consumed, against its weight."""
-    mixture = self.spec.mixture
-    if mixture is None or state is None:
+    """A mixture's ``sources`` (each one's rows this process consumed, against its weight) and
+    ``packing`` (the tokens `pack_sequences` packed, padded and trimmed on this process)."""
+    if state is None:
       return {}
+    out: dict[str, Any] = {}
+    grain_state = state.grain if isinstance(state, _Snapshot) else state.get("grain")
+    if (tokens := packing.counters(grain_state)) is not None:
+      out["packing"] = tokens
+    mixture = self.spec.mixture
+    if mixture is None:
+      return out
     if isinstance(state, _Snapshot):
       found = cursor_lib.find_position(state.grain)
       if found is None:
-        return {}
-      shares, position, holes = state.shares, min(found[0]), tuple(found[2])
+        return out
+      shares, position, holes = state.shares, min(found.thresholds), tuple(found.holes)
     else:  # Exported (restored by set_state): checked there.
       shares, position, _ = state_lib.check_source_state(state, self.spec, self.num_records)
       holes = state_lib.unpack_ints(state.get("holes", []))
       mixture = state_lib.mixture_spec(state, self.spec).mixture
-    return {"sources": mixture.stats(mixture.consumed(shares, position, holes))}
+    return {**out, "sources": mixture.stats(mixture.consumed(shares, position, holes))}
 
   def set_state(self, state: Any) -> None:
     shares, position, grain_state = state_lib.check_source_state(state, self.spec, self.num_records)

@@ -1,0 +1,392 @@
+"""The calibrated twin: one table of schedules, run as real processes and on the simulated cluster.
+
+Run from the repository root:
+
+  python -m benchmarks.twin                 # every row, 3 real runs each
+  python -m benchmarks.twin --rows stop_2,pace_20ms_p2 --runs 1
+  python -m benchmarks.twin --sim-only      # the simulated side alone (milliseconds)
+
+A row is a list of `grain_jax_sync.testing.HostPlan`s and the cluster's
+settings. The real side runs it with `testing.run_processes` (1 CPU device
+per process, `jax.distributed` on 127.0.0.1), `jax.distributed`'s key-value
+client slowed by `store_s` per call (the store's round trip), each host's
+source reading `read_s` a batch and its loop stepping `step_s` after a jitted
+sum over the global batch: a collective, which holds the hosts together as a
+training step does (rows with a close or a kill step on their own, as a real
+job's peers would otherwise hang in the collective). The simulated side runs
+the same plans on `testing.SimulatedCluster(store_s=...)`.
+
+Compared per row: each host's batches and ending, the seconds from the
+ending's cause (a stop's request, a close, a kill, a source error) until
+every host's loop saw it ("reach"), and host 0's mean seconds per batch
+after batch 10 ("per batch"). Real figures are the median of the runs, with
+the spread of batches and reach across them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from grain_jax_sync import testing
+
+H = testing.HostPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One schedule: its hosts' plans and the cluster's settings."""
+
+  name: str
+  plans: tuple[testing.HostPlan, ...]
+  prefetch: int = 2
+  store_s: float = 0.0
+  collective: bool = True
+  sync_timeout_s: float = 60.0
+
+  @property
+  def hosts(self) -> int:
+    return len(self.plans)
+
+
+def _stop_row(name: str, n: int, step_s: float, prefetch: int = 2, store_s: float = 0.0) -> Row:
+  """Host n-1 calls `request_stop()` 0.3 s into the step after its batch 4 (issue 58)."""
+  plans = [H(batches=400, step_s=step_s)] * (n - 1)
+  plans.append(H(batches=400, step_s=step_s, stop=(4, 0.3)))
+  return Row(name, tuple(plans), prefetch=prefetch, store_s=store_s)
+
+
+def _pace_row(store_s: float, prefetch: int, n: int = 2) -> Row:
+  name = f"pace_{round(store_s * 1000)}ms_p{prefetch}" + (f"_{n}" if n != 2 else "")
+  return Row(name, (H(batches=120, step_s=0.02),) * n, prefetch=prefetch, store_s=store_s)
+
+
+def _slow_row(prefetch: int) -> Row:
+  """Host 1 reads for 1.5 s beside a 1 s step; host 0 asks a stop after its batch 3."""
+  plans = (H(batches=40, step_s=1.0, stop=(3, 0.0)), H(batches=40, step_s=1.0, read_s=1.5))
+  return Row(f"slow_reader_p{prefetch}", plans, prefetch=prefetch)
+
+
+def rows() -> list[Row]:
+  """The table: stops at 2 to 32 hosts, a close, a kill, a stall, an error, store round trips."""
+  out = [_pace_row(s, p) for s in (0.0, 0.02, 0.05) for p in (0, 2)]
+  out += [_pace_row(0.05, 2, 8)]  # More than one peer: each wait reads every peer's posts.
+  out += [
+    _stop_row("stop_2", 2, 0.5),
+    _stop_row("stop_2_p0", 2, 0.5, prefetch=0),
+    _stop_row("stop_4", 4, 0.5),
+    _stop_row("stop_8", 8, 0.5),
+    _stop_row("stop_16", 16, 0.5),
+    _stop_row("stop_32", 32, 0.5),
+    _stop_row("stop_4_20ms", 4, 0.5, store_s=0.02),
+    _stop_row("stop_2_50ms_p0", 2, 0.5, prefetch=0, store_s=0.05),
+    _stop_row("stop_2_step1s", 2, 1.0),
+    _stop_row("stop_2_step2s", 2, 2.0),
+    _slow_row(0),
+    _slow_row(2),
+    Row(
+      "close_2",
+      (H(batches=400, step_s=0.05), H(batches=400, step_s=0.05, close_at=5)),
+      collective=False,
+    ),
+    Row(
+      "kill_2",
+      (H(batches=4000, step_s=0.05), H(batches=4000, step_s=0.05, kill_at=2.0)),
+      collective=False,
+    ),
+    Row("error_2", (H(batches=40, step_s=0.05), H(batches=40, step_s=0.05, error_at=5))),
+    Row(
+      "stall_stop_2",
+      (H(batches=400, step_s=0.05, stop=(6, 0.0)), H(batches=400, step_s=0.05, stall=(8, 5.0))),
+    ),
+  ]
+  return out
+
+
+# -- the real side: runs in every process ------------------------------------------------
+
+
+class _Slowed:
+  """`jax.distributed`'s key-value client, each call's result `store_s` late (its round trip)."""
+
+  def __init__(self, client: Any, store_s: float):
+    self._client, self._store_s = client, store_s
+    self.calls: dict[str, int] = {}  # Per method: calls made.
+    self.extra: list[float] = []  # Per call but blocking reads: seconds beyond `store_s`.
+
+  def __getattr__(self, name: str) -> Any:
+    attr = getattr(self._client, name)
+    if not callable(attr):
+      return attr
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+      self.calls[name] = self.calls.get(name, 0) + 1
+      t0 = time.monotonic()
+      try:
+        return attr(*args, **kwargs)
+      finally:
+        time.sleep(self._store_s)
+        if name != "blocking_key_value_get":  # Its wait is not the store's.
+          self.extra.append(time.monotonic() - t0 - self._store_s)
+
+    return call
+
+
+def _source(p: int, plan: testing.HostPlan) -> Iterator[dict[str, np.ndarray]]:
+  for b in range(plan.batches):
+    read_s = plan.stall[1] if plan.stall is not None and plan.stall[0] == b else plan.read_s
+    time.sleep(read_s)
+    if b == plan.error_at:
+      raise OSError(f"process {p}'s source failed at batch {b}")
+    yield {"x": np.full(plan.rows, 1000 * p + b, np.int32)}
+
+
+def real_host(row: Row) -> dict[str, Any]:
+  """One host of `row`: what it received, when, and how it ended (absolute `time.time()`)."""
+  import jax
+  import jax.numpy as jnp
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  plan = row.plans[p]
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  total = jax.jit(lambda b: jnp.sum(b["x"]))
+  warm = jax.make_array_from_process_local_data(sharding, np.zeros(plan.rows, np.int32))
+  total({"x": warm}).block_until_ready()  # Compiled before the clock starts.
+  client = distributed.global_state.client
+  client.wait_at_barrier("twin/start", 120_000)
+  t0 = time.time()
+  out: dict[str, Any] = {"t0": t0, "received": [], "asked": None, "event": None, "by": None}
+  if plan.kill_at is not None:
+    threading.Timer(plan.kill_at, lambda: os.kill(os.getpid(), 9)).start()
+  slowed = distributed.global_state.client = _Slowed(client, row.store_s)
+  try:
+    it = gjs.iter_jax_batches(
+      _source(p, plan),
+      batch_size=plan.rows,
+      mesh=mesh,
+      prefetch_batches=row.prefetch,
+      sync_timeout_s=row.sync_timeout_s,
+    )
+    out.update(_loop(it, plan, row, total))
+  finally:
+    distributed.global_state.client = client
+  out["calls"] = slowed.calls
+  out["extra_s"] = sorted(slowed.extra)
+  return out
+
+
+def _loop(it: Any, plan: testing.HostPlan, row: Row, total: Any) -> dict[str, Any]:
+  received: list[float] = []
+  out: dict[str, Any] = {"received": received, "asked": None, "event": None}
+  ending = "end"
+
+  def stop() -> None:
+    out["asked"] = time.time()
+    it.request_stop()
+
+  try:
+    while plan.close_at != len(received):
+      batch = next(it)
+      received.append(time.time())
+      if plan.stop is not None and plan.stop[0] == len(received):
+        threading.Timer(plan.stop[1], stop).start()
+      if row.collective:
+        total(batch).block_until_ready()
+      time.sleep(max(0.0, received[-1] + plan.step_s - time.time()))  # A step of `step_s`.
+    ending = "closed"
+    out["event"] = time.time()
+    it.close()
+  except StopIteration:
+    out["by"] = it.stop_requested_by
+  except Exception as e:  # noqa: BLE001 - the ending, whatever its type.
+    ending = type(e).__name__
+  out["ended_at"] = time.time()
+  out["ending"] = ending
+  if ending == "end":
+    it.close()
+  return out
+
+
+def run_real(row: Row) -> list[dict[str, Any]]:
+  """One real run of `row`: each host's record, times relative to the run's start."""
+  outcomes = testing.run_processes(
+    real_host,
+    num_processes=row.hosts,
+    args=(row,),
+    timeout_s=120,
+    exit_barrier_timeout_s=0 if any(p.kill_at is not None for p in row.plans) else 30.0,
+  )
+  started = [o.value["t0"] for o in outcomes if isinstance(o.value, dict)]
+  if not started:
+    raise RuntimeError(
+      f"no process of {row.name} returned: {[(o.exit_code, o.log) for o in outcomes]}"
+    )
+  t0 = min(started)
+  hosts = []
+  for p, o in enumerate(outcomes):
+    if o.value is None:  # Killed.
+      kill_at = row.plans[p].kill_at
+      hosts.append(
+        {
+          "received": [],
+          "ending": "killed" if kill_at else o.error_type,
+          "ended_at": kill_at or float("nan"),
+          "asked": None,
+          "event": None,
+        }
+      )
+      continue
+    v = dict(o.value)
+    shift = lambda t: None if t is None else t - t0  # noqa: E731
+    v["received"] = [t - t0 for t in v["received"]]
+    for k in ("asked", "event", "ended_at"):
+      v[k] = shift(v[k])
+    hosts.append(v)
+  return hosts
+
+
+# -- the simulated side -----------------------------------------------------------------
+
+
+def run_sim(row: Row) -> list[dict[str, Any]]:
+  cluster = testing.SimulatedCluster(
+    processes=row.hosts,
+    prefetch_batches=row.prefetch,
+    store_s=row.store_s,
+    sync_timeout_s=row.sync_timeout_s,
+    collective_steps=row.collective,
+  )
+  out = cluster.run(list(row.plans))
+  hosts = []
+  for o, plan in zip(out, row.plans, strict=True):
+    asked = None
+    if plan.stop is not None and len(o.received) >= plan.stop[0]:
+      asked = o.received[plan.stop[0] - 1] + plan.stop[1]
+    event = o.ended_at if o.ending == "closed" else None
+    hosts.append(
+      {
+        "received": o.received,
+        "ending": o.ending,
+        "ended_at": o.ended_at,
+        "asked": asked,
+        "event": event,
+      }
+    )
+  return hosts
+
+
+# -- the comparison ---------------------------------------------------------------------
+
+
+def summary(row: Row, hosts: list[dict[str, Any]]) -> dict[str, Any]:
+  """Batches, endings, reach and per-batch time of one run of `row`."""
+  batches = [len(h["received"]) for h in hosts]
+  endings = sorted({h["ending"] for h in hosts})
+  ended = [h["ended_at"] for h in hosts if h["ending"] != "killed"]
+  cause = None
+  for h, plan in zip(hosts, row.plans, strict=True):
+    if h["asked"] is not None:
+      cause = h["asked"]
+    elif h["event"] is not None:
+      cause = h["event"]
+    elif plan.kill_at is not None:
+      cause = plan.kill_at
+    elif plan.error_at is not None:
+      cause = h["ended_at"]
+  reach = None if cause is None else max(ended) - cause
+  r = hosts[0]["received"]
+  per_batch = (r[-1] - r[10]) / (len(r) - 11) if len(r) > 20 else None
+  return {"batches": batches, "endings": endings, "reach": reach, "per_batch": per_batch}
+
+
+def compare(row: Row, real: list[dict[str, Any]], sim: dict[str, Any]) -> dict[str, Any]:
+  """The row's real runs against its simulated run, and whether they agree (issue 58)."""
+  counts = [max(r["batches"]) for r in real]
+  reaches = [r["reach"] for r in real if r["reach"] is not None]
+  paces = [r["per_batch"] for r in real if r["per_batch"] is not None]
+  out: dict[str, Any] = {
+    "row": row.name,
+    "hosts": row.hosts,
+    "real_batches": sorted(set(counts)),
+    "sim_batches": max(sim["batches"]),
+    "real_endings": sorted({e for r in real for e in r["endings"]}),
+    "sim_endings": sim["endings"],
+  }
+  ok = out["real_endings"] == sim["endings"]
+  low, high = min(counts), max(counts)
+  if low == high:
+    low, high = low - 1, high + 1  # Within one of a run that repeats.
+  ok = ok and low <= max(sim["batches"]) <= high
+  if reaches:
+    real_reach = statistics.median(reaches)
+    out["real_reach"] = [round(min(reaches), 2), round(real_reach, 2), round(max(reaches), 2)]
+    out["sim_reach"] = None if sim["reach"] is None else round(sim["reach"], 2)
+    # Off by the distance to the real runs' own range (a race decides a batch more or less).
+    sim_reach = sim["reach"] or 0.0
+    off = max(0.0, min(reaches) - sim_reach, sim_reach - max(reaches))
+    ok = ok and (off <= 0.2 or off <= 0.15 * real_reach)
+  if paces:
+    real_pace = statistics.median(paces)
+    out["real_per_batch"] = round(real_pace, 4)
+    out["sim_per_batch"] = None if sim["per_batch"] is None else round(sim["per_batch"], 4)
+    ok = ok and sim["per_batch"] is not None and abs(sim["per_batch"] / real_pace - 1) <= 0.15
+  out["agree"] = ok
+  return out
+
+
+def _real_run(row: Row) -> dict[str, Any]:
+  """One real run's summary; a run in which no process returned (a loaded machine) runs again."""
+  try:
+    return summary(row, run_real(row))
+  except RuntimeError:
+    return summary(row, run_real(row))
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+  parser.add_argument("--runs", type=int, default=3, help="real runs per row")
+  parser.add_argument("--sim-only", action="store_true")
+  parser.add_argument("--save", help="also write the real runs' summaries to this JSON file")
+  parser.add_argument("--load", help="the real runs' summaries from this file (no process runs)")
+  args = parser.parse_args(argv)
+  chosen = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
+  saved: dict[str, Any] = {}
+  if args.load:
+    with open(args.load) as f:
+      saved = json.load(f)
+  for row in chosen:
+    sim = summary(row, run_sim(row))
+    if args.sim_only or (args.load and row.name not in saved):
+      print(json.dumps({"row": row.name, **sim}, default=lambda x: round(x, 3)), flush=True)
+      continue
+    load = os.getloadavg()[0]
+    if row.name not in saved:
+      saved[row.name] = {"load": load, "runs": [_real_run(row) for _ in range(args.runs)]}
+      if args.save:
+        with open(args.save, "w") as f:
+          json.dump(saved, f)
+    real = saved[row.name]
+    print(
+      json.dumps({**compare(row, real["runs"], sim), "load": round(real["load"], 1)}), flush=True
+    )
+  return 0
+
+
+if __name__ == "__main__":
+  from benchmarks import twin  # The processes import the scenario and rows by module name.
+
+  raise SystemExit(twin.main())
