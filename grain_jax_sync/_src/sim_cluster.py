@@ -224,7 +224,7 @@ class _Host(interpreter.World):
   """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
 
   It is the core's world in virtual time (`interpreter.World`): its actions are
-  carried out by the one `interpreter.Interpreter`, whose waits park here.
+  carried out by the one `interpreter.carry`, whose waits park here.
   """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
@@ -255,7 +255,6 @@ class _Host(interpreter.World):
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.calls = 0  # The client's calls the last store action made.
-    self.interp = interpreter.Interpreter(self.ex, self)
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -294,7 +293,7 @@ class _Host(interpreter.World):
       result = error = None
       self.calls = 0
       try:
-        result = yield from self.interp.carry(action)
+        result = yield from interpreter.carry(action, self.ex, self)
       except GeneratorExit:
         raise  # The task is closed (its host is gone): nothing is handed on.
       except Exception as e:  # noqa: BLE001 - raised inside the core, as on a real host.

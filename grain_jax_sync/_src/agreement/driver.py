@@ -2,7 +2,7 @@
 
 The same driver runs the core in the agreement thread (beside a reading
 and a build thread) and inline, in the consumer's `next()`; the actions are
-carried out by `interpreter.Interpreter`, as in the simulated cluster.
+carried out by `interpreter.carry`, as in the simulated cluster.
 Asking is one put into the inbox, from any thread or a signal handler: a
 stop, or this host's ending (a `Closing`), taken by the thread that runs the
 core at its next step. A close asks twice: at once that its ending is on its
@@ -76,7 +76,6 @@ class Driver(interpreter.World):
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
-    self._interp = interpreter.Interpreter(exchange, self)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
@@ -148,7 +147,7 @@ class Driver(interpreter.World):
         del run
         continue
       try:
-        result = interpreter.blocking(self._interp.carry(action))
+        result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 

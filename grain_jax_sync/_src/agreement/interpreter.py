@@ -1,6 +1,6 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
-`Interpreter.carry` gives each of the core's typed actions its meaning,
+`carry` gives each of the core's typed actions its meaning,
 dispatched by type. A real host (`driver.Driver`) and a simulated one
 (`sim_cluster`) differ only in what they hand in: the store (a
 `KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
@@ -25,7 +25,7 @@ Steps = Generator[Any, Any, Any]
 
 
 class World:
-  """The clock and this host's stages, real (`driver.Driver`) or simulated (`sim_cluster`).
+  """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
   `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
   looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
@@ -61,43 +61,36 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
 }
 
 
-class Interpreter:
-  """Carries out one host's actions on its stream's exchange and its `World`.
+def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Steps:
+  """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
 
-  Args:
-    exchange: The stream's key-value exchange.
-    world: The clock and this host's stages.
+  A real world's steps never yield (`blocking` takes their result). Holding
+  neither, it makes no cycle: a dropped stream is freed at once (its ending's
+  traceback would otherwise keep the consumer's frame alive until a collection).
   """
-
-  def __init__(self, exchange: key_value.KeyValueExchange, world: Any):
-    self.exchange = exchange
-    self.world = world
-
-  def carry(self, action: Any) -> Steps:
-    """Carries `action` out; its result. A real world's steps never yield."""
-    w = self.world
-    store = _STORE.get(type(action))
-    if store is not None:
-      return (yield from w.call(store, self.exchange, action))
-    match action:
-      case core.Take(want, wait_s):
-        return (yield from w.take(want, wait_s))
-      case core.Pace():
-        return w.pace()
-      case core.WaitBuild(beyond):
-        return (yield from w.wait_build(beyond))
-      case core.IsDead(peer):
-        return w.dead(peer)
-      case core.ClosedNote(peer):
-        return w.closed(peer)
-      case core.Crosswise(peer):
-        return w.crosswise(peer)
-      case core.NotWaiting():
-        return w.not_waiting()
-      case core.Elsewhere(namespace, message, calls):
-        w.pre_end(namespace, message)
-        return best_effort(self.exchange.sibling(namespace), calls)
-    raise TypeError(f"not an action: {action!r}")
+  w = world
+  store = _STORE.get(type(action))
+  if store is not None:
+    return (yield from w.call(store, exchange, action))
+  match action:
+    case core.Take(want, wait_s):
+      return (yield from w.take(want, wait_s))
+    case core.Pace():
+      return w.pace()
+    case core.WaitBuild(beyond):
+      return (yield from w.wait_build(beyond))
+    case core.IsDead(peer):
+      return w.dead(peer)
+    case core.ClosedNote(peer):
+      return w.closed(peer)
+    case core.Crosswise(peer):
+      return w.crosswise(peer)
+    case core.NotWaiting():
+      return w.not_waiting()
+    case core.Elsewhere(namespace, message, calls):
+      w.pre_end(namespace, message)
+      return best_effort(exchange.sibling(namespace), calls)
+  raise TypeError(f"not an action: {action!r}")
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:

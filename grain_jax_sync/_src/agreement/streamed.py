@@ -2,7 +2,7 @@
 
 Process 0 decides (`decider.Decider`), every other process follows
 (`follower.Follower`). Both are cores (`core`): generators of actions, with
-no thread, clock or store; `interpreter.Interpreter` carries their actions out.
+no thread, clock or store; `interpreter.carry` carries their actions out.
 """
 
 from __future__ import annotations
