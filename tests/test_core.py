@@ -2,7 +2,7 @@
 
 As h11's `ConnectionPair` and aioquic's `roundtrip`: `Cores` wires N cores
 (`decider.Decider`, `follower.Follower`) to one in-memory store through the
-library's one `interpreter.Interpreter`, each with a `Hand` world whose time
+library's one `interpreter.carry`, each with a `Hand` world whose time
 is the test's. A host steps until a wait in the store finds nothing (then the
 next host steps), until it delivers its runs and ends. Every ending the core
 decides has its test here: the agreed end and the wait at it, a close, a
@@ -38,9 +38,9 @@ class Hand(interpreter.World):
   def now(self) -> core.Now:
     return core.Now(self.cores.t)
 
-  def call(self, fn):
+  def call(self, fn, *args):
     yield from ()
-    return fn()
+    return fn(*args)
 
   def take(self, want, wait_s):
     yield from ()
@@ -73,7 +73,6 @@ class Cores:
       key_value.KeyValueExchange(self.store, NS, process_index=p, process_count=n) for p in range(n)
     ]
     self.world = [Hand(self, p, batches) for p in range(n)]
-    self.interp = [interpreter.Interpreter(self.ex[p], self.world[p]) for p in range(n)]
     who = [common.Identity(process=p, devices=1, config={"c": 1}, resume=0) for p in range(n)]
     self.cores = [
       decider.core_for(
@@ -108,7 +107,7 @@ class Cores:
             self.yielded[p].append(None if read is None else int(read.batch.leaves[0][0]))
         return
       else:
-        self.results[p] = interpreter.blocking(self.interp[p].carry(action))
+        self.results[p] = interpreter.blocking(interpreter.carry(action, self.ex[p], self.world[p]))
         if EMPTY.get(type(action), ...) == self.results[p]:
           return
     raise AssertionError(f"host {p} never waited")

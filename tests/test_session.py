@@ -8,6 +8,7 @@ a restart (`reset`, `set_state`) stopping the old start before the new one runs.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -104,16 +105,24 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
 
   # And each ending asked of the agreement: by which thread, through which frames from `close()`.
   asks: list[tuple[str, list[str], int | None]] = []
-  real_ask = driver.Driver.ask
+  real_ask, real_streams_ask = driver.Driver.ask, session.Streams.ask
+
+  def record(at: int | None) -> None:
+    names = [f.name for f in traceback.extract_stack()[:-2]] + ["ask"]
+    asks.append((threading.current_thread().name, names[names.index("close") :], at))
 
   def asked(self: Any, ask: Any) -> None:
     if isinstance(ask, driver.Closing):
-      names = [f.name for f in traceback.extract_stack()[:-1]] + ["ask"]
-      asks.append((threading.current_thread().name, names[names.index("close") :], ask.at_batch))
+      record(ask.at_batch)
     real_ask(self, ask)
+
+  def streams_asked(self: Any, what: str) -> None:
+    record(None)
+    real_streams_ask(self, what)
 
   key_value.KeyValueExchange._call = recorded  # type: ignore[method-assign]
   driver.Driver.ask = asked  # type: ignore[method-assign]
+  session.Streams.ask = streams_asked  # type: ignore[method-assign]
   try:
     closer = threading.Thread(target=it.close, name="closer")
     closer.start()
@@ -121,6 +130,7 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
   finally:
     key_value.KeyValueExchange._call = real  # type: ignore[method-assign]
     driver.Driver.ask = real_ask  # type: ignore[method-assign]
+    session.Streams.ask = real_streams_ask  # type: ignore[method-assign]
   out["close_calls"] = calls
   out["close_asks"] = asks
   out["rows"] = rows
@@ -156,11 +166,11 @@ def test_two_processes_threads_of_one_start_and_their_close_in_reverse(prefetch)
     # at batch 5) ended this host's stream first, the agreement thread had
     # returned with no ending left to post, and the closing thread tells the
     # peers it left, after it. Inline, the closing thread runs the core.
-    # A close asks twice, one put each, four frames from `close()`: at once
+    # A close asks twice, one put each: at once, into the stream's inbox,
     # that its ending is on its way (the agreement decides no more); then,
     # once the call in progress returned, the ending with its exact count.
     assert out["close_asks"] == [
-      ("closer", ["close", "close", "ask", "ask"], None),
+      ("closer", ["close", "close", "ask"], None),
       ("closer", ["close", "close", "end", "ask"], 5),
     ], out
     calls = out["close_calls"]
@@ -260,3 +270,63 @@ def test_the_steady_next_makes_at_most_two_synchronisation_calls():
     calls = _sync_calls_in(lambda: next(it))
   assert max(counts) <= 2, calls
   assert sorted(calls) == ["Semaphore.release in __next__", "SimpleQueue.get in __next__"], calls
+
+
+def _at_line(fn, k, act):
+  """A trace that runs `act` once, in this thread, before the `k`-th line `fn` runs; `fired()` says if it did."""
+  code, seen, fired = fn.__code__, [0], []
+
+  def local(frame, event, arg):
+    if event == "line":
+      if seen[0] == k and not fired:
+        fired.append(True)
+        act()  # Untraced: Python turns tracing off while a trace function runs.
+      seen[0] += 1
+    return local
+
+  def trace(frame, event, arg):
+    return local if frame.f_code is code else None
+
+  return trace, fired
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("what", [session.STOP, session.CLOSE])
+@pytest.mark.parametrize("inside", ["current", "ask"])
+def test_an_ask_at_each_step_of_a_streams_start_reaches_that_stream(inside, what, prefetch):
+  # The start/ask race, made deterministic: the ask runs between two lines of
+  # the stream's start (`Streams.current`), or the whole start runs between
+  # two lines of the ask (`Streams.ask`, as another thread or a signal
+  # handler would be interrupted), at every line. A stop asked before the
+  # first batch ends the stream there, or (its build thread started) after
+  # the batches it built meanwhile; a close gives no batch.
+  for k in range(100):
+    it = gjs.iter_jax_batches(_rows(6), batch_size=8, prefetch_batches=prefetch)
+    streams = it._streams
+    if inside == "current":
+      trace, fired = _at_line(session.Streams.current, k, functools.partial(streams.ask, what))
+      sys.settrace(trace)
+      try:
+        streams.current()
+      finally:
+        sys.settrace(None)
+    else:
+      trace, fired = _at_line(session.Streams.ask, k, streams.current)
+      sys.settrace(trace)
+      try:
+        streams.ask(what)
+      finally:
+        sys.settrace(None)
+    got: list[int] = []
+    try:
+      got += [_first(b) for b in it]
+    except RuntimeError as e:  # A close asked for: no batch after it.
+      assert what == session.CLOSE and str(e) == "the iterator is closed", e
+    stopped_by = it.stop_requested_by
+    it.close()
+    if not fired:
+      break
+    assert got == list(range(len(got))) and len(got) <= (prefetch + 1) * (what == session.STOP)
+    assert stopped_by == (0 if what == session.STOP else None), (inside, k)
+  assert k > 3  # Every line of it was tried.
+  assert _no_threads() == []

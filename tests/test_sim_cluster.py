@@ -297,7 +297,7 @@ def test_a_close_from_another_thread_ends_the_peer_naming_the_batches_it_receive
 def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(closer, prefetch):
   # Store calls take 3 ms: a close lands while a post's result is on its way
   # back to the core at some of these 160 times. Its ending goes after what
-  # the core posted (`interpreter.tell_done`), never over it: the peer raises the
+  # the core posted (it is told the result first), never over it: the peer raises the
   # close, not "closed ... without starting the stream".
   cluster = testing.SimulatedCluster(
     processes=2, prefetch_batches=prefetch, store_s=0.003, collective_steps=False

@@ -16,13 +16,13 @@ A `Stream` is built from a frozen `Start` and owns every thread it starts;
 `lifetime.Lifetime` decides who ends the streams last (`Streams.end` with
 ``last``, once). The thread in the call (`next()`, `set_state()`, ...)
 makes, advances and ends the streams. Other threads only call `ask` (a stop
-or a close asked for) and `times` (`stats`): they set a flag, put on a
-queue, or read fields set before the stream was published and the stage
-counters (floats, each written by the one thread that runs its stage).
-Three flags of `Streams` cross threads, each one store that only ever goes
-one way in a stream: ``closing`` and ``_stop_at`` (written by `ask`, from a
-signal handler too, where a lock that the interrupted code holds would
-deadlock) and ``exhausted`` (written in the call, read by `ask`).
+or a close asked for) and `times` (`stats`): they put on the inbox, set the
+write-once ``closing``, or read fields set before the stream was published
+and the stage counters (floats, each written by the one thread that runs its
+stage). The inbox (`Streams.asks`) belongs to the stream running or to start
+next: whoever runs that stream's agreement drains it at each step, so an ask
+put before, during or after a stream's start reaches it, with no check of
+what another thread wrote; a restart gives the next stream a new inbox.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import queue
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -104,6 +105,7 @@ class Start:
   start_error: BaseException | None
   namespace: str | None  # This stream's keys; None: nothing is exchanged.
   job: Any = None  # `job_stats.JobTable`: every host's counters (`stats(all_hosts=True)`).
+  asks: Any = None  # The inbox of this stream (`Streams.asks`): stops and a close, asked.
 
 
 class Stream:
@@ -128,9 +130,7 @@ class Stream:
     self._ended = False
     self.agreement: driver.Driver | None = None
     # The agreement of either form: the batch size it pinned, who stopped it.
-    self.stopper: Agreement | driver.Driver | None = None
-    # Where a stop is asked for: the agreement's inbox (`Driver.ask`) or field.
-    self.ask: Callable[[int], None] | None = None
+    self.stopper: Agreement | None = None
     # The streamed agreement where it runs in the consumer's call: the call
     # holds its turn, and posts a stop asked for meanwhile when it ends.
     self._inline: driver.Driver | None = None
@@ -163,8 +163,9 @@ class Stream:
       # Lockstep. One process, or each process alone: one read per batch
       # (lazy); the collective fallback runs in the caller's thread only.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
-      stepper = lockstep.Lockstep(read, ex, rules, who, window=window, position=self.position)
-      self.stopper, self.ask = stepper, stepper.stop_asked
+      self.stopper = stepper = lockstep.Lockstep(
+        read, ex, rules, who, window=window, position=self.position, asks=start.asks
+      )
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
@@ -193,8 +194,9 @@ class Stream:
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
       ex,
       self._builder,
+      asks=start.asks,
     )
-    self.stopper, self.ask = self.agreement, self.agreement.ask
+    self.stopper = self.agreement.core
     if not threaded:
       self._inline = self.agreement
       return iter(self.agreement)
@@ -248,7 +250,7 @@ class Stream:
     except key_value.Cancelled:
       raise
     except StopIteration:
-      if self.agreement is not None and self.agreement.reached_end:
+      if self.agreement is not None and self.agreement.core.reached_end:
         # The agreed end (exhausted or a requested stop): every peer's
         # consumer must get there too, or this host raises naming the one
         # that left.
@@ -280,6 +282,13 @@ class Stream:
   def times(self) -> stats_lib.Times:
     """The stages' time so far (each written by its own thread only)."""
     return stats_lib.Times(self._read.source_s, self._exchange.busy_s, self._builder.transfer_s)
+
+  def heard(self, close: bool) -> None:
+    """Something was put in the inbox (any thread, a signal handler): a wake (`driver.Driver.heard`)."""
+    if close:
+      self.wake()
+    if self.agreement is not None:  # Lockstep takes it at its next window.
+      self.agreement.heard(close)
 
   def trailing_drops(self) -> int:
     """Positions dropped after the last item; exact once the stream ended."""
@@ -395,12 +404,13 @@ class Streams:
     self.mark = Mark(0, self.initial, options.batch_size, stats_lib.Delivered())
     self.stream: Stream | None = None
     self.finished = stats_lib.Times()  # The stage times of the streams ended so far.
-    self.closing = False  # A close was asked for (set without a lock: a signal handler).
+    self.closing = False  # A close was asked for: written once (False to True) by `ask`, no lock.
     self.start_error: BaseException | None = None  # Raised by the next start.
     self.refusal: str | None = None  # A refused state's error, raised by `next()`.
     self.exhausted = False
     self.stopped_by: int | None = None  # The process whose stop ended the last stream.
-    self._stop_at: int | None = None  # `request_stop()`: the batches received then.
+    # The inbox of the stream running or to start next: `ask` puts, its agreement drains it.
+    self.asks: queue.SimpleQueue[Any] = queue.SimpleQueue()
     # The last ended stream's reading thread: it may still be in the source.
     self._reading: prefetch_lib.OnDemand[Any] | None = None
     # stats(all_hosts=True): every host's counters, through the agreement's messages.
@@ -415,15 +425,14 @@ class Streams:
     if stream is None:
       self.generation += 1
       start_error, self.start_error = self.start_error, None
+      options, asks = self._options, self.asks
       start = Start(
-        self._options, self._placement, self.source, self.mark, start_error, self._keys(), self.job
+        options, self._placement, self.source, self.mark, start_error, self._keys(), self.job, asks
       )
       self.stream = stream = Stream(start)
       self.pending_start = False
-      if self.closing:  # A close asked for meanwhile, before this stream could hear it.
-        self.ask(CLOSE)
-      if self._stop_at is not None and stream.ask is not None:  # Asked before this stream.
-        stream.ask(self._stop_at)
+      if not asks.empty():  # Asked before it was published: its agreement takes it; a wake.
+        stream.heard(close=self.closing)
     return stream
 
   def next(self) -> Any:
@@ -501,26 +510,24 @@ class Streams:
       self._reading.after(self.source.close)  # Once a read stuck in the source returns.
 
   def ask(self, what: str) -> None:
-    """`STOP` or `CLOSE`, from any thread or a signal handler: no lock, one put.
+    """`STOP` or `CLOSE`, from any thread or a signal handler: one put, then a wake; no lock.
 
-    A stop ends every host at one position (a stream not started yet gets it
-    at its start; once asked, later requests change nothing). A close: the
-    agreement decides no more, every wait is woken; `end` asks its ending.
+    The put goes to the inbox of the stream running or to start next, which
+    its agreement drains at each step, at its start too: it reaches that
+    stream whenever it comes. A stop ends every host at one position (the
+    first one asked wins; one after the stream ended changes nothing). A
+    close: the agreement decides no more, every wait is woken; `end` asks
+    its ending.
     """
-    stream = self.stream
-    if what == CLOSE:
+    close = what == CLOSE
+    if close:
+      if self.closing:
+        return  # Asked already (a handler at every line of a close, say).
       self.closing = True
-      if stream is not None:
-        if stream.agreement is not None:
-          stream.agreement.ask(driver.CLOSING)
-        stream.wake()
-      return
-    assert what == STOP, what
-    if self._stop_at is not None or self.exhausted:
-      return
-    self._stop_at = self.mark.position
-    if stream is not None and stream.ask is not None:
-      stream.ask(self._stop_at)  # One put (`driver.Driver.ask`), or a field (lockstep).
+    self.asks.put(driver.CLOSING if close else self.mark.position)
+    stream = self.stream
+    if stream is not None:
+      stream.heard(close)  # A wake: an old stream's is harmless, a new one drains anyway.
 
   # -- restarts ------------------------------------------------------------------
 
@@ -582,7 +589,7 @@ class Streams:
     self.refusal = None
     self.exhausted = False
     self.pending_start = True
-    self._stop_at = None  # A request ended (or would have ended) the old stream only.
+    self.asks = queue.SimpleQueue()  # A request ended (or would have ended) the old stream only.
     self.stopped_by = None
 
   def _settle_reads(self) -> None:

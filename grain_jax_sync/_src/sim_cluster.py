@@ -224,7 +224,7 @@ class _Host(interpreter.World):
   """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
 
   It is the core's world in virtual time (`interpreter.World`): its actions are
-  carried out by the one `interpreter.Interpreter`, whose waits park here.
+  carried out by the one `interpreter.carry`, whose waits park here.
   """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
@@ -255,7 +255,6 @@ class _Host(interpreter.World):
     self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.calls = 0  # The client's calls the last store action made.
-    self.interp = interpreter.Interpreter(self.ex, self)
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -294,7 +293,7 @@ class _Host(interpreter.World):
       result = error = None
       self.calls = 0
       try:
-        result = yield from self.interp.carry(action)
+        result = yield from interpreter.carry(action, self.ex, self)
       except GeneratorExit:
         raise  # The task is closed (its host is gone): nothing is handed on.
       except Exception as e:  # noqa: BLE001 - raised inside the core, as on a real host.
@@ -309,13 +308,13 @@ class _Host(interpreter.World):
   def now(self) -> core.Now:
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
-  def call(self, fn: Any) -> Generator[Wait, bool, Any]:
+  def call(self, fn: Any, *args: Any) -> Generator[Wait, bool, Any]:
     self.c.store.missed, ops = None, self.ex.ops
-    result = fn()
+    result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
     if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
       ops += 1  # Answered once the key is set: one call of the client.
-      result = fn()
+      result = fn(*args)
     # Each of the client's calls is a round trip (a delete of no whole group makes none).
     self.calls = self.ex.ops - ops
     return result
@@ -446,8 +445,8 @@ class _Host(interpreter.World):
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
-    if post and self.unacked is not None:
-      interpreter.tell_done(*self.unacked, self.now())
+    if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
+      self.unacked[0].send(self.unacked[1], self.now())
     if post:
       interpreter.best_effort(self.ex, self.core.closing(len(self.out.received), None))
 

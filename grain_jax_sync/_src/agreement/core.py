@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, dataclass_transform
+from typing import TYPE_CHECKING, Any, NamedTuple, dataclass_transform
 
 from grain_jax_sync._src import messages
 
@@ -80,182 +80,139 @@ class Now(NamedTuple):
   ready: bool = True
 
 
-_T = TypeVar("_T")
-
-
 @dataclass_transform(frozen_default=True)
-def _action(cls: type[_T]) -> type[_T]:
-  """An action: a small frozen type, dispatched by type."""
-  return dataclasses.dataclass(frozen=True, slots=True)(cls)
+class Action:
+  """What the core asks of its world: each a small frozen type, dispatched by type (`interpreter`)."""
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    dataclasses.dataclass(frozen=True)(cls)
 
 
-@_action
-class Take:
+class Take(Action):
   """This host's next read (a `Read` or `End`), or None within `wait_s`; `want`: reads it may hold."""
 
   want: int
   wait_s: float
 
 
-class StoreCall:
+class StoreCall(Action):
   """A call of the exchange (`exchange.key_value.KeyValueExchange`'s method of that name)."""
 
-  __slots__ = ()
 
-
-@_action
 class PostChunk(StoreCall):  # Its sequence number comes back.
   text: str
   final: bool = False
 
 
-@_action
 class PostDecision(StoreCall):
   seq: int
   text: str
   final: bool = False
 
 
-@_action
 class DeleteChunks(StoreCall):
   below: int
 
 
-@_action
 class DeleteDecisions(StoreCall):
   below: int
 
 
-@_action
 class ReadChunks(StoreCall):
   """Every peer's new chunks, ``[(process, text)]``."""
 
 
-@_action
 class WaitChunk(StoreCall):  # A liveness period at most: what came, as `ReadChunks`.
   peer: int
 
 
-@_action
 class TryDecision(StoreCall):  # Its text, or None.
   seq: int
 
 
-@_action
 class WaitDecision(StoreCall):  # A liveness period at most: its text, or None.
   seq: int
 
 
-@_action
 class EndExchange(StoreCall):
   """Counts this host out of the stream's keys: its last call in it."""
 
 
-@_action
 class PostLeft(StoreCall):  # Peers waiting at the agreed end are told why this host left.
   message: str
 
 
-@_action
 class PostReachedEnd(StoreCall):
   """This host's consumer reached the agreed end."""
 
 
-@_action
 class WaitAllReachedEnd(StoreCall):
   """A liveness period at most: whether every host reached the agreed end."""
 
 
-@_action
 class EndNotes(StoreCall):
   """Per host at the agreed end or gone: "" (it got there) or why it left."""
 
 
-@_action
-class Elsewhere:
-  """`calls` in stream `namespace`, which this host never started (best effort, never raised)."""
+class Elsewhere(Action):
+  """Stream `namespace`, never started here: this host's ending there (`message`), recorded and posted."""
 
   namespace: str
+  message: str
   calls: tuple[StoreCall, ...]
 
 
-class Look:
+class Look(Action):
   """A look at this process's streams or at a peer's liveness beat (`liveness.Liveness`)."""
 
-  __slots__ = ()
 
-
-@_action
 class IsDead(Look):  # Its beat stopped.
   peer: int
 
 
-@_action
 class ClosedNote(
   Look
 ):  # What it wrote as it closed its iterator (`key_value.close_note`), or None.
   peer: int
 
 
-@_action
 class Crosswise(
   Look
 ):  # Streams it waits at the start of, made and not started here; marks this one.
   peer: int
 
 
-@_action
 class NotWaiting(Look):
   """This host no longer waits for its stream's first decision."""
 
 
-@_action
-class PreEnd(Look):  # The ending this host posted to a stream before it started it.
-  namespace: str
-  message: str
-
-
-@_action
-class WaitBuild:
+class WaitBuild(Action):
   """Until the build stage hands on more than `beyond` positions (or a liveness period)."""
 
   beyond: int
 
 
-@_action
-class Pace:
+class Pace(Action):
   """The positions the consumer took in the last `decide_ahead_s` seconds (an int comes back)."""
 
 
 PACE = Pace()
 
 
-@_action
-class Deliver:
+class Deliver(Action):
   """A decided run (`common.Run`), for the build stage."""
 
   run: Any
 
 
-@_action
-class Ended:
+class Ended(Action):
   """The core's last output: the agreed end or stop (`error` None), or the error this host raises."""
 
   error: BaseException | None = None
 
 
-Action = Take | StoreCall | Elsewhere | Look | WaitBuild | Pace | Deliver | Ended
 Steps = Generator[Any, Any, Any]
 
 
 ENDED = Ended()
-
-
-def step(steps: Steps, result: Any = None, error: BaseException | None = None) -> Any:
-  """The next action of `steps`, given the last one's `result` (or its `error`); `Ended` at the end."""
-  try:
-    return steps.send(result) if error is None else steps.throw(error)
-  except StopIteration:
-    return ENDED
-  except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
-    return Ended(e)

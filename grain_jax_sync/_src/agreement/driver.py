@@ -1,26 +1,14 @@
-"""The streamed core's driver on a real host: carries its actions out, yields its runs.
+"""The streamed core's driver on a real host: its world (threads, monotonic time), its inbox.
 
-The same driver runs the core in the agreement thread (with a reading
-thread and a build thread) and inline, in the consumer's `next()`
-(`prefetch_batches=0`): only who iterates it differs. It owns the I/O the
-core has none of (its `interpreter.World`): the liveness beats, this process's streams,
-this host's reads, the build stage's progress and the clock; the actions
-themselves are carried out by `interpreter.Interpreter`, as in the simulated
-cluster.
-
-Asking is one put into the driver's inbox (`_asks`), from any thread or a
-signal handler (`ask`): a stop, or this host's ending (a `Closing`). The
-thread that runs the core takes them at its next step: a stop goes into the
-core, an ending ends the drive and is posted on the way out, by that same
-thread, so that no position is decided after it and the exchange has one
-writer. A close asks twice: at once, that its ending is on its way
-(`CLOSING`, no count yet: the consumer's call may still be delivering), and
-the drive stops deciding; then, once the call returned, the ending with its
-exact count, which the agreement thread, waiting for it, posts. Only where
-no thread runs the core (inline, or its thread already returned) does
-the ending thread post it (`post_ending`). A store call carried out is
-always told to the core, also when an ending stops the drive right after it,
-so that the ending is posted after what the core posted, not over it.
+The same driver runs the core in the agreement thread (beside a reading
+and a build thread) and inline, in the consumer's `next()`; the actions are
+carried out by `interpreter.carry`, as in the simulated cluster.
+Asking is one put into the inbox, from any thread or a signal handler: a
+stop, or this host's ending (a `Closing`), taken by the thread that runs the
+core at its next step. A close asks twice: at once that its ending is on its
+way (`CLOSING`: decide no more), then, once the consumer's call returned, the
+ending with its exact count, which that thread posts on its way out (or,
+where none runs the core, the ending thread: `post_ending`).
 """
 
 from __future__ import annotations
@@ -69,6 +57,7 @@ class Driver(interpreter.World):
     exchange: The key-value exchange of this stream.
     built: The build stage (`build.Builder`): its progress and the consumer's pace.
     live: Tells dead peers from slow ones (default: their beats).
+    asks: The inbox (default: its own): stops asked (positions) and `Closing`s.
   """
 
   def __init__(
@@ -78,6 +67,7 @@ class Driver(interpreter.World):
     exchange: key_value.KeyValueExchange,
     built: Any,
     live: liveness_lib.Liveness | None = None,
+    asks: queue.SimpleQueue[int | Closing] | None = None,
   ):
     self.core = agreement
     self._reader = reader
@@ -86,7 +76,6 @@ class Driver(interpreter.World):
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
-    self._interp = interpreter.Interpreter(exchange, self)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
     # it (`post_stop`).
@@ -94,7 +83,7 @@ class Driver(interpreter.World):
     # The inbox: stops and this host's ending, asked from any thread or a
     # signal handler, one reentrant put each; the thread that runs the core
     # takes them (`_take_asks`).
-    self._asks: queue.SimpleQueue[int | Closing] = queue.SimpleQueue()
+    self._asks: queue.SimpleQueue[int | Closing] = asks or queue.SimpleQueue()
     self._closing: Closing | None = None  # Taken from the inbox; posted once (`post_ending`).
     self._coming = False  # `CLOSING` taken: the ending follows.
     self._posted = False
@@ -102,7 +91,7 @@ class Driver(interpreter.World):
 
   def _take_asks(self) -> None:
     """Hands the stops asked for to the core and keeps an ending (in the thread that runs it)."""
-    while not self._asks.empty():
+    for _ in range(self._asks.qsize()):  # Those put by now: a handler may put at every line.
       ask = self._asks.get_nowait()
       if ask is CLOSING:
         self._coming = True
@@ -131,22 +120,20 @@ class Driver(interpreter.World):
   def _drive(self, runner: Any, *, asks: bool = True) -> Iterator[common.Run]:
     """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
 
-    With `asks`, an ending asked for stops it before its next action.
+    The core is told each result at once; with `asks`, an ending asked for
+    stops the drive before its next action (no position is decided after it,
+    and the ending is posted after what the core posted, not over it).
     """
     result: Any = None
     error: Exception | None = None
-    stored = False  # The last action carried out was a store call, and it succeeded.
     while True:
-      if asks:
-        self._take_asks()
-        if self._closing is not None or self._coming:  # No position is decided after it.
-          if stored:  # A decision posted moves the core's count: its ending goes after it.
-            interpreter.tell_done(runner, result, self.now())
-          return
       now = self.now()
       action = runner.send(result, now) if error is None else runner.throw(error, now)
       result = error = None
-      stored = False
+      if asks:
+        self._take_asks()
+        if self._closing is not None or self._coming:
+          return
       kind = type(action)
       if kind is core.Ended:
         if action.error is not None:
@@ -160,8 +147,7 @@ class Driver(interpreter.World):
         del run
         continue
       try:
-        result = interpreter.blocking(self._interp.carry(action))
-        stored = isinstance(action, core.StoreCall)
+        result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 
@@ -172,9 +158,9 @@ class Driver(interpreter.World):
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
 
-  def call(self, fn: Any) -> interpreter.Steps:
+  def call(self, fn: Any, *args: Any) -> interpreter.Steps:
     yield from ()  # A real call blocks in the client.
-    return fn()
+    return fn(*args)
 
   def take(self, want: int, wait_s: float) -> interpreter.Steps:
     yield from ()  # A real wait blocks in the reading stage.
@@ -222,18 +208,6 @@ class Driver(interpreter.World):
 
   # -- what the session asks of the stream's agreement -------------------------------
 
-  @property
-  def batch_size(self) -> int | None:
-    return self.core.batch_size
-
-  @property
-  def stop_requested_by(self) -> int | None:
-    return self.core.stop_requested_by
-
-  @property
-  def reached_end(self) -> bool:
-    return self.core.reached_end
-
   def ask(self, ask: int | Closing) -> None:
     """Asks every host to stop after batch `ask`, or for this host's ending: one put, then a wake.
 
@@ -243,9 +217,17 @@ class Driver(interpreter.World):
     posted by the ending thread (`post_ending`).
     """
     self._asks.put(ask)
+    self.heard(close=isinstance(ask, Closing))
+
+  def heard(self, close: bool = False) -> None:
+    """Something was put in the inbox: the thread that runs the core takes it now; no lock.
+
+    With a reading thread, its wait is woken; inline, a stop is posted now
+    unless a call runs the core (`post_stop`); an ending, by the call or the closer.
+    """
     if self._thread is not None:
       self._thread.nudge()
-    elif not isinstance(ask, Closing):
+    elif not close:
       self.post_stop()
 
   def post_stop(self, *, in_call: bool = False) -> None:

@@ -1,23 +1,15 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
-The core (`core`, `decider`, `follower`) says what to do as typed actions;
-`Interpreter.carry` gives each its meaning, dispatched by type. Only two
-things differ between a real host and a simulated one, and both come in:
-
-* the store: a `KeyValueExchange` over `jax.distributed`'s client, or over
-  the in-memory store (`memory_store`);
-* the clock, with this host's stages: a `World`. On a real host
-  (`driver.Driver`) time is monotonic and a wait blocks a thread, so its
-  steps never yield; in the simulated cluster (`sim_cluster`) time is
-  virtual and a wait yields to the scheduler.
-
-Both the real `driver.Driver` and `sim_cluster` use this module; neither
-gives an action a meaning of its own.
+`carry` gives each of the core's typed actions its meaning,
+dispatched by type. A real host (`driver.Driver`) and a simulated one
+(`sim_cluster`) differ only in what they hand in: the store (a
+`KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
+store) and the `World` (monotonic time and blocking threads, or the virtual
+scheduler, to which a wait yields).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,15 +25,11 @@ Steps = Generator[Any, Any, Any]
 
 
 class World:
-  """The clock and this host's stages, as `Interpreter` reaches them: real (`driver.Driver`) or simulated.
+  """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
-  `now()` says the time, the build stage's progress and whether a read
-  waits; `call(fn)` makes one store call; `take`, `wait_build` and `pace`
-  carry out `core.Take`, `core.WaitBuild` and `core.Pace`; `dead` and
-  `closed` look at a peer. Each of `call`, `take` and `wait_build` is a
-  generator: a real one never yields (its waits block), a simulated one
-  yields its waits to the virtual scheduler. This process's streams (the
-  crosswise watch) are none by default: one stream per host.
+  `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
+  looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
+  a real world never yields from (its waits block). No crosswise streams by default.
   """
 
   def crosswise(self, peer: int) -> list[str]:
@@ -73,46 +61,36 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
 }
 
 
-def _store_call(ex: key_value.KeyValueExchange, action: core.StoreCall) -> Callable[[], Any]:
-  """The exchange's call for a store action."""
-  return functools.partial(_STORE[type(action)], ex, action)
+def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Steps:
+  """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
 
-
-class Interpreter:
-  """Carries out one host's actions on its stream's exchange and its `World`.
-
-  Args:
-    exchange: The stream's key-value exchange.
-    world: The clock and this host's stages.
+  A real world's steps never yield (`blocking` takes their result). Holding
+  neither, it makes no cycle: a dropped stream is freed at once (its ending's
+  traceback would otherwise keep the consumer's frame alive until a collection).
   """
-
-  def __init__(self, exchange: key_value.KeyValueExchange, world: Any):
-    self.exchange = exchange
-    self.world = world
-
-  def carry(self, action: Any) -> Steps:
-    """Carries `action` out; its result. A real world's steps never yield."""
-    w = self.world
-    match action:
-      case core.Take(want, wait_s):
-        return (yield from w.take(want, wait_s))
-      case core.Pace():
-        return w.pace()
-      case core.WaitBuild(beyond):
-        return (yield from w.wait_build(beyond))
-      case core.IsDead(peer):
-        return w.dead(peer)
-      case core.ClosedNote(peer):
-        return w.closed(peer)
-      case core.Crosswise(peer):
-        return w.crosswise(peer)
-      case core.NotWaiting():
-        return w.not_waiting()
-      case core.PreEnd(namespace, message):
-        return w.pre_end(namespace, message)
-      case core.Elsewhere(namespace, calls):
-        return best_effort(self.exchange.sibling(namespace), calls)
-    return (yield from w.call(_store_call(self.exchange, action)))
+  w = world
+  store = _STORE.get(type(action))
+  if store is not None:
+    return (yield from w.call(store, exchange, action))
+  match action:
+    case core.Take(want, wait_s):
+      return (yield from w.take(want, wait_s))
+    case core.Pace():
+      return w.pace()
+    case core.WaitBuild(beyond):
+      return (yield from w.wait_build(beyond))
+    case core.IsDead(peer):
+      return w.dead(peer)
+    case core.ClosedNote(peer):
+      return w.closed(peer)
+    case core.Crosswise(peer):
+      return w.crosswise(peer)
+    case core.NotWaiting():
+      return w.not_waiting()
+    case core.Elsewhere(namespace, message, calls):
+      w.pre_end(namespace, message)
+      return best_effort(exchange.sibling(namespace), calls)
+  raise TypeError(f"not an action: {action!r}")
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
@@ -123,7 +101,7 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
   last = len(calls) - 1 if calls and type(calls[-1]) is core.EndExchange else len(calls)
   try:
     for call in calls[:last]:
-      _store_call(ex, call)()
+      _STORE[type(call)](ex, call)
   except Exception as e:  # noqa: BLE001 - best effort: the peers find it otherwise.
     logger.warning("grain_jax_sync: could not post this host's end to %s: %s", ex.namespace, e)
   finally:
@@ -138,12 +116,3 @@ def blocking(steps: Steps) -> Any:
   except StopIteration as done:
     return done.value
   raise AssertionError("a real host's action yielded: its waits block")
-
-
-def tell_done(runner: Any, result: Any, now: core.Now) -> None:
-  """Tells the core the result of a store call carried out, where an ending stops the drive after it.
-
-  So that its ending is posted after what the core posted, not over it;
-  what the core does next is not carried out (nor raised): this host ends.
-  """
-  runner.send(result, now)

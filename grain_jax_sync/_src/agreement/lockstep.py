@@ -35,6 +35,7 @@ class Lockstep(common.Agreement):
     *,
     window: int,
     position: int,
+    asks: Any = None,
   ):
     super().__init__(rules, who)
     self._reader, self._exchange = reader, exchange
@@ -43,10 +44,14 @@ class Lockstep(common.Agreement):
     self._signature: batches_lib.Signature | None = None
     self._end: core.End | None = None
     self._reads: list[core.Read] = []  # Undecided reads kept after a WAIT.
+    self._asks = asks  # The inbox (`session.Streams.asks`): stops asked, drained per window.
 
   def __iter__(self) -> Iterator[common.Run]:
     for w in range(1 << 62):
       stop = None  # This host's stop, asked for: it rides in this window's report.
+      for _ in range(0 if self._asks is None else self._asks.qsize()):  # Those put by now.
+        if isinstance(ask := self._asks.get_nowait(), int):
+          self.stop_asked(ask)
       if self._stop_at is not None:
         stop = endings.stopped_error(self._who.process, self._stop_at)
       if stop is not None and self._exchange.process_count == 1:

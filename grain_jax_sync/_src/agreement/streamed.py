@@ -2,7 +2,7 @@
 
 Process 0 decides (`decider.Decider`), every other process follows
 (`follower.Follower`). Both are cores (`core`): generators of actions, with
-no thread, clock or store; `driver.Driver` carries their actions out.
+no thread, clock or store; `interpreter.carry` carries their actions out.
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ CROSS_WAIT_S = 30.0
 
 
 class Side:
-  """A run of steps of the core (its main run, or a side one): `send` and `throw` carry `Now` in.
-
-  Its last output is `core.Ended`.
-  """
+  """A run of the core's steps (its main run, or a side one): `Now` comes in, `core.Ended` last."""
 
   def __init__(self, owner: Streamed, steps: core.Steps):
     self._own, self._steps = owner._own, steps
@@ -37,12 +34,22 @@ class Side:
   def send(self, result: Any, now: core.Now) -> Any:
     """The next action, given the last one's `result` and `now`."""
     self._own.now = now
-    return core.step(self._steps, result)
+    try:
+      return self._steps.send(result)
+    except StopIteration:
+      return core.ENDED
+    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
+      return core.Ended(e)
 
   def throw(self, error: BaseException, now: core.Now) -> Any:
     """The last action failed with `error`: raised inside the core (it may end on it)."""
     self._own.now = now
-    return core.step(self._steps, error=error)
+    try:
+      return self._steps.throw(error)
+    except StopIteration:
+      return core.ENDED
+    except BaseException as e:  # noqa: BLE001 - as in `send`.
+      return core.Ended(e)
 
 
 class Streamed(common.Agreement):
@@ -137,14 +144,6 @@ class Streamed(common.Agreement):
     """The calls that post this host's ending in the stream, then `core.EndExchange`."""
     raise NotImplementedError
 
-  def tell(self, result: Any, now: core.Now) -> None:
-    """The result of a store call carried out where an ending stops the drive right after it.
-
-    So its ending is posted after what the core posted, not over it; what the
-    core does next is not carried out.
-    """
-    self.send(result, now)
-
   def at_end(self) -> core.Steps:
     """At the agreed end, in the consumer's thread: ends once every peer's consumer got there.
 
@@ -187,8 +186,7 @@ class Streamed(common.Agreement):
     if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
       return None
     error = endings.crosswise((self._process, self._namespace), (peer, theirs[0]), self._yielded)
-    yield core.PreEnd(theirs[0], error.message)
-    yield core.Elsewhere(theirs[0], tuple(unstarted(self._process, 0, error)))
+    yield core.Elsewhere(theirs[0], error.message, tuple(unstarted(self._process, 0, error)))
     return error
 
   def _forget_decided(self) -> core.Steps:
