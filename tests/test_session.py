@@ -260,7 +260,7 @@ class _CountedLock:
 
 def test_the_steady_next_makes_at_most_two_synchronisation_calls():
   # Grain's thread prefetch makes one queue get; ours one get and the
-  # release of the slot it frees for the build thread. The turn is one
+  # put of the slot it frees for the build thread. The turn is one
   # atomic claim and give-back, the state one value replaced whole.
   with gjs.iter_jax_batches(_rows(400), batch_size=8, prefetch_batches=2) as it:
     for _ in range(50):
@@ -269,7 +269,7 @@ def test_the_steady_next_makes_at_most_two_synchronisation_calls():
     counts = [len(_sync_calls_in(lambda: next(it))) for _ in range(100)]
     calls = _sync_calls_in(lambda: next(it))
   assert max(counts) <= 2, calls
-  assert sorted(calls) == ["Semaphore.release in __next__", "SimpleQueue.get in __next__"], calls
+  assert sorted(calls) == ["SimpleQueue.get in __next__", "SimpleQueue.put in __next__"], calls
 
 
 def _at_line(fn, k, act):

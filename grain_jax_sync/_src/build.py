@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -325,8 +326,14 @@ class Builder:
     self.transfer_s = 0.0
     self.dropped = 0
     self.first = FirstRun(())  # The stream's runs (`__call__`).
-    self._done = 0  # Positions handed on or dropped.
-    self._advanced = threading.Condition()  # Notified as `_done` grows.
+    self._done = 0  # Positions handed on or dropped (written by the build thread only).
+    # `_done` as a waiter sees it, and the pace, under one lock: `wait_done`'s
+    # `beyond` while it waits (None: nobody waits), woken by one token in
+    # `_woken`. The build thread wakes it only once `_done` passed it, so a
+    # batch built while nobody waits costs one uncontended lock.
+    self._lock = threading.Lock()
+    self._waiter: int | None = None
+    self._woken: queue.SimpleQueue[None] = queue.SimpleQueue()
     # The positions done in the last `decide_ahead_s`, the queue's fill left out (`pace`).
     self._pace = stats_lib.Pace(options.decide_ahead_s, options.prefetch_batches)
 
@@ -335,10 +342,22 @@ class Builder:
     return self._done
 
   def wait_done(self, beyond: int, timeout_s: float) -> None:
-    """Blocks until more than `beyond` positions are done, `wake()`, or `timeout_s` passes."""
-    with self._advanced:
-      if self._done <= beyond:
-        self._advanced.wait(timeout_s)
+    """Blocks until more than `beyond` positions are done, `wake()`, or `timeout_s` passes.
+
+    It may return early (a wake-up left by a wait that timed out): its
+    caller looks at `done()` again.
+    """
+    with self._lock:
+      if self._done > beyond:
+        return
+      self._waiter = beyond
+    try:
+      self._woken.get(timeout=timeout_s)
+    except queue.Empty:
+      pass
+    finally:
+      with self._lock:
+        self._waiter = None
 
   def pace(self) -> int:
     """Positions done in the last `decide_ahead_s` seconds: the consumer's own pace, measured.
@@ -346,13 +365,23 @@ class Builder:
     With prefetch, a position is done once its batch is queued, which a full
     queue lets happen only as the consumer takes one.
     """
-    with self._advanced:
+    with self._lock:
       return self._pace.count(time.monotonic())
 
   def wake(self) -> None:
-    """Wakes a `wait_done` (the iterator is closing). Its lock is held only by the build thread."""
-    with self._advanced:
-      self._advanced.notify_all()
+    """Wakes a `wait_done` (the iterator is closing), or the next one; one put, no lock."""
+    self._woken.put(None)
+
+  def _advance(self) -> None:
+    """One more position done (in the build thread): counted, and a waiter it passed woken."""
+    with self._lock:
+      done = self._done = self._done + 1
+      self._pace.done(time.monotonic())
+      waiter = self._waiter
+      if waiter is None or done <= waiter:
+        return
+      self._waiter = None
+    self._woken.put(None)
 
   def __call__(self, runs: Iterable[agreement_common.Run]) -> Iterator[Item]:
     """The items of `runs`, built one by one; `first` waits for the first run meanwhile."""
@@ -372,11 +401,7 @@ class Builder:
         if item is not None:
           yield item  # Resumed once the item is handed on (queued, or taken).
         del item
-        with self._advanced:
-          self._done += 1
-          now = time.monotonic()
-          self._pace.done(now)
-          self._advanced.notify()
+        self._advance()
 
   def step(
     self,

@@ -6,9 +6,12 @@ plus the one it is producing. Exceptions and the end travel through the
 buffer and are raised in the consumer with their original traceback.
 
 Each side blocks on one thing and neither polls: the consumer on a
-`queue.SimpleQueue` (whose `put` is reentrant, so a signal handler that
-interrupted the consumer may wake it: `wake`), the producer on a
-semaphore of free slots. `close()` wakes both, lets the producer's hook
+`queue.SimpleQueue` of items (whose `put` is reentrant, so a signal handler
+that interrupted the consumer may wake it: `wake`), the producer on a
+`queue.SimpleQueue` of free slots, one token each. Both queues are C code:
+a steady ``next()`` is one get and one put, and takes no lock of Python's
+`threading` (whose `Semaphore` and `Condition` run Python bytecode and
+allocate a lock per wait). `close()` wakes both, lets the producer's hook
 cancel a wait of its own (`on_close`), and joins the thread, unless it is
 that thread.
 """
@@ -88,7 +91,10 @@ class Prefetcher(Generic[T]):
       raise ValueError(f"`buffer_size` must be >= 1, got {buffer_size}")
     self._size = buffer_size
     self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    self._slots = threading.Semaphore(0 if self._on_demand else buffer_size)
+    # Free slots, one token each: the producer takes one per item, the consumer gives it back.
+    self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+    if not self._on_demand:
+      self._free(buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
     # Set under `_exit` by `close`, and without a lock by `wake` (a signal handler).
     self._stopped = False
@@ -112,8 +118,14 @@ class Prefetcher(Generic[T]):
     if item is _WAKE or self._stopped:
       self._done = True  # Stopped meanwhile: `close()` follows.
       raise StopIteration
-    self._slots.release()  # Room for the producer.
+    self._slots.put(None)  # Room for the producer.
     return self._unwrap(item)
+
+  def _free(self, n: int) -> None:
+    """Gives the producer `n` more slots (reentrant: no lock)."""
+    put = self._slots.put
+    for _ in range(n):
+      put(None)
 
   def _unwrap(self, item: Any) -> Any:
     """A buffer item as the consumer sees it: the value, the end, or the error (both final)."""
@@ -140,7 +152,7 @@ class Prefetcher(Generic[T]):
       self._done = self._stopped = True
       busy = self._busy  # Else the thread waits for a slot at most: joined at once.
     self._items.put(_WAKE)  # A consumer waiting in another thread.
-    self._slots.release(self._size + 1)  # A producer waiting for room.
+    self._free(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
       self._on_close()
     thread = self.thread
@@ -167,7 +179,7 @@ class Prefetcher(Generic[T]):
   def _put(self, item: Any) -> bool:
     """Waits for room (unless taken before producing); False if the stage was stopped meanwhile."""
     if not self._early:
-      self._slots.acquire()
+      self._slots.get()
     if self._stopped:
       return False
     self._items.put(item)
@@ -176,7 +188,7 @@ class Prefetcher(Generic[T]):
   def _produce(self, producer: Iterator[Any]) -> None:
     while True:
       if self._early:
-        self._slots.acquire()
+        self._slots.get()
         if self._stopped:
           return
       item = next(producer, END)
@@ -231,7 +243,7 @@ class OnDemand(Prefetcher[T]):
 
   def ask(self, n: int = 1) -> None:
     """Lets the producer make `n` more items."""
-    self._slots.release(n)
+    self._free(n)
 
   def take(self, timeout_s: float) -> T | None:
     """The next item, waiting up to `timeout_s` for it; None if none came (or a `nudge`)."""

@@ -463,9 +463,12 @@ class Streams:
       # or from a signal handler inside this call: no batch after `close()`.
       raise StopIteration
     # Replaced whole: readers in other threads see the old mark or the new one.
-    d = self.mark.delivered.added(item.real, item.rows, item.dropped, time.monotonic() - t0)
-    self.mark = Mark(self.mark.position + 1, item.state, stream.batch_size, d)
-    if self.mark.position == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
+    mark = self.mark
+    d = mark.delivered.added(item.real, item.rows, item.dropped, time.monotonic() - t0)
+    # Pinned by the stream's first decided position, and the same from then on.
+    batch_size = stream.batch_size if mark.batch_size is None else mark.batch_size
+    self.mark = Mark(mark.position + 1, item.state, batch_size, d)
+    if mark.position + 1 == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
       signal_at.send()
     return item.value
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 # The keys of `JaxBatchIterator.stats()`, in the order `demo` shows them.
 FIELDS = (
@@ -48,9 +48,10 @@ class Times:
     )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Delivered:
+class Delivered(NamedTuple):
   """What the consumer received; a value, replaced whole with each batch (`session.Mark`).
+
+  A tuple: one is made per batch received, in the consumer's ``next()``.
 
   Attributes:
     batches: Global batches received.
@@ -84,14 +85,14 @@ class Delivered:
 
   def ended(self, wait_s: float, dropped: int) -> Delivered:
     """These counts after a `next()` that ended the stream (drops after the last batch)."""
-    return dataclasses.replace(
-      self, dropped_batches=self.dropped_batches + dropped, wait_s=self.wait_s + wait_s
+    return self._replace(
+      dropped_batches=self.dropped_batches + dropped, wait_s=self.wait_s + wait_s
     )
 
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
-  out: dict[str, Any] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
+  out: dict[str, Any] = delivered._asdict()
   out.update(dataclasses.asdict(times))
   return {k: out[k] for k in FIELDS}
 
