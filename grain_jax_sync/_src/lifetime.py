@@ -45,6 +45,9 @@ class Phase(enum.Enum):
   CLOSED = "closed"
 
 
+_OPEN = Phase.OPEN  # Read per batch (`take_turn`, `give_turn`): one global, not an enum lookup.
+
+
 class Lifetime:
   """The state machine and the turn of one iterator; holds no reference to it (its finalizer closes this).
 
@@ -72,15 +75,16 @@ class Lifetime:
 
   def take_turn(self, what: str) -> None:
     """Begins call `what` in this thread; raises if closed or another call is in progress."""
-    if self.in_turn():
+    local = self._local
+    if getattr(local, "turn", False):  # `in_turn()`, written out: this runs per batch.
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler, the source?); call it between batches"
       )
-    self._local.turn = True  # Before the claim: a handler landing in it only asks.
+    local.turn = True  # Before the claim: a handler landing in it only asks.
     me = threading.get_ident()
     holder = self._held.setdefault("turn", (me, what))
-    if holder[0] == me and self._phase is Phase.OPEN and not self.streams.closing:
+    if holder[0] == me and self._phase is _OPEN and not self.streams.closing:
       return
     mine = holder[0] == me
     if mine:
@@ -103,7 +107,7 @@ class Lifetime:
     """Ends this thread's call; carries out a close asked for meanwhile."""
     self._held.pop("turn", None)
     self._local.turn = False
-    if self._phase is Phase.OPEN and not self.streams.closing:
+    if self._phase is _OPEN and not self.streams.closing:
       return  # The steady state: nobody waits for this call to end.
     with self._lock:
       self._idle.notify_all()  # A closer waiting for the call to end.

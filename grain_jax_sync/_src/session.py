@@ -442,7 +442,7 @@ class Streams:
     if self.exhausted:
       raise StopIteration
     t0 = time.monotonic()
-    stream = self.current()
+    stream = self.stream or self.current()
     try:
       item = next(stream)
     except BaseException as e:
