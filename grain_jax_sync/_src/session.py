@@ -160,12 +160,12 @@ class Stream:
     who = _identity(start, ex.process_index, shares=self._shares(start))
     rules = options.rules(batch_size=start.mark.batch_size)
     if not isinstance(ex, key_value.KeyValueExchange):
-      # Lockstep. One process, or each process alone: one read per batch
-      # (lazy); the collective fallback runs in the caller's thread only.
+      # Lockstep: one process, or each alone; the collective fallback in the caller's thread.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
-      self.stopper = stepper = lockstep.Lockstep(
-        read, ex, rules, who, window=window, position=self.position, asks=start.asks
+      self.stopper = lockstep.Lockstep(
+        rules, who, process_count=ex.process_count, window=window, position=self.position
       )
+      stepper = driver.Stepper(self.stopper, read, ex, start.asks)
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)

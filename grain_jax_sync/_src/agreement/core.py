@@ -200,6 +200,19 @@ class Pace(Action):
 PACE = Pace()
 
 
+class ReadWindow(Action):
+  """This host's next reads (lockstep): up to `count`, the last one an `End` if reached."""
+
+  count: int
+
+
+class AllGather(Action):
+  """Every process's `text` for window `seq`, in process order (lockstep's exchange)."""
+
+  seq: int
+  text: str
+
+
 class Deliver(Action):
   """A decided run (`common.Run`), for the build stage."""
 
@@ -216,3 +229,31 @@ Steps = Generator[Any, Any, Any]
 
 
 ENDED = Ended()
+
+
+class Side:
+  """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
+
+  `clock`: where the core reads the driver's last `Now` (None: it reads none).
+  """
+
+  def __init__(self, steps: Steps, clock: Any = None):
+    self._clock, self._steps = clock, steps
+
+  def send(self, result: Any, now: Now | None = None) -> Any:
+    """The next action, given the last one's `result` and `now`."""
+    return self._on(self._steps.send, result, now)
+
+  def throw(self, error: BaseException, now: Now | None = None) -> Any:
+    """The last action failed with `error`: raised inside the core (it may end on it)."""
+    return self._on(self._steps.throw, error, now)
+
+  def _on(self, step: Any, value: Any, now: Now | None) -> Any:
+    if self._clock is not None:
+      self._clock.now = now
+    try:
+      return step(value)
+    except StopIteration:
+      return ENDED
+    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
+      return Ended(e)

@@ -277,6 +277,47 @@ class Driver(interpreter.World):
       pass
 
 
+class Stepper(interpreter.World):
+  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread: its reads and exchange block there.
+
+  The stops asked for (the inbox, `asks`) reach the core before its next step.
+  """
+
+  def __init__(
+    self, stepper: Any, reader: Iterator[core.Read | core.End], exchange: Any, asks: Any
+  ):
+    self.core, self._reader, self._exchange, self._asks = stepper, reader, exchange, asks
+
+  def __iter__(self) -> Iterator[common.Run]:
+    stepper, asks, result = self.core, self._asks, None
+    while True:
+      if asks is not None and asks.qsize():
+        for _ in range(asks.qsize()):  # Those put by now: a handler may put at every line.
+          if isinstance(ask := asks.get_nowait(), int):
+            stepper.stop_asked(ask)
+      action = stepper.send(result)
+      kind = type(action)
+      if kind is core.Deliver:
+        run, action, result = action.run, None, None
+        yield run
+        del run  # The build stage's alone once handed on.
+      elif kind is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      else:
+        result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
+
+  def read_window(self, count: int) -> list[core.Read | core.End]:
+    """Up to `count` reads, the last one the stream's `End` if reached."""
+    out: list[core.Read | core.End] = []
+    while len(out) < count:
+      out.append(item := next(self._reader))
+      if isinstance(item, core.End):
+        break
+    return out
+
+
 def post_unstarted(
   ex: key_value.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
 ) -> None:

@@ -28,7 +28,7 @@ class World:
   """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
   `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
-  looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
+  looks `dead`, `closed` (lockstep's: `read_window` alone); `call`, `take` and `wait_build` are generators that
   a real world never yields from (its waits block). No crosswise streams by default.
   """
 
@@ -60,9 +60,22 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
   core.EndNotes: lambda ex, a: ex.end_notes(),
 }
 
+# Each action that never waits, by type: on the exchange `ex`, the world `w`.
+_PLAIN: dict[type, Callable[[Any, Any, Any], Any]] = {
+  core.ReadWindow: lambda ex, w, a: w.read_window(a.count),
+  core.AllGather: lambda ex, w, a: ex.all_gather(a.seq, a.text),
+  core.Pace: lambda ex, w, a: w.pace(),
+  core.IsDead: lambda ex, w, a: w.dead(a.peer),
+  core.ClosedNote: lambda ex, w, a: w.closed(a.peer),
+  core.Crosswise: lambda ex, w, a: w.crosswise(a.peer),
+  core.NotWaiting: lambda ex, w, a: w.not_waiting(),
+}
 
-def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Steps:
+
+def carry(action: Any, exchange: Any, world: Any) -> Steps:
   """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
+
+  The exchange is a `KeyValueExchange`, or lockstep's (local or collective).
 
   A real world's steps never yield (`blocking` takes their result). Holding
   neither, it makes no cycle: a dropped stream is freed at once (its ending's
@@ -72,21 +85,14 @@ def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Step
   store = _STORE.get(type(action))
   if store is not None:
     return (yield from w.call(store, exchange, action))
+  plain = _PLAIN.get(type(action))
+  if plain is not None:
+    return plain(exchange, w, action)
   match action:
     case core.Take(want, wait_s):
       return (yield from w.take(want, wait_s))
-    case core.Pace():
-      return w.pace()
     case core.WaitBuild(beyond):
       return (yield from w.wait_build(beyond))
-    case core.IsDead(peer):
-      return w.dead(peer)
-    case core.ClosedNote(peer):
-      return w.closed(peer)
-    case core.Crosswise(peer):
-      return w.crosswise(peer)
-    case core.NotWaiting():
-      return w.not_waiting()
     case core.Elsewhere(namespace, message, calls):
       w.pre_end(namespace, message)
       return best_effort(exchange.sibling(namespace), calls)

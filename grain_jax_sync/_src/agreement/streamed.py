@@ -7,7 +7,7 @@ no thread, clock or store; `interpreter.carry` carries their actions out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages
@@ -23,33 +23,6 @@ if TYPE_CHECKING:  # Handed in by the session (it reads the clock); the core onl
 # `sync_timeout_s` if shorter: longer than a live peer takes between the
 # first `next()` calls of iterators it starts together (threads), on any host.
 CROSS_WAIT_S = 30.0
-
-
-class Side:
-  """A run of the core's steps (its main run, or a side one): `Now` comes in, `core.Ended` last."""
-
-  def __init__(self, owner: Streamed, steps: core.Steps):
-    self._own, self._steps = owner._own, steps
-
-  def send(self, result: Any, now: core.Now) -> Any:
-    """The next action, given the last one's `result` and `now`."""
-    self._own.now = now
-    try:
-      return self._steps.send(result)
-    except StopIteration:
-      return core.ENDED
-    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
-      return core.Ended(e)
-
-  def throw(self, error: BaseException, now: core.Now) -> Any:
-    """The last action failed with `error`: raised inside the core (it may end on it)."""
-    self._own.now = now
-    try:
-      return self._steps.throw(error)
-    except StopIteration:
-      return core.ENDED
-    except BaseException as e:  # noqa: BLE001 - as in `send`.
-      return core.Ended(e)
 
 
 class Streamed(common.Agreement):
@@ -112,16 +85,16 @@ class Streamed(common.Agreement):
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
-    main = Side(self, self._run())
+    main = core.Side(self._run(), self._own)
     self.send, self.throw = main.send, main.throw
 
   @property
   def now(self) -> core.Now:
     return self._own.now
 
-  def side(self, steps: core.Steps) -> Side:
+  def side(self, steps: core.Steps) -> core.Side:
     """A side run of this core's steps (`stop_now`, `at_end`)."""
-    return Side(self, steps)
+    return core.Side(steps, self._own)
 
   def _run(self) -> core.Steps:
     raise NotImplementedError
