@@ -362,3 +362,23 @@ def test_lockstep_cores_raise_one_hosts_source_error_on_every_host():
   errors = [_error(e) for e in c.ended]
   assert all("bad row on process 1" in str(e) for e in errors), errors
   assert c.yielded == [[0, 1, 2], [100, 101, 102]]  # Every batch before the error, on both.
+
+
+@pytest.mark.parametrize("waiter", [0, 1])
+def test_a_wait_in_the_store_ends_at_the_cores_next_deadline_and_the_timeout_fires_there(waiter):
+  c = Cores(2, batches=5, timeout_s=10.0)
+  # Process 0 waits for process 1's rows, or process 1 for process 0's decision; the other never comes.
+  limit = 10.0 if waiter == 0 else 10.0 + common.FOLLOWER_GRACE_S
+  c.step(waiter)
+  assert c.cores[waiter].timer == pytest.approx(common.WAIT_SLICE_S)  # A liveness period: the beats.
+  c.t = limit - 0.25
+  c.step(waiter)
+  assert c.cores[waiter].timer == pytest.approx(limit)  # Its deadline, not a liveness period later.
+  c.t = c.cores[waiter].timer  # The driver waits until then, and no longer.
+  c.step(waiter)
+  if waiter == 1:  # It gave up: its timed-out ending posted, it waits a grace more for process 0.
+    assert c.cores[1].timer == pytest.approx(limit + common.WAIT_SLICE_S)
+    c.t = limit + common.FOLLOWER_GRACE_S
+    c.step(1)
+  error = _error(c.ended[waiter])
+  assert isinstance(error, endings.PeerTimeoutError), error

@@ -123,16 +123,20 @@ class ReadChunks(StoreCall):
   """Every peer's new chunks, ``[(process, text)]``."""
 
 
-class WaitChunk(StoreCall):  # A liveness period at most: what came, as `ReadChunks`.
+class WaitChunk(
+  StoreCall
+):  # Up to `wait_s` (the core's next deadline): what came, as `ReadChunks`.
   peer: int
+  wait_s: float
 
 
 class TryDecision(StoreCall):  # Its text, or None.
   seq: int
 
 
-class WaitDecision(StoreCall):  # A liveness period at most: its text, or None.
+class WaitDecision(StoreCall):  # Up to `wait_s` (the core's next deadline): its text, or None.
   seq: int
+  wait_s: float
 
 
 class EndExchange(StoreCall):
@@ -148,7 +152,9 @@ class PostReachedEnd(StoreCall):
 
 
 class WaitAllReachedEnd(StoreCall):
-  """A liveness period at most: whether every host reached the agreed end."""
+  """Up to `wait_s` (the core's next deadline): whether every host reached the agreed end."""
+
+  wait_s: float
 
 
 class EndNotes(StoreCall):

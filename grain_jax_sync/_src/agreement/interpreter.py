@@ -50,13 +50,13 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
   core.DeleteChunks: lambda ex, a: ex.delete_chunks(a.below),
   core.DeleteDecisions: lambda ex, a: ex.delete_decisions(a.below),
   core.ReadChunks: lambda ex, a: ex.read_chunks(),
-  core.WaitChunk: lambda ex, a: ex.wait_chunk(a.peer),
+  core.WaitChunk: lambda ex, a: ex.wait_chunk(a.peer, a.wait_s),
   core.TryDecision: lambda ex, a: ex.try_decision(a.seq),
-  core.WaitDecision: lambda ex, a: ex.wait_decision(a.seq),
+  core.WaitDecision: lambda ex, a: ex.wait_decision(a.seq, a.wait_s),
   core.EndExchange: lambda ex, a: ex.end(),
   core.PostLeft: lambda ex, a: ex.post_left(a.message),
   core.PostReachedEnd: lambda ex, a: ex.post_reached_end(),
-  core.WaitAllReachedEnd: lambda ex, a: ex.wait_all_reached_end(),
+  core.WaitAllReachedEnd: lambda ex, a: ex.wait_all_reached_end(a.wait_s),
   core.EndNotes: lambda ex, a: ex.end_notes(),
 }
 

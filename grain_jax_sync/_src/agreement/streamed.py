@@ -82,6 +82,10 @@ class Streamed(common.Agreement):
     self.ended = False  # The exchange is ended (the final decision, or this host's own).
     self._waiting_since: float | None = None
     self._cross_since: float | None = None  # Since when a peer waits crosswise.
+    self._cross_s = min(CROSS_WAIT_S, timeout_s / 2)
+    # When the core next needs to run (aioquic's `get_timer`): each wait in
+    # the store ends there (`_until`), so a timeout fires at its deadline.
+    self.timer = float("inf")
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
@@ -126,7 +130,7 @@ class Streamed(common.Agreement):
     """
     yield core.PostReachedEnd()
     since, yielded = self.now.t, self._yielded
-    while not (yield core.WaitAllReachedEnd()):
+    while not (yield core.WaitAllReachedEnd(self._until(self._timeout_s - (self.now.t - since)))):
       notes = yield core.EndNotes()
       left = [notes[q] for q in sorted(notes) if notes[q]]
       if left:
@@ -137,7 +141,7 @@ class Streamed(common.Agreement):
           when = f"before it received the last batch ({yielded} batches)"
           error = endings.lost(peer, self._dead_after_s, yielded, when)
           raise endings.to_exception(error, self._process, None)
-      if waiting and self.now.t - since > self._timeout_s:
+      if waiting and reached(self.now.t - since, self._timeout_s):
         error = endings.not_at_end(waiting, yielded, self._timeout_s)
         raise endings.to_exception(error, self._process, None)
 
@@ -156,7 +160,7 @@ class Streamed(common.Agreement):
     now = self.now.t
     if self._cross_since is None:
       self._cross_since = now
-    if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
+    if not reached(now - self._cross_since, self._cross_s):
       return None
     error = endings.crosswise((self._process, self._namespace), (peer, theirs[0]), self._yielded)
     yield core.Elsewhere(theirs[0], error.message, tuple(unstarted(self._process, 0, error)))
@@ -235,6 +239,17 @@ class Streamed(common.Agreement):
     self._idle = not out
     return out
 
+  def _until(self, left_s: float) -> float:
+    """A wait's length: to the core's next deadline (`left_s` from now, or the crosswise one).
+
+    A liveness period at most: the beats are looked at again then.
+    """
+    if self._cross_since is not None:
+      left_s = min(left_s, self._cross_since + self._cross_s - self.now.t)
+    wait_s = max(0.0, min(common.WAIT_SLICE_S, left_s))
+    self.timer = self.now.t + wait_s
+    return wait_s
+
   def _waited_s(self) -> float:
     now = self.now.t
     if self._waiting_since is None:
@@ -262,6 +277,11 @@ class Streamed(common.Agreement):
   def yielded(self) -> int:
     """Output batches decided so far (for messages)."""
     return self._yielded
+
+
+def reached(waited_s: float, limit_s: float) -> bool:
+  """Whether a wait of `waited_s` reached `limit_s` (a wait cut at its deadline ends there, but for rounding)."""
+  return waited_s >= limit_s - 1e-9
 
 
 def unstarted(
