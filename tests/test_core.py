@@ -207,6 +207,27 @@ def test_a_close_ends_the_peer_with_its_count(closer):
   assert len(c.yielded[other]) >= at  # What was decided before the close reached it.
 
 
+@pytest.mark.parametrize("closer", [0, 1])
+def test_a_close_in_two_steps_decides_no_more_then_posts_its_count_once(closer):
+  c = Cores(2, batches=20)
+  while len(c.yielded[closer]) < 2:
+    c.step(0)
+    c.step(1)
+  x = c.cores[closer]
+  x.asked(core.CLOSING)  # From another thread, at once: the count is not known yet.
+  assert x.close.awaited and x.ending() == []
+  c.step(closer)
+  assert c.ended[closer] == core.Ended(None)  # It decides no more.
+  got = len(c.yielded[closer])
+  x.asked(core.Closing(got))  # The consumer's call returned: its ending, with its count.
+  x.asked(core.Closing(got + 5))  # A later one changes nothing.
+  calls = x.ending()
+  assert not x.close.awaited and calls and x.ending() == []  # Posted once.
+  interpreter.best_effort(c.ex[closer], calls)
+  c.roundtrip()
+  assert f"process {closer} closed its iterator at batch {got}" in str(_error(c.ended[1 - closer]))
+
+
 @pytest.mark.parametrize("never", [0, 1])
 def test_a_stream_a_peer_never_started_ends_with_its_ending_posted_there(never):
   c = Cores(2, batches=5)
@@ -370,7 +391,8 @@ def test_a_wait_in_the_store_ends_at_the_cores_next_deadline_and_the_timeout_fir
   # Process 0 waits for process 1's rows, or process 1 for process 0's decision; the other never comes.
   limit = 10.0 if waiter == 0 else 10.0 + common.FOLLOWER_GRACE_S
   c.step(waiter)
-  assert c.cores[waiter].timer == pytest.approx(common.WAIT_SLICE_S)  # A liveness period: the beats.
+  # A liveness period: the beats are looked at again then.
+  assert c.cores[waiter].timer == pytest.approx(common.WAIT_SLICE_S)
   c.t = limit - 0.25
   c.step(waiter)
   assert c.cores[waiter].timer == pytest.approx(limit)  # Its deadline, not a liveness period later.

@@ -53,7 +53,7 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import decider, driver, endings, lockstep
+from grain_jax_sync._src.agreement import core, decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
 from grain_jax_sync._src.exchange import collective, key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
@@ -339,7 +339,7 @@ class Stream:
         prefetch_lib.close_producer(self._items)
       if self.agreement is None:
         return
-      self.agreement.release()
+      self.agreement.not_waiting()  # No longer a crosswise wait.
       if not ended:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
@@ -490,7 +490,7 @@ class Streams:
       self.stream = None
       self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
       if stream.agreement is not None:
-        stream.agreement.ask(driver.Closing(at, ending, stream.left))
+        stream.agreement.ask(core.Closing(at, ending, stream.left))
       stream.halt(ended=True)
       self.finished = self.finished + stream.times()
       # The figures of the batches built after the final decision too; posted
@@ -524,7 +524,7 @@ class Streams:
       if self.closing:
         return  # Asked already (a handler at every line of a close, say).
       self.closing = True
-    self.asks.put(driver.CLOSING if close else self.mark.position)
+    self.asks.put(core.CLOSING if close else self.mark.position)
     stream = self.stream
     if stream is not None:
       stream.heard(close)  # A wake: an old stream's is harmless, a new one drains anyway.

@@ -225,6 +225,53 @@ class Deliver(Action):
   run: Any
 
 
+class Closing(NamedTuple):
+  """This host's ending, asked (`streamed.Streamed.asked`): closed at `at_batch`, or `error`.
+
+  A close asks twice: `CLOSING` at once (the ending is on its way: decide no
+  more), then, once the consumer's call returned, the ending with its exact
+  count. `left`: this host leaves before the agreed end, so peers waiting
+  there are told too.
+  """
+
+  at_batch: int | None
+  error: messages.ReportedError | None = None
+  left: bool = False
+
+
+CLOSING = Closing(None)
+
+
+class Close:
+  """This host's close, asked in two steps (`Closing`), as the core decides it.
+
+  `CLOSING` (or the ending) taken: `asked`, decide no more; the ending with
+  its count, the first one taken, is posted once (`to_post`).
+  """
+
+  def __init__(self) -> None:
+    self.asked = False
+    self.ending: Closing | None = None
+    self._posted = False
+
+  def take(self, ask: Closing) -> None:
+    self.asked = True
+    if ask is not CLOSING and self.ending is None:
+      self.ending = ask
+
+  @property
+  def awaited(self) -> bool:
+    """Whether a close was asked and its ending (with its count) is still to come."""
+    return self.asked and self.ending is None
+
+  def to_post(self) -> Closing | None:
+    """The ending, once it came; None before and once handed out."""
+    if self.ending is None or self._posted:
+      return None
+    self._posted = True
+    return self.ending
+
+
 class Ended(Action):
   """The core's last output: the agreed end or stop (`error` None), or the error this host raises."""
 
@@ -241,10 +288,11 @@ class Side:
   """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
 
   `clock`: where the core reads the driver's last `Now` (None: it reads none).
+  `close`: once it was asked (`Close.asked`), `Ended` comes at once.
   """
 
-  def __init__(self, steps: Steps, clock: Any = None):
-    self._clock, self._steps = clock, steps
+  def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):
+    self._clock, self._steps, self._close = clock, steps, close
 
   def send(self, result: Any, now: Now | None = None) -> Any:
     """The next action, given the last one's `result` and `now`."""
@@ -257,6 +305,8 @@ class Side:
   def _on(self, step: Any, value: Any, now: Now | None) -> Any:
     if self._clock is not None:
       self._clock.now = now
+    if self._close is not None and self._close.asked:
+      return ENDED
     try:
       return step(value)
     except StopIteration:

@@ -80,16 +80,15 @@ class Streamed(common.Agreement):
     self._stop_posted = False
     self.reached_end = False  # The final decision ended the stream without an error.
     self.ended = False  # The exchange is ended (the final decision, or this host's own).
+    self.close = core.Close()  # This host's close, asked (`asked`).
     self._waiting_since: float | None = None
     self._cross_since: float | None = None  # Since when a peer waits crosswise.
     self._cross_s = min(CROSS_WAIT_S, timeout_s / 2)
-    # When the core next needs to run (aioquic's `get_timer`): each wait in
-    # the store ends there (`_until`), so a timeout fires at its deadline.
-    self.timer = float("inf")
+    self.timer = float("inf")  # When it next needs to run (aioquic's `get_timer`; `_until`).
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
-    main = core.Side(self._run(), self._own)
+    main = core.Side(self._run(), self._own, self.close)  # A close asked: it decides no more.
     self.send, self.throw = main.send, main.throw
 
   @property
@@ -102,6 +101,18 @@ class Streamed(common.Agreement):
 
   def _run(self) -> core.Steps:
     raise NotImplementedError
+
+  def asked(self, ask: int | core.Closing) -> None:
+    """An ask taken from the inbox: a stop after batch `ask`, or this host's close (`core.Close`)."""
+    if isinstance(ask, core.Closing):
+      self.close.take(ask)
+    else:
+      self.stop_asked(ask)
+
+  def ending(self) -> list[core.StoreCall]:
+    """The calls that post this host's ending asked for: none before it came, none twice."""
+    e = self.close.to_post()
+    return [] if e is None or e.at_batch is None else self.closing(e.at_batch, e.error, left=e.left)
 
   def closing(
     self, at_batch: int, error: messages.ReportedError | None, *, left: bool = False
@@ -257,14 +268,6 @@ class Streamed(common.Agreement):
     return now - self._waiting_since
 
   @property
-  def process(self) -> int:
-    return self._process
-
-  @property
-  def timeout_s(self) -> float:
-    return self._timeout_s
-
-  @property
   def threaded(self) -> bool:
     """Whether a build thread runs (its progress comes in `core.Now.done`)."""
     return self._own.held() is not None
@@ -272,11 +275,6 @@ class Streamed(common.Agreement):
   def stop_pending(self) -> bool:
     """Whether a stop was asked for here and not posted yet."""
     return self._stop_at is not None and not self._stop_posted
-
-  @property
-  def yielded(self) -> int:
-    """Output batches decided so far (for messages)."""
-    return self._yielded
 
 
 def reached(waited_s: float, limit_s: float) -> bool:
