@@ -55,6 +55,8 @@ from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
 from grain_jax_sync._src.agreement import core, decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
+from grain_jax_sync._src.agreement.interpreter import best_effort
+from grain_jax_sync._src.agreement.streamed import unstarted
 from grain_jax_sync._src.exchange import collective, key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
 from grain_jax_sync._src.sources import base as sources_base
@@ -654,6 +656,6 @@ def _post_unstarted(
   try:
     ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
     if isinstance(ex, key_value.KeyValueExchange):
-      driver.post_unstarted(ex, position, error)
+      best_effort(ex, unstarted(ex.process_index, position, error))
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

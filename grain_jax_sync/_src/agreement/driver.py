@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import liveness as liveness_lib
-from grain_jax_sync._src import messages, prefetch
+from grain_jax_sync._src import prefetch
 from grain_jax_sync._src.agreement import common, core, interpreter, streamed
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
@@ -114,7 +114,7 @@ class Driver(interpreter.World):
         del run
         continue
       try:
-        result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
+        result = interpreter.act(action, self._exchange, self)
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 
@@ -125,11 +125,11 @@ class Driver(interpreter.World):
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
 
-  def call(self, fn: Any, *args: Any) -> interpreter.Steps:
+  def call(self, fn: Any, *args: Any) -> core.Steps:
     yield from ()  # A real call blocks in the client.
     return fn(*args)
 
-  def take(self, want: int, wait_s: float) -> interpreter.Steps:
+  def take(self, want: int, wait_s: float) -> core.Steps:
     yield from ()  # A real wait blocks in the reading stage.
     thread = self._thread
     if thread is None:
@@ -142,7 +142,7 @@ class Driver(interpreter.World):
       self._asked -= 1
     return item
 
-  def wait_build(self, beyond: int) -> interpreter.Steps:
+  def wait_build(self, beyond: int) -> core.Steps:
     yield from ()  # A real wait blocks on the build stage.
     self._exchange.check()
     self._built.wait_done(beyond, common.WAIT_SLICE_S)
@@ -176,13 +176,7 @@ class Driver(interpreter.World):
   # -- what the session asks of the stream's agreement -------------------------------
 
   def ask(self, ask: int | core.Closing) -> None:
-    """Asks every host to stop after batch `ask`, or for this host's ending: one put, then a wake.
-
-    Any thread, a signal handler: no lock. The thread that runs the core takes
-    it at its next step (a wait for the reading thread is woken). Inline, a
-    stop is posted now if no call runs the core (`post_stop`); an ending is
-    posted by the ending thread (`post_ending`).
-    """
+    """A stop after batch `ask`, or this host's ending: one put, then a wake (`heard`); no lock."""
     self._asks.put(ask)
     self.heard(close=isinstance(ask, core.Closing))
 
@@ -261,7 +255,7 @@ class Stepper(interpreter.World):
         if action.error is not None:
           raise action.error
         return
-      result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
+      result = interpreter.act(action, self._exchange, self)
 
   def read_window(self, count: int) -> list[core.Read | core.End]:
     """Up to `count` reads, the last one the stream's `End` if reached."""
@@ -269,10 +263,3 @@ class Stepper(interpreter.World):
     while len(out) < count and not isinstance(out[-1], core.End):
       out.append(next(self._reader))
     return out
-
-
-def post_unstarted(
-  ex: key_value.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
-) -> None:
-  """Posts this host's ending (closed, or `error`) to stream `ex`, which it never started."""
-  interpreter.best_effort(ex, streamed.unstarted(ex.process_index, at_batch, error))

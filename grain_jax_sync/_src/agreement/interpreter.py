@@ -11,7 +11,7 @@ scheduler, to which a wait yields).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grain_jax_sync._src.agreement import core
@@ -20,8 +20,6 @@ if TYPE_CHECKING:
   from grain_jax_sync._src.exchange import key_value
 
 logger = logging.getLogger(__name__)
-
-Steps = Generator[Any, Any, Any]
 
 
 class World:
@@ -72,7 +70,7 @@ _PLAIN: dict[type, Callable[[Any, Any, Any], Any]] = {
 }
 
 
-def carry(action: Any, exchange: Any, world: Any) -> Steps:
+def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
 
   The exchange is a `KeyValueExchange`, or lockstep's (local or collective).
@@ -115,7 +113,13 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
       ex.end()
 
 
-def blocking(steps: Steps) -> Any:
+def act(action: Any, exchange: Any, world: Any) -> Any:
+  """`carry` on a real world (its waits block): the result; no generator for a plain action."""
+  plain = _PLAIN.get(type(action))
+  return plain(exchange, world, action) if plain else blocking(carry(action, exchange, world))
+
+
+def blocking(steps: core.Steps) -> Any:
   """The result of a real world's steps, which never yield (their waits block)."""
   try:
     steps.send(None)

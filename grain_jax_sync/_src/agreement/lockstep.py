@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
@@ -11,8 +10,6 @@ from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.messages import ErrorKind, Outcome
-
-logger = logging.getLogger(__name__)
 
 
 class Lockstep(common.Agreement):
@@ -64,19 +61,16 @@ class Lockstep(common.Agreement):
       self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
       self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
       if decision.steps:  # This host's read for each step (None past its end: a dummy).
-        yield core.Deliver(
-          common.Run(
-            tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps)),
-            self._signature,
-          )
-        )
-      reads = []  # The build thread's alone once handed on.
+        run = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
+        yield core.Deliver(common.Run(run, self._signature))
+      reads, run = [], ()  # The build thread's alone once handed on.
       if self._agreed_end(decision.end, decision.error, self._end):
         return  # The stream's end or an agreed stop; an agreed error raised.
 
   def _read(self, need: int) -> core.Steps:
     """Reads until this host holds `need` batches, or its end."""
-    for item in (yield core.ReadWindow(need - len(self._reads))):
+    count = need - len(self._reads)
+    for item in (yield _READ_ONE if count == 1 else core.ReadWindow(count)):
       if isinstance(item, core.End):
         self._end = item
       else:
@@ -107,6 +101,9 @@ class Lockstep(common.Agreement):
       if stops:
         return plan_lib.Plan((), Outcome.RAISE, stops[0])
     return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
+
+
+_READ_ONE = core.ReadWindow(1)  # The one action per batch alone: made once.
 
 
 def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
