@@ -23,14 +23,13 @@ from grain_jax_sync._src.exchange import key_value
 
 logger = logging.getLogger(__name__)
 
-# A beat costs one small store write per process per `BEAT_S`. A live process
-# misses `DEAD_AFTER_S` of beats only if its interpreter is frozen (SIGSTOP,
-# swapping), which a busy training loop is not (the beat thread runs whenever
-# the GIL is free). A killed process is named DEAD_AFTER_S after the first read
-# of its last beat, which lags its death by up to 2 * BEAT_S (the slice plus the
-# beat period), plus one decision hop: within docs/guarantees.md's promise, and
-# well before JAX's own heartbeat.
-BEAT_S = key_value.WAIT_SLICE_S  # The liveness period: one beat, one wait slice.
+# A beat costs one small store write per process per `BEAT_S` (`periods`); the
+# beat thread runs whenever the GIL is free, so a busy training loop beats. A
+# killed process is named DEAD_AFTER_S after the first read of its last beat,
+# which lags its death by up to 2 * BEAT_S (the slice plus the beat period),
+# plus one decision hop: within docs/guarantees.md's promise, and well before
+# JAX's own heartbeat.
+BEAT_S = key_value.WAIT_SLICE_S
 DEAD_AFTER_S = periods.DEAD_AFTER_S
 
 

@@ -335,7 +335,7 @@ def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> in
 
   `also` ends what the message expects, where the caller takes more (`checked_int_or_none`).
   """
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+  if not shapes_lib.is_int(value) or value < minimum:
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
   return int(value)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from grain_jax_sync._src import options as options_lib
+from grain_jax_sync._src import shapes as shapes_lib
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +299,7 @@ def _shape(arg: str, shape: Any) -> tuple[int, ...]:
   """`shape` as a tuple of Python ints >= 0 (NumPy's too), or an error naming `arg`."""
   if isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, (Sequence, np.ndarray)):
     raise TypeError(f"`{arg}` must be a sequence of ints (a shape), got {shape!r:.100}")
-  bad = [
-    d for d in shape if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer))
-  ]
-  if bad or any(d < 0 for d in shape):
+  if not all(map(shapes_lib.is_int, shape)) or any(d < 0 for d in shape):
     raise ValueError(f"`{arg}` must be ints >= 0, got {tuple(shape)!r:.100}")
   return tuple(int(d) for d in shape)
 

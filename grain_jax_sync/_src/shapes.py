@@ -45,7 +45,7 @@ class Shapes:
     }
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
   """An int, NumPy's too; not a bool."""
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -54,13 +54,13 @@ def _ints(value: Any) -> list[Any] | None:
   """The items of a list, tuple or 1-D array of ints; None for anything else (a dict, a set)."""
   if isinstance(value, np.ndarray):
     value = value.tolist() if value.ndim == 1 else None
-  if not isinstance(value, (list, tuple)) or not all(map(_is_int, value)):
+  if not isinstance(value, (list, tuple)) or not all(map(is_int, value)):
     return None
   return [int(x) for x in value]
 
 
 def _dims(column: str, value: Any) -> tuple[int, ...]:
-  out = [int(value)] if _is_int(value) else _ints(value)
+  out = [int(value)] if is_int(value) else _ints(value)
   if out is None or any(d < 1 for d in out):
     raise ValueError(
       f"`pad_shapes` for column {column!r}: dims must be ints >= 1 (dim 0 is"

@@ -48,10 +48,8 @@ from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_c
 
 logger = logging.getLogger(__name__)
 
-# The liveness period (`liveness.BEAT_S` is this value). A blocking store read
-# waits at most this long before the waiter checks for close(), its deadline
-# and the awaited peer's beat, which is read at most once a period: a shorter
-# slice would only add wakes.
+# A blocking store read waits at most this long before the waiter checks for
+# close(), its deadline and the awaited peer's beat (`periods`).
 WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 # Chunks and decisions are keyed in groups of this many and deleted a group at
 # a time: one store call instead of one per key.

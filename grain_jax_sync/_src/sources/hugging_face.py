@@ -1,19 +1,10 @@
-"""Hugging Face `datasets`: a `Dataset` or `IterableDataset` as a source, and `hf_pipeline`.
+"""Hugging Face `datasets`: a `Dataset` or `IterableDataset` of batches as a source, and `hf_pipeline`.
 
-A `Dataset` or `IterableDataset` passed as is holds batches: a `Dataset` is
-read by position in NumPy format (the state: the next index), an
-`IterableDataset` resumes through its own `state_dict()`. `hf_pipeline` reads
-this input shard's rows. Map-style: a contiguous range of the Arrow table
-(`tfds.shard_range`) in a seeded order per epoch, read as NumPy views of
-Arrow's buffers where the type allows (`arrow_columns`); the state is the
-epoch and the position in its order, so `map_fn` / `filter_fn` resume
-exactly; ``elastic=True`` hands the whole data set to `elastic_source`.
-Streaming: `split_dataset_by_node` and windows of rows in a seeded order; the
-state is where the window started (HF's `state_dict()`) and its rows consumed.
-
-`collate` pads variable-length columns to the batch's longest and adds a
-boolean ``"<column>_mask"``. `datasets` and `pyarrow` are imported only when
-this module reads one.
+`hf_pipeline` reads this input shard's rows: map-style, a contiguous range of
+the Arrow table read as NumPy views of Arrow's buffers (`arrow_columns`);
+streaming, `split_dataset_by_node` in windows of rows. `collate` pads
+variable-length columns and adds their masks. `datasets` and `pyarrow` are
+imported only when this module reads one.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources.elastic import split
-from grain_jax_sync._src.sources.elastic.source import ElasticSource, elastic_source
+from grain_jax_sync._src.sources.elastic.source import ElasticSource, elastic_source, sized
 
 _SCALE = 100  # Grain's mix scales the least weight to this integer proportion.
 
@@ -306,14 +306,7 @@ def _records(source: Any, i: int) -> Any:
         " records: the mixture's `transform` reads every source"
       )
     source = source.records
-  try:
-    size = len(source)
-  except TypeError as e:
-    raise ValueError(
-      f"`sources[{i}]` must be a grain.MapDataset or a random-access sequence, got"
-      f" {type(source).__name__} (no len())"
-    ) from e
-  if not size:
+  if not sized(f"sources[{i}]", source):
     raise ValueError(f"`sources[{i}]` is empty")
   return source
 

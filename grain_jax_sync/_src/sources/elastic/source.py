@@ -77,12 +77,17 @@ def elastic_source(
   seed = options_lib.checked_int("seed", seed, minimum=0)
   if transform is not None and not callable(transform):
     raise ValueError(f"`transform` must be callable or None, got {type(transform).__name__}")
-  try:
-    len(records)
-  except TypeError as e:
-    raise ValueError(
-      f"`records` must be a grain.MapDataset or a random-access sequence, got"
-      f" {type(records).__name__} (no len())"
-    ) from e
+  sized("records", records)
   shuffle = options_lib.checked_bool("shuffle", shuffle)
   return ElasticSource(records, transform, shuffle, seed, num_epochs)
+
+
+def sized(arg: str, records: Any) -> int:
+  """`len(records)`, or a ValueError naming `arg` if it has none."""
+  try:
+    return len(records)
+  except TypeError as e:
+    raise ValueError(
+      f"`{arg}` must be a grain.MapDataset or a random-access sequence, got"
+      f" {type(records).__name__} (no len())"
+    ) from e
