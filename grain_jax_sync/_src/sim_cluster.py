@@ -312,7 +312,8 @@ class _Host(interpreter.World):
     self.c.store.missed, ops = None, self.ex.ops
     result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
-    if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
+    # A wait ends at the core's next deadline (the action's `wait_s`).
+    if key is not None and (yield (key, self.clock.now + args[-1].wait_s)):
       ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
     # Each of the client's calls is a round trip (a delete of no whole group makes none).
