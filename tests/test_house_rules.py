@@ -238,7 +238,7 @@ def test_no_import_circle_among_the_package_modules():
 
 # The agreement's core: one host's protocol, with no thread, clock or store
 # (docs/internals.md, "The core and its drivers"). Its drivers are the I/O.
-CORE = ("core", "common", "streamed", "decider", "follower", "ledger", "endings")
+CORE = ("core", "common", "streamed", "decider", "follower", "ledger", "endings", "lockstep")
 NOT_IN_CORE = ("threading", "queue", "time", "asyncio", "socket")
 NOT_IN_CORE_MODULES = (
   "exchange",
