@@ -96,10 +96,14 @@ class Driver(interpreter.World):
     result: Any = None
     error: Exception | None = None
     while True:
+      # With an agreement thread, a stop asked during its last wait is the
+      # core's before it decides the next position. Inline, the consumer's
+      # call hands it over after (`post_stop` as the call ends).
+      closing = asks and self._thread is not None and self._take_asks()
       now = self.now()
       action = runner.send(result, now) if error is None else runner.throw(error, now)
       result = error = None
-      if asks and self._take_asks():
+      if closing or (asks and self._take_asks()):
         return
       kind = type(action)
       if kind is core.Ended:
