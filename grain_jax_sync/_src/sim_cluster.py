@@ -348,7 +348,7 @@ class _Host(interpreter.World):
     host = self.c.hosts[peer]  # One stream everywhere.
     if host.out.ending != "closed":
       return None
-    return key_value.close_note(_NS, peer, len(host.out.received))
+    return key_value.close_note(_NS, peer, host.out.batches)
 
   def reading_task(self) -> Task:
     item = None
@@ -430,7 +430,7 @@ class _Host(interpreter.World):
     return inline.popleft()
 
   def _stop_task(self) -> Task:
-    self.core.stop_asked(len(self.out.received))
+    self.core.stop_asked(self.out.batches)  # As `request_stop` does: the resume counts.
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
       yield from self.drive(self.core.side(self.core.stop_now()))
@@ -449,7 +449,7 @@ class _Host(interpreter.World):
     if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
       self.unacked[0].send(self.unacked[1], self.now())
     if post:
-      interpreter.best_effort(self.ex, self.core.closing(len(self.out.received), None))
+      interpreter.best_effort(self.ex, self.core.closing(self.out.batches, None))
 
 
 @dataclasses.dataclass(kw_only=True)
