@@ -41,6 +41,8 @@ class Driver(interpreter.World):
     built: The build stage (`build.Builder`): its progress and the consumer's pace.
     live: Tells dead peers from slow ones (default: their beats).
     asks: The inbox (default: its own): stops asked (positions) and `Closing`s.
+    beat: Inline, its thread posts a stop asked between calls (default: the
+      process's `liveness.Beat` of this client, if started; else the asker).
   """
 
   def __init__(
@@ -51,6 +53,7 @@ class Driver(interpreter.World):
     built: Any,
     live: liveness_lib.Liveness | None = None,
     asks: queue.SimpleQueue[int | core.Closing] | None = None,
+    beat: liveness_lib.Beat | None = None,
   ):
     self.core = agreement
     self._reader = reader
@@ -59,9 +62,10 @@ class Driver(interpreter.World):
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
+    self._beat = beat or liveness_lib.Beat.running(exchange.client, exchange.process_index)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
-    # it (`post_stop`).
+    # it by the beat's thread (`post_stop`).
     self.turn = threading.Lock()
     # The inbox: stops and this host's ending, asked from any thread or a
     # signal handler, one reentrant put each; the thread that runs the core
@@ -187,25 +191,31 @@ class Driver(interpreter.World):
   def heard(self, close: bool = False) -> None:
     """Something was put in the inbox: the thread that runs the core takes it now; no lock.
 
-    With a reading thread, its wait is woken; inline, a stop is posted now
-    unless a call runs the core (`post_stop`); an ending, by the call or the closer.
+    With a reading thread, its wait is woken; inline, the beat's thread is
+    handed `post_stop` (one put: the asker, a signal handler say, takes no
+    lock and calls no store); an ending, by the call or the closer.
     """
     if self._thread is not None:
       self._thread.nudge()
     elif not close:
-      self.post_stop()
+      if self._beat is None:
+        self.post_stop()
+      else:
+        self._beat.wake(self.post_stop)
 
   def post_stop(self, *, in_call: bool = False) -> None:
     """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
-    Never waits for the turn: a signal handler must not wait on a lock that
-    the code it interrupted may hold. `in_call`: the consumer's call ends here
-    (the core runs in this thread, so its own state is read too).
+    Run by the beat's thread (`heard`), or by the consumer's call as it ends
+    (`in_call`: the core runs in this thread, so its own state is read too).
+    Never waits for the turn, so it never holds up a beat for a call.
     """
     while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
       False
     ):
       try:
+        if self.core.ended:  # The inbox is the next stream's now.
+          return
         self._take_asks()
         for _ in self._drive(self.core.side(self.core.stop_now())):
           pass
