@@ -518,17 +518,6 @@ def test_a_killed_peer_holds_the_others_in_a_collective_step():
   assert 2.0 - 0.1 <= out[0].received[-1] <= 2.0 + 1e-9
 
 
-@pytest.mark.parametrize("n", [2, 8])
-def test_a_50_ms_store_keeps_the_pace_of_a_20_ms_step(n):
-  # Issue 58: a batch every 1.25 steps or less after batch 10 (the same figure at 1,024 hosts:
-  # `python -m benchmarks.sim_scale --pace`); the horizon grows from one position meanwhile.
-  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=2, store_s=0.05)
-  out = cluster.run([H(batches=120, step_s=0.02)] * n)
-  assert {(o.ending, o.batches) for o in out} == {("end", 120)}
-  r = out[0].received
-  assert (r[-1] - r[10]) / (len(r) - 11) <= 1.25 * 0.02
-
-
 def test_an_outcome_names_the_batch_its_checkpoint_would():
   out = _run(2, 2, [H(batches=5, resume=2)] * 2)
   assert {(o.ending, len(o.received), o.batches, o.resume) for o in out} == {("end", 5, 7, 2)}

@@ -167,8 +167,6 @@ class OwnReads:
   The horizon (`limit`) is time: the positions the consumer took in the last
   `decide_ahead_s` seconds (`core.Pace`), within `read_ahead_limit`, and at
   least 1, so that positions are decided as fast as the consumer takes them.
-  Reads run up to two horizons ahead (`_ahead`), so that a round in flight
-  leaves the next one a whole horizon.
 
   Args:
     lookahead: `synchronize_lookahead`.
@@ -209,32 +207,22 @@ class OwnReads:
     pace = (yield core.PACE) if self._paced else self._base
     self.limit = max(1, min(self._base, pace))
 
-  def _ahead(self) -> int:
-    """Positions this host holds at most between its reads and its built batches: two horizons.
-
-    A round's reads are posted and not decided yet while the build thread
-    works through the horizon decided before them: held to one horizon,
-    those in flight would leave each round a fraction of it. Only decisions
-    are held to the horizon (`allowance`); reads, to the byte bound too.
-    """
-    return min(self._base, 2 * self.limit)
-
   def _free(self) -> int:
     """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
-    return max(2, self._ahead() - (self.held() or 0)) - len(self.pending)
+    return max(2, self.limit - (self.held() or 0)) - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
 
     A decided position the build thread has not handed on takes a place, so
-    that a host holds at most `_ahead()` positions between its reads and its
+    that a host holds at most `limit` positions between its reads and its
     built batches. Once full, this host reads again when half the read-ahead
     is free: reads, posts and decisions come in runs, not one per batch.
     """
     if self.end is not None or self.stopped:
       return False
     free = self._free()
-    if self._refill and free * 2 < self._ahead():
+    if self._refill and free * 2 < self.limit:
       return False
     self._refill = free <= 0
     return not self._refill
