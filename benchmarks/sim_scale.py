@@ -4,6 +4,7 @@ Run from the repository root:
 
   python -m benchmarks.sim_scale --processes 1024,4096,16384
   python -m benchmarks.sim_scale --bounds     # the stop's latency at every step, 8 hosts
+  python -m benchmarks.sim_scale --pace --processes 1024   # a 50 ms store beside a 20 ms step
 
 Every host runs the library's real agreement core
 (`grain_jax_sync.testing.SimulatedCluster`: the real `KeyValueExchange` over
@@ -15,6 +16,12 @@ batches every host received, ``rounds`` (decisions process 0 posted),
 ``store_ops_per_round`` (every host's store calls per decision),
 ``decider_cpu_ms_per_round`` (process 0's core, its actions excluded) and
 ``wall_s`` (this machine's time for the whole run).
+
+With ``--pace``: every host has 120 batches and a 20 ms step, prefetch 2,
+and each store call's result comes 50 ms late (issue 58's store latency at
+scale). Prints host 0's seconds per batch in steps: after batch 10
+(``steps_per_batch``, the target is 1.25 or less), over batches 10 to 30
+(the horizon's ramp) and after batch 60.
 """
 
 from __future__ import annotations
@@ -73,6 +80,28 @@ def run(n: int) -> dict[str, float | int | list[int]]:
   }
 
 
+def pace(n: int, store_s: float = 0.05, step_s: float = 0.02) -> dict[str, float | int]:
+  """`n` hosts, 120 batches each, a `step_s` step beside a `store_s` store: host 0's pace."""
+  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=PREFETCH, store_s=store_s)
+  t0 = time.perf_counter()
+  out = cluster.run([testing.HostPlan(batches=120, step_s=step_s)] * n)
+  wall = time.perf_counter() - t0
+  r = out[0].received
+
+  def steps(first: int, last: int) -> float:
+    return round((r[last] - r[first]) / (last - first) / step_s, 3)
+
+  return {
+    "processes": n,
+    "store_s": store_s,
+    "step_s": step_s,
+    "steps_per_batch": steps(10, len(r) - 1),
+    "batches_10_30": steps(10, 30),
+    "after_60": steps(60, len(r) - 1),
+    "wall_s": round(wall, 1),
+  }
+
+
 def bounds(n: int = 8) -> None:
   """Prints, per prefetch and step, the worst stop latency over requests at batches 1 to 6."""
   print("| prefetch | step | worst latency (s) | bound (s) | worst / bound | runs |")
@@ -98,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--processes", default="64,1024", help="comma-separated host counts")
   parser.add_argument("--bounds", action="store_true", help="the stop's latency table instead")
+  parser.add_argument("--pace", action="store_true", help="a 50 ms store's pace instead")
   args = parser.parse_args(argv)
   if args.bounds:
     bounds()
     return 0
   for n in (int(x) for x in args.processes.split(",")):
-    print(json.dumps(run(n)), flush=True)
+    print(json.dumps(pace(n) if args.pace else run(n)), flush=True)
   return 0
 
 

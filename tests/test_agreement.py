@@ -45,7 +45,7 @@ from grain_jax_sync._src import (
   reader,
   sources,
 )
-from grain_jax_sync._src.agreement import common, decider, driver, endings, follower, ledger
+from grain_jax_sync._src.agreement import common, core, decider, driver, endings, follower, ledger
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.memory_store import MemoryStore
 
@@ -119,7 +119,7 @@ def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
     out[p] = ("stop", record, None)
   except _Closed:
     runs.close()
-    stage.ask(driver.Closing(yielded))
+    stage.ask(core.Closing(yielded))
     stage.post_ending()
     out[p] = ("closed", record, None)
   except BaseException as e:  # noqa: BLE001 - compared by the test.
@@ -720,9 +720,9 @@ def test_a_close_on_its_way_decides_no_more_and_its_ending_carries_the_count_ask
   runs, got = iter(stage), 0
   while got < 3:
     got += _yields(next(runs))
-  stage.ask(driver.CLOSING)  # A close from another thread: the count is not known yet.
+  stage.ask(core.CLOSING)  # A close from another thread: the count is not known yet.
   assert list(runs) == []  # Nothing more is decided here.
-  stage.ask(driver.Closing(got))  # The call returned: the ending, with its count.
+  stage.ask(core.Closing(got))  # The call returned: the ending, with its count.
   stage.post_ending()
   thread.join(30)
   message, received = out[0]
@@ -745,7 +745,7 @@ def test_an_ending_asked_while_a_decision_is_posted_goes_after_it_not_over_it():
     real(seq, payload, final=final)
     posted.append((seq, messages.Decision.from_json(payload), final))
     if seq == 2 and not final:
-      stage.ask(driver.Closing(got[0]))  # From another thread, as the post returns.
+      stage.ask(core.Closing(got[0]))  # From another thread, as the post returns.
 
   ex.post_decision = post_decision
   for run in stage:
@@ -780,7 +780,7 @@ def test_an_ending_asked_as_any_store_call_returns_reaches_the_peer(closer, at_c
     finally:
       calls[0] += 1
       if calls[0] == at_call:
-        stage.ask(driver.Closing(got[0]))  # From another thread, as this call returns.
+        stage.ask(core.Closing(got[0]))  # From another thread, as this call returns.
 
   ex._call = call
   for run in stage:

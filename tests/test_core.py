@@ -6,7 +6,8 @@ library's one `interpreter.carry`, each with a `Hand` world whose time
 is the test's. A host steps until a wait in the store finds nothing (then the
 next host steps), until it delivers its runs and ends. Every ending the core
 decides has its test here: the agreed end and the wait at it, a close, a
-stream a peer never started, and two processes waiting crosswise.
+stream a peer never started, two processes waiting crosswise, and the
+lockstep core's stop, end and error (`Lockstepped`: the test all-gathers).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import numpy as np
 import pytest
 
 from grain_jax_sync._src import messages, plan, reader, sources
-from grain_jax_sync._src.agreement import common, core, decider, endings, interpreter, streamed
+from grain_jax_sync._src.agreement import (
+  common,
+  core,
+  decider,
+  endings,
+  interpreter,
+  lockstep,
+  streamed,
+)
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.memory_store import MemoryStore
 
@@ -102,9 +111,7 @@ class Cores:
       if type(action) is core.Ended:
         self.ended[p] = action
       elif type(action) is core.Deliver:
-        for read, s in action.run.steps:
-          if s.action == messages.Action.YIELD:
-            self.yielded[p].append(None if read is None else int(read.batch.leaves[0][0]))
+        self.yielded[p] += _values(action.run)
         return
       else:
         self.results[p] = interpreter.blocking(interpreter.carry(action, self.ex[p], self.world[p]))
@@ -128,6 +135,15 @@ class Cores:
     """Host p's ending, asked: its closing calls carried out as the driver does."""
     interpreter.best_effort(self.ex[p], self.cores[p].closing(at_batch, None, left=left))
     self.ended[p] = core.Ended(None)
+
+
+def _values(run: common.Run) -> list[int | None]:
+  """The first value of each batch a run yields (None: a dummy)."""
+  return [
+    None if read is None else int(read.batch.leaves[0][0])
+    for read, s in run.steps
+    if s.action == messages.Action.YIELD
+  ]
 
 
 def _error(ended: core.Ended | None) -> BaseException:
@@ -191,6 +207,27 @@ def test_a_close_ends_the_peer_with_its_count(closer):
   assert len(c.yielded[other]) >= at  # What was decided before the close reached it.
 
 
+@pytest.mark.parametrize("closer", [0, 1])
+def test_a_close_in_two_steps_decides_no_more_then_posts_its_count_once(closer):
+  c = Cores(2, batches=20)
+  while len(c.yielded[closer]) < 2:
+    c.step(0)
+    c.step(1)
+  x = c.cores[closer]
+  x.asked(core.CLOSING)  # From another thread, at once: the count is not known yet.
+  assert x.close.awaited and x.ending() == []
+  c.step(closer)
+  assert c.ended[closer] == core.Ended(None)  # It decides no more.
+  got = len(c.yielded[closer])
+  x.asked(core.Closing(got))  # The consumer's call returned: its ending, with its count.
+  x.asked(core.Closing(got + 5))  # A later one changes nothing.
+  calls = x.ending()
+  assert not x.close.awaited and calls and x.ending() == []  # Posted once.
+  interpreter.best_effort(c.ex[closer], calls)
+  c.roundtrip()
+  assert f"process {closer} closed its iterator at batch {got}" in str(_error(c.ended[1 - closer]))
+
+
 @pytest.mark.parametrize("never", [0, 1])
 def test_a_stream_a_peer_never_started_ends_with_its_ending_posted_there(never):
   c = Cores(2, batches=5)
@@ -233,3 +270,137 @@ def test_a_dead_peer_is_named_once_its_beat_stopped():
   c.step(0)
   error = _error(c.ended[0])
   assert isinstance(error, endings.PeerLostError) and error.missing == (1,)
+
+
+def _rows(p: int, batches: int, fail: bool = False):
+  for b in range(batches):
+    yield {"x": np.full(4, 100 * p + b, np.int32)}
+  if fail:
+    raise ValueError(f"bad row on process {p}")
+
+
+class Lockstepped(interpreter.World):
+  """N lockstep cores stepped by hand: reads through `interpreter.carry`, the window's exchange by the test."""
+
+  def __init__(self, batches: list[int], window: int = 1, fail: int | None = None):
+    n = len(batches)
+    self.reads = [
+      reader.Reader(sources.open_source(_rows(p, b, p == fail)), process_index=p, check_int32=False)
+      for p, b in enumerate(batches)
+    ]
+    self.cores = [
+      lockstep.Lockstep(
+        RULES,
+        common.Identity(process=p, devices=1, config={"c": 1}, resume=0),
+        process_count=n,
+        window=window,
+        position=0,
+      )
+      for p in range(n)
+    ]
+    self.results: list = [None] * n
+    self.texts: dict[int, str] = {}  # The window's reports, as each host hands its own in.
+    self.actions: list[list[type]] = [[] for _ in range(n)]
+    self.yielded: list[list[int | None]] = [[] for _ in range(n)]
+    self.ended: list[core.Ended | None] = [None] * n
+    self._p = 0
+
+  def read_window(self, count: int) -> list:
+    out = []
+    while len(out) < count and not (out and isinstance(out[-1], core.End)):
+      out.append(next(self.reads[self._p]))
+    return out
+
+  def step(self, p: int) -> None:
+    """Host p acts until it delivers a run, hands its report in for the window's exchange, or ends."""
+    self._p = p
+    while self.ended[p] is None and p not in self.texts:
+      action = self.cores[p].send(self.results[p])
+      self.results[p] = None
+      self.actions[p].append(type(action))
+      if type(action) is core.Ended:
+        self.ended[p] = action
+      elif type(action) is core.AllGather:
+        self.texts[p] = action.text
+      elif type(action) is core.Deliver:
+        self.yielded[p] += _values(action.run)
+        return
+      else:
+        self.results[p] = interpreter.blocking(interpreter.carry(action, None, self))
+
+  def window(self) -> None:
+    """Every host steps; once all handed their report in, the exchange answers each."""
+    for p in range(len(self.cores)):
+      self.step(p)
+    if len(self.texts) == len(self.cores):  # The collective holds every host until then.
+      for p in self.texts:
+        self.results[p] = [self.texts[q] for q in sorted(self.texts)]
+      self.texts = {}
+
+  def run(self, windows: int = 100) -> None:
+    for _ in range(windows):
+      if all(e is not None for e in self.ended):
+        return
+      self.window()
+
+
+def test_lockstep_alone_stops_before_its_next_window_with_one_read_per_window():
+  c = Lockstepped([10])
+  c.window()
+  c.window()
+  assert c.yielded == [[0, 1]]
+  # One process: a read and a run per window, no exchange.
+  assert c.actions[0] == [core.ReadWindow, core.Deliver] * 2
+  c.cores[0].stop_asked(2)
+  c.window()
+  assert c.ended == [core.Ended(None)] and c.yielded == [[0, 1]]
+  assert c.cores[0].stop_requested_by == 0
+
+
+def test_lockstep_alone_ends_at_the_end_of_its_source():
+  c = Lockstepped([3])
+  c.run()
+  assert c.ended == [core.Ended(None)] and c.yielded == [[0, 1, 2]]
+  assert c.cores[0].stop_requested_by is None
+
+
+@pytest.mark.parametrize("asker", [0, 1])
+def test_lockstep_cores_stop_together_before_the_window_after_the_ask(asker):
+  c = Lockstepped([20, 20], window=2)
+  c.window()  # The first window's reports exchanged,
+  c.window()  # and delivered: each host's next step starts the second window.
+  assert c.yielded == [[0, 1], [100, 101]]
+  c.cores[asker].stop_asked(2)
+  c.run()
+  assert c.ended == [core.Ended(None)] * 2
+  assert c.yielded == [[0, 1], [100, 101]]
+  assert [x.stop_requested_by for x in c.cores] == [asker, asker]
+
+
+def test_lockstep_cores_raise_one_hosts_source_error_on_every_host():
+  c = Lockstepped([10, 3], window=2, fail=1)
+  c.run()
+  errors = [_error(e) for e in c.ended]
+  assert all("bad row on process 1" in str(e) for e in errors), errors
+  assert c.yielded == [[0, 1, 2], [100, 101, 102]]  # Every batch before the error, on both.
+
+
+@pytest.mark.parametrize("waiter", [0, 1])
+def test_a_wait_in_the_store_ends_at_the_cores_next_deadline_and_the_timeout_fires_there(waiter):
+  c = Cores(2, batches=5, timeout_s=10.0)
+  # Process 0 waits for process 1's rows, or process 1 for process 0's decision; the other never comes.
+  limit = 10.0 if waiter == 0 else 10.0 + common.FOLLOWER_GRACE_S
+  c.step(waiter)
+  # A liveness period: the beats are looked at again then.
+  assert c.cores[waiter].timer == pytest.approx(common.WAIT_SLICE_S)
+  c.t = limit - 0.25
+  c.step(waiter)
+  assert c.cores[waiter].timer == pytest.approx(limit)  # Its deadline, not a liveness period later.
+  c.t = c.cores[waiter].timer  # The driver waits until then, and no longer.
+  c.step(waiter)
+  if waiter == 1:  # It gave up: its timed-out ending posted, it waits a grace more for process 0.
+    assert c.cores[1].timer == pytest.approx(limit + common.WAIT_SLICE_S)
+    c.t = limit + common.FOLLOWER_GRACE_S
+    c.step(1)
+  error = _error(c.ended[waiter])
+  assert isinstance(error, endings.PeerTimeoutError), error

@@ -67,6 +67,26 @@ def test_the_beat_goes_on_until_stopped():
   assert store.key_value_dir_get(key_value.beat_key(0)) == []  # And its key is gone.
 
 
+def test_the_beat_runs_what_it_is_handed_in_its_thread_and_keeps_its_period():
+  # What a signal handler hands it (`wake`, one put) runs in the beat's thread;
+  # wakes, even one that raises, put off no beat.
+  store, ran, handed = MemoryStore(), [], 0
+  beat = liveness.Beat(store, 2)
+  try:
+    beat.wake(lambda: 1 / 0)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.5 * liveness.BEAT_S:
+      beat.wake(lambda: ran.append(threading.current_thread().name))
+      handed += 1
+      time.sleep(liveness.BEAT_S / 20)
+    _until(lambda: len(ran) == handed or None, "a wake did not run")
+    count = int(store.key_value_try_get(key_value.beat_key(2)).partition("/")[0])
+  finally:
+    beat.stop()
+  assert set(ran) == {"gjs-beat-2"}
+  assert count >= 2, count  # Beats 1 to 3 are due by 3.5 periods.
+
+
 def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool]]:
   ex = key_value.KeyValueExchange(store, "t", process_index=0, process_count=2)
   live = liveness.Liveness(ex, dead_after_s=dead_after_s)

@@ -21,7 +21,7 @@ import pytest
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
 from grain_jax_sync._src import session
-from grain_jax_sync._src.agreement import driver
+from grain_jax_sync._src.agreement import core, driver
 from grain_jax_sync._src.exchange import key_value
 
 TIMEOUT = 180
@@ -112,7 +112,7 @@ def stage_threads(prefetch: int) -> dict[str, Any]:
     asks.append((threading.current_thread().name, names[names.index("close") :], at))
 
   def asked(self: Any, ask: Any) -> None:
-    if isinstance(ask, driver.Closing):
+    if isinstance(ask, core.Closing):
       record(ask.at_batch)
     real_ask(self, ask)
 

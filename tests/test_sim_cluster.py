@@ -525,6 +525,17 @@ def test_an_outcome_names_the_batch_its_checkpoint_would():
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_close_after_a_resume_is_posted_at_the_batch_its_checkpoint_names(prefetch):
+  # As the real job's close: its count is the resume position plus the batches received.
+  plans = [H(batches=40, resume=3)] * 3 + [H(batches=40, resume=3, close_at=2)]
+  out = _run(4, prefetch, plans)
+  assert (out[3].ending, len(out[3].received), out[3].batches) == ("closed", 2, 5)
+  for o in out[:3]:
+    assert o.ending == "RuntimeError", o
+    assert "process 3 closed its iterator at batch 5" in o.message
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_stop_before_the_first_batch_ends_every_host_at_batch_0_or_just_after(prefetch):
   plans = [H(batches=40), H(batches=40, stop=(0, 0.0))]
   out = _run(2, prefetch, plans, collective=True)

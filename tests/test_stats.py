@@ -223,6 +223,37 @@ def test_delivered_counts_padding_and_dummies():
   }
 
 
+@pytest.mark.parametrize("step_s", [0.005, 0.02, 0.3, 0.5, 2.0])
+def test_pace_never_counts_more_than_a_steady_consumer_takes_in_the_window(step_s):
+  # The first window is extrapolated from the intervals seen so far; a
+  # steady consumer is never counted faster than it is, at any instant.
+  pace = stats.Pace(1.0, fill=2)
+  for t in (0.0, 0.0):  # The queue's fill, at once.
+    pace.done(t)
+  for k in range(int(3.0 / step_s)):
+    t = 0.1 + k * step_s
+    pace.done(t)
+    for now in (t, t + step_s / 2):
+      assert pace.count(now) <= 1.0 / step_s + 1, (k, now)
+  assert pace.count(t) == pytest.approx(1.0 / step_s, abs=1)  # The window is full.
+
+
+def test_pace_grows_with_a_starved_consumer_before_the_window_fills():
+  # Positions come in rounds of 0.1 s, each as large as the count says (a
+  # horizon that follows the pace). The plain count of the window's
+  # positions would double a round (16 after 5); extrapolated, it grows about
+  # threefold, and never counts more than twice the positions done.
+  pace, now, counts, done = stats.Pace(1.0, fill=0), 0.0, [], []
+  for _ in range(5):
+    now += 0.1
+    for i in range(max(1, pace.count(now))):
+      pace.done(now + i * 1e-4)  # A round's positions, as the build hands them on.
+    done.append(done[-1] + i + 1 if done else i + 1)
+    counts.append(pace.count(now + 0.01))
+  assert counts[-1] >= 50
+  assert all(c <= 2 * d for c, d in zip(counts, done, strict=True))
+
+
 # stats(all_hosts=True): process p reads STRAGGLER_BATCHES + p full batches and
 # a short one of 5 rows; the slowed host sleeps before each of its batches.
 STRAGGLER_BATCHES = 24

@@ -25,6 +25,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from grain_jax_sync._src import liveness, plan
+from grain_jax_sync._src.agreement import common, decider, driver
+from grain_jax_sync._src.exchange import key_value
+from grain_jax_sync._src.memory_store import MemoryStore
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timed_endings import (  # noqa: E402 - the repository root, from any directory.
   LENGTH,
@@ -112,6 +117,70 @@ def test_a_second_threads_next_during_a_next_raises_at_once():
   assert int(np.asarray(first[0]["x"])[0]) == 1
   assert int(np.asarray(next(it)["x"])[0]) == 2
   it.close()
+
+
+class _Witness(MemoryStore):
+  """The store; records the thread of each call, and the key of each write."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.calls: list[tuple[str, str, str]] = []  # (thread, method, key)
+
+  def __getattribute__(self, name: str) -> Any:
+    attr = super().__getattribute__(name)
+    if not name.startswith(("key_value", "blocking")):
+      return attr
+
+    def call(key: str, *args: Any) -> Any:
+      self.calls.append((threading.current_thread().name, name, key))
+      return attr(key, *args)
+
+    return call
+
+
+class _Turn:
+  """A lock that records the thread of each acquire."""
+
+  def __init__(self) -> None:
+    self._lock, self.by = threading.Lock(), []
+
+  def acquire(self, blocking: bool = True) -> bool:
+    self.by.append(threading.current_thread().name)
+    return self._lock.acquire(blocking)
+
+  def release(self) -> None:
+    self._lock.release()
+
+
+def test_inline_a_stop_asked_from_a_handler_takes_no_lock_and_calls_no_store_in_the_handler():
+  # Inline, `request_stop()` between two calls reaches `Driver.ask` (a put,
+  # then `heard`) in the asking frame, a signal handler's say. Process 1 (a
+  # follower) posts its stop as a report, from the beat's thread.
+  store, me = _Witness(), threading.current_thread().name
+  ex = key_value.KeyValueExchange(store, "gjs/handler", process_index=1, process_count=2)
+  who = common.Identity(process=1, devices=1, config={"batch_size": 8}, resume=0)
+  rules = plan.Rules(batch_size=8, drop_last=False, pad=True)
+  settings = {"lookahead": None, "timeout_s": 60.0, "position": 0}
+  core = decider.core_for(
+    rules, who, threaded=False, namespace=ex.namespace, process_count=2, **settings
+  )
+  beat = liveness.Beat(store, 1)
+  drv = driver.Driver(core, iter(()), ex, None, beat=beat)
+  drv.turn = _Turn()  # type: ignore[assignment]
+  try:
+    store.calls.clear()  # The first beat's write.
+    drv.ask(3)  # The handler.
+    assert [c for c in store.calls if c[0] == me] == [] and me not in drv.turn.by
+    deadline = time.monotonic() + 10
+    while core.stop_pending() or not any(c[2].startswith("gjs/handler/") for c in store.calls):
+      assert time.monotonic() < deadline, "the stop was not posted"
+      time.sleep(0.01)
+  finally:
+    beat.stop()
+  posts = [c for c in store.calls if c[2].startswith("gjs/handler/")]
+  assert {(t, m) for t, m, _ in posts} == {("gjs-beat-1", "key_value_set")}, posts
+  assert drv.turn.by == ["gjs-beat-1"]
+  assert "stopped" in store.key_value_try_get(posts[0][2])
 
 
 # -- what needs a real process: a signal handler, a watchdog thread --------------------

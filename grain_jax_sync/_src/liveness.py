@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grain_jax_sync._src import periods
@@ -39,7 +40,9 @@ class Beat:
   One per (client, process), not per iterator: `Beat.ensure` starts it on
   first use and it lives until interpreter exit (named ``gjs-beat-{p}``, not
   ``grain_jax_sync-*``, so that per-iterator thread checks do not count it).
-  The key is deleted by `stop()`, which runs at interpreter exit.
+  The key is deleted by `stop()`, which runs at interpreter exit. Its
+  thread also runs what `wake` hands it, between beats: the one ordinary
+  thread a signal handler can hand work to with a put.
   """
 
   _lock = threading.Lock()
@@ -48,7 +51,8 @@ class Beat:
   def __init__(self, client: Any, process: int):
     self._client = client
     self._process = process
-    self._stop = threading.Event()
+    # Work to run in the beat's thread (`wake`), or None: stop.
+    self._wakes: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
     # The first beat is written here, in the caller's thread, before any
     # iterator of this process exists: a process killed right after building
     # its iterator (before the thread's first write) would otherwise never
@@ -67,20 +71,40 @@ class Beat:
           atexit.register(cls.stop_all)
       return beat
 
+  @classmethod
+  def running(cls, client: Any, process: int) -> Beat | None:
+    """The beat `ensure` started, or None (a dict read: no lock)."""
+    return cls._running.get((id(client), process))
+
   def _beat(self, n: int) -> None:
     try:
       key_value.put_beat(self._client, self._process, key_value.beat_text(n))
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
+  def wake(self, work: Callable[[], None]) -> None:
+    """Has `work` run in the beat's thread now: one reentrant put (a signal handler may call it)."""
+    self._wakes.put(work)
+
   def _run(self) -> None:
-    for n in itertools.count(1):
-      if self._stop.wait(BEAT_S):
+    n, due = 0, time.monotonic() + BEAT_S
+    while True:
+      try:
+        work = self._wakes.get(timeout=max(0.0, due - time.monotonic()))
+      except queue.Empty:  # The next beat is due: a wake does not put it off.
+        n += 1
+        self._beat(n)
+        due = time.monotonic() + BEAT_S
+        continue
+      if work is None:
         return
-      self._beat(n)
+      try:
+        work()
+      except Exception as e:  # noqa: BLE001 - the beat goes on.
+        logger.warning("grain_jax_sync: %s", e)
 
   def stop(self) -> None:
-    self._stop.set()
+    self._wakes.put(None)
     self._thread.join(timeout=2 * BEAT_S)
     with contextlib.suppress(Exception):  # Best effort at exit.
       key_value.delete_beat(self._client, self._process)

@@ -53,8 +53,10 @@ from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
 from grain_jax_sync._src import prefetch as prefetch_lib
 from grain_jax_sync._src import stats as stats_lib
-from grain_jax_sync._src.agreement import decider, driver, endings, lockstep
+from grain_jax_sync._src.agreement import core, decider, driver, endings, lockstep
 from grain_jax_sync._src.agreement.common import Agreement, Identity, Run
+from grain_jax_sync._src.agreement.interpreter import best_effort
+from grain_jax_sync._src.agreement.streamed import unstarted
 from grain_jax_sync._src.exchange import collective, key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
 from grain_jax_sync._src.sources import base as sources_base
@@ -160,12 +162,12 @@ class Stream:
     who = _identity(start, ex.process_index, shares=self._shares(start))
     rules = options.rules(batch_size=start.mark.batch_size)
     if not isinstance(ex, key_value.KeyValueExchange):
-      # Lockstep. One process, or each process alone: one read per batch
-      # (lazy); the collective fallback runs in the caller's thread only.
+      # Lockstep: one process, or each alone; the collective fallback in the caller's thread.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
-      self.stopper = stepper = lockstep.Lockstep(
-        read, ex, rules, who, window=window, position=self.position, asks=start.asks
+      self.stopper = lockstep.Lockstep(
+        rules, who, process_count=ex.process_count, window=window, position=self.position
       )
+      stepper = driver.Stepper(self.stopper, read, ex, start.asks)
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
@@ -339,7 +341,7 @@ class Stream:
         prefetch_lib.close_producer(self._items)
       if self.agreement is None:
         return
-      self.agreement.release()
+      self.agreement.not_waiting()  # No longer a crosswise wait.
       if not ended:
         return
       blocked = [s for s in self._threads if not isinstance(s, prefetch_lib.OnDemand)]
@@ -493,7 +495,7 @@ class Streams:
       self.stream = None
       self._reading = stream.reading  # Not the stream: its ending may hold this iterator.
       if stream.agreement is not None:
-        stream.agreement.ask(driver.Closing(at, ending, stream.left))
+        stream.agreement.ask(core.Closing(at, ending, stream.left))
       stream.halt(ended=True)
       self.finished = self.finished + stream.times()
       # The figures of the batches built after the final decision too; posted
@@ -527,7 +529,7 @@ class Streams:
       if self.closing:
         return  # Asked already (a handler at every line of a close, say).
       self.closing = True
-    self.asks.put(driver.CLOSING if close else self.mark.position)
+    self.asks.put(core.CLOSING if close else self.mark.position)
     stream = self.stream
     if stream is not None:
       stream.heard(close)  # A wake: an old stream's is harmless, a new one drains anyway.
@@ -657,6 +659,6 @@ def _post_unstarted(
   try:
     ex = exchange_lib.make_exchange(synchronize=options.synchronize_batches, namespace=namespace)
     if isinstance(ex, key_value.KeyValueExchange):
-      driver.post_unstarted(ex, position, error)
+      best_effort(ex, unstarted(ex.process_index, position, error))
   except Exception as e:  # noqa: BLE001 - best effort: close never raises (also at exit).
     logger.warning("grain_jax_sync: could not post this host's end: %s", e)

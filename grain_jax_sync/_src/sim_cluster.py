@@ -312,7 +312,8 @@ class _Host(interpreter.World):
     self.c.store.missed, ops = None, self.ex.ops
     result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
-    if key is not None and (yield (key, self.clock.now + common.WAIT_SLICE_S)):
+    # A wait ends at the core's next deadline (the action's `wait_s`).
+    if key is not None and (yield (key, self.clock.now + args[-1].wait_s)):
       ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
     # Each of the client's calls is a round trip (a delete of no whole group makes none).
@@ -347,7 +348,7 @@ class _Host(interpreter.World):
     host = self.c.hosts[peer]  # One stream everywhere.
     if host.out.ending != "closed":
       return None
-    return key_value.close_note(_NS, peer, len(host.out.received))
+    return key_value.close_note(_NS, peer, host.out.batches)
 
   def reading_task(self) -> Task:
     item = None
@@ -429,7 +430,7 @@ class _Host(interpreter.World):
     return inline.popleft()
 
   def _stop_task(self) -> Task:
-    self.core.stop_asked(len(self.out.received))
+    self.core.stop_asked(self.out.batches)  # As `request_stop` does: the resume counts.
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
     if not self.threaded and not self.busy and self.core.stop_pending():
       yield from self.drive(self.core.side(self.core.stop_now()))
@@ -448,7 +449,7 @@ class _Host(interpreter.World):
     if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
       self.unacked[0].send(self.unacked[1], self.now())
     if post:
-      interpreter.best_effort(self.ex, self.core.closing(len(self.out.received), None))
+      interpreter.best_effort(self.ex, self.core.closing(self.out.batches, None))
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -112,18 +112,28 @@ class Pace:
 
   The first `fill` positions fill the prefetch queue in a burst, before the
   consumer takes any: they tell nothing of its pace and are not counted.
+  Until a window has passed since the first position counted, the window is
+  not full: the count is then the rate of the later half of the positions
+  counted (their intervals until now, so never more than a steady consumer
+  takes), over the whole window, and at most twice the positions counted (a
+  burst as the queue refills tells little of a rate). So a horizon that
+  starts at one position grows about threefold per round of decisions, where
+  the plain count would double.
   """
 
   def __init__(self, window_s: float, fill: int):
     self._window_s = window_s
     self._fill = fill
     self._times: collections.deque[float] = collections.deque()
+    self._first: float | None = None  # When the first position counted was done.
 
   def done(self, now: float) -> None:
     """One more position handed on (or dropped) at `now`."""
     if self._fill > 0:
       self._fill -= 1
       return
+    if self._first is None:
+      self._first = now
     self._times.append(now)
     self.count(now)
 
@@ -133,4 +143,13 @@ class Pace:
     times, since = self._times, now - self._window_s
     while times and times[0] <= since:
       times.popleft()
-    return len(times)
+    n = len(times)
+    if self._first is None or self._first <= since or now <= self._first:
+      return n
+    # The later half of the positions counted: the intervals after the middle one, until now
+    # (never more than a steady consumer's rate), over the window.
+    middle = n // 2
+    if now <= times[middle]:  # A burst: no interval to measure.
+      return n
+    rate = (n - 1 - middle) * self._window_s / (now - times[middle])
+    return max(n, min(2 * n, int(rate)))

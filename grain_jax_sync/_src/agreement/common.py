@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +11,6 @@ from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import core, endings
-
-logger = logging.getLogger(__name__)
 
 # The read-ahead in bytes: a host holds at most this much of read batches
 # that its build thread has not handed on (at least a batch or two), so that

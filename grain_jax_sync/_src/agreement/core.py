@@ -123,16 +123,20 @@ class ReadChunks(StoreCall):
   """Every peer's new chunks, ``[(process, text)]``."""
 
 
-class WaitChunk(StoreCall):  # A liveness period at most: what came, as `ReadChunks`.
+class WaitChunk(
+  StoreCall
+):  # Up to `wait_s` (the core's next deadline): what came, as `ReadChunks`.
   peer: int
+  wait_s: float
 
 
 class TryDecision(StoreCall):  # Its text, or None.
   seq: int
 
 
-class WaitDecision(StoreCall):  # A liveness period at most: its text, or None.
+class WaitDecision(StoreCall):  # Up to `wait_s` (the core's next deadline): its text, or None.
   seq: int
+  wait_s: float
 
 
 class EndExchange(StoreCall):
@@ -148,7 +152,9 @@ class PostReachedEnd(StoreCall):
 
 
 class WaitAllReachedEnd(StoreCall):
-  """A liveness period at most: whether every host reached the agreed end."""
+  """Up to `wait_s` (the core's next deadline): whether every host reached the agreed end."""
+
+  wait_s: float
 
 
 class EndNotes(StoreCall):
@@ -200,10 +206,70 @@ class Pace(Action):
 PACE = Pace()
 
 
+class ReadWindow(Action):
+  """This host's next reads (lockstep): up to `count`, the last one an `End` if reached."""
+
+  count: int
+
+
+class AllGather(Action):
+  """Every process's `text` for window `seq`, in process order (lockstep's exchange)."""
+
+  seq: int
+  text: str
+
+
 class Deliver(Action):
   """A decided run (`common.Run`), for the build stage."""
 
   run: Any
+
+
+class Closing(NamedTuple):
+  """This host's ending, asked (`streamed.Streamed.asked`): closed at `at_batch`, or `error`.
+
+  A close asks twice: `CLOSING` at once (the ending is on its way: decide no
+  more), then, once the consumer's call returned, the ending with its exact
+  count. `left`: this host leaves before the agreed end, so peers waiting
+  there are told too.
+  """
+
+  at_batch: int | None
+  error: messages.ReportedError | None = None
+  left: bool = False
+
+
+CLOSING = Closing(None)
+
+
+class Close:
+  """This host's close, asked in two steps (`Closing`), as the core decides it.
+
+  `CLOSING` (or the ending) taken: `asked`, decide no more; the ending with
+  its count, the first one taken, is posted once (`to_post`).
+  """
+
+  def __init__(self) -> None:
+    self.asked = False
+    self.ending: Closing | None = None
+    self._posted = False
+
+  def take(self, ask: Closing) -> None:
+    self.asked = True
+    if ask is not CLOSING and self.ending is None:
+      self.ending = ask
+
+  @property
+  def awaited(self) -> bool:
+    """Whether a close was asked and its ending (with its count) is still to come."""
+    return self.asked and self.ending is None
+
+  def to_post(self) -> Closing | None:
+    """The ending, once it came; None before and once handed out."""
+    if self.ending is None or self._posted:
+      return None
+    self._posted = True
+    return self.ending
 
 
 class Ended(Action):
@@ -216,3 +282,34 @@ Steps = Generator[Any, Any, Any]
 
 
 ENDED = Ended()
+
+
+class Side:
+  """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
+
+  `clock`: where the core reads the driver's last `Now` (None: it reads none).
+  `close`: once it was asked (`Close.asked`), `Ended` comes at once.
+  """
+
+  def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):
+    self._clock, self._steps, self._close = clock, steps, close
+
+  def send(self, result: Any, now: Now | None = None) -> Any:
+    """The next action, given the last one's `result` and `now`."""
+    return self._on(self._steps.send, result, now)
+
+  def throw(self, error: BaseException, now: Now | None = None) -> Any:
+    """The last action failed with `error`: raised inside the core (it may end on it)."""
+    return self._on(self._steps.throw, error, now)
+
+  def _on(self, step: Any, value: Any, now: Now | None) -> Any:
+    if self._clock is not None:
+      self._clock.now = now
+    if self._close is not None and self._close.asked:
+      return ENDED
+    try:
+      return step(value)
+    except StopIteration:
+      return ENDED
+    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
+      return Ended(e)

@@ -12,7 +12,7 @@ from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
-from grain_jax_sync._src.agreement.streamed import Streamed
+from grain_jax_sync._src.agreement.streamed import Streamed, reached
 from grain_jax_sync._src.messages import Outcome
 
 
@@ -181,7 +181,7 @@ class Decider(Streamed):
         self._abort = messages.ReportedError(
           messages.ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
-    elif self._waited_s() > self._timeout_s:
+    elif reached(waited := self._waited_s(), self._timeout_s):
       self._abort = messages.ReportedError(
         messages.ErrorKind.TIMEOUT,
         f"process {peer} did not report batch {self._yielded} (position"
@@ -198,7 +198,8 @@ class Decider(Streamed):
       self._abort = cross
     else:
       stale = self._waited
-      yield from self._absorb((yield from self._wait_slice(core.WaitChunk(peer))))
+      wait = core.WaitChunk(peer, self._until(self._timeout_s - waited))
+      yield from self._absorb((yield from self._wait_slice(wait)))
       # With one peer, the one chunk waited for: inline, a stop that peer
       # posted during the consumer's step may follow it, read before deciding.
       self._waited = stale and self._own.inline and self._process_count == 2

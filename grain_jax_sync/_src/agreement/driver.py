@@ -4,11 +4,10 @@ The same driver runs the core in the agreement thread (beside a reading
 and a build thread) and inline, in the consumer's `next()`; the actions are
 carried out by `interpreter.carry`, as in the simulated cluster.
 Asking is one put into the inbox, from any thread or a signal handler: a
-stop, or this host's ending (a `Closing`), taken by the thread that runs the
-core at its next step. A close asks twice: at once that its ending is on its
-way (`CLOSING`: decide no more), then, once the consumer's call returned, the
-ending with its exact count, which that thread posts on its way out (or,
-where none runs the core, the ending thread: `post_ending`).
+stop, or this host's ending (a `core.Closing`, in two steps that the core
+decides: `Streamed.asked`), taken by the thread that runs the core at its
+next step, which posts the ending on its way out (or, where none runs the
+core, the ending thread: `post_ending`).
 """
 
 from __future__ import annotations
@@ -18,31 +17,15 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from grain_jax_sync._src import liveness as liveness_lib
-from grain_jax_sync._src import messages, prefetch
+from grain_jax_sync._src import prefetch
 from grain_jax_sync._src.agreement import common, core, interpreter, streamed
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
 
 logger = logging.getLogger(__name__)
-
-
-class Closing(NamedTuple):
-  """This host's ending, asked of the driver: closed at `at_batch`, or `error`.
-
-  `at_batch` None: the ending is on its way (`CLOSING`). `left`: this host
-  leaves before the agreed end, so peers waiting there are told too.
-  """
-
-  at_batch: int | None
-  error: messages.ReportedError | None = None
-  left: bool = False
-
-
-# A close was asked for: decide no more; its ending (with its count) follows.
-CLOSING = Closing(None)
 
 
 class Driver(interpreter.World):
@@ -58,6 +41,8 @@ class Driver(interpreter.World):
     built: The build stage (`build.Builder`): its progress and the consumer's pace.
     live: Tells dead peers from slow ones (default: their beats).
     asks: The inbox (default: its own): stops asked (positions) and `Closing`s.
+    beat: Inline, its thread posts a stop asked between calls (default: the
+      process's `liveness.Beat` of this client, if started; else the asker).
   """
 
   def __init__(
@@ -67,7 +52,8 @@ class Driver(interpreter.World):
     exchange: key_value.KeyValueExchange,
     built: Any,
     live: liveness_lib.Liveness | None = None,
-    asks: queue.SimpleQueue[int | Closing] | None = None,
+    asks: queue.SimpleQueue[int | core.Closing] | None = None,
+    beat: liveness_lib.Beat | None = None,
   ):
     self.core = agreement
     self._reader = reader
@@ -76,29 +62,22 @@ class Driver(interpreter.World):
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
+    self._beat = beat or liveness_lib.Beat.running(exchange.client, exchange.process_index)
     # Inline (no reading thread), the consumer's call runs the core: it holds
     # this while it does, and a stop asked for between calls is posted under
-    # it (`post_stop`).
+    # it by the beat's thread (`post_stop`).
     self.turn = threading.Lock()
     # The inbox: stops and this host's ending, asked from any thread or a
     # signal handler, one reentrant put each; the thread that runs the core
     # takes them (`_take_asks`).
-    self._asks: queue.SimpleQueue[int | Closing] = asks or queue.SimpleQueue()
-    self._closing: Closing | None = None  # Taken from the inbox; posted once (`post_ending`).
-    self._coming = False  # `CLOSING` taken: the ending follows.
-    self._posted = False
+    self._asks: queue.SimpleQueue[int | core.Closing] = asks or queue.SimpleQueue()
     exchange_streams.stream_started(exchange.namespace)
 
-  def _take_asks(self) -> None:
-    """Hands the stops asked for to the core and keeps an ending (in the thread that runs it)."""
+  def _take_asks(self) -> bool:
+    """Hands what was asked to the core (in the thread that runs it); whether a close was."""
     for _ in range(self._asks.qsize()):  # Those put by now: a handler may put at every line.
-      ask = self._asks.get_nowait()
-      if ask is CLOSING:
-        self._coming = True
-      elif isinstance(ask, Closing):
-        self._closing = self._closing or ask
-      else:
-        self.core.stop_asked(ask)
+      self.core.asked(self._asks.get_nowait())
+    return self.core.close.asked
 
   def __iter__(self) -> Iterator[common.Run]:
     """The core's runs; its other actions carried out here; an ending asked for, posted on the way out."""
@@ -106,16 +85,10 @@ class Driver(interpreter.World):
       yield from self._drive(self.core)
     finally:
       self._take_asks()
-      if self._coming and self._closing is None and self._thread is not None:
-        self._closing = self._next_closing()  # The agreement thread posts it, with its count.
+      # The agreement thread posts it, with its count, asked once the consumer's call returned.
+      while self._thread is not None and self.core.close.awaited:
+        self.core.asked(self._asks.get())
       self.post_ending()
-
-  def _next_closing(self) -> Closing:
-    """Waits for the ending whose `CLOSING` came first (asked once the consumer's call returned)."""
-    while True:
-      ask = self._asks.get()
-      if isinstance(ask, Closing) and ask is not CLOSING:
-        return ask
 
   def _drive(self, runner: Any, *, asks: bool = True) -> Iterator[common.Run]:
     """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
@@ -127,13 +100,15 @@ class Driver(interpreter.World):
     result: Any = None
     error: Exception | None = None
     while True:
+      # With an agreement thread, a stop asked during its last wait is the
+      # core's before it decides the next position. Inline, the consumer's
+      # call hands it over after (`post_stop` as the call ends).
+      closing = asks and self._thread is not None and self._take_asks()
       now = self.now()
       action = runner.send(result, now) if error is None else runner.throw(error, now)
       result = error = None
-      if asks:
-        self._take_asks()
-        if self._closing is not None or self._coming:
-          return
+      if closing or (asks and self._take_asks()):
+        return
       kind = type(action)
       if kind is core.Ended:
         if action.error is not None:
@@ -147,7 +122,7 @@ class Driver(interpreter.World):
         del run
         continue
       try:
-        result = interpreter.blocking(interpreter.carry(action, self._exchange, self))
+        result = interpreter.act(action, self._exchange, self)
       except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
         error = e
 
@@ -158,11 +133,11 @@ class Driver(interpreter.World):
     done = built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, thread is None or thread.ready())
 
-  def call(self, fn: Any, *args: Any) -> interpreter.Steps:
+  def call(self, fn: Any, *args: Any) -> core.Steps:
     yield from ()  # A real call blocks in the client.
     return fn(*args)
 
-  def take(self, want: int, wait_s: float) -> interpreter.Steps:
+  def take(self, want: int, wait_s: float) -> core.Steps:
     yield from ()  # A real wait blocks in the reading stage.
     thread = self._thread
     if thread is None:
@@ -175,7 +150,7 @@ class Driver(interpreter.World):
       self._asked -= 1
     return item
 
-  def wait_build(self, beyond: int) -> interpreter.Steps:
+  def wait_build(self, beyond: int) -> core.Steps:
     yield from ()  # A real wait blocks on the build stage.
     self._exchange.check()
     self._built.wait_done(beyond, common.WAIT_SLICE_S)
@@ -208,39 +183,39 @@ class Driver(interpreter.World):
 
   # -- what the session asks of the stream's agreement -------------------------------
 
-  def ask(self, ask: int | Closing) -> None:
-    """Asks every host to stop after batch `ask`, or for this host's ending: one put, then a wake.
-
-    Any thread, a signal handler: no lock. The thread that runs the core takes
-    it at its next step (a wait for the reading thread is woken). Inline, a
-    stop is posted now if no call runs the core (`post_stop`); an ending is
-    posted by the ending thread (`post_ending`).
-    """
+  def ask(self, ask: int | core.Closing) -> None:
+    """A stop after batch `ask`, or this host's ending: one put, then a wake (`heard`); no lock."""
     self._asks.put(ask)
-    self.heard(close=isinstance(ask, Closing))
+    self.heard(close=isinstance(ask, core.Closing))
 
   def heard(self, close: bool = False) -> None:
     """Something was put in the inbox: the thread that runs the core takes it now; no lock.
 
-    With a reading thread, its wait is woken; inline, a stop is posted now
-    unless a call runs the core (`post_stop`); an ending, by the call or the closer.
+    With a reading thread, its wait is woken; inline, the beat's thread is
+    handed `post_stop` (one put: the asker, a signal handler say, takes no
+    lock and calls no store); an ending, by the call or the closer.
     """
     if self._thread is not None:
       self._thread.nudge()
     elif not close:
-      self.post_stop()
+      if self._beat is None:
+        self.post_stop()
+      else:
+        self._beat.wake(self.post_stop)
 
   def post_stop(self, *, in_call: bool = False) -> None:
     """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
 
-    Never waits for the turn: a signal handler must not wait on a lock that
-    the code it interrupted may hold. `in_call`: the consumer's call ends here
-    (the core runs in this thread, so its own state is read too).
+    Run by the beat's thread (`heard`), or by the consumer's call as it ends
+    (`in_call`: the core runs in this thread, so its own state is read too).
+    Never waits for the turn, so it never holds up a beat for a call.
     """
     while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
       False
     ):
       try:
+        if self.core.ended:  # The inbox is the next stream's now.
+          return
         self._take_asks()
         for _ in self._drive(self.core.side(self.core.stop_now())):
           pass
@@ -256,17 +231,7 @@ class Driver(interpreter.World):
     thread ended first) by the ending thread.
     """
     self._take_asks()
-    closing = self._closing
-    if closing is None or self._posted:
-      return
-    self._posted = True
-    at = closing.at_batch
-    assert at is not None  # `CLOSING` is never kept.
-    calls = self.core.closing(at, closing.error, left=closing.left)
-    interpreter.best_effort(self._exchange, calls)
-
-  def release(self) -> None:
-    self.not_waiting()  # No longer a crosswise wait.
+    interpreter.best_effort(self._exchange, self.core.ending())
 
   def wait_for_peers_at_end(self) -> None:
     """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
@@ -277,8 +242,38 @@ class Driver(interpreter.World):
       pass
 
 
-def post_unstarted(
-  ex: key_value.KeyValueExchange, at_batch: int, error: messages.ReportedError | None
-) -> None:
-  """Posts this host's ending (closed, or `error`) to stream `ex`, which it never started."""
-  interpreter.best_effort(ex, streamed.unstarted(ex.process_index, at_batch, error))
+class Stepper(interpreter.World):
+  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread: its reads and exchange block there.
+
+  The stops asked for (the inbox, `asks`) reach the core before its next step.
+  """
+
+  def __init__(
+    self, stepper: Any, reader: Iterator[core.Read | core.End], exchange: Any, asks: Any
+  ):
+    self.core, self._reader, self._exchange, self._asks = stepper, reader, exchange, asks
+
+  def __iter__(self) -> Iterator[common.Run]:
+    stepper, asks, result = self.core, self._asks, None
+    while True:
+      for _ in range(0 if asks is None else asks.qsize()):  # Those put by now.
+        if isinstance(ask := asks.get_nowait(), int):
+          stepper.stop_asked(ask)
+      action = stepper.send(result)
+      if type(action) is core.Deliver:
+        run, action, result = action.run, None, None
+        yield run
+        del run  # The build stage's alone once handed on.
+        continue
+      if type(action) is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      result = interpreter.act(action, self._exchange, self)
+
+  def read_window(self, count: int) -> list[core.Read | core.End]:
+    """Up to `count` reads, the last one the stream's `End` if reached."""
+    out = [next(self._reader)]
+    while len(out) < count and not isinstance(out[-1], core.End):
+      out.append(next(self._reader))
+    return out

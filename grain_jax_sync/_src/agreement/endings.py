@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 
 from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
-
-logger = logging.getLogger(__name__)
 
 
 class PeerTimeoutError(RuntimeError):

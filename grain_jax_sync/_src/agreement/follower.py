@@ -12,7 +12,7 @@ from typing import Any
 
 from grain_jax_sync._src import messages
 from grain_jax_sync._src.agreement import common, core, endings
-from grain_jax_sync._src.agreement.streamed import Streamed
+from grain_jax_sync._src.agreement.streamed import Streamed, reached
 from grain_jax_sync._src.messages import Outcome
 
 
@@ -105,14 +105,15 @@ class Follower(Streamed):
       raise endings.to_exception(cross, self._process, None)
     waited = self._waited_s()
     limit = self._timeout_s + common.FOLLOWER_GRACE_S
-    if self._gave_up is None and waited > limit:
+    if self._gave_up is None and reached(waited, limit):
       # Process 0 should have named the slow peer by now: report it ourselves.
       self._gave_up = self._timeout_error()
       yield from self._post(final=True, error=self._gave_up)
-    elif self._gave_up is not None and waited > limit + common.FOLLOWER_GRACE_S:
+    elif self._gave_up is not None and reached(waited, limit + common.FOLLOWER_GRACE_S):
       yield from self._end_exchange()
       raise endings.to_exception(self._gave_up, self._process, None)
-    return (yield from self._wait_slice(core.WaitDecision(self._seq)))
+    left_s = limit + (0.0 if self._gave_up is None else common.FOLLOWER_GRACE_S) - waited
+    return (yield from self._wait_slice(core.WaitDecision(self._seq, self._until(left_s))))
 
   def _post_stop(self, stop: messages.ReportedError) -> core.Steps:
     # An ending's report carries no rows (`_post`): unposted rows are void.

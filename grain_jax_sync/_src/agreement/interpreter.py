@@ -11,7 +11,7 @@ scheduler, to which a wait yields).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grain_jax_sync._src.agreement import core
@@ -21,14 +21,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Steps = Generator[Any, Any, Any]
-
 
 class World:
   """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
   `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
-  looks `dead`, `closed`; `call`, `take` and `wait_build` are generators that
+  looks `dead`, `closed` (lockstep's: `read_window` alone); `call`, `take` and `wait_build` are generators that
   a real world never yields from (its waits block). No crosswise streams by default.
   """
 
@@ -50,19 +48,32 @@ _STORE: dict[type, Callable[[Any, Any], Any]] = {
   core.DeleteChunks: lambda ex, a: ex.delete_chunks(a.below),
   core.DeleteDecisions: lambda ex, a: ex.delete_decisions(a.below),
   core.ReadChunks: lambda ex, a: ex.read_chunks(),
-  core.WaitChunk: lambda ex, a: ex.wait_chunk(a.peer),
+  core.WaitChunk: lambda ex, a: ex.wait_chunk(a.peer, a.wait_s),
   core.TryDecision: lambda ex, a: ex.try_decision(a.seq),
-  core.WaitDecision: lambda ex, a: ex.wait_decision(a.seq),
+  core.WaitDecision: lambda ex, a: ex.wait_decision(a.seq, a.wait_s),
   core.EndExchange: lambda ex, a: ex.end(),
   core.PostLeft: lambda ex, a: ex.post_left(a.message),
   core.PostReachedEnd: lambda ex, a: ex.post_reached_end(),
-  core.WaitAllReachedEnd: lambda ex, a: ex.wait_all_reached_end(),
+  core.WaitAllReachedEnd: lambda ex, a: ex.wait_all_reached_end(a.wait_s),
   core.EndNotes: lambda ex, a: ex.end_notes(),
 }
 
+# Each action that never waits, by type: on the exchange `ex`, the world `w`.
+_PLAIN: dict[type, Callable[[Any, Any, Any], Any]] = {
+  core.ReadWindow: lambda ex, w, a: w.read_window(a.count),
+  core.AllGather: lambda ex, w, a: ex.all_gather(a.seq, a.text),
+  core.Pace: lambda ex, w, a: w.pace(),
+  core.IsDead: lambda ex, w, a: w.dead(a.peer),
+  core.ClosedNote: lambda ex, w, a: w.closed(a.peer),
+  core.Crosswise: lambda ex, w, a: w.crosswise(a.peer),
+  core.NotWaiting: lambda ex, w, a: w.not_waiting(),
+}
 
-def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Steps:
+
+def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
+
+  The exchange is a `KeyValueExchange`, or lockstep's (local or collective).
 
   A real world's steps never yield (`blocking` takes their result). Holding
   neither, it makes no cycle: a dropped stream is freed at once (its ending's
@@ -72,21 +83,14 @@ def carry(action: Any, exchange: key_value.KeyValueExchange, world: Any) -> Step
   store = _STORE.get(type(action))
   if store is not None:
     return (yield from w.call(store, exchange, action))
+  plain = _PLAIN.get(type(action))
+  if plain is not None:
+    return plain(exchange, w, action)
   match action:
     case core.Take(want, wait_s):
       return (yield from w.take(want, wait_s))
-    case core.Pace():
-      return w.pace()
     case core.WaitBuild(beyond):
       return (yield from w.wait_build(beyond))
-    case core.IsDead(peer):
-      return w.dead(peer)
-    case core.ClosedNote(peer):
-      return w.closed(peer)
-    case core.Crosswise(peer):
-      return w.crosswise(peer)
-    case core.NotWaiting():
-      return w.not_waiting()
     case core.Elsewhere(namespace, message, calls):
       w.pre_end(namespace, message)
       return best_effort(exchange.sibling(namespace), calls)
@@ -109,7 +113,13 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
       ex.end()
 
 
-def blocking(steps: Steps) -> Any:
+def act(action: Any, exchange: Any, world: Any) -> Any:
+  """`carry` on a real world (its waits block): the result; no generator for a plain action."""
+  plain = _PLAIN.get(type(action))
+  return plain(exchange, world, action) if plain else blocking(carry(action, exchange, world))
+
+
+def blocking(steps: core.Steps) -> Any:
   """The result of a real world's steps, which never yield (their waits block)."""
   try:
     steps.send(None)

@@ -1,82 +1,83 @@
-"""The lockstep form (one process; the collective fallback): every process decides each window."""
+"""The lockstep core (one process; the collective fallback): every process decides each window."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import exchange as exchange_lib
 from grain_jax_sync._src import messages
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
-from grain_jax_sync._src.exchange import collective
 from grain_jax_sync._src.messages import ErrorKind, Outcome
-
-logger = logging.getLogger(__name__)
 
 
 class Lockstep(common.Agreement):
-  """Reads a window, all-gathers the reports, decides; in the calling thread.
+  """The lockstep core: reads a window, exchanges the reports, decides; no I/O of its own.
 
+  A core as the streamed ones are (`core`): `send` takes the last action's
+  result and gives the next one (`core.ReadWindow`, `core.AllGather`,
+  `core.Deliver`), `core.Ended` last; a driver (`driver.Stepper`) carries
+  them out in the calling thread, one read and at most one exchange per window.
   On `Outcome.WAIT` the undecided reads are kept and every process reads one
-  more batch (or its end) first. A requested stop rides in the next window's
-  report: every process stops before that window.
+  more batch (or its end) first. A requested stop (`stop_asked`, before the
+  window) rides in the window's report: every process stops before it; alone,
+  this host stops there.
   """
 
   def __init__(
     self,
-    reader: Iterator[core.Read | core.End],
-    exchange: exchange_lib.LocalExchange | collective.CollectiveExchange,
     rules: plan_lib.Rules,
     who: common.Identity,
     *,
+    process_count: int,
     window: int,
     position: int,
-    asks: Any = None,
   ):
     super().__init__(rules, who)
-    self._reader, self._exchange = reader, exchange
+    self._process_count = process_count
     self._window = window
     self._position = position
     self._signature: batches_lib.Signature | None = None
     self._end: core.End | None = None
     self._reads: list[core.Read] = []  # Undecided reads kept after a WAIT.
-    self._asks = asks  # The inbox (`session.Streams.asks`): stops asked, drained per window.
+    self.send = core.Side(self._run()).send
 
-  def __iter__(self) -> Iterator[common.Run]:
+  def _run(self) -> core.Steps:
     for w in range(1 << 62):
       stop = None  # This host's stop, asked for: it rides in this window's report.
-      for _ in range(0 if self._asks is None else self._asks.qsize()):  # Those put by now.
-        if isinstance(ask := self._asks.get_nowait(), int):
-          self.stop_asked(ask)
       if self._stop_at is not None:
         stop = endings.stopped_error(self._who.process, self._stop_at)
-      if stop is not None and self._exchange.process_count == 1:
-        self.stop_requested_by = stop.process_index
-        return
+        if self._process_count == 1:
+          self.stop_requested_by = stop.process_index
+          return
       if self._end is None and stop is None:
-        self._end = _read(self._reader, self._reads, max(self._window, len(self._reads) + 1))
+        yield from self._read(max(self._window, len(self._reads) + 1))
       if self._signature is None and self._reads:
         self._signature = self._reads[0].batch.signature
       reads = self._reads
-      decision = self._decide(w, stop)
+      decision = yield from self._decide(w, stop)
       self._rules = plan_lib.pin(self._rules, decision)
       self._position += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
       self._reads = reads[len(decision.steps) :] if decision.end == Outcome.WAIT else []
       if decision.steps:  # This host's read for each step (None past its end: a dummy).
-        yield common.Run(
-          tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps)),
-          self._signature,
-        )
-      reads = []  # The build thread's alone once handed on.
+        run = tuple((reads[i] if i < len(reads) else None, s) for i, s in enumerate(decision.steps))
+        yield core.Deliver(common.Run(run, self._signature))
+      reads, run = [], ()  # The build thread's alone once handed on.
       if self._agreed_end(decision.end, decision.error, self._end):
         return  # The stream's end or an agreed stop; an agreed error raised.
 
-  def _decide(self, w: int, stop: messages.ReportedError | None) -> plan_lib.Plan:
-    """Reports the window (all-gathered with several processes) and decides it.
+  def _read(self, need: int) -> core.Steps:
+    """Reads until this host holds `need` batches, or its end."""
+    count = need - len(self._reads)
+    for item in (yield _READ_ONE if count == 1 else core.ReadWindow(count)):
+      if isinstance(item, core.End):
+        self._end = item
+      else:
+        self._reads.append(item)
+
+  def _decide(self, w: int, stop: messages.ReportedError | None) -> core.Steps:
+    """Reports the window (exchanged with several processes) and decides it.
 
     A stop any process asked for (`stop`) ends the stream before the window
     on every process. A peer's report tells the signature where this host has none.
@@ -85,11 +86,11 @@ class Lockstep(common.Agreement):
     report = common.make_report(self._who, self._reads, self._rules, self._end, sig, w == 0)
     if stop is not None:
       report = dataclasses.replace(report, error=stop)
-    if self._exchange.process_count == 1:
+    if self._process_count == 1:
       reports = [report]  # Nothing to exchange: skip the JSON round trip.
     else:
       chunk = messages.Chunk(start=self._position, ack=w, report=report)
-      chunks = _parse_all(self._exchange.all_gather(w, chunk.to_json()))
+      chunks = _parse_all((yield core.AllGather(w, chunk.to_json())))
       _check_in_step(chunks)
       reports = [c.report for c in chunks]
       if self._signature is None and (found := messages.signature_of(reports)) is not None:
@@ -102,16 +103,7 @@ class Lockstep(common.Agreement):
     return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
 
 
-def _read(
-  reader: Iterator[core.Read | core.End], reads: list[core.Read], need: int
-) -> core.End | None:
-  """Reads into `reads` until it holds `need` batches; the stream's end if reached first."""
-  while len(reads) < need:
-    item = next(reader)
-    if isinstance(item, core.End):
-      return item
-    reads.append(item)
-  return None
+_READ_ONE = core.ReadWindow(1)  # The one action per batch alone: made once.
 
 
 def _parse_all(payloads: list[str]) -> list[messages.Chunk]:

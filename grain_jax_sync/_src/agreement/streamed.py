@@ -7,7 +7,7 @@ no thread, clock or store; `interpreter.carry` carries their actions out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages
@@ -23,33 +23,6 @@ if TYPE_CHECKING:  # Handed in by the session (it reads the clock); the core onl
 # `sync_timeout_s` if shorter: longer than a live peer takes between the
 # first `next()` calls of iterators it starts together (threads), on any host.
 CROSS_WAIT_S = 30.0
-
-
-class Side:
-  """A run of the core's steps (its main run, or a side one): `Now` comes in, `core.Ended` last."""
-
-  def __init__(self, owner: Streamed, steps: core.Steps):
-    self._own, self._steps = owner._own, steps
-
-  def send(self, result: Any, now: core.Now) -> Any:
-    """The next action, given the last one's `result` and `now`."""
-    self._own.now = now
-    try:
-      return self._steps.send(result)
-    except StopIteration:
-      return core.ENDED
-    except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
-      return core.Ended(e)
-
-  def throw(self, error: BaseException, now: core.Now) -> Any:
-    """The last action failed with `error`: raised inside the core (it may end on it)."""
-    self._own.now = now
-    try:
-      return self._steps.throw(error)
-    except StopIteration:
-      return core.ENDED
-    except BaseException as e:  # noqa: BLE001 - as in `send`.
-      return core.Ended(e)
 
 
 class Streamed(common.Agreement):
@@ -107,24 +80,39 @@ class Streamed(common.Agreement):
     self._stop_posted = False
     self.reached_end = False  # The final decision ended the stream without an error.
     self.ended = False  # The exchange is ended (the final decision, or this host's own).
+    self.close = core.Close()  # This host's close, asked (`asked`).
     self._waiting_since: float | None = None
     self._cross_since: float | None = None  # Since when a peer waits crosswise.
+    self._cross_s = min(CROSS_WAIT_S, timeout_s / 2)
+    self.timer = float("inf")  # When it next needs to run (aioquic's `get_timer`; `_until`).
     self._job = job
     if job is not None:
       job.attach(self._process, self._process_count)
-    main = Side(self, self._run())
+    main = core.Side(self._run(), self._own, self.close)  # A close asked: it decides no more.
     self.send, self.throw = main.send, main.throw
 
   @property
   def now(self) -> core.Now:
     return self._own.now
 
-  def side(self, steps: core.Steps) -> Side:
+  def side(self, steps: core.Steps) -> core.Side:
     """A side run of this core's steps (`stop_now`, `at_end`)."""
-    return Side(self, steps)
+    return core.Side(steps, self._own)
 
   def _run(self) -> core.Steps:
     raise NotImplementedError
+
+  def asked(self, ask: int | core.Closing) -> None:
+    """An ask taken from the inbox: a stop after batch `ask`, or this host's close (`core.Close`)."""
+    if isinstance(ask, core.Closing):
+      self.close.take(ask)
+    else:
+      self.stop_asked(ask)
+
+  def ending(self) -> list[core.StoreCall]:
+    """The calls that post this host's ending asked for: none before it came, none twice."""
+    e = self.close.to_post()
+    return [] if e is None or e.at_batch is None else self.closing(e.at_batch, e.error, left=e.left)
 
   def closing(
     self, at_batch: int, error: messages.ReportedError | None, *, left: bool = False
@@ -153,7 +141,7 @@ class Streamed(common.Agreement):
     """
     yield core.PostReachedEnd()
     since, yielded = self.now.t, self._yielded
-    while not (yield core.WaitAllReachedEnd()):
+    while not (yield core.WaitAllReachedEnd(self._until(self._timeout_s - (self.now.t - since)))):
       notes = yield core.EndNotes()
       left = [notes[q] for q in sorted(notes) if notes[q]]
       if left:
@@ -164,7 +152,7 @@ class Streamed(common.Agreement):
           when = f"before it received the last batch ({yielded} batches)"
           error = endings.lost(peer, self._dead_after_s, yielded, when)
           raise endings.to_exception(error, self._process, None)
-      if waiting and self.now.t - since > self._timeout_s:
+      if waiting and reached(self.now.t - since, self._timeout_s):
         error = endings.not_at_end(waiting, yielded, self._timeout_s)
         raise endings.to_exception(error, self._process, None)
 
@@ -183,7 +171,7 @@ class Streamed(common.Agreement):
     now = self.now.t
     if self._cross_since is None:
       self._cross_since = now
-    if now - self._cross_since < min(CROSS_WAIT_S, self._timeout_s / 2):
+    if not reached(now - self._cross_since, self._cross_s):
       return None
     error = endings.crosswise((self._process, self._namespace), (peer, theirs[0]), self._yielded)
     yield core.Elsewhere(theirs[0], error.message, tuple(unstarted(self._process, 0, error)))
@@ -262,19 +250,22 @@ class Streamed(common.Agreement):
     self._idle = not out
     return out
 
+  def _until(self, left_s: float) -> float:
+    """A wait's length: to the core's next deadline (`left_s` from now, or the crosswise one).
+
+    A liveness period at most: the beats are looked at again then.
+    """
+    if self._cross_since is not None:
+      left_s = min(left_s, self._cross_since + self._cross_s - self.now.t)
+    wait_s = max(0.0, min(common.WAIT_SLICE_S, left_s))
+    self.timer = self.now.t + wait_s
+    return wait_s
+
   def _waited_s(self) -> float:
     now = self.now.t
     if self._waiting_since is None:
       self._waiting_since = now
     return now - self._waiting_since
-
-  @property
-  def process(self) -> int:
-    return self._process
-
-  @property
-  def timeout_s(self) -> float:
-    return self._timeout_s
 
   @property
   def threaded(self) -> bool:
@@ -285,10 +276,10 @@ class Streamed(common.Agreement):
     """Whether a stop was asked for here and not posted yet."""
     return self._stop_at is not None and not self._stop_posted
 
-  @property
-  def yielded(self) -> int:
-    """Output batches decided so far (for messages)."""
-    return self._yielded
+
+def reached(waited_s: float, limit_s: float) -> bool:
+  """Whether a wait of `waited_s` reached `limit_s` (a wait cut at its deadline ends there, but for rounding)."""
+  return waited_s >= limit_s - 1e-9
 
 
 def unstarted(

@@ -201,15 +201,15 @@ class KeyValueExchange:
       nxt[p] = seq
     return out
 
-  def wait_chunk(self, process: int) -> list[tuple[int, str]]:
-    """Blocks up to `WAIT_SLICE_S` for `process`'s next chunk, then reads all new ones.
+  def wait_chunk(self, process: int, wait_s: float = WAIT_SLICE_S) -> list[tuple[int, str]]:
+    """Blocks up to `wait_s` for `process`'s next chunk, then reads all new ones.
 
     With more than one peer, one directory read brings every peer's news.
     """
     self.check()
     seq = self._next[process]
     key = f"{self._ns}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
-    value = self._blocking_get(key, f"waiting for process {process}")
+    value = self._blocking_get(key, f"waiting for process {process}", wait_s)
     if value is None:
       return []
     if self.process_count > 2:
@@ -238,15 +238,15 @@ class KeyValueExchange:
     get = self._client.key_value_try_get
     return self._call(f"reading decision {seq}", get, key, absent=_is_not_found)
 
-  def wait_decision(self, seq: int) -> str | None:
-    """Decision `seq`, waiting up to `WAIT_SLICE_S` for it."""
+  def wait_decision(self, seq: int, wait_s: float = WAIT_SLICE_S) -> str | None:
+    """Decision `seq`, waiting up to `wait_s` for it."""
     self.check()
     key = f"{self._ns}/d/{seq // GROUP}/{seq}"
-    return self._blocking_get(key, "waiting for process 0's decision")
+    return self._blocking_get(key, "waiting for process 0's decision", wait_s)
 
-  def _blocking_get(self, key: str, doing: str) -> str | None:
-    get, slice_ms = self._client.blocking_key_value_get, int(WAIT_SLICE_S * 1000)
-    return self._call(doing, get, key, slice_ms, absent=_not_posted)
+  def _blocking_get(self, key: str, doing: str, wait_s: float) -> str | None:
+    get, ms = self._client.blocking_key_value_get, max(1, int(wait_s * 1000))
+    return self._call(doing, get, key, ms, absent=_not_posted)
 
   # -- the agreed end -----------------------------------------------------------
 
@@ -274,10 +274,11 @@ class KeyValueExchange:
     key = f"{self._end_key('end')}/{self.process_index}"
     self._call("posting this host's end", self._client.key_value_set, key, message, True)
 
-  def wait_all_reached_end(self) -> bool:
-    """Whether every process reached the end, waiting up to `WAIT_SLICE_S`."""
+  def wait_all_reached_end(self, wait_s: float = WAIT_SLICE_S) -> bool:
+    """Whether every process reached the end, waiting up to `wait_s`."""
     self.check()
-    return self._blocking_get(self._end_key("all_at_end"), "waiting for the end") is not None
+    key = self._end_key("all_at_end")
+    return self._blocking_get(key, "waiting for the end", wait_s) is not None
 
   def end_notes(self) -> dict[int, str]:
     """Per process that got there or left: "" (reached the end) or why it left."""
