@@ -53,14 +53,16 @@ def pieces(leaf: np.ndarray, sharding: jax.sharding.Sharding) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _joined(sharding: jax.sharding.Sharding, count: int, dtype: Any) -> Any:
-  """Joins `count` pieces along the rows on the device (and casts to `dtype`, unless None)."""
+def _joined(sharding: jax.sharding.Sharding, dtype: Any) -> Any:
+  """Joins pieces along the rows on the device (and casts to `dtype`, unless None).
+
+  One jitted function per target: `jit` traces it once per count and shape of pieces.
+  """
 
   def join(*parts: jax.Array) -> jax.Array:
     out = jnp.concatenate(parts, axis=0)
     return out if dtype is None else out.astype(dtype)
 
-  del count  # In the key only: a jitted function per count of pieces.
   return jax.jit(join, out_shardings=sharding)
 
 
@@ -83,7 +85,7 @@ def _put(
     if k == 1:
       out.append(put[at] if dtype is None else put[at].astype(dtype))
     else:
-      out.append(_joined(s, k, dtype)(*put[at : at + k]))
+      out.append(_joined(s, dtype)(*put[at : at + k]))
     at += k
   return out
 
