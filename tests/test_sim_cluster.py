@@ -518,6 +518,33 @@ def test_a_killed_peer_holds_the_others_in_a_collective_step():
   assert 2.0 - 0.1 <= out[0].received[-1] <= 2.0 + 1e-9
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_50_ms_store_keeps_the_pace_of_a_20_ms_step(n):
+  # Issue 58: a batch every 1.25 steps or less after batch 10 (the same figure at 1,024 hosts:
+  # `python -m benchmarks.sim_scale --pace`); the horizon grows from one position meanwhile.
+  cluster = testing.SimulatedCluster(processes=n, prefetch_batches=2, store_s=0.05)
+  out = cluster.run([H(batches=120, step_s=0.02)] * n)
+  assert {(o.ending, o.batches) for o in out} == {("end", 120)}
+  r = out[0].received
+  assert (r[-1] - r[10]) / (len(r) - 11) <= 1.25 * 0.02
+
+
+@pytest.mark.parametrize("at", [20, 30, 41, 49])
+def test_a_stop_asked_while_the_agreement_waits_for_the_build_lands_within_a_horizon(at):
+  # With a build thread a host reads two horizons ahead. A follower's stop asked while its
+  # agreement thread waits for the build to take a run is posted then (the beat's thread), and
+  # process 0 reads it before it decides past its own horizon: every host ends within
+  # `decide_ahead_s` + (prefetch + 1) steps of the request, not a horizon later.
+  step = 0.01
+  for offset in (0.0, 0.3 * step, 0.7 * step):
+    plans = [H(batches=200, step_s=step), H(batches=200, step_s=step, stop=(at, offset))]
+    out = _run(2, 2, plans)
+    assert {(o.ending, o.stopped_by) for o in out} == {("end", 1)}
+    assert len({o.batches for o in out}) == 1
+    asked = out[1].received[at - 1] + offset
+    assert max(o.ended_at for o in out) - asked <= 1.0 + 3 * step
+
+
 def test_an_outcome_names_the_batch_its_checkpoint_would():
   out = _run(2, 2, [H(batches=5, resume=2)] * 2)
   assert {(o.ending, len(o.received), o.batches, o.resume) for o in out} == {("end", 5, 7, 2)}

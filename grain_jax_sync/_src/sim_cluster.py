@@ -252,7 +252,9 @@ class _Host(interpreter.World):
     self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
-    self.busy = False  # The consumer is inside `next()` (inline: the core's turn).
+    # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
+    # thread, that thread runs the core (not while it waits to hand a run on).
+    self.busy = False
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.calls = 0  # The client's calls the last store action made.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
@@ -363,7 +365,9 @@ class _Host(interpreter.World):
     item = None
     while not isinstance(item, BaseException):
       yield from runs.take_slot()
+      self.busy = True
       item = yield from self.drive()
+      self.busy = False
       runs.put(item)
 
   def build_task(self, runs: _Queue, items: _Queue) -> Task:
@@ -392,15 +396,13 @@ class _Host(interpreter.World):
     clock, plan, received = self.clock, self.plan, self.out.received
     inline: collections.deque[Any] = collections.deque()
     while plan.close_at != len(received):
-      self.busy = True
+      self.busy = self.busy or not self.threaded
       item = yield from self._next(items, inline)
-      self.busy = False
+      self.busy = self.busy and self.threaded
       if isinstance(item, StopIteration) and self.core.reached_end:
         # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
         # peer's consumer got there, or raises naming the one that left.
-        self.busy = True
         item = yield from self.drive(self.core.side(self.core.at_end()))
-        self.busy = False
       if isinstance(item, StopIteration):
         return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
@@ -432,7 +434,7 @@ class _Host(interpreter.World):
   def _stop_task(self) -> Task:
     self.core.stop_asked(self.out.batches)  # As `request_stop` does: the resume counts.
     self.clock.signal(("read", self.p))  # The nudge: a wait for a read returns at once.
-    if not self.threaded and not self.busy and self.core.stop_pending():
+    if not self.busy and self.core.stop_pending():
       yield from self.drive(self.core.side(self.core.stop_now()))
 
   def timed_task(self) -> Task:

@@ -167,6 +167,7 @@ class OwnReads:
   The horizon (`limit`) is time: the positions the consumer took in the last
   `decide_ahead_s` seconds (`core.Pace`), within `read_ahead_limit`, and at
   least 1, so that positions are decided as fast as the consumer takes them.
+  With a build thread, reads run up to two horizons ahead (`_ahead`).
 
   Args:
     lookahead: `synchronize_lookahead`.
@@ -207,22 +208,33 @@ class OwnReads:
     pace = (yield core.PACE) if self._paced else self._base
     self.limit = max(1, min(self._base, pace))
 
+  def _ahead(self) -> int:
+    """Positions this host holds at most between its reads and its built batches.
+
+    With a build thread, two horizons: a round's reads are posted and not
+    decided yet while the build thread works through the horizon decided
+    before them; held to one horizon, those in flight would leave each round
+    a fraction of it. Only decisions are held to the horizon (`allowance`).
+    Inline, the consumer's call waits for each round: one horizon.
+    """
+    return min(self._base, 2 * self.limit) if self._threaded else self.limit
+
   def _free(self) -> int:
     """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
-    return max(2, self.limit - (self.held() or 0)) - len(self.pending)
+    return max(2, self._ahead() - (self.held() or 0)) - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
 
     A decided position the build thread has not handed on takes a place, so
-    that a host holds at most `limit` positions between its reads and its
+    that a host holds at most `_ahead()` positions between its reads and its
     built batches. Once full, this host reads again when half the read-ahead
     is free: reads, posts and decisions come in runs, not one per batch.
     """
     if self.end is not None or self.stopped:
       return False
     free = self._free()
-    if self._refill and free * 2 < self.limit:
+    if self._refill and free * 2 < self._ahead():
       return False
     self._refill = free <= 0
     return not self._refill

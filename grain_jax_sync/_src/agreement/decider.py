@@ -54,8 +54,9 @@ class Decider(Streamed):
       yield from self._hand_on(decision)
       if decision.end != Outcome.CONTINUE:
         return
-      # Inline, the consumer stepped meanwhile: a peer may have posted a stop.
-      self._waited = self._waited or (self._own.inline and bool(decision.steps))
+      # The consumer stepped meanwhile (inline), or the build thread took the run
+      # before (the agreement thread waited for it): a peer may have posted a stop.
+      self._waited = self._waited or bool(decision.steps)
 
   def _forget_decided(self) -> core.Steps:
     self._ledger.forget(self._decided)
@@ -200,9 +201,9 @@ class Decider(Streamed):
       stale = self._waited
       wait = core.WaitChunk(peer, self._until(self._timeout_s - waited))
       yield from self._absorb((yield from self._wait_slice(wait)))
-      # With one peer, the one chunk waited for: inline, a stop that peer
-      # posted during the consumer's step may follow it, read before deciding.
-      self._waited = stale and self._own.inline and self._process_count == 2
+      # With one peer, the one chunk waited for: a stop that peer posted
+      # after it (during this host's last wait) is read before deciding.
+      self._waited = stale and self._process_count == 2
 
   def _read(self, wait_s: float) -> core.Steps:
     """Takes this host's next read into the ledger; False where none came within `wait_s`."""

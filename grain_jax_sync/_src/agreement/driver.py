@@ -63,9 +63,9 @@ class Driver(interpreter.World):
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
     self._beat = beat or liveness_lib.Beat.running(exchange.client, exchange.process_index)
-    # Inline (no reading thread), the consumer's call runs the core: it holds
-    # this while it does, and a stop asked for between calls is posted under
-    # it by the beat's thread (`post_stop`).
+    # Whoever runs the core holds this while it does: inline, the consumer's
+    # call; else the agreement thread, but while it hands a run on. A stop
+    # asked for meanwhile is posted under it by the beat's thread (`post_stop`).
     self.turn = threading.Lock()
     # The inbox: stops and this host's ending, asked from any thread or a
     # signal handler, one reentrant put each; the thread that runs the core
@@ -82,7 +82,7 @@ class Driver(interpreter.World):
   def __iter__(self) -> Iterator[common.Run]:
     """The core's runs; its other actions carried out here; an ending asked for, posted on the way out."""
     try:
-      yield from self._drive(self.core)
+      yield from self._drive(self.core, turn=self._thread is not None)
     finally:
       self._take_asks()
       # The agreement thread posts it, with its count, asked once the consumer's call returned.
@@ -90,13 +90,25 @@ class Driver(interpreter.World):
         self.core.asked(self._asks.get())
       self.post_ending()
 
-  def _drive(self, runner: Any, *, asks: bool = True) -> Iterator[common.Run]:
+  def _drive(self, runner: Any, *, asks: bool = True, turn: bool = False) -> Iterator[common.Run]:
     """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
 
     The core is told each result at once; with `asks`, an ending asked for
     stops the drive before its next action (no position is decided after it,
-    and the ending is posted after what the core posted, not over it).
+    and the ending is posted after what the core posted, not over it). With
+    `turn` (the agreement thread), it holds `turn` but while a run is handed
+    on: a stop asked while it waits for the build's slot is posted by the
+    beat's thread meanwhile (`post_stop`), not once the build took a run.
     """
+    if turn:
+      self.turn.acquire()
+    try:
+      yield from self._steps(runner, asks, turn)
+    finally:
+      if turn:
+        self.turn.release()
+
+  def _steps(self, runner: Any, asks: bool, turn: bool) -> Iterator[common.Run]:
     result: Any = None
     error: Exception | None = None
     while True:
@@ -116,7 +128,13 @@ class Driver(interpreter.World):
         return
       if kind is core.Deliver:
         run, action = action.run, None
-        yield run
+        if turn:
+          self.turn.release()
+        try:
+          yield run
+        finally:
+          if turn:
+            self.turn.acquire()
         # The build stage's alone once handed on: this frame must not hold it
         # while it waits for the next slot (the read-ahead counts it as built).
         del run
@@ -191,23 +209,24 @@ class Driver(interpreter.World):
   def heard(self, close: bool = False) -> None:
     """Something was put in the inbox: the thread that runs the core takes it now; no lock.
 
-    With a reading thread, its wait is woken; inline, the beat's thread is
-    handed `post_stop` (one put: the asker, a signal handler say, takes no
-    lock and calls no store); an ending, by the call or the closer.
+    With a reading thread, its wait is woken; and for a stop, the beat's
+    thread is handed `post_stop` (one put: the asker, a signal handler say,
+    takes no lock and calls no store); an ending, by the core's thread or the closer.
     """
     if self._thread is not None:
       self._thread.nudge()
-    elif not close:
-      if self._beat is None:
-        self.post_stop()
-      else:
-        self._beat.wake(self.post_stop)
+    if close:
+      return
+    if self._beat is not None:
+      self._beat.wake(self.post_stop)
+    elif self._thread is None:
+      self.post_stop()
 
   def post_stop(self, *, in_call: bool = False) -> None:
-    """Inline: posts a stop asked for here now, unless a call holds `turn` (it posts it as it ends).
+    """Posts a stop asked for here now, unless the core's thread holds `turn` (it posts it then).
 
-    Run by the beat's thread (`heard`), or by the consumer's call as it ends
-    (`in_call`: the core runs in this thread, so its own state is read too).
+    Run by the beat's thread (`heard`), or inline by the consumer's call as it
+    ends (`in_call`: the core runs in this thread, so its own state is read too).
     Never waits for the turn, so it never holds up a beat for a call.
     """
     while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
