@@ -257,6 +257,7 @@ class _Host(interpreter.World):
     self.busy = False
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.calls = 0  # The client's calls the last store action made.
+    self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -343,8 +344,15 @@ class _Host(interpreter.World):
     return self.pace_of.count(self.clock.now)
 
   def dead(self, peer: int) -> bool:
-    ended = self.c.hosts[peer].out
-    return ended.ending == "killed" and self.clock.now - ended.ended_at >= periods.DEAD_AFTER_S
+    """As `liveness.Liveness.dead`: its beat (one a period while alive), read at most once a
+    period, unchanged for `DEAD_AFTER_S` since this host first read it so."""
+    ended, now, period = self.c.hosts[peer].out, self.clock.now, periods.LIVENESS_PERIOD_S
+    beat = (min(now, ended.ended_at) if ended.ending == "killed" else now) // period
+    last = self.beats.get(peer)
+    if last is None or now - last[2] >= period:
+      since = last[1] if last is not None and last[0] == beat else now
+      last = self.beats[peer] = (beat, since, now)
+    return now - last[1] >= periods.DEAD_AFTER_S
 
   def closed(self, peer: int) -> str | None:
     host = self.c.hosts[peer]  # One stream everywhere.
