@@ -38,8 +38,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grain_jax_sync._src import (
-  liveness,
   messages,
+  periods,
   plan,
   prefetch,
   reader,
@@ -95,7 +95,7 @@ def _driven(read, ex, rules, who, *, lookahead, timeout_s, built=None):
     process_count=ex.process_count,
     lookahead=lookahead,
     timeout_s=timeout_s,
-    dead_after_s=liveness.DEAD_AFTER_S,
+    dead_after_s=periods.DEAD_AFTER_S,
     position=0,
     threaded=built is not None,
     paced=False,

@@ -335,7 +335,7 @@ class _Host(interpreter.World):
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:
-      yield (("built", self.p), self.clock.now + common.WAIT_SLICE_S)
+      yield (("built", self.p), self.clock.now + periods.LIVENESS_PERIOD_S)
 
   def pace(self) -> int:
     return self.pace_of.count(self.clock.now)

@@ -20,9 +20,6 @@ READ_AHEAD_BYTES = 64 << 20
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
 FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
-# A wait for this host's own read, or in the store, lasts at most a liveness
-# period before the core looks at its peers' beats again.
-WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 
 
 def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
 
@@ -257,7 +257,7 @@ class Streamed(common.Agreement):
     """
     if self._cross_since is not None:
       left_s = min(left_s, self._cross_since + self._cross_s - self.now.t)
-    wait_s = max(0.0, min(common.WAIT_SLICE_S, left_s))
+    wait_s = max(0.0, min(periods.LIVENESS_PERIOD_S, left_s))
     self.timer = self.now.t + wait_s
     return wait_s
 
