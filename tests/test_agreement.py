@@ -39,7 +39,6 @@ from hypothesis import strategies as st
 
 from grain_jax_sync._src import (
   messages,
-  periods,
   plan,
   prefetch,
   reader,
@@ -95,7 +94,6 @@ def _driven(read, ex, rules, who, *, lookahead, timeout_s, built=None):
     process_count=ex.process_count,
     lookahead=lookahead,
     timeout_s=timeout_s,
-    dead_after_s=periods.DEAD_AFTER_S,
     position=0,
     threaded=built is not None,
     paced=False,

@@ -170,7 +170,7 @@ class Decider(Streamed):
     if self._idle and (yield core.IsDead(peer)):
       where = f"its batch {self._yielded} (position {self._decided})"
       when = f"while the other processes waited for {where}"
-      self._abort = endings.lost(peer, self._dead_after_s, self._yielded, when)
+      self._abort = endings.lost(peer, self._yielded, when)
     elif self._idle and (note := (yield core.ClosedNote(peer))) is not None:
       # Its ending here, if it posted one.
       yield from self._absorb((yield from self._timed(core.ReadChunks())))
@@ -268,7 +268,6 @@ def core_for(
   return kind(
     rules,
     who,
-    dead_after_s=periods.DEAD_AFTER_S,
     threaded=threaded,
     inline=not threaded,
     **settings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from grain_jax_sync._src import periods
 from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
 
@@ -125,13 +126,11 @@ def closed_error(process: int, at_batch: int, how: str = "closed its iterator") 
   )
 
 
-def lost(
-  peer: int, dead_after_s: float, at_batch: int, when: str, cause: str = ""
-) -> ReportedError:
+def lost(peer: int, at_batch: int, when: str, cause: str = "") -> ReportedError:
   """The ending of a peer whose liveness beat stopped `when`: dead, not slow (`liveness`)."""
   return ReportedError(
     ErrorKind.LOST,
-    f"process {peer} is lost: its liveness beat stopped for {dead_after_s:g}s {when};"
+    f"process {peer} is lost: its liveness beat stopped for {periods.DEAD_AFTER_S:g}s {when};"
     f" {cause or 'it died (killed, out of memory, crashed) or froze'}",
     peer,
     at_batch,

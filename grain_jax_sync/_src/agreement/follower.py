@@ -90,7 +90,7 @@ class Follower(Streamed):
       yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
-      error = endings.lost(0, self._dead_after_s, self._yielded, when, cause)
+      error = endings.lost(0, self._yielded, when, cause)
       raise endings.to_exception(error, self._process, None)
     note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:

@@ -35,7 +35,6 @@ class Streamed(common.Agreement):
     process_count: How many processes take part.
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
-    dead_after_s: After this long without a beat a peer is dead (`liveness`).
     position: Output batches before the first one (the resume position).
     read_ahead: At most this many positions held (None: `common.read_ahead_limit`).
     threaded: Whether a build thread runs (what it has not built counts in the read-ahead).
@@ -53,7 +52,6 @@ class Streamed(common.Agreement):
     process_count: int,
     lookahead: int | None,
     timeout_s: float,
-    dead_after_s: float,
     position: int,
     read_ahead: int | None = None,
     threaded: bool = False,
@@ -66,7 +64,6 @@ class Streamed(common.Agreement):
     self._namespace = namespace
     self._process_count = process_count
     self._timeout_s = timeout_s
-    self._dead_after_s = dead_after_s
     self._own = common.OwnReads(
       lookahead=lookahead, read_ahead=read_ahead, threaded=threaded, paced=paced, inline=inline
     )
@@ -150,7 +147,7 @@ class Streamed(common.Agreement):
       for peer in waiting:
         if (yield core.IsDead(peer)):
           when = f"before it received the last batch ({yielded} batches)"
-          error = endings.lost(peer, self._dead_after_s, yielded, when)
+          error = endings.lost(peer, yielded, when)
           raise endings.to_exception(error, self._process, None)
       if waiting and reached(self.now.t - since, self._timeout_s):
         error = endings.not_at_end(waiting, yielded, self._timeout_s)
