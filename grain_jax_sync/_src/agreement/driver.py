@@ -246,13 +246,10 @@ def drive(
 ) -> Iterator[common.Run]:
   """Feeds `runner` (a core, or a side run of one) and carries its actions out; its runs.
 
-  The core is told each result at once. `asks()` hands the inbox to the core
-  after each step and says whether a close was asked: then the drive stops
-  before the next action (no position is decided after it, and the ending is
-  posted after what the core posted, not over it). With `before` (a thread
-  runs the core), also before each step: a stop asked during its last wait is
-  the core's before it decides the next position. Inline, the consumer's call
-  hands it over after (`post_stop` as the call ends).
+  After each step `asks()` hands the inbox to the core: a close asked stops the
+  drive before the next action (the ending is posted after what the core
+  posted, not over it). With `before` (a thread runs the core), before each
+  step too: a stop asked during its wait is the core's before it decides.
   """
   result: Any = None
   error: Exception | None = None
