@@ -12,7 +12,7 @@ from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
-from grain_jax_sync._src.agreement.streamed import Streamed, reached
+from grain_jax_sync._src.agreement.streamed import Streamed, reached, unstarted
 from grain_jax_sync._src.messages import Outcome
 
 
@@ -250,10 +250,7 @@ class Decider(Streamed):
 
   def _closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.StoreCall]:
     """Posts this host's ending (closed, or `error`) as the final decision."""
-    final = messages.Decision(
-      self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
-    )
-    return [core.PostDecision(self._seq, final.to_json(), True), core.EndExchange()]
+    return unstarted(self._process, at_batch, error, seq=self._seq, start=self._decided)
 
 
 def core_for(

@@ -280,16 +280,18 @@ def reached(waited_s: float, limit_s: float) -> bool:
 
 
 def unstarted(
-  process: int, at_batch: int, error: messages.ReportedError | None
+  process: int, at_batch: int, error: messages.ReportedError | None, *, seq: int = 0, start: int = 0
 ) -> list[core.StoreCall]:
   """The calls that post `process`'s ending (closed, or `error`) to a stream it never started.
 
-  As the stream's first and final decision (process 0) or chunk (any other).
+  As the stream's first and final decision (process 0) or chunk (any other);
+  process 0 posts its ending in a stream it runs the same way, as decision
+  `seq` at position `start`.
   """
   error = error or endings.closed_error(process, at_batch)
   if process == 0:
-    final = messages.Decision(0, (), messages.Outcome.RAISE, error)
-    return [core.PostDecision(0, final.to_json(), True), core.EndExchange()]
+    final = messages.Decision(start, (), messages.Outcome.RAISE, error)
+    return [core.PostDecision(seq, final.to_json(), True), core.EndExchange()]
   report = messages.Report(process_index=process, error=error, local_devices=1)
   chunk = messages.Chunk(start=0, ack=0, report=report)
   return [core.PostChunk(chunk.to_json(), True), core.EndExchange()]
