@@ -10,28 +10,26 @@ from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
 
 
-class PeerTimeoutError(RuntimeError):
+class _PeerError(RuntimeError):
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class PeerTimeoutError(_PeerError):
   """A live peer did not report within `sync_timeout_s`.
 
   Attributes:
     missing: Indices of the processes that were waited for.
   """
 
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
 
-
-class PeerLostError(RuntimeError):
+class PeerLostError(_PeerError):
   """A peer stopped its liveness beat: it died.
 
   Attributes:
     missing: Indices of the lost processes.
   """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
 
 
 def _text(e: BaseException) -> str:
