@@ -91,8 +91,40 @@ class Driver(interpreter.World):
       self.post_ending()
 
   def _drive(self, runner: Any, *, asks: bool = True) -> Iterator[common.Run]:
-    take = self._take_asks if asks else None
-    return drive(runner, self, self._exchange, take, before=self._thread is not None)
+    """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
+
+    The core is told each result at once; with `asks`, an ending asked for
+    stops the drive before its next action (no position is decided after it,
+    and the ending is posted after what the core posted, not over it).
+    """
+    result: Any = None
+    error: Exception | None = None
+    while True:
+      # With an agreement thread, a stop asked during its last wait is the
+      # core's before it decides the next position. Inline, the consumer's
+      # call hands it over after (`post_stop` as the call ends).
+      closing = asks and self._thread is not None and self._take_asks()
+      now = self.now()
+      action = runner.send(result, now) if error is None else runner.throw(error, now)
+      result = error = None
+      if closing or (asks and self._take_asks()):
+        return
+      kind = type(action)
+      if kind is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      if kind is core.Deliver:
+        run, action = action.run, None
+        yield run
+        # The build stage's alone once handed on: this frame must not hold it
+        # while it waits for the next slot (the read-ahead counts it as built).
+        del run
+        continue
+      try:
+        result = interpreter.act(action, self._exchange, self)
+      except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
+        error = e
 
   # -- the core's world on a real host (`interpreter.World`) ---------------------
 
@@ -222,16 +254,22 @@ class Stepper(interpreter.World):
     self.core, self._reader, self._exchange, self._asks = stepper, reader, exchange, asks
 
   def __iter__(self) -> Iterator[common.Run]:
-    return drive(self.core, self, self._exchange, self._take_stops, before=True)
-
-  def _take_stops(self) -> bool:  # The stops asked by now (a close ends the stream, not the core).
-    for _ in range(0 if self._asks is None else self._asks.qsize()):
-      if isinstance(ask := self._asks.get_nowait(), int):
-        self.core.stop_asked(ask)
-    return False
-
-  def now(self) -> None:
-    return None  # The lockstep core reads no clock.
+    stepper, asks, result = self.core, self._asks, None
+    while True:
+      for _ in range(0 if asks is None else asks.qsize()):  # Those put by now.
+        if isinstance(ask := asks.get_nowait(), int):
+          stepper.stop_asked(ask)
+      action = stepper.send(result)
+      if type(action) is core.Deliver:
+        run, action, result = action.run, None, None
+        yield run
+        del run  # The build stage's alone once handed on.
+        continue
+      if type(action) is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      result = interpreter.act(action, self._exchange, self)
 
   def read_window(self, count: int) -> list[core.Read | core.End]:
     """Up to `count` reads, the last one the stream's `End` if reached."""
@@ -239,40 +277,3 @@ class Stepper(interpreter.World):
     while len(out) < count and not isinstance(out[-1], core.End):
       out.append(next(self._reader))
     return out
-
-
-def drive(
-  runner: Any, world: Any, exchange: Any, asks: Any = None, *, before: bool = False
-) -> Iterator[common.Run]:
-  """Feeds `runner` (a core, or a side run of one) and carries its actions out; its runs.
-
-  After each step `asks()` hands the inbox to the core: a close asked stops the
-  drive before the next action (the ending is posted after what the core
-  posted, not over it). With `before` (a thread runs the core), before each
-  step too: a stop asked during its wait is the core's before it decides.
-  """
-  result: Any = None
-  error: Exception | None = None
-  while True:
-    closing = before and asks is not None and asks()
-    now = world.now()
-    action = runner.send(result, now) if error is None else runner.throw(error, now)
-    result = error = None
-    if closing or (asks is not None and asks()):
-      return
-    kind = type(action)
-    if kind is core.Ended:
-      if action.error is not None:
-        raise action.error
-      return
-    if kind is core.Deliver:
-      run, action = action.run, None
-      yield run
-      # The build stage's alone once handed on: this frame must not hold it
-      # while it waits for the next slot (the read-ahead counts it as built).
-      del run
-      continue
-    try:
-      result = interpreter.act(action, exchange, world)
-    except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
-      error = e

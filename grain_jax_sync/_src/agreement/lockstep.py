@@ -41,8 +41,7 @@ class Lockstep(common.Agreement):
     self._signature: batches_lib.Signature | None = None
     self._end: core.End | None = None
     self._reads: list[core.Read] = []  # Undecided reads kept after a WAIT.
-    side = core.Side(self._run())
-    self.send, self.throw = side.send, side.throw
+    self.send = core.Side(self._run()).send
 
   def _run(self) -> core.Steps:
     for w in range(1 << 62):
