@@ -459,18 +459,13 @@ def signature_error(reports: Sequence[Report]) -> ReportedError | None:
   )
 
 
-def _fmt(processes: Sequence[int]) -> str:
-  """'process 1' or 'processes 1, 2'."""
-  return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
-
-
 def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: int) -> ReportedError:
   """Some hosts ran out of batches at batch `index` while others did not."""
   out = [r.process_index for r, h in zip(reports, has, strict=True) if not h]
   left = [r.process_index for r, h in zip(reports, has, strict=True) if h]
   return value_error(
-    f"{UNEVEN_COUNT}: {_fmt(out)} ran out of data at batch {index} while"
-    f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
+    f"{UNEVEN_COUNT}: {processes(out)} ran out of data at batch {index} while"
+    f" {processes(left)} {'still has' if len(left) == 1 else 'still have'} batches."
     " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
     " to fill the missing batches with masked dummy batches"
   )
@@ -515,8 +510,8 @@ def shared_rows_error(
       # A dummy batch on one replica and real rows on another would make a
       # global array whose copies differ from process to process.
       return (
-        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
-        f" {_processes(list(fed))} had one. Processes that share data shards must"
+        f"{head} {processes(ended)} had no batch {batch_index} (its source ended) while"
+        f" {processes(list(fed))} had one. Processes that share data shards must"
         f" feed the same number of batches: load {_LOAD_SHARD}"
       )
     if len(set(fed.values())) > 1:
@@ -531,5 +526,6 @@ _LOAD_SHARD = (
 )
 
 
-def _processes(ps: Sequence[int]) -> str:
+def processes(ps: Sequence[int]) -> str:
+  """'process 1' or 'processes [1, 2]', for messages."""
   return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"
