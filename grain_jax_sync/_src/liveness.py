@@ -2,18 +2,15 @@
 
 One beat thread per process (not per iterator) overwrites
 ``grain_jax_sync/beat/{p}`` every liveness period (`periods`,
-`key_value.beat_text`). A process that waits for a peer reads its beat once a
-wait slice brought nothing (once per period): unchanged for
-`DEAD_AFTER_S` means dead; a peer that never beat
-has not built an iterator yet (late, not dead). The first beat is written
-before `Beat.ensure` returns, so a process that built an iterator has beat.
-
-A beat costs one small store write per process per period; the beat thread
-runs whenever the GIL is free, so a busy training loop beats. A killed
-process is named `DEAD_AFTER_S` after the first read of its last beat, which
-lags its death by up to two periods (the slice plus the beat's), plus one
-decision hop: within docs/guarantees.md's promise, and well before JAX's own
-heartbeat.
+`key_value.beat_text`): one small store write per process per period, and the
+thread runs whenever the GIL is free, so a busy training loop beats. A process
+that waits for a peer reads its beat once a wait slice brought nothing (once
+per period): unchanged for `periods.DEAD_AFTER_S` means dead, named that long after
+the first read of its last beat, which lags the death by up to two periods
+(the slice plus the beat's), plus one decision hop: within
+docs/guarantees.md's promise, and well before JAX's own heartbeat. A peer that
+never beat has not built an iterator yet (late, not dead). The first beat is
+written before `Beat.ensure` returns, so a process that built an iterator has beat.
 """
 
 from __future__ import annotations
@@ -118,7 +115,7 @@ class Beat:
 
 
 class Liveness:
-  """Tells a dead peer (beat unchanged for `DEAD_AFTER_S`) from a slow one.
+  """Tells a dead peer (beat unchanged for `dead_after_s`) from a slow one.
 
   Reads a peer's beat at most once per liveness period, only while waiting for it,
   and its close note only when its beat shows a close not read yet.
