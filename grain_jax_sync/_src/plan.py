@@ -210,7 +210,13 @@ class _Position:
     )
 
 
-def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
+def decide(
+  reports: Sequence[Report],
+  rules: Rules,
+  *,
+  position: int = 0,
+  groups: Sequence[Sequence[int]] = (),
+) -> Plan:
   """Decides what every host does with the window just read.
 
   Args:
@@ -220,44 +226,58 @@ def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Pla
       (the same on every host); `Plan.batch_size` returns it, and the caller
       passes ``pin(rules, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
+    groups: Where processes share rows (`BatchPlacement.groups`): the
+      processes of each group, whose reports' digests must agree.
 
   Returns:
     The plan; identical on every host given identical reports. With
     `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
   """
   plan = _decide_rows(reports, rules, position)
-  if rules.shapes is None or not plan.steps:
+  if (rules.shapes is None and not groups) or not plan.steps:
     return plan
-  return agree_sizes(plan, reports, rules.shapes, position=position)
+  return agree_sizes(plan, reports, rules.shapes, position=position, groups=groups)
 
 
 def agree_sizes(
-  plan: Plan, reports: Sequence[Report], shapes: shapes_lib.Shapes, *, position: int
+  plan: Plan,
+  reports: Sequence[Report],
+  shapes: shapes_lib.Shapes | None,
+  *,
+  position: int,
+  groups: Sequence[Sequence[int]] = (),
 ) -> Plan:
-  """`plan` with each yield's agreed sizes: per varying dim the max over hosts, bucketed.
+  """`plan` with each yield's agreed sizes, and its rows compared within `groups`.
 
-  A size above its column's last bucket ends the plan before that step with
-  the same ValueError on every host.
+  A size is the max over hosts per varying dim, bucketed. A size above its
+  column's last bucket, or rows that differ within a group
+  (`shared_rows_error`), end the plan before that step with the same
+  ValueError on every host.
   """
   sig = signature_of(reports)
-  if sig is None:
-    return plan
-  leaves = sig["leaves"]
-  layout = shapes_lib.flat(
-    shapes, tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-  )
+  layout = None
+  if shapes is not None and sig is not None:
+    leaves = sig["leaves"]
+    names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
+    layout = shapes_lib.flat(shapes, names, dims)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
     if step.action == Action.YIELD:
-      per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
-      sizes = shapes_lib.agree(per_host, layout)
-      if isinstance(sizes, shapes_lib.Above):
-        message = shapes_lib.above_message(layout, sizes, per_host, index)
-        return dataclasses.replace(
-          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, index)
-        )
-      step = Step(step.action, step.rows, step.real_rows, sizes)
+      message = None
+      if layout is not None:
+        per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
+        sizes = shapes_lib.agree(per_host, layout)
+        if isinstance(sizes, shapes_lib.Above):
+          message = shapes_lib.above_message(layout, sizes, per_host, index)
+        else:
+          step = Step(step.action, step.rows, step.real_rows, sizes)
+      if message is None and groups:
+        digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
+        message = shared_rows_error(digests, groups, index)
+      if message is not None:
+        error = value_error(message, index)
+        return dataclasses.replace(plan, steps=tuple(steps), end=Outcome.RAISE, error=error)
       index += 1
     steps.append(step)
   return dataclasses.replace(plan, steps=tuple(steps))

@@ -72,35 +72,6 @@ def make_report(
   )
 
 
-def decide(
-  reports: list[messages.Report],
-  rules: plan_lib.Rules,
-  *,
-  groups: tuple[tuple[int, ...], ...],
-  position: int,
-) -> plan_lib.Plan:
-  """`plan.decide`, then, where processes share rows, the digest check.
-
-  The first yield whose rows differ within a group ends the plan with the same ValueError.
-  """
-  plan = plan_lib.decide(reports, rules, position=position)
-  if not groups:
-    return plan
-  index = position
-  for i, step in enumerate(plan.steps):
-    if step.action != messages.Action.YIELD:
-      continue
-    digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
-    message = plan_lib.shared_rows_error(digests, groups, index)
-    if message is not None:
-      error = plan_lib.value_error(message, index)
-      return dataclasses.replace(
-        plan, steps=plan.steps[:i], end=messages.Outcome.RAISE, error=error
-      )
-    index += 1
-  return plan
-
-
 class Agreement:
   """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
 

@@ -82,7 +82,7 @@ class Decider(Streamed):
     if allowance == 0:
       return None  # A horizon's worth is decided: wait for the build thread.
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
-    plan = common.decide(reports, self._rules, groups=self._who.groups, position=self._yielded)
+    plan = plan_lib.decide(reports, self._rules, position=self._yielded, groups=self._who.groups)
     if plan.end == Outcome.CONTINUE and len(plan.steps) > allowance:
       # Decided position by position, so a prefix of the plan is the plan of
       # that prefix; the rest is decided once the consumer takes what is ahead.

@@ -100,7 +100,7 @@ class Lockstep(common.Agreement):
       ]
       if stops:
         return plan_lib.Plan((), Outcome.RAISE, stops[0])
-    return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
+    return plan_lib.decide(reports, self._rules, position=self._position, groups=self._who.groups)
 
 
 _READ_ONE = core.ReadWindow(1)  # The one action per batch alone: made once.
