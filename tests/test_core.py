@@ -53,7 +53,7 @@ class Hand(interpreter.World):
 
   def take(self, want, wait_s):
     yield from ()
-    return next(self.reads)
+    return [next(self.reads)]
 
   def pace(self) -> int:
     return 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.

@@ -323,16 +323,15 @@ class _Host(interpreter.World):
 
   def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
     if not self.threaded:
-      return (yield from self._read_one())
+      return [(yield from self._read_one())]
     if want > self.asked:
       self.asked = want
       self.clock.signal(("ask", self.p))
     if not self.read_q and wait_s > 0:
       yield (("read", self.p), self.clock.now + wait_s)
-    if not self.read_q:
-      return None
-    self.asked -= 1
-    return self.read_q.popleft()
+    items = [self.read_q.popleft() for _ in range(min(want, len(self.read_q)))]
+    self.asked -= len(items)
+    return items
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:

@@ -93,7 +93,7 @@ class Delivered(NamedTuple):
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
   out: dict[str, Any] = delivered._asdict()
-  out.update(dataclasses.asdict(times))
+  out.update(source_s=times.source_s, exchange_s=times.exchange_s, transfer_s=times.transfer_s)
   return {k: out[k] for k in FIELDS}
 
 

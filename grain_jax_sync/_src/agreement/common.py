@@ -241,9 +241,14 @@ class OwnReads:
     return (self.held() or 0) > 0
 
   def wait_for_build(self, *, until_room: bool = False) -> core.Steps:
-    """Waits until the build thread hands a position on; with `until_room`, until `room()`."""
+    """Waits until the build thread hands a position on; with `until_room`, until `room()` (one wait)."""
     while self._threaded:
-      yield core.WaitBuild(self.now.done)
+      beyond = self.now.done
+      if until_room:
+        ahead = self._ahead()
+        need = -(-ahead // 2) if self._refill else 1
+        beyond = max(beyond, min(self.count - ahead + need, self.count - len(self.pending)) - 1)
+      yield core.WaitBuild(beyond)
       if not until_room or self.room() or not self.waits_on_build():
         return
 
@@ -252,20 +257,20 @@ class OwnReads:
     return self.inline or self.now.ready
 
   def read(self, wait_s: float = 0.0) -> core.Steps:
-    """This host's next read, or None where the reading thread had none within `wait_s`."""
-    item = yield core.Take(max(1, self._free()), wait_s)
-    if item is None:
-      return None
-    if isinstance(item, core.End):
-      self.end = item
-      return item
-    if self.count == 0:
-      self._base = read_ahead_limit(item, self.lookahead, self._cap)
-      self.signature = item.batch.signature
-    self.pending.append(item)
-    self.count += 1
-    yield from self.measure()
-    return item
+    """This host's reads at hand, one step and one pace for a run; the first waited for up to `wait_s`."""
+    items = yield core.Take(max(1, self._free()), wait_s)
+    for item in items:
+      if isinstance(item, core.End):
+        self.end = item
+        return items
+      if self.count == 0:
+        self._base = read_ahead_limit(item, self.lookahead, self._cap)
+        self.signature = item.batch.signature
+      self.pending.append(item)
+      self.count += 1
+    if items:
+      yield from self.measure()
+    return items
 
   def take(self, start: int, n: int) -> core.Steps:
     """This host's reads for positions ``[start, start + n)`` (None past its end)."""

@@ -90,7 +90,7 @@ class Action:
 
 
 class Take(Action):
-  """This host's next read (a `Read` or `End`), or None within `wait_s`; `want`: reads it may hold."""
+  """This host's reads at hand, up to `want` (the last may be its `End`), the first waited for up to `wait_s`; a list."""
 
   want: int
   wait_s: float

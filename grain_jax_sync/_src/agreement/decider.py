@@ -206,19 +206,18 @@ class Decider(Streamed):
       self._waited = stale and self._process_count == 2
 
   def _read(self, wait_s: float) -> core.Steps:
-    """Takes this host's next read into the ledger; False where none came within `wait_s`."""
-    item = yield from self._own.read(wait_s)
-    if item is None:
-      return False
-    self._reads_since_look += 1
-    if isinstance(item, core.End):
-      sig = None if self._own.signature is None else self._own.signature.to_json()
-      self._ledger.add_end(common.make_report(self._who, (), self._rules, item, sig, False))
-      return True
-    if self._own.count == 1:
-      self._set_own(signature=item.batch.signature.to_json())
-    self._ledger.add_rows(self._process, item.batch.rows, item.digest, item.batch.sizes)
-    return True
+    """Takes this host's next reads into the ledger; False where none came within `wait_s`."""
+    items = yield from self._own.read(wait_s)
+    self._reads_since_look += len(items)
+    for item in items:
+      if isinstance(item, core.End):
+        sig = None if self._own.signature is None else self._own.signature.to_json()
+        self._ledger.add_end(common.make_report(self._who, (), self._rules, item, sig, False))
+        break
+      if self._ledger.count(self._process) == 0:
+        self._set_own(signature=item.batch.signature.to_json())
+      self._ledger.add_rows(self._process, item.batch.rows, item.digest, item.batch.sizes)
+    return bool(items)
 
   def _set_own(self, *, signature: dict[str, Any] | None) -> None:
     """Records this process's identity in the ledger, with its structure once read."""

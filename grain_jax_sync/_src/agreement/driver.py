@@ -159,14 +159,19 @@ class Driver(interpreter.World):
     yield from ()  # A real wait blocks in the reading stage.
     thread = self._thread
     if thread is None:
-      return next(self._reader)  # type: ignore[call-overload]
+      return [next(self._reader)]  # type: ignore[call-overload]
     if want > self._asked:
       thread.ask(want - self._asked)
       self._asked = want
+    items: list[Any] = []
     item = thread.take(wait_s)
-    if item is not None:
-      self._asked -= 1
-    return item
+    while item is not None:  # Then every one at hand, up to `want` and the end.
+      items.append(item)
+      if len(items) == want or type(item) is core.End or not thread.ready():
+        break
+      item = thread.take(0.0)
+    self._asked -= len(items)
+    return items
 
   def wait_build(self, beyond: int) -> core.Steps:
     yield from ()  # A real wait blocks on the build stage.
@@ -215,6 +220,7 @@ class Driver(interpreter.World):
     """
     if self._thread is not None:
       self._thread.nudge()
+      self._built.wake()  # A wait for the build thread's room, too.
     if close:
       return
     if self._beat is not None:

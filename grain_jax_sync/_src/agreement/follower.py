@@ -137,14 +137,14 @@ class Follower(Streamed):
     )
 
   def _read(self, wait_s: float) -> core.Steps:
-    """Takes one read; True where it then posted (`common.OwnReads.due`), None where none came."""
-    item = yield from self._own.read(wait_s)
-    if item is None:
+    """Takes the reads at hand; True where it then posted (`common.OwnReads.due`), None where none came."""
+    items = yield from self._own.read(wait_s)
+    if not items:
       return None
-    if isinstance(item, core.End):
+    self._unposted += [r for r in items if type(r) is core.Read]
+    if self._own.end is not None:
       yield from self._flush()
       return False
-    self._unposted.append(item)
     if self._own.due(len(self._unposted)):
       yield from self._flush()  # Process 0 decides it while this host reads on.
       return True
