@@ -400,14 +400,15 @@ class _Host(interpreter.World):
     """A batch, a step, and what the plan asks of this host."""
     clock, plan, received = self.clock, self.plan, self.out.received
     inline: collections.deque[Any] = collections.deque()
+    turn = not self.threaded  # Inline, `next()` holds the core's turn.
     while plan.close_at != len(received):
-      self.busy = self.busy or not self.threaded
+      self.busy = self.busy or turn
       item = yield from self._next(items, inline)
-      self.busy = self.busy and self.threaded
       if isinstance(item, StopIteration) and self.core.reached_end:
         # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
         # peer's consumer got there, or raises naming the one that left.
         item = yield from self.drive(self.core.side(self.core.at_end()))
+      self.busy = self.busy and not turn
       if isinstance(item, StopIteration):
         return self._end("end", by=self.core.stop_requested_by)
       if isinstance(item, BaseException):
