@@ -170,6 +170,7 @@ class OwnReads:
     self.now = core.Now(0.0)  # The driver's last word (`Streamed.send`).
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
+    self._asked = 0  # Reads asked of the reading thread and not taken (`stalled`).
 
   def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
@@ -256,9 +257,15 @@ class OwnReads:
     """Whether a read can be taken at once (inline: always)."""
     return self.inline or self.now.ready
 
+  def stalled(self) -> bool:
+    """Whether a read asked of the reading thread is not there yet (one not asked yet is no stall)."""
+    return not self.ready() and self._asked > 0
+
   def read(self, wait_s: float = 0.0) -> core.Steps:
     """This host's reads at hand, one step and one pace for a run; the first waited for up to `wait_s`."""
-    items = yield core.Take(max(1, self._free()), wait_s)
+    want = max(1, self._free())
+    items = yield core.Take(want, wait_s)
+    self._asked = max(self._asked, want) - len(items)  # As the reading thread was asked.
     for item in items:
       if isinstance(item, core.End):
         self.end = item

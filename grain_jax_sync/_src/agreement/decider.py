@@ -145,7 +145,7 @@ class Decider(Streamed):
     """
     missing = self._needed()
     if self._process in missing:
-      self._waited = self._waited or not self._own.ready()  # A wait for the source.
+      self._waited = self._waited or self._own.stalled()  # A wait for the source.
       if not (yield from self._read(periods.LIVENESS_PERIOD_S)):
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
       return
