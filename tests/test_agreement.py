@@ -38,7 +38,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grain_jax_sync._src import (
-  liveness,
   messages,
   plan,
   prefetch,
@@ -95,7 +94,6 @@ def _driven(read, ex, rules, who, *, lookahead, timeout_s, built=None):
     process_count=ex.process_count,
     lookahead=lookahead,
     timeout_s=timeout_s,
-    dead_after_s=liveness.DEAD_AFTER_S,
     position=0,
     threaded=built is not None,
     paced=False,
@@ -565,14 +563,14 @@ def _shared_reports(digests_1: tuple[str, ...]) -> list[messages.Report]:
 
 def test_shared_rows_that_agree_decide_as_plan_decide():
   reports = _shared_reports(("a", "b", "c"))
-  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=4)
+  got = plan.decide(reports, RULES, position=4, groups=((0, 1), (2,)))
   assert got == plan.decide(reports, RULES, position=4)
   assert got.end == messages.Outcome.STOP and len(got.steps) == 3
 
 
 def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   reports = _shared_reports(("a", "b", "C"))
-  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=4)
+  got = plan.decide(reports, RULES, position=4, groups=((0, 1), (2,)))
   assert len(got.steps) == 2 and got.end == messages.Outcome.RAISE
   assert got.error is not None and got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(
@@ -580,7 +578,7 @@ def test_shared_rows_that_differ_cut_the_plan_and_raise_naming_the_batch():
   )
   assert "process 0: c, process 1: C" in got.error.message
   # Without groups (no shared rows) the digests are not looked at.
-  assert common.decide(reports, RULES, groups=(), position=4).end == messages.Outcome.STOP
+  assert plan.decide(reports, RULES, position=4, groups=()).end == messages.Outcome.STOP
 
 
 def test_a_group_of_dummy_batches_is_not_compared():
@@ -588,7 +586,7 @@ def test_a_group_of_dummy_batches_is_not_compared():
   reports = _shared_reports(("a",))
   for p in (0, 1):
     reports[p] = messages.Report(process_index=p, rows=(8,), exhausted=True, digests=("a",))
-  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=0)
+  got = plan.decide(reports, RULES, position=0, groups=((0, 1), (2,)))
   assert got.end == messages.Outcome.STOP
   assert [(s.real_rows[0], s.real_rows[1], s.real_rows[2]) for s in got.steps] == [
     (8, 8, 8),
@@ -602,7 +600,7 @@ def test_a_dummy_batch_beside_its_replicas_rows_raises_naming_both():
   # plan stands up to batch 0 and every host raises the same error.
   reports = _shared_reports(("a",))
   reports[1] = messages.Report(process_index=1, rows=(8,), exhausted=True, digests=("a",))
-  got = common.decide(reports, RULES, groups=((0, 1), (2,)), position=0)
+  got = plan.decide(reports, RULES, position=0, groups=((0, 1), (2,)))
   assert got.end == messages.Outcome.RAISE and len(got.steps) == 1
   assert got.error.kind == messages.ErrorKind.VALUE
   assert got.error.message.startswith(

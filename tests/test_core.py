@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from grain_jax_sync._src import messages, plan, reader, sources
+from grain_jax_sync._src import messages, periods, plan, reader, sources
 from grain_jax_sync._src.agreement import (
   common,
   core,
@@ -392,14 +392,14 @@ def test_a_wait_in_the_store_ends_at_the_cores_next_deadline_and_the_timeout_fir
   limit = 10.0 if waiter == 0 else 10.0 + common.FOLLOWER_GRACE_S
   c.step(waiter)
   # A liveness period: the beats are looked at again then.
-  assert c.cores[waiter].timer == pytest.approx(common.WAIT_SLICE_S)
+  assert c.cores[waiter].timer == pytest.approx(periods.LIVENESS_PERIOD_S)
   c.t = limit - 0.25
   c.step(waiter)
   assert c.cores[waiter].timer == pytest.approx(limit)  # Its deadline, not a liveness period later.
   c.t = c.cores[waiter].timer  # The driver waits until then, and no longer.
   c.step(waiter)
   if waiter == 1:  # It gave up: its timed-out ending posted, it waits a grace more for process 0.
-    assert c.cores[1].timer == pytest.approx(limit + common.WAIT_SLICE_S)
+    assert c.cores[1].timer == pytest.approx(limit + periods.LIVENESS_PERIOD_S)
     c.t = limit + common.FOLLOWER_GRACE_S
     c.step(1)
   error = _error(c.ended[waiter])

@@ -12,7 +12,7 @@ import collections
 import threading
 import time
 
-from grain_jax_sync._src import liveness
+from grain_jax_sync._src import liveness, periods
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.memory_store import MemoryStore
 
@@ -54,7 +54,7 @@ def test_the_beat_goes_on_until_stopped():
   before = _beat_threads()
   beat = liveness.Beat(store, 0)
   try:
-    deadline = time.monotonic() + 10 * liveness.BEAT_S
+    deadline = time.monotonic() + 10 * periods.LIVENESS_PERIOD_S
     while store.key_value_try_get(key_value.beat_key(0)) in ("0/0", "1/0"):
       assert time.monotonic() < deadline, "the beat did not advance"
       time.sleep(0.05)
@@ -75,10 +75,10 @@ def test_the_beat_runs_what_it_is_handed_in_its_thread_and_keeps_its_period():
   try:
     beat.wake(lambda: 1 / 0)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 3.5 * liveness.BEAT_S:
+    while time.monotonic() - t0 < 3.5 * periods.LIVENESS_PERIOD_S:
       beat.wake(lambda: ran.append(threading.current_thread().name))
       handed += 1
-      time.sleep(liveness.BEAT_S / 20)
+      time.sleep(periods.LIVENESS_PERIOD_S / 20)
     _until(lambda: len(ran) == handed or None, "a wake did not run")
     count = int(store.key_value_try_get(key_value.beat_key(2)).partition("/")[0])
   finally:
@@ -92,7 +92,7 @@ def _verdicts(store: MemoryStore, dead_after_s: float) -> list[tuple[float, bool
   live = liveness.Liveness(ex, dead_after_s=dead_after_s)
   out = []
   start = time.monotonic()
-  while time.monotonic() - start < dead_after_s + 2 * liveness.BEAT_S + 0.5:
+  while time.monotonic() - start < dead_after_s + 2 * periods.LIVENESS_PERIOD_S + 0.5:
     out.append((time.monotonic() - start, live.dead(1)))
     time.sleep(0.1)
   return out
@@ -104,8 +104,8 @@ def test_a_peer_whose_beat_stops_is_dead_after_dead_after_s_and_not_before():
   verdicts = _verdicts(store, dead_after_s=1.5)
   assert not [t for t, dead in verdicts if dead and t < 1.5]
   # Named at most one read period after the threshold.
-  assert [dead for t, dead in verdicts if t >= 1.5 + liveness.BEAT_S + 0.2]
-  assert all(dead for t, dead in verdicts if t >= 1.5 + liveness.BEAT_S + 0.2)
+  assert [dead for t, dead in verdicts if t >= 1.5 + periods.LIVENESS_PERIOD_S + 0.2]
+  assert all(dead for t, dead in verdicts if t >= 1.5 + periods.LIVENESS_PERIOD_S + 0.2)
 
 
 def test_a_peer_that_never_beat_is_late_not_dead():
@@ -126,7 +126,7 @@ class _CountingReads(MemoryStore):
 
 
 def _until(fn, what: str):
-  deadline = time.monotonic() + 5 * liveness.BEAT_S
+  deadline = time.monotonic() + 5 * periods.LIVENESS_PERIOD_S
   while (out := fn()) is None:
     assert time.monotonic() < deadline, what
     time.sleep(0.05)
@@ -144,7 +144,7 @@ def test_a_close_note_is_read_only_when_the_beat_shows_a_new_close():
   store.key_value_set(key_value.beat_key(1), "8/1 other/1", True)  # Its beat shows the close.
   assert _until(lambda: live.closed(1), "the close was not found") == note
   assert store.reads["closed"] == 1
-  time.sleep(1.5 * liveness.BEAT_S)
+  time.sleep(1.5 * periods.LIVENESS_PERIOD_S)
   assert live.closed(1) == note and store.reads["closed"] == 1  # The beat read again, not the note.
 
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grain_jax_sync import testing
-from grain_jax_sync._src import liveness
+from grain_jax_sync._src import periods
 from grain_jax_sync._src.agreement import common
 
 STEPS_S = (0.005, 0.05, 0.5, 2.0, 5.0, 10.0)
@@ -124,7 +124,7 @@ def test_a_killed_peer_is_named_on_every_host_within_its_bound(prefetch):
     assert o.ending == "PeerLostError", o
     assert "process 3" in o.message
     # Dead after its beat is still for `DEAD_AFTER_S`; looked at once per slice.
-    assert o.ended_at - 2.0 <= liveness.DEAD_AFTER_S + 2 * liveness.BEAT_S + 1.0
+    assert o.ended_at - 2.0 <= periods.DEAD_AFTER_S + 2 * periods.LIVENESS_PERIOD_S + 1.0
 
 
 @pytest.mark.parametrize("prefetch", [2])

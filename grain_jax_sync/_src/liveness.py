@@ -1,11 +1,16 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every `BEAT_S` (`key_value.beat_text`). A process
+``grain_jax_sync/beat/{p}`` every liveness period (`periods`,
+`key_value.beat_text`): one small store write per process per period, and the
+thread runs whenever the GIL is free, so a busy training loop beats. A process
 that waits for a peer reads its beat once a wait slice brought nothing (once
-per `BEAT_S`): unchanged for `DEAD_AFTER_S` means dead; a peer that never beat
-has not built an iterator yet (late, not dead). The first beat is written
-before `Beat.ensure` returns, so a process that built an iterator has beat.
+per period): unchanged for `periods.DEAD_AFTER_S` means dead, named that long after
+the first read of its last beat, which lags the death by up to two periods
+(the slice plus the beat's), plus one decision hop: within
+docs/guarantees.md's promise, and well before JAX's own heartbeat. A peer that
+never beat has not built an iterator yet (late, not dead). The first beat is
+written before `Beat.ensure` returns, so a process that built an iterator has beat.
 """
 
 from __future__ import annotations
@@ -23,15 +28,6 @@ from grain_jax_sync._src import periods
 from grain_jax_sync._src.exchange import key_value
 
 logger = logging.getLogger(__name__)
-
-# A beat costs one small store write per process per `BEAT_S` (`periods`); the
-# beat thread runs whenever the GIL is free, so a busy training loop beats. A
-# killed process is named DEAD_AFTER_S after the first read of its last beat,
-# which lags its death by up to 2 * BEAT_S (the slice plus the beat period),
-# plus one decision hop: within docs/guarantees.md's promise, and well before
-# JAX's own heartbeat.
-BEAT_S = key_value.WAIT_SLICE_S
-DEAD_AFTER_S = periods.DEAD_AFTER_S
 
 
 class Beat:
@@ -87,14 +83,14 @@ class Beat:
     self._wakes.put(work)
 
   def _run(self) -> None:
-    n, due = 0, time.monotonic() + BEAT_S
+    n, due = 0, time.monotonic() + periods.LIVENESS_PERIOD_S
     while True:
       try:
         work = self._wakes.get(timeout=max(0.0, due - time.monotonic()))
       except queue.Empty:  # The next beat is due: a wake does not put it off.
         n += 1
         self._beat(n)
-        due = time.monotonic() + BEAT_S
+        due = time.monotonic() + periods.LIVENESS_PERIOD_S
         continue
       if work is None:
         return
@@ -105,7 +101,7 @@ class Beat:
 
   def stop(self) -> None:
     self._wakes.put(None)
-    self._thread.join(timeout=2 * BEAT_S)
+    self._thread.join(timeout=2 * periods.LIVENESS_PERIOD_S)
     with contextlib.suppress(Exception):  # Best effort at exit.
       key_value.delete_beat(self._client, self._process)
 
@@ -119,13 +115,15 @@ class Beat:
 
 
 class Liveness:
-  """Tells a dead peer (beat unchanged for `DEAD_AFTER_S`) from a slow one.
+  """Tells a dead peer (beat unchanged for `dead_after_s`) from a slow one.
 
-  Reads a peer's beat at most once per `BEAT_S`, only while waiting for it,
+  Reads a peer's beat at most once per liveness period, only while waiting for it,
   and its close note only when its beat shows a close not read yet.
   """
 
-  def __init__(self, exchange: key_value.KeyValueExchange, dead_after_s: float = DEAD_AFTER_S):
+  def __init__(
+    self, exchange: key_value.KeyValueExchange, dead_after_s: float = periods.DEAD_AFTER_S
+  ):
     self._ex = exchange
     self.dead_after_s = dead_after_s
     # Per process: its beat, since when it is unchanged, when it was read.
@@ -134,10 +132,10 @@ class Liveness:
     self._closed: dict[int, tuple[float, str | None]] = {}
 
   def _beat(self, process: int) -> tuple[str | None, float, float]:
-    """`process`'s beat, since when it is unchanged, and when it was read (once per `BEAT_S`)."""
+    """`process`'s beat, since when it is unchanged, and when it was read (once per liveness period)."""
     now = time.monotonic()
     last = self._seen.get(process)
-    if last is None or now - last[2] >= BEAT_S:
+    if last is None or now - last[2] >= periods.LIVENESS_PERIOD_S:
       beat = self._ex.beat_of(process)
       since = last[1] if last is not None and last[0] == beat else now
       last = self._seen[process] = (beat, since, now)

@@ -93,7 +93,7 @@ class Report:
     resume: The output batch the host resumes at (first window only),
       compared across hosts.
     digests: Where processes share rows: each batch's `reader.rows_digest`,
-      compared by `agreement.common.decide`; empty otherwise.
+      compared by `plan.decide`; empty otherwise.
     sizes: With `pad_shapes`: each batch's sizes of the varying dims
       (`batches.HostBatch.sizes`); empty otherwise.
   """

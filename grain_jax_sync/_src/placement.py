@@ -292,7 +292,7 @@ def local_to_global_shape(
     >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
     (16, 3)
   """
-  return _local_to_global(_as_sharding(sharding, "sharding"), _shape("local_shape", local_shape))
+  return _reshape(_as_sharding(sharding, "sharding"), _shape("local_shape", local_shape), True)
 
 
 def _shape(arg: str, shape: Any) -> tuple[int, ...]:
@@ -305,22 +305,24 @@ def _shape(arg: str, shape: Any) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _local_to_global(
-  sharding: jax.sharding.Sharding, local_shape: tuple[int, ...]
+def _reshape(
+  sharding: jax.sharding.Sharding, shape: tuple[int, ...], to_global: bool
 ) -> tuple[int, ...]:
-  s = cut(sharding, len(local_shape))
+  """This process's data `shape` as the global array's (`to_global`), or back."""
+  s = cut(sharding, len(shape))
   pi = jax.process_index()
   out = []
-  for dim, size in enumerate(local_shape):
-    lay = dim_layout(s, dim, len(local_shape))
+  for dim, size in enumerate(shape):
+    lay = dim_layout(s, dim, len(shape))
     held = len(lay.group_blocks[lay.group_of(pi)])
-    if size % held:
+    parts = held if to_global else lay.num_blocks
+    if size % parts:
+      where, whose = (f" on process {pi}", " that it holds") if to_global else ("", "")
       raise ValueError(
-        f"dimension {dim} has {size} entries on process {pi}, not divisible by"
-        f" the {held} blocks of the sharding that it holds ({s}); expected a"
-        f" multiple of {held}"
+        f"dimension {dim} has {size} entries{where}, not divisible by the"
+        f" {parts} blocks of the sharding{whose} ({s}); expected a multiple of {parts}"
       )
-    out.append(size // held * lay.num_blocks)
+    out.append(size // parts * (lay.num_blocks if to_global else held))
   return tuple(out)
 
 
@@ -347,19 +349,7 @@ def global_to_local_shape(
     (8, 3)
   """
   global_shape = _shape("global_shape", global_shape)
-  s = cut(_as_sharding(sharding, "sharding"), len(global_shape))
-  pi = jax.process_index()
-  out = []
-  for dim, size in enumerate(global_shape):
-    lay = dim_layout(s, dim, len(global_shape))
-    if size % lay.num_blocks:
-      raise ValueError(
-        f"dimension {dim} has {size} entries, not divisible by the"
-        f" {lay.num_blocks} blocks of the sharding ({s}); expected a multiple of"
-        f" {lay.num_blocks}"
-      )
-    out.append(size // lay.num_blocks * len(lay.group_blocks[lay.group_of(pi)]))
-  return tuple(out)
+  return _reshape(_as_sharding(sharding, "sharding"), global_shape, False)
 
 
 # -- the placement of every batch: the sharding and this process's share ---------

@@ -210,7 +210,13 @@ class _Position:
     )
 
 
-def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Plan:
+def decide(
+  reports: Sequence[Report],
+  rules: Rules,
+  *,
+  position: int = 0,
+  groups: Sequence[Sequence[int]] = (),
+) -> Plan:
   """Decides what every host does with the window just read.
 
   Args:
@@ -220,44 +226,58 @@ def decide(reports: Sequence[Report], rules: Rules, *, position: int = 0) -> Pla
       (the same on every host); `Plan.batch_size` returns it, and the caller
       passes ``pin(rules, plan)`` from then on.
     position: Number of batches yielded before this window (for messages).
+    groups: Where processes share rows (`BatchPlacement.groups`): the
+      processes of each group, whose reports' digests must agree.
 
   Returns:
     The plan; identical on every host given identical reports. With
     `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
   """
   plan = _decide_rows(reports, rules, position)
-  if rules.shapes is None or not plan.steps:
+  if (rules.shapes is None and not groups) or not plan.steps:
     return plan
-  return agree_sizes(plan, reports, rules.shapes, position=position)
+  return agree_sizes(plan, reports, rules.shapes, position=position, groups=groups)
 
 
 def agree_sizes(
-  plan: Plan, reports: Sequence[Report], shapes: shapes_lib.Shapes, *, position: int
+  plan: Plan,
+  reports: Sequence[Report],
+  shapes: shapes_lib.Shapes | None,
+  *,
+  position: int,
+  groups: Sequence[Sequence[int]] = (),
 ) -> Plan:
-  """`plan` with each yield's agreed sizes: per varying dim the max over hosts, bucketed.
+  """`plan` with each yield's agreed sizes, and its rows compared within `groups`.
 
-  A size above its column's last bucket ends the plan before that step with
-  the same ValueError on every host.
+  A size is the max over hosts per varying dim, bucketed. A size above its
+  column's last bucket, or rows that differ within a group
+  (`shared_rows_error`), end the plan before that step with the same
+  ValueError on every host.
   """
   sig = signature_of(reports)
-  if sig is None:
-    return plan
-  leaves = sig["leaves"]
-  layout = shapes_lib.flat(
-    shapes, tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-  )
+  layout = None
+  if shapes is not None and sig is not None:
+    leaves = sig["leaves"]
+    names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
+    layout = shapes_lib.flat(shapes, names, dims)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
     if step.action == Action.YIELD:
-      per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
-      sizes = shapes_lib.agree(per_host, layout)
-      if isinstance(sizes, shapes_lib.Above):
-        message = shapes_lib.above_message(layout, sizes, per_host, index)
-        return dataclasses.replace(
-          plan, steps=tuple(steps), end=Outcome.RAISE, error=value_error(message, index)
-        )
-      step = Step(step.action, step.rows, step.real_rows, sizes)
+      message = None
+      if layout is not None:
+        per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
+        sizes = shapes_lib.agree(per_host, layout)
+        if isinstance(sizes, shapes_lib.Above):
+          message = shapes_lib.above_message(layout, sizes, per_host, index)
+        else:
+          step = Step(step.action, step.rows, step.real_rows, sizes)
+      if message is None and groups:
+        digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
+        message = shared_rows_error(digests, groups, index)
+      if message is not None:
+        error = value_error(message, index)
+        return dataclasses.replace(plan, steps=tuple(steps), end=Outcome.RAISE, error=error)
       index += 1
     steps.append(step)
   return dataclasses.replace(plan, steps=tuple(steps))
@@ -459,18 +479,13 @@ def signature_error(reports: Sequence[Report]) -> ReportedError | None:
   )
 
 
-def _fmt(processes: Sequence[int]) -> str:
-  """'process 1' or 'processes 1, 2'."""
-  return ("process " if len(processes) == 1 else "processes ") + ", ".join(map(str, processes))
-
-
 def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: int) -> ReportedError:
   """Some hosts ran out of batches at batch `index` while others did not."""
   out = [r.process_index for r, h in zip(reports, has, strict=True) if not h]
   left = [r.process_index for r, h in zip(reports, has, strict=True) if h]
   return value_error(
-    f"{UNEVEN_COUNT}: {_fmt(out)} ran out of data at batch {index} while"
-    f" {_fmt(left)} {'still has' if len(left) == 1 else 'still have'} batches."
+    f"{UNEVEN_COUNT}: {processes(out)} ran out of data at batch {index} while"
+    f" {processes(left)} {'still has' if len(left) == 1 else 'still have'} batches."
     " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
     " to fill the missing batches with masked dummy batches"
   )
@@ -515,8 +530,8 @@ def shared_rows_error(
       # A dummy batch on one replica and real rows on another would make a
       # global array whose copies differ from process to process.
       return (
-        f"{head} {_processes(ended)} had no batch {batch_index} (its source ended) while"
-        f" {_processes(list(fed))} had one. Processes that share data shards must"
+        f"{head} {processes(ended)} had no batch {batch_index} (its source ended) while"
+        f" {processes(list(fed))} had one. Processes that share data shards must"
         f" feed the same number of batches: load {_LOAD_SHARD}"
       )
     if len(set(fed.values())) > 1:
@@ -531,5 +546,6 @@ _LOAD_SHARD = (
 )
 
 
-def _processes(ps: Sequence[int]) -> str:
+def processes(ps: Sequence[int]) -> str:
+  """'process 1' or 'processes [1, 2]', for messages."""
   return f"process {ps[0]}" if len(ps) == 1 else f"processes {list(ps)}"

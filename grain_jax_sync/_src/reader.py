@@ -126,27 +126,21 @@ class Reader:
     except leaves_lib.DataError as e:  # Bad records: the same ValueError on every host.
       error = ValueError(f"{leaves_lib.where(self._p, index)}: {e}")
       error.__cause__ = e
-      return endings.failed(self._p, self._position, index, error, "reading", data=True)
+      return self._failed(index, error, "reading", data=True)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return endings.failed(
-        self._p, self._position, index, e, f"reading batch {index} from its source"
-      )
+      return self._failed(index, e, f"reading batch {index} from its source")
     finally:
       self.source_s += time.monotonic() - t0
     self._index += 1
     try:
       hb = self._validate(raw, index)
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return endings.failed(
-        self._p, self._position, index, e, f"converting batch {index}", data=True
-      )
+      return self._failed(index, e, f"converting batch {index}", data=True)
     t0 = time.monotonic()
     try:
       state = self._source.get_state() if self._source.supports_state else None
     except BaseException as e:  # noqa: BLE001 - any type becomes the ending.
-      return endings.failed(
-        self._p, self._position, index, e, f"taking the source state after batch {index}"
-      )
+      return self._failed(index, e, f"taking the source state after batch {index}")
     finally:
       self.source_s += time.monotonic() - t0
     if hb.rows == 0:
@@ -154,6 +148,9 @@ class Reader:
     self._position += 1
     digest = None if self._digest is None else self._digest(hb.leaves)
     return core.Read(hb, state, digest)
+
+  def _failed(self, index: int, e: BaseException, doing: str, *, data: bool = False) -> core.End:
+    return endings.failed(self._p, self._position, index, e, doing, data=data)
 
   def _validate(self, raw: Any, index: int) -> batches_lib.HostBatch:
     hb = None if self._matcher is None else self._matcher.match(raw)

@@ -80,25 +80,23 @@ class HostPlan:
   config: Any = None
   sync_timeout_s: float | None = None
 
+  # The fields that count (a pair's first; a pause follows a batch's step: from 1), and
+  # those in seconds (a pair's second).
+  _COUNTS = ("batches", "resume", "close_at", "error_at", "rows", "stall", "stop", "pause")
+  _TIMES = ("step_s", "read_s", "close_s", "kill_at", "start_s", "stall", "stop", "pause")
+
   def __post_init__(self) -> None:
-    counts: dict[str, Any] = {"batches": self.batches, "resume": self.resume}
-    counts["close_at"] = self.close_at
-    counts |= {"error_at": self.error_at, "rows": self.rows - 1}
-    times: dict[str, Any] = {"step_s": self.step_s, "read_s": self.read_s, "close_s": self.close_s}
-    times |= {"kill_at": self.kill_at, "start_s": self.start_s}
-    for name, pair in (("stall", self.stall), ("stop", self.stop), ("pause", self.pause)):
-      if pair is not None:
-        counts[name] = pair[0] - (name == "pause")  # A pause follows a batch's step: from 1.
-        times[name] = pair[1]
-    for name, value in counts.items():
-      if value is not None and (not isinstance(value, int | np.integer) or value < 0):
-        least = 1 if name in ("rows", "pause") else 0
-        raise ValueError(f"`{name}` must be an int >= {least}, got {getattr(self, name)!r}")
-    for name, value in times.items():
+    for name in self._COUNTS:
+      least = 1 if name in ("rows", "pause") else 0
+      given = getattr(self, name)
+      value = given[0] if isinstance(given, tuple) else given
+      if value is not None and (not isinstance(value, int | np.integer) or value < least):
+        raise ValueError(f"`{name}` must be an int >= {least}, got {given!r}")
+    for name in self._TIMES:
+      given = getattr(self, name)
+      value = given[1] if isinstance(given, tuple) else given
       if value is not None and not 0 <= value < INF:
-        raise ValueError(
-          f"`{name}` must be a finite number of seconds >= 0, got {getattr(self, name)!r}"
-        )
+        raise ValueError(f"`{name}` must be a finite number of seconds >= 0, got {given!r}")
     if self.error_at is not None and self.error_at >= self.batches:
       raise ValueError(
         f"`error_at` must be below `batches` ({self.batches}): its source never reads"
@@ -334,7 +332,7 @@ class _Host(interpreter.World):
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:
-      yield (("built", self.p), self.clock.now + common.WAIT_SLICE_S)
+      yield (("built", self.p), self.clock.now + periods.LIVENESS_PERIOD_S)
 
   def pace(self) -> int:
     return self.pace_of.count(self.clock.now)

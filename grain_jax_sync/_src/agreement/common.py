@@ -20,9 +20,6 @@ READ_AHEAD_BYTES = 64 << 20
 # decision before it gives up on its own, so that process 0, which waits on the
 # slow peer itself, names it first (the same message on every host).
 FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
-# A wait for this host's own read, or in the store, lasts at most a liveness
-# period before the core looks at its peers' beats again.
-WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 
 
 def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:
@@ -73,35 +70,6 @@ def make_report(
     digests=tuple(r.digest for r in reads) if who.groups else (),
     sizes=() if rules.shapes is None else tuple(r.batch.sizes for r in reads),
   )
-
-
-def decide(
-  reports: list[messages.Report],
-  rules: plan_lib.Rules,
-  *,
-  groups: tuple[tuple[int, ...], ...],
-  position: int,
-) -> plan_lib.Plan:
-  """`plan.decide`, then, where processes share rows, the digest check.
-
-  The first yield whose rows differ within a group ends the plan with the same ValueError.
-  """
-  plan = plan_lib.decide(reports, rules, position=position)
-  if not groups:
-    return plan
-  index = position
-  for i, step in enumerate(plan.steps):
-    if step.action != messages.Action.YIELD:
-      continue
-    digests = [r.digests[i] if i < len(r.digests) else None for r in reports]
-    message = plan_lib.shared_rows_error(digests, groups, index)
-    if message is not None:
-      error = plan_lib.value_error(message, index)
-      return dataclasses.replace(
-        plan, steps=plan.steps[:i], end=messages.Outcome.RAISE, error=error
-      )
-    index += 1
-  return plan
 
 
 class Agreement:

@@ -123,9 +123,9 @@ class ReadChunks(StoreCall):
   """Every peer's new chunks, ``[(process, text)]``."""
 
 
-class WaitChunk(
-  StoreCall
-):  # Up to `wait_s` (the core's next deadline): what came, as `ReadChunks`.
+class WaitChunk(StoreCall):
+  """Up to `wait_s` (the core's next deadline): what came, as `ReadChunks`."""
+
   peer: int
   wait_s: float
 
@@ -177,15 +177,11 @@ class IsDead(Look):  # Its beat stopped.
   peer: int
 
 
-class ClosedNote(
-  Look
-):  # What it wrote as it closed its iterator (`key_value.close_note`), or None.
+class ClosedNote(Look):  # What it wrote as it closed (`key_value.close_note`), or None.
   peer: int
 
 
-class Crosswise(
-  Look
-):  # Streams it waits at the start of, made and not started here; marks this one.
+class Crosswise(Look):  # Streams it waits at the start of, made, not started here; marks ours.
   peer: int
 
 

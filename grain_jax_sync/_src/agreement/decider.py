@@ -12,7 +12,7 @@ from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings, follower
 from grain_jax_sync._src.agreement import ledger as ledger_lib
-from grain_jax_sync._src.agreement.streamed import Streamed, reached
+from grain_jax_sync._src.agreement.streamed import Streamed, reached, unstarted
 from grain_jax_sync._src.messages import Outcome
 
 
@@ -82,7 +82,7 @@ class Decider(Streamed):
     if allowance == 0:
       return None  # A horizon's worth is decided: wait for the build thread.
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
-    plan = common.decide(reports, self._rules, groups=self._who.groups, position=self._yielded)
+    plan = plan_lib.decide(reports, self._rules, position=self._yielded, groups=self._who.groups)
     if plan.end == Outcome.CONTINUE and len(plan.steps) > allowance:
       # Decided position by position, so a prefix of the plan is the plan of
       # that prefix; the rest is decided once the consumer takes what is ahead.
@@ -145,7 +145,7 @@ class Decider(Streamed):
     missing = self._needed()
     if self._process in missing:
       self._waited = self._waited or self._own.stalled()  # A wait for the source.
-      if not (yield from self._read(common.WAIT_SLICE_S)):
+      if not (yield from self._read(periods.LIVENESS_PERIOD_S)):
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
       return
     # Before the stream's first decision the job waits for it: with its own
@@ -170,7 +170,7 @@ class Decider(Streamed):
     if self._idle and (yield core.IsDead(peer)):
       where = f"its batch {self._yielded} (position {self._decided})"
       when = f"while the other processes waited for {where}"
-      self._abort = endings.lost(peer, self._dead_after_s, self._yielded, when)
+      self._abort = endings.lost(peer, self._yielded, when)
     elif self._idle and (note := (yield core.ClosedNote(peer))) is not None:
       # Its ending here, if it posted one.
       yield from self._absorb((yield from self._timed(core.ReadChunks())))
@@ -249,10 +249,7 @@ class Decider(Streamed):
 
   def _closing(self, at_batch: int, error: messages.ReportedError | None) -> list[core.StoreCall]:
     """Posts this host's ending (closed, or `error`) as the final decision."""
-    final = messages.Decision(
-      self._decided, (), Outcome.RAISE, error or endings.closed_error(self._process, at_batch)
-    )
-    return [core.PostDecision(self._seq, final.to_json(), True), core.EndExchange()]
+    return unstarted(self._process, at_batch, error, seq=self._seq, start=self._decided)
 
 
 def core_for(
@@ -267,7 +264,6 @@ def core_for(
   return kind(
     rules,
     who,
-    dead_after_s=periods.DEAD_AFTER_S,
     threaded=threaded,
     inline=not threaded,
     **settings,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from grain_jax_sync._src import liveness as liveness_lib
-from grain_jax_sync._src import prefetch
+from grain_jax_sync._src import periods, prefetch
 from grain_jax_sync._src.agreement import common, core, interpreter, streamed
 from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.exchange import streams as exchange_streams
@@ -158,7 +158,7 @@ class Driver(interpreter.World):
   def wait_build(self, beyond: int) -> core.Steps:
     yield from ()  # A real wait blocks on the build stage.
     self._exchange.check()
-    self._built.wait_done(beyond, common.WAIT_SLICE_S)
+    self._built.wait_done(beyond, periods.LIVENESS_PERIOD_S)
 
   def pace(self) -> int:
     return int(self._built.pace())

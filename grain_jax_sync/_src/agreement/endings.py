@@ -5,32 +5,31 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from grain_jax_sync._src import periods
 from grain_jax_sync._src.agreement import core
 from grain_jax_sync._src.messages import ErrorKind, ReportedError
 
 
-class PeerTimeoutError(RuntimeError):
+class _PeerError(RuntimeError):
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = tuple(missing)
+
+
+class PeerTimeoutError(_PeerError):
   """A live peer did not report within `sync_timeout_s`.
 
   Attributes:
     missing: Indices of the processes that were waited for.
   """
 
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
 
-
-class PeerLostError(RuntimeError):
+class PeerLostError(_PeerError):
   """A peer stopped its liveness beat: it died.
 
   Attributes:
     missing: Indices of the lost processes.
   """
-
-  def __init__(self, message: str, missing: Sequence[int] = ()):
-    super().__init__(message)
-    self.missing = tuple(missing)
 
 
 def _text(e: BaseException) -> str:
@@ -125,13 +124,11 @@ def closed_error(process: int, at_batch: int, how: str = "closed its iterator") 
   )
 
 
-def lost(
-  peer: int, dead_after_s: float, at_batch: int, when: str, cause: str = ""
-) -> ReportedError:
+def lost(peer: int, at_batch: int, when: str, cause: str = "") -> ReportedError:
   """The ending of a peer whose liveness beat stopped `when`: dead, not slow (`liveness`)."""
   return ReportedError(
     ErrorKind.LOST,
-    f"process {peer} is lost: its liveness beat stopped for {dead_after_s:g}s {when};"
+    f"process {peer} is lost: its liveness beat stopped for {periods.DEAD_AFTER_S:g}s {when};"
     f" {cause or 'it died (killed, out of memory, crashed) or froze'}",
     peer,
     at_batch,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src.agreement import common, core, endings
 from grain_jax_sync._src.agreement.streamed import Streamed, reached
 from grain_jax_sync._src.messages import Outcome
@@ -59,7 +59,7 @@ class Follower(Streamed):
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
-      posted = yield from self._read(0.0 if urgent else common.WAIT_SLICE_S)
+      posted = yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S)
       if posted is None:  # No read came: a slow or stuck source (or a stop asked for).
         if urgent:
           yield from self._flush()
@@ -90,7 +90,7 @@ class Follower(Streamed):
       yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
-      error = endings.lost(0, self._dead_after_s, self._yielded, when, cause)
+      error = endings.lost(0, self._yielded, when, cause)
       raise endings.to_exception(error, self._process, None)
     note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:

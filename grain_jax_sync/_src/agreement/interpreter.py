@@ -79,20 +79,19 @@ def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   neither, it makes no cycle: a dropped stream is freed at once (its ending's
   traceback would otherwise keep the consumer's frame alive until a collection).
   """
-  w = world
   store = _STORE.get(type(action))
   if store is not None:
-    return (yield from w.call(store, exchange, action))
+    return (yield from world.call(store, exchange, action))
   plain = _PLAIN.get(type(action))
   if plain is not None:
-    return plain(exchange, w, action)
+    return plain(exchange, world, action)
   match action:
     case core.Take(want, wait_s):
-      return (yield from w.take(want, wait_s))
+      return (yield from world.take(want, wait_s))
     case core.WaitBuild(beyond):
-      return (yield from w.wait_build(beyond))
+      return (yield from world.wait_build(beyond))
     case core.Elsewhere(namespace, message, calls):
-      w.pre_end(namespace, message)
+      world.pre_end(namespace, message)
       return best_effort(exchange.sibling(namespace), calls)
   raise TypeError(f"not an action: {action!r}")
 

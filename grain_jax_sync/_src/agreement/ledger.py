@@ -217,12 +217,8 @@ class Ledger:
     # Slices of the deques (O(size) from their left end, where `position` is).
     a, b = position - base, max(stop, position) - base
     rows = tuple(itertools.islice(self._rows[p], a, b))
-    digests: tuple[str | None, ...] = ()
-    if self._digests is not None:
-      digests = tuple(itertools.islice(self._digests[p], a, b))
-    sizes: tuple[Any, ...] = ()
-    if self._sizes is not None:
-      sizes = tuple(itertools.islice(self._sizes[p], a, b))
+    kept: tuple[Any, ...] = (self._digests, self._sizes)  # Parallel to `_rows` where kept.
+    digests, sizes = (() if k is None else tuple(itertools.islice(k[p], a, b)) for k in kept)
     # An end right after the window's last row counts too: that row is then
     # known to be the process's last (`plan.Rules.wait_for_last`).
     end = self._end[p] if count <= last else None

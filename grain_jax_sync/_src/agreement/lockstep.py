@@ -100,7 +100,7 @@ class Lockstep(common.Agreement):
       ]
       if stops:
         return plan_lib.Plan((), Outcome.RAISE, stops[0])
-    return common.decide(reports, self._rules, groups=self._who.groups, position=self._position)
+    return plan_lib.decide(reports, self._rules, position=self._position, groups=self._who.groups)
 
 
 _READ_ONE = core.ReadWindow(1)  # The one action per batch alone: made once.
@@ -135,12 +135,11 @@ def _check_in_step(chunks: list[messages.Chunk]) -> None:
   if len(fresh) == len(chunks):
     return
   where = ", ".join(f"process {p} at batch {b}" for p, b in sorted(starts.items()))
-  restarted = f"processes {fresh} restarted" if len(fresh) > 1 else f"process {fresh[0]} restarted"
   raise RuntimeError(
     f"the processes are at different batches of the stream ({where}):"
-    f" {restarted} the stream (reset(), set_state() or a new iterator) while"
-    " the others kept iterating. Without the key-value store (the collective"
-    " exchange) every process must reset or restore at the same point"
+    f" {plan_lib.processes(fresh)} restarted the stream (reset(), set_state() or a new"
+    " iterator) while the others kept iterating. Without the key-value store (the"
+    " collective exchange) every process must reset or restore at the same point"
     if fresh
     else f"the processes are at different batches of the stream ({where})"
   )

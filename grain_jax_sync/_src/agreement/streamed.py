@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grain_jax_sync._src import batches as batches_lib
-from grain_jax_sync._src import messages
+from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, endings
 
@@ -35,7 +35,6 @@ class Streamed(common.Agreement):
     process_count: How many processes take part.
     lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
-    dead_after_s: After this long without a beat a peer is dead (`liveness`).
     position: Output batches before the first one (the resume position).
     read_ahead: At most this many positions held (None: `common.read_ahead_limit`).
     threaded: Whether a build thread runs (what it has not built counts in the read-ahead).
@@ -53,7 +52,6 @@ class Streamed(common.Agreement):
     process_count: int,
     lookahead: int | None,
     timeout_s: float,
-    dead_after_s: float,
     position: int,
     read_ahead: int | None = None,
     threaded: bool = False,
@@ -66,7 +64,6 @@ class Streamed(common.Agreement):
     self._namespace = namespace
     self._process_count = process_count
     self._timeout_s = timeout_s
-    self._dead_after_s = dead_after_s
     self._own = common.OwnReads(
       lookahead=lookahead, read_ahead=read_ahead, threaded=threaded, paced=paced, inline=inline
     )
@@ -150,7 +147,7 @@ class Streamed(common.Agreement):
       for peer in waiting:
         if (yield core.IsDead(peer)):
           when = f"before it received the last batch ({yielded} batches)"
-          error = endings.lost(peer, self._dead_after_s, yielded, when)
+          error = endings.lost(peer, yielded, when)
           raise endings.to_exception(error, self._process, None)
       if waiting and reached(self.now.t - since, self._timeout_s):
         error = endings.not_at_end(waiting, yielded, self._timeout_s)
@@ -257,7 +254,7 @@ class Streamed(common.Agreement):
     """
     if self._cross_since is not None:
       left_s = min(left_s, self._cross_since + self._cross_s - self.now.t)
-    wait_s = max(0.0, min(common.WAIT_SLICE_S, left_s))
+    wait_s = max(0.0, min(periods.LIVENESS_PERIOD_S, left_s))
     self.timer = self.now.t + wait_s
     return wait_s
 
@@ -283,16 +280,18 @@ def reached(waited_s: float, limit_s: float) -> bool:
 
 
 def unstarted(
-  process: int, at_batch: int, error: messages.ReportedError | None
+  process: int, at_batch: int, error: messages.ReportedError | None, *, seq: int = 0, start: int = 0
 ) -> list[core.StoreCall]:
   """The calls that post `process`'s ending (closed, or `error`) to a stream it never started.
 
-  As the stream's first and final decision (process 0) or chunk (any other).
+  As the stream's first and final decision (process 0) or chunk (any other);
+  process 0 posts its ending in a stream it runs the same way, as decision
+  `seq` at position `start`.
   """
   error = error or endings.closed_error(process, at_batch)
   if process == 0:
-    final = messages.Decision(0, (), messages.Outcome.RAISE, error)
-    return [core.PostDecision(0, final.to_json(), True), core.EndExchange()]
+    final = messages.Decision(start, (), messages.Outcome.RAISE, error)
+    return [core.PostDecision(seq, final.to_json(), True), core.EndExchange()]
   report = messages.Report(process_index=process, error=error, local_devices=1)
   chunk = messages.Chunk(start=0, ack=0, report=report)
   return [core.PostChunk(chunk.to_json(), True), core.EndExchange()]

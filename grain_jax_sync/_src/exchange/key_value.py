@@ -48,9 +48,6 @@ from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_c
 
 logger = logging.getLogger(__name__)
 
-# A blocking store read waits at most this long before the waiter checks for
-# close(), its deadline and the awaited peer's beat (`periods`).
-WAIT_SLICE_S = periods.LIVENESS_PERIOD_S
 # Chunks and decisions are keyed in groups of this many and deleted a group at
 # a time: one store call instead of one per key.
 GROUP = 16
@@ -201,7 +198,9 @@ class KeyValueExchange:
       nxt[p] = seq
     return out
 
-  def wait_chunk(self, process: int, wait_s: float = WAIT_SLICE_S) -> list[tuple[int, str]]:
+  def wait_chunk(
+    self, process: int, wait_s: float = periods.LIVENESS_PERIOD_S
+  ) -> list[tuple[int, str]]:
     """Blocks up to `wait_s` for `process`'s next chunk, then reads all new ones.
 
     With more than one peer, one directory read brings every peer's news.
@@ -238,7 +237,7 @@ class KeyValueExchange:
     get = self._client.key_value_try_get
     return self._call(f"reading decision {seq}", get, key, absent=_is_not_found)
 
-  def wait_decision(self, seq: int, wait_s: float = WAIT_SLICE_S) -> str | None:
+  def wait_decision(self, seq: int, wait_s: float = periods.LIVENESS_PERIOD_S) -> str | None:
     """Decision `seq`, waiting up to `wait_s` for it."""
     self.check()
     key = f"{self._ns}/d/{seq // GROUP}/{seq}"
@@ -274,7 +273,7 @@ class KeyValueExchange:
     key = f"{self._end_key('end')}/{self.process_index}"
     self._call("posting this host's end", self._client.key_value_set, key, message, True)
 
-  def wait_all_reached_end(self, wait_s: float = WAIT_SLICE_S) -> bool:
+  def wait_all_reached_end(self, wait_s: float = periods.LIVENESS_PERIOD_S) -> bool:
     """Whether every process reached the end, waiting up to `wait_s`."""
     self.check()
     key = self._end_key("all_at_end")
