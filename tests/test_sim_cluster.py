@@ -140,6 +140,18 @@ def test_a_stop_during_a_peers_20_s_stall_ends_every_host_within_the_bound(prefe
   assert max(o.ended_at for o in out) - asked_at <= bound_s(prefetch, step_s)
 
 
+def test_a_stop_beside_a_stalled_peer_lands_at_its_look_after_process_0s_store_wait():
+  # The twin's stall_stop_2: process 0's stop waits out its store wait for the stalled peer, whose
+  # look for a decision (once a liveness period) times out at that instant. The service answers
+  # a timed-out store wait a round trip late, so that look finds nothing; the next one, a period
+  # later, finds the stop, as in most real runs (a race: benchmarks/twin.py).
+  plans = [H(batches=400, step_s=0.05, stop=(6, 0.0)), H(batches=400, step_s=0.05, stall=(8, 5.0))]
+  out = _run(2, 2, plans, collective=True)
+  assert {(o.ending, o.stopped_by, o.batches) for o in out} == {("end", 0, 8)}
+  asked_at = out[0].received[5]
+  assert [round(o.ended_at - asked_at, 6) for o in out] == [1.95, 1.95]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   n=st.integers(2, 9),

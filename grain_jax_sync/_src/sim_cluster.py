@@ -158,11 +158,14 @@ class _Clock:
   A wait on a channel that times out at the instant something else happens
   runs after it (and after what that causes at the same instant): a real
   wait starts a little after what started it, so it ends a little later.
+  A wait in the store (its channel a key) that times out runs after a local
+  one (a stage's queue) timing out at that instant: the service times it out
+  and its answer comes back a round trip later.
   """
 
   def __init__(self) -> None:
     self.now = 0.0
-    self._heap: list[tuple[float, bool, int, Any, int, bool]] = []
+    self._heap: list[tuple[float, int, int, Any, int, bool]] = []
     self._order = itertools.count()
     self._parked: dict[Any, list[tuple[Any, int]]] = collections.defaultdict(list)
     self._turn: dict[int, int] = {}  # Per task: its current wait.
@@ -170,11 +173,11 @@ class _Clock:
 
   def spawn(self, task: Task, at: float = 0.0) -> None:
     self._turn[id(task)] = 0
-    heapq.heappush(self._heap, (at, False, next(self._order), task, 0, False))
+    heapq.heappush(self._heap, (at, 0, next(self._order), task, 0, False))
 
   def signal(self, channel: Any) -> None:
     for task, turn in self._parked.pop(channel, ()):
-      heapq.heappush(self._heap, (self.now, False, next(self._order), task, turn, True))
+      heapq.heappush(self._heap, (self.now, 0, next(self._order), task, turn, True))
 
   def run(self, until: float) -> None:
     while self._heap and self._heap[0][0] <= until:
@@ -191,7 +194,8 @@ class _Clock:
       if channel is not None:
         self._parked[channel].append((task, turn))
       if deadline < INF:
-        late = channel is not None  # A timeout: after what happens at that instant.
+        # A timeout: after what happens at that instant; a store's after a queue's.
+        late = 0 if channel is None else 2 if isinstance(channel, str) else 1
         heapq.heappush(self._heap, (deadline, late, next(self._order), task, turn, False))
 
 
