@@ -10,9 +10,9 @@ A row is a list of `grain_jax_sync.testing.HostPlan`s and the cluster's
 settings. The real side runs it with `testing.run_processes` (1 CPU device
 per process, `jax.distributed` on 127.0.0.1), `jax.distributed`'s key-value
 client slowed by `store_s` per call (the store's round trip), each host's
-source reading `read_s` a batch and its loop stepping `step_s` after a jitted
+source reading `read_s` a batch and its loop stepping `step_s`, then a jitted
 sum over the global batch: a collective, which holds the hosts together as a
-training step does (rows with a close or a kill step on their own, as a real
+training step's reduction does (rows with a close or a kill step on their own, as a real
 job's peers would otherwise hang in the collective). The simulated side runs
 the same plans on `testing.SimulatedCluster(store_s=...)`.
 
@@ -217,9 +217,11 @@ def _loop(it: Any, plan: testing.HostPlan, row: Row, total: Any) -> dict[str, An
       received.append(time.time())
       if plan.stop is not None and plan.stop[0] == len(received):
         threading.Timer(plan.stop[1], stop).start()
+      # A step of `step_s`, its reduction across hosts last (as a training step's): it ends
+      # `step_s` after the last host entered it, as `SimulatedCluster(collective_steps=True)`.
+      time.sleep(max(0.0, received[-1] + plan.step_s - time.time()))
       if row.collective:
         total(batch).block_until_ready()
-      time.sleep(max(0.0, received[-1] + plan.step_s - time.time()))  # A step of `step_s`.
     ending = "closed"
     out["event"] = time.time()
     it.close()
