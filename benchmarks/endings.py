@@ -156,7 +156,7 @@ def stop_latency_rows(prefetches: list[int]) -> list[str]:
           seconds.append(late)
           batches.append(after_request)
           assert all(o[k]["by"] == case[2] for o in runs), (case, [o[k] for o in runs])
-      bound = timed_endings.bound_s(prefetch, step_s)
+      bound = timed_endings.bound(prefetch, step_s).seconds
       out.append(
         f"| {step_s:g} s | {prefetch} | {', '.join(map(str, afters))} |"
         f" {max(seconds):.2f} ({', '.join(f'{x:.2f}' for x in seconds)}) |"
@@ -172,7 +172,7 @@ def leaver_rows(prefetches: list[int]) -> list[str]:
   out = []
   for k, (kind, step_s) in enumerate(LEAVE_CASES):
     peer, leaver = runs[0][k], runs[1][k]
-    took, bound = peer["ended"] - leaver["left"], timed_endings.bound_s(2, step_s)
+    took, bound = peer["ended"] - leaver["left"], timed_endings.bound(2, step_s).seconds
     error = peer["error"] or "none: ended normally"
     named = "naming process 1" if "process 1" in error else f"NOT naming it: {error}"
     kind_words = "closes after" if kind == "close" else "fails (its source) at"

@@ -13,28 +13,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from grain_jax_sync import testing
+from grain_jax_sync._src import options as options_lib
 
-DECIDE_AHEAD_S = 1.0  # The default `decide_ahead_s`.
 SLACK_S = 1.0  # Noticing the request.
 STALL_S = 20.0  # The longest a stalled or failing source waits for its consumer.
 LENGTH = 400  # Batches per host: the ending, not exhaustion, ends every stream.
 LAUNCH_TIMEOUT_S = 300  # Per launch: room for the pre-issue-40 code, whose figures we report.
 
 
-def bound_s(prefetch: int, step_s: float) -> float:
-  """Seconds within which a stop or a leaver ends every host's loop (issue 40).
+class Bound(NamedTuple):
+  """Where an ending lands (docs/guarantees.md, "Stop together")."""
 
-  `decide_ahead_s` of the slowest consumer's consumption, the
-  (prefetch_batches + 1) steps already decided and built, and 1 s. Inline
-  (`prefetch_batches=0`) too: a stop asked for between calls is posted at
-  once, one asked for during a call when the call ends.
+  seconds: float  # T: from the request (or the leaver's ending) to every host's loop end.
+  batches: float  # 2R: batches past the asker's last batch before its request.
+
+
+def bound(prefetch: int, step_s: float) -> Bound:
+  """The documented bound at `prefetch_batches=prefetch`, a `step_s` step, the library's defaults.
+
+  T = `decide_ahead_s` of the slowest consumer's consumption, the
+  (prefetch_batches + 1) steps already decided and built, and 1 s to notice
+  the request; inline (`prefetch_batches=0`) too: a stop asked for between
+  calls is posted at once, one asked for during a call when the call ends.
+  In batches R = prefetch_batches + 1 + decide_ahead_s / step, and a stop
+  asked after batch k lands at a batch B with k <= B <= k + 2R.
   """
-  return DECIDE_AHEAD_S + (prefetch + 1) * step_s + SLACK_S
+  decide_ahead_s = options_lib.Options.decide_ahead_s  # The default, as the jobs here run.
+  seconds = decide_ahead_s + (prefetch + 1) * step_s + SLACK_S
+  return Bound(seconds, 2 * (prefetch + 1 + decide_ahead_s / step_s))
 
 
 def data(p: int, length: int) -> list[dict[str, np.ndarray]]:

@@ -8,8 +8,10 @@ tests/test_sim_cluster.py's.
 Real processes joined by `jax.distributed` (gloo, forced CPU devices). Each
 host checks the rows of its own shards of every batch (no collective in the
 test, so that a host that closed cannot hang a peer in a gather). Host p
-feeds rows ``1000 p + i`` at batch i. The cases timed in seconds live in
-benchmarks/timed_endings.py, which benchmarks/endings.py reports from.
+feeds rows ``1000 p + i`` at batch i. A stop is checked against the documented
+bound, in batches and in seconds (`timed_endings.bound`); the cases timed
+across steps live in benchmarks/timed_endings.py, which benchmarks/endings.py
+reports from.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timed_endings import (  # noqa: E402 - the repository root, from any directory.
   LENGTH,
   STALL_S,
+  bound,
   data,
   first_row,
   iterator,
@@ -41,34 +44,37 @@ from benchmarks.timed_endings import (  # noqa: E402 - the repository root, from
 )
 
 TIMEOUT = 240
-LOOKAHEAD = 10  # The default `synchronize_lookahead`.
+STEP_S = 0.01  # The training step of the handler cases.
 
 
-def _stop_on_sigterm(prefetch: int, asker: int, after: int, length: int, step_s: float) -> dict:
+def _stop_on_sigterm(prefetch: int, asker: int, after: int) -> dict:
   """`asker`'s SIGTERM handler calls request_stop() after its batch `after`; then a resume."""
   import jax
 
   p = jax.process_index()
-  it = iterator(data(p, length), prefetch)
+  it = iterator(data(p, LENGTH), prefetch)
   previous = signal.signal(signal.SIGTERM, lambda *_: it.request_stop())
-  rows = []
+  rows, asked = [], None
   try:
     for batch in it:
       rows.append(first_row(batch))
       if p == asker and len(rows) == after:
+        asked = time.time()
         os.kill(os.getpid(), signal.SIGTERM)
-      time.sleep(step_s)
+      time.sleep(STEP_S)
   finally:
     signal.signal(signal.SIGTERM, previous)
+  ended = time.time()
   state, by = it.get_state(), it.stop_requested_by
   again = next(it, None)  # The stream stays ended.
   it.close()
   # The restarted job: a fresh iterator from the saved state, to the end.
-  fresh = iterator(data(p, length), prefetch)
+  fresh = iterator(data(p, LENGTH), prefetch)
   fresh.set_state(state)
   resumed = [first_row(b) for b in fresh]
   fresh.close()
-  return {"rows": rows, "batches": state["batches"], "by": by, "again": again, "resumed": resumed}
+  out = {"rows": rows, "batches": state["batches"], "by": by, "again": again}
+  return out | {"resumed": resumed, "asked": asked, "ended": ended}
 
 
 def _stop_after_the_end(prefetch: int, length: int) -> dict:
@@ -301,11 +307,12 @@ def _inline_stop(how: str, asker: int, step_s: float) -> dict:
   return out | {"resumed": resumed, "asked": asked[0] if asked else None}
 
 
-def stop_cases(prefetch: int, asker: int, after: int) -> dict:
-  """One launch: a SIGTERM handler's stop, a stop after the end; inline, a SIGUSR1 handler's
-  stop inside `next()`; with prefetch, a watchdog's close during its own source's stall."""
+def stop_cases(prefetch: int, stops: list[tuple[int, int]]) -> dict:
+  """One launch: a SIGTERM handler's stop per (asker, after), a stop after the end; inline, a
+  SIGUSR1 handler's stop inside `next()`; with prefetch, a watchdog's close during its own
+  source's stall."""
   out = {
-    "signal": _stop_on_sigterm(prefetch, asker, after, length=200, step_s=0.01),
+    "signal": [_stop_on_sigterm(prefetch, asker, after) for asker, after in stops],
     "after_end": _stop_after_the_end(prefetch, length=6),
   }
   if prefetch == 0:
@@ -313,6 +320,21 @@ def stop_cases(prefetch: int, asker: int, after: int) -> dict:
   else:
     out["close"] = _close_in_a_stall(prefetch, 0.05)
   return out
+
+
+def _check_stop(outs: list[dict], prefetch: int, asker: int, after: int) -> None:
+  """Every host stopped at one batch B, after <= B <= after + 2R, within T of the request,
+  with exactly its rows 0..B-1, named `asker`, and resumed exactly at B."""
+  most = bound(prefetch, STEP_S)
+  stopped_at = outs[0]["batches"]
+  assert after <= stopped_at <= after + most.batches, (after, stopped_at, most)
+  took = max(o["ended"] for o in outs) - outs[asker]["asked"]
+  assert took <= most.seconds, (after, stopped_at, took, most)
+  for p, o in enumerate(outs):
+    assert o["rows"] == [1000 * p + i for i in range(stopped_at)], (p, after, stopped_at)
+    assert (o["batches"], o["by"], o["again"]) == (stopped_at, asker, None), (p, after)
+    # The restart from the saved state goes on exactly where every host stopped.
+    assert o["resumed"] == [1000 * p + i for i in range(stopped_at, LENGTH)], (p, after)
 
 
 def _check_inline_handler(outs: list[dict]) -> None:
@@ -342,18 +364,16 @@ def test_request_stop_from_a_handler_ends_every_host_at_one_batch_and_resumes_ex
   # error at batch 5, a stall, inline) runs on the simulated cluster.
   n, d = 2, 4
   rng = random.Random(f"{n}x{d}/{prefetch}")
-  asker, after = rng.randrange(n), rng.randint(1, 20)
-  outs = launch(stop_cases, n, d, prefetch, asker, after, timeout_s=TIMEOUT)
-  bound = 2 * (LOOKAHEAD + prefetch)
+  # One stop during the read-ahead's ramp, one past it (the horizon, R batches, is full),
+  # from the other host: the decider asks once, a follower once.
+  r = int(bound(prefetch, STEP_S).batches / 2)
+  asker = rng.randrange(n)
+  stops = [(asker, rng.randint(1, 20)), ((asker + 1) % n, rng.randint(r, r + 40))]
+  assert stops[1][1] + bound(prefetch, STEP_S).batches < LENGTH  # The stop, not the end.
+  outs = launch(stop_cases, n, d, prefetch, stops, timeout_s=TIMEOUT)
   # A SIGTERM handler's request: every host stops at one batch, named alike.
-  sig = [o["signal"] for o in outs]
-  stopped_at = sig[0]["batches"]
-  assert after <= stopped_at <= after + bound, (after, stopped_at)
-  for p, o in enumerate(sig):
-    assert o["rows"] == [1000 * p + i for i in range(stopped_at)]
-    assert (o["batches"], o["by"], o["again"]) == (stopped_at, asker, None)
-    # The restart from the saved state goes on exactly where every host stopped.
-    assert o["resumed"] == [1000 * p + i for i in range(stopped_at, 200)]
+  for k, (asker, after) in enumerate(stops):
+    _check_stop([o["signal"][k] for o in outs], prefetch, asker, after)
   # A request after the end changes nothing.
   for p, o in enumerate(outs):
     want = {"rows": [1000 * p + i for i in range(6)], "by": None, "batches": 6, "again": None}
