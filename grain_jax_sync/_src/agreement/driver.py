@@ -1,8 +1,8 @@
 """The streamed core's driver on a real host: its world (threads, monotonic time), its inbox.
 
 The same driver runs the core in the agreement thread (beside a reading
-and a build thread) and inline, in the consumer's `next()`; the actions are
-carried out by `interpreter.carry`, as in the simulated cluster.
+and a build thread) and inline, in the consumer's `next()`; the core is stepped and its
+actions carried out by `interpreter.drive`, as in the simulated cluster.
 Asking is one put into the inbox, from any thread or a signal handler: a
 stop, or this host's ending (a `core.Closing`, in two steps that the core
 decides: `Streamed.asked`), taken by the thread that runs the core at its
@@ -91,43 +91,21 @@ class Driver(interpreter.World):
       self.post_ending()
 
   def _drive(self, runner: Any, *, asks: bool = True, turn: bool = False) -> Iterator[common.Run]:
-    """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
+    """Feeds `runner` (the core, or a side run of it) and carries its actions out (`interpreter.runs`).
 
-    The core is told each result at once; with `asks`, an ending asked for
-    stops the drive before its next action (no position is decided after it,
-    and the ending is posted after what the core posted, not over it). With
-    `turn` (the agreement thread), it holds `turn` but while a run is handed
-    on: a stop asked while it waits for the build's slot is posted by the
-    beat's thread meanwhile (`post_stop`), not once the build took a run.
+    With `asks`, an ending asked for stops the drive before its next action
+    (the ending is posted after what the core posted, not over it); with an
+    agreement thread, a stop asked during its last wait is the core's before
+    it decides the next position (inline, the call hands it over after:
+    `post_stop`). With `turn` (the agreement thread), it holds `turn` but
+    while a run is handed on: a stop asked while it waits for the build's
+    slot is posted by the beat's thread meanwhile, not once the build took a run.
     """
     if turn:
       self.turn.acquire()
     try:
-      yield from self._steps(runner, asks, turn)
-    finally:
-      if turn:
-        self.turn.release()
-
-  def _steps(self, runner: Any, asks: bool, turn: bool) -> Iterator[common.Run]:
-    result: Any = None
-    error: Exception | None = None
-    while True:
-      # With an agreement thread, a stop asked during its last wait is the
-      # core's before it decides the next position. Inline, the consumer's
-      # call hands it over after (`post_stop` as the call ends).
-      closing = asks and self._thread is not None and self._take_asks()
-      now = self.now()
-      action = runner.send(result, now) if error is None else runner.throw(error, now)
-      result = error = None
-      if closing or (asks and self._take_asks()):
-        return
-      kind = type(action)
-      if kind is core.Ended:
-        if action.error is not None:
-          raise action.error
-        return
-      if kind is core.Deliver:
-        run, action = action.run, None
+      asked, early = (self._take_asks, self._thread is not None) if asks else (None, False)
+      for run in interpreter.runs(runner, self._exchange, self, asked, early):
         if turn:
           self.turn.release()
         try:
@@ -135,14 +113,10 @@ class Driver(interpreter.World):
         finally:
           if turn:
             self.turn.acquire()
-        # The build stage's alone once handed on: this frame must not hold it
-        # while it waits for the next slot (the read-ahead counts it as built).
-        del run
-        continue
-      try:
-        result = interpreter.act(action, self._exchange, self)
-      except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
-        error = e
+        del run  # The build stage's alone once handed on.
+    finally:
+      if turn:
+        self.turn.release()
 
   # -- the core's world on a real host (`interpreter.World`) ---------------------
 
@@ -279,22 +253,17 @@ class Stepper(interpreter.World):
     self.core, self._reader, self._exchange, self._asks = stepper, reader, exchange, asks
 
   def __iter__(self) -> Iterator[common.Run]:
-    stepper, asks, result = self.core, self._asks, None
-    while True:
-      for _ in range(0 if asks is None else asks.qsize()):  # Those put by now.
-        if isinstance(ask := asks.get_nowait(), int):
-          stepper.stop_asked(ask)
-      action = stepper.send(result)
-      if type(action) is core.Deliver:
-        run, action, result = action.run, None, None
-        yield run
-        del run  # The build stage's alone once handed on.
-        continue
-      if type(action) is core.Ended:
-        if action.error is not None:
-          raise action.error
-        return
-      result = interpreter.act(action, self._exchange, self)
+    return interpreter.runs(self.core, self._exchange, self, self._take_stops, early=True)
+
+  def _take_stops(self) -> bool:
+    """Hands the stops asked by now to the core, before each of its steps; never an ending."""
+    for _ in range(0 if self._asks is None else self._asks.qsize()):
+      if isinstance(ask := self._asks.get_nowait(), int):
+        self.core.stop_asked(ask)
+    return False
+
+  def now(self) -> None:
+    """Lockstep reads no clock."""
 
   def read_window(self, count: int) -> list[core.Read | core.End]:
     """Up to `count` reads, the last one the stream's `End` if reached."""

@@ -1,7 +1,8 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
 `carry` gives each of the core's typed actions its meaning,
-dispatched by type. A real host (`driver.Driver`) and a simulated one
+dispatched by type; `drive` is the one loop that steps a core with them.
+A real host (`driver.Driver`) and a simulated one
 (`sim_cluster`) differ only in what they hand in: the store (a
 `KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
 store) and the `World` (monotonic time and blocking threads, or the virtual
@@ -112,10 +113,47 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
       ex.end()
 
 
-def act(action: Any, exchange: Any, world: Any) -> Any:
-  """`carry` on a real world (its waits block): the result; no generator for a plain action."""
-  plain = _PLAIN.get(type(action))
-  return plain(exchange, world, action) if plain else blocking(carry(action, exchange, world))
+def drive(
+  runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False
+) -> core.Steps:
+  """Steps `runner` (a core, or a side run of it), carrying its actions out, to its `core.Deliver`
+  or its `core.Ended`: the one loop of every host, real (`runs`) or simulated.
+
+  Each result is told at once (a failure thrown in). `asks()`: whether an
+  ending was asked (the inbox taken): then `core.ENDED`, before the next
+  action is carried out; with `early`, taken before each step too.
+  """
+  result: Any = None
+  error: Exception | None = None
+  while True:
+    closing = early and asks()
+    now = world.now()
+    action = runner.send(result, now) if error is None else runner.throw(error, now)
+    result = error = None
+    if closing or (asks is not None and asks()):
+      return core.ENDED
+    if type(action) is core.Ended or type(action) is core.Deliver:
+      return action
+    plain = _PLAIN.get(type(action))
+    try:
+      result = (
+        plain(exchange, world, action) if plain else (yield from carry(action, exchange, world))
+      )
+    except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
+      error = e
+
+
+def runs(runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False) -> Any:
+  """`drive` on a real world (its waits block): the runs; the agreed end returns, an error raises."""
+  while True:
+    action = blocking(drive(runner, exchange, world, asks, early))
+    if type(action) is core.Ended:
+      if action.error is not None:
+        raise action.error
+      return
+    run, action = action.run, None
+    yield run
+    del run  # The build stage's alone once handed on: not held while the core runs on.
 
 
 def blocking(steps: core.Steps) -> Any:
