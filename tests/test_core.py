@@ -51,9 +51,9 @@ class Hand(interpreter.World):
     yield from ()
     return fn(*args)
 
-  def take(self, want, wait_s):
+  def next_read(self, wait_s):
     yield from ()
-    return [next(self.reads)]
+    return next(self.reads)
 
   def pace(self) -> int:
     return 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.

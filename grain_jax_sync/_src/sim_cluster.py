@@ -225,8 +225,8 @@ class _Queue:
 class _Host(interpreter.World):
   """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
 
-  It is the core's world in virtual time (`interpreter.World`): its actions are
-  carried out by the one `interpreter.carry`, whose waits park here.
+  It is the core's world in virtual time (`interpreter.World`): the core is stepped by the
+  one loop, `interpreter.drive`, whose waits park here.
   """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
@@ -251,7 +251,7 @@ class _Host(interpreter.World):
     self.reads = reader.Reader(
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
-    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
+    self.done = self.reading = 0  # Positions built; reads made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
@@ -277,7 +277,7 @@ class _Host(interpreter.World):
         raise self.plan.error or OSError(f"process {self.p}'s source failed at batch {b}")
       yield {"x": np.full(self.plan.rows, 1000 * self.p + b, np.int32)}
 
-  def _read_one(self) -> Generator[Wait, bool, Any]:
+  def read(self) -> Generator[Wait, bool, Any]:
     stall = self.plan.stall
     read_s = stall[1] if stall is not None and stall[0] == self.reading else self.plan.read_s
     yield (None, self.clock.now + read_s)
@@ -315,17 +315,15 @@ class _Host(interpreter.World):
       self.unacked = None
     return result
 
-  def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
+  def ask_reads(self, n: int) -> None:
+    self.clock.signal(("ask", self.p))  # Its reading task reads up to `asked`.
+
+  def next_read(self, wait_s: float) -> Generator[Wait, bool, Any]:
     if not self.threaded:
-      return [(yield from self._read_one())]
-    if want > self.asked:
-      self.asked = want
-      self.clock.signal(("ask", self.p))
+      return (yield from self.read())
     if not self.read_q and wait_s > 0:
       yield (("read", self.p), self.clock.now + wait_s)
-    items = [self.read_q.popleft() for _ in range(min(want, len(self.read_q)))]
-    self.asked -= len(items)
-    return items
+    return self.read_q.popleft() if self.read_q else None
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:
@@ -356,7 +354,7 @@ class _Host(interpreter.World):
     while not isinstance(item, core.End):
       while self.asked <= len(self.read_q):
         yield (("ask", self.p), INF)
-      item = yield from self._read_one()
+      item = yield from self.read()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))
 
