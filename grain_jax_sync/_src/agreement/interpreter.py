@@ -158,11 +158,8 @@ def drive(
       return core.ENDED
     if type(action) is core.Ended or type(action) is core.Deliver:
       return action
-    plain = _PLAIN.get(type(action))
     try:
-      result = (
-        plain(exchange, world, action) if plain else (yield from carry(action, exchange, world))
-      )
+      result = yield from carry(action, exchange, world)
     except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
       error = e
 
