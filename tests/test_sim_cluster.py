@@ -504,20 +504,26 @@ def test_an_empty_shard_is_padded_to_the_longest_and_all_empty_yield_nothing(n, 
 def test_a_collective_step_holds_the_hosts_together_beside_a_slow_reader(prefetch):
   # Host 1 reads for 1.5 s beside a 1 s step; host 0 asks a stop after batch 3.
   # The step ends on both hosts once both entered it: they receive each batch
-  # together, and the stop ends both within the bound of the slow host's pace.
+  # together (inline too: host 1 waits for the decision on its posted read
+  # rather than read its next batch first), and the stop ends both a step
+  # later, inline a step and host 1's read of batch 4 (the real job: benchmarks.twin).
   plans = [H(batches=40, step_s=1.0, stop=(3, 0.0)), H(batches=40, step_s=1.0, read_s=1.5)]
   out = _run(2, prefetch, plans, collective=True)
-  if prefetch:  # Inline, host 1 reads its next batch in the call that returns this one.
-    assert out[0].received == out[1].received
+  assert out[0].received == out[1].received
   assert {(o.ending, o.stopped_by, o.batches) for o in out} == {("end", 0, 3)}
   asked_at = out[0].received[2]
-  assert max(o.ended_at for o in out) - asked_at <= bound_s(prefetch, 1.5 + 1.0)
+  reach = max(o.ended_at for o in out) - asked_at
+  assert reach == pytest.approx(1.0 if prefetch else 1.0 + 1.5)
+  assert reach <= bound_s(prefetch, 1.5 + 1.0)
 
 
 def test_independent_steps_let_the_hosts_drift_apart():
-  plans = [H(batches=10, step_s=1.0), H(batches=10, step_s=1.0, read_s=1.5)]
-  out = _run(2, 0, plans, collective=False)
-  assert out[0].received != out[1].received
+  # With prefetch, host 0 takes the positions decided ahead at its own pace; a
+  # collective step would hold it to host 1's.
+  plans = [H(batches=10, step_s=0.5), H(batches=10, step_s=1.0)]
+  out = _run(2, 2, plans, collective=False)
+  assert out[0].received[:4] == pytest.approx([0.0, 0.5, 1.0, 1.5])
+  assert out[1].received[:4] == pytest.approx([0.0, 1.0, 2.0, 3.0])
   assert {(o.ending, o.batches) for o in out} == {("end", 10)}
 
 

@@ -59,8 +59,8 @@ class Follower(Streamed):
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
-      posted = yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S)
-      if posted is None:  # No read came: a slow or stuck source (or a stop asked for).
+      posted = yield from self._read_unless_it_blocks(urgent)
+      if posted is None:  # No read came: a slow or stuck source, a stop asked for, or inline.
         if urgent:
           yield from self._flush()
           return (yield from self._wait())
@@ -90,10 +90,21 @@ class Follower(Streamed):
       return None
     return (yield from self._wait())
 
-  def _short_tail(self) -> bool:
-    """Whether this host's last undecided read is shorter than a full batch."""
+  def _read_unless_it_blocks(self, urgent: bool) -> core.Steps:
+    """`_read`; None, reading nothing, where the call waits on a posted read (`urgent`) inline.
+
+    Inline a read holds the consumer's call for all of it, and whether process 0's
+    decision came before it was a millisecond's race: the decision first. But a
+    short last read, which the next one judges (`Rules.wait_for_last`).
+    """
+    if urgent and self._own.inline and not self._short_tail(unposted_too=True):
+      return None
+    return (yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S))
+
+  def _short_tail(self, *, unposted_too: bool = False) -> bool:
+    """Whether this host's last undecided read, posted (or `unposted_too`), is shorter than a full batch."""
     pending = self._own.pending
-    if not pending or self._unposted:
+    if not pending or self._unposted and not unposted_too:
       return False
     full = self._rules.batch_size or max(r.batch.rows for r in pending)
     return pending[-1].batch.rows < full
