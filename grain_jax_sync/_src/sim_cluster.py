@@ -251,7 +251,7 @@ class _Host(interpreter.World):
     self.reads = reader.Reader(
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
-    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
+    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, not made; made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
@@ -325,17 +325,15 @@ class _Host(interpreter.World):
     self.calls = self.ex.ops - ops
     return result
 
-  def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
+  def take(self, want: int, wait_s: float, ask: int) -> Generator[Wait, bool, Any]:
     if not self.threaded:
       return [(yield from self._read_one())]
-    if want > self.asked:
-      self.asked = want
+    if ask:
+      self.asked += ask
       self.clock.signal(("ask", self.p))
     if not self.read_q and wait_s > 0:
       yield (("read", self.p), self.clock.now + wait_s)
-    items = [self.read_q.popleft() for _ in range(min(want, len(self.read_q)))]
-    self.asked -= len(items)
-    return items
+    return [self.read_q.popleft() for _ in range(min(want, len(self.read_q)))]
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:
@@ -364,8 +362,9 @@ class _Host(interpreter.World):
   def reading_task(self) -> Task:
     item = None
     while not isinstance(item, core.End):
-      while self.asked <= len(self.read_q):
+      while not self.asked:
         yield (("ask", self.p), INF)
+      self.asked -= 1
       item = yield from self._read_one()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))

@@ -90,10 +90,14 @@ class Action:
 
 
 class Take(Action):
-  """This host's reads at hand, up to `want` (the last may be its `End`), the first waited for up to `wait_s`; a list."""
+  """This host's reads at hand, up to `want` (the last may be its `End`), the first waited for up to `wait_s`; a list.
+
+  `ask`: reads to ask of the reading thread first (the core counts those asked, not taken).
+  """
 
   want: int
   wait_s: float
+  ask: int = 0
 
 
 class StoreCall(Action):

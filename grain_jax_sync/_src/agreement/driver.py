@@ -58,7 +58,6 @@ class Driver(interpreter.World):
     self.core = agreement
     self._reader = reader
     self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
-    self._asked = 0  # Reads asked of the reading thread and not taken yet.
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
@@ -155,14 +154,13 @@ class Driver(interpreter.World):
     yield from ()  # A real call blocks in the client.
     return fn(*args)
 
-  def take(self, want: int, wait_s: float) -> core.Steps:
+  def take(self, want: int, wait_s: float, ask: int) -> core.Steps:
     yield from ()  # A real wait blocks in the reading stage.
     thread = self._thread
     if thread is None:
       return [next(self._reader)]  # type: ignore[call-overload]
-    if want > self._asked:
-      thread.ask(want - self._asked)
-      self._asked = want
+    if ask:
+      thread.ask(ask)
     items: list[Any] = []
     item = thread.take(wait_s)
     while item is not None:  # Then every one at hand, up to `want` and the end.
@@ -170,7 +168,6 @@ class Driver(interpreter.World):
       if len(items) == want or type(item) is core.End or not thread.ready():
         break
       item = thread.take(0.0)
-    self._asked -= len(items)
     return items
 
   def wait_build(self, beyond: int) -> core.Steps:

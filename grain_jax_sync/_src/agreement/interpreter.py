@@ -86,8 +86,8 @@ def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   if plain is not None:
     return plain(exchange, world, action)
   match action:
-    case core.Take(want, wait_s):
-      return (yield from world.take(want, wait_s))
+    case core.Take(want, wait_s, ask):
+      return (yield from world.take(want, wait_s, ask))
     case core.WaitBuild(beyond):
       return (yield from world.wait_build(beyond))
     case core.Elsewhere(namespace, message, calls):
