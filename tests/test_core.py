@@ -13,7 +13,6 @@ lockstep core's stop, end and error (`Lockstepped`: the test all-gathers).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import numpy as np
 import pytest
@@ -61,14 +60,19 @@ class Hand(interpreter.World):
     yield from ()
     return fn(*args)
 
-  def take(self, want, wait_s, ask):
+  @property
+  def threaded(self) -> bool:
+    return self.cores.threaded
+
+  def ask_reads(self, n):
+    pass
+
+  def next_read(self, wait_s):
     yield from ()
-    if not self.cores.threaded:
-      return [next(self.reads)]
-    n = want if self.at_hand is None else min(want, self.at_hand - self.taken)
-    items = list(itertools.islice(self.reads, n))
-    self.taken += len(items)
-    return items
+    if self.at_hand is not None and self.taken >= self.at_hand:
+      return None
+    self.taken += 1
+    return next(self.reads)
 
   def wait_build(self, beyond):
     yield from ()

@@ -90,14 +90,11 @@ class Action:
 
 
 class Take(Action):
-  """This host's reads at hand, up to `want` (the last may be its `End`), the first waited for up to `wait_s`; a list.
-
-  `ask`: reads to ask of the reading thread first (the core counts those asked, not taken).
-  """
+  """This host's reads at hand, up to `want` (the last may be its `End`), the first waited for up to `wait_s`; a list."""
 
   want: int
   wait_s: float
-  ask: int = 0
+  ask: int = 0  # Asked of the reading thread first: the core counts the reads asked, not taken.
 
 
 class StoreCall(Action):
