@@ -257,8 +257,7 @@ class _Host(interpreter.World):
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
     # thread, that thread runs the core (not while it waits to hand a run on).
     self.busy = False
-    self.runner: Any = self.core  # What `drive` runs.
-    self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back to it.
+    self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
@@ -287,7 +286,7 @@ class _Host(interpreter.World):
   def drive(self, runner: Any = None) -> Generator[Wait, bool, Any]:
     """Runs the core (or `runner`, a side run of it) by `interpreter.drive` to its next run, or its
     ending, handed on as an item: a `StopIteration` at the agreed end or stop, else the error."""
-    self.runner = runner or self.core
+    self.runner: Any = runner or self.core  # Its store calls' results go back to it (`call`).
     action = yield from interpreter.drive(self.runner, self.ex, self)
     if type(action) is core.Deliver:
       return action.run

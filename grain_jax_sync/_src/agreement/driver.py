@@ -57,8 +57,7 @@ class Driver(interpreter.World):
   ):
     self.core = agreement
     self._reader: Any = reader
-    # A reading thread's stage: the core runs in the agreement thread.
-    self.threaded = isinstance(reader, prefetch.OnDemand)
+    self.threaded = isinstance(reader, prefetch.OnDemand)  # The core runs in the agreement thread.
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
