@@ -251,7 +251,7 @@ class _Host(interpreter.World):
     self.reads = reader.Reader(
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
-    self.done = self.reading = 0  # Positions built; reads made.
+    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, not made; made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
@@ -315,7 +315,8 @@ class _Host(interpreter.World):
     return result
 
   def ask_reads(self, n: int) -> None:
-    self.clock.signal(("ask", self.p))  # Its reading task reads up to `asked`.
+    self.asked += n
+    self.clock.signal(("ask", self.p))
 
   def next_read(self, wait_s: float) -> Generator[Wait, bool, Any]:
     if not self.threaded:
@@ -351,8 +352,9 @@ class _Host(interpreter.World):
   def reading_task(self) -> Task:
     item = None
     while not isinstance(item, core.End):
-      while self.asked <= len(self.read_q):
+      while not self.asked:
         yield (("ask", self.p), INF)
+      self.asked -= 1
       item = yield from self.read()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))

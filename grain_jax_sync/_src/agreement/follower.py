@@ -83,31 +83,18 @@ class Follower(Streamed):
       yield from self._flush()
     elif self._own.end is not None:
       yield from self._flush()
-    elif self._short_tail():
-      # Its last read is short and undecided: judged by the next one
-      # (`Rules.wait_for_last`), which a full read-ahead would never take.
-      yield from self._read(periods.LIVENESS_PERIOD_S)
-      return None
     return (yield from self._wait())
 
   def _read_unless_it_blocks(self, urgent: bool) -> core.Steps:
     """`_read`; None, reading nothing, where the call waits on a posted read (`urgent`) inline.
 
     Inline a read holds the consumer's call for all of it, and whether process 0's
-    decision came before it was a millisecond's race: the decision first. But a
-    short last read, which the next one judges (`Rules.wait_for_last`).
+    decision came before it was a millisecond's race: the decision first. But after
+    a short read, which the next one judges (`common.OwnReads.blocks`).
     """
-    if urgent and self._own.inline and not self._short_tail(unposted_too=True):
+    if urgent and self._own.blocks():
       return None
     return (yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S))
-
-  def _short_tail(self, *, unposted_too: bool = False) -> bool:
-    """Whether this host's last undecided read, posted (or `unposted_too`), is shorter than a full batch."""
-    pending = self._own.pending
-    if not pending or self._unposted and not unposted_too:
-      return False
-    full = self._rules.batch_size or max(r.batch.rows for r in pending)
-    return pending[-1].batch.rows < full
 
   def _wait(self) -> core.Steps:
     if self._idle and (yield core.IsDead(0)):

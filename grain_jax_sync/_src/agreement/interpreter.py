@@ -34,7 +34,6 @@ class World:
   """
 
   threaded = False  # No reading thread: inline, each read in `next_read`.
-  asked = 0  # Reads asked of the reading thread (`ask_reads`) and not taken yet (`take`).
 
   def crosswise(self, peer: int) -> list[str]:
     del peer
@@ -92,8 +91,8 @@ def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   if plain is not None:
     return plain(exchange, world, action)
   match action:
-    case core.Take(want, wait_s):
-      return (yield from take(world, want, wait_s))
+    case core.Take(want, wait_s, ask):
+      return (yield from take(world, want, wait_s, ask))
     case core.WaitBuild(beyond):
       return (yield from world.wait_build(beyond))
     case core.Elsewhere(namespace, message, calls):
@@ -102,14 +101,13 @@ def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   raise TypeError(f"not an action: {action!r}")
 
 
-def take(world: Any, want: int, wait_s: float) -> core.Steps:
-  """`core.Take`: inline, one read; else the reading thread's, up to `want` asked of it, the
-  first waited for up to `wait_s` (`next_read`), then those at hand."""
+def take(world: Any, want: int, wait_s: float, ask: int) -> core.Steps:
+  """`core.Take`: inline, one read; else the reading thread's, `ask` more asked of it, up to
+  `want`, the first waited for up to `wait_s` (`next_read`), then those at hand."""
   if not world.threaded:
     return [(yield from world.next_read(wait_s))]
-  if want > world.asked:
-    world.ask_reads(want - world.asked)
-    world.asked = want
+  if ask:
+    world.ask_reads(ask)
   items: list[Any] = []
   item = yield from world.next_read(wait_s)
   while item is not None:
@@ -117,7 +115,6 @@ def take(world: Any, want: int, wait_s: float) -> core.Steps:
     if len(items) == want or type(item) is core.End:
       break
     item = yield from world.next_read(0.0)
-  world.asked -= len(items)
   return items
 
 
