@@ -310,7 +310,8 @@ def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(c
   # Store calls take 3 ms: a close lands while a post's result is on its way
   # back to the core at some of these 160 times. Its ending goes after what
   # the core posted (it is told the result first), never over it: the peer raises the
-  # close, not "closed ... without starting the stream".
+  # close, not "closed ... without starting the stream", and reads it with the
+  # next decision or chunk, not a liveness period later from the close note.
   cluster = testing.SimulatedCluster(
     processes=2, prefetch_batches=prefetch, store_s=0.003, collective_steps=False
   )
@@ -324,6 +325,7 @@ def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(c
       f"process {closer} closed its iterator at batch {n}",
     ), k
     assert peer.batches >= n
+    assert peer.ended_at - out[closer].ended_at < periods.LIVENESS_PERIOD_S / 2, k
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

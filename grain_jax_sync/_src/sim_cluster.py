@@ -458,10 +458,12 @@ class _Host(interpreter.World):
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
-    if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
+    if not post:
+      return
+    self.core.asked(core.Closing(self.out.batches))  # As `close()` asks it: decide no more.
+    if self.unacked is not None:  # Told first (`core.Side`): its ending goes after what it posted.
       self.unacked[0].send(self.unacked[1], self.now())
-    if post:
-      interpreter.best_effort(self.ex, self.core.closing(self.out.batches, None))
+    interpreter.best_effort(self.ex, self.core.ending())
 
 
 @dataclasses.dataclass(kw_only=True)
