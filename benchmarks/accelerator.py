@@ -31,7 +31,9 @@ trial starts at the next variant), each trial a fresh iterator whose first
   ``grain_device_put`` and ``device_put``, and where each thread's CPU went
   (ours, the main thread, Grain's Python threads, native threads, threads
   that ended in the window), kernel CPU, page faults and context switches.
-  ``--diagnose`` adds ``inline``, ``device_put_b0`` (``device_buffer_size=0``)
+  ``--diagnose`` adds ``inline``, ``iter_p1`` and ``iter_p3`` (``prefetch_batches``),
+  ``device_put_whole`` and ``iter_whole`` (every leaf one put, no pieces),
+  ``device_put_b0`` (``device_buffer_size=0``)
   and ``device_put`` with a batch less read (``_c3``), built (``_d1``) or
   both (``_c3d1``: what ``device_put(4, 2)`` held before it held Grain's
   counts); ``--variants``
@@ -431,6 +433,15 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
       ds, batch_size=rows, mesh=mesh, prefetch_batches=0
     )
     feeds["device_put_b0"] = lambda: iter(gjs.device_put(ds, sharding, device_buffer_size=0))
+    for k in (1, 3):
+      feeds[f"iter_p{k}"] = functools.partial(
+        gjs.iter_jax_batches, ds, batch_size=rows, mesh=mesh, prefetch_batches=k
+      )
+    # Every leaf as one put (no pieces): what crossing in pieces costs here.
+    feeds["device_put_whole"] = functools.partial(_whole, lambda: gjs.device_put(ds, sharding))
+    feeds["iter_whole"] = functools.partial(
+      _whole, lambda: gjs.iter_jax_batches(ds, batch_size=rows, mesh=mesh)
+    )
     # Each stage holds what Grain's does (its buffer and its thread's element
     # in hand): ours with one less read, built, or both, as before it did.
     for name, kwargs in (("c3", {"cpu_buffer_size": 3}), ("d1", {"device_buffer_size": 1})):
@@ -439,6 +450,17 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
       _device_put, ds, sharding, cpu_buffer_size=3, device_buffer_size=1
     )
   return feeds
+
+
+def _whole(make: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+  """`make()`'s batches with every leaf crossing as one put (`transfer.PIECES` 1 while it runs)."""
+  from grain_jax_sync._src import transfer
+
+  pieces, transfer.PIECES = transfer.PIECES, 1
+  try:
+    yield from make()
+  finally:
+    transfer.PIECES = pieces
 
 
 def _device_put(ds: Any, sharding: Any, **kwargs: Any) -> Iterator[Any]:

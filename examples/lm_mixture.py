@@ -87,7 +87,8 @@ def read_sources(paths: list[str]) -> list[list[tuple[int, str]]]:
 def tokenize(record: tuple[int, str]) -> dict[str, np.ndarray]:
   """Bytes as tokens (1 .. 256), and the document id of each token."""
   doc, text = record
-  tok = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)[:LENGTH] + 1
+  # The whole document: `pack_sequences` splits a long one across rows.
+  tok = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + 1
   return {"tok": tok, "doc": np.full(len(tok), doc, np.int32)}
 
 

@@ -12,6 +12,7 @@ lockstep core's stop, end and error (`Lockstepped`: the test all-gathers).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -32,33 +33,54 @@ from grain_jax_sync._src.memory_store import MemoryStore
 
 NS = "grain_jax_sync/core/1"
 RULES = plan.Rules(batch_size=4, drop_last=False, pad=True)
-# What a wait in the store that found nothing returns (`MemoryStore(wait=False)`).
-EMPTY = {core.WaitChunk: [], core.WaitDecision: None, core.WaitAllReachedEnd: False}
+# What a wait in the store that found nothing returns (`MemoryStore(wait=False)`), or one for a read.
+EMPTY = {core.WaitChunk: [], core.WaitDecision: None, core.WaitAllReachedEnd: False, core.Take: []}
 
 
 class Hand(interpreter.World):
-  """One host's world with no thread: its reads from a list, the pair's time, the pair's looks."""
+  """One host's world with no thread: its reads from a list, the pair's time, the pair's looks.
 
-  def __init__(self, cores: Cores, p: int, batches: int):
+  With a build thread (`Cores(threaded=True)`), its reading thread has read
+  `at_hand` batches (all: None), each `Take` gets them in one run, and its build
+  stage hands on what was delivered only when the core waits for it (`wait_build`).
+  """
+
+  def __init__(self, cores: Cores, p: int, sizes: list[int]):
     self.cores, self.p = cores, p
-    rows = ({"x": np.full(4, 100 * p + b, np.int32)} for b in range(batches))
+    rows = ({"x": np.full(n, 100 * p + b, np.int32)} for b, n in enumerate(sizes))
     self.reads = reader.Reader(sources.open_source(rows), process_index=p, check_int32=False)
     self.theirs: list[str] = []  # The streams a peer waits on, made and not started here.
     self.pre_ended: dict[str, str] = {}
+    self.at_hand: int | None = None
+    self.taken = self.delivered = self.done = 0  # Reads taken; positions delivered, handed on.
 
   def now(self) -> core.Now:
-    return core.Now(self.cores.t)
+    return core.Now(self.cores.t, self.done, self.at_hand is None or self.taken < self.at_hand)
 
   def call(self, fn, *args):
     yield from ()
     return fn(*args)
 
-  def take(self, want, wait_s):
+  @property
+  def threaded(self) -> bool:
+    return self.cores.threaded
+
+  def ask_reads(self, n):
+    pass
+
+  def next_read(self, wait_s):
     yield from ()
-    return [next(self.reads)]
+    if self.at_hand is not None and self.taken >= self.at_hand:
+      return None
+    self.taken += 1
+    return next(self.reads)
+
+  def wait_build(self, beyond):
+    yield from ()
+    self.done = self.delivered
 
   def pace(self) -> int:
-    return 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.
+    return self.cores.pace
 
   def dead(self, peer: int) -> bool:
     return peer in self.cores.dead
@@ -74,10 +96,25 @@ class Hand(interpreter.World):
 
 
 class Cores:
-  """N cores over one in-memory store, stepped by hand (`step`, `roundtrip`), time set by hand (`t`)."""
+  """N cores over one in-memory store, stepped by hand (`step`, `roundtrip`), time set by hand (`t`).
 
-  def __init__(self, n: int, batches: int = 5, timeout_s: float = 100.0):
+  `sizes`: per host, its batches' rows (default: `batches` of 4); `threaded`: with build threads.
+  """
+
+  def __init__(
+    self,
+    n: int,
+    batches: int = 5,
+    timeout_s: float = 100.0,
+    *,
+    sizes: list[list[int]] | None = None,
+    rules: plan.Rules = RULES,
+    lookahead: int | None = None,
+    threaded: bool = False,
+  ):
     self.t = 0.0
+    self.threaded = threaded
+    self.pace = 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.
     self.dead: set[int] = set()
     # Per host: what it wrote as it closed (`key_value.close_note`).
     self.notes: dict[int, str] = {}
@@ -85,16 +122,17 @@ class Cores:
     self.ex = [
       key_value.KeyValueExchange(self.store, NS, process_index=p, process_count=n) for p in range(n)
     ]
-    self.world = [Hand(self, p, batches) for p in range(n)]
+    sizes = sizes or [[4] * batches] * n
+    self.world = [Hand(self, p, sizes[p]) for p in range(n)]
     who = [common.Identity(process=p, devices=1, config={"c": 1}, resume=0) for p in range(n)]
     self.cores = [
       decider.core_for(
-        RULES,
+        rules,
         who[p],
-        threaded=False,
+        threaded=threaded,
         namespace=NS,
         process_count=n,
-        lookahead=None,
+        lookahead=lookahead,
         timeout_s=timeout_s,
         position=0,
       )
@@ -114,12 +152,13 @@ class Cores:
     for _ in range(limit):
       if self.ended[p] is not None:
         return self.ended[p]
-      action = self.runners[p].send(self.results[p], core.Now(self.t))
+      action = self.runners[p].send(self.results[p], self.world[p].now())
       self.results[p] = None
       if type(action) is core.Ended:
         self.ended[p] = action
       elif type(action) is core.Deliver:
         self.yielded[p] += _values(action.run)
+        self.world[p].delivered += len(action.run.steps)
         return action
       else:
         self.results[p] = interpreter.blocking(interpreter.carry(action, self.ex[p], self.world[p]))
@@ -250,7 +289,7 @@ def test_a_restart_asked_as_a_post_returns_is_posted_after_it_and_raised_by_the_
   assert resetter == 1 or len(c.yielded[other]) > got
   at, x = len(c.yielded[resetter]), c.cores[resetter]
   x.asked(core.Closing(at, endings.closed_error(resetter, at, "reset its iterator"), left=True))
-  assert c.runners[resetter].send(c.results[resetter], core.Now(c.t)) == core.ENDED
+  assert c.runners[resetter].send(c.results[resetter], c.world[resetter].now()) == core.ENDED
   interpreter.best_effort(c.ex[resetter], x.ending())
   c.ended[resetter] = core.Ended(None)
   # Then closed in the stream it restarted into, unstarted (`session.Streams.end`).
@@ -301,6 +340,99 @@ def test_a_dead_peer_is_named_once_its_beat_stopped():
   c.step(0)
   error = _error(c.ended[0])
   assert isinstance(error, endings.PeerLostError) and error.missing == (1,)
+
+
+# A short batch is judged by whether it is its host's last (`plan.Rules.wait_for_last`).
+SHORT_CASES = {
+  "short_not_last": ([[24, 24, 24], [24, 16, 24]], plan.Rules(24, drop_last=True, pad=False)),
+  "derived_drop": ([[24, 24, 24], [24, 24, 16]], plan.Rules(None, drop_last=True, pad=False)),
+  "derived_pad": ([[24, 24, 24], [24, 24, 16]], plan.Rules(None, drop_last=False, pad=True)),
+}
+
+
+def _short_cores(case: str, lookahead: int = 2) -> Cores:
+  sizes, rules = SHORT_CASES[case]
+  rules = dataclasses.replace(rules, wait_for_last=True)
+  return Cores(2, sizes=sizes, rules=rules, lookahead=lookahead, threaded=True)
+
+
+@pytest.mark.parametrize("reads", ["in_a_run", "one_by_one"])
+@pytest.mark.parametrize("case", sorted(SHORT_CASES))
+def test_a_short_read_that_fills_the_read_ahead_is_judged_by_the_next_whatever_the_build_holds(
+  case, reads
+):
+  # Process 1's build stage hands nothing on meanwhile (its consumer is in a step).
+  if reads == "in_a_run":
+    # The hang of test_padding's size cases at prefetch 2: the follower's reading thread hands
+    # it its reads in one run (the short one last, filling a read-ahead of 2); process 0 decides
+    # the positions before it and waits to know whether the short one is the last, its news of
+    # the peers old by then (it reads them again before posting).
+    c = _short_cores(case)
+    c.step(1)
+    c.t = common.FOLLOWER_GRACE_S
+    c.roundtrip()
+  else:
+    # A read at a time, three ahead: the read after the short one, taken, is posted at once.
+    c = _short_cores(case, lookahead=3)
+    c.pace = 3
+    c.world[1].at_hand = 0
+    for _ in range(20):
+      c.world[1].at_hand += 1
+      c.step(0)
+      c.step(1)
+  if case == "short_not_last":
+    errors = [_error(e) for e in c.ended]
+    want = "process 1, batch 1: 16 rows, fewer than the full batch size 24"
+    assert all(isinstance(e, ValueError) and want in str(e) for e in errors), errors
+    assert c.yielded == [[0], [100]]
+  else:  # Its last batch: dropped, or padded with the mask.
+    assert c.ended == [core.Ended(None)] * 2
+    last = 3 if case == "derived_pad" else 2
+    assert c.yielded == [[0, 1, 2][:last], [100, 101, 102][:last]]
+
+
+def test_a_position_every_host_read_is_decided_though_the_next_read_of_a_peer_never_comes():
+  # Process 1's source stalls after its short batch: the position before it is decided all the
+  # same (a stuck read holds up only the positions it has not read), though process 0 read the
+  # peers' posts again between its plan and the decision.
+  c = _short_cores("short_not_last")
+  c.world[1].at_hand = 2  # In one run.
+  c.step(1)
+  c.t = common.FOLLOWER_GRACE_S
+  for _ in range(5):
+    c.step(0)
+    c.step(1)
+  assert c.yielded == [[0], [100]] and c.ended == [None, None]
+
+
+def _read(p: int, b: int) -> core.Read:
+  """Process p's batch b of 4 rows, as its reader reads it."""
+  rows = iter([{"x": np.full(4, 100 * p + b, np.int32)}])
+  read = next(reader.Reader(sources.open_source(rows), process_index=p, check_int32=False))
+  assert isinstance(read, core.Read)
+  return read
+
+
+def test_own_reads_count_what_the_reading_thread_was_asked_and_measure_a_run_that_ends():
+  own = common.OwnReads(lookahead=None, threaded=True, inline=False)
+  own.batch_size = 4
+  steps = own.read()
+  assert next(steps) == core.Take(2, 0.0, ask=2)  # A horizon of 1, two ahead with a build thread.
+  with pytest.raises(StopIteration):
+    steps.send([])  # None came yet.
+  steps = own.read()
+  assert next(steps) == core.Take(2, 0.0, ask=0)  # Asked already, not taken: asked no more.
+  assert steps.send([_read(0, 0)]) is core.PACE
+  with pytest.raises(StopIteration):
+    steps.send(5)
+  assert own.asked == 1 and own.limit == 5
+  steps = own.read()
+  assert next(steps) == core.Take(9, 0.0, ask=8)  # Two horizons ahead, less the one it holds.
+  # The stream's end in the run of its last reads: the horizon is measured for them too.
+  assert steps.send([_read(0, 1), _read(0, 2), core.End(3)]) is core.PACE
+  with pytest.raises(StopIteration):
+    steps.send(2)
+  assert own.limit == 2 and own.end == core.End(3) and own.count == 3
 
 
 def _rows(p: int, batches: int, fail: bool = False):

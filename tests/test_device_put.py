@@ -3,6 +3,7 @@
 import inspect
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -16,6 +17,9 @@ from helpers import check_cases, run_cases
 
 import grain_jax_sync as gjs
 from grain_jax_sync import testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timed_endings import bound  # noqa: E402 - the repository root, from any directory.
 
 SIZES = [13, 6]
 PADDED = {"batch_size": 4, "paddings": -1, "mask_key": "mask"}
@@ -448,7 +452,10 @@ def test_device_put_request_stop_from_sigterm_ends_every_host_at_one_batch_and_r
     )
   )
   stopped_at = outs[0]["batches"]
-  assert 3 <= stopped_at <= 3 + 2 * (10 + 2), stopped_at  # 2R: the documented bound.
+  # k <= B <= k + 2R (docs/guarantees.md section 10) at the loop's step of at least 10 ms and
+  # device_put's prefetch (`device_buffer_size` + 1 = 3): 2R is longer than the 40 batches.
+  most = bound(3, 0.01)
+  assert 3 + most.batches > 40 and 3 <= stopped_at < 40, (stopped_at, most)
   for p, o in enumerate(outs):
     assert o["full"] == [1000 * p + 8 * i for i in range(40)]
     assert (o["batches"], o["by"]) == (stopped_at, 2)

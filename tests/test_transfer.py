@@ -75,3 +75,43 @@ def test_a_large_leaf_for_one_device_crosses_as_pieces_joined_on_the_device(monk
   monkeypatch.undo()  # CPU devices have no link: one put, however large.
   monkeypatch.setattr(transfer, "PIECE_BYTES", 1024)
   assert transfer.pieces(leaves[0], one) == 1
+
+
+def test_a_leaf_in_memory_numpy_did_not_allocate_crosses_as_one_put(monkeypatch):
+  # Grain's worker processes hand batches over in shared memory; a fresh
+  # mapping's pages are touched first by the put, and pieces would fault them
+  # from several threads at once. Such a leaf (and a view of it) goes whole;
+  # a copy, or a view of an array NumPy allocated, still goes in pieces.
+  from multiprocessing import shared_memory
+
+  monkeypatch.setattr(transfer, "PIECE_BYTES", 1024)
+  monkeypatch.setattr(transfer, "NO_LINK", frozenset())
+  one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec("data"))
+  owned = _leaves(rows=18)[0]
+  shm = shared_memory.SharedMemory(create=True, size=owned.nbytes)
+  try:
+    mapped = np.ndarray(owned.shape, owned.dtype, buffer=shm.buf)
+    mapped[:] = owned
+    cases = {
+      "shared memory": mapped,
+      "a view of it": mapped[2:],
+      "bytes": np.frombuffer(owned.tobytes(), owned.dtype).reshape(owned.shape),
+      "a copy of it": mapped.copy(),
+      "NumPy's own": owned,
+      "a view of NumPy's own": owned[2:],
+    }
+    got = {name: transfer.pieces(leaf, one) for name, leaf in cases.items()}
+    assert got == {
+      "shared memory": 1,
+      "a view of it": 1,
+      "bytes": 1,
+      "a copy of it": 3,
+      "NumPy's own": 3,
+      "a view of NumPy's own": 3,
+    }
+    place = placement.placement_for(one, "test")
+    np.testing.assert_array_equal(np.asarray(transfer.to_global_leaves([mapped], place)[0]), owned)
+    del mapped, cases
+  finally:
+    shm.close()
+    shm.unlink()

@@ -225,8 +225,8 @@ class _Queue:
 class _Host(interpreter.World):
   """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
 
-  It is the core's world in virtual time (`interpreter.World`): its actions are
-  carried out by the one `interpreter.carry`, whose waits park here.
+  It is the core's world in virtual time (`interpreter.World`): the core is stepped by the
+  one loop, `interpreter.drive`, whose waits park here.
   """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
@@ -251,14 +251,13 @@ class _Host(interpreter.World):
     self.reads = reader.Reader(
       sources.open_source(self._source()), process_index=p, check_int32=False, start_error=refused
     )
-    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, and made.
+    self.done = self.asked = self.reading = 0  # Positions built; reads asked for, not made; made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
     # thread, that thread runs the core (not while it waits to hand a run on).
     self.busy = False
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
-    self.calls = 0  # The client's calls the last store action made.
     self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
@@ -277,7 +276,7 @@ class _Host(interpreter.World):
         raise self.plan.error or OSError(f"process {self.p}'s source failed at batch {b}")
       yield {"x": np.full(self.plan.rows, 1000 * self.p + b, np.int32)}
 
-  def _read_one(self) -> Generator[Wait, bool, Any]:
+  def read(self) -> Generator[Wait, bool, Any]:
     stall = self.plan.stall
     read_s = stall[1] if stall is not None and stall[0] == self.reading else self.plan.read_s
     yield (None, self.clock.now + read_s)
@@ -285,28 +284,13 @@ class _Host(interpreter.World):
     return next(self.reads)
 
   def drive(self, runner: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `runner`, a side run of its steps) to its next run, or returns its ending,
-    handed on as an item: a `StopIteration` at the agreed end or stop, else the error (any type)."""
-    runner, result, error = runner or self.core, None, None
-    while True:
-      now = self.now()
-      action = runner.send(result, now) if error is None else runner.throw(error, now)
-      if type(action) is core.Ended:
-        return StopIteration() if action.error is None else action.error
-      if type(action) is core.Deliver:
-        return action.run
-      result = error = None
-      self.calls = 0
-      try:
-        result = yield from interpreter.carry(action, self.ex, self)
-      except GeneratorExit:
-        raise  # The task is closed (its host is gone): nothing is handed on.
-      except Exception as e:  # noqa: BLE001 - raised inside the core, as on a real host.
-        error = e
-      if isinstance(action, core.StoreCall) and self.calls and self.c.store_s > 0:
-        self.unacked = (runner, result)  # In flight back to the core.
-        yield (None, self.clock.now + self.calls * self.c.store_s)
-        self.unacked = None
+    """Runs the core (or `runner`, a side run of it) by `interpreter.drive` to its next run, or its
+    ending, handed on as an item: a `StopIteration` at the agreed end or stop, else the error."""
+    self.runner: Any = runner or self.core  # Its store calls' results go back to it (`call`).
+    action = yield from interpreter.drive(self.runner, self.ex, self)
+    if type(action) is core.Deliver:
+      return action.run
+    return StopIteration() if action.error is None else action.error
 
   # -- the core's world in virtual time (`interpreter.World`) --------------------------
 
@@ -314,28 +298,32 @@ class _Host(interpreter.World):
     return core.Now(self.clock.now, self.done, bool(self.read_q) or not self.threaded)
 
   def call(self, fn: Any, *args: Any) -> Generator[Wait, bool, Any]:
-    self.c.store.missed, ops = None, self.ex.ops
+    self.c.store.missed, ops, runner = None, self.ex.ops, self.runner
     result = fn(*args)
     key = self.c.store.missed  # A blocking read in the call found nothing: park on its key.
     # A wait ends at the core's next deadline (the action's `wait_s`).
     if key is not None and (yield (key, self.clock.now + args[-1].wait_s)):
       ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
-    # Each of the client's calls is a round trip (a delete of no whole group makes none).
-    self.calls = self.ex.ops - ops
+    # Each of the client's calls is a round trip (a delete of no whole group makes none): its
+    # effect lands at once, its result is in flight back to the core meanwhile (`_end`).
+    calls = self.ex.ops - ops
+    if calls and self.c.store_s > 0:
+      self.unacked = (runner, result)
+      yield (None, self.clock.now + calls * self.c.store_s)
+      self.unacked = None
     return result
 
-  def take(self, want: int, wait_s: float) -> Generator[Wait, bool, Any]:
+  def ask_reads(self, n: int) -> None:
+    self.asked += n
+    self.clock.signal(("ask", self.p))
+
+  def next_read(self, wait_s: float) -> Generator[Wait, bool, Any]:
     if not self.threaded:
-      return [(yield from self._read_one())]
-    if want > self.asked:
-      self.asked = want
-      self.clock.signal(("ask", self.p))
+      return (yield from self.read())
     if not self.read_q and wait_s > 0:
       yield (("read", self.p), self.clock.now + wait_s)
-    items = [self.read_q.popleft() for _ in range(min(want, len(self.read_q)))]
-    self.asked -= len(items)
-    return items
+    return self.read_q.popleft() if self.read_q else None
 
   def wait_build(self, beyond: int) -> Generator[Wait, bool, Any]:
     if self.done <= beyond:
@@ -364,9 +352,10 @@ class _Host(interpreter.World):
   def reading_task(self) -> Task:
     item = None
     while not isinstance(item, core.End):
-      while self.asked <= len(self.read_q):
+      while not self.asked:
         yield (("ask", self.p), INF)
-      item = yield from self._read_one()
+      self.asked -= 1
+      item = yield from self.read()
       self.read_q.append(item)
       self.clock.signal(("read", self.p))
 

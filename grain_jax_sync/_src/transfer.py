@@ -26,7 +26,10 @@ Targets = tuple[list[jax.sharding.Sharding], list[tuple[int, ...]]]
 # bandwidth is far above any host link's. A leaf spread over several
 # devices already crosses as one put per device. The floor keeps each put's
 # fixed cost small beside its bytes, on any host. CPU devices have no link
-# (their arrays are host memory): a leaf goes to one as one put.
+# (their arrays are host memory): a leaf goes to one as one put. So does a
+# leaf in memory NumPy did not allocate (shared memory from Grain's worker
+# processes, a memory-mapped file): its pages are first touched by the put,
+# and several puts faulting one mapping at once cost far more CPU than one.
 PIECES = 4
 PIECE_BYTES = 4 << 20
 NO_LINK = frozenset({"cpu"})
@@ -47,9 +50,17 @@ def pieces(leaf: np.ndarray, sharding: jax.sharding.Sharding) -> int:
   if leaf.ndim == 0 or len(sharding.device_set) != 1:
     return 1
   device: Any = next(iter(sharding.device_set))
-  if device.platform in NO_LINK:
+  if device.platform in NO_LINK or not _numpy_owned(leaf):
     return 1
   return max(1, min(PIECES, leaf.nbytes // PIECE_BYTES, leaf.shape[0]))
+
+
+def _numpy_owned(leaf: np.ndarray) -> bool:
+  """Whether `leaf`'s memory is an array's own allocation (not a buffer NumPy wraps)."""
+  base: Any = leaf
+  while isinstance(base, np.ndarray) and base.base is not None:
+    base = base.base
+  return isinstance(base, np.ndarray)
 
 
 @functools.lru_cache(maxsize=64)

@@ -159,6 +159,7 @@ class OwnReads:
     self._paced = paced
     self.inline = inline
     self.lookahead = lookahead
+    self.batch_size: int | None = None  # The full batch size, once known (`Streamed`).
     # Until the first read tells the bytes of a batch.
     self._base = min((b for b in (lookahead, read_ahead) if b is not None), default=2)
     self.limit = 1 if paced else self._base  # Nothing consumed yet.
@@ -170,7 +171,7 @@ class OwnReads:
     self.now = core.Now(0.0)  # The driver's last word (`Streamed.send`).
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
-    self._asked = 0  # Reads asked of the reading thread and not taken (`stalled`).
+    self.asked = 0  # Reads asked of the reading thread (`core.Take.ask`) and not taken.
 
   def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
@@ -188,9 +189,16 @@ class OwnReads:
     """
     return min(self._base, 2 * self.limit) if self._threaded else self.limit
 
+  def _short(self, at: int = -1) -> bool:
+    """Whether undecided read `at` may be short: decided once the next is known
+    (`plan.Rules.wait_for_last`), which is then taken (`room`) and posted (`due`) at once."""
+    p, full = self.pending, self.batch_size
+    return len(p) >= -at and (full is None or p[at].batch.rows < full)
+
   def _free(self) -> int:
-    """Reads this host may hold undecided now (at least 2: a short batch waits for the next)."""
-    return max(2, self._ahead() - (self.held() or 0)) - len(self.pending)
+    """Reads this host may hold undecided now: at least 2 (the next is read while one is
+    decided, inline too), less what its build thread holds; one more after a short one."""
+    return max(2, self._ahead() - (self.held() or 0)) + self._short() - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
@@ -203,7 +211,7 @@ class OwnReads:
     if self.end is not None or self.stopped:
       return False
     free = self._free()
-    if self._refill and free * 2 < self._ahead():
+    if self._refill and free * 2 < self._ahead() and not self._short():
       return False
     self._refill = free <= 0
     return not self._refill
@@ -223,13 +231,13 @@ class OwnReads:
     A round carries half the read-ahead, so that it completes while the build
     thread works through the half before. Where the build thread (or the
     job, before its first batch) waits on the agreement, each read goes at
-    once. No timer decides.
+    once, and so does the read after a short one. No timer decides.
     """
     if unposted == 0:
       return False
     if unposted * 2 >= self.limit or self.count == len(self.pending):  # Nothing decided yet.
       return True
-    return self.held() == 0
+    return self.held() == 0 or self._short(-2)
 
   def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""
@@ -259,23 +267,24 @@ class OwnReads:
 
   def stalled(self) -> bool:
     """Whether a read asked of the reading thread is not there yet (one not asked yet is no stall)."""
-    return not self.ready() and self._asked > 0
+    return not self.ready() and self.asked > 0
 
   def read(self, wait_s: float = 0.0) -> core.Steps:
     """This host's reads at hand, one step and one pace for a run; the first waited for up to `wait_s`."""
     want = max(1, self._free())
-    items = yield core.Take(want, wait_s)
-    self._asked = max(self._asked, want) - len(items)  # As the reading thread was asked.
+    ask = max(0, want - self.asked)  # Beyond those asked and not taken yet.
+    items = yield core.Take(want, wait_s, ask)
+    self.asked += ask - len(items)
     for item in items:
       if isinstance(item, core.End):
         self.end = item
-        return items
+        break
       if self.count == 0:
         self._base = read_ahead_limit(item, self.lookahead, self._cap)
         self.signature = item.batch.signature
       self.pending.append(item)
       self.count += 1
-    if items:
+    if items:  # The horizon for what they bring, the end too.
       yield from self.measure()
     return items
 

@@ -94,6 +94,7 @@ class Take(Action):
 
   want: int
   wait_s: float
+  ask: int = 0  # Asked of the reading thread first: the core counts the reads asked, not taken.
 
 
 class StoreCall(Action):

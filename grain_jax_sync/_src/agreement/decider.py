@@ -48,6 +48,7 @@ class Decider(Streamed):
         yield from self._advance()
         continue
       if plan.end == Outcome.CONTINUE and self._news_stale():
+        self._wait = None  # Its steps are decided again, not held back by the wait.
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
         continue  # Decide again with what the peers posted meanwhile.
       decision = yield from self._post(plan)

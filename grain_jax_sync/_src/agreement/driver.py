@@ -1,8 +1,8 @@
 """The streamed core's driver on a real host: its world (threads, monotonic time), its inbox.
 
 The same driver runs the core in the agreement thread (beside a reading
-and a build thread) and inline, in the consumer's `next()`; the actions are
-carried out by `interpreter.carry`, as in the simulated cluster.
+and a build thread) and inline, in the consumer's `next()`; the core is stepped and its
+actions carried out by `interpreter.drive`, as in the simulated cluster.
 Asking is one put into the inbox, from any thread or a signal handler: a
 stop, or this host's ending (a `core.Closing`, in two steps that the core
 decides: `Streamed.asked`), taken by the thread that runs the core at its
@@ -56,9 +56,8 @@ class Driver(interpreter.World):
     beat: liveness_lib.Beat | None = None,
   ):
     self.core = agreement
-    self._reader = reader
-    self._thread = reader if isinstance(reader, prefetch.OnDemand) else None
-    self._asked = 0  # Reads asked of the reading thread and not taken yet.
+    self._reader: Any = reader
+    self.threaded = isinstance(reader, prefetch.OnDemand)  # The core runs in the agreement thread.
     self._exchange = exchange
     self._built = built
     self._live = live or liveness_lib.Liveness(exchange)
@@ -80,98 +79,40 @@ class Driver(interpreter.World):
     return self.core.close.asked
 
   def __iter__(self) -> Iterator[common.Run]:
-    """The core's runs; its other actions carried out here; an ending asked for, posted on the way out."""
+    """The core's runs (`interpreter.runs`); an ending asked for, posted on the way out.
+
+    The agreement thread takes the inbox before each step too (a stop asked during its last wait
+    is the core's first; inline, the call hands it over after: `post_stop`), and holds `turn` but
+    while a run is handed on (a stop asked meanwhile is posted by the beat's thread).
+    """
+    turn = self.turn if self.threaded else None
     try:
-      yield from self._drive(self.core, turn=self._thread is not None)
+      yield from interpreter.runs(
+        self.core, self._exchange, self, self._take_asks, self.threaded, turn
+      )
     finally:
       self._take_asks()
       # The agreement thread posts it, with its count, asked once the consumer's call returned.
-      while self._thread is not None and self.core.close.awaited:
+      while self.threaded and self.core.close.awaited:
         self.core.asked(self._asks.get())
       self.post_ending()
-
-  def _drive(self, runner: Any, *, asks: bool = True, turn: bool = False) -> Iterator[common.Run]:
-    """Feeds `runner` (the core, or a side run of it) and carries its actions out; its runs.
-
-    The core is told each result at once; with `asks`, an ending asked for
-    stops the drive before its next action (no position is decided after it,
-    and the ending is posted after what the core posted, not over it). With
-    `turn` (the agreement thread), it holds `turn` but while a run is handed
-    on: a stop asked while it waits for the build's slot is posted by the
-    beat's thread meanwhile (`post_stop`), not once the build took a run.
-    """
-    if turn:
-      self.turn.acquire()
-    try:
-      yield from self._steps(runner, asks, turn)
-    finally:
-      if turn:
-        self.turn.release()
-
-  def _steps(self, runner: Any, asks: bool, turn: bool) -> Iterator[common.Run]:
-    result: Any = None
-    error: Exception | None = None
-    while True:
-      # With an agreement thread, a stop asked during its last wait is the
-      # core's before it decides the next position. Inline, the consumer's
-      # call hands it over after (`post_stop` as the call ends).
-      closing = asks and self._thread is not None and self._take_asks()
-      now = self.now()
-      action = runner.send(result, now) if error is None else runner.throw(error, now)
-      result = error = None
-      if closing or (asks and self._take_asks()):
-        return
-      kind = type(action)
-      if kind is core.Ended:
-        if action.error is not None:
-          raise action.error
-        return
-      if kind is core.Deliver:
-        run, action = action.run, None
-        if turn:
-          self.turn.release()
-        try:
-          yield run
-        finally:
-          if turn:
-            self.turn.acquire()
-        # The build stage's alone once handed on: this frame must not hold it
-        # while it waits for the next slot (the read-ahead counts it as built).
-        del run
-        continue
-      try:
-        result = interpreter.act(action, self._exchange, self)
-      except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
-        error = e
 
   # -- the core's world on a real host (`interpreter.World`) ---------------------
 
   def now(self) -> core.Now:
-    thread, built = self._thread, self._built
-    done = built.done() if self.core.threaded else 0
-    return core.Now(time.monotonic(), done, thread is None or thread.ready())
+    done = self._built.done() if self.core.threaded else 0
+    return core.Now(time.monotonic(), done, not self.threaded or self._reader.ready())
 
   def call(self, fn: Any, *args: Any) -> core.Steps:
     yield from ()  # A real call blocks in the client.
     return fn(*args)
 
-  def take(self, want: int, wait_s: float) -> core.Steps:
-    yield from ()  # A real wait blocks in the reading stage.
-    thread = self._thread
-    if thread is None:
-      return [next(self._reader)]  # type: ignore[call-overload]
-    if want > self._asked:
-      thread.ask(want - self._asked)
-      self._asked = want
-    items: list[Any] = []
-    item = thread.take(wait_s)
-    while item is not None:  # Then every one at hand, up to `want` and the end.
-      items.append(item)
-      if len(items) == want or type(item) is core.End or not thread.ready():
-        break
-      item = thread.take(0.0)
-    self._asked -= len(items)
-    return items
+  def ask_reads(self, n: int) -> None:
+    self._reader.ask(n)
+
+  def next_read(self, wait_s: float) -> core.Steps:
+    yield from ()  # A real wait blocks in the reading stage (inline, in the read).
+    return self._reader.take(wait_s) if self.threaded else next(self._reader)
 
   def wait_build(self, beyond: int) -> core.Steps:
     yield from ()  # A real wait blocks on the build stage.
@@ -218,14 +159,14 @@ class Driver(interpreter.World):
     thread is handed `post_stop` (one put: the asker, a signal handler say,
     takes no lock and calls no store); an ending, by the core's thread or the closer.
     """
-    if self._thread is not None:
-      self._thread.nudge()
+    if self.threaded:
+      self._reader.nudge()
       self._built.wake()  # A wait for the build thread's room, too.
     if close:
       return
     if self._beat is not None:
       self._beat.wake(self.post_stop)
-    elif self._thread is None:
+    elif not self.threaded:
       self.post_stop()
 
   def post_stop(self, *, in_call: bool = False) -> None:
@@ -242,7 +183,8 @@ class Driver(interpreter.World):
         if self.core.ended:  # The inbox is the next stream's now.
           return
         self._take_asks()
-        for _ in self._drive(self.core.side(self.core.stop_now())):
+        side = self.core.side(self.core.stop_now())
+        for _ in interpreter.runs(side, self._exchange, self, self._take_asks, self.threaded):
           pass
       except Exception as e:  # noqa: BLE001 - from `request_stop()`: it never raises.
         logger.warning("grain_jax_sync: could not post the stop: %s", e)
@@ -263,7 +205,7 @@ class Driver(interpreter.World):
 
     Or raises the error naming the one that left, died or timed out (`streamed.Streamed.at_end`).
     """
-    for _ in self._drive(self.core.side(self.core.at_end()), asks=False):
+    for _ in interpreter.runs(self.core.side(self.core.at_end()), self._exchange, self):
       pass
 
 
@@ -279,22 +221,17 @@ class Stepper(interpreter.World):
     self.core, self._reader, self._exchange, self._asks = stepper, reader, exchange, asks
 
   def __iter__(self) -> Iterator[common.Run]:
-    stepper, asks, result = self.core, self._asks, None
-    while True:
-      for _ in range(0 if asks is None else asks.qsize()):  # Those put by now.
-        if isinstance(ask := asks.get_nowait(), int):
-          stepper.stop_asked(ask)
-      action = stepper.send(result)
-      if type(action) is core.Deliver:
-        run, action, result = action.run, None, None
-        yield run
-        del run  # The build stage's alone once handed on.
-        continue
-      if type(action) is core.Ended:
-        if action.error is not None:
-          raise action.error
-        return
-      result = interpreter.act(action, self._exchange, self)
+    return interpreter.runs(self.core, self._exchange, self, self._take_stops, early=True)
+
+  def _take_stops(self) -> bool:
+    """Hands the stops asked by now to the core, before each of its steps; never an ending."""
+    for _ in range(0 if self._asks is None else self._asks.qsize()):
+      if isinstance(ask := self._asks.get_nowait(), int):
+        self.core.stop_asked(ask)
+    return False
+
+  def now(self) -> None:  # Lockstep reads no clock.
+    pass
 
   def read_window(self, count: int) -> list[core.Read | core.End]:
     """Up to `count` reads, the last one the stream's `End` if reached."""

@@ -83,20 +83,7 @@ class Follower(Streamed):
       yield from self._flush()
     elif self._own.end is not None:
       yield from self._flush()
-    elif self._short_tail():
-      # Its last read is short and undecided: judged by the next one
-      # (`Rules.wait_for_last`), which a full read-ahead would never take.
-      yield from self._read(periods.LIVENESS_PERIOD_S)
-      return None
     return (yield from self._wait())
-
-  def _short_tail(self) -> bool:
-    """Whether this host's last undecided read is shorter than a full batch."""
-    pending = self._own.pending
-    if not pending or self._unposted:
-      return False
-    full = self._rules.batch_size or max(r.batch.rows for r in pending)
-    return pending[-1].batch.rows < full
 
   def _wait(self) -> core.Steps:
     if self._idle and (yield core.IsDead(0)):

@@ -1,7 +1,8 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
 `carry` gives each of the core's typed actions its meaning,
-dispatched by type. A real host (`driver.Driver`) and a simulated one
+dispatched by type; `drive` is the one loop that steps a core with them.
+A real host (`driver.Driver`) and a simulated one
 (`sim_cluster`) differ only in what they hand in: the store (a
 `KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
 store) and the `World` (monotonic time and blocking threads, or the virtual
@@ -25,10 +26,14 @@ logger = logging.getLogger(__name__)
 class World:
   """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
-  `now()`, `call(fn, *args)` (one store call), `take`, `wait_build`, `pace`, and the
-  looks `dead`, `closed` (lockstep's: `read_window` alone); `call`, `take` and `wait_build` are generators that
-  a real world never yields from (its waits block). No crosswise streams by default.
+  `now()`, `call(fn, *args)` (one store call), `wait_build`, `pace`, the looks `dead`,
+  `closed`, and the reads: `threaded` (a reading thread), `ask_reads(n)` and `next_read(wait_s)`
+  (inline, a read; else None if none came) (lockstep's: `read_window` alone). `call`, `next_read`
+  and `wait_build` are generators that a real world never yields from (its waits block). No
+  crosswise streams by default.
   """
+
+  threaded = False  # No reading thread: inline, each read in `next_read`.
 
   def crosswise(self, peer: int) -> list[str]:
     del peer
@@ -86,14 +91,31 @@ def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   if plain is not None:
     return plain(exchange, world, action)
   match action:
-    case core.Take(want, wait_s):
-      return (yield from world.take(want, wait_s))
+    case core.Take(want, wait_s, ask):
+      return (yield from take(world, want, wait_s, ask))
     case core.WaitBuild(beyond):
       return (yield from world.wait_build(beyond))
     case core.Elsewhere(namespace, message, calls):
       world.pre_end(namespace, message)
       return best_effort(exchange.sibling(namespace), calls)
   raise TypeError(f"not an action: {action!r}")
+
+
+def take(world: Any, want: int, wait_s: float, ask: int) -> core.Steps:
+  """`core.Take`: inline, one read; else the reading thread's, `ask` more asked of it, up to
+  `want`, the first waited for up to `wait_s` (`next_read`), then those at hand."""
+  if not world.threaded:
+    return [(yield from world.next_read(wait_s))]
+  if ask:
+    world.ask_reads(ask)
+  items: list[Any] = []
+  item = yield from world.next_read(wait_s)
+  while item is not None:
+    items.append(item)
+    if len(items) == want or type(item) is core.End:
+      break
+    item = yield from world.next_read(0.0)
+  return items
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
@@ -112,10 +134,61 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
       ex.end()
 
 
-def act(action: Any, exchange: Any, world: Any) -> Any:
-  """`carry` on a real world (its waits block): the result; no generator for a plain action."""
-  plain = _PLAIN.get(type(action))
-  return plain(exchange, world, action) if plain else blocking(carry(action, exchange, world))
+def drive(
+  runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False
+) -> core.Steps:
+  """Steps `runner` (a core, or a side run of it), carrying its actions out, to its `core.Deliver`
+  or its `core.Ended`: the one loop of every host, real (`runs`) or simulated.
+
+  Each result is told at once (a failure thrown in). `asks()`: whether an ending was asked (the
+  inbox taken; `early`: before each step too): then `core.ENDED`, before the next action (the
+  ending is posted after what the core posted, not over it).
+  """
+  result: Any = None
+  error: Exception | None = None
+  while True:
+    closing = early and asks()
+    now = world.now()
+    action = runner.send(result, now) if error is None else runner.throw(error, now)
+    result = error = None
+    if closing or (asks is not None and asks()):
+      return core.ENDED
+    if type(action) is core.Ended or type(action) is core.Deliver:
+      return action
+    try:
+      result = yield from carry(action, exchange, world)
+    except Exception as e:  # noqa: BLE001 - raised inside the core, where it ends.
+      error = e
+
+
+def runs(
+  runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False, turn: Any = None
+) -> Any:
+  """`drive` on a real world (its waits block): the runs; the agreed end returns, an error raises.
+
+  `turn` (a lock) is held but while a run is handed on.
+  """
+  if turn is not None:
+    turn.acquire()
+  try:
+    while True:
+      action = blocking(drive(runner, exchange, world, asks, early))
+      if type(action) is core.Ended:
+        if action.error is not None:
+          raise action.error
+        return
+      run, action = action.run, None
+      if turn is not None:
+        turn.release()
+      try:
+        yield run
+      finally:
+        if turn is not None:
+          turn.acquire()
+      del run  # The build stage's alone once handed on: not held while the core runs on.
+  finally:
+    if turn is not None:
+      turn.release()
 
 
 def blocking(steps: core.Steps) -> Any:

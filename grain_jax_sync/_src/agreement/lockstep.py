@@ -41,7 +41,8 @@ class Lockstep(common.Agreement):
     self._signature: batches_lib.Signature | None = None
     self._end: core.End | None = None
     self._reads: list[core.Read] = []  # Undecided reads kept after a WAIT.
-    self.send = core.Side(self._run()).send
+    run = core.Side(self._run())
+    self.send, self.throw = run.send, run.throw
 
   def _run(self) -> core.Steps:
     for w in range(1 << 62):

@@ -67,6 +67,7 @@ class Streamed(common.Agreement):
     self._own = common.OwnReads(
       lookahead=lookahead, read_ahead=read_ahead, threaded=threaded, paced=paced, inline=inline
     )
+    self._own.batch_size = rules.batch_size
     self._decided = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
@@ -208,6 +209,7 @@ class Streamed(common.Agreement):
   def _apply(self, decision: messages.Decision) -> core.Steps:
     """This host's reads for a decision, as a run for the builder; the batch size pinned."""
     self._rules = plan_lib.pin(self._rules, decision)
+    self._own.batch_size = self._rules.batch_size
     if self._signature is None:
       if self._own.signature is not None:
         self._signature = self._own.signature
