@@ -90,7 +90,7 @@ def _slow_row(prefetch: int) -> Row:
 
 
 def rows() -> list[Row]:
-  """The table: stops at 2 to 32 hosts, a close, a kill, a stall, an error, store round trips."""
+  """The table: stops at 2 to 32 hosts, closes, a kill, a stall, an error, store round trips."""
   out = [_pace_row(s, p) for s in (0.0, 0.02, 0.05) for p in (0, 2)]
   out += [_pace_row(0.05, 2, 8)]  # More than one peer: each wait reads every peer's posts.
   out += [
@@ -109,6 +109,12 @@ def rows() -> list[Row]:
     Row(
       "close_2",
       (H(batches=400, step_s=0.05), H(batches=400, step_s=0.05, close_at=5)),
+      collective=False,
+    ),
+    # Closed once every position is decided, before the end: the peer is told at the end.
+    Row(
+      "close_end_2",
+      (H(batches=40, step_s=0.05), H(batches=40, step_s=0.05, close_at=38)),
       collective=False,
     ),
     Row(

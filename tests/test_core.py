@@ -13,6 +13,7 @@ lockstep core's stop, end and error (`Lockstepped`: the test all-gathers).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ class Hand(interpreter.World):
     return peer in self.cores.dead
 
   def closed(self, peer: int) -> str | None:
-    return None
+    return self.cores.notes.get(peer)
 
   def crosswise(self, peer: int) -> list[str]:
     return self.theirs
@@ -115,6 +116,8 @@ class Cores:
     self.threaded = threaded
     self.pace = 1  # The consumer takes a batch per `decide_ahead_s`: one position decided ahead.
     self.dead: set[int] = set()
+    # Per host: what it wrote as it closed (`key_value.close_note`).
+    self.notes: dict[int, str] = {}
     self.store = MemoryStore(wait=False)
     self.ex = [
       key_value.KeyValueExchange(self.store, NS, process_index=p, process_count=n) for p in range(n)
@@ -140,11 +143,15 @@ class Cores:
     self.yielded = [[] for _ in range(n)]  # Per host: the values of the batches it yields.
     self.ended: list[core.Ended | None] = [None] * n
 
-  def step(self, p: int, limit: int = 1000) -> None:
-    """Host p acts until a wait in the store finds nothing, it delivers a run (its consumer's turn), or it ends."""
+  def step(self, p: int, limit: int = 1000, until: type | None = None) -> Any:
+    """Host p acts until a wait in the store finds nothing, it delivers a run (its consumer's turn), or it ends.
+
+    Or until it carried out an action of type `until`, whose result its core is not told yet.
+    The action it stopped at comes back.
+    """
     for _ in range(limit):
       if self.ended[p] is not None:
-        return
+        return self.ended[p]
       action = self.runners[p].send(self.results[p], self.world[p].now())
       self.results[p] = None
       if type(action) is core.Ended:
@@ -152,11 +159,11 @@ class Cores:
       elif type(action) is core.Deliver:
         self.yielded[p] += _values(action.run)
         self.world[p].delivered += len(action.run.steps)
-        return
+        return action
       else:
         self.results[p] = interpreter.blocking(interpreter.carry(action, self.ex[p], self.world[p]))
-        if EMPTY.get(type(action), ...) == self.results[p]:
-          return
+        if EMPTY.get(type(action), ...) == self.results[p] or type(action) is until:
+          return action
     raise AssertionError(f"host {p} never waited")
 
   def roundtrip(self, rounds: int = 100) -> None:
@@ -266,6 +273,29 @@ def test_a_close_in_two_steps_decides_no_more_then_posts_its_count_once(closer):
   interpreter.best_effort(c.ex[closer], calls)
   c.roundtrip()
   assert f"process {closer} closed its iterator at batch {got}" in str(_error(c.ended[1 - closer]))
+
+
+@pytest.mark.parametrize("resetter", [0, 1])
+def test_a_restart_asked_as_a_post_returns_is_posted_after_it_and_raised_by_the_peer(resetter):
+  # The agreement thread carried out a post and takes the restart (`reset()`)
+  # before it tells its core the post's result: its ending goes after that
+  # post, not over it (process 0's decision, read by the peer already).
+  c = Cores(2, batches=20)
+  other, post = 1 - resetter, (core.PostDecision, core.PostChunk)[resetter]
+  while type(c.step(resetter, until=post)) is not post or not c.yielded[resetter]:
+    c.step(other)
+  got = len(c.yielded[other])
+  c.step(other)  # The peer takes what was posted.
+  assert resetter == 1 or len(c.yielded[other]) > got
+  at, x = len(c.yielded[resetter]), c.cores[resetter]
+  x.asked(core.Closing(at, endings.closed_error(resetter, at, "reset its iterator"), left=True))
+  assert c.runners[resetter].send(c.results[resetter], c.world[resetter].now()) == core.ENDED
+  interpreter.best_effort(c.ex[resetter], x.ending())
+  c.ended[resetter] = core.Ended(None)
+  # Then closed in the stream it restarted into, unstarted (`session.Streams.end`).
+  c.notes[resetter] = key_value.close_note("grain_jax_sync/core/2", resetter, 0)
+  c.roundtrip()
+  assert str(_error(c.ended[other])) == f"process {resetter} reset its iterator at batch {at}"
 
 
 @pytest.mark.parametrize("never", [0, 1])

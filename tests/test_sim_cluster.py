@@ -312,11 +312,52 @@ def test_a_close_from_another_thread_ends_the_peer_naming_the_batches_it_receive
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("closer", [0, 1])
+@pytest.mark.parametrize(
+  "close", [{"close_at": 38}, {"close_at": 40}, {"close_s": 1.87}], ids=["38", "40", "1.87s"]
+)
+def test_a_close_once_every_batch_is_decided_ends_the_peer_at_the_end_naming_it(
+  close, closer, prefetch
+):
+  # Every position of the 40 is decided before the close: the peer receives
+  # them all, and at the agreed end it raises the close (the real job's ending,
+  # `python -m benchmarks.twin --rows close_end_2`), one wait there after it
+  # got there, not `PeerTimeoutError` `sync_timeout_s` later.
+  plans = [H(batches=40, step_s=0.05)] * 2
+  plans[closer] = H(batches=40, step_s=0.05, **close)
+  out = _run(2, prefetch, plans)
+  n, peer = out[closer].batches, out[1 - closer]
+  assert out[closer].ending == "closed" and n == close.get("close_at", 38)
+  assert (peer.ending, peer.message, peer.batches) == (
+    "RuntimeError",
+    f"process {closer} closed its iterator at batch {n}",
+    40,
+  )
+  at_end = peer.received[-1] + 0.05
+  assert peer.ended_at - at_end <= periods.LIVENESS_PERIOD_S + 1e-9
+  assert peer.ended_at - out[closer].ended_at < 2 * periods.LIVENESS_PERIOD_S  # Of 60 s.
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_close_while_waiting_at_the_end_lets_the_peers_end_normally(prefetch):
+  # Host 0 got to the end and waits there for host 2 (paused 5 s) when it
+  # closes: it did not leave before the end, so the peers end normally once
+  # host 2 gets there, as in the real job (3 processes), and not at the next
+  # wait of host 1 with host 0's close.
+  plans = [H(batches=40, step_s=0.05, close_s=2.5), H(batches=40, step_s=0.05)]
+  out = _run(3, prefetch, plans + [H(batches=40, step_s=0.05, pause=(39, 5.0))])
+  assert (out[0].ending, out[0].ended_at) == ("closed", 2.5)
+  assert [(o.ending, o.batches) for o in out[1:]] == [("end", 40)] * 2
+  assert [o.ended_at for o in out[1:]] == [pytest.approx(out[2].received[-1] + 0.05)] * 2
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("closer", [0, 1])
 def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(closer, prefetch):
   # Store calls take 3 ms: a close lands while a post's result is on its way
   # back to the core at some of these 160 times. Its ending goes after what
   # the core posted (it is told the result first), never over it: the peer raises the
-  # close, not "closed ... without starting the stream".
+  # close, not "closed ... without starting the stream", and reads it with the
+  # next decision or chunk, not a liveness period later from the close note.
   cluster = testing.SimulatedCluster(
     processes=2, prefetch_batches=prefetch, store_s=0.003, collective_steps=False
   )
@@ -330,6 +371,7 @@ def test_a_close_while_a_store_call_is_on_its_way_back_ends_the_peer_naming_it(c
       f"process {closer} closed its iterator at batch {n}",
     ), k
     assert peer.batches >= n
+    assert peer.ended_at - out[closer].ended_at < periods.LIVENESS_PERIOD_S / 2, k
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

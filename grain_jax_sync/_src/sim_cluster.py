@@ -257,6 +257,9 @@ class _Host(interpreter.World):
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
     # thread, that thread runs the core (not while it waits to hand a run on).
     self.busy = False
+    self.reached_end = (
+      False  # Its consumer got to the agreed end (as `session.Stream.reached_end`).
+    )
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
@@ -400,6 +403,7 @@ class _Host(interpreter.World):
       if isinstance(item, StopIteration) and self.core.reached_end:
         # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
         # peer's consumer got there, or raises naming the one that left.
+        self.reached_end = True
         item = yield from self.drive(self.core.side(self.core.at_end()))
       self.busy = self.busy and not turn
       if isinstance(item, StopIteration):
@@ -447,10 +451,14 @@ class _Host(interpreter.World):
     self.out.ending, self.out.message, self.out.stopped_by = ending, message, by
     self.out.ended_at = self.clock.now
     self.clock.dead.update(id(t) for t in self.all)  # Its threads joined, or its process gone.
-    if post and self.unacked is not None:  # Told first, so its ending goes after what it posted.
+    if not post:
+      return
+    # As `close()` asks it (decide no more); `left` as `session.Stream.left` (an error is no close).
+    left = ending == "closed" and not self.reached_end  # Peers waiting at the end are told.
+    self.core.asked(core.Closing(self.out.batches, left=left))
+    if self.unacked is not None:  # Told first (`core.Side`): its ending goes after what it posted.
       self.unacked[0].send(self.unacked[1], self.now())
-    if post:
-      interpreter.best_effort(self.ex, self.core.closing(self.out.batches, None))
+    interpreter.best_effort(self.ex, self.core.ending())
 
 
 @dataclasses.dataclass(kw_only=True)

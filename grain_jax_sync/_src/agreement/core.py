@@ -285,11 +285,14 @@ class Side:
   """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
 
   `clock`: where the core reads the driver's last `Now` (None: it reads none).
-  `close`: once it was asked (`Close.asked`), `Ended` comes at once.
+  `close`: once it was asked (`Close.asked`), `Ended` comes at once, but the
+  core is told the result of a store call carried out first: its ending is
+  posted after what that call posted, not over it (process 0's decision `seq`).
   """
 
   def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):
     self._clock, self._steps, self._close = clock, steps, close
+    self._owed = False  # The last action is a store call: its result is due to the core.
 
   def send(self, result: Any, now: Now | None = None) -> Any:
     """The next action, given the last one's `result` and `now`."""
@@ -302,11 +305,14 @@ class Side:
   def _on(self, step: Any, value: Any, now: Now | None) -> Any:
     if self._clock is not None:
       self._clock.now = now
-    if self._close is not None and self._close.asked:
+    closed = self._close is not None and self._close.asked
+    if closed and not self._owed:
       return ENDED
     try:
-      return step(value)
+      action = step(value)
     except StopIteration:
       return ENDED
     except BaseException as e:  # noqa: BLE001 - the agreed or own error, of any type: its ending.
-      return Ended(e)
+      return ENDED if closed else Ended(e)
+    self._owed = not closed and isinstance(action, StoreCall)
+    return ENDED if closed else action
