@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from grain_jax_sync._src import memory_store, messages, periods, reader, sources, stats
+from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, interpreter
 from grain_jax_sync._src.exchange import key_value
@@ -475,8 +476,8 @@ class SimulatedCluster:
 
   Attributes:
     processes: Hosts.
-    prefetch_batches: As the iterator's (0: inline).
-    decide_ahead_s: As the iterator's.
+    prefetch_batches: As the iterator's, and its default (0: inline).
+    decide_ahead_s: As the iterator's, and its default.
     sync_timeout_s: As the iterator's.
     synchronize_lookahead: As the iterator's.
     store_s: Each store call's round trip: its effect lands at once, its result reaches the core
@@ -488,8 +489,8 @@ class SimulatedCluster:
   """
 
   processes: int
-  prefetch_batches: int = 2
-  decide_ahead_s: float = 1.0
+  prefetch_batches: int = options_lib.Options.prefetch_batches
+  decide_ahead_s: float = options_lib.Options.decide_ahead_s
   sync_timeout_s: float = 60.0
   synchronize_lookahead: int | None = None
   store_s: float = 0.0
