@@ -172,8 +172,6 @@ class OwnReads:
     # Full: read again once half the read-ahead is free (`room`).
     self._refill = False
     self.asked = 0  # Reads asked of the reading thread (`core.Take.ask`) and not taken.
-    self.read_s = 0.0  # The last read's seconds, and a look for a decision's (`blocks`).
-    self.look_s = 0.0
 
   def measure(self) -> core.Steps:
     """Sets `limit`, the consumer's last `decide_ahead_s` within the bounds: per read and decision."""
@@ -198,12 +196,8 @@ class OwnReads:
     return len(p) >= -at and (full is None or p[at].batch.rows < full)
 
   def blocks(self) -> bool:
-    """Whether a read would hold the consumer's call (inline) longer than a look for a decision.
-
-    Quicker reads go on while process 0 decides (in runs); not after a short
-    read, which the next one judges.
-    """
-    return self.inline and self.read_s > self.look_s and not self._short()
+    """Whether a read would hold the consumer's call (inline) with no short read for it to judge."""
+    return self.inline and not self._short()
 
   def _free(self) -> int:
     """Reads this host may hold undecided now: at least 2 (the next is read while one is
@@ -283,9 +277,7 @@ class OwnReads:
     """This host's reads at hand, one step and one pace for a run; the first waited for up to `wait_s`."""
     want = max(1, self._free())
     ask = max(0, want - self.asked)  # Beyond those asked and not taken yet.
-    t = self.now.t
     items = yield core.Take(want, wait_s, ask)
-    self.read_s = self.now.t - t
     self.asked += ask - len(items)
     for item in items:
       if isinstance(item, core.End):

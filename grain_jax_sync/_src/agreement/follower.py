@@ -64,7 +64,7 @@ class Follower(Streamed):
         if urgent:
           yield from self._flush()
           return (yield from self._wait())
-        return (yield from self._try())
+        return (yield from self._timed(core.TryDecision(self._seq)))
       if not posted or self._own.waits_on_build():
         return None
       # Posted, nothing decided left to build: wait in the store for the
@@ -74,7 +74,7 @@ class Follower(Streamed):
       full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
       if self._seq == 0 or threaded and full:
         return (yield from self._wait())
-      return None if threaded else (yield from self._try())
+      return None if threaded else (yield from self._timed(core.TryDecision(self._seq)))
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
         # Posts come in runs, not a batch each.
@@ -89,19 +89,12 @@ class Follower(Streamed):
     """`_read`; None, reading nothing, where the call waits on a posted read (`urgent`) inline.
 
     Inline a read holds the consumer's call for all of it, and whether process 0's
-    decision came before it was a millisecond's race: a read slower than a look
-    for the decision waits for it first (`common.OwnReads.blocks`).
+    decision came before it was a millisecond's race: the decision first. But after
+    a short read, which the next one judges (`common.OwnReads.blocks`).
     """
     if urgent and self._own.blocks():
       return None
     return (yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S))
-
-  def _try(self) -> core.Steps:
-    """A look for the next decision (`_timed`); its seconds kept (`common.OwnReads.blocks`)."""
-    t = self.now.t
-    text = yield from self._timed(core.TryDecision(self._seq))
-    self._own.look_s = self.now.t - t
-    return text
 
   def _wait(self) -> core.Steps:
     if self._idle and (yield core.IsDead(0)):
@@ -112,7 +105,7 @@ class Follower(Streamed):
       raise endings.to_exception(error, self._process, None)
     note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:
-      text = yield from self._try()  # Its ending here, if any.
+      text = yield from self._timed(core.TryDecision(self._seq))  # Its ending here, if any.
       if text is not None:
         return text
       yield from self._end_exchange()
