@@ -258,9 +258,8 @@ class _Host(interpreter.World):
     # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
     # thread, that thread runs the core (not while it waits to hand a run on).
     self.busy = False
-    self.reached_end = (
-      False  # Its consumer got to the agreed end (as `session.Stream.reached_end`).
-    )
+    # Its consumer got to the agreed end (as `session.Stream.reached_end`).
+    self.reached_end = False
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.

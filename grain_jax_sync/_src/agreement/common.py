@@ -159,7 +159,7 @@ class OwnReads:
     self._paced = paced
     self.inline = inline
     self.lookahead = lookahead
-    self.batch_size: int | None = None  # The full batch size, once known (`Streamed`).
+    self.batch_size: int | None = None  # The full batch size, once known (`Streamed._pin`).
     # Until the first read tells the bytes of a batch.
     self._base = min((b for b in (lookahead, read_ahead) if b is not None), default=2)
     self.limit = 1 if paced else self._base  # Nothing consumed yet.
@@ -189,7 +189,7 @@ class OwnReads:
     """
     return min(self._base, 2 * self.limit) if self._threaded else self.limit
 
-  def _short(self, at: int = -1) -> bool:
+  def short(self, at: int = -1) -> bool:
     """Whether undecided read `at` may be short: decided once the next is known
     (`plan.Rules.wait_for_last`), which is then taken (`room`) and posted (`due`) at once."""
     p, full = self.pending, self.batch_size
@@ -197,12 +197,12 @@ class OwnReads:
 
   def blocks(self) -> bool:
     """Whether a read would hold the consumer's call (inline) with no short read for it to judge."""
-    return self.inline and not self._short()
+    return self.inline and not self.short()
 
   def _free(self) -> int:
     """Reads this host may hold undecided now: at least 2 (the next is read while one is
     decided, inline too), less what its build thread holds; one more after a short one."""
-    return max(2, self._ahead() - (self.held() or 0)) + self._short() - len(self.pending)
+    return max(2, self._ahead() - (self.held() or 0)) + self.short() - len(self.pending)
 
   def room(self) -> bool:
     """Whether to take another read: the read-ahead counts what is not built yet.
@@ -215,7 +215,7 @@ class OwnReads:
     if self.end is not None or self.stopped:
       return False
     free = self._free()
-    if self._refill and free * 2 < self._ahead() and not self._short():
+    if self._refill and free * 2 < self._ahead() and not self.short():
       return False
     self._refill = free <= 0
     return not self._refill
@@ -241,7 +241,7 @@ class OwnReads:
       return False
     if unposted * 2 >= self.limit or self.count == len(self.pending):  # Nothing decided yet.
       return True
-    return self.held() == 0 or self._short(-2)
+    return self.held() == 0 or self.short(-2)
 
   def held(self) -> int | None:
     """Decided positions the build thread has not handed on yet; None without a build thread."""

@@ -71,8 +71,7 @@ class Follower(Streamed):
       # stream's first decision, and with a build thread for one on a full
       # batch (a short one may wait for the next read: `Rules.wait_for_last`).
       threaded = self._own.held() is not None
-      full = self._own.pending[-1].batch.rows >= (self._rules.batch_size or 1 << 62)
-      if self._seq == 0 or threaded and full:
+      if self._seq == 0 or threaded and not self._own.short():
         return (yield from self._wait())
       return None if threaded else (yield from self._timed(core.TryDecision(self._seq)))
     if self._posted <= self._decided and self._own.end is None:
