@@ -74,7 +74,7 @@ class Beat:
 
   def _beat(self, n: int) -> None:
     try:
-      key_value.put_beat(self._client, self._process, key_value.beat_text(n))
+      self._client.key_value_set(key_value.beat_key(self._process), key_value.beat_text(n), True)
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -103,7 +103,7 @@ class Beat:
     self._wakes.put(None)
     self._thread.join(timeout=2 * periods.LIVENESS_PERIOD_S)
     with contextlib.suppress(Exception):  # Best effort at exit.
-      key_value.delete_beat(self._client, self._process)
+      self._client.key_value_delete(key_value.beat_key(self._process))
 
   @classmethod
   def stop_all(cls) -> None:

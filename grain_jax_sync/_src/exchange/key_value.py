@@ -114,8 +114,8 @@ class KeyValueExchange:
   """
 
   def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int):
-    self._client = client
-    self._ns = namespace
+    self.client = client  # The liveness beat writes through it too (`liveness.Beat`).
+    self.namespace = namespace
     self.process_index = process_index
     self.process_count = process_count
     self._cancel = threading.Event()
@@ -126,14 +126,6 @@ class KeyValueExchange:
     self._decisions_deleted = 0  # Groups.
     self.ops = 0  # Store calls made (for the scale benchmark).
     self.busy_s = 0.0  # Seconds in store calls and waits (`stats()`'s exchange_s).
-
-  @property
-  def namespace(self) -> str:
-    return self._ns
-
-  @property
-  def ended(self) -> bool:
-    return self._ended
 
   def _call(
     self, doing: str, fn: Any, *args: Any, absent: Callable[[Exception], bool] | None = None
@@ -151,7 +143,7 @@ class KeyValueExchange:
       self.busy_s += time.monotonic() - t0
 
   def _delete(self, key: str) -> None:
-    self._call(f"deleting {key}", self._client.key_value_delete, key, absent=_logged)
+    self._call(f"deleting {key}", self.client.key_value_delete, key, absent=_logged)
 
   def check(self) -> None:
     """Raises `Cancelled` once the iterator is closed (`cancel`)."""
@@ -168,22 +160,22 @@ class KeyValueExchange:
     if not final:
       self.check()
     seq = self._chunks_posted
-    key = f"{self._ns}/s/{self.process_index}/{seq // CHUNK_GROUP}/{seq}"
-    self._call(f"posting chunk {seq}", self._client.key_value_set, key, payload)
+    key = f"{self.namespace}/s/{self.process_index}/{seq // CHUNK_GROUP}/{seq}"
+    self._call(f"posting chunk {seq}", self.client.key_value_set, key, payload)
     self._chunks_posted += 1
     return seq
 
   def delete_chunks(self, below: int) -> None:
     """Deletes own chunks below `below` that the decider has read (whole groups)."""
     while (self._chunks_deleted + 1) * CHUNK_GROUP <= below:
-      self._delete(f"{self._ns}/s/{self.process_index}/{self._chunks_deleted}")
+      self._delete(f"{self.namespace}/s/{self.process_index}/{self._chunks_deleted}")
       self._chunks_deleted += 1
 
   def read_chunks(self) -> list[tuple[int, str]]:
     """New chunks of every peer, in order per process (one directory read)."""
     self.check()
-    prefix = f"{self._ns}/s/"
-    entries = self._call("reading the peers' chunks", self._client.key_value_dir_get, prefix)
+    prefix = f"{self.namespace}/s/"
+    entries = self._call("reading the peers' chunks", self.client.key_value_dir_get, prefix)
     # Looks up each process's next keys (O(processes + new chunks)) instead of
     # parsing every key returned: most are chunks already read, whose group
     # is not deleted yet.
@@ -207,7 +199,7 @@ class KeyValueExchange:
     """
     self.check()
     seq = self._next[process]
-    key = f"{self._ns}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
+    key = f"{self.namespace}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
     value = self._blocking_get(key, f"waiting for process {process}", wait_s)
     if value is None:
       return []
@@ -221,37 +213,37 @@ class KeyValueExchange:
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
       self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
-    self._call(f"posting decision {seq}", self._client.key_value_set, key, payload)
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
+    self._call(f"posting decision {seq}", self.client.key_value_set, key, payload)
 
   def delete_decisions(self, below: int) -> None:
     """Deletes decisions below `below` (every process has read them), whole groups."""
     while (self._decisions_deleted + 1) * GROUP <= below:
-      self._delete(f"{self._ns}/d/{self._decisions_deleted}")
+      self._delete(f"{self.namespace}/d/{self._decisions_deleted}")
       self._decisions_deleted += 1
 
   def try_decision(self, seq: int) -> str | None:
     """Decision `seq` if it is posted, without waiting."""
     self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
-    get = self._client.key_value_try_get
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
+    get = self.client.key_value_try_get
     return self._call(f"reading decision {seq}", get, key, absent=_is_not_found)
 
   def wait_decision(self, seq: int, wait_s: float = periods.LIVENESS_PERIOD_S) -> str | None:
     """Decision `seq`, waiting up to `wait_s` for it."""
     self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
     return self._blocking_get(key, "waiting for process 0's decision", wait_s)
 
   def _blocking_get(self, key: str, doing: str, wait_s: float) -> str | None:
-    get, ms = self._client.blocking_key_value_get, max(1, int(wait_s * 1000))
+    get, ms = self.client.blocking_key_value_get, max(1, int(wait_s * 1000))
     return self._call(doing, get, key, ms, absent=_not_posted)
 
   # -- the agreed end -----------------------------------------------------------
 
   def _end_key(self, what: str) -> str:
     """A key of this stream's end, under the iterator's prefix: it outlives `end()`."""
-    base, generation = self._ns.rsplit("/", 1)
+    base, generation = self.namespace.rsplit("/", 1)
     return f"{base}/{what}/{generation}"
 
   def post_reached_end(self) -> None:
@@ -261,17 +253,17 @@ class KeyValueExchange:
     every process waits on (`wait_all_reached_end`).
     """
     key = f"{self._end_key('end')}/{self.process_index}"
-    self._call("posting the end", self._client.key_value_set, key, "", True)
+    self._call("posting the end", self.client.key_value_set, key, "", True)
     count = self._call(
-      "counting the end", self._client.key_value_increment, self._end_key("end_count"), 1
+      "counting the end", self.client.key_value_increment, self._end_key("end_count"), 1
     )
     if count == self.process_count:
-      self._call("posting the end", self._client.key_value_set, self._end_key("all_at_end"), "1")
+      self._call("posting the end", self.client.key_value_set, self._end_key("all_at_end"), "1")
 
   def post_left(self, message: str) -> None:
     """Records that this process left the stream before its end (a close, a restart)."""
     key = f"{self._end_key('end')}/{self.process_index}"
-    self._call("posting this host's end", self._client.key_value_set, key, message, True)
+    self._call("posting this host's end", self.client.key_value_set, key, message, True)
 
   def wait_all_reached_end(self, wait_s: float = periods.LIVENESS_PERIOD_S) -> bool:
     """Whether every process reached the end, waiting up to `wait_s`."""
@@ -282,32 +274,27 @@ class KeyValueExchange:
   def end_notes(self) -> dict[int, str]:
     """Per process that got there or left: "" (reached the end) or why it left."""
     prefix = f"{self._end_key('end')}/"
-    entries = self._call("reading the end", self._client.key_value_dir_get, prefix)
+    entries = self._call("reading the end", self.client.key_value_dir_get, prefix)
     return {int(key[len(prefix) :]): value for key, value in entries}
 
   # -- liveness ----------------------------------------------------------------
 
   def closed_note(self, process: int) -> str | None:
     """What `process` wrote when it closed this iterator (`register_close`), or None."""
-    key = closed_key(self._ns.rsplit("/", 1)[0], process)
-    return self._call("reading a close", self._client.key_value_try_get, key, absent=_any)
+    key = closed_key(self.namespace.rsplit("/", 1)[0], process)
+    return self._call("reading a close", self.client.key_value_try_get, key, absent=_any)
 
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
     key = beat_key(process)
-    return self._call("reading a beat", self._client.key_value_try_get, key, absent=_any)
+    return self._call("reading a beat", self.client.key_value_try_get, key, absent=_any)
 
   # -- the end -----------------------------------------------------------------
-
-  @property
-  def client(self) -> Any:
-    """The store client (the liveness beat writes through it: `put_beat`)."""
-    return self._client
 
   def sibling(self, namespace: str) -> KeyValueExchange:
     """The exchange of another stream, through the same client."""
     return KeyValueExchange(
-      self._client, namespace, process_index=self.process_index, process_count=self.process_count
+      self.client, namespace, process_index=self.process_index, process_count=self.process_count
     )
 
   def cancel(self) -> None:
@@ -324,12 +311,12 @@ class KeyValueExchange:
     self._ended = True
     try:
       self.ops += 1
-      ended = self._client.key_value_increment(f"{self._ns}/ended", 1)
+      ended = self.client.key_value_increment(f"{self.namespace}/ended", 1)
     except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator).
-      logger.debug("grain_jax_sync: could not count the end of %s: %s", self._ns, e)
+      logger.debug("grain_jax_sync: could not count the end of %s: %s", self.namespace, e)
       return
     if ended == self.process_count:
-      self._delete(self._ns)
+      self._delete(self.namespace)
 
 
 def closed_key(base: str, process: int) -> str:
@@ -393,15 +380,6 @@ def beat_text(n: int) -> str:
   """This process's `n`-th beat: ``{n}/{closes}`` (`liveness.Liveness.closed`), the streams it waits on."""
   closes, waiting = beat_streams()
   return " ".join([f"{n}/{closes}", *waiting])
-
-
-def put_beat(client: Any, process: int, value: str) -> None:
-  """Overwrites `process`'s liveness beat."""
-  client.key_value_set(beat_key(process), value, True)
-
-
-def delete_beat(client: Any, process: int) -> None:
-  client.key_value_delete(beat_key(process))
 
 
 def beat_key(process: int) -> str:
