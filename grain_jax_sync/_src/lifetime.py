@@ -10,19 +10,14 @@ The concurrency contract:
   thread at a time (the turn): a call made while another is in progress
   raises RuntimeError at once, naming the call in progress. There is no queue.
 * `close()` and `request_stop()` come from any thread or a signal handler.
-  A close asked for inside a call of the same thread (a signal handler, the
-  source itself) only asks: it wakes the stream without taking a lock, and
-  the call carries the close out on its way out. A close from a stage's own
-  thread (the source), and the finalizer's in any thread but the main one (a
-  garbage collection runs where something allocates: a stage, a source's
-  own thread), hand the close to a new thread, so that no close joins its
-  own thread or waits on a stage that waits on it. A close from another
-  thread waits for the call in progress to end (it was woken), then closes.
+  A close inside a call of the same thread (a signal handler, the source)
+  only asks, without a lock; the call carries it out on its way out. A close
+  from a stage's own thread, and the finalizer's outside the main thread,
+  hand the close to a new thread, so that no close joins its own thread. A
+  close from another thread waits for the call in progress (woken) to end.
 
-The phase is changed under ``_lock``; the turn is claimed and given back
-with one atomic `dict` operation each, so the steady `next()` takes no lock
-(`Lifetime._held`); a close asked for is `session.Streams.closing`, set
-without a lock; the streams carry every ending out.
+The phase is changed under ``_lock``; the turn is claimed and given back with
+one atomic `dict` operation each, so the steady `next()` takes no lock.
 """
 
 from __future__ import annotations
@@ -62,10 +57,8 @@ class Lifetime:
     self._local = threading.local()  # Per thread: inside a call, or a close.
     self._phase = Phase.OPEN
     # The turn: {"turn": (thread, call)} while a call (or the close) is in
-    # progress. Claimed with `dict.setdefault` and given back with `dict.pop`,
-    # each atomic: the steady `next()` takes no lock. Every change of `_phase`
-    # is made under `_lock`, and a call that ends while the phase is not OPEN
-    # (or a close was asked for) takes `_lock` to wake the closer.
+    # progress, claimed by `setdefault`, given back by `pop`. A call that ends
+    # while the phase is not OPEN (or a close was asked) takes `_lock` to wake the closer.
     self._held: dict[str, tuple[int, str]] = {}
     self._closed = threading.Event()
 
@@ -117,10 +110,7 @@ class Lifetime:
     """Out of a turn: carries out a close asked for after the turn's last look, unless a closer is at it.
 
     A closer in another thread (the phase is not OPEN) closes once this call
-    gave the turn back; the call does not wait for it (its stages may be
-    joining a read stuck in the source). A closer that gave up waiting for
-    the turn set the phase back to OPEN first (under the lock), so this call
-    closes then.
+    gave the turn back; one that gave up waiting set the phase back to OPEN.
     """
     if not self.streams.closing or self._closed.is_set():
       return
@@ -182,12 +172,7 @@ class Lifetime:
       self._local.closing = False
 
   def collected(self) -> None:
-    """The finalizer's close: the main thread closes (a ``del``, the exit); another asks.
-
-    A collection runs wherever something allocates (a stage, a source's own
-    thread that a stage waits on): a close there would wait on that very
-    thread, so a new thread closes.
-    """
+    """The finalizer's close: the main thread closes; elsewhere (a stage's thread) a new thread does."""
     if threading.current_thread() is threading.main_thread():
       self.close()
     else:

@@ -1,16 +1,11 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every liveness period (`periods`,
-`key_value.beat_text`): one small store write per process per period, and the
-thread runs whenever the GIL is free, so a busy training loop beats. A process
-that waits for a peer reads its beat once a wait slice brought nothing (once
-per period): unchanged for `periods.DEAD_AFTER_S` means dead, named that long after
-the first read of its last beat, which lags the death by up to two periods
-(the slice plus the beat's), plus one decision hop: within
-docs/guarantees.md's promise, and well before JAX's own heartbeat. A peer that
-never beat has not built an iterator yet (late, not dead). The first beat is
-written before `Beat.ensure` returns, so a process that built an iterator has beat.
+``grain_jax_sync/beat/{p}`` every liveness period (`key_value.beat_text`). A
+process that waits for a peer reads its beat once a wait slice brought nothing
+(once per period): unchanged for `periods.DEAD_AFTER_S` means dead (within
+docs/guarantees.md's promise). A peer that never beat has not built an
+iterator yet: late, not dead.
 """
 
 from __future__ import annotations
@@ -33,12 +28,10 @@ logger = logging.getLogger(__name__)
 class Beat:
   """The process's liveness beat: a daemon thread overwriting one key.
 
-  One per (client, process), not per iterator: `Beat.ensure` starts it on
-  first use and it lives until interpreter exit (named ``gjs-beat-{p}``, not
-  ``grain_jax_sync-*``, so that per-iterator thread checks do not count it).
-  The key is deleted by `stop()`, which runs at interpreter exit. Its
-  thread also runs what `wake` hands it, between beats: the one ordinary
-  thread a signal handler can hand work to with a put.
+  One per (client, process): `Beat.ensure` starts it on first use; `stop()`,
+  at interpreter exit, deletes the key (named ``gjs-beat-{p}``, not
+  ``grain_jax_sync-*``: per-iterator thread checks do not count it). Its
+  thread also runs what `wake` hands it: a signal handler hands work by a put.
   """
 
   _lock = threading.Lock()
@@ -49,10 +42,8 @@ class Beat:
     self._process = process
     # Work to run in the beat's thread (`wake`), or None: stop.
     self._wakes: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-    # The first beat is written here, in the caller's thread, before any
-    # iterator of this process exists: a process killed right after building
-    # its iterator (before the thread's first write) would otherwise never
-    # have beat, and peers would wait for it as a slow start, not name it.
+    # The first beat before any iterator exists: one killed right after would otherwise never
+    # have beat, and peers would wait for it as a slow start.
     self._beat(0)
     self._thread = threading.Thread(target=self._run, name=f"gjs-beat-{process}", daemon=True)
     self._thread.start()
@@ -155,9 +146,7 @@ class Liveness:
     """What `process` wrote when it closed the iterator, or None.
 
     Read once its beat shows a close not read yet, and at each read of its
-    beat while it has none (gone at its exit). A peer that closed the iterator
-    posted its ending to the stream it was in first; finding this instead
-    while waiting for it means that it never started this stream.
+    beat while it has none (gone at its exit).
     """
     beat, _, read_at = self._beat(process)
     # `key_value.beat_text`: ``{n}/{closes}`` first.

@@ -1,17 +1,10 @@
 """The streamed agreement's core: one host's protocol as a coroutine, with no I/O.
 
 The core (`decider.Decider` on process 0, `follower.Follower` on the others)
-holds no thread, no clock and no store. It is a generator: it yields an
-action, and whoever drives it carries the action out and sends back its
-result together with a `Now`, the few facts of the world outside it. The
-agreement thread (`driver.Driver`), the inline mode (the same driver, in the
-consumer's `next()`) and the simulated cluster (`sim_cluster`, virtual time)
-are its drivers (docs/internals.md, "The core and its drivers", draws them).
-An ending asked from outside (a stop) is a field the core reads at its next
-step; a failed action is thrown into it; its last output is `Ended`: the agreed
-end or stop, or the error this host raises. Every action is a small frozen
-type, dispatched by type where it is carried out (`interpreter`, the one
-place that gives actions their meaning).
+is a generator: it yields an action; its driver (`driver.Driver`, in a thread
+or inline; `sim_cluster`, in virtual time) carries it out (`interpreter`) and
+sends back the result with a `Now`. A failed action is thrown into it; its
+last output is `Ended` (docs/internals.md, "The core and its drivers").
 """
 
 from __future__ import annotations
@@ -240,11 +233,7 @@ CLOSING = Closing(None)
 
 
 class Close:
-  """This host's close, asked in two steps (`Closing`), as the core decides it.
-
-  `CLOSING` (or the ending) taken: `asked`, decide no more; the ending with
-  its count, the first one taken, is posted once (`to_post`).
-  """
+  """This host's close, asked in two steps (`Closing`): `asked`, then the first ending, posted once."""
 
   def __init__(self) -> None:
     self.asked = False
@@ -284,10 +273,9 @@ ENDED = Ended()
 class Side:
   """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
 
-  `clock`: where the core reads the driver's last `Now` (None: it reads none).
-  `close`: once it was asked (`Close.asked`), `Ended` comes at once, but the
-  core is told the result of a store call carried out first: its ending is
-  posted after what that call posted, not over it (process 0's decision `seq`).
+  `clock`: where the core reads the driver's last `Now`. `close`: once asked,
+  `Ended` comes at once, but after the core is told the result of a store call
+  carried out first, so that its ending is posted after what that call posted.
   """
 
   def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):
