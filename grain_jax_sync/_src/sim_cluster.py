@@ -1,8 +1,5 @@
-"""A simulated cluster: N hosts' real agreement cores, an in-memory store, a virtual clock.
-
-Each host runs the library's core over the real `KeyValueExchange` on an in-memory store; its
-threads (reading, agreement, build, the training loop) are tasks of a discrete-event scheduler.
-One process, no thread, deterministic: a bound in seconds takes milliseconds.
+"""A simulated cluster: N hosts' real agreement cores over the real `KeyValueExchange` on an
+in-memory store; their threads are tasks of a discrete-event scheduler (virtual time, no thread).
 """
 
 from __future__ import annotations
@@ -31,10 +28,9 @@ _NS = "grain_jax_sync/sim/1"
 class HostPlan:
   """What one simulated host does, in virtual seconds.
 
-  A "batch" below counts the batches its loop received (padded dummies
-  included), from 1; times are seconds >= 0. A plan that cannot happen is
-  refused: `ValueError` here, or from `SimulatedCluster.run` for a batch past
-  the job's last (the longest shard).
+  A "batch" counts the batches its loop received (dummies included), from 1;
+  times are seconds >= 0. A plan that cannot happen raises `ValueError`
+  (from `SimulatedCluster.run` for a batch past the longest shard's last).
 
   Attributes:
     batches: Batches in its shard (then its source is exhausted).
@@ -81,8 +77,7 @@ class HostPlan:
   config: Any = None
   sync_timeout_s: float | None = None
 
-  # The fields that count (a pair's first; a pause follows a batch's step: from 1), and
-  # those in seconds (a pair's second).
+  # The fields that count (a pair's first), and those in seconds (a pair's second).
   _COUNTS = ("batches", "resume", "close_at", "error_at", "rows", "stall", "stop", "pause")
   _TIMES = ("step_s", "read_s", "close_s", "kill_at", "start_s", "stall", "stop", "pause")
 
@@ -156,12 +151,9 @@ Task = Generator[Wait, bool, None]
 class _Clock:
   """The discrete-event scheduler: tasks park on a channel and a deadline.
 
-  A wait on a channel that times out at the instant something else happens
-  runs after it (and after what that causes at the same instant): a real
-  wait starts a little after what started it, so it ends a little later.
-  A wait in the store (its channel a key) that times out runs after a local
-  one (a stage's queue) timing out at that instant: the service times it out
-  and its answer comes back a round trip later.
+  A timeout runs after what else happens at its instant (a real wait starts a
+  little after what started it); a store's (its channel a key) after a local
+  queue's (its answer comes back a round trip later).
   """
 
   def __init__(self) -> None:
@@ -226,8 +218,7 @@ class _Queue:
 class _Host(interpreter.World):
   """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
 
-  It is the core's world in virtual time (`interpreter.World`): the core is stepped by the
-  one loop, `interpreter.drive`, whose waits park here.
+  The core's world in virtual time (`interpreter.World`): `interpreter.drive`'s waits park here.
   """
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
@@ -255,11 +246,8 @@ class _Host(interpreter.World):
     self.done = self.asked = self.reading = 0  # Positions built; reads asked for, not made; made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
-    # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
-    # thread, that thread runs the core (not while it waits to hand a run on).
-    self.busy = False
-    # Its consumer got to the agreed end (as `session.Stream.reached_end`).
-    self.reached_end = False
+    self.busy = False  # The core's turn is held (`driver.Driver.turn`).
+    self.reached_end = False  # As `session.Stream.reached_end`.
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
     self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
@@ -287,8 +275,8 @@ class _Host(interpreter.World):
     return next(self.reads)
 
   def drive(self, runner: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `runner`, a side run of it) by `interpreter.drive` to its next run, or its
-    ending, handed on as an item: a `StopIteration` at the agreed end or stop, else the error."""
+    """Runs the core (or `runner`, a side run) to its next run, or its ending as an item: a
+    `StopIteration` at the agreed end or stop, else the error."""
     self.runner: Any = runner or self.core  # Its store calls' results go back to it (`call`).
     action = yield from interpreter.drive(self.runner, self.ex, self)
     if type(action) is core.Deliver:
@@ -308,8 +296,7 @@ class _Host(interpreter.World):
     if key is not None and (yield (key, self.clock.now + args[-1].wait_s)):
       ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
-    # Each of the client's calls is a round trip (a delete of no whole group makes none): its
-    # effect lands at once, its result is in flight back to the core meanwhile (`_end`).
+    # Each client call is a round trip: its effect lands at once, its result comes back later.
     calls = self.ex.ops - ops
     if calls and self.c.store_s > 0:
       self.unacked = (runner, result)
@@ -400,9 +387,7 @@ class _Host(interpreter.World):
     while plan.close_at != len(received):
       self.busy = self.busy or turn
       item = yield from self._next(items, inline)
-      if isinstance(item, StopIteration) and self.core.reached_end:
-        # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
-        # peer's consumer got there, or raises naming the one that left.
+      if isinstance(item, StopIteration) and self.core.reached_end:  # As `session.Stream`.
         self.reached_end = True
         item = yield from self.drive(self.core.side(self.core.at_end()))
       self.busy = self.busy and not turn
@@ -480,11 +465,11 @@ class SimulatedCluster:
     sync_timeout_s: As the iterator's.
     synchronize_lookahead: As the iterator's.
     store_s: Each store call's round trip: its effect lands at once, its result reaches the core
-      this much later (an ending meanwhile tells it first, as the driver does).
-    collective_steps: Each host's step after batch k is a collective, as a training step with a
-      cross-host reduction is: it ends on every host `step_s` after the last host entered it, so a
-      host that is slow, paused, stalled, closed or killed holds the others in it (those that never
-      enter it hold them to `until_s`: their `ending` stays None). False: each host steps on its own.
+      this much later.
+    collective_steps: Each host's step after batch k is a collective (a cross-host reduction): it
+      ends `step_s` after the last host entered it, so a slow, paused, closed or killed host holds
+      the others (one that never enters holds them to `until_s`: their `ending` stays None).
+      False: each host steps on its own.
   """
 
   processes: int

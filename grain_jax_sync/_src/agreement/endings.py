@@ -49,12 +49,7 @@ def failed(
   *,
   data: bool = False,
 ) -> core.End:
-  """The `End` for exception `e`.
-
-  With `data`, a ValueError is bad data or settings: every host raises the
-  same ValueError. Anything else is a failure of this host: it re-raises its
-  own exception, the others a RuntimeError naming it.
-  """
+  """The `End` for exception `e`: with `data`, a ValueError every host raises; else this host's own."""
   if data and isinstance(e, ValueError):
     error = ReportedError(ErrorKind.VALUE, _text(e), process, batch_index)
   else:
@@ -88,11 +83,7 @@ def to_exception(error: ReportedError, process: int, own: core.End | None) -> Ba
 
 
 def closed_peer_message(note: str, namespace: str) -> str:
-  """The error for a peer found closed (`key_value.register_close`) while waited for here.
-
-  Closed in this stream, it could not post its ending (a stage thread was
-  blocked); closed in an earlier one, it never started this restarted one.
-  """
+  """The error for a peer found closed (`key_value.register_close`) while waited for here."""
   try:
     stream, message = json.loads(note)
   except (TypeError, ValueError):
@@ -138,10 +129,7 @@ def lost(peer: int, at_batch: int, when: str, cause: str = "") -> ReportedError:
 
 
 def stopped_error(process: int, at_batch: int) -> ReportedError:
-  """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
-
-  Every host ends its stream normally at the first position not decided yet.
-  """
+  """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches."""
   return ReportedError(
     ErrorKind.STOPPED,
     f"process {process} requested a stop after batch {at_batch}",

@@ -1,37 +1,20 @@
 """Chunks up to process 0, decisions back down, through the key-value store.
 
-The store is the coordination service's, which `jax.distributed.initialize`
-starts (in process 0). No device work. Keys of one iterator live under one
-namespace ``ns``:
+The store is the coordination service's (`jax.distributed.initialize`
+starts it in process 0). Keys of one stream live under ``ns``,
+``{base}/{generation}`` (each (re)start of an iterator its own):
 
-- ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
-  rows it read, its ending. Only the decider (process 0) reads them, with
-  one directory read.
-- ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0;
-  every other process reads each one once.
+- ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p > 0
+  (rows it read, its ending); process 0 reads them with one directory read.
+- ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0.
+  Chunks and decisions are deleted a group at a time once read.
+- ``{ns}/ended``: a counter every process increments once after its last
+  store call; the one that brings it to the process count deletes ``{ns}``.
 
-Both are deleted a group at a time once read.
-- ``{ns}/ended``: a counter every process increments exactly once after its
-  last store call; the one that brings it to the process count deletes
-  ``{ns}`` (and everything under it).
-
-Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
-Under ``base``, once per iterator and process, at `close()`:
-
-- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``.
-  A peer that waits for p reads it once p's beat shows a new close and ends
-  instead of timing out (p never started the stream, or could not post its
-  ending).
-- ``{base}/closed_count``: the process that brings it to the process count
-  deletes ``{base}``.
-- ``{base}/times/{p}``: process p's `stats()` times at the end of its last
-  stream (`post_times`), for `stats(all_hosts=True)`.
-
-Per decided window: one chunk write and one decision read per process, one
-directory read and one decision write at process 0.
-
-Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
-(`liveness`).
+Under ``base``, at `close()`: ``{base}/closed/{p}`` (JSON ``[ns, text]``,
+read by a peer that waits for p once p's beat shows a new close), and
+``{base}/closed_count`` (the last deletes ``{base}``); ``{base}/times/{p}``:
+p's `stats()` times (`post_times`). Beats: ``{KEY_ROOT}/beat/{p}`` (`liveness`).
 """
 
 from __future__ import annotations
@@ -48,12 +31,10 @@ from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_c
 
 logger = logging.getLogger(__name__)
 
-# Chunks and decisions are keyed in groups of this many and deleted a group at
-# a time: one store call instead of one per key.
+# Decisions are keyed in groups of this many, deleted a group per store call.
 GROUP = 16
-# Chunks in smaller groups: the decider's one directory read returns every
-# chunk not yet deleted, so the chunks of a group already read are read again
-# until the group goes.
+# Chunks in smaller groups: the decider's directory read returns those of a
+# group already read again until the group goes.
 CHUNK_GROUP = 4
 
 
@@ -176,9 +157,7 @@ class KeyValueExchange:
     self.check()
     prefix = f"{self.namespace}/s/"
     entries = self._call("reading the peers' chunks", self.client.key_value_dir_get, prefix)
-    # Looks up each process's next keys (O(processes + new chunks)) instead of
-    # parsing every key returned: most are chunks already read, whose group
-    # is not deleted yet.
+    # Each process's next keys looked up, not every key parsed (most were read already).
     found = dict(entries)
     out = []
     nxt = self._next
@@ -193,10 +172,7 @@ class KeyValueExchange:
   def wait_chunk(
     self, process: int, wait_s: float = periods.LIVENESS_PERIOD_S
   ) -> list[tuple[int, str]]:
-    """Blocks up to `wait_s` for `process`'s next chunk, then reads all new ones.
-
-    With more than one peer, one directory read brings every peer's news.
-    """
+    """Blocks up to `wait_s` for `process`'s next chunk, then reads every new one."""
     self.check()
     seq = self._next[process]
     key = f"{self.namespace}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
@@ -247,11 +223,7 @@ class KeyValueExchange:
     return f"{base}/{what}/{generation}"
 
   def post_reached_end(self) -> None:
-    """Records that this process's consumer received every batch of the stream.
-
-    The process that brings the count to the process count sets the key
-    every process waits on (`wait_all_reached_end`).
-    """
+    """Records that this process's consumer received every batch; the last sets ``all_at_end``."""
     key = f"{self._end_key('end')}/{self.process_index}"
     self._call("posting the end", self.client.key_value_set, key, "", True)
     count = self._call(
@@ -302,10 +274,7 @@ class KeyValueExchange:
     self._cancel.set()
 
   def end(self) -> None:
-    """Counts this process out after its last store call; the last one deletes the namespace.
-
-    Once only; never blocks on peers (it also runs in `close()` and garbage collection).
-    """
+    """Counts this process out after its last store call; the last one deletes the namespace. Once."""
     if self._ended:
       return
     self._ended = True
@@ -332,8 +301,7 @@ def close_note(stream: str | None, process: int, at_batch: int) -> str:
 def register_close(base: str, note: str) -> None:
   """Records that this process closed the iterator of key prefix `base`; best effort.
 
-  The last process to close it deletes ``{base}``, with the keys of streams
-  that some processes never ended.
+  The last to close it deletes ``{base}``, with the keys of streams some never ended.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
