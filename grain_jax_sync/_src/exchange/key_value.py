@@ -303,43 +303,44 @@ def register_close(base: str, note: str) -> None:
 
   The last to close it deletes ``{base}``, with the keys of streams some never ended.
   """
-  import jax  # pylint: disable=g-import-not-at-top
 
-  client = distributed_client()
-  if client is None or jax.process_count() == 1:
-    return
-  try:
+  def close(client: Any, jax: Any) -> None:
     client.key_value_set(closed_key(base, jax.process_index()), note)
     count_close()  # After the note: a peer that sees the count finds it.
     if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
       client.key_value_delete(base)
-  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
-    logger.debug("grain_jax_sync: could not record the close of %s: %s", base, e)
+
+  _shared_store("record the close", base, close)
 
 
-def post_times(base: str, text: str) -> None:
-  """Posts this process's figures at the end of a stream of the iterator `base`; best effort."""
+def _shared_store(
+  doing: str, base: str, call: Callable[[Any, Any], Any], default: Any = None
+) -> Any:
+  """``call(client, jax)`` where several processes share the store; best effort (a dead
+  coordinator, at exit): a failure is logged as "could not {doing} of {base}", `default` returned.
+  """
   import jax  # pylint: disable=g-import-not-at-top
 
   client = distributed_client()
   if client is None or jax.process_count() == 1:
-    return
+    return default
   try:
-    client.key_value_set(f"{base}/times/{jax.process_index()}", text, True)
-  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
-    logger.debug("grain_jax_sync: could not post the figures of %s: %s", base, e)
+    return call(client, jax)
+  except Exception as e:  # noqa: BLE001 - best effort.
+    logger.debug("grain_jax_sync: could not %s of %s: %s", doing, base, e)
+    return default
+
+
+def post_times(base: str, text: str) -> None:
+  """Posts this process's figures at the end of a stream of the iterator `base`; best effort."""
+  post = lambda c, jax: c.key_value_set(f"{base}/times/{jax.process_index()}", text, True)  # noqa: E731
+  _shared_store("post the figures", base, post)
 
 
 def read_times(base: str) -> list[tuple[int, str]]:
   """Every process's figures posted under `base` (`post_times`): one directory read; best effort."""
-  client = distributed_client()
-  if client is None:
-    return []
-  try:
-    entries = client.key_value_dir_get(f"{base}/times/")
-  except Exception as e:  # noqa: BLE001 - best effort: the table keeps what it has.
-    logger.debug("grain_jax_sync: could not read the figures of %s: %s", base, e)
-    return []
+  get = lambda c, _: c.key_value_dir_get(f"{base}/times/")  # noqa: E731
+  entries = _shared_store("read the figures", base, get, [])
   by_process = ((key.rsplit("/", 1)[-1], value) for key, value in entries)
   return [(int(p), value) for p, value in by_process if p.isdigit()]
 
