@@ -119,10 +119,8 @@ class Stream:
     self._ended = False
     self.agreement: driver.Driver | None = None
     self.stopper: Agreement | None = None  # Either form: the batch size it pinned, who stopped.
-    # Where the streamed agreement runs in the consumer's call: the call holds its turn.
-    self._inline: driver.Driver | None = None
+    self._inline: driver.Driver | None = None  # Run in the consumer's call, which holds its turn.
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
-    # The diagram's order: read, agree, build; each stage reads the one before.
     read = reader.Reader(
       start.source,
       process_index=ex.process_index,
@@ -134,7 +132,7 @@ class Stream:
     )
     self._builder = build_lib.Builder(options, start.placement, start.mark.state)
     runs = self._agree(start, read)
-    self._read = read  # Counts its own time (`times`), as the exchange and the builder do.
+    self._read = read  # Counts its own time (`times`).
     self._items = self._build(start, runs)
 
   def _shares(self, start: Start) -> bool:
@@ -144,7 +142,15 @@ class Stream:
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
     """The agreement of the form the exchange picks: decided runs."""
     options, ex = start.options, self._exchange
-    who = _identity(start, ex.process_index, shares=self._shares(start))
+    who = Identity(
+      process=ex.process_index,
+      devices=start.placement.local_shards,
+      # The options and the sharding (not saved in a state: a resumed job
+      # may run on another mesh, but its processes must share one).
+      config={**options.digest(), **start.placement.fingerprint()},
+      resume=start.mark.position,
+      groups=start.placement.groups if self._shares(start) else (),
+    )
     rules = options.rules(batch_size=start.mark.batch_size)
     if not isinstance(ex, key_value.KeyValueExchange):
       # Lockstep: one process, or each alone; the collective fallback in the caller's thread.
@@ -469,8 +475,10 @@ class Streams:
       _post_unstarted(self._options, self._keys(), at, ending)
     if not last:
       return
-    if self._namespace is not None:
-      _register_close(self._namespace, self._keys(), at)
+    if self._namespace is not None:  # Closed for the peers; nothing of it stays recorded.
+      note = key_value.close_note(self._keys(), jax.process_index(), at)
+      key_value.register_close(self._namespace, note)
+      exchange_streams.forget(self._namespace)
     if self._reading is None:
       self.source.close()
     else:
@@ -566,25 +574,6 @@ class Streams:
   def snapshot(self) -> dict[str, Any]:
     """This host's `stats()`: no lock, from any thread or a signal handler."""
     return stats_lib.snapshot(self.mark.delivered, self.times())
-
-
-def _register_close(namespace: str, keys: str | None, at: int) -> None:
-  """Marks this host closed for the peers (`key_value.register_close`); forgets the iterator."""
-  key_value.register_close(namespace, key_value.close_note(keys, jax.process_index(), at))
-  exchange_streams.forget(namespace)  # Nothing of a closed iterator stays recorded.
-
-
-def _identity(start: Start, process: int, *, shares: bool) -> Identity:
-  """This host as its first report describes it to the agreement."""
-  return Identity(
-    process=process,
-    devices=start.placement.local_shards,
-    # The options and the sharding (not saved in a state: a resumed job
-    # may run on another mesh, but its processes must share one).
-    config={**start.options.digest(), **start.placement.fingerprint()},
-    resume=start.mark.position,
-    groups=start.placement.groups if shares else (),
-  )
 
 
 def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:
