@@ -59,8 +59,8 @@ class ProcessOutcome:
     traceback: Formatted traceback of that exception.
     exit_code: The interpreter's exit code (-9 for SIGKILL).
     elapsed_s: Seconds the scenario function ran (NaN if it never returned).
-    log: The last 4,000 characters of what the process wrote to stdout and
-      stderr (the library's logged warnings included), in the order written.
+    log: The last 4,000 characters the process wrote to stdout and stderr,
+      in the order written.
   """
 
   process_index: int
@@ -186,28 +186,24 @@ def run_processes(
   (docs/testing.md); ``GRAIN_JAX_SYNC_SIM_FORK=0`` starts each fresh.
 
   Args:
-    fn: A module-level function. It is imported in every process by module
-      name or, failing that, by file path; it runs after
-      ``jax.distributed.initialize`` (skipped when `num_processes` is 1).
+    fn: A module-level function, imported in every process by module name or
+      file path; run after ``jax.distributed.initialize`` (unless 1 process).
     num_processes: How many processes (simulated hosts) to start.
     devices_per_process: Forced CPU devices per process.
     args: Positional arguments for `fn`; must pickle.
     kwargs: Keyword arguments for `fn` in every process; must pickle.
-    per_process_kwargs: Optional extra keyword arguments, one mapping per
-      process, merged over `kwargs`.
-    timeout_s: Wall-clock bound for the whole run. Past it every process is
-      killed and ``TimeoutError`` is raised with each process's log tail.
+    per_process_kwargs: Extra keyword arguments, one mapping per process,
+      merged over `kwargs`.
+    timeout_s: Wall-clock bound for the whole run; past it every process is
+      killed and ``TimeoutError`` raised with each process's log tail.
     heartbeat_timeout_s: Passed to ``jax.distributed.initialize``.
-    exit_barrier_timeout_s: After `fn` returns or raises, each process waits
-      up to this long at a barrier for its peers before exiting, so that no
-      process tears down a collective a peer is still in. 0 skips the barrier
-      (a process killed mid-run makes its peers wait the full timeout).
+    exit_barrier_timeout_s: How long each process waits for its peers at a
+      barrier after `fn`, so that none tears down a collective a peer is in;
+      0 skips it (a process killed mid-run holds its peers for the timeout).
     env: Extra environment variables for every process.
-    signal_at: A `SignalAt` (or several, for distinct processes): the
-      process that sends itself a signal, and after which batch.
-    echo: Also show what each process writes as it writes it, each line
-      labelled ``[process i]``, on this process's stdout or stderr (as
-      ``simulate`` does). Either way it is kept in ``ProcessOutcome.log``.
+    signal_at: A `SignalAt` (or several, for distinct processes).
+    echo: Also echo each process's output as written, each line labelled
+      ``[process i]`` (as ``simulate`` does); ``ProcessOutcome.log`` keeps it.
 
   Returns:
     One ``ProcessOutcome`` per process, in process-index order.
@@ -279,8 +275,7 @@ def run_script(
     echo: As in `run_processes`.
 
   Returns:
-    One ``ProcessOutcome`` per process; its ``value`` is what the script
-    printed to stdout.
+    One ``ProcessOutcome`` per process; its ``value`` is the script's stdout.
 
   Raises:
     TimeoutError: When the run does not finish within `timeout_s`.

@@ -44,11 +44,7 @@ _OPEN = Phase.OPEN  # Read per batch (`take_turn`, `give_turn`): one global, not
 
 
 class Lifetime:
-  """The state machine and the turn of one iterator; holds no reference to it (its finalizer closes this).
-
-  Args:
-    streams: The iterator's streams, which this lifetime closes once.
-  """
+  """The state machine and the turn of one iterator (`streams`); holds no reference to the iterator."""
 
   def __init__(self, streams: session_lib.Streams):
     self.streams = streams
@@ -62,14 +58,10 @@ class Lifetime:
     self._held: dict[str, tuple[int, str]] = {}
     self._closed = threading.Event()
 
-  def in_turn(self) -> bool:
-    """Whether this thread is inside a call (`next()`, `set_state()`, ...), wherever in it."""
-    return bool(getattr(self._local, "turn", False))
-
   def take_turn(self, what: str) -> None:
     """Begins call `what` in this thread; raises if closed or another call is in progress."""
     local = self._local
-    if getattr(local, "turn", False):  # `in_turn()`, written out: this runs per batch.
+    if getattr(local, "turn", False):  # Inside a call of this thread, wherever in it.
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler, the source?); call it between batches"
@@ -124,13 +116,12 @@ class Lifetime:
   def close(self) -> None:
     """The one close path, whoever calls it; idempotent, never raises.
 
-    Asks at once (`Streams.ask`: the agreement decides no more, every wait is
-    woken), takes the turn once the call in progress returned, then ends the
-    streams last (this host's ending with its count, the source closed).
+    Asks at once (`Streams.ask`), takes the turn once the call in progress
+    returned, then ends the streams last.
     """
     if self._closed.is_set():
       return  # Also at interpreter exit, where module globals may be gone.
-    if self.in_turn() or getattr(self._local, "closing", False):
+    if getattr(self._local, "turn", False) or getattr(self._local, "closing", False):
       self.streams.ask(session_lib.CLOSE)  # Inside this thread's own turn or close: it finishes.
       return
     if prefetch_lib.in_library_thread():

@@ -108,8 +108,7 @@ class Beat:
 class Liveness:
   """Tells a dead peer (beat unchanged for `dead_after_s`) from a slow one.
 
-  Reads a peer's beat at most once per liveness period, only while waiting for it,
-  and its close note only when its beat shows a close not read yet.
+  Reads a peer's beat at most once per liveness period, only while waiting for it.
   """
 
   def __init__(

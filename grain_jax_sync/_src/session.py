@@ -74,18 +74,14 @@ CLOSE = "close"
 class Mark(NamedTuple):
   """Where the consumer is: replaced whole, so that a reader never mixes two batches.
 
-  Attributes:
-    position: Batches received.
-    state: The source state after them.
-    batch_size: The agreed full batch size (given, or derived from the first
-      position and saved with the state); None until known.
-    delivered: What the consumer received over the iterator's life.
+  `batch_size`: the agreed full batch size (given, or pinned by the first
+  position and saved with the state); None until known.
   """
 
-  position: int
-  state: Any
+  position: int  # Batches received.
+  state: Any  # The source state after them.
   batch_size: int | None
-  delivered: stats_lib.Delivered
+  delivered: stats_lib.Delivered  # Over the iterator's life.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,11 +343,8 @@ class Streams:
   `lifetime.Lifetime`). Other threads read ``mark``, ``stream`` and
   ``finished``, each one value replaced whole (module docstring).
 
-  Args:
-    origin: What the user passed (reopened by `reset`).
-    options: The iterator's options.
-    placement: Where the rows go.
-    namespace: The iterator's key prefix (None: nothing is exchanged).
+  `origin`: what the user passed (reopened by `reset`); `namespace`: the
+  iterator's key prefix (None: nothing is exchanged).
   """
 
   def __init__(

@@ -35,26 +35,22 @@ class HostPlan:
   Attributes:
     batches: Batches in its shard (then its source is exhausted).
     rows: Rows of each batch.
-    step_s: Its training step, after each batch it receives (a collective one
-      by default: `SimulatedCluster.collective_steps`).
+    step_s: Its training step after each batch (`SimulatedCluster.collective_steps`).
     read_s: Each read of its source.
     stall: ``(read, seconds)``: its source's read `read` (from 0; `batches`
-      is the read that finds it exhausted) takes this long (the process is alive).
+      finds it exhausted) takes this long (alive).
     error_at: Its source raises `error` (default: an `OSError`) when asked for
-      batch `error_at` (from 0, below `batches`): the batches before it are
-      received.
+      batch `error_at` (from 0, below `batches`).
     error: What its source raises.
     refused: Its state was refused (`set_state`): this `ValueError` text is its ending.
     stop: ``(batch, seconds)``: `request_stop()` this long into the step after
-      that batch; batch 0: this long after its stream's start (`start_s`),
-      before or during its first `next()`.
+      that batch; batch 0: this long after `start_s`.
     pause: ``(batch, seconds)``: its loop pauses this long after that batch's step (alive).
     close_at: `close()` instead of its next call once it received this many batches.
     close_s: `close()` from another thread at this time.
     kill_at: The process dies at this time (its beat stops).
     start_s: Its first `next()` (its stream's start) at this time.
-    resume: The batch its restored state resumes from: its first batch is
-      batch ``resume`` of the job (its shard holds those after it).
+    resume: The batch of the job its restored state resumes from.
     config: Its settings, as its first report carries them.
     sync_timeout_s: Its own `sync_timeout_s`, if not the cluster's.
   """
@@ -122,8 +118,7 @@ class HostOutcome:
     process_index: Its index (as `ProcessOutcome.process_index`).
     received: Virtual times at which its consumer received each batch.
     ending: "end" (the agreed end or stop), "closed", "killed", or the
-      error's type name; None if it had not ended by `until_s` (a step
-      held by a peer that never entered it, as a collective is).
+      error's type name; None if it had not ended by `until_s`.
     message: The error's message, if any.
     ended_at: When its consumer saw the ending (`math.inf` if it did not).
     stopped_by: The process whose stop ended the stream, if one did.

@@ -163,23 +163,20 @@ class Elsewhere(Action):
   calls: tuple[StoreCall, ...]
 
 
-class Look(Action):
-  """A look at this process's streams or at a peer's liveness beat (`liveness.Liveness`)."""
-
-
-class IsDead(Look):  # Its beat stopped.
+# Looks at this process's streams or at a peer's liveness beat (`liveness.Liveness`).
+class IsDead(Action):  # Its beat stopped.
   peer: int
 
 
-class ClosedNote(Look):  # What it wrote as it closed (`key_value.close_note`), or None.
+class ClosedNote(Action):  # What it wrote as it closed (`key_value.close_note`), or None.
   peer: int
 
 
-class Crosswise(Look):  # Streams it waits at the start of, made, not started here; marks ours.
+class Crosswise(Action):  # Streams it waits at the start of, made, not started here; marks ours.
   peer: int
 
 
-class NotWaiting(Look):
+class NotWaiting(Action):
   """This host no longer waits for its stream's first decision."""
 
 

@@ -189,10 +189,7 @@ class Driver(interpreter.World):
 
 
 class Stepper(interpreter.World):
-  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread: its reads and exchange block there.
-
-  The stops asked for (the inbox, `asks`) reach the core before its next step.
-  """
+  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread; stops asked reach it per step."""
 
   def __init__(
     self, stepper: Any, reader: Iterator[core.Read | core.End], exchange: Any, asks: Any

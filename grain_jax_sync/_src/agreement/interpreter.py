@@ -114,7 +114,7 @@ def take(world: Any, want: int, wait_s: float, ask: int) -> core.Steps:
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
   """Posts an ending: `calls` in order, a failure logged; a last `EndExchange` made whatever happens.
 
-  An ending never raises (it also runs in `close()` and at exit), and never waits.
+  Never raises (it also runs in `close()` and at exit), never waits.
   """
   last = len(calls) - 1 if calls and type(calls[-1]) is core.EndExchange else len(calls)
   try:
@@ -156,10 +156,8 @@ def drive(
 def runs(
   runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False, turn: Any = None
 ) -> Any:
-  """`drive` on a real world (its waits block): the runs; the agreed end returns, an error raises.
-
-  `turn` (a lock) is held but while a run is handed on.
-  """
+  """`drive` on a real world (its waits block): the runs; an error raises. `turn` is held but while a
+  run is handed on."""
   if turn is not None:
     turn.acquire()
   try:

@@ -62,11 +62,7 @@ class Ledger:
     return self._end[p] is not None
 
   def add(self, chunk: messages.Chunk) -> None:
-    """Records one chunk; chunks of a process must arrive in order.
-
-    Raises:
-      RuntimeError: If the chunk does not continue the process's stream.
-    """
+    """Records one chunk; raises RuntimeError unless it continues its process's stream."""
     r = chunk.report
     p = r.process_index
     if r.error is not None and r.error.kind in messages.ABORTS:

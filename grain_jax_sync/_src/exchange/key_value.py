@@ -85,14 +85,8 @@ def store_failed(e: BaseException, doing: str) -> RuntimeError:
 
 
 class KeyValueExchange:
-  """Chunks up to process 0, decisions back down, through the key-value store.
-
-  Args:
-    client: A key-value store client (`jax.distributed`'s, or one with its methods).
-    namespace: The iterator's key prefix.
-    process_index: This process.
-    process_count: How many processes take part.
-  """
+  """Chunks up to process 0, decisions back down, through the key-value store `client`
+  (`jax.distributed`'s, or one with its methods), under the stream's `namespace`."""
 
   def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int):
     self.client = client  # The liveness beat writes through it too (`liveness.Beat`).
@@ -134,10 +128,7 @@ class KeyValueExchange:
   # -- chunks (process > 0 writes, process 0 reads) ----------------------------
 
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
-    """Posts this process's next chunk; returns its sequence number.
-
-    A `final` chunk (the ending `close()` posts) is written even after `cancel()`.
-    """
+    """Posts this process's next chunk; its sequence number. A `final` one (an ending) even after `cancel()`."""
     if not final:
       self.check()
     seq = self._chunks_posted
