@@ -140,9 +140,8 @@ class Lifetime:
         return
       me = threading.get_ident()
       with self._lock:
-        # A turn in progress was woken above; one that reads the source itself
-        # (a generator cannot be closed while it runs) carries the close out
-        # when its read returns, if it outlasts this wait.
+        # A turn in progress was woken above; one stuck in the source carries
+        # the close out when its read returns, if it outlasts this wait.
         if not self._idle.wait_for(
           lambda: self._held.setdefault("turn", (me, "close()"))[0] == me,
           prefetch_lib.JOIN_TIMEOUT_S,

@@ -41,8 +41,7 @@ FORK_ENV = "GRAIN_JAX_SYNC_SIM_FORK"
 _PER_PROCESS = (signal_at.ENV, "XLA_FLAGS", "PYTEST_CURRENT_TEST")
 # The fork servers kept, one per environment, the least recently used closed.
 _SERVERS_KEPT = 4
-# How long a server may take to fork a child and send its pid (its own start,
-# the imports, included); past it the process starts as a fresh interpreter.
+# How long a server may take to fork a child (its own start included); past it, a fresh one.
 _FORK_TIMEOUT_S = 120.0
 
 

@@ -111,9 +111,8 @@ def run_job(job_path: str) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
-    # Leave together: a process that exits while a peer is still inside a gloo
-    # collective resets the peer's connection, and process 0 hosts the
-    # coordination service that the others need until they shut down.
+    # Leave together: one that exits resets a peer's gloo collective, and
+    # process 0 hosts the coordination service the others need until they go.
     with contextlib.suppress(Exception):  # A peer died: nothing to wait for.
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 

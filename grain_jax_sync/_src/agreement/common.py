@@ -16,8 +16,7 @@ from grain_jax_sync._src.agreement import core, endings
 # build thread has not handed on (at least a batch or two), on any host.
 READ_AHEAD_BYTES = 64 << 20
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
-# decision before it gives up on its own, so that process 0, which waits on the
-# slow peer itself, names it first (the same message on every host).
+# decision, so that process 0 names the slow peer first (one message everywhere).
 FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
 
 
@@ -34,8 +33,7 @@ def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = N
 class Identity:
   """What a process says about itself in its first report.
 
-  `groups`: `BatchPlacement.groups` where processes share rows (their
-  reports then carry digests that `decide` compares), else empty.
+  `groups`: `BatchPlacement.groups` where processes share rows (their digests are compared).
   """
 
   process: int
@@ -108,15 +106,10 @@ class Agreement:
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Run:
-  """Positions decided together, handed from the agreement to the builder.
+  """Positions decided together, handed from the agreement to the builder."""
 
-  Attributes:
-    steps: Per position, this host's read (None: a dummy) and the decision.
-    signature: The agreed batch structure (None while no host has a batch).
-  """
-
-  steps: tuple[tuple[core.Read | None, messages.Step], ...]
-  signature: batches_lib.Signature | None
+  steps: tuple[tuple[core.Read | None, messages.Step], ...]  # This host's read (None: a dummy).
+  signature: batches_lib.Signature | None  # The agreed structure (None while no host has a batch).
 
 
 class OwnReads:

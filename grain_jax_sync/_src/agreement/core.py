@@ -24,32 +24,20 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Read:
-  """One validated non-empty batch and the source state right after it.
-
-  Attributes:
-    batch: The batch.
-    state: The source state right after it.
-    digest: `rows_digest` of its rows, where processes share rows.
-  """
+  """One validated non-empty batch and the source state right after it."""
 
   batch: batches_lib.HostBatch
   state: Any
-  digest: str | None = None
+  digest: str | None = None  # `rows_digest` of its rows, where processes share rows.
 
 
 @dataclasses.dataclass(frozen=True)
 class End:
-  """How this host's stream ended.
-
-  Attributes:
-    position: Non-empty batches read before the end (the ended position).
-    error: None when the source was exhausted; else what failed, reported.
-    exception: The local exception (re-raised on this host only).
-  """
+  """How this host's stream ended, after `position` non-empty batches."""
 
   position: int
-  error: messages.ReportedError | None = None
-  exception: BaseException | None = None
+  error: messages.ReportedError | None = None  # None: exhausted; else what failed, reported.
+  exception: BaseException | None = None  # The local exception (re-raised on this host only).
 
   @property
   def exhausted(self) -> bool:
@@ -60,17 +48,11 @@ class End:
 
 
 class Now(NamedTuple):
-  """What the driver tells the core with every result.
+  """What the driver tells the core with every result."""
 
-  Attributes:
-    t: Seconds on the driver's clock (monotonic, or virtual).
-    done: Positions the build stage handed on (or dropped).
-    ready: Whether a read waits to be taken at once (inline: always).
-  """
-
-  t: float
-  done: int = 0
-  ready: bool = True
+  t: float  # Seconds on the driver's clock (monotonic, or virtual).
+  done: int = 0  # Positions the build stage handed on (or dropped).
+  ready: bool = True  # Whether a read waits to be taken at once (inline: always).
 
 
 @dataclass_transform(frozen_default=True)

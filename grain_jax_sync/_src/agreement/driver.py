@@ -33,7 +33,6 @@ class Driver(interpreter.World):
     reader: This host's reads: inline (an iterator) or the reading thread's stage.
     exchange: The key-value exchange of this stream.
     built: The build stage (`build.Builder`): its progress and the consumer's pace.
-    live: Tells dead peers from slow ones (default: their beats).
     asks: The inbox (default: its own): stops asked (positions) and `Closing`s.
     beat: Inline, its thread posts a stop asked between calls (default: the
       process's `liveness.Beat` of this client, if started; else the asker).
@@ -45,7 +44,6 @@ class Driver(interpreter.World):
     reader: Iterator[core.Read | core.End] | prefetch.OnDemand[Any],
     exchange: key_value.KeyValueExchange,
     built: Any,
-    live: liveness_lib.Liveness | None = None,
     asks: queue.SimpleQueue[int | core.Closing] | None = None,
     beat: liveness_lib.Beat | None = None,
   ):
@@ -54,7 +52,7 @@ class Driver(interpreter.World):
     self.threaded = isinstance(reader, prefetch.OnDemand)  # The core runs in the agreement thread.
     self._exchange = exchange
     self._built = built
-    self._live = live or liveness_lib.Liveness(exchange)
+    self._live = liveness_lib.Liveness(exchange)
     self._beat = beat or liveness_lib.Beat.running(exchange.client, exchange.process_index)
     # Held by whoever runs the core (inline, the consumer's call; else the
     # agreement thread, but while it hands a run on); else `post_stop` takes it.

@@ -44,8 +44,7 @@ class Ledger:
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
-    # Per process, its last window report while all its rows have that report's
-    # row count and nothing else changed: reused for windows as long.
+    # Per process, its last window report, reused while nothing but rows of its count come.
     self._held: list[messages.Report | None] = [None] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: messages.ReportedError | None = None
@@ -202,8 +201,7 @@ class Ledger:
     rows = tuple(itertools.islice(self._rows[p], a, b))
     kept: tuple[Any, ...] = (self._digests, self._sizes)  # Parallel to `_rows` where kept.
     digests, sizes = (() if k is None else tuple(itertools.islice(k[p], a, b)) for k in kept)
-    # An end right after the window's last row counts too: that row is then
-    # known to be the process's last (`plan.Rules.wait_for_last`).
+    # An end right after the window's last row counts too (`plan.Rules.wait_for_last`).
     end = self._end[p] if count <= last else None
     report = messages.Report(
       process_index=p,
