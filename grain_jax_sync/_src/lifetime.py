@@ -4,20 +4,11 @@
 OPEN --close()--> CLOSING --> CLOSED
 ```
 
-The concurrency contract:
-
-* `next()`, `set_state()`, `reset()` and a source restore belong to one
-  thread at a time (the turn): a call made while another is in progress
-  raises RuntimeError at once, naming the call in progress. There is no queue.
-* `close()` and `request_stop()` come from any thread or a signal handler.
-  A close inside a call of the same thread (a signal handler, the source)
-  only asks, without a lock; the call carries it out on its way out. A close
-  from a stage's own thread, and the finalizer's outside the main thread,
-  hand the close to a new thread, so that no close joins its own thread. A
-  close from another thread waits for the call in progress (woken) to end.
-
-The phase is changed under ``_lock``; the turn is claimed and given back with
-one atomic `dict` operation each, so the steady `next()` takes no lock.
+The concurrency contract is docs/internals.md's (`lifetime.py`): the calls
+that move the stream belong to one thread at a time (the turn; no queue);
+`close()` and `request_stop()` come from any thread or a signal handler. The
+phase is changed under ``_lock``; the turn is claimed and given back with one
+atomic `dict` operation each, so the steady `next()` takes no lock.
 """
 
 from __future__ import annotations
@@ -110,8 +101,6 @@ class Lifetime:
       closer = self._phase is not Phase.OPEN
     if not closer:
       self.close()
-
-  # -- the close -------------------------------------------------------------------
 
   def close(self) -> None:
     """The one close path, whoever calls it; idempotent, never raises.

@@ -493,8 +493,6 @@ class Streams:
     if stream is not None:
       stream.heard(close)  # A wake: an old stream's is harmless, a new one drains anyway.
 
-  # -- restarts ------------------------------------------------------------------
-
   def reset(self) -> None:
     """Ends the stream as this host's reset and restarts at the source's beginning (reopened)."""
     self._restart(self.mark, "reset its iterator")

@@ -62,26 +62,10 @@ def _not_posted(e: Exception) -> bool:
   return "deadline" in text or "timed out" in text or "timeout" in text or _is_not_found(e)
 
 
-def _any(e: Exception) -> bool:
-  """A best-effort read: not posted yet, or the store is gone."""
-  del e
-  return True
-
-
 def _logged(e: Exception) -> bool:
   """A best-effort write or delete: its failure is only logged."""
   logger.debug("grain_jax_sync: a best-effort store call failed: %s", e)
   return True
-
-
-def store_failed(e: BaseException, doing: str) -> RuntimeError:
-  """The error for a key-value store call that failed outright."""
-  return RuntimeError(
-    f"the jax.distributed key-value store failed while {doing}: {e}. The"
-    " coordination service runs in process 0: if process 0 died, every other"
-    " process has lost it and the job must be restarted; otherwise see"
-    " process 0's log"
-  )
 
 
 class KeyValueExchange:
@@ -113,7 +97,12 @@ class KeyValueExchange:
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       if absent is not None and absent(e):
         return None
-      raise store_failed(e, doing) from e
+      raise RuntimeError(
+        f"the jax.distributed key-value store failed while {doing}: {e}. The"
+        " coordination service runs in process 0: if process 0 died, every other"
+        " process has lost it and the job must be restarted; otherwise see"
+        " process 0's log"
+      ) from e
     finally:
       self.busy_s += time.monotonic() - t0
 
@@ -240,19 +229,16 @@ class KeyValueExchange:
     entries = self._call("reading the end", self.client.key_value_dir_get, prefix)
     return {int(key[len(prefix) :]): value for key, value in entries}
 
-  # -- liveness ----------------------------------------------------------------
-
   def closed_note(self, process: int) -> str | None:
     """What `process` wrote when it closed this iterator (`register_close`), or None."""
     key = closed_key(self.namespace.rsplit("/", 1)[0], process)
-    return self._call("reading a close", self.client.key_value_try_get, key, absent=_any)
+    # Best effort, as `beat_of`: None if not posted yet or the store is gone.
+    return self._call("reading a close", self.client.key_value_try_get, key, absent=lambda _: True)
 
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
     key = beat_key(process)
-    return self._call("reading a beat", self.client.key_value_try_get, key, absent=_any)
-
-  # -- the end -----------------------------------------------------------------
+    return self._call("reading a beat", self.client.key_value_try_get, key, absent=lambda _: True)
 
   def sibling(self, namespace: str) -> KeyValueExchange:
     """The exchange of another stream, through the same client."""
