@@ -108,14 +108,19 @@ class Beat:
 class Liveness:
   """Tells a dead peer (beat unchanged for `dead_after_s`) from a slow one.
 
-  Reads a peer's beat at most once per liveness period, only while waiting for it.
+  Reads a peer's beat (`exchange.beat_of`) at most once per liveness period
+  of `clock`, only while waiting for it.
   """
 
   def __init__(
-    self, exchange: key_value.KeyValueExchange, dead_after_s: float = periods.DEAD_AFTER_S
+    self,
+    exchange: Any,
+    dead_after_s: float = periods.DEAD_AFTER_S,
+    clock: Callable[[], float] = time.monotonic,
   ):
     self._ex = exchange
     self.dead_after_s = dead_after_s
+    self._clock = clock
     # Per process: its beat, since when it is unchanged, when it was read.
     self._seen: dict[int, tuple[str | None, float, float]] = {}
     # Per process: what its note was read on (`closed`), and the note.
@@ -123,7 +128,7 @@ class Liveness:
 
   def _beat(self, process: int) -> tuple[str | None, float, float]:
     """`process`'s beat, since when it is unchanged, and when it was read (once per liveness period)."""
-    now = time.monotonic()
+    now = self._clock()
     last = self._seen.get(process)
     if last is None or now - last[2] >= periods.LIVENESS_PERIOD_S:
       beat = self._ex.beat_of(process)
@@ -134,7 +139,7 @@ class Liveness:
   def dead(self, process: int) -> bool:
     """Whether `process`'s beat is unchanged for `dead_after_s` (one that never beat is late)."""
     beat, since, _ = self._beat(process)
-    return beat is not None and time.monotonic() - since >= self.dead_after_s
+    return beat is not None and self._clock() - since >= self.dead_after_s
 
   def waiting(self, process: int) -> list[str]:
     """The streams `process` waits at the start of, as of its last beat read here."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import memory_store, messages, periods, reader, sources, stats
+from grain_jax_sync._src import liveness, memory_store, messages, periods, reader, sources, stats
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, interpreter
@@ -244,7 +244,7 @@ class _Host(interpreter.World):
     self.busy = False  # The core's turn is held (`driver.Driver.turn`).
     self.reached_end = False  # As `session.Stream.reached_end`.
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
-    self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
+    self.live = liveness.Liveness(self, clock=lambda: self.clock.now)  # Peers' beats: `beat_of`.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -318,15 +318,12 @@ class _Host(interpreter.World):
     return self.pace_of.count(self.clock.now)
 
   def dead(self, peer: int) -> bool:
-    """As `liveness.Liveness.dead`: its beat (one a period while alive), read at most once a
-    period, unchanged for `DEAD_AFTER_S` since this host first read it so."""
-    ended, now, period = self.c.hosts[peer].out, self.clock.now, periods.LIVENESS_PERIOD_S
-    beat = (min(now, ended.ended_at) if ended.ending == "killed" else now) // period
-    last = self.beats.get(peer)
-    if last is None or now - last[2] >= period:
-      since = last[1] if last is not None and last[0] == beat else now
-      last = self.beats[peer] = (beat, since, now)
-    return now - last[1] >= periods.DEAD_AFTER_S
+    return self.live.dead(peer)
+
+  def beat_of(self, peer: int) -> float:
+    """`peer`'s beat as its key reads now: one a period while alive (`liveness.Beat`)."""
+    out, now = self.c.hosts[peer].out, self.clock.now
+    return (min(now, out.ended_at) if out.ending == "killed" else now) // periods.LIVENESS_PERIOD_S
 
   def closed(self, peer: int) -> str | None:
     host = self.c.hosts[peer]  # One stream everywhere.
