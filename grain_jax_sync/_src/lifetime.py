@@ -103,11 +103,8 @@ class Lifetime:
       self.close()
 
   def close(self) -> None:
-    """The one close path, whoever calls it; idempotent, never raises.
-
-    Asks at once (`Streams.ask`), takes the turn once the call in progress
-    returned, then ends the streams last.
-    """
+    """The one close path, whoever calls it; idempotent, never raises: asks at once, takes the
+    turn once the call in progress returned, then ends the streams last."""
     if self._closed.is_set():
       return  # Also at interpreter exit, where module globals may be gone.
     if getattr(self._local, "turn", False) or getattr(self._local, "closing", False):

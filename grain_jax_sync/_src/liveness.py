@@ -147,11 +147,8 @@ class Liveness:
     return [] if beat is None else beat.split()[1:]
 
   def closed(self, process: int) -> str | None:
-    """What `process` wrote when it closed the iterator, or None.
-
-    Read once its beat shows a close not read yet, and at each read of its
-    beat while it has none (gone at its exit).
-    """
+    """What `process` wrote when it closed the iterator, or None: read once its beat shows a close
+    not read yet, and at each read of its beat while it has none (gone at its exit)."""
     beat, _, read_at = self._beat(process)
     # `key_value.beat_text`: ``{n}/{closes}`` first.
     mark = read_at if beat is None else int(beat.split()[0].partition("/")[2] or 0)

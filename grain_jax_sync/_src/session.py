@@ -204,10 +204,8 @@ class Stream:
     return self._prefetched(self._builder(runs), start.options.prefetch_batches, BUILD_THREAD)
 
   def _prefetched(self, producer: Iterator[Any], buffer_size: int, name: str) -> Iterator[Any]:
-    """`producer` in a stage thread that takes a slot before it produces an item.
-
-    So the agreement decides only once the build took the last position.
-    """
+    """`producer` in a stage thread that takes a slot before it produces an item (so the
+    agreement decides only once the build took the last position)."""
     stage = prefetch_lib.Prefetcher(
       producer,
       buffer_size=buffer_size,

@@ -211,10 +211,8 @@ class _Queue:
 
 
 class _Host(interpreter.World):
-  """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
-
-  The core's world in virtual time (`interpreter.World`): `interpreter.drive`'s waits park here.
-  """
+  """One host: its core, the real exchange over the shared store, its stages spawned as tasks; the
+  core's world in virtual time (`interpreter.World`), where `interpreter.drive`'s waits park."""
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock

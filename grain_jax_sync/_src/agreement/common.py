@@ -31,10 +31,7 @@ def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = N
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Identity:
-  """What a process says about itself in its first report.
-
-  `groups`: `BatchPlacement.groups` where processes share rows (their digests are compared).
-  """
+  """What a process says about itself in its first report (`groups`: where processes share rows)."""
 
   process: int
   devices: int
@@ -88,10 +85,8 @@ class Agreement:
   def _agreed_end(
     self, end: messages.Outcome, error: messages.ReportedError | None, own: core.End | None
   ) -> bool:
-    """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
-
-    `own`: this host's end, if read (its own error is raised with its traceback).
-    """
+    """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed
+    error (this host's own, `own`, with its traceback)."""
     if end != messages.Outcome.RAISE:
       return end == messages.Outcome.STOP
     assert error is not None

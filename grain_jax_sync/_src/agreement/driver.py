@@ -67,11 +67,8 @@ class Driver(interpreter.World):
     return self.core.close.asked
 
   def __iter__(self) -> Iterator[common.Run]:
-    """The core's runs (`interpreter.runs`); an ending asked for, posted on the way out.
-
-    The agreement thread takes the inbox before each step too, and holds `turn` but while a run
-    is handed on.
-    """
+    """The core's runs (`interpreter.runs`), the inbox taken before each step; an ending asked for,
+    posted on the way out. The agreement thread holds `turn` but while a run is handed on."""
     turn = self.turn if self.threaded else None
     try:
       yield from interpreter.runs(
@@ -139,11 +136,8 @@ class Driver(interpreter.World):
     self.heard(close=isinstance(ask, core.Closing))
 
   def heard(self, close: bool = False) -> None:
-    """Something was put in the inbox: the thread that runs the core takes it now; no lock.
-
-    A stop is handed to the beat's thread (`post_stop`): the asker, a signal
-    handler say, takes no lock and calls no store.
-    """
+    """Something was put in the inbox: the core's thread takes it now; a stop, the beat's thread
+    (`post_stop`), so that the asker (a signal handler, say) takes no lock and calls no store."""
     if self.threaded:
       self._reader.nudge()
       self._built.wake()  # A wait for the build thread's room, too.
@@ -157,8 +151,7 @@ class Driver(interpreter.World):
   def post_stop(self, *, in_call: bool = False) -> None:
     """Posts a stop asked for here now, unless the core's thread holds `turn` (it posts it then).
 
-    Run by the beat's thread (`heard`), or by the consumer's call as it ends
-    (`in_call`). Never waits for the turn, so it never holds up a beat.
+    By the beat's thread, or by the consumer's call as it ends (`in_call`); never waits for the turn.
     """
     while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
       False

@@ -112,10 +112,8 @@ def take(world: Any, want: int, wait_s: float, ask: int) -> core.Steps:
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
-  """Posts an ending: `calls` in order, a failure logged; a last `EndExchange` made whatever happens.
-
-  Never raises (it also runs in `close()` and at exit), never waits.
-  """
+  """Posts an ending: `calls` in order, a failure logged, a last `EndExchange` made whatever happens;
+  never raises (it also runs in `close()` and at exit), never waits."""
   last = len(calls) - 1 if calls and type(calls[-1]) is core.EndExchange else len(calls)
   try:
     for call in calls[:last]:

@@ -88,9 +88,7 @@ class Ledger:
 
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
     """`messages.Chunk.from_json` (raises its ProtocolError), then `add`: its process and times.
-
-    A chunk of rows only (nearly every one) is recorded without building its report.
-    """
+    A chunk of rows only (nearly every one) is recorded without building its report."""
     obj = messages.load(text, "report")
     r = obj.get("R")
     if type(r) is dict and r.keys() == _ROWS_ONLY and r["x"] is False:

@@ -276,10 +276,8 @@ def close_note(stream: str | None, process: int, at_batch: int) -> str:
 
 
 def register_close(base: str, note: str) -> None:
-  """Records that this process closed the iterator of key prefix `base`; best effort.
-
-  The last to close it deletes ``{base}``, with the keys of streams some never ended.
-  """
+  """Records that this process closed the iterator of key prefix `base`; best effort. The last
+  to close it deletes ``{base}``, with the keys of streams some never ended."""
 
   def close(client: Any, jax: Any) -> None:
     client.key_value_set(closed_key(base, jax.process_index()), note)

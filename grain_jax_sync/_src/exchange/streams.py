@@ -17,12 +17,8 @@ KEY_ROOT = "grain_jax_sync"  # Every key of the library lives under it.
 
 
 class _Registry:
-  """The library's one process-wide registry; every field guarded by `lock`.
-
-  A process's iterators must know each other's streams: the crosswise watch
-  asks whether one a peer waits on was created and started here
-  (`agreement.driver.Driver.crosswise`).
-  """
+  """The library's one process-wide registry, every field guarded by `lock`: a process's
+  iterators know each other's streams (`agreement.driver.Driver.crosswise`)."""
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
@@ -39,11 +35,8 @@ REGISTRY = _Registry()
 
 
 def new_namespace(name: str | None = None) -> str:
-  """A key prefix for one iterator; the same on every process under SPMD.
-
-  A per-process counter names them where every process creates its iterators
-  in the same order; else `name` (the same number of that name everywhere).
-  """
+  """A key prefix for one iterator; the same on every process where every process creates its
+  iterators in the same order, else by `name` (the same number of that name everywhere)."""
   with REGISTRY.lock:
     if name is None:
       namespace = f"{KEY_ROOT}/{next(REGISTRY.instances)}"
