@@ -294,10 +294,9 @@ class Stream:
   def halt(self, ended: bool = False) -> None:
     """Stops every stage, from the user's end back to the source; `ended`: the stream's last. Once.
 
-    Ended, the ending was asked of the agreement (`Streams.end`), whose
-    thread posts it as it returns; every wait is woken first, and a read in
-    progress is not waited for (`reading`). Inline, under the agreement's
-    turn, and the ending is posted here.
+    Ended, the agreement's thread posts the ending asked (`Streams.end`) as it
+    returns; every wait is woken first, a read in progress is not waited for
+    (`reading`). Inline, under the agreement's turn, and posted here.
     """
     if ended:
       if self._ended:
@@ -337,10 +336,8 @@ class Streams:
   """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
 
   Every ending goes through `end`: the stream's own (from `next`), a restart
-  (`reset`, `restore`; a refused state too) and the close (``last``, through
-  `lifetime.Lifetime`). Other threads read ``mark``, ``stream`` and
-  ``finished``, each one value replaced whole (module docstring).
-
+  (`reset`, `restore`; a refused state too) and the close (``last``). Other
+  threads read ``mark``, ``stream`` and ``finished``, each replaced whole.
   `origin`: what the user passed (reopened by `reset`); `namespace`: the
   iterator's key prefix (None: nothing is exchanged).
   """
@@ -447,9 +444,8 @@ class Streams:
 
     The ending, with this host's exact count, is asked before any wait is
     woken. With no stream running and `unstarted`, it goes to the stream this
-    host would start next, if none started since the last (re)start (peers
-    may wait in it). `last`: the close, which marks this host closed and
-    closes the source (once a read stuck in it returns).
+    host would start next if none started since the last (re)start (peers
+    wait in it). `last`: the close: this host marked closed, the source closed.
     """
     stream, at = self.stream, self.mark.position
     if stream is not None:

@@ -1,12 +1,9 @@
 """What each process of `grain_jax_sync.testing.run_processes` runs.
 
 ``python -m grain_jax_sync._src.sim_worker JOB`` joins its peers (gloo CPU
-collectives), runs the scenario and writes what it returned or raised.
-
-``python -m grain_jax_sync._src.sim_worker --serve FD`` is the fork server
-(`sim_processes` starts it): it imports JAX and this package once, then forks
-one child per job sent on the socket `FD`, which takes the job's environment,
-working directory and output pipes and runs `run_job` without the imports.
+collectives), runs the scenario and writes what it returned or raised. With
+``--serve FD``, the fork server: it imports JAX and this package once, then
+forks a child per job sent on the socket `FD`, which runs `run_job`.
 """
 
 from __future__ import annotations

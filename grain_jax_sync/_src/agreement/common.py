@@ -180,11 +180,8 @@ class OwnReads:
     return max(2, self._ahead() - (self.held() or 0)) + self.short() - len(self.pending)
 
   def room(self) -> bool:
-    """Whether to take another read: at most `_ahead()` positions, the unbuilt decided ones too.
-
-    Once full, this host reads again when half the read-ahead is free: reads,
-    posts and decisions come in runs, not one per batch.
-    """
+    """Whether to take another read: at most `_ahead()` positions, the unbuilt decided ones too;
+    once full, again when half is free (reads, posts and decisions come in runs, not one a batch)."""
     if self.end is not None or self.stopped:
       return False
     free = self._free()
@@ -194,11 +191,8 @@ class OwnReads:
     return not self._refill
 
   def allowance(self) -> int:
-    """Positions this host lets be decided now: the horizon less what its build thread holds.
-
-    At least 1 when it holds none (it waits), so a stop lands behind at most
-    the built batches and `decide_ahead_s` of decided ones.
-    """
+    """Positions this host lets be decided now: the horizon less what its build thread holds, at
+    least 1 when it holds none (so a stop lands behind the built batches and one horizon)."""
     held = self.held() or 0
     return max(self.limit - held, 1 if held == 0 else 0)
 

@@ -197,10 +197,9 @@ class Deliver(Action):
 class Closing(NamedTuple):
   """This host's ending, asked (`streamed.Streamed.asked`): closed at `at_batch`, or `error`.
 
-  A close asks twice: `CLOSING` at once (the ending is on its way: decide no
-  more), then, once the consumer's call returned, the ending with its exact
-  count. `left`: this host leaves before the agreed end, so peers waiting
-  there are told too.
+  A close asks twice: `CLOSING` at once (decide no more), then, once the
+  consumer's call returned, the ending with its exact count. `left`: this
+  host leaves before the agreed end (peers waiting there are told too).
   """
 
   at_batch: int | None
@@ -252,9 +251,8 @@ ENDED = Ended()
 class Side:
   """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
 
-  `clock`: where the core reads the driver's last `Now`. `close`: once asked,
-  `Ended` comes at once, but after the core is told the result of a store call
-  carried out first, so that its ending is posted after what that call posted.
+  `clock`: where the core reads the driver's last `Now`. `close`: once asked, `Ended` comes at
+  once, after the core is told the result of a store call carried out first (posted before it).
   """
 
   def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):

@@ -158,14 +158,9 @@ def crosswise(mine: tuple[int, str], theirs: tuple[int, str], at_batch: int) -> 
   """Two processes, each waiting at the start of a stream the other never started: (process, stream) each."""
   (a, sa), (b, sb) = sorted([mine, theirs])
   message = (
-    f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
-    f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
+    f"process {a} waits for the first batch of iterator {sa.rsplit('/', 1)[0]!r} and"
+    f" process {b} for that of iterator {sb.rsplit('/', 1)[0]!r}, and neither has"
     f" started the other's: {order_cause()}"
   )
   peer = theirs[0]
   return ReportedError(ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,))
-
-
-def _iterator(namespace: str) -> str:
-  """An iterator's key prefix, without its stream's generation."""
-  return namespace.rsplit("/", 1)[0]

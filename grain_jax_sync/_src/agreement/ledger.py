@@ -18,13 +18,8 @@ _ROWS_ONLY = frozenset(("p", "r", "x", "d"))
 
 
 class Ledger:
-  """Per-process knowledge of rows per position, stream ends, structure.
-
-  Args:
-    process_count: How many processes report.
-    digests: Keep each position's row digest (processes share rows).
-    sizes: Keep each position's sizes of the varying dims (`pad_shapes`).
-  """
+  """Per-process knowledge of rows per position, stream ends, structure; with `digests` and `sizes`,
+  each position's row digest (processes share rows) and sizes of the varying dims (`pad_shapes`)."""
 
   def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
     self._process_count = process_count

@@ -15,10 +15,9 @@ from grain_jax_sync._src.messages import ErrorKind, Outcome
 class Lockstep(common.Agreement):
   """The lockstep core: reads a window, exchanges the reports, decides; no I/O of its own.
 
-  A core as the streamed ones are (`core`), driven by `driver.Stepper` in the
-  calling thread. On `Outcome.WAIT` the undecided reads are kept and every
-  process reads one more batch (or its end) first. A stop asked before the
-  window rides in its report: every process stops before it.
+  A core as the streamed ones are, driven by `driver.Stepper`. On `Outcome.WAIT`
+  every process reads one more batch (or its end), the undecided reads kept.
+  A stop asked before the window rides in its report: every process stops before it.
   """
 
   def __init__(

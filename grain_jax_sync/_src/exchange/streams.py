@@ -1,10 +1,9 @@
 """This process's streams: their names, and where each stands. No store call.
 
 An iterator's key prefix (`new_namespace`) is the same on every process;
-each (re)start of it is a stream, ``{prefix}/{generation}``. `REGISTRY`
-records the iterators created here, the streams started here, waiting for
-their first decision (the beat carries those), or ended before they started
-(`pre_end`), and how many closes the beat announces.
+each (re)start of it is a stream, ``{prefix}/{generation}``. `REGISTRY` records
+the iterators created here, the streams started here, waiting for their first
+decision (the beat carries those) or ended before they started, and the closes.
 """
 
 from __future__ import annotations
