@@ -521,25 +521,10 @@ def _load(
 
 
 def _elastic(spec: HFSource) -> Any:
-  """`spec`'s whole data set as an `elastic_source`: map, filter and batches per process."""
-  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
-
+  """`spec`'s whole data set as an `elastic_source`."""
   if not _is_map_style(spec.dataset):
     raise ValueError(
       "`elastic=True` needs a map-style datasets.Dataset (streaming=False): a streaming"
       " data set resumes on the same process count only"
     )
-  return elastic.elastic_source(
-    _Rows(_arrow(spec.dataset)),
-    functools.partial(_per_process, spec=spec),
-    shuffle=spec.shuffle,
-    seed=spec.seed,
-    num_epochs=spec.num_epochs,
-  )
-
-
-def _per_process(ds: Any, *, spec: HFSource) -> Any:
-  """An elastic process's `grain.IterDataset` of rows -> its batches."""
-  ds = ds if spec.map_fn is None else ds.map(spec.map_fn)
-  ds = ds if spec.filter_fn is None else ds.filter(spec.filter_fn)
-  return ds.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=_batch_fn(spec))
+  return tfds_lib.elastic_batches(_Rows(_arrow(spec.dataset)), spec, _batch_fn(spec))

@@ -29,16 +29,18 @@ _SLOW_SNAPSHOT_S = 0.01
 _SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
 
-def _walk(spec: Any, prefix: str, out: list[tuple[str, tuple[Any, ...], Any]], path: tuple):
-  """Lists (name, path, leaf spec) of a nested element spec."""
+def _walk(spec: Any, prefix: str, out: list[tuple[str, Any, Any]], path: tuple | None):
+  """Lists (name, path of dict keys or None under a tuple position, leaf spec) of an element spec."""
   if isinstance(spec, Mapping):
     for k in sorted(spec, key=str):
-      _walk(spec[k], f"{prefix}/{k}" if prefix else str(k), out, (*path, k))
+      _walk(
+        spec[k], f"{prefix}/{k}" if prefix else str(k), out, None if path is None else (*path, k)
+      )
   elif isinstance(spec, (tuple, list)):
     fields = getattr(type(spec), "_fields", None)
     for i, sub in enumerate(spec):
       key = fields[i] if fields else i
-      _walk(sub, f"{prefix}/{key}" if prefix else str(key), out, (*path, i))
+      _walk(sub, f"{prefix}/{key}" if prefix else str(key), out, None)
   else:
     out.append((prefix or "<batch>", path, spec))
 
@@ -60,20 +62,11 @@ def _problem(spec: Any) -> str | None:
   return None
 
 
-def unsupported_columns(element_spec: Any) -> list[tuple[str, tuple[Any, ...], str]]:
-  """Returns (column name, path, what it is) for every non-dense leaf."""
-  leaves: list[tuple[str, tuple[Any, ...], Any]] = []
+def unsupported_columns(element_spec: Any) -> list[tuple[str, Any, str]]:
+  """(column name, path as `_walk` gives it, what it is) for every non-dense leaf."""
+  leaves: list[tuple[str, Any, Any]] = []
   _walk(element_spec, "", leaves, ())
   return [(name, path, why) for name, path, spec in leaves if (why := _problem(spec)) is not None]
-
-
-def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:
-  spec = element_spec
-  for key in path:
-    if not isinstance(spec, Mapping):
-      return False
-    spec = spec[key]
-  return True
 
 
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
@@ -96,7 +89,7 @@ def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
       " `.map(...)`, or pass the dataset through"
       " `grain_jax_sync.from_tf_data(ds, drop_unsupported=True)` to drop them"
     )
-  stuck = [n for n, p, _ in bad if not _droppable(spec, p)]
+  stuck = [n for n, p, _ in bad if p is None]
   if stuck:
     raise ValueError(
       f"`drop_unsupported=True` can drop dict entries only, but columns {stuck}"
