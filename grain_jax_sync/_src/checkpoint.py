@@ -1,12 +1,9 @@
 """Orbax checkpointing of a `JaxBatchIterator` through Grain's handler.
 
-Grain's `grain.checkpoint.CheckpointHandler` writes one JSON file per process
-(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` or a
-`grain.DataLoaderIterator`. A `JaxBatchIterator` is neither, so it is wrapped
-in an adapter with the `DataLoaderIterator` protocol, which exports the state
-inside `sources.base.exporting_to_files()`: a tf.data state over the JSON
-size limit is written whole. Grain and Orbax are imported only when these
-helpers are called.
+Grain's handler writes one JSON file per process (``process_{i}-of-{n}.json``)
+for a Grain iterator; a `JaxBatchIterator` goes through an adapter with the
+`DataLoaderIterator` protocol, which exports inside `exporting_to_files()` (a
+tf.data state over the JSON size limit is written whole).
 """
 
 from __future__ import annotations

@@ -357,19 +357,11 @@ class DataShardInfo(NamedTuple):
 class BatchPlacement:
   """Where every batch goes: the sharding and this process's data shards.
 
-  A *data shard* is a block of rows on the devices (one per index of the data
-  axes). This process's local rows, split into ``len(local_blocks)`` equal
-  parts, go in order to its `local_blocks`, which need not be adjacent in the
-  global batch. Processes in one `groups` entry must feed identical rows.
-
-  Attributes:
-    sharding: The sharding of every leaf (a spec is cut to a leaf's rank).
-    shard_index: This process's input shard (its entry in `groups`).
-    shard_count: Input shards: distinct sets of rows that processes feed.
-    num_blocks: Data shards of the global batch.
-    local_blocks: The data shards this process holds, ascending.
-    groups: Per input shard, the processes that feed it.
-    chosen_by: How the sharding was chosen (for logs and `doctor`).
+  A *data shard* is a block of rows (one per index of the data axes). This
+  process's local rows, split into equal parts, go in order to its
+  `local_blocks` (ascending, not necessarily adjacent). `groups`: per input
+  shard (`shard_index`), the processes that feed it identical rows.
+  `chosen_by`: how the sharding was chosen (for logs and `doctor`).
   """
 
   sharding: jax.sharding.Sharding
@@ -405,12 +397,10 @@ class BatchPlacement:
     return f"the {self.local_shards} data shards that this process's {devices} local devices hold"
 
   def fingerprint(self) -> dict[str, str]:
-    """What every process's sharding must share, for the first report.
+    """What every process's sharding must share: mesh, spec and a digest of the device order.
 
-    The mesh's axes and shape, the spec, and a digest of the global device
-    order (two meshes of the same shape over the same devices in another
-    order place rows differently, and `make_array_from_process_local_data`
-    checks neither: the job hangs in the transfer or computes on mixed rows).
+    Another order places rows differently, and `make_array_from_process_local_data`
+    does not check: the job hangs in the transfer or computes on mixed rows.
     """
     s = self.sharding
     if isinstance(s, jax.sharding.NamedSharding):
@@ -509,13 +499,8 @@ def resolve_placement(
 ) -> BatchPlacement:
   """Picks the sharding of every batch and this process's share of its rows.
 
-  In order: a full `sharding`; else `mesh` (or the mesh set by `jax.set_mesh`,
-  or `default_mesh()`) with rows over `data_axes` (see `data_axes_of`),
-  replicated over the rest, or with a `sharding` PartitionSpec applied to it.
-
-  Raises:
-    ValueError: For conflicting or bad arguments, a mesh that misses devices
-      of the job, or a sharding whose rows processes hold unevenly.
+  A full `sharding`; else `mesh` (else the `jax.set_mesh` one, else
+  `default_mesh()`) with rows over `data_axes`, or with a `sharding` PartitionSpec.
   """
   if isinstance(sharding, jax.sharding.Sharding):
     if mesh is not None or data_axes is not None:
@@ -590,19 +575,14 @@ _ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.Partiti
 
 @dataclasses.dataclass(frozen=True)
 class DevicePutPlacement:
-  """Where `device_put` puts elements: its `device` argument, resolved once.
-
-  Resolved in the caller's thread (`resolve_device_put`), so that the mesh set
-  by `jax.set_mesh` around `device_put` is the one used.
+  """`device_put`'s `device` argument, resolved once (`resolve_device_put`).
 
   Attributes:
-    batches: Where global batches go (under a `per_leaf` `device`, the
-      context or default mesh's placement).
-    per_leaf: True if `device` places each element as it is, as
-      `jax.device_put` does (None, or a pytree of different placements; one
-      process only).
+    batches: Where global batches go (under `per_leaf`, the context or default mesh's placement).
+    per_leaf: True if `device` places each element as `jax.device_put` does
+      (None, or a pytree of different placements; one process only).
     element: What `jax.device_put` gets for an element placed as it is (an
-      unbatched element, or any element under a per-leaf `device`).
+      unbatched element, or any element under `per_leaf`).
   """
 
   batches: BatchPlacement

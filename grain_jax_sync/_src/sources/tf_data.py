@@ -1,11 +1,8 @@
 """tf.data sources. Imported only when a TensorFlow object is passed.
 
-Elements are read as NumPy through `EagerTensor._numpy()`, which shares the
-tensor's host buffer (`as_numpy_iterator` copies). Columns that cannot become
-`jax.Array`s (ragged, sparse, string) are found in `element_spec` before
-anything is read, and raise a `ValueError` naming each or, with
-``drop_unsupported=True``, are dropped inside the pipeline. Exact resume goes
-through TensorFlow's own iterator checkpointing (`tf_data_state`).
+Columns that cannot become `jax.Array`s (ragged, sparse, string) are found in
+`element_spec` before anything is read. Exact resume goes through TensorFlow's
+own iterator checkpointing (`tf_data_state`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ _SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
 
 def _walk(spec: Any, prefix: str, out: list[tuple[str, Any, Any]], path: tuple | None):
-  """Lists (name, path of dict keys or None under a tuple position, leaf spec) of an element spec."""
+  """Lists (name, path of dict keys (None under a tuple position), leaf spec) of a spec."""
   if isinstance(spec, Mapping):
     for k in sorted(spec, key=str):
       _walk(
