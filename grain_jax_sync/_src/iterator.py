@@ -1,10 +1,8 @@
 """`JaxBatchIterator`: options, state, stats; holds the lifetime (`api` builds it).
 
-Each (re)start is one stream (`session.Stream`); `session.Streams` starts them
-and ends each in one place; `lifetime.Lifetime` holds the state machine, the
-turn and the one close path. Each produced batch carries the source state
-after it, so the state the user sees is the state after the last batch they
-received.
+Each (re)start is one stream (`session.Stream`), started and ended by
+`session.Streams`; `lifetime.Lifetime` holds the state machine, the turn and
+the one close path.
 """
 
 from __future__ import annotations

@@ -261,13 +261,10 @@ def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
 def check_state(
   state: Any, *, options: Options, process_index: int, process_count: int
 ) -> tuple[int, Any]:
-  """Checks `state` (from `set_state`) against this process and `options`, touching nothing.
+  """Checks `state` against this process and `options`, touching nothing.
 
-  Returns:
-    (output batches before the resume point, the source's state).
-
-  Raises:
-    ValueError: Naming the field that is missing, ill-typed or different.
+  Returns (output batches before the resume point, the source's state); a
+  ValueError names the field that is missing, ill-typed or different.
   """
   if not isinstance(state, Mapping):
     raise ValueError(
@@ -315,7 +312,7 @@ def check_state(
 
 
 def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> int:
-  """`value` as an int, or a ValueError naming `arg` if it is no int >= `minimum` (`also`: or what)."""
+  """`value` as an int, or a ValueError naming `arg` if it is no int >= `minimum` (or `also`)."""
   if not shapes_lib.is_int(value) or value < minimum:
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
@@ -323,7 +320,7 @@ def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> in
 
 
 def finite_number(value: Any) -> float | None:
-  """`value` as a float if it is a finite real number (NumPy's, 0-d arrays), else None (a bool too)."""
+  """`value` as a float if it is a finite real number (NumPy's, 0-d arrays), else None (bools)."""
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):

@@ -53,11 +53,8 @@ def run_as_main(path: str, argv: Sequence[str]) -> str:
 def resolve_function(target: str) -> Callable[..., Any]:
   """The module-level function that ``module:function`` or ``path/to/file.py:function`` names.
 
-  A file is imported under a ``__gjs`` module name, so that
-  `grain_jax_sync.testing.run_processes` imports it by path in every process.
-
-  Raises:
-    ValueError: If `target` is malformed or names nothing callable.
+  A file is imported under a ``__gjs`` module name, so that `run_processes`
+  imports it by path in every process.
   """
   module, sep, name = target.rpartition(":")
   if not sep or not module or not name:

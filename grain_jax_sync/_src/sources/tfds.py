@@ -345,10 +345,6 @@ def _batched(ds: Any, r: _Request, **map_kwargs: Any) -> Any:
 
 
 def _buffer_size(ds: Any, requested: int) -> int:
-  """The shuffle buffer, capped at the shard's size when TFDS knows it.
-
-  A buffer as large as the data already holds all of it, and TensorFlow saves
-  every slot of the buffer in each snapshot, used or not.
-  """
+  """The shuffle buffer, capped at the shard's size (TensorFlow saves every slot in a snapshot)."""
   n = int(ds.cardinality())  # TFDS asserts it; -1 infinite, -2 unknown.
   return min(int(requested), n) if n > 0 else int(requested)
