@@ -32,12 +32,11 @@ class _GrainStateAdapter:
       state = self._it.get_state()
     return json.dumps(state, indent=2, sort_keys=True).encode("utf-8")
 
-  def set_state(self, state: bytes) -> None:
-    self._it.set_state(json.loads(state.decode("utf-8")))
-
-  def set_states(self, states: list[bytes]) -> None:
-    """Restores from every old process's file, in process order (another process count)."""
-    self._it.set_state([json.loads(s.decode("utf-8")) for s in states])
+  def set_state(self, state: bytes | list[bytes]) -> None:
+    """From this process's file, or every old process's in process order (another count)."""
+    self._it.set_state(
+      [json.loads(s) for s in state] if isinstance(state, list) else json.loads(state)
+    )
 
   def start_prefetch(self) -> None:
     pass
@@ -88,7 +87,7 @@ def _elastic_args() -> tuple[type, type]:
       own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       if own.exists() or not isinstance(item, _GrainStateAdapter):
         return super().restore(directory, item=item, args=args)
-      item.set_states([f.read_text().encode("utf-8") for f in old_job_files(directory)])
+      item.set_state([f.read_bytes() for f in old_job_files(directory)])
       return item
 
   save: Any

@@ -194,15 +194,12 @@ class TfDataSource(base.SourceIterator):
 
   def export_state(self, state: Any) -> Any:
     limit = None if base.to_files() else tf_state.JSON_STATE_LIMIT_BYTES
-    if isinstance(state, dict):  # Already exported (restored by set_state).
-      tf_state.check_size(tf_state.exported_size(state), limit)
-      return state
-    last = self._exported  # The same snapshot asked twice is encoded once.
-    if last is not None and last[0] is state:
-      return self.export_state(dict(last[1]))
-    exported = tf_state.export(self._at_end(state), limit=None)
-    self._exported = (state, exported)
-    return self.export_state(dict(exported))
+    if not isinstance(state, dict):  # A dict: already exported (restored by set_state).
+      if self._exported is None or self._exported[0] is not state:  # Else encoded already.
+        self._exported = (state, tf_state.export(self._at_end(state), limit=None))
+      state = dict(self._exported[1])
+    tf_state.check_size(tf_state.exported_size(state), limit)
+    return state
 
   def _at_end(self, snapshot: Any) -> Any:
     """The snapshot, or one taken now if the dataset ended right after it.
