@@ -102,10 +102,9 @@ class _Resumable:
         process_count=jax.process_count(),
         settings=self._options.digest(),
       )
-      batches, source_state = options_lib.check_state(
+      return options_lib.check_state(
         mine, options=self._options, process_index=p, process_count=jax.process_count()
       )
-      return source_state, batches, options_lib.pinned_batch_size(mine)
 
     streams.restore("set_state()", resolve)
 

@@ -253,18 +253,14 @@ def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
   return checked_int(f"state[{key!r}]", state[key], minimum=minimum)
 
 
-def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
-  """The derived full batch size saved with `state` (optional key), or None."""
-  return _int_field(state, "batch_size", minimum=1) if "batch_size" in state else None
-
-
 def check_state(
   state: Any, *, options: Options, process_index: int, process_count: int
-) -> tuple[int, Any]:
+) -> tuple[Any, int, int | None]:
   """Checks `state` against this process and `options`, touching nothing.
 
-  Returns (output batches before the resume point, the source's state); a
-  ValueError names the field that is missing, ill-typed or different.
+  Returns (the source's state, output batches before the resume point, the
+  derived batch size saved with it or None); a ValueError names the field
+  that is missing, ill-typed or different.
   """
   if not isinstance(state, Mapping):
     raise ValueError(
@@ -308,7 +304,8 @@ def check_state(
         f"`state` was saved by an iterator with other settings ({'; '.join(diffs.values())},"
         " saved vs now); build the iterator with the settings it was saved with"
       )
-  return batches, state["source"]
+  pinned = _int_field(state, "batch_size", minimum=1) if "batch_size" in state else None
+  return state["source"], batches, pinned
 
 
 def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> int:
