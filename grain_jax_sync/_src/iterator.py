@@ -164,17 +164,12 @@ class _Resumable:
 
 
 class JaxBatchIterator(_Resumable, Iterator[Any]):
-  """Iterates global `jax.Array` batches that every host agrees on.
+  """Iterates global `jax.Array` batches that every host agrees on; a context manager.
 
-  Build it with `iter_jax_batches` (or get one from `device_put`'s and
-  `jax_sync_generator`'s pipelines): that function is the public constructor,
-  with keyword options checked there (`options.Options` documents them). The
-  class is exported for type annotations and ``isinstance`` checks; its
-  ``__init__`` takes an internal options value and may change between
-  releases.
-
-  Supports `get_state`/`set_state` for exact resume, `close()` and use as a
-  context manager.
+  Build it with `iter_jax_batches`, its public constructor (or get one from
+  `device_put`'s and `jax_sync_generator`'s pipelines). The class is exported
+  for type annotations and ``isinstance`` checks; its ``__init__`` takes an
+  internal options value and may change between releases.
   """
 
   def __init__(
