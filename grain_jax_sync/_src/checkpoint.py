@@ -46,11 +46,7 @@ _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
 def old_job_files(directory: Any) -> list[Any]:
-  """Every old process's file in `directory`, in process order (one job's).
-
-  Raises:
-    ValueError: If there is none, or the files are not one complete job's.
-  """
+  """Every old process's file in `directory`, in process order; ValueError unless one job's."""
   found: dict[int, dict[int, Any]] = {}
   for path in directory.iterdir():
     m = _FILE.fullmatch(path.name)

@@ -32,8 +32,7 @@ class _Tee(io.TextIOBase):
 def run_as_main(path: str, argv: Sequence[str]) -> str:
   """Runs the file `path` (absolute) as ``__main__`` with `argv`; returns what it printed.
 
-  Raises:
-    RuntimeError: If the script exits with a non-zero status.
+  A non-zero exit status raises RuntimeError.
   """
   tee = _Tee(sys.stdout)
   old_argv = sys.argv

@@ -23,11 +23,7 @@ def encode(after_batch: int, signum: int) -> str:
 
 
 def parse(text: str) -> tuple[int, int]:
-  """`ENV`'s value as (after_batch, signum); (-1, 0) when unset.
-
-  Raises:
-    ValueError: If `text` is not ``"BATCH:SIGNAL"`` with BATCH >= 1.
-  """
+  """`ENV`'s value (``"BATCH:SIGNAL"``, BATCH >= 1) as (after_batch, signum); (-1, 0) when unset."""
   if not text:
     return -1, 0
   batch, sep, signum = text.partition(":")

@@ -69,9 +69,7 @@ def unsupported_columns(element_spec: Any) -> list[tuple[str, Any, str]]:
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
   """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
-  Raises:
-    ValueError: Naming every bad column (when `drop` is False), or naming
-      bad columns that are tuple positions rather than dict entries.
+  A ValueError names every bad column (`drop` False), or those in tuple positions.
   """
   spec = dataset.element_spec
   bad = unsupported_columns(spec)
@@ -202,11 +200,10 @@ class TfDataSource(base.SourceIterator):
     return state
 
   def _at_end(self, snapshot: Any) -> Any:
-    """The snapshot, or one taken now if the dataset ended right after it.
+    """The snapshot, or one taken now (caller's thread) if the dataset ended right after it.
 
     A host whose dataset ran out between two `state_every` steps goes on with
-    dummy batches carrying a state with no snapshot; after the end nothing
-    reads the iterator, so its state is taken here, in the caller's thread.
+    dummy batches whose state has no snapshot; nothing reads the iterator now.
     """
     if not (snapshot.between and self._ended and snapshot.reads == self._reads):
       return snapshot

@@ -82,8 +82,7 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
 def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
   """The JSON form of `snapshot`, with at most `limit` bytes of state (None: files).
 
-  Raises:
-    RuntimeError: If the snapshot holds an error, or its state is over `limit`.
+  RuntimeError if the snapshot holds an error, or its state is over `limit`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
