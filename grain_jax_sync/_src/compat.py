@@ -1,7 +1,8 @@
 """`jax_sync_generator`: a drop-in for Ray Data's ``ray.data.util.jax_util.jax_sync_generator``.
 
-Of the version with `batch_size`, `paddings` and `dtypes`; docs/sources.md
-lists every difference and its reason.
+Of the version with `batch_size`, `paddings` and `dtypes`. Where the reference
+works, this one yields the same batches and raises errors that start with the
+same phrases; docs/sources.md lists every difference and its reason.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each (re)start is one stream (`session.Stream`), started and ended by
 `session.Streams`; `lifetime.Lifetime` holds the state machine, the turn and
-the one close path.
+the one close path. Each batch carries the source state after it: the state
+the user sees is the one after the last batch they received.
 """
 
 from __future__ import annotations
