@@ -1,13 +1,10 @@
 """The agreement decision: every host's reports -> one plan, and its errors.
 
 `decide` is a pure function of every host's `messages.Report` and the rules,
-so every host acts on the same `Plan`, each on its own row of it: yield its
-real batch (padded if needed), yield a dummy batch, drop the position, stop,
-or raise the same error. The errors (different settings, resume positions or
-structures, uneven or oversized batches, a short batch that is not its
-host's last, an indivisible batch size) are `messages.ReportedError`s of
-kind VALUE that every host raises as the same ValueError; they name the
-processes and batches involved and the option that fixes them. No JAX, no I/O.
+so every host acts on the same `Plan`, each on its own row of it. Its errors
+are `messages.ReportedError`s of kind VALUE that every host raises as the
+same ValueError, naming the processes, the batch and the option that fixes
+them. No JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -95,12 +92,6 @@ def _is_last(report: Report, i: int) -> bool:
   return i == len(report.rows) - 1 and not report.more
 
 
-def _unknown_if_last(report: Report, i: int) -> bool:
-  """Whether the report does not say if `report.rows[i]` is its host's last."""
-  ended = report.exhausted or report.error is not None
-  return _is_last(report, i) and not ended
-
-
 @dataclasses.dataclass(frozen=True)
 class _Wait:
   processes: tuple[int, ...]
@@ -143,7 +134,12 @@ class _Position:
       (r, x) for r, x, h in zip(self.reports, rows, self.has, strict=True) if h and x < batch_size
     ]
     early = [(r, x) for r, x in short if not _is_last(r, i)]
-    unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
+    # Short batches whose reports do not say whether they are their hosts' last.
+    unknown = tuple(
+      r.process_index
+      for r, _ in short
+      if _is_last(r, i) and not (r.exhausted or r.error is not None)
+    )
     matters = rules.drop_last or self.derived  # Else padded, last or not.
     refused = early and (self.derived or not rules.pad)
     # Wait where the outcome, or the process the error names (the first one
@@ -231,35 +227,20 @@ def decide(
 
   Returns:
     The plan; identical on every host given identical reports. With
-    `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
+    `Rules.shapes`, each yield carries its agreed sizes: per varying dim the
+    max over hosts, bucketed. A size above its column's last bucket, or rows
+    that differ within a group (`shared_rows_error`), end the plan before
+    that step with the same ValueError on every host.
   """
   plan = _decide_rows(reports, rules, position)
   if (rules.shapes is None and not groups) or not plan.steps:
     return plan
-  return agree_sizes(plan, reports, rules.shapes, position=position, groups=groups)
-
-
-def agree_sizes(
-  plan: Plan,
-  reports: Sequence[Report],
-  shapes: shapes_lib.Shapes | None,
-  *,
-  position: int,
-  groups: Sequence[Sequence[int]] = (),
-) -> Plan:
-  """`plan` with each yield's agreed sizes, and its rows compared within `groups`.
-
-  A size is the max over hosts per varying dim, bucketed. A size above its
-  column's last bucket, or rows that differ within a group
-  (`shared_rows_error`), end the plan before that step with the same
-  ValueError on every host.
-  """
   sig = signature_of(reports)
   layout = None
-  if shapes is not None and sig is not None:
+  if rules.shapes is not None and sig is not None:
     leaves = sig["leaves"]
     names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-    layout = shapes_lib.flat(shapes, names, dims)
+    layout = shapes_lib.flat(rules.shapes, names, dims)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
@@ -368,10 +349,19 @@ class _Walk:
     """The error if some process's devices do not divide `rows` (each count checked once)."""
     if rows in self.divisible:
       return None
-    error = divisibility_error(self.reports, rows, self.index)
-    if error is None:
-      self.divisible.add(rows)
-    return error
+    for r in self.reports:
+      if rows % r.local_devices:
+        return value_error(
+          f"The local batch size ({rows}) {NOT_DIVISIBLE}"
+          f" ({r.local_devices}) of process {r.process_index}: batch {self.index}"
+          f" has {rows} rows per host, not divisible by process"
+          f" {r.process_index}'s {r.local_devices} data shards (one per local"
+          " device, fewer where a model axis replicates rows). Pass `paddings`"
+          " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
+          " multiple of that count"
+        )
+    self.divisible.add(rows)
+    return None
 
 
 def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
@@ -489,22 +479,6 @@ def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: in
     " Set `drop_last=True` to stop at the shortest host, or pass `paddings`"
     " to fill the missing batches with masked dummy batches"
   )
-
-
-def divisibility_error(reports: Sequence[Report], target: int, index: int) -> ReportedError | None:
-  """The error for `target` rows per host that a process's data shards do not divide."""
-  for r in reports:
-    if target % r.local_devices:
-      return value_error(
-        f"The local batch size ({target}) {NOT_DIVISIBLE}"
-        f" ({r.local_devices}) of process {r.process_index}: batch {index}"
-        f" has {target} rows per host, not divisible by process"
-        f" {r.process_index}'s {r.local_devices} data shards (one per local"
-        " device, fewer where a model axis replicates rows). Pass `paddings`"
-        " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
-        " multiple of that count"
-      )
-  return None
 
 
 # -- identical rows where processes share a data shard ----------------------------
