@@ -248,9 +248,9 @@ def decide(
       message = None
       if layout is not None:
         per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
-        sizes = shapes_lib.agree(per_host, layout)
-        if isinstance(sizes, shapes_lib.Above):
-          message = shapes_lib.above_message(layout, sizes, per_host, index)
+        sizes = shapes_lib.agree(per_host, layout, index)
+        if isinstance(sizes, str):
+          message = sizes
         else:
           step = Step(step.action, step.rows, step.real_rows, sizes)
       if message is None and groups:

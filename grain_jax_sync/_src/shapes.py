@@ -228,19 +228,14 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
   return Flat(tuple(out_names), tuple(out_buckets))
 
 
-@dataclasses.dataclass(frozen=True)
-class Above:
-  """A size above its column's last bucket: varying dim `k` (in `Flat` order), its size."""
+def agree(
+  per_host: Sequence[tuple[int, ...] | None], layout: Flat, index: int
+) -> tuple[int, ...] | str:
+  """The agreed sizes at batch `index`: per varying dim the max over hosts, up to its next bucket.
 
-  k: int
-  size: int
-
-
-def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int, ...] | Above:
-  """The agreed sizes: per varying dim the max over hosts, up to its next bucket.
-
-  `per_host` holds each host's sizes at one position (None: no batch there).
-  `Above` where a size is above its last bucket (see `above_message`).
+  `per_host` holds each host's sizes there (None: no batch there). Where a
+  size is above its column's last bucket, the error instead, the same on
+  every host.
   """
   got = [s for s in per_host if s is not None]
   out = []
@@ -249,18 +244,12 @@ def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int
     if buckets:
       b = bisect.bisect_left(buckets, size)
       if b == len(buckets):
-        return Above(k, size)
+        hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
+        return (
+          f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
+          f" above the last of its `shape_buckets` {list(buckets)}; add a"
+          " larger bucket, or truncate the sequences in the source"
+        )
       size = buckets[b]
     out.append(size)
   return tuple(out)
-
-
-def above_message(layout: Flat, above: Above, per_host: Sequence[Any], index: int) -> str:
-  """The error, the same on every host, for a size above its column's last bucket."""
-  k, size = above.k, above.size
-  hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
-  return (
-    f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
-    f" above the last of its `shape_buckets` {list(layout.buckets[k])}; add a"
-    " larger bucket, or truncate the sequences in the source"
-  )

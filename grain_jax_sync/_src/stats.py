@@ -1,15 +1,12 @@
 """What the input pipeline did: counts and times, per stage, for `JaxBatchIterator.stats()`.
 
-Each stage counts its own figures and is the only thread that writes them:
-the reader its ``source_s`` (`reader.Reader.source_s`), the exchange its
-``exchange_s`` (its ``busy_s``), the builder its ``transfer_s`` and, per
-output batch, this host's real and padded rows and the drops before it,
-which travel with the batch (`build.Item`) to the consumer; the consumer
-adds them up, with its ``wait_s`` in ``__next__`` (`Delivered`).
-
-So the counts are those of the batches the user received, never of batches
-still prefetched, and no lock is taken on the hot path (the times are plain
-floats written by one thread and read by `stats()`).
+Each stage is the only thread that writes its figures: the reader its
+``source_s``, the exchange its ``exchange_s`` (``busy_s``), the builder its
+``transfer_s`` and, per output batch, this host's real and padded rows and
+the drops before it, which travel with the batch (`build.Item`) to the
+consumer, who adds them up with its ``wait_s`` (`Delivered`). So the counts
+are those of the batches received, never of batches still prefetched, and no
+lock is taken on the hot path.
 """
 
 from __future__ import annotations
@@ -41,17 +38,12 @@ class Times:
   transfer_s: float = 0.0
 
   def __add__(self, other: Times) -> Times:
-    return Times(
-      self.source_s + other.source_s,
-      self.exchange_s + other.exchange_s,
-      self.transfer_s + other.transfer_s,
-    )
+    pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+    return Times(*(a + b for a, b in pairs))
 
 
 class Delivered(NamedTuple):
-  """What the consumer received; a value, replaced whole with each batch (`session.Mark`).
-
-  A tuple: one is made per batch received, in the consumer's ``next()``.
+  """What the consumer received: a tuple, made anew per batch received (`session.Mark`).
 
   Attributes:
     batches: Global batches received.
@@ -92,8 +84,7 @@ class Delivered(NamedTuple):
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
-  out: dict[str, Any] = delivered._asdict()
-  out.update(source_s=times.source_s, exchange_s=times.exchange_s, transfer_s=times.transfer_s)
+  out: dict[str, Any] = {**delivered._asdict(), **dataclasses.asdict(times)}
   return {k: out[k] for k in FIELDS}
 
 
@@ -146,8 +137,6 @@ class Pace:
     n = len(times)
     if self._first is None or self._first <= since or now <= self._first:
       return n
-    # The later half of the positions counted: the intervals after the middle one, until now
-    # (never more than a steady consumer's rate), over the window.
     middle = n // 2
     if now <= times[middle]:  # A burst: no interval to measure.
       return n

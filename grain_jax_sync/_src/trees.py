@@ -36,19 +36,14 @@ NONE = "~"
 ROOT_NAME = "<batch>"
 
 
-def _is_namedtuple(x: Any) -> bool:
-  return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _is_scalar(x: Any) -> bool:
-  return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, (str, bytes))
-
-
 def _is_scalar_sequence(x: Any) -> bool:
   """A (nested) list of numbers: one leaf that NumPy converts unambiguously."""
   if not isinstance(x, list) or not x:
     return False
-  return all(_is_scalar(e) or _is_scalar_sequence(e) for e in x)
+  scalar = (numbers.Number, np.generic)
+  return all(
+    (isinstance(e, scalar) and not isinstance(e, (str, bytes))) or _is_scalar_sequence(e) for e in x
+  )
 
 
 def _child_name(prefix: str, key: Any) -> str:
@@ -77,8 +72,8 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
     except TypeError as e:
       raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
     return {"d": [[k, _walk(x[k], _child_name(prefix, k), leaves, names)] for k in keys]}
-  if _is_namedtuple(x):
-    t = type(x)
+  if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # A namedtuple.
+    t: Any = type(x)
     return {
       "t": [_walk(v, _child_name(prefix, f), leaves, names) for f, v in zip(t._fields, x)],
       "nt": f"{t.__module__}:{t.__qualname__}",
@@ -359,7 +354,13 @@ def _subtrees(s: Any) -> list[Any] | None:
     subs = s.get("l", s.get("t"))
     if type(subs) is not list:
       return None
-    if "nt" in form and not (type(s["nt"]) is str and _strs(s["f"], len(subs))):
+    names = s.get("f")
+    if "nt" in form and not (
+      type(s["nt"]) is str
+      and type(names) is list
+      and len(names) == len(subs)
+      and all(type(n) is str for n in names)
+    ):
       return None
     return subs
   if form == {"d"}:
@@ -380,7 +381,3 @@ def _pair_subtrees(pairs: Any, keys: tuple[type, ...]) -> list[Any] | None:
   ):
     return None
   return [sub for _, sub in pairs]
-
-
-def _strs(names: Any, count: int) -> bool:
-  return type(names) is list and len(names) == count and all(type(n) is str for n in names)

@@ -163,11 +163,8 @@ def _below(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
 
 
 def _contains(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
-  if not ranges:
-    return np.zeros(len(g), bool)
-  starts, stops = (np.asarray(x, np.int64) for x in zip(*ranges, strict=True))
-  i = np.searchsorted(starts, g, side="right") - 1
-  return (i >= 0) & (g < stops[np.maximum(i, 0)])
+  """Whether `ranges` (sorted) hold each `g`."""
+  return _below(ranges, g + 1) > _below(ranges, g)
 
 
 def _nth(ranges: Sequence[Range], tail: int, m: np.ndarray) -> np.ndarray:

@@ -317,10 +317,6 @@ class EpochShares:
       return Holes(local[0], tuple(j - offset for j in mine), tokens if any(tokens) else ())
     return local[0] if len(set(local)) == 1 else local
 
-  def epoch_span(self, thresholds: Sequence[int], holes: Sequence[int] = ()) -> tuple[int, int]:
-    """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
-    return self.cursor(min((*thresholds, *holes)))[0], self.cursor(max(thresholds))[0]
-
 
 def resume(
   olds: Sequence[EpochShares],
@@ -332,13 +328,17 @@ def resume(
 
   Stream index ``j`` of old process ``p`` is consumed when
   ``j < thresholds[p][j % len(thresholds[p])]`` and ``j`` is not in
-  ``holes[p]`` (``partial[p]``: the tokens delivered of some holes). Every epoch some old process had not finished gets the old
-  job's cursors as a resize.
+  ``holes[p]`` (``partial[p]``: the tokens delivered of some holes). Every
+  epoch some old process had not finished gets the old job's cursors as a
+  resize.
   """
   holes = holes or [()] * len(olds)
   partial = partial or [{}] * len(olds)
-  spans = [old.epoch_span(t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)]
-  first, last = min(a for a, _ in spans), max(b for _, b in spans)
+  # The first and last epoch some old process left partly read.
+  first = min(
+    old.cursor(min((*t, *h)))[0] for old, t, h in zip(olds, thresholds, holes, strict=True)
+  )
+  last = max(old.cursor(max(t))[0] for old, t in zip(olds, thresholds, strict=True))
   base = dict(olds[0].splits)
   splits = []
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)
