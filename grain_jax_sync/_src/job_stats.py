@@ -34,8 +34,7 @@ STRAGGLER_WINDOWS = 3
 # scaled, that stays below TABLE_PROCESSES ** 2 rows a second.
 TABLE_EVERY_S = 1.0
 TABLE_PROCESSES = 64
-# One host's row in a decision: process index, then these, in this order.
-COUNTS = ("batches", "real_rows", "padded_rows", "dummy_batches", "dropped_batches")
+COUNTS = stats_lib.FIELDS[:5]  # A host's row in a decision: its index, these, then its times.
 
 
 def encode_times(snapshot: dict[str, Any]) -> tuple[float, ...]:

@@ -88,8 +88,7 @@ def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   return {k: out[k] for k in FIELDS}
 
 
-# The times of `stats()` (what each host posts in its chunks for the cross-host view).
-TIMES = ("wait_s", "source_s", "exchange_s", "transfer_s")
+TIMES = FIELDS[5:]  # The times of `stats()`, posted in chunks for the cross-host view.
 
 
 def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:

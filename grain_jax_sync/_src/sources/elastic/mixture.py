@@ -70,11 +70,7 @@ class Mixture:
 
   def counts(self, g: int) -> list[int]:
     """Rows of each source among global rows ``0 .. g - 1``."""
-    out = [0] * len(self.sizes)
-    for run, r0, r1 in _pieces(self._runs, 0, int(g)):
-      for k, (m0, m1) in enumerate(zip(_counts(run.p, r0), _counts(run.p, r1), strict=True)):
-        out[k] += int(m1 - m0)
-    return out
+    return [split.total(rows) for rows in _source_rows(self._runs, 0, int(g))]
 
   def switched(self, kept: Sequence[Range], proportions: tuple[int, ...]) -> Mixture:
     """This mixture with `proportions` for every global row but those in `kept` (sorted ranges)."""

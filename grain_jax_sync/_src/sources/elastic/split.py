@@ -149,16 +149,13 @@ def partial(num_records: int, history: Sequence[Resize]) -> dict[int, int]:
   A later resize's count replaces an earlier one's (it counts from the record's start).
   """
   out: dict[int, int] = {}
-  left: list[Range] = [(0, num_records)] if num_records else []
-  for old_count, cursors in history:
-    old = even_split(left, old_count)
-    for share, cursor in zip(old, cursors, strict=True):
+  for r, (old_count, cursors) in enumerate(history):
+    for share, cursor in zip(shares(num_records, history[:r], old_count), cursors, strict=True):
       if isinstance(cursor, Holes):
         offsets = cursor.offsets or (0,) * len(cursor.holes)
         for i, k in zip(cursor.holes, offsets, strict=True):
           if k:
             out[take(share, i, i + 1)[0][0]] = k
-    left = remaining(old, cursors)
   return out
 
 
