@@ -2,11 +2,10 @@
 
 A batch is a NumPy array or a pytree of them: dicts, lists, tuples,
 namedtuples, None (an empty node, as in JAX) and nodes registered with
-`jax.tree_util` (a `flax.struct.dataclass` batch). The spec is JSON so that
-it can travel in the exchange and let a host with no data of its own build
-dummy batches. It is data only: a host reads it (`check_spec`) and rebuilds
-a tree from it without unpickling or importing anything. NumPy only, except
-for registered nodes, which JAX flattens and rebuilds.
+`jax.tree_util` (a `flax.struct.dataclass` batch). The spec travels in the
+exchange, so a host with no data of its own builds dummy batches from it; it
+is data only, checked (`check_spec`) and rebuilt without unpickling or
+importing anything. JAX only for registered nodes.
 """
 
 from __future__ import annotations
@@ -278,33 +277,27 @@ def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
   return tuple(values)
 
 
-def key_paths(spec: TreeSpec) -> list[str]:
+def key_paths(spec: TreeSpec, prefix: str = "batch") -> list[str]:
   """Each leaf's key path, in leaf order: ``batch['a']['b']``, ``batch[0]``, ``batch.field``.
 
   Unlike a leaf's name (slash-joined), a key path tells apart leaves whose
   names are the same (``{"a": {"b": x}, "a/b": y}``).
   """
-  out: list[str] = []
-  _paths(spec, "batch", out)
-  return out
-
-
-def _paths(s: TreeSpec, prefix: str, out: list[str]) -> None:
-  if s == LEAF:
-    out.append(prefix)
-    return
-  if s == NONE:
-    return
-  if "o" in s:  # A registered node: its children by their `keystr` names.
-    children = [(f"{prefix}.{k}", sub) for k, sub in s["c"]]
-  elif "d" in s:
-    children = [(f"{prefix}[{k!r}]", sub) for k, sub in s["d"]]
-  elif "nt" in s:
-    children = [(f"{prefix}.{f}", sub) for f, sub in zip(s["f"], s["t"], strict=True)]
+  if spec == LEAF:
+    return [prefix]
+  if spec == NONE:
+    return []
+  if "o" in spec:  # A registered node: its children by their `keystr` names.
+    children = [(f"{prefix}.{k}", sub) for k, sub in spec["c"]]
+  elif "d" in spec:
+    children = [(f"{prefix}[{k!r}]", sub) for k, sub in spec["d"]]
+  elif "nt" in spec:
+    children = [(f"{prefix}.{f}", sub) for f, sub in zip(spec["f"], spec["t"], strict=True)]
   else:
-    children = [(f"{prefix}[{i}]", sub) for i, sub in enumerate(s["t"] if "t" in s else s["l"])]
-  for path, sub in children:
-    _paths(sub, path, out)
+    children = [
+      (f"{prefix}[{i}]", sub) for i, sub in enumerate(spec["t"] if "t" in spec else spec["l"])
+    ]
+  return [p for path, sub in children for p in key_paths(sub, path)]
 
 
 def is_dict_spec(spec: TreeSpec) -> bool:
