@@ -60,11 +60,10 @@ class Rules:
       position decided (see `decide`).
     drop_last: Stop when a host runs out; drop a short last batch.
     pad: Pad short batches and fill missing ones with dummy batches.
-    wait_for_last: Where the outcome of a short batch depends on whether it
-      is its host's last and the report does not say, end the plan with
-      `Outcome.WAIT` instead of taking it as the last.
-    derived: `batch_size` was derived from the first position (set by `pin`):
-      a guess, so a short batch that is not its host's last raises even with `pad`.
+    wait_for_last: Where a short batch's outcome depends on whether it is its
+      host's last and the report does not say, end with `Outcome.WAIT`.
+    derived: `batch_size` was derived (set by `pin`): a guess, so a short
+      batch that is not its host's last raises even with `pad`.
     shapes: `pad_shapes` and its buckets: each yield gets agreed sizes (`Step.sizes`).
   """
 
@@ -77,11 +76,7 @@ class Rules:
 
 
 def pin(rules: Rules, plan: Plan | Decision) -> Rules:
-  """The rules for the next `decide` call: the derived batch size pinned.
-
-  Call it after every `decide` (or decision read), so that later positions
-  are judged by the first position's size.
-  """
+  """The rules for the next `decide` (call it after each): the derived batch size pinned."""
   if rules.batch_size is None and plan.batch_size is not None:
     return dataclasses.replace(rules, batch_size=plan.batch_size, derived=True)
   return rules
@@ -218,9 +213,8 @@ def decide(
   Args:
     reports: One report per process, in process order.
     rules: The shared settings. With ``rules.batch_size=None`` the full
-      batch size is the largest host batch of the window's first position
-      (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes ``pin(rules, plan)`` from then on.
+      batch size is the largest host batch of the first position (returned
+      in `Plan.batch_size`; ``pin(rules, plan)`` keeps it).
     position: Number of batches yielded before this window (for messages).
     groups: Where processes share rows (`BatchPlacement.groups`): the
       processes of each group, whose reports' digests must agree.
@@ -281,7 +275,7 @@ def _decide_rows(reports: Sequence[Report], rules: Rules, position: int) -> Plan
 
 
 class _Walk:
-  """`_decide_rows` going through a window's positions in order, adding one step each."""
+  """`_decide_rows` going through a window's positions in order."""
 
   def __init__(self, reports: Sequence[Report], rules: Rules, position: int):
     self.reports = reports
@@ -290,7 +284,7 @@ class _Walk:
     self.derived = self.batch_size is None or rules.derived
     self.i = 0  # The next position of the window to decide.
     self.steps: list[Step] = []
-    self.index = position  # Output batches before position i (for messages), kept as it goes.
+    self.index = position  # Output batches before position i (for messages).
     self.divisible: set[int] = set()  # Row counts every process's devices divide.
 
   def plan(self, end: Outcome, error: ReportedError | None = None) -> Plan:
@@ -392,8 +386,7 @@ def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, str]:
 
 # -- the errors --------------------------------------------------------------------
 
-# The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
-# match on them, so every message of the same kind starts with them.
+# The reference's (Ray Data's `jax_sync_generator`) opening phrases, which callers match on.
 UNEVEN_COUNT = "Uneven number of batches detected across JAX workers"
 UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
 NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
@@ -489,9 +482,8 @@ def shared_rows_error(
 ) -> str | None:
   """The error when processes that share a data shard fed different rows; None if they agree.
 
-  `digests`: per process index, `reader.rows_digest` of its rows at this
-  batch, or None where it fed none (a dummy batch). Every host raises the
-  message as ValueError.
+  `digests`: per process, `reader.rows_digest` of its rows at this batch
+  (None: a dummy batch).
   """
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}

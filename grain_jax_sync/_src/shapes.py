@@ -1,11 +1,10 @@
 """Shapes that vary: which dims may differ across hosts, their buckets and masks.
 
-`pad_shapes=` names the dims (``{"tokens": 1}``) whose sizes may differ
-between hosts and positions; signatures record them as -1. Hosts report
-their sizes per batch (`messages.Report.sizes`) and agree on the maximum,
-rounded up to the column's next bucket (`shape_buckets=`); every host pads to
-it (`padding.fill_leaf`) and adds an element mask where `shape_mask_keys=` asks.
-Pure Python (NumPy only to take its ints); no JAX.
+`pad_shapes=` names the dims (``{"tokens": 1}``) whose sizes may differ;
+signatures record them as -1. Hosts report their sizes per batch
+(`messages.Report.sizes`) and agree on the maximum, rounded up to the
+column's next bucket (`shape_buckets=`); every host pads to it
+(`padding.fill_leaf`), with element masks where `shape_mask_keys=` asks. No JAX.
 """
 
 from __future__ import annotations
@@ -201,15 +200,10 @@ def leaf_dims(
 
 @dataclasses.dataclass(frozen=True)
 class Flat:
-  """The varying dims of one structure, in report order (leaf, then dim).
+  """The varying dims of one structure, in report order (leaf, then dim)."""
 
-  Attributes:
-    names: Per varying dim, ``"column dim d"`` for messages.
-    buckets: Per varying dim, its column's buckets (() for none).
-  """
-
-  names: tuple[str, ...]
-  buckets: tuple[tuple[int, ...], ...]
+  names: tuple[str, ...]  # Per varying dim, ``"column dim d"`` for messages.
+  buckets: tuple[tuple[int, ...], ...]  # Per varying dim, its column's buckets (() for none).
 
 
 @functools.lru_cache(maxsize=64)

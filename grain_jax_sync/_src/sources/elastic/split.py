@@ -2,16 +2,11 @@
 
 An epoch's positions ``0 .. num_records - 1`` each name a record (the
 identity, or a seeded permutation when shuffling). A split cuts the positions
-not yet read, a list of ranges ``[start, stop)``, into `count` contiguous
-shares in process order, the first ``num_records % count`` one longer; each
-process keeps a cursor: how many of its share's positions are consumed, or,
-strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
-``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th),
-or `Holes`: a prefix but for the positions a packer holds in flight (with
-the tokens of each already delivered, where a long record was split).
-A resize appends ``(old_count, cursors)`` to the epoch's split history, which
-replays to the current split, so a state never lists records. Pure Python and
-NumPy.
+not yet read, ranges ``[start, stop)``, into `count` contiguous shares in
+process order, the first ``num_records % count`` one longer. Each process
+keeps a cursor over its share: a `Cursor`. A resize appends ``(old_count,
+cursors)`` to the epoch's split history, which replays to the current split,
+so a state never lists records. Pure Python and NumPy.
 """
 
 from __future__ import annotations
@@ -35,7 +30,9 @@ class Holes:
   offsets: tuple[int, ...] = ()  # Per hole, its tokens already delivered (empty: none).
 
 
-# A consumed cursor over a share: a prefix length, strided thresholds or holes (see above).
+# A consumed cursor over a share: how many of its positions are consumed; or strided, a tuple
+# ``(t_0, .., t_{W-1})``: position ``i`` is consumed when ``i < t_{i % W}`` (`W` `mp_prefetch`
+# workers, each reading every `W`-th); or `Holes`, a packer's records in flight.
 Cursor = int | tuple[int, ...] | Holes
 # (old process count, each old process's cursor over its share of that split).
 Resize = tuple[int, tuple[Cursor, ...]]
