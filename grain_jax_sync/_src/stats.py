@@ -45,16 +45,7 @@ class Times:
 class Delivered(NamedTuple):
   """What the consumer received: a tuple, made anew per batch received (`session.Mark`).
 
-  Attributes:
-    batches: Global batches received.
-    real_rows: This host's real rows in them.
-    padded_rows: This host's padding rows in them: rows added to short
-      batches, and every row of its dummy batches (the rows a mask marks
-      False).
-    dummy_batches: Batches in which this host had no batch of its own.
-    dropped_batches: Positions dropped on every host (`drop_last`) up to the
-      last batch received, or to the end of the stream once it ended.
-    wait_s: Seconds the consumer waited in ``__next__`` for a batch.
+  Its fields are those of `JaxBatchIterator.stats()` (docs/api.md) but the stage times.
   """
 
   batches: int = 0

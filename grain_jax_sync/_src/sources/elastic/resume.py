@@ -1,9 +1,8 @@
 """Resume states across job sizes: every old process's state -> this process's state.
 
-A list of every old process's state on the same process count gives this
-process's own; on another count, or with another `batch_size` or new mixture
-weights, an elastic source re-splits what the old job left (`split.resume`)
-and any other source refuses another count. Pure Python.
+On another count, or with another `batch_size` or new mixture weights, an
+elastic source re-splits what the old job left (`split.resume`); any other
+source refuses another count. Pure Python.
 """
 
 from __future__ import annotations
@@ -60,10 +59,9 @@ def for_this_process(
   """The state this process restores, from `state` as given to `set_state`.
 
   `state` is one state, or every old process's in process order: this
-  process's own, or for an elastic source one re-split from the old job's
-  when the process count, the mixture's weights or the `batch_size` of the
-  `settings` now (the iterator's digest) differ. ValueError if the list is
-  not one job's, or the source cannot be re-split.
+  process's own, or an elastic source's re-split where the process count,
+  the mixture's weights or the `batch_size` of `settings` (the iterator's
+  digest) differ. ValueError if the list is not one job's, or cannot be re-split.
   """
   is_elastic = isinstance(source, ElasticIterator)
   if isinstance(state, Mapping):

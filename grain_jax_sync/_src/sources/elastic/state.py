@@ -1,10 +1,9 @@
 """A process's elastic state as JSON: its split history and its cursor, checked on restore.
 
-`export` writes the job's split (process count, this process's index, each
-epoch's resize history, its cursors packed compactly), the consumed stream
-position (and each `mp_prefetch` worker's threshold), and Grain's own state
-for a resume on the same count; `check_source_state` reads one back, naming
-the field that does not fit. Pure Python and NumPy (no JAX, no Grain).
+`export` writes the job's split, the consumed stream position (each
+`mp_prefetch` worker's threshold, a packer's holes) and Grain's own state for
+a resume on the same count; `check_source_state` reads one back, naming the
+field that does not fit. Pure Python and NumPy.
 """
 
 from __future__ import annotations
@@ -119,9 +118,8 @@ def export(
 ) -> dict:
   """A process's JSON source state, with stream thresholds (or a position) `consumed`.
 
-  `why_not`: why the cursor cannot be re-split (None: it can). `holes`: the
-  stream indices below it not consumed (a packer's records in flight);
-  `partial`: the tokens delivered of some of them (a long record split).
+  `why_not`: why the cursor cannot be re-split (None: it can); `holes` and
+  `partial` as in `cursor.Position`.
   """
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)
