@@ -57,10 +57,7 @@ class Mixture:
   def _runs(self) -> list[_Run]:
     """Each run with the source rows it may take (`_Run.free`), from the runs before it."""
     out: list[_Run] = []
-    for kept, p in self.history or (((), self.proportions),):
-      if not out:
-        out.append(_Run(kept, p, [((), 0)] * len(self.sizes)))
-        continue
+    for kept, p in self.history or (((), self.proportions),):  # Run 0 keeps none.
       used: list[list[Range]] = [[] for _ in self.sizes]
       for a, b in kept:
         for k, rows in enumerate(_source_rows(out, a, b)):

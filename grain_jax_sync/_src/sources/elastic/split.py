@@ -222,10 +222,7 @@ class EpochShares:
   @functools.cached_property
   def _listed(self) -> int:
     """Positions in the listed epochs."""
-    if not self.epochs:
-      return 0
-    _, share, offset = self.epochs[-1]
-    return offset + total(share)
+    return sum(total(share) for _, share, _ in self.epochs)
 
   @functools.cached_property
   def length(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -82,12 +83,8 @@ def _row_from_json(value: Any) -> tuple[Cursor, ...]:
   widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
   if any(w < 1 for w in widths) or sum(widths) != len(flat):
     raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
-  out: list[Cursor] = []
-  at = 0
-  for w in widths:
-    out.append(flat[at] if w == 1 else tuple(flat[at : at + w]))
-    at += w
-  return tuple(out)
+  bounds = itertools.pairwise([0, *itertools.accumulate(widths)])
+  return tuple(flat[a] if b - a == 1 else tuple(flat[a:b]) for a, b in bounds)
 
 
 def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
