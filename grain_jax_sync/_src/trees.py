@@ -53,8 +53,8 @@ def flatten(batch: Any) -> tuple[list[Any], list[str], TreeSpec]:
   """Flattens a batch into its leaves (as given), their names and the spec `unflatten` inverts.
 
   Names are slash-joined paths (``"features/ids"``; ``"<batch>"`` for a bare
-  array). Dicts are walked in sorted key order (as `jax.tree_util` does); a
-  list of numbers is one leaf, not a container of scalar leaves.
+  array). Dicts go in sorted key order (as in `jax.tree_util`); a list of
+  numbers is one leaf.
   """
   leaves: list[Any] = []
   names: list[str] = []
@@ -171,10 +171,7 @@ def _from_data(x: Any) -> Any:
 
 
 def _imported(path: str) -> Any:
-  """The object `path` ("module:QualName") names in a module imported already, or None.
-
-  Nothing is imported: a host that can build the type has imported it.
-  """
+  """What `path` ("module:QualName") names in modules imported already (imports none), or None."""
   module, _, qualname = path.partition(":")
   obj = sys.modules.get(module)
   for part in qualname.split("."):
@@ -241,10 +238,7 @@ def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
 
 
 def _check_arity(kind: type, aux: Any, children: int, where: str) -> None:
-  """A dataclass node (`jax.tree_util.register_dataclass`) has a child per field not in `aux`.
-
-  JAX does not check this when it rebuilds one from data.
-  """
+  """A dataclass node has a child per field not in `aux` (JAX does not check it from data)."""
   if not dataclasses.is_dataclass(kind) or not isinstance(aux, tuple):
     return
   fields = sum(1 for f in dataclasses.fields(kind) if f.init)

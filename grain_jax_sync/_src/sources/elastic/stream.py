@@ -76,9 +76,8 @@ class Stream:
 class Chunks:
   """`stream` at `positions`, read in chunks; a `grain.DatasetIterator` by `_classes`.
 
-  Its state, the positions delivered, is tagged (`cursor.TAG`, and in an
-  `mp_prefetch` worker `cursor.SLICE`: its `_worker_slice` tag), so the
-  cursor can be found in the transform's state.
+  Its state, the positions delivered, is tagged (`cursor.TAG`, and `cursor.SLICE`:
+  an `mp_prefetch` worker's `_worker_slice`) for the cursor to be found.
   """
 
   def __init__(self, stream: Stream, positions: range, sliced: tuple[int, int, bool] | None):
@@ -124,11 +123,7 @@ def _classes() -> type:
       Chunks.__init__(self, *args)
 
   class Reader(grain.IterDataset):
-    """The stream read in chunks of positions, its state the positions delivered, tagged.
-
-    `mp_prefetch` slices it in each worker (`set_slice`): the tag then says
-    which stream indices the worker reads (every `step`-th from `start`).
-    """
+    """The stream as a dataset; `mp_prefetch` slices it in each worker (`set_slice`)."""
 
     def __init__(self, stream: Stream):
       super().__init__()
