@@ -104,16 +104,11 @@ class _Position:
   Without either option every host's batch must have the same size.
   """
 
-  def __init__(
-    self, reports: Sequence[Report], i: int, *, batch_size: int, derived: bool, index: int
-  ):
-    self.reports = reports
-    self.i = i
-    self.batch_size = batch_size
-    self.derived = derived  # `batch_size` is a guess (`Rules.derived`).
-    self.index = index  # Output batches before it (for messages).
-    self.has = [i < len(r.rows) for r in reports]
-    self.rows = [r.rows[i] if h else 0 for r, h in zip(reports, self.has, strict=True)]
+  def __init__(self, walk: _Walk, batch_size: int):
+    self.reports, self.i, self.index = walk.reports, walk.i, walk.index
+    self.derived, self.batch_size = walk.derived, batch_size
+    self.has = [self.i < len(r.rows) for r in self.reports]
+    self.rows = [r.rows[self.i] if h else 0 for r, h in zip(self.reports, self.has, strict=True)]
     self.real = [x for x, h in zip(self.rows, self.has, strict=True) if h]
 
   def judge(self, rules: Rules) -> Step | ReportedError | _Wait:
@@ -323,11 +318,9 @@ class _Walk:
 
   def step(self) -> Plan | None:
     """Decides position `i` by the size rules: its step added, or the plan's end."""
-    reports, i = self.reports, self.i
     if self.batch_size is None:
-      self.batch_size = max(r.rows[i] for r in reports if i < len(r.rows))
-    at = _Position(reports, i, batch_size=self.batch_size, derived=self.derived, index=self.index)
-    step = at.judge(self.rules)
+      self.batch_size = max(r.rows[self.i] for r in self.reports if self.i < len(r.rows))
+    step = _Position(self, self.batch_size).judge(self.rules)
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)
     if isinstance(step, _Wait):
