@@ -263,8 +263,8 @@ class MixedRecords:
     start, sources, at = self._block
     if len(g) and not (start <= np.min(g) and np.max(g) < start + len(sources)):
       first = int(np.min(g))
-      if np.max(g) - first >= _BLOCK:
-        start, (sources, at) = first, self._find(g)
+      if np.max(g) - first >= _BLOCK:  # Too far apart for a block (an epoch's end, a resize).
+        start, (sources, at), g = 0, self._find(g), np.arange(len(g))
       else:
         self._block = start, sources, at = (first, *self._find(np.arange(first, first + _BLOCK)))
     sources, at = sources[g - start].tolist(), at[g - start].tolist()
