@@ -62,10 +62,8 @@ class Position(NamedTuple):
 def find_position(state: Any) -> Position | None:
   """The stream cursor of a Grain iterator's nested state, or None.
 
-  Not exact (for a re-split; Grain's own resume is): a transform that keeps
-  a state beside its parent's (a mix, packing within a packed batch) may
-  hold records read past the cursor, and a sequential `mp_prefetch` reads
-  blocks, not strides.
+  `Position.why` says why it is not exact for a re-split (Grain's own resume
+  is): a state kept beside its parent's may hold records read past it.
   """
   tags = _tags(state, None)
   if not tags:

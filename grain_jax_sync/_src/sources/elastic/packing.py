@@ -80,10 +80,7 @@ def packed_row(row: list[_Piece], length: int, restart_positions: bool) -> dict[
 
 
 def checked_record(value: Any, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-  """A record as 1-D arrays of tokens, each of its feature's dtype in `dtypes` (the first record's).
-
-  One rule whatever the order the records come in: a feature of another
-  dtype than the first record's is refused, never cast.
+  """A record as 1-D arrays of tokens, of the dtypes in `dtypes` (the first record's), never cast.
 
   Raises:
     DataError: Naming the feature, its shape or dtype, and what was expected.
