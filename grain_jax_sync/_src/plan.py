@@ -31,23 +31,15 @@ from grain_jax_sync._src.messages import (
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What every host does with a window.
+  """What every host does with a window: its steps, then `end`."""
 
-  Attributes:
-    steps: One step per decided position, in order.
-    end: What happens after the steps.
-    error: The error every host raises when `end` is `Outcome.RAISE`.
-    batch_size: The full batch size the steps were judged by: given, or
-      derived from the first position (None if no position was reached).
-    waiting: With `Outcome.WAIT`, the processes whose next batch (or end)
-      the position after the steps waits for.
-  """
-
-  steps: tuple[Step, ...]
+  steps: tuple[Step, ...]  # One per decided position, in order.
   end: Outcome
-  error: ReportedError | None = None
+  error: ReportedError | None = None  # What every host raises when `end` is `Outcome.RAISE`.
+  # The full batch size the steps were judged by: given, or derived from the first position
+  # (None if no position was reached).
   batch_size: int | None = None
-  waiting: tuple[int, ...] = ()
+  waiting: tuple[int, ...] = ()  # With `Outcome.WAIT`: whose next batch (or end) it waits for.
 
 
 @dataclasses.dataclass(frozen=True)

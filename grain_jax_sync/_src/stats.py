@@ -91,15 +91,13 @@ def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:
 class Pace:
   """The consumer's pace: positions it took in the last `window_s` seconds.
 
-  The first `fill` positions fill the prefetch queue in a burst, before the
-  consumer takes any: they tell nothing of its pace and are not counted.
-  Until a window has passed since the first position counted, the window is
-  not full: the count is then the rate of the later half of the positions
-  counted (their intervals until now, so never more than a steady consumer
-  takes), over the whole window, and at most twice the positions counted (a
-  burst as the queue refills tells little of a rate). So a horizon that
-  starts at one position grows about threefold per round of decisions, where
-  the plain count would double.
+  The first `fill` positions (the burst that fills the prefetch queue) are
+  not counted. Until a window has passed since the first one counted, the
+  count is the rate of the later half of the positions counted (their
+  intervals until now: never more than a steady consumer takes) over the
+  whole window, at most twice the positions counted (a refill's burst tells
+  little). So a horizon that starts at one position grows about threefold a
+  round of decisions, where the plain count would double.
   """
 
   def __init__(self, window_s: float, fill: int):

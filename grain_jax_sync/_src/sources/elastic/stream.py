@@ -56,9 +56,6 @@ class Stream:
     self._records, self.shares, self._spec = records, shares, spec
     self._endless = spec.mixture is not None  # Epoch e starts at row e * num_records.
 
-  def __len__(self) -> int:
-    return self.shares.length
-
   def read(self, positions: range) -> list[Any]:
     """The records at stream `positions`, in one batched read where the records have one."""
     rows = []
@@ -127,13 +124,13 @@ def _classes() -> type:
 
     def __init__(self, stream: Stream):
       super().__init__()
-      self._stream, self._positions = stream, range(len(stream))
+      self._stream, self._positions = stream, range(stream.shares.length)
       self._sliced: tuple[int, int, bool] | None = None
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
       if self._sliced is not None:
         raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
-      mine, self._sliced = _worker_slice(sl, sequential_slice, len(self._stream))
+      mine, self._sliced = _worker_slice(sl, sequential_slice, self._stream.shares.length)
       self._positions = self._positions[mine]
 
     def __iter__(self):
