@@ -44,27 +44,20 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-  """The rules `decide` applies, from the options; identical on every host.
+  """The rules `decide` applies, from the options; identical on every host."""
 
-  Attributes:
-    batch_size: Rows of a full host batch: what `paddings` fill to and what
-      `drop_last` calls short. None: the largest host batch of the first
-      position decided (see `decide`).
-    drop_last: Stop when a host runs out; drop a short last batch.
-    pad: Pad short batches and fill missing ones with dummy batches.
-    wait_for_last: Where a short batch's outcome depends on whether it is its
-      host's last and the report does not say, end with `Outcome.WAIT`.
-    derived: `batch_size` was derived (set by `pin`): a guess, so a short
-      batch that is not its host's last raises even with `pad`.
-    shapes: `pad_shapes` and its buckets: each yield gets agreed sizes (`Step.sizes`).
-  """
-
+  # Rows of a full host batch: what `paddings` fill to and what `drop_last` calls short.
+  # None: the largest host batch of the first position decided (see `decide`).
   batch_size: int | None
-  drop_last: bool
-  pad: bool
+  drop_last: bool  # Stop when a host runs out; drop a short last batch.
+  pad: bool  # Pad short batches and fill missing ones with dummy batches.
+  # Where a short batch's outcome depends on whether it is its host's last and the report
+  # does not say, end with `Outcome.WAIT`.
   wait_for_last: bool = False
+  # `batch_size` was derived (set by `pin`): a guess, so a short batch that is not its
+  # host's last raises even with `pad`.
   derived: bool = False
-  shapes: shapes_lib.Shapes | None = None
+  shapes: shapes_lib.Shapes | None = None  # Each yield gets agreed sizes (`Step.sizes`).
 
 
 def pin(rules: Rules, plan: Plan | Decision) -> Rules:

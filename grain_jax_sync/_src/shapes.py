@@ -22,18 +22,12 @@ from grain_jax_sync._src.trees import ROOT_NAME
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-  """The three options, validated and hashable (part of `plan.Rules`).
+  """The three options, validated and hashable (part of `plan.Rules`)."""
 
-  Attributes:
-    dims: (column, dims) pairs: the dims (>= 1; 0 is the row dim) that may vary.
-    buckets: (column, ascending sizes) pairs; a column without buckets pads
-      to the agreed maximum.
-    masks: (column, mask key) pairs: element masks to add.
-  """
-
-  dims: tuple[tuple[str, tuple[int, ...]], ...]
+  dims: tuple[tuple[str, tuple[int, ...]], ...]  # (column, the dims >= 1 that may vary) pairs.
+  # (column, ascending sizes) pairs; a column without buckets pads to the agreed maximum.
   buckets: tuple[tuple[str, tuple[int, ...]], ...] = ()
-  masks: tuple[tuple[str, str], ...] = ()
+  masks: tuple[tuple[str, str], ...] = ()  # (column, element mask key) pairs.
 
   def describe(self) -> dict[str, Any]:
     """A JSON-stable form for the settings digest."""
