@@ -76,6 +76,7 @@ _GB = 1e9
 # Batches of each trial left untimed: the iterator's threads starting and its
 # buffers filling. More than any buffer compared here holds.
 SKIP = 8
+TAIL = 16  # Batches past an input-bound window (`_input_row`).
 SECTIONS = ("steady", "input_bound", "transfer")
 # The longest wait for one thread a trial left running (`_settle`): a Grain
 # pool thread finishing one read. Beyond it the next trial starts anyway.
@@ -508,7 +509,9 @@ def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: b
   for i in range(rows):
     make_record(i, side)
   record_ms = (time.process_time() - start) * 1e3
-  ds = input_pipeline(rows, SKIP + n + 2, side, workers=w, threads=cfg["input_threads"])
+  # Data past the window by more than any variant reads ahead: the end of
+  # the data (workers stopping, the last reads) falls outside every timing.
+  ds = input_pipeline(rows, SKIP + n + TAIL, side, workers=w, threads=cfg["input_threads"])
   feeds = _picked(_input_feeds(ds, sharding, rows, diagnose=diagnose), cfg.get("variants"))
   return {
     "workers": w,

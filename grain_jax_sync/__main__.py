@@ -24,10 +24,10 @@ def _show_progress(progress_dir: str, processes: int, total: int, ended: threadi
 
   try:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+    bar = tqdm(total=total, desc="batches (all hosts)", unit="batch", leave=True)
   except ImportError:
     bar = None
-  else:
-    bar = tqdm(total=total, desc="batches (all hosts)", unit="batch", leave=True)
   shown = 0
   while True:
     last = ended.wait(_PROGRESS_POLL_S)  # Once it has ended, one more read shows the end.
@@ -83,11 +83,9 @@ def _print_stats(outcomes: list[Any]) -> None:
   job = _entry(last, "job")
   if job is not None:
     slowest = job["slowest"]
-    which = (
-      "no host slowest by source time at 0.1 ms"
-      if slowest is None
-      else f"slowest by source time: host {slowest}"
-    )
+    which = f"slowest by source time: host {slowest}"
+    if slowest is None:
+      which = "no host slowest by source time at 0.1 ms"
     print(f"\nstats(all_hosts=True) on host {last.process_index} ({which}):")
     _print_table(
       [(h["process_index"], h) for h in job["hosts"]], (*stats.FIELDS, "padding_fraction")
@@ -192,10 +190,8 @@ def _signal_at(text: str) -> Any:
   process, name, batch = (text.split(":") + ["", ""])[:3]
   name = name.upper()
   try:
-    if name.isdigit():
-      signum = signal.Signals(int(name))
-    else:
-      signum = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    by_name = name if name.startswith("SIG") else f"SIG{name}"
+    signum = signal.Signals(int(name)) if name.isdigit() else signal.Signals[by_name]
     return testing.SignalAt(process=int(process), after_batch=int(batch), signal=signum)
   except (KeyError, ValueError):
     raise argparse.ArgumentTypeError(

@@ -1,21 +1,15 @@
 """Two simulators: N real JAX processes on loopback, and a simulated cluster in virtual time.
 
 `SimulatedCluster` runs N hosts' real agreement cores over an in-memory
-store with a virtual clock, in this process: a user tests their own stop and
-preemption schedule (`HostPlan`) against 64 virtual hosts in a unit test, in
-milliseconds (16,384 take about a minute and a half). `run_processes` runs
-real processes:
+store with a virtual clock, in this process: a stop and preemption schedule
+(`HostPlan`) on 64 virtual hosts takes milliseconds.
 
-Each process is a fresh Python interpreter with
-``XLA_FLAGS=--xla_force_host_platform_device_count=D``, joined to its peers by
-``jax.distributed.initialize`` on 127.0.0.1 with gloo CPU collectives. Nothing
-is mocked: ``jax.process_count()``, the coordination service's key-value store
-and the collectives are the real ones. A run that does not finish within
-``timeout_s`` is killed and reported as a ``TimeoutError``, so a hang fails a
-test instead of stalling it.
-
-A scenario is a module-level function, so that every process can import it
-(by module name, or by file path)::
+`run_processes` runs real processes, each with
+``XLA_FLAGS=--xla_force_host_platform_device_count=D``, joined by
+``jax.distributed.initialize`` on 127.0.0.1 with gloo CPU collectives: the
+key-value store and the collectives are the real ones. A run past
+``timeout_s`` is killed and raises ``TimeoutError``, so a hang fails a test.
+A scenario is a module-level function, so that every process can import it::
 
   def scenario():
     import jax
@@ -65,8 +59,8 @@ class ProcessOutcome:
     traceback: Formatted traceback of that exception.
     exit_code: The interpreter's exit code (-9 for SIGKILL).
     elapsed_s: Seconds the scenario function ran (NaN if it never returned).
-    log: The last 4,000 characters of what the process wrote to stdout and
-      stderr (the library's logged warnings included), in the order written.
+    log: The last 4,000 characters the process wrote to stdout and stderr,
+      in the order written.
   """
 
   process_index: int
@@ -89,16 +83,13 @@ class SignalAt:
   """A signal that one process sends itself once it has received a given batch.
 
   Under `run_processes(signal_at=...)` (and ``simulate --signal``), the first
-  iterator of `process` to deliver the batch that makes its position
-  `after_batch` (``get_state()["batches"] == after_batch``) sends `signal` to
-  its own process right after that `next()`, once; no other process is
-  signalled. A handler the scenario installed with ``signal.signal`` runs
-  then, as when a scheduler's notice arrives in a training loop; without one,
-  the signal's default action applies (SIGTERM ends the process, its
-  outcome's ``exit_code`` is -15; after ``jax.distributed.initialize`` JAX's
-  preemption notifier has taken SIGTERM instead). A handler that raises
-  (SIGINT's KeyboardInterrupt) raises from that `next()`: batch `after_batch`
-  is then in the state but never returned.
+  iterator of `process` to reach position `after_batch`
+  (``get_state()["batches"]``) sends `signal` to its own process right after
+  that `next()`, once. A handler installed with ``signal.signal`` runs then;
+  without one, the default action applies (SIGTERM: ``exit_code`` -15, unless
+  JAX's preemption notifier took it after ``jax.distributed.initialize``). A
+  handler that raises (SIGINT's KeyboardInterrupt) raises from that `next()`:
+  batch `after_batch` is in the state but never returned.
 
   Attributes:
     process: The process index that gets the signal.
@@ -164,7 +155,6 @@ def _check_run(
     raise ValueError(
       f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
     )
-  # A run started while a simulated process imports the scenario's file.
   loading = os.environ.get(sim_worker.LOADING_ENV)
   if loading is not None:
     raise RuntimeError(
@@ -196,28 +186,24 @@ def run_processes(
   (docs/testing.md); ``GRAIN_JAX_SYNC_SIM_FORK=0`` starts each fresh.
 
   Args:
-    fn: A module-level function. It is imported in every process by module
-      name or, failing that, by file path; it runs after
-      ``jax.distributed.initialize`` (skipped when `num_processes` is 1).
+    fn: A module-level function, imported in every process by module name or
+      file path; run after ``jax.distributed.initialize`` (unless 1 process).
     num_processes: How many processes (simulated hosts) to start.
     devices_per_process: Forced CPU devices per process.
     args: Positional arguments for `fn`; must pickle.
     kwargs: Keyword arguments for `fn` in every process; must pickle.
-    per_process_kwargs: Optional extra keyword arguments, one mapping per
-      process, merged over `kwargs`.
-    timeout_s: Wall-clock bound for the whole run. Past it every process is
-      killed and ``TimeoutError`` is raised with each process's log tail.
+    per_process_kwargs: Extra keyword arguments, one mapping per process,
+      merged over `kwargs`.
+    timeout_s: Wall-clock bound for the whole run; past it every process is
+      killed and ``TimeoutError`` raised with each process's log tail.
     heartbeat_timeout_s: Passed to ``jax.distributed.initialize``.
-    exit_barrier_timeout_s: After `fn` returns or raises, each process waits
-      up to this long at a barrier for its peers before exiting, so that no
-      process tears down a collective a peer is still in. 0 skips the barrier
-      (a process killed mid-run makes its peers wait the full timeout).
+    exit_barrier_timeout_s: How long each process waits for its peers at a
+      barrier after `fn`, so that none tears down a collective a peer is in;
+      0 skips it (a process killed mid-run holds its peers for the timeout).
     env: Extra environment variables for every process.
-    signal_at: A `SignalAt` (or several, for distinct processes): the
-      process that sends itself a signal, and after which batch.
-    echo: Also show what each process writes as it writes it, each line
-      labelled ``[process i]``, on this process's stdout or stderr (as
-      ``simulate`` does). Either way it is kept in ``ProcessOutcome.log``.
+    signal_at: A `SignalAt` (or several, for distinct processes).
+    echo: Also echo each process's output as written, each line labelled
+      ``[process i]`` (as ``simulate`` does); ``ProcessOutcome.log`` keeps it.
 
   Returns:
     One ``ProcessOutcome`` per process, in process-index order.
@@ -274,10 +260,9 @@ def run_script(
   """Runs the Python file `path` as ``__main__`` in `num_processes` processes.
 
   What ``python -m grain_jax_sync simulate path.py ARGS`` does: every process
-  runs the script with ``sys.argv == [path, *argv]`` after
-  ``jax.distributed.initialize`` has joined the processes, so a script that
-  starts with `grain_jax_sync.init_distributed()` runs unchanged here, alone
-  as one process, and on a real multi-host job.
+  runs the script with ``sys.argv == [path, *argv]`` once
+  ``jax.distributed.initialize`` joined them, so a script that starts with
+  `grain_jax_sync.init_distributed()` runs unchanged here and on a real job.
 
   Args:
     path: A Python file.
@@ -290,8 +275,7 @@ def run_script(
     echo: As in `run_processes`.
 
   Returns:
-    One ``ProcessOutcome`` per process; its ``value`` is what the script
-    printed to stdout.
+    One ``ProcessOutcome`` per process; its ``value`` is the script's stdout.
 
   Raises:
     TimeoutError: When the run does not finish within `timeout_s`.

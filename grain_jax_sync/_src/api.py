@@ -1,9 +1,4 @@
-"""`iter_jax_batches`: the public constructor of `JaxBatchIterator`.
-
-Its options are made and checked by `options.make`, which `device_put` and
-`jax_sync_generator` share, and documented once, in `options.Options`; the
-iterator itself lives in `iterator.py`.
-"""
+"""`iter_jax_batches`: the public constructor of `JaxBatchIterator` (options in `options.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""What a batch is: leaves, row count, structure signature, validation.
+"""What a batch is: leaves, row count, and the structure signature hosts compare.
 
-The structure signature (tree spec, per-leaf dtype and trailing shape) is
-what hosts compare to make sure they build the same global arrays.
-`validate` turns what a source yielded into a `HostBatch` (`trees.py` takes
-it apart, `leaves.py` checks each leaf); `Matcher` takes batches of a known
-structure without its full walk.
+`validate` turns what a source yielded into a `HostBatch`; `Matcher` takes
+batches of a known structure without its full walk.
 """
 
 from __future__ import annotations
@@ -45,11 +42,7 @@ def _shape_ok(shape: tuple[int, ...], trailing: tuple[int, ...]) -> bool:
 class Signature:
   """The structure of a batch, without its row count.
 
-  Attributes:
-    spec: The tree spec from `flatten`.
-    names: Leaf names, in leaf order.
-    dtypes: NumPy dtype names (``"float32"``, ``"bfloat16"``), in leaf order.
-    shapes: Trailing shapes (all but the row dimension), in leaf order.
+  Per leaf, in leaf order: name, dtype name, trailing shape (`VARYING` where it may vary).
   """
 
   spec: TreeSpec
@@ -186,13 +179,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 @dataclasses.dataclass
 class HostBatch:
-  """One validated local batch.
-
-  Attributes:
-    leaves: Native-order NumPy arrays sharing the leading dimension.
-    rows: That leading dimension.
-    signature: The batch's structure.
-  """
+  """One validated local batch: native-order NumPy leaves sharing `rows`, their first dimension."""
 
   leaves: list[np.ndarray]
   rows: int
@@ -223,12 +210,8 @@ def validate(
 ) -> HostBatch:
   """Flattens and checks one source batch (``rows == 0`` for an empty one).
 
-  A batch that matches `expected` (the earlier batches' structure) gets that
-  very `Signature`. `varying` (with `pad_shapes`: `shapes.leaf_dims`) maps
-  (leaf names, ranks) to each leaf's trailing indices that may vary.
-
-  Raises:
-    ValueError: Naming the process, batch and column of any bad leaf.
+  A batch that matches `expected` gets that very `Signature`. `varying`
+  (`shapes.leaf_dims`) maps (leaf names, ranks) to each leaf's varying dims.
   """
   raw, names, spec = flatten(batch)
   context = where(process_index, batch_index)
@@ -269,11 +252,9 @@ def _name_collision(names: Sequence[str], spec: TreeSpec, context: str) -> None:
 class Matcher:
   """Takes batches of one known structure without `validate`'s full walk.
 
-  Compiled from a batch that `validate` accepted: its exact container types
-  and keys, and per leaf the dtype, rank and trailing shape. `match` returns
-  what `validate` would (the same `Signature` object) for a batch of plain
-  native-order ndarrays that fits them, and None for anything else, which
-  then goes through `validate` and its errors (`docs/performance.md`).
+  Compiled from a batch `validate` accepted (exact container types and keys,
+  per leaf dtype, rank and trailing shape). `match` returns what `validate`
+  would for plain ndarrays that fit, else None (then `validate` looks).
   """
 
   def __init__(self, signature: Signature, tree: Any):

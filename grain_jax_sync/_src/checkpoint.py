@@ -1,12 +1,9 @@
 """Orbax checkpointing of a `JaxBatchIterator` through Grain's handler.
 
-Grain's `grain.checkpoint.CheckpointHandler` writes one JSON file per process
-(``process_{i}-of-{n}.json``) for a `grain.DatasetIterator` or a
-`grain.DataLoaderIterator`. A `JaxBatchIterator` is neither, so it is wrapped
-in an adapter with the `DataLoaderIterator` protocol, which exports the state
-inside `sources.base.exporting_to_files()`: a tf.data state over the JSON
-size limit is written whole. Grain and Orbax are imported only when these
-helpers are called.
+Grain's handler writes one JSON file per process (``process_{i}-of-{n}.json``)
+for a Grain iterator; a `JaxBatchIterator` goes through an adapter with the
+`DataLoaderIterator` protocol, which exports inside `exporting_to_files()` (a
+tf.data state over the JSON size limit is written whole).
 """
 
 from __future__ import annotations
@@ -35,12 +32,11 @@ class _GrainStateAdapter:
       state = self._it.get_state()
     return json.dumps(state, indent=2, sort_keys=True).encode("utf-8")
 
-  def set_state(self, state: bytes) -> None:
-    self._it.set_state(json.loads(state.decode("utf-8")))
-
-  def set_states(self, states: list[bytes]) -> None:
-    """Restores from every old process's file, in process order (another process count)."""
-    self._it.set_state([json.loads(s.decode("utf-8")) for s in states])
+  def set_state(self, state: bytes | list[bytes]) -> None:
+    """From this process's file, or every old process's in process order (another count)."""
+    self._it.set_state(
+      [json.loads(s) for s in state] if isinstance(state, list) else json.loads(state)
+    )
 
   def start_prefetch(self) -> None:
     pass
@@ -50,11 +46,7 @@ _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
 def old_job_files(directory: Any) -> list[Any]:
-  """Every old process's file in `directory`, in process order (one job's).
-
-  Raises:
-    ValueError: If there is none, or the files are not one complete job's.
-  """
+  """Every old process's file in `directory`, in process order; ValueError unless one job's."""
   found: dict[int, dict[int, Any]] = {}
   for path in directory.iterdir():
     m = _FILE.fullmatch(path.name)
@@ -91,7 +83,7 @@ def _elastic_args() -> tuple[type, type]:
       own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       if own.exists() or not isinstance(item, _GrainStateAdapter):
         return super().restore(directory, item=item, args=args)
-      item.set_states([f.read_text().encode("utf-8") for f in old_job_files(directory)])
+      item.set_state([f.read_bytes() for f in old_job_files(directory)])
       return item
 
   save: Any

@@ -1,7 +1,6 @@
-"""`jax_sync_generator`: the drop-in with the reference's signature.
+"""`jax_sync_generator`: a drop-in for Ray Data's ``ray.data.util.jax_util.jax_sync_generator``.
 
-The reference is Ray Data's ``ray.data.util.jax_util.jax_sync_generator``
-(the version with `batch_size`, `paddings` and `dtypes`). Where the reference
+Of the version with `batch_size`, `paddings` and `dtypes`. Where the reference
 works, this one yields the same batches and raises errors that start with the
 same phrases; docs/sources.md lists every difference and its reason.
 """

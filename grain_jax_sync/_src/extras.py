@@ -1,9 +1,4 @@
-"""Optional dependencies: imported on first use, with the install command on failure.
-
-Every entry point that needs an extra (pyproject.toml) imports it through
-`require`, so that a missing one raises an `ImportError` naming the entry
-point and the command that installs it, not a bare ``No module named ...``.
-"""
+"""Optional dependencies (pyproject.toml extras): imported on first use through `require`."""
 
 from __future__ import annotations
 
@@ -26,18 +21,9 @@ def install_command(extra: str) -> str:
 
 
 def require(module: str, *, needed_by: str, extra: str | None = None) -> types.ModuleType:
-  """Imports `module`, or raises ImportError naming the command that installs it.
+  """Imports `module`, or raises ImportError naming `needed_by` and the command that installs it.
 
-  Args:
-    module: The module to import, e.g. ``"grain"`` or ``"grain.checkpoint"``.
-    needed_by: The entry point that needs it, for the message (e.g.
-      ``"grain_jax_sync.device_put"``).
-    extra: The extra that installs it; default: looked up from the
-      module's top-level package in `EXTRA_OF`.
-
-  Raises:
-    ImportError: If `module` (or one of its own dependencies) cannot be
-      imported; chained to the original error.
+  `extra`: the extra that installs it; default: its top-level package's in `EXTRA_OF`.
   """
   try:
     return importlib.import_module(module)

@@ -1,10 +1,9 @@
 """`JaxBatchIterator`: options, state, stats; holds the lifetime (`api` builds it).
 
-Each (re)start is one stream (`session.Stream`); `session.Streams` starts them
-and ends each in one place; `lifetime.Lifetime` holds the state machine, the
-turn and the one close path. Each produced batch carries the source state
-after it, so the state the user sees is the state after the last batch they
-received.
+Each (re)start is one stream (`session.Stream`), started and ended by
+`session.Streams`; `lifetime.Lifetime` holds the state machine, the turn and
+the one close path. Each batch carries the source state after it: the state
+the user sees is the one after the last batch they received.
 """
 
 from __future__ import annotations
@@ -104,10 +103,9 @@ class _Resumable:
         process_count=jax.process_count(),
         settings=self._options.digest(),
       )
-      batches, source_state = options_lib.check_state(
+      return options_lib.check_state(
         mine, options=self._options, process_index=p, process_count=jax.process_count()
       )
-      return source_state, batches, options_lib.pinned_batch_size(mine)
 
     streams.restore("set_state()", resolve)
 
@@ -167,17 +165,12 @@ class _Resumable:
 
 
 class JaxBatchIterator(_Resumable, Iterator[Any]):
-  """Iterates global `jax.Array` batches that every host agrees on.
+  """Iterates global `jax.Array` batches that every host agrees on; a context manager.
 
-  Build it with `iter_jax_batches` (or get one from `device_put`'s and
-  `jax_sync_generator`'s pipelines): that function is the public constructor,
-  with keyword options checked there (`options.Options` documents them). The
-  class is exported for type annotations and ``isinstance`` checks; its
-  ``__init__`` takes an internal options value and may change between
-  releases.
-
-  Supports `get_state`/`set_state` for exact resume, `close()` and use as a
-  context manager.
+  Build it with `iter_jax_batches`, its public constructor (or get one from
+  `device_put`'s and `jax_sync_generator`'s pipelines). The class is exported
+  for type annotations and ``isinstance`` checks; its ``__init__`` takes an
+  internal options value and may change between releases.
   """
 
   def __init__(

@@ -4,25 +4,11 @@
 OPEN --close()--> CLOSING --> CLOSED
 ```
 
-The concurrency contract:
-
-* `next()`, `set_state()`, `reset()` and a source restore belong to one
-  thread at a time (the turn): a call made while another is in progress
-  raises RuntimeError at once, naming the call in progress. There is no queue.
-* `close()` and `request_stop()` come from any thread or a signal handler.
-  A close asked for inside a call of the same thread (a signal handler, the
-  source itself) only asks: it wakes the stream without taking a lock, and
-  the call carries the close out on its way out. A close from a stage's own
-  thread (the source), and the finalizer's in any thread but the main one (a
-  garbage collection runs where something allocates: a stage, a source's
-  own thread), hand the close to a new thread, so that no close joins its
-  own thread or waits on a stage that waits on it. A close from another
-  thread waits for the call in progress to end (it was woken), then closes.
-
-The phase is changed under ``_lock``; the turn is claimed and given back
-with one atomic `dict` operation each, so the steady `next()` takes no lock
-(`Lifetime._held`); a close asked for is `session.Streams.closing`, set
-without a lock; the streams carry every ending out.
+The concurrency contract is docs/internals.md's (`lifetime.py`): the calls
+that move the stream belong to one thread at a time (the turn; no queue);
+`close()` and `request_stop()` come from any thread or a signal handler. The
+phase is changed under ``_lock``; the turn is claimed and given back with one
+atomic `dict` operation each, so the steady `next()` takes no lock.
 """
 
 from __future__ import annotations
@@ -49,11 +35,7 @@ _OPEN = Phase.OPEN  # Read per batch (`take_turn`, `give_turn`): one global, not
 
 
 class Lifetime:
-  """The state machine and the turn of one iterator; holds no reference to it (its finalizer closes this).
-
-  Args:
-    streams: The iterator's streams, which this lifetime closes once.
-  """
+  """The state machine and the turn of one iterator (`streams`); holds no reference to the iterator."""
 
   def __init__(self, streams: session_lib.Streams):
     self.streams = streams
@@ -62,21 +44,15 @@ class Lifetime:
     self._local = threading.local()  # Per thread: inside a call, or a close.
     self._phase = Phase.OPEN
     # The turn: {"turn": (thread, call)} while a call (or the close) is in
-    # progress. Claimed with `dict.setdefault` and given back with `dict.pop`,
-    # each atomic: the steady `next()` takes no lock. Every change of `_phase`
-    # is made under `_lock`, and a call that ends while the phase is not OPEN
-    # (or a close was asked for) takes `_lock` to wake the closer.
+    # progress, claimed by `setdefault`, given back by `pop`. A call that ends
+    # while the phase is not OPEN (or a close was asked) takes `_lock` to wake the closer.
     self._held: dict[str, tuple[int, str]] = {}
     self._closed = threading.Event()
-
-  def in_turn(self) -> bool:
-    """Whether this thread is inside a call (`next()`, `set_state()`, ...), wherever in it."""
-    return bool(getattr(self._local, "turn", False))
 
   def take_turn(self, what: str) -> None:
     """Begins call `what` in this thread; raises if closed or another call is in progress."""
     local = self._local
-    if getattr(local, "turn", False):  # `in_turn()`, written out: this runs per batch.
+    if getattr(local, "turn", False):  # Inside a call of this thread, wherever in it.
       raise RuntimeError(
         f"{what} was called from inside this thread's own next() (a signal"
         " handler, the source?); call it between batches"
@@ -117,10 +93,7 @@ class Lifetime:
     """Out of a turn: carries out a close asked for after the turn's last look, unless a closer is at it.
 
     A closer in another thread (the phase is not OPEN) closes once this call
-    gave the turn back; the call does not wait for it (its stages may be
-    joining a read stuck in the source). A closer that gave up waiting for
-    the turn set the phase back to OPEN first (under the lock), so this call
-    closes then.
+    gave the turn back; one that gave up waiting set the phase back to OPEN.
     """
     if not self.streams.closing or self._closed.is_set():
       return
@@ -129,18 +102,12 @@ class Lifetime:
     if not closer:
       self.close()
 
-  # -- the close -------------------------------------------------------------------
-
   def close(self) -> None:
-    """The one close path, whoever calls it; idempotent, never raises.
-
-    Asks at once (`Streams.ask`: the agreement decides no more, every wait is
-    woken), takes the turn once the call in progress returned, then ends the
-    streams last (this host's ending with its count, the source closed).
-    """
+    """The one close path, whoever calls it; idempotent, never raises: asks at once, takes the
+    turn once the call in progress returned, then ends the streams last."""
     if self._closed.is_set():
       return  # Also at interpreter exit, where module globals may be gone.
-    if self.in_turn() or getattr(self._local, "closing", False):
+    if getattr(self._local, "turn", False) or getattr(self._local, "closing", False):
       self.streams.ask(session_lib.CLOSE)  # Inside this thread's own turn or close: it finishes.
       return
     if prefetch_lib.in_library_thread():
@@ -159,9 +126,8 @@ class Lifetime:
         return
       me = threading.get_ident()
       with self._lock:
-        # A turn in progress was woken above; one that reads the source itself
-        # (a generator cannot be closed while it runs) carries the close out
-        # when its read returns, if it outlasts this wait.
+        # A turn in progress was woken above; one stuck in the source carries
+        # the close out when its read returns, if it outlasts this wait.
         if not self._idle.wait_for(
           lambda: self._held.setdefault("turn", (me, "close()"))[0] == me,
           prefetch_lib.JOIN_TIMEOUT_S,
@@ -182,12 +148,7 @@ class Lifetime:
       self._local.closing = False
 
   def collected(self) -> None:
-    """The finalizer's close: the main thread closes (a ``del``, the exit); another asks.
-
-    A collection runs wherever something allocates (a stage, a source's own
-    thread that a stage waits on): a close there would wait on that very
-    thread, so a new thread closes.
-    """
+    """The finalizer's close: the main thread closes; elsewhere (a stage's thread) a new thread does."""
     if threading.current_thread() is threading.main_thread():
       self.close()
     else:

@@ -1,16 +1,11 @@
 """Liveness: tell a dead peer from a slow one, through the key-value store.
 
 One beat thread per process (not per iterator) overwrites
-``grain_jax_sync/beat/{p}`` every liveness period (`periods`,
-`key_value.beat_text`): one small store write per process per period, and the
-thread runs whenever the GIL is free, so a busy training loop beats. A process
-that waits for a peer reads its beat once a wait slice brought nothing (once
-per period): unchanged for `periods.DEAD_AFTER_S` means dead, named that long after
-the first read of its last beat, which lags the death by up to two periods
-(the slice plus the beat's), plus one decision hop: within
-docs/guarantees.md's promise, and well before JAX's own heartbeat. A peer that
-never beat has not built an iterator yet (late, not dead). The first beat is
-written before `Beat.ensure` returns, so a process that built an iterator has beat.
+``grain_jax_sync/beat/{p}`` every liveness period (`key_value.beat_text`). A
+process that waits for a peer reads its beat once a wait slice brought nothing
+(once per period): unchanged for `periods.DEAD_AFTER_S` means dead (within
+docs/guarantees.md's promise). A peer that never beat has not built an
+iterator yet: late, not dead.
 """
 
 from __future__ import annotations
@@ -33,12 +28,10 @@ logger = logging.getLogger(__name__)
 class Beat:
   """The process's liveness beat: a daemon thread overwriting one key.
 
-  One per (client, process), not per iterator: `Beat.ensure` starts it on
-  first use and it lives until interpreter exit (named ``gjs-beat-{p}``, not
-  ``grain_jax_sync-*``, so that per-iterator thread checks do not count it).
-  The key is deleted by `stop()`, which runs at interpreter exit. Its
-  thread also runs what `wake` hands it, between beats: the one ordinary
-  thread a signal handler can hand work to with a put.
+  One per (client, process): `Beat.ensure` starts it on first use; `stop()`,
+  at interpreter exit, deletes the key (named ``gjs-beat-{p}``, not
+  ``grain_jax_sync-*``: per-iterator thread checks do not count it). Its
+  thread also runs what `wake` hands it: a signal handler hands work by a put.
   """
 
   _lock = threading.Lock()
@@ -49,10 +42,8 @@ class Beat:
     self._process = process
     # Work to run in the beat's thread (`wake`), or None: stop.
     self._wakes: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-    # The first beat is written here, in the caller's thread, before any
-    # iterator of this process exists: a process killed right after building
-    # its iterator (before the thread's first write) would otherwise never
-    # have beat, and peers would wait for it as a slow start, not name it.
+    # The first beat before any iterator exists: one killed right after would otherwise never
+    # have beat, and peers would wait for it as a slow start.
     self._beat(0)
     self._thread = threading.Thread(target=self._run, name=f"gjs-beat-{process}", daemon=True)
     self._thread.start()
@@ -74,7 +65,7 @@ class Beat:
 
   def _beat(self, n: int) -> None:
     try:
-      key_value.put_beat(self._client, self._process, key_value.beat_text(n))
+      self._client.key_value_set(key_value.beat_key(self._process), key_value.beat_text(n), True)
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing to tell.
       logger.debug("grain_jax_sync: beat failed: %s", e)
 
@@ -103,7 +94,7 @@ class Beat:
     self._wakes.put(None)
     self._thread.join(timeout=2 * periods.LIVENESS_PERIOD_S)
     with contextlib.suppress(Exception):  # Best effort at exit.
-      key_value.delete_beat(self._client, self._process)
+      self._client.key_value_delete(key_value.beat_key(self._process))
 
   @classmethod
   def stop_all(cls) -> None:
@@ -117,15 +108,19 @@ class Beat:
 class Liveness:
   """Tells a dead peer (beat unchanged for `dead_after_s`) from a slow one.
 
-  Reads a peer's beat at most once per liveness period, only while waiting for it,
-  and its close note only when its beat shows a close not read yet.
+  Reads a peer's beat (`exchange.beat_of`) at most once per liveness period
+  of `clock`, only while waiting for it.
   """
 
   def __init__(
-    self, exchange: key_value.KeyValueExchange, dead_after_s: float = periods.DEAD_AFTER_S
+    self,
+    exchange: Any,
+    dead_after_s: float = periods.DEAD_AFTER_S,
+    clock: Callable[[], float] = time.monotonic,
   ):
     self._ex = exchange
     self.dead_after_s = dead_after_s
+    self._clock = clock
     # Per process: its beat, since when it is unchanged, when it was read.
     self._seen: dict[int, tuple[str | None, float, float]] = {}
     # Per process: what its note was read on (`closed`), and the note.
@@ -133,7 +128,7 @@ class Liveness:
 
   def _beat(self, process: int) -> tuple[str | None, float, float]:
     """`process`'s beat, since when it is unchanged, and when it was read (once per liveness period)."""
-    now = time.monotonic()
+    now = self._clock()
     last = self._seen.get(process)
     if last is None or now - last[2] >= periods.LIVENESS_PERIOD_S:
       beat = self._ex.beat_of(process)
@@ -144,7 +139,7 @@ class Liveness:
   def dead(self, process: int) -> bool:
     """Whether `process`'s beat is unchanged for `dead_after_s` (one that never beat is late)."""
     beat, since, _ = self._beat(process)
-    return beat is not None and time.monotonic() - since >= self.dead_after_s
+    return beat is not None and self._clock() - since >= self.dead_after_s
 
   def waiting(self, process: int) -> list[str]:
     """The streams `process` waits at the start of, as of its last beat read here."""
@@ -152,13 +147,8 @@ class Liveness:
     return [] if beat is None else beat.split()[1:]
 
   def closed(self, process: int) -> str | None:
-    """What `process` wrote when it closed the iterator, or None.
-
-    Read once its beat shows a close not read yet, and at each read of its
-    beat while it has none (gone at its exit). A peer that closed the iterator
-    posted its ending to the stream it was in first; finding this instead
-    while waiting for it means that it never started this stream.
-    """
+    """What `process` wrote when it closed the iterator, or None: read once its beat shows a close
+    not read yet, and at each read of its beat while it has none (gone at its exit)."""
     beat, _, read_at = self._beat(process)
     # `key_value.beat_text`: ``{n}/{closes}`` first.
     mark = read_at if beat is None else int(beat.split()[0].partition("/")[2] or 0)

@@ -1,12 +1,9 @@
 """An in-memory key-value store with the methods of `jax.distributed`'s client.
 
-Many clients share one store, as many processes share one coordination
-service: the simulated cluster's hosts (tasks of one thread, in virtual time)
-and the agreement's tests (threads). Semantics follow the real client where
-the agreement relies on them: `key_value_set` refuses to overwrite unless told
-to, a missing key raises an error saying NOT_FOUND, a blocking read that times
-out raises DEADLINE_EXCEEDED, deleting a key deletes everything under it, and
-`key_value_increment` is atomic.
+Shared by the simulated cluster's hosts and the agreement's tests. Its
+semantics follow the real client's where the agreement relies on them (no
+overwrite unless told, NOT_FOUND, DEADLINE_EXCEEDED, deletes under a key,
+atomic increments).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""What a host reports and what process 0 decides, and their wire form.
+"""What a host reports (`Report`, posted in `Chunk`s) and what process 0 decides (`Decision`).
 
-Every host reports what it read (`Report`): each batch's row count, how its
-stream ended, and (first) its structure and settings. `plan.decide` turns one
-report per host into one `Step` per position and an `Outcome`. In the
-streamed agreement processes post their reports as `Chunk`s and process 0
-posts `Decision`s (run-length encoded steps), compact JSON that carries
-`PROTOCOL_VERSION`: every host raises the same `version_error` for a peer
-on another version; a peer's batch signature is checked to be data of its
-form (`batches.checked_json`) when read. Pure Python and NumPy: no JAX, no I/O.
+`plan.decide` turns one report per host into one `Step` per position and an
+`Outcome`. The wire form is compact JSON carrying `PROTOCOL_VERSION`: every
+host raises the same `version_error` for a peer on another version. No JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -79,23 +74,18 @@ class Report:
   """What one host read in one window.
 
   Attributes:
-    process_index: The reporting process.
     rows: Row count of each batch read in this window, in order.
     exhausted: True if the source ended after those batches.
     error: Set if reading or validating the batch after `rows` failed.
     signature: The host's batch structure, once it has seen a batch.
     local_devices: The data shards the host's local devices hold (its local
-      rows divide among them): ``jax.local_device_count()`` unless a model
-      axis replicates rows.
+      rows divide among them).
     config: The host's settings (first window only), compared across hosts.
     more: True if the host read at least one more batch after `rows`;
       otherwise the last of `rows` counts as its last when a short batch is judged.
-    resume: The output batch the host resumes at (first window only),
-      compared across hosts.
-    digests: Where processes share rows: each batch's `reader.rows_digest`,
-      compared by `plan.decide`; empty otherwise.
-    sizes: With `pad_shapes`: each batch's sizes of the varying dims
-      (`batches.HostBatch.sizes`); empty otherwise.
+    resume: The output batch the host resumes at (first window only).
+    digests: Where processes share rows: each batch's `reader.rows_digest`.
+    sizes: With `pad_shapes`: each batch's sizes of the varying dims.
   """
 
   process_index: int
@@ -166,11 +156,9 @@ class Step:
   """One decided position, the same on every host.
 
   Attributes:
-    action: Yield or drop.
     rows: Rows each host yields (the padded size); 0 for a drop.
-    real_rows: Real rows per process (0 where the process yields a dummy);
-      empty in a step read from a `Decision`.
-    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims: every host pads to them.
+    real_rows: Real rows per process (0 for a dummy); empty when read from a `Decision`.
+    sizes: With `pad_shapes`, a yield's agreed sizes of the varying dims.
   """
 
   action: Action
@@ -199,10 +187,8 @@ class Chunk:
   """One post: consecutive positions of one process.
 
   Attributes:
-    start: The position of ``report.rows[0]`` (the process's count of
-      non-empty batches read before this chunk).
+    start: The position of ``report.rows[0]``.
     ack: The poster's count of decisions read: process 0 deletes those every peer has read.
-    report: The rows read, and the end of the stream once reached.
     times: The poster's stage times (`stats.TIMES` order) for `job_stats`;
       None when unchanged since its last chunk.
   """
@@ -222,11 +208,7 @@ class Chunk:
 
   @classmethod
   def from_json(cls, text: str) -> Chunk:
-    """Parses a chunk.
-
-    Raises:
-      ProtocolError: If it comes from another protocol version or does not parse.
-    """
+    """Parses a chunk; ProtocolError if it is of another version or does not parse."""
     return cls.from_obj(load(text, "report"))
 
   @classmethod
@@ -240,11 +222,7 @@ class Chunk:
 
 
 class ProtocolError(ValueError):
-  """A message from a peer that this version cannot read.
-
-  Attributes:
-    version: The peer's protocol version, where it could be read.
-  """
+  """A message from a peer that this version cannot read (`version`: the peer's, if read)."""
 
   def __init__(self, message: str, version: Any = None):
     super().__init__(message)
@@ -274,9 +252,7 @@ def load(text: str, what: str) -> dict[str, Any]:
 def version_error(versions: Mapping[int, Any], processes: Iterable[int]) -> str:
   """The message, the same on every host, for processes on another protocol version.
 
-  Args:
-    versions: The other version each process posted, by process.
-    processes: The processes to show (the others run this version).
+  `versions`: the other version each process posted; `processes`: those to show.
   """
   shown = ", ".join(f"process {p}: {versions.get(p, PROTOCOL_VERSION)!r}" for p in processes)
   return (
@@ -297,13 +273,11 @@ class Decision:
   """What process 0 decided for a run of positions (run-length encoded); every process reads it.
 
   Attributes:
-    start: The first position decided.
-    steps: The decided positions, in order.
-    end: Whether the stream goes on, stops or raises after them.
+    end: Whether the stream goes on, stops or raises after the steps.
     error: The error every host raises (with `Outcome.RAISE`).
     signature: The agreed batch structure, sent once (in the first decision that knows it).
-    batch_size: The agreed full batch size, sent once (in the first decision
-      that knows it): every host judges by it and saves it with its state.
+    batch_size: The agreed full batch size, sent once: every host judges by it
+      and saves it with its state.
     table: Rows of the cross-host view (`job_stats`) that changed; None if not sent.
   """
 
@@ -336,11 +310,7 @@ class Decision:
 
   @classmethod
   def from_json(cls, text: str) -> Decision:
-    """Parses a decision.
-
-    Raises:
-      ProtocolError: If it comes from another protocol version or does not parse.
-    """
+    """Parses a decision; ProtocolError if it is of another version or does not parse."""
     obj = load(text, "decision")
     try:
       steps = tuple(  # One shared (frozen) step per run of equal positions.

@@ -178,29 +178,27 @@ class Keywords(CommonKeywords, total=False):
 def make(
   function: str, keywords: Mapping[str, Any], *, process_count: int, **fixed: Any
 ) -> Options:
-  """Makes and checks the options of `function` from its keyword arguments, once.
+  """Makes and checks the options of entry point `function` from its `keywords`, once.
 
-  Touches no store and starts no thread. An option not given takes the
-  default of `Options` (`mask_key`: left unset, which warns with `paddings`).
-
-  Args:
-    function: The entry point, for messages (``"iter_jax_batches"``, ...).
-    keywords: Its keyword options, under their public names (`Keywords`).
-    process_count: The job's process count (`pad_shapes` needs agreement on several).
-    **fixed: Options that `function` sets itself (`device_put`:
-      `prefetch_batches` and `read_ahead`); a caller may not pass them.
-
-  Raises:
-    TypeError: For a keyword that is not an option of `function`, as Python words it.
-    ValueError: Naming the argument and the value.
+  Touches no store and starts no thread; an option not given takes its `Options`
+  default. `fixed`: options `function` sets itself, which a caller may not pass.
+  A keyword that is no option raises TypeError, as Python words it.
   """
   for key in keywords:
     if key not in Keywords.__optional_keys__ or key in fixed:
       raise TypeError(f"{function}() got an unexpected keyword argument {key!r}")
   unset = {"mask_key": UNSET, "shape_buckets": None, "shape_mask_keys": None}
   given = {**dataclasses.asdict(Options()), **unset, **keywords, **fixed}
-  paddings = given["paddings"]
-  mask_key = _warn_if_unmasked(paddings, given["mask_key"])
+  paddings, mask_key = given["paddings"], given["mask_key"]
+  if mask_key is UNSET:
+    if paddings is not None:
+      logger.warning(
+        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
+        " rows and dummy batches are indistinguishable from real rows (a loss"
+        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
+        " boolean mask column, or `mask_key=None` to silence this warning"
+      )
+    mask_key = None
   for arg, value in (("mask_key", mask_key), ("name", given["name"])):
     if value is not None and not isinstance(value, str):
       raise ValueError(f"`{arg}` must be a str or None, got {value!r:.100}")
@@ -232,20 +230,6 @@ def make(
   )
 
 
-def _warn_if_unmasked(paddings: Any, mask_key: Any) -> str | None:
-  """`mask_key` with `UNSET` as None; warns once if it was unset with `paddings`."""
-  if mask_key is UNSET:
-    if paddings is not None:
-      logger.warning(
-        "grain_jax_sync: `paddings` is set but `mask_key` is not, so padded"
-        " rows and dummy batches are indistinguishable from real rows (a loss"
-        ' or an eval metric counts them). Pass `mask_key="mask"` to get a'
-        " boolean mask column, or `mask_key=None` to silence this warning"
-      )
-    return None
-  return mask_key
-
-
 def _describe(x: Any) -> Any:
   if x is None:
     return None
@@ -269,21 +253,14 @@ def _int_field(state: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
   return checked_int(f"state[{key!r}]", state[key], minimum=minimum)
 
 
-def pinned_batch_size(state: Mapping[str, Any]) -> int | None:
-  """The derived full batch size saved with `state` (optional key), or None."""
-  return _int_field(state, "batch_size", minimum=1) if "batch_size" in state else None
-
-
 def check_state(
   state: Any, *, options: Options, process_index: int, process_count: int
-) -> tuple[int, Any]:
-  """Checks `state` (from `set_state`) against this process and `options`, touching nothing.
+) -> tuple[Any, int, int | None]:
+  """Checks `state` against this process and `options`, touching nothing.
 
-  Returns:
-    (output batches before the resume point, the source's state).
-
-  Raises:
-    ValueError: Naming the field that is missing, ill-typed or different.
+  Returns (the source's state, output batches before the resume point, the
+  derived batch size saved with it or None); a ValueError names the field
+  that is missing, ill-typed or different.
   """
   if not isinstance(state, Mapping):
     raise ValueError(
@@ -327,14 +304,12 @@ def check_state(
         f"`state` was saved by an iterator with other settings ({'; '.join(diffs.values())},"
         " saved vs now); build the iterator with the settings it was saved with"
       )
-  return batches, state["source"]
+  pinned = _int_field(state, "batch_size", minimum=1) if "batch_size" in state else None
+  return state["source"], batches, pinned
 
 
 def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> int:
-  """`value` as an int, or a ValueError naming the argument `arg` if it is no int >= `minimum`.
-
-  `also` ends what the message expects, where the caller takes more (`checked_int_or_none`).
-  """
+  """`value` as an int, or a ValueError naming `arg` if it is no int >= `minimum` (or `also`)."""
   if not shapes_lib.is_int(value) or value < minimum:
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{arg}` must be {kind}{also}, got {value!r:.100}")
@@ -342,10 +317,7 @@ def checked_int(arg: str, value: Any, *, minimum: int = 1, also: str = "") -> in
 
 
 def finite_number(value: Any) -> float | None:
-  """`value` as a float if it is a finite real number (NumPy numbers and 0-d arrays too), else None.
-
-  A bool is not a number here: ``True`` for a weight or a timeout is a mistake.
-  """
+  """`value` as a float if it is a finite real number (NumPy's, 0-d arrays), else None (bools)."""
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -382,10 +354,9 @@ def checked_int_or_none(
 
 
 def check_divisible(options: Options, shards: int, describe: str) -> None:
-  """With `paddings`, `batch_size` must split evenly over this process's data shards.
+  """With `paddings`, a given `batch_size` must split over this process's data shards.
 
-  The one place a given `batch_size` is checked; a derived one is checked by
-  `plan.pin` when the agreement decides it.
+  A derived one is checked by `plan.pin`.
   """
   size = options.batch_size
   if options.paddings is not None and size is not None and size % shards:

@@ -1,12 +1,7 @@
 """Where a batch's rows go: meshes, shard layout, and each process's share.
 
-In the order a placement is resolved: the default mesh (1-D ``"data"`` over
-every device, topology-aware) or the `jax.set_mesh` one, and the axes a mesh
-splits rows over; `dim_layout`, which processes hold which blocks of a
-dimension (processes that hold the same blocks, a model axis across
-processes, feed the same data); `resolve_placement`, the `BatchPlacement` of
-every batch; `resolve_device_put`, `device_put`'s `device` resolved once.
-No `jax.Array` is made here (`transfer.py` does that).
+Processes that hold the same blocks of a dimension (a model axis across
+processes) feed the same data (`dim_layout`). No `jax.Array` is made here.
 """
 
 from __future__ import annotations
@@ -53,11 +48,7 @@ def slice_indices(devices: Iterable[Any]) -> list[Any]:
 
 
 def default_device_order(devices: Sequence[Any]) -> tuple[np.ndarray, str]:
-  """The devices of the default 1-D data mesh, in order, and a sentence saying which rule chose it.
-
-  `devices` are every device of the job, or objects with the attributes that
-  `mesh_utils` reads.
-  """
+  """The default 1-D data mesh's devices (or look-alikes), in order, and which rule chose them."""
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
 
   devices = list(devices)
@@ -155,10 +146,7 @@ def context_mesh() -> jax.sharding.Mesh | None:
 
 
 def data_axes_of(mesh: jax.sharding.Mesh, data_axes: str | Sequence[str] | None) -> tuple[str, ...]:
-  """The mesh axes the rows are split over (major to minor), checked against the mesh.
-
-  None means ``"data"`` where the mesh has it, else every axis.
-  """
+  """The mesh axes the rows are split over (major to minor); None: ``"data"``, else every axis."""
   names = tuple(mesh.axis_names)
   if data_axes is None:
     return (DATA_AXIS,) if DATA_AXIS in names else names
@@ -206,7 +194,6 @@ class DimLayout:
 
 
 def _start(index: Any) -> int:
-  """Where a slice of an index map starts (0 for a whole dimension)."""
   return (index.start or 0) if isinstance(index, slice) else 0
 
 
@@ -252,14 +239,14 @@ def cut(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding:
   return sharding
 
 
-def _as_sharding(sharding: Any, what: str) -> jax.sharding.Sharding:
-  """`sharding` itself, or a mesh as rows over its data axes; raises for anything else."""
+def _as_sharding(sharding: Any) -> jax.sharding.Sharding:
+  """`sharding` itself, or a mesh as rows over its data axes."""
   if isinstance(sharding, jax.sharding.Mesh):
     return jax.sharding.NamedSharding(sharding, data_spec(sharding))
   if isinstance(sharding, jax.sharding.Sharding):
     return sharding
   raise ValueError(
-    f"`{what}` must be a jax.sharding.Sharding or a jax.sharding.Mesh, got"
+    "`sharding` must be a jax.sharding.Sharding or a jax.sharding.Mesh, got"
     f" {type(sharding).__qualname__}: {sharding!r:.200}"
   )
 
@@ -292,11 +279,11 @@ def local_to_global_shape(
     >>> local_to_global_shape((8, 3), NamedSharding(mesh, P("data")))
     (16, 3)
   """
-  return _reshape(_as_sharding(sharding, "sharding"), _shape("local_shape", local_shape), True)
+  return _reshape(_as_sharding(sharding), _shape("local_shape", local_shape), True)
 
 
 def _shape(arg: str, shape: Any) -> tuple[int, ...]:
-  """`shape` as a tuple of Python ints >= 0 (NumPy's too), or an error naming `arg`."""
+  """`shape` as a tuple of Python ints >= 0 (NumPy's too)."""
   if isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, (Sequence, np.ndarray)):
     raise TypeError(f"`{arg}` must be a sequence of ints (a shape), got {shape!r:.100}")
   if not all(map(shapes_lib.is_int, shape)) or any(d < 0 for d in shape):
@@ -348,8 +335,7 @@ def global_to_local_shape(
     >>> global_to_local_shape((16, 3), NamedSharding(mesh, P("data")))
     (8, 3)
   """
-  global_shape = _shape("global_shape", global_shape)
-  return _reshape(_as_sharding(sharding, "sharding"), global_shape, False)
+  return _reshape(_as_sharding(sharding), _shape("global_shape", global_shape), False)
 
 
 # -- the placement of every batch: the sharding and this process's share ---------
@@ -371,19 +357,11 @@ class DataShardInfo(NamedTuple):
 class BatchPlacement:
   """Where every batch goes: the sharding and this process's data shards.
 
-  A *data shard* is a block of rows on the devices (one per index of the data
-  axes). This process's local rows, split into ``len(local_blocks)`` equal
-  parts, go in order to its `local_blocks`, which need not be adjacent in the
-  global batch. Processes in one `groups` entry must feed identical rows.
-
-  Attributes:
-    sharding: The sharding of every leaf (a spec is cut to a leaf's rank).
-    shard_index: This process's input shard (its entry in `groups`).
-    shard_count: Input shards: distinct sets of rows that processes feed.
-    num_blocks: Data shards of the global batch.
-    local_blocks: The data shards this process holds, ascending.
-    groups: Per input shard, the processes that feed it.
-    chosen_by: How the sharding was chosen (for logs and `doctor`).
+  A *data shard* is a block of rows (one per index of the data axes). This
+  process's local rows, split into equal parts, go in order to its
+  `local_blocks` (ascending, not necessarily adjacent). `groups`: per input
+  shard (`shard_index`), the processes that feed it identical rows.
+  `chosen_by`: how the sharding was chosen (for logs and `doctor`).
   """
 
   sharding: jax.sharding.Sharding
@@ -406,11 +384,9 @@ class BatchPlacement:
 
   @functools.cached_property
   def single_process(self) -> bool:
-    """Whether this is the only process (global shapes are local shapes)."""
     return jax.process_count() == 1
 
   def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
-    """The global shape of a leaf this process feeds with `local_shape`."""
     return local_to_global_shape(local_shape, self.sharding)
 
   def describe_local(self) -> str:
@@ -421,12 +397,10 @@ class BatchPlacement:
     return f"the {self.local_shards} data shards that this process's {devices} local devices hold"
 
   def fingerprint(self) -> dict[str, str]:
-    """What every process's sharding must share, for the first report.
+    """What every process's sharding must share: mesh, spec and a digest of the device order.
 
-    The mesh's axes and shape, the spec, and a digest of the global device
-    order (two meshes of the same shape over the same devices in another
-    order place rows differently, and `make_array_from_process_local_data`
-    checks neither: the job hangs in the transfer or computes on mixed rows).
+    Another order places rows differently, and `make_array_from_process_local_data`
+    does not check: the job hangs in the transfer or computes on mixed rows.
     """
     s = self.sharding
     if isinstance(s, jax.sharding.NamedSharding):
@@ -454,7 +428,6 @@ class BatchPlacement:
 
 
 def _check_covers(sharding: jax.sharding.Sharding, what: str) -> None:
-  """With several processes, the sharding must span every device of the job."""
   if jax.process_count() == 1:
     return
   have = sharding.device_set
@@ -471,11 +444,7 @@ def _check_covers(sharding: jax.sharding.Sharding, what: str) -> None:
 
 
 def _check_trailing_whole(sharding: jax.sharding.Sharding, what: str) -> None:
-  """Every process must hold every block of each dimension after the rows.
-
-  Processes that hold different blocks of a trailing dimension hold the same
-  rows: they would be compared as replicas, which they are not.
-  """
+  """Every process must hold every block after the rows (else non-replicas are compared as such)."""
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return
   ndim = len(sharding.spec)
@@ -530,13 +499,8 @@ def resolve_placement(
 ) -> BatchPlacement:
   """Picks the sharding of every batch and this process's share of its rows.
 
-  In order: a full `sharding`; else `mesh` (or the mesh set by `jax.set_mesh`,
-  or `default_mesh()`) with rows over `data_axes` (see `data_axes_of`),
-  replicated over the rest, or with a `sharding` PartitionSpec applied to it.
-
-  Raises:
-    ValueError: For conflicting or bad arguments, a mesh that misses devices
-      of the job, or a sharding whose rows processes hold unevenly.
+  A full `sharding`; else `mesh` (else the `jax.set_mesh` one, else
+  `default_mesh()`) with rows over `data_axes`, or with a `sharding` PartitionSpec.
   """
   if isinstance(sharding, jax.sharding.Sharding):
     if mesh is not None or data_axes is not None:
@@ -598,10 +562,9 @@ def data_shard_info(
     >>> data_shard_info(mesh)
     DataShardInfo(shard_index=0, shard_count=1)
   """
-  if isinstance(mesh_or_sharding, jax.sharding.Mesh):
-    p = resolve_placement(mesh=mesh_or_sharding, data_axes=data_axes)
-  else:
-    p = resolve_placement(sharding=mesh_or_sharding, data_axes=data_axes)
+  mesh = mesh_or_sharding if isinstance(mesh_or_sharding, jax.sharding.Mesh) else None
+  sharding = None if mesh is not None else mesh_or_sharding
+  p = resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
   return DataShardInfo(p.shard_index, p.shard_count)
 
 
@@ -612,19 +575,14 @@ _ONE_PLACEMENT = (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.Partiti
 
 @dataclasses.dataclass(frozen=True)
 class DevicePutPlacement:
-  """Where `device_put` puts elements: its `device` argument, resolved once.
-
-  Resolved in the caller's thread (`resolve_device_put`), so that the mesh set
-  by `jax.set_mesh` around `device_put` is the one used.
+  """`device_put`'s `device` argument, resolved once (`resolve_device_put`).
 
   Attributes:
-    batches: Where global batches go (under a `per_leaf` `device`, the
-      context or default mesh's placement).
-    per_leaf: True if `device` places each element as it is, as
-      `jax.device_put` does (None, or a pytree of different placements; one
-      process only).
+    batches: Where global batches go (under `per_leaf`, the context or default mesh's placement).
+    per_leaf: True if `device` places each element as `jax.device_put` does
+      (None, or a pytree of different placements; one process only).
     element: What `jax.device_put` gets for an element placed as it is (an
-      unbatched element, or any element under a per-leaf `device`).
+      unbatched element, or any element under `per_leaf`).
   """
 
   batches: BatchPlacement
@@ -638,7 +596,6 @@ class DevicePutPlacement:
 
 
 def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> BatchPlacement:
-  """`device_put`'s `device` (or `mesh`/`data_axes`/`sharding`) as one placement."""
   if isinstance(device, jax.Device):
     if jax.process_count() > 1:
       raise ValueError(
@@ -670,19 +627,16 @@ def _usage_error(device: Any) -> ValueError:
 
 
 def _placed_as_is(element: Any) -> DevicePutPlacement:
-  """Elements placed as `jax.device_put(element, element)` places them (one process)."""
+  """As `jax.device_put(x, element)` places x (one process)."""
   return DevicePutPlacement(resolve_placement(), True, element)
 
 
 def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> DevicePutPlacement:
   """Resolves `device` (or `mesh`/`data_axes`/`sharding`) once, in the caller's thread.
 
-  `device` left unset means `mesh`/`sharding`, else the `jax.set_mesh` mesh,
-  else `default_mesh()`. None, or None inside a pytree, means the default
-  device on one process, so that Grain's calls place as Grain does; on
-  several processes, where a global batch spans every host's devices, unset.
-  Raises ValueError for a `device` that is no placement or conflicting
-  arguments, or one that cannot place global batches on several processes.
+  Unset: `mesh`/`sharding`, else the `jax.set_mesh` mesh, else `default_mesh()`.
+  None (also inside a pytree): the default device on one process, as Grain
+  places; unset on several, where a global batch spans every host's devices.
   """
   multi = jax.process_count() > 1
   if device is None and not multi:

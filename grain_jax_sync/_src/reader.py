@@ -1,14 +1,10 @@
-"""The reader stage: source -> `Read(batch, state)` ... then one `End`.
+"""The reader stage: source -> `Read(batch, state)` ... then one `End`. No JAX.
 
 Everything that can fail on this host alone happens here, before the batch's
-row count is posted to any peer: `next()`, validation (every leaf through
-`np.asarray`), the 64-bit integer and narrowing float range checks, and
+row count is posted to any peer: `next()`, validation, the range checks and
 `source.get_state()`. Any exception, of any type (KeyboardInterrupt and
-SystemExit raised by the source too), becomes the `End` at the position of
-the read that failed: a position whose row was never posted, which every
-host can agree on.
-
-Pure NumPy; no JAX.
+SystemExit too), becomes the `End` at the position of the read that failed: a
+position whose row was never posted, which every host can agree on.
 """
 
 from __future__ import annotations
@@ -36,13 +32,9 @@ _WIDE = frozenset(d.name for d in _INT_RANGE)
 
 
 class Narrowing(NamedTuple):
-  """A leaf whose values are cast on the host to a float dtype of smaller range.
+  """A leaf (by index) cast on the host to a float `dtype` of smaller range.
 
-  Attributes:
-    leaf: The leaf's index.
-    dtype: The float dtype its values land in.
-    why: What casts it, completing "the dtype ..." (x64 off, or `dtypes`).
-    fix: How to keep the values.
+  `why` completes "the dtype ..." (x64 off, or `dtypes`); `fix` says how to keep the values.
   """
 
   leaf: int
@@ -55,21 +47,17 @@ class Reader:
   """Iterates `Read`s from the source, then one `End`, then stops.
 
   Args:
-    source: The per-host source.
-    process_index: This process (for messages).
     check_int32: Refuse int64/uint64 values outside the int32/uint32 range
       (JAX holds 64-bit integers as 32-bit ones while x64 is off).
     start_error: An error to end with before reading (a malformed state).
     digest: Where processes share rows: the digest of a batch's leaves
-      (`rows_digest`), computed here, in the reading thread.
-    shapes: `pad_shapes` and its kin (`shapes.make`): the dims that may vary.
-    narrowing: The batch structure -> its leaves cast on the host to a float
-      dtype of smaller range (`build.narrowing`): their finite values must
-      stay finite.
+      (`rows_digest`), computed in the reading thread.
+    shapes: `pad_shapes` and its kin: the dims that may vary.
+    narrowing: The batch structure -> its `Narrowing` leaves (`build.narrowing`),
+      whose finite values must stay finite.
 
   Attributes:
-    source_s: Seconds spent in the source's ``next()`` and ``get_state()``
-      (written by the reading thread only).
+    source_s: Seconds in the source's ``next()`` and ``get_state()`` (reading thread only).
   """
 
   def __init__(
@@ -216,10 +204,8 @@ def check_float_range(
 ) -> None:
   """Raises if a finite value of a narrowed leaf would not be finite in its float dtype.
 
-  One `min()` and one `max()` per narrowed leaf, and a cast of those two: a
-  cast is monotonic, so every value casts to a finite one when both
-  extremes do. NaN and inf are data and pass; a leaf holding them has its
-  finite values looked at instead.
+  A cast is monotonic: casting each leaf's two extremes checks every value.
+  NaN and inf are data and pass (then the finite values' extremes are cast).
   """
   for n in narrow:
     leaf = hb.leaves[n.leaf]
@@ -261,19 +247,11 @@ DIGEST_ROW_BYTES = 1024
 
 
 def rows_digest(leaves: Sequence[np.ndarray]) -> str:
-  """A cheap digest of a batch's rows, to compare across processes.
+  """A cheap digest (16 hex digits) of a batch's leaves, for processes that share a data shard.
 
-  Hashes each leaf's dtype and shape, and its bytes: whole up to
-  `DIGEST_FULL_BYTES`, else a strided sample of rows and of each row's
-  elements. Equal rows give equal digests; rows loaded from another shard
-  or another shuffle differ in the sample with near certainty. Processes that
-  share a data shard compare them (`plan.shared_rows_error`).
-
-  Args:
-    leaves: The batch's leaves, rows first.
-
-  Returns:
-    16 hex digits.
+  Hashes each leaf's dtype, shape and bytes: whole up to `DIGEST_FULL_BYTES`,
+  else a strided sample of rows and of each row's elements. Rows from another
+  shard or shuffle differ in the sample with near certainty.
   """
   h = hashlib.blake2b(digest_size=8)
   for leaf in leaves:

@@ -32,8 +32,7 @@ class _Tee(io.TextIOBase):
 def run_as_main(path: str, argv: Sequence[str]) -> str:
   """Runs the file `path` (absolute) as ``__main__`` with `argv`; returns what it printed.
 
-  Raises:
-    RuntimeError: If the script exits with a non-zero status.
+  A non-zero exit status raises RuntimeError.
   """
   tee = _Tee(sys.stdout)
   old_argv = sys.argv
@@ -53,11 +52,8 @@ def run_as_main(path: str, argv: Sequence[str]) -> str:
 def resolve_function(target: str) -> Callable[..., Any]:
   """The module-level function that ``module:function`` or ``path/to/file.py:function`` names.
 
-  A file is imported under a ``__gjs`` module name, so that
-  `grain_jax_sync.testing.run_processes` imports it by path in every process.
-
-  Raises:
-    ValueError: If `target` is malformed or names nothing callable.
+  A file is imported under a ``__gjs`` module name, so that `run_processes`
+  imports it by path in every process.
   """
   module, sep, name = target.rpartition(":")
   if not sep or not module or not name:

@@ -6,23 +6,17 @@ source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> us
                      thread, one decided position queued]          `prefetch_batches` queued]
 ```
 
-With `prefetch_batches=0` every stage runs in the caller's `next()`. With
-prefetch, each threaded stage is a `prefetch.Prefetcher` and the consumer's
-`next()` is one queue get. The source is read by the agreement, wherever it
-runs (with the key-value store and prefetch, in a reading thread of its
-own). At most three threads per stream.
+With `prefetch_batches=0` every stage runs in the caller's `next()`; with
+prefetch, each threaded stage is a `prefetch.Prefetcher` (at most three
+threads per stream) and `next()` is one queue get.
 
-A `Stream` is built from a frozen `Start` and owns every thread it starts;
-`lifetime.Lifetime` decides who ends the streams last (`Streams.end` with
-``last``, once). The thread in the call (`next()`, `set_state()`, ...)
-makes, advances and ends the streams. Other threads only call `ask` (a stop
-or a close asked for) and `times` (`stats`): they put on the inbox, set the
-write-once ``closing``, or read fields set before the stream was published
-and the stage counters (floats, each written by the one thread that runs its
-stage). The inbox (`Streams.asks`) belongs to the stream running or to start
-next: whoever runs that stream's agreement drains it at each step, so an ask
-put before, during or after a stream's start reaches it, with no check of
-what another thread wrote; a restart gives the next stream a new inbox.
+The thread in the call (`next()`, `set_state()`, ...) makes, advances and
+ends the streams. Other threads only `ask` (a stop or a close: a put on the
+inbox, and the write-once ``closing``) and read `times`: fields set before
+the stream was published, and stage counters each written by one thread.
+The inbox (`Streams.asks`) belongs to the stream running or to start next,
+whose agreement drains it at each step: an ask put before, during or after
+its start reaches it; a restart gives the next stream a new inbox.
 """
 
 from __future__ import annotations
@@ -66,13 +60,11 @@ logger = logging.getLogger(__name__)
 READ_THREAD = "grain_jax_sync-read"
 AGREE_THREAD = "grain_jax_sync-agree"
 BUILD_THREAD = "grain_jax_sync-prefetch"
-# The collective fallback's window where `synchronize_lookahead` is None: its
-# all-gathers are collectives in the caller's thread, each a round trip over
-# every device, so a window amortizes them; an ending lands within it.
+# The collective fallback's window where `synchronize_lookahead` is None: a
+# window amortizes its all-gathers (each a round trip over every device).
 LOCKSTEP_WINDOW = 10
-# Decided positions queued between the agreement thread and the build
-# thread: one, so that positions are decided just ahead of the build, on any
-# host; the agreement's read-ahead is what overlaps the exchange.
+# Decided positions queued for the build thread: one, so that positions are
+# decided just ahead of the build; the read-ahead overlaps the exchange.
 AGREE_BUFFER = 1
 # What `Streams.ask` takes: `request_stop()`, and a close (`lifetime.Lifetime`).
 STOP = "stop"
@@ -82,18 +74,14 @@ CLOSE = "close"
 class Mark(NamedTuple):
   """Where the consumer is: replaced whole, so that a reader never mixes two batches.
 
-  Attributes:
-    position: Batches received.
-    state: The source state after them.
-    batch_size: The agreed full batch size (given, or derived from the first
-      position and saved with the state); None until known.
-    delivered: What the consumer received over the iterator's life.
+  `batch_size`: the agreed full batch size (given, or pinned by the first
+  position and saved with the state); None until known.
   """
 
-  position: int
-  state: Any
+  position: int  # Batches received.
+  state: Any  # The source state after them.
   batch_size: int | None
-  delivered: stats_lib.Delivered
+  delivered: stats_lib.Delivered  # Over the iterator's life.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +99,7 @@ class Start:
 
 
 class Stream:
-  """One (re)start of the stream: its stages, composed in the diagram's order, and its ending.
-
-  Owns every thread it starts and its exchange; `halt` stops the stages in
-  reverse and, at the stream's end, has its ending posted once (by the
-  agreement's thread, or here where none runs).
-  """
+  """One (re)start of the stream: its stages in the diagram's order, its threads and its exchange."""
 
   def __init__(self, start: Start):
     options = start.options
@@ -131,13 +114,9 @@ class Stream:
     self._exchange = ex
     self._ended = False
     self.agreement: driver.Driver | None = None
-    # The agreement of either form: the batch size it pinned, who stopped it.
-    self.stopper: Agreement | None = None
-    # The streamed agreement where it runs in the consumer's call: the call
-    # holds its turn, and posts a stop asked for meanwhile when it ends.
-    self._inline: driver.Driver | None = None
+    self.stopper: Agreement | None = None  # Either form: the batch size it pinned, who stopped.
+    self._inline: driver.Driver | None = None  # Run in the consumer's call, which holds its turn.
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
-    # The diagram's order: read, agree, build; each stage reads the one before.
     read = reader.Reader(
       start.source,
       process_index=ex.process_index,
@@ -149,7 +128,7 @@ class Stream:
     )
     self._builder = build_lib.Builder(options, start.placement, start.mark.state)
     runs = self._agree(start, read)
-    self._read = read  # Counts its own time (`times`), as the exchange and the builder do.
+    self._read = read  # Counts its own time (`times`).
     self._items = self._build(start, runs)
 
   def _shares(self, start: Start) -> bool:
@@ -159,7 +138,15 @@ class Stream:
   def _agree(self, start: Start, read: reader.Reader) -> Iterator[Run]:
     """The agreement of the form the exchange picks: decided runs."""
     options, ex = start.options, self._exchange
-    who = _identity(start, ex.process_index, shares=self._shares(start))
+    who = Identity(
+      process=ex.process_index,
+      devices=start.placement.local_shards,
+      # The options and the sharding (not saved in a state: a resumed job
+      # may run on another mesh, but its processes must share one).
+      config={**options.digest(), **start.placement.fingerprint()},
+      resume=start.mark.position,
+      groups=start.placement.groups if self._shares(start) else (),
+    )
     rules = options.rules(batch_size=start.mark.batch_size)
     if not isinstance(ex, key_value.KeyValueExchange):
       # Lockstep: one process, or each alone; the collective fallback in the caller's thread.
@@ -172,9 +159,7 @@ class Stream:
         return self._agree_thread(stepper, options)  # `device_put`'s `cpu_buffer_size`.
       return iter(stepper)
     ended = exchange_streams.pre_ended(start.namespace)
-    if ended is not None:
-      # This host already posted its ending to this stream (the crosswise
-      # wait, `streamed.Streamed`): the stream raises it, with no exchange.
+    if ended is not None:  # Posted here already (the crosswise wait): raised, no exchange.
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
     self.agreement = driver.Driver(
@@ -191,8 +176,7 @@ class Stream:
         read_ahead=options.read_ahead,
         job=start.job,
       ),
-      # With prefetch, the source is read in a thread of its own, so that a
-      # stuck read holds up no decision, stop or close.
+      # A reading thread: a stuck read holds up no decision, stop or close.
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
       ex,
       self._builder,
@@ -210,9 +194,7 @@ class Stream:
     return self._prefetched(producer, options.read_ahead or AGREE_BUFFER, AGREE_THREAD)
 
   def _build(self, start: Start, runs: Iterator[Run]) -> Iterator[build_lib.Item]:
-    """Built items: in a thread `prefetch_batches` ahead, or inline."""
-    # The collective fallback runs in the caller's thread only; a stream this
-    # host already ended raises at once.
+    """Built items: in a thread `prefetch_batches` ahead, or inline (collectives; pre-ended)."""
     if (
       start.options.prefetch_batches == 0
       or isinstance(self._exchange, collective.CollectiveExchange)
@@ -222,18 +204,13 @@ class Stream:
     return self._prefetched(self._builder(runs), start.options.prefetch_batches, BUILD_THREAD)
 
   def _prefetched(self, producer: Iterator[Any], buffer_size: int, name: str) -> Iterator[Any]:
-    """`producer` in a stage thread that takes a slot before it produces an item.
-
-    So the agreement decides only once the build took the last position, and
-    the built batches are the only decided ones ahead of the consumer beyond
-    the horizon.
-    """
+    """`producer` in a stage thread that takes a slot before it produces an item (so the
+    agreement decides only once the build took the last position)."""
     stage = prefetch_lib.Prefetcher(
       producer,
       buffer_size=buffer_size,
       in_hand=False,
-      # The exchange's own method: a bound method of these stages would make
-      # a cycle that outlives a dropped iterator until a garbage collection.
+      # The exchange's own method: one of this stream's would make a cycle.
       on_close=getattr(self._exchange, "cancel", None),
       name=name,
     )
@@ -253,9 +230,7 @@ class Stream:
       raise
     except StopIteration:
       if self.agreement is not None and self.agreement.core.reached_end:
-        # The agreed end (exhausted or a requested stop): every peer's
-        # consumer must get there too, or this host raises naming the one
-        # that left.
+        # The agreed end: every peer's consumer gets there, or this raises naming one.
         self.reached_end = True
         self.agreement.wait_for_peers_at_end()
       raise
@@ -270,10 +245,7 @@ class Stream:
     return item
 
   def first_run(self) -> build_lib.FirstRun:
-    """The first decided run, waited for without building a batch. In the call.
-
-    Its signature is None where the stream ended before it: `__next__` raises how.
-    """
+    """The first decided run, waited for without building a batch (its signature None: ended)."""
     first = self._builder.first
     with self._turn():
       first.wait()
@@ -322,11 +294,9 @@ class Stream:
   def halt(self, ended: bool = False) -> None:
     """Stops every stage, from the user's end back to the source; `ended`: the stream's last. Once.
 
-    Ended, this host's ending was asked of the agreement (`Streams.end`),
-    whose thread posts it as it returns (no position is decided after it);
-    every wait is woken first, and a read in progress is not waited for
-    (`reading` may still be in it). Inline, all under the agreement's turn (a
-    stop being posted is one write), and the ending is posted here.
+    Ended, the agreement's thread posts the ending asked (`Streams.end`) as it
+    returns; every wait is woken first, a read in progress is not waited for
+    (`reading`). Inline, under the agreement's turn, and posted here.
     """
     if ended:
       if self._ended:
@@ -366,17 +336,10 @@ class Streams:
   """The streams of one iterator: opens the source, starts each stream, and ends each in `end`.
 
   Every ending goes through `end`: the stream's own (from `next`), a restart
-  (`reset`, `restore`; a refused state is this host's ending too) and the
-  close (``last``, also the finalizer's, through `lifetime.Lifetime`). The
-  thread in the call owns every field; other threads only call `ask` (no
-  lock), and read ``mark``, ``stream`` and ``finished``, each one value
-  replaced whole, and the three flags (module docstring).
-
-  Args:
-    origin: What the user passed (reopened by `reset`).
-    options: The iterator's options.
-    placement: Where the rows go.
-    namespace: The iterator's key prefix (None: nothing is exchanged).
+  (`reset`, `restore`; a refused state too) and the close (``last``). Other
+  threads read ``mark``, ``stream`` and ``finished``, each replaced whole.
+  `origin`: what the user passed (reopened by `reset`); `namespace`: the
+  iterator's key prefix (None: nothing is exchanged).
   """
 
   def __init__(
@@ -396,9 +359,7 @@ class Streams:
     try:
       self.source = sources.open_source(origin)
       self.initial = self.source.get_state() if self.source.supports_state else None
-    except BaseException as e:
-      # The first stream's ending: its peers would otherwise wait
-      # `sync_timeout_s` for a host that never reports.
+    except BaseException as e:  # The first stream's ending: peers would wait for it.
       self.generation = 1
       end = endings.failed(jax.process_index(), 0, 0, e, "opening its source")
       _post_unstarted(options, self._keys(), 0, end.error)
@@ -460,9 +421,7 @@ class Streams:
       tracebacks.clear_library_frames(e)
       tracebacks.for_user(e)  # The user's frames and the message, not the library's threads.
       raise
-    if self.closing:
-      # Closed from another thread meanwhile (its count excludes this batch),
-      # or from a signal handler inside this call: no batch after `close()`.
+    if self.closing:  # Closed meanwhile (another thread, a handler): no batch after `close()`.
       raise StopIteration
     # Replaced whole: readers in other threads see the old mark or the new one.
     mark = self.mark
@@ -483,12 +442,10 @@ class Streams:
   ) -> None:
     """The one ending path: ends the running stream with `ending` (default: closed). In the call.
 
-    Asks the agreement for the ending with this host's exact count before any
-    wait is woken (a woken agreement thread finds it). With no stream running
-    and `unstarted`, the ending goes to the stream this host would start next,
-    if none started since the last (re)start: peers may wait in it. `last`:
-    the close, which marks this host closed and closes the source (once a
-    read stuck in it returns; `_settle_reads`).
+    The ending, with this host's exact count, is asked before any wait is
+    woken. With no stream running and `unstarted`, it goes to the stream this
+    host would start next if none started since the last (re)start (peers
+    wait in it). `last`: the close: this host marked closed, the source closed.
     """
     stream, at = self.stream, self.mark.position
     if stream is not None:
@@ -498,17 +455,17 @@ class Streams:
         stream.agreement.ask(core.Closing(at, ending, stream.left))
       stream.halt(ended=True)
       self.finished = self.finished + stream.times()
-      # The figures of the batches built after the final decision too; posted
-      # for the peers only after an agreed end (an error ends every host, and
-      # its keys would outlive an iterator never closed).
+      # Posted for the peers after an agreed end only (an error's would outlive the iterator).
       self.job.ended(post=stream.reached_end)
     elif unstarted and self._namespace is not None and self.pending_start:
       self.generation += 1
       _post_unstarted(self._options, self._keys(), at, ending)
     if not last:
       return
-    if self._namespace is not None:
-      _register_close(self._namespace, self._keys(), at)
+    if self._namespace is not None:  # Closed for the peers; nothing of it stays recorded.
+      note = key_value.close_note(self._keys(), jax.process_index(), at)
+      key_value.register_close(self._namespace, note)
+      exchange_streams.forget(self._namespace)
     if self._reading is None:
       self.source.close()
     else:
@@ -517,12 +474,8 @@ class Streams:
   def ask(self, what: str) -> None:
     """`STOP` or `CLOSE`, from any thread or a signal handler: one put, then a wake; no lock.
 
-    The put goes to the inbox of the stream running or to start next, which
-    its agreement drains at each step, at its start too: it reaches that
-    stream whenever it comes. A stop ends every host at one position (the
-    first one asked wins; one after the stream ended changes nothing). A
-    close: the agreement decides no more, every wait is woken; `end` asks
-    its ending.
+    A stop ends every host at one position (the first asked wins). A close:
+    the agreement decides no more, every wait is woken; `end` asks its ending.
     """
     close = what == CLOSE
     if close:
@@ -533,8 +486,6 @@ class Streams:
     stream = self.stream
     if stream is not None:
       stream.heard(close)  # A wake: an old stream's is harmless, a new one drains anyway.
-
-  # -- restarts ------------------------------------------------------------------
 
   def reset(self) -> None:
     """Ends the stream as this host's reset and restarts at the source's beginning (reopened)."""
@@ -547,11 +498,9 @@ class Streams:
     """Restarts at the state `resolve` gives: (source state, batches received, batch size).
 
     Raises:
-      ValueError: `resolve` or the source refused the state. That is this
-        host's ending, posted at once to the running stream or the one it
-        would start (a host that lets the error propagate keeps the iterator
-        alive in its traceback, and its peers would wait), and `next()`'s
-        until a restart.
+      ValueError: `resolve` or the source refused the state: this host's
+        ending, posted at once (the traceback keeps the iterator alive, and
+        peers would wait), and `next()`'s until a restart.
     """
     try:
       source_state, batches, batch_size = resolve()
@@ -610,25 +559,6 @@ class Streams:
   def snapshot(self) -> dict[str, Any]:
     """This host's `stats()`: no lock, from any thread or a signal handler."""
     return stats_lib.snapshot(self.mark.delivered, self.times())
-
-
-def _register_close(namespace: str, keys: str | None, at: int) -> None:
-  """Marks this host closed for the peers (`key_value.register_close`); forgets the iterator."""
-  key_value.register_close(namespace, key_value.close_note(keys, jax.process_index(), at))
-  exchange_streams.forget(namespace)  # Nothing of a closed iterator stays recorded.
-
-
-def _identity(start: Start, process: int, *, shares: bool) -> Identity:
-  """This host as its first report describes it to the agreement."""
-  return Identity(
-    process=process,
-    devices=start.placement.local_shards,
-    # The options and the sharding (not saved in a state: a resumed job
-    # may run on another mesh, but its processes must share one).
-    config={**start.options.digest(), **start.placement.fingerprint()},
-    resume=start.mark.position,
-    groups=start.placement.groups if shares else (),
-  )
 
 
 def _one_by_one(runs: Iterator[Run]) -> Iterator[Run]:

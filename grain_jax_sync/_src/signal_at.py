@@ -1,10 +1,8 @@
 """The simulator's `signal_at`: a process signals itself once it received batch k.
 
-`grain_jax_sync.testing.run_processes(signal_at=...)` (and ``simulate
---signal``) sets `ENV` in one process's environment. That process reads it
-once, at import; its iterators compare each delivered position with
-`AFTER_BATCH` (-1 everywhere else: one int comparison per batch), and the
-first to deliver batch k calls `send`, once.
+`run_processes(signal_at=...)` sets `ENV` in one process's environment, read
+at import; its iterators compare each delivered position with `AFTER_BATCH`
+(-1 elsewhere), and the first to deliver batch k calls `send`, once.
 """
 
 from __future__ import annotations
@@ -25,11 +23,7 @@ def encode(after_batch: int, signum: int) -> str:
 
 
 def parse(text: str) -> tuple[int, int]:
-  """`ENV`'s value as (after_batch, signum); (-1, 0) when unset.
-
-  Raises:
-    ValueError: If `text` is not ``"BATCH:SIGNAL"`` with BATCH >= 1.
-  """
+  """`ENV`'s value (``"BATCH:SIGNAL"``, BATCH >= 1) as (after_batch, signum); (-1, 0) when unset."""
   if not text:
     return -1, 0
   batch, sep, signum = text.partition(":")

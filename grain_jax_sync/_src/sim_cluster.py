@@ -1,8 +1,5 @@
-"""A simulated cluster: N hosts' real agreement cores, an in-memory store, a virtual clock.
-
-Each host runs the library's core over the real `KeyValueExchange` on an in-memory store; its
-threads (reading, agreement, build, the training loop) are tasks of a discrete-event scheduler.
-One process, no thread, deterministic: a bound in seconds takes milliseconds.
+"""A simulated cluster: N hosts' real agreement cores over the real `KeyValueExchange` on an
+in-memory store; their threads are tasks of a discrete-event scheduler (virtual time, no thread).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import memory_store, messages, periods, reader, sources, stats
+from grain_jax_sync._src import liveness, memory_store, messages, periods, reader, sources, stats
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import common, core, decider, interpreter
@@ -31,34 +28,29 @@ _NS = "grain_jax_sync/sim/1"
 class HostPlan:
   """What one simulated host does, in virtual seconds.
 
-  A "batch" below counts the batches its loop received (padded dummies
-  included), from 1; times are seconds >= 0. A plan that cannot happen is
-  refused: `ValueError` here, or from `SimulatedCluster.run` for a batch past
-  the job's last (the longest shard).
+  A "batch" counts the batches its loop received (dummies included), from 1;
+  times are seconds >= 0. A plan that cannot happen raises `ValueError`
+  (from `SimulatedCluster.run` for a batch past the longest shard's last).
 
   Attributes:
     batches: Batches in its shard (then its source is exhausted).
     rows: Rows of each batch.
-    step_s: Its training step, after each batch it receives (a collective one
-      by default: `SimulatedCluster.collective_steps`).
+    step_s: Its training step after each batch (`SimulatedCluster.collective_steps`).
     read_s: Each read of its source.
     stall: ``(read, seconds)``: its source's read `read` (from 0; `batches`
-      is the read that finds it exhausted) takes this long (the process is alive).
+      finds it exhausted) takes this long (alive).
     error_at: Its source raises `error` (default: an `OSError`) when asked for
-      batch `error_at` (from 0, below `batches`): the batches before it are
-      received.
+      batch `error_at` (from 0, below `batches`).
     error: What its source raises.
     refused: Its state was refused (`set_state`): this `ValueError` text is its ending.
     stop: ``(batch, seconds)``: `request_stop()` this long into the step after
-      that batch; batch 0: this long after its stream's start (`start_s`),
-      before or during its first `next()`.
+      that batch; batch 0: this long after `start_s`.
     pause: ``(batch, seconds)``: its loop pauses this long after that batch's step (alive).
     close_at: `close()` instead of its next call once it received this many batches.
     close_s: `close()` from another thread at this time.
     kill_at: The process dies at this time (its beat stops).
     start_s: Its first `next()` (its stream's start) at this time.
-    resume: The batch its restored state resumes from: its first batch is
-      batch ``resume`` of the job (its shard holds those after it).
+    resume: The batch of the job its restored state resumes from.
     config: Its settings, as its first report carries them.
     sync_timeout_s: Its own `sync_timeout_s`, if not the cluster's.
   """
@@ -81,8 +73,7 @@ class HostPlan:
   config: Any = None
   sync_timeout_s: float | None = None
 
-  # The fields that count (a pair's first; a pause follows a batch's step: from 1), and
-  # those in seconds (a pair's second).
+  # The fields that count (a pair's first), and those in seconds (a pair's second).
   _COUNTS = ("batches", "resume", "close_at", "error_at", "rows", "stall", "stop", "pause")
   _TIMES = ("step_s", "read_s", "close_s", "kill_at", "start_s", "stall", "stop", "pause")
 
@@ -127,8 +118,7 @@ class HostOutcome:
     process_index: Its index (as `ProcessOutcome.process_index`).
     received: Virtual times at which its consumer received each batch.
     ending: "end" (the agreed end or stop), "closed", "killed", or the
-      error's type name; None if it had not ended by `until_s` (a step
-      held by a peer that never entered it, as a collective is).
+      error's type name; None if it had not ended by `until_s`.
     message: The error's message, if any.
     ended_at: When its consumer saw the ending (`math.inf` if it did not).
     stopped_by: The process whose stop ended the stream, if one did.
@@ -156,12 +146,9 @@ Task = Generator[Wait, bool, None]
 class _Clock:
   """The discrete-event scheduler: tasks park on a channel and a deadline.
 
-  A wait on a channel that times out at the instant something else happens
-  runs after it (and after what that causes at the same instant): a real
-  wait starts a little after what started it, so it ends a little later.
-  A wait in the store (its channel a key) that times out runs after a local
-  one (a stage's queue) timing out at that instant: the service times it out
-  and its answer comes back a round trip later.
+  A timeout runs after what else happens at its instant (a real wait starts a
+  little after what started it); a store's (its channel a key) after a local
+  queue's (its answer comes back a round trip later).
   """
 
   def __init__(self) -> None:
@@ -224,11 +211,8 @@ class _Queue:
 
 
 class _Host(interpreter.World):
-  """One host: its core, the real exchange over the shared store, its stages spawned as tasks.
-
-  It is the core's world in virtual time (`interpreter.World`): the core is stepped by the
-  one loop, `interpreter.drive`, whose waits park here.
-  """
+  """One host: its core, the real exchange over the shared store, its stages spawned as tasks; the
+  core's world in virtual time (`interpreter.World`), where `interpreter.drive`'s waits park."""
 
   def __init__(self, cluster: SimulatedCluster, p: int, plan: HostPlan):
     self.c, self.p, self.plan, self.clock = cluster, p, plan, cluster.clock
@@ -255,13 +239,10 @@ class _Host(interpreter.World):
     self.done = self.asked = self.reading = 0  # Positions built; reads asked for, not made; made.
     self.pace_of = stats.Pace(cluster.decide_ahead_s, cluster.prefetch_batches)
     self.read_q = collections.deque[Any]()  # Reads made by the reading task, not taken.
-    # The core's turn is held: inline, the consumer is inside `next()`; with an agreement
-    # thread, that thread runs the core (not while it waits to hand a run on).
-    self.busy = False
-    # Its consumer got to the agreed end (as `session.Stream.reached_end`).
-    self.reached_end = False
+    self.busy = False  # The core's turn is held (`driver.Driver.turn`).
+    self.reached_end = False  # As `session.Stream.reached_end`.
     self.unacked: tuple[Any, Any] | None = None  # A store call's result on its way back.
-    self.beats: dict[int, tuple[float, float, float]] = {}  # Per peer: beat, since, read at.
+    self.live = liveness.Liveness(self, clock=lambda: self.clock.now)  # Peers' beats: `beat_of`.
     items, stages = None, []  # Inline: the training loop's `next()` drives the core.
     if self.threaded:  # The reading, agreement and build threads.
       runs, items = _Queue(self.clock, 1), _Queue(self.clock, cluster.prefetch_batches)
@@ -287,8 +268,8 @@ class _Host(interpreter.World):
     return next(self.reads)
 
   def drive(self, runner: Any = None) -> Generator[Wait, bool, Any]:
-    """Runs the core (or `runner`, a side run of it) by `interpreter.drive` to its next run, or its
-    ending, handed on as an item: a `StopIteration` at the agreed end or stop, else the error."""
+    """Runs the core (or `runner`, a side run) to its next run, or its ending as an item: a
+    `StopIteration` at the agreed end or stop, else the error."""
     self.runner: Any = runner or self.core  # Its store calls' results go back to it (`call`).
     action = yield from interpreter.drive(self.runner, self.ex, self)
     if type(action) is core.Deliver:
@@ -308,8 +289,7 @@ class _Host(interpreter.World):
     if key is not None and (yield (key, self.clock.now + args[-1].wait_s)):
       ops += 1  # Answered once the key is set: one call of the client.
       result = fn(*args)
-    # Each of the client's calls is a round trip (a delete of no whole group makes none): its
-    # effect lands at once, its result is in flight back to the core meanwhile (`_end`).
+    # Each client call is a round trip: its effect lands at once, its result comes back later.
     calls = self.ex.ops - ops
     if calls and self.c.store_s > 0:
       self.unacked = (runner, result)
@@ -336,15 +316,12 @@ class _Host(interpreter.World):
     return self.pace_of.count(self.clock.now)
 
   def dead(self, peer: int) -> bool:
-    """As `liveness.Liveness.dead`: its beat (one a period while alive), read at most once a
-    period, unchanged for `DEAD_AFTER_S` since this host first read it so."""
-    ended, now, period = self.c.hosts[peer].out, self.clock.now, periods.LIVENESS_PERIOD_S
-    beat = (min(now, ended.ended_at) if ended.ending == "killed" else now) // period
-    last = self.beats.get(peer)
-    if last is None or now - last[2] >= period:
-      since = last[1] if last is not None and last[0] == beat else now
-      last = self.beats[peer] = (beat, since, now)
-    return now - last[1] >= periods.DEAD_AFTER_S
+    return self.live.dead(peer)
+
+  def beat_of(self, peer: int) -> float:
+    """`peer`'s beat as its key reads now: one a period while alive (`liveness.Beat`)."""
+    out, now = self.c.hosts[peer].out, self.clock.now
+    return (min(now, out.ended_at) if out.ending == "killed" else now) // periods.LIVENESS_PERIOD_S
 
   def closed(self, peer: int) -> str | None:
     host = self.c.hosts[peer]  # One stream everywhere.
@@ -400,9 +377,7 @@ class _Host(interpreter.World):
     while plan.close_at != len(received):
       self.busy = self.busy or turn
       item = yield from self._next(items, inline)
-      if isinstance(item, StopIteration) and self.core.reached_end:
-        # The agreed end (exhausted, or a stop): the consumer's `next()` returns once every
-        # peer's consumer got there, or raises naming the one that left.
+      if isinstance(item, StopIteration) and self.core.reached_end:  # As `session.Stream`.
         self.reached_end = True
         item = yield from self.drive(self.core.side(self.core.at_end()))
       self.busy = self.busy and not turn
@@ -480,11 +455,11 @@ class SimulatedCluster:
     sync_timeout_s: As the iterator's.
     synchronize_lookahead: As the iterator's.
     store_s: Each store call's round trip: its effect lands at once, its result reaches the core
-      this much later (an ending meanwhile tells it first, as the driver does).
-    collective_steps: Each host's step after batch k is a collective, as a training step with a
-      cross-host reduction is: it ends on every host `step_s` after the last host entered it, so a
-      host that is slow, paused, stalled, closed or killed holds the others in it (those that never
-      enter it hold them to `until_s`: their `ending` stays None). False: each host steps on its own.
+      this much later.
+    collective_steps: Each host's step after batch k is a collective (a cross-host reduction): it
+      ends `step_s` after the last host entered it, so a slow, paused, closed or killed host holds
+      the others (one that never enters holds them to `until_s`: their `ending` stays None).
+      False: each host steps on its own.
   """
 
   processes: int

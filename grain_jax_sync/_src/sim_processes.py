@@ -1,11 +1,7 @@
-"""The simulator's processes: their environment, their start, their output, their end.
+"""The processes of `testing.run_processes`: their environment, start, output and end.
 
-`grain_jax_sync.testing.run_processes` starts each process here and waits for
-every one within one deadline or kills them all.
-
-On Linux a process is forked from a fork server (`sim_worker.serve`) that has
-imported JAX and this package already, one server per environment: a
-process's start is then its own work, not the imports. Where the server
+On Linux a process is forked from a fork server (`sim_worker.serve`, one per
+environment) that imported JAX and this package already. Where the server
 cannot start or answer, and with ``GRAIN_JAX_SYNC_SIM_FORK=0``, each process
 is a fresh interpreter.
 """
@@ -31,10 +27,8 @@ from grain_jax_sync._src import signal_at, sim_worker
 
 logger = logging.getLogger(__name__)
 
-# How long a process's output may stay open after the process exited. What
-# it wrote itself is already in the pipe and is read in well under this,
-# even on a loaded machine; only a child that it left running keeps the pipe
-# open, and the run does not wait for such a child.
+# How long a process's output may stay open after it exited: only a child it
+# left running keeps the pipe open, and the run does not wait for that child.
 _OUTPUT_GRACE_S = 5.0
 # One echoed line at a time, whichever process wrote it.
 _ECHO_LOCK = threading.Lock()
@@ -42,15 +36,12 @@ _ECHO_LOCK = threading.Lock()
 _WORKER = (sys.executable, "-m", "grain_jax_sync._src.sim_worker")
 # "0": every process a fresh interpreter, not forked from the server.
 FORK_ENV = "GRAIN_JAX_SYNC_SIM_FORK"
-# What a fork server has not read at its start: they may differ between the
-# processes it forks (`signal_at` is read again in the child; XLA's flags
-# when the child creates its backend; pytest's name of the running test,
-# which it sets for each test, by no import).
+# What may differ between the processes a server forks: read again in the
+# child (`signal_at`; XLA's flags at its backend), or by no import (pytest's).
 _PER_PROCESS = (signal_at.ENV, "XLA_FLAGS", "PYTEST_CURRENT_TEST")
 # The fork servers kept, one per environment, the least recently used closed.
 _SERVERS_KEPT = 4
-# How long a server may take to fork a child and send its pid (its own start,
-# the imports, included); past it the process starts as a fresh interpreter.
+# How long a server may take to fork a child (its own start included); past it, a fresh one.
 _FORK_TIMEOUT_S = 120.0
 
 
@@ -73,11 +64,7 @@ def process_env(env: Mapping[str, str] | None, devices_per_process: int) -> dict
 
 
 class Process:
-  """One simulated host: its job file, its interpreter, its output and its result.
-
-  One thread per stream appends each line, as it arrives, to the log file;
-  with `echo`, also to this process's stdout or stderr, labelled ``[process i]``.
-  """
+  """One simulated host: its job file, its interpreter, its output (a thread per pipe) and its result."""
 
   def __init__(
     self, index: int, job: dict[str, Any], workdir: str, env: dict[str, str], *, echo: bool

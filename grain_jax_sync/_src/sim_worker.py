@@ -1,14 +1,9 @@
 """What each process of `grain_jax_sync.testing.run_processes` runs.
 
 ``python -m grain_jax_sync._src.sim_worker JOB`` joins its peers (gloo CPU
-collectives), runs the scenario and writes what it returned or raised.
-
-``python -m grain_jax_sync._src.sim_worker --serve FD`` is the fork server
-(`sim_processes` starts it): it imports JAX and this package once, then forks
-one child per job sent on the socket `FD`; each child takes the job's
-environment, working directory and output pipes and runs `run_job`, as the
-first form would, without importing them again (most of a process's start:
-ml_dtypes' import alone is most of a second).
+collectives), runs the scenario and writes what it returned or raised. With
+``--serve FD``, the fork server: it imports JAX and this package once, then
+forks a child per job sent on the socket `FD`, which runs `run_job`.
 """
 
 from __future__ import annotations
@@ -45,25 +40,21 @@ LOADING_ENV = "GRAIN_JAX_SYNC_SIM_LOADING"
 def load_scenario(spec: Mapping[str, str]) -> Callable[..., Any]:
   """Imports the scenario function named by `spec`, by module name or else by file path."""
   # `testing.run_processes` refuses to start processes while this is set: a
-  # script that starts its run at import would start it again in every
-  # process, and so on without end.
+  # script that starts its run at import would start it in every process, without end.
   os.environ[LOADING_ENV] = spec.get("file") or spec.get("module", "")
+  obj: Any = None
   try:
-    obj = _import(spec)
+    if "module" in spec:
+      if spec["root"] not in sys.path:
+        sys.path.insert(0, spec["root"])
+      with contextlib.suppress(ImportError):
+        obj = importlib.import_module(spec["module"])
+    obj = obj or import_file(spec["file"])
   finally:
     os.environ.pop(LOADING_ENV, None)
   for part in spec["qualname"].split("."):
     obj = getattr(obj, part)
   return obj
-
-
-def _import(spec: Mapping[str, str]) -> Any:
-  if "module" in spec:
-    if spec["root"] not in sys.path:
-      sys.path.insert(0, spec["root"])
-    with contextlib.suppress(ImportError):
-      return importlib.import_module(spec["module"])
-  return import_file(spec["file"])
 
 
 def import_file(path: str) -> types.ModuleType:
@@ -117,9 +108,8 @@ def run_job(job_path: str) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   if job["num_processes"] > 1 and job["exit_barrier_timeout_s"] > 0:
-    # Leave together: a process that exits while a peer is still inside a gloo
-    # collective resets the peer's connection, and process 0 hosts the
-    # coordination service that the others need until they shut down.
+    # Leave together: one that exits resets a peer's gloo collective, and
+    # process 0 hosts the coordination service the others need until they go.
     with contextlib.suppress(Exception):  # A peer died: nothing to wait for.
       from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
@@ -135,9 +125,8 @@ def run_job(job_path: str) -> None:
 
 
 # One job's request to the fork server: its pickled (job path, working
-# directory, environment) and three descriptors: stdout, stderr and the
-# job's own socket, on which the server sends the child's pid, then its exit
-# code (`os.waitstatus_to_exitcode`: -N for signal N).
+# directory, environment), and stdout, stderr and the job's own socket, on
+# which the server sends the child's pid, then its exit code (-N for signal N).
 REQUEST_FDS = 3
 REQUEST_BYTES = 1 << 20
 STATUS = struct.Struct("i")
@@ -147,9 +136,7 @@ def serve(control_fd: int) -> None:
   """The fork server's loop: a child per request on `control_fd`; exits when that closes.
 
   Single-threaded, so that a fork copies no lock another thread holds:
-  requests and children's exits (SIGCHLD, through a wake-up pipe) are waited
-  for in one `selectors` call. Exits when the parent closes `control_fd`;
-  the children, each in a session of its own, run on.
+  requests and children's exits (SIGCHLD, by a wake-up pipe) wait in one `select`.
   """
   import jax  # noqa: F401 - what the server is for: each child starts with these.
 

@@ -34,29 +34,26 @@ def init_distributed(**kwargs: Any) -> bool:
   """Joins this job's processes, or runs as one process where there is no job.
 
   Calls ``jax.distributed.initialize(**kwargs)`` unless it was called
-  already (as ``python -m grain_jax_sync simulate`` and
-  `grain_jax_sync.testing` do). Where JAX finds no multi-process job (a
-  script run as ``python train.py`` on a workstation), it logs one warning
-  and returns False: the program goes on as one process. So one script runs
-  alone, under ``simulate`` and on every host of a TPU pod, SLURM or Open
-  MPI job. Call it first, before any JAX computation.
+  already (as ``simulate`` and `grain_jax_sync.testing` do). Where JAX finds
+  no multi-process job (``python train.py`` on a workstation), it logs one
+  warning and the program goes on as one process. So one script runs alone,
+  under ``simulate`` and on every host of a TPU pod, SLURM or Open MPI job.
+  Call it first, before any JAX computation.
 
   Args:
-    **kwargs: Passed to ``jax.distributed.initialize`` (for example
-      ``heartbeat_timeout_seconds=300``, or a `coordinator_address` where
-      JAX cannot find it).
+    **kwargs: Passed to ``jax.distributed.initialize`` (e.g.
+      ``heartbeat_timeout_seconds=300``, or a `coordinator_address`).
 
   Returns:
     True if `jax.distributed` is initialized (several processes, or one
     that a cluster started), False if this runs as a lone process.
 
   Raises:
-    RuntimeError: From ``jax.distributed.initialize``, e.g. when JAX has
-      already computed something in this process; and where JAX finds a
-      Cloud TPU VM but cannot reach its metadata server (a container or a
-      sandbox without network): the message says what to pass
-      (`coordinator_address`, `num_processes`, `process_id`) or how to run
-      as one process. Never a silent single-process run on a pod.
+    RuntimeError: From ``jax.distributed.initialize`` (e.g. JAX has already
+      computed something); and where JAX finds a Cloud TPU VM but cannot reach
+      its metadata server (a container or a sandbox without network), saying
+      what to pass (`coordinator_address`, `num_processes`, `process_id`) or
+      how to run as one process: never a silent single-process run on a pod.
     ValueError: From ``jax.distributed.initialize``, for a cluster found
       but misconfigured.
 

@@ -1,11 +1,4 @@
-"""An ending's traceback, made to let go of the library's frames.
-
-An exception that the pipeline raises to the consumer carries, in its
-traceback, the frames it went through; `clear_library_frames` clears the
-locals of the ones that belong to this package, so that the exception does
-not keep the consumer's frame (and its iterators) alive until a garbage
-collection, and `for_user` drops them from the traceback the user reads.
-"""
+"""An ending's traceback, made to let go of the library's frames (their locals, then the frames)."""
 
 from __future__ import annotations
 
@@ -24,13 +17,9 @@ FULL_ENV = "GRAIN_JAX_SYNC_TRACEBACKS"
 def clear_library_frames(error: BaseException | None) -> None:
   """Clears the locals of this library's finished frames in `error`'s tracebacks.
 
-  An ending raised to the consumer went through frames (the reader's, the
-  agreement's, the build stage's) whose locals hold objects that hold the
-  exception itself: a cycle from the exception through its traceback, which
-  kept it alive until a garbage collection, and with it the consumer's frame
-  and every iterator in it. A peer then waited for such an iterator, one
-  the process had dropped, up to `sync_timeout_s`. File names and line
-  numbers are kept; frames still running (the caller's) are skipped.
+  Their locals hold objects that hold the exception: a cycle that kept it, the
+  consumer's frame and its iterators alive until a garbage collection, while a
+  peer waited for such a dropped iterator up to `sync_timeout_s`.
   """
   for current in _chain(error):
     tb = current.__traceback__
@@ -45,23 +34,12 @@ def clear_library_frames(error: BaseException | None) -> None:
 
 
 def for_user(error: BaseException) -> BaseException:
-  """`error`, as the consumer sees it: without this library's inner frames.
+  """`error` (about to be raised by `next()`), without this library's inner frames.
 
-  An ending reached the consumer through the stages' threads and queues:
-  its traceback listed the reader's, the agreement's and the prefetch's
-  frames, and for an ending raised on a peer nothing else. They are dropped
-  from `error` and from every exception chained to it; the frames of the
-  user's own code stay (a source that raised on this host keeps its own
-  frames), and so does the message, the same on every host. An implicit
-  context left with no frame of its own was the library's bookkeeping, and
-  is no longer shown. ``GRAIN_JAX_SYNC_TRACEBACKS=full`` keeps every frame
-  (for debugging the library).
-
-  Args:
-    error: The exception that `next()` is about to raise.
-
-  Returns:
-    `error` itself, its tracebacks rewritten.
+  Dropped from `error` and every exception chained to it; the user's own
+  frames stay (a source that raised keeps its own). An implicit context left
+  with no frame of its own was the library's bookkeeping, and is hidden.
+  ``GRAIN_JAX_SYNC_TRACEBACKS=full`` keeps every frame.
   """
   if os.environ.get(FULL_ENV) == "full":
     return error

@@ -12,21 +12,16 @@ from grain_jax_sync._src import messages, periods
 from grain_jax_sync._src import plan as plan_lib
 from grain_jax_sync._src.agreement import core, endings
 
-# The read-ahead in bytes: a host holds at most this much of read batches
-# that its build thread has not handed on (at least a batch or two), so that
-# large batches hold no more memory than this on a host of any size.
+# The read-ahead in bytes: a host holds at most this much of read batches its
+# build thread has not handed on (at least a batch or two), on any host.
 READ_AHEAD_BYTES = 64 << 20
 # A process other than 0 waits this much longer than `sync_timeout_s` for a
-# decision before it gives up on its own, so that process 0, which waits on the
-# slow peer itself, names it first (the same message on every host).
+# decision, so that process 0 names the slow peer first (one message everywhere).
 FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
 
 
 def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:
-  """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`.
-
-  At least 1; the time horizon (`OwnReads.limit`) comes on top.
-  """
+  """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`; >= 1."""
   limit = READ_AHEAD_BYTES // max(1, read.batch.nbytes)
   for bound in (lookahead, cap):
     if bound is not None:
@@ -36,11 +31,7 @@ def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = N
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Identity:
-  """What a process says about itself in its first report.
-
-  `groups`: `BatchPlacement.groups` where processes share rows (their
-  reports then carry digests that `decide` compares), else empty.
-  """
+  """What a process says about itself in its first report (`groups`: where processes share rows)."""
 
   process: int
   devices: int
@@ -73,10 +64,7 @@ def make_report(
 
 
 class Agreement:
-  """What both forms share: the rules (the batch size pinned once decided) and the agreed stop.
-
-  `stop_asked` may come from any thread or a signal handler: it takes no lock.
-  """
+  """What both forms share: the rules (the batch size pinned once decided) and the agreed stop."""
 
   def __init__(self, rules: plan_lib.Rules, who: Identity):
     self._rules = rules
@@ -97,10 +85,8 @@ class Agreement:
   def _agreed_end(
     self, end: messages.Outcome, error: messages.ReportedError | None, own: core.End | None
   ) -> bool:
-    """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed error.
-
-    `own`: this host's end, if read (its own error is raised with its traceback).
-    """
+    """Whether the stream ends here without an error (its end, an agreed stop); raises an agreed
+    error (this host's own, `own`, with its traceback)."""
     if end != messages.Outcome.RAISE:
       return end == messages.Outcome.STOP
     assert error is not None
@@ -115,27 +101,18 @@ class Agreement:
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Run:
-  """Positions decided together, handed from the agreement to the builder.
+  """Positions decided together, handed from the agreement to the builder."""
 
-  Attributes:
-    steps: Per position, this host's read (None: a dummy) and the decision.
-    signature: The agreed batch structure (None while no host has a batch).
-  """
-
-  steps: tuple[tuple[core.Read | None, messages.Step], ...]
-  signature: batches_lib.Signature | None
+  steps: tuple[tuple[core.Read | None, messages.Step], ...]  # This host's read (None: a dummy).
+  signature: batches_lib.Signature | None  # The agreed structure (None while no host has a batch).
 
 
 class OwnReads:
   """This host's undecided reads, and how far ahead of its consumer it lets positions be decided.
 
-  No I/O: the reads come in from the driver (`core.Take`), inline or from the
-  reading thread; then a stuck source holds up only the positions it has not read.
-
-  The horizon (`limit`) is time: the positions the consumer took in the last
-  `decide_ahead_s` seconds (`core.Pace`), within `read_ahead_limit`, and at
-  least 1, so that positions are decided as fast as the consumer takes them.
-  With a build thread, reads run up to two horizons ahead (`_ahead`).
+  No I/O: the reads come in from the driver (`core.Take`). The horizon
+  (`limit`) is the positions the consumer took in the last `decide_ahead_s`
+  seconds (`core.Pace`), within `read_ahead_limit`, and at least 1.
 
   Args:
     lookahead: `synchronize_lookahead`.
@@ -181,11 +158,9 @@ class OwnReads:
   def _ahead(self) -> int:
     """Positions this host holds at most between its reads and its built batches.
 
-    With a build thread, two horizons: a round's reads are posted and not
-    decided yet while the build thread works through the horizon decided
-    before them; held to one horizon, those in flight would leave each round
-    a fraction of it. Only decisions are held to the horizon (`allowance`).
-    Inline, the consumer's call waits for each round: one horizon.
+    With a build thread, two horizons: a round's reads are posted, not decided
+    yet, while the build thread works through the horizon decided before them.
+    Only decisions are held to the horizon (`allowance`). Inline, one horizon.
     """
     return min(self._base, 2 * self.limit) if self._threaded else self.limit
 
@@ -205,13 +180,8 @@ class OwnReads:
     return max(2, self._ahead() - (self.held() or 0)) + self.short() - len(self.pending)
 
   def room(self) -> bool:
-    """Whether to take another read: the read-ahead counts what is not built yet.
-
-    A decided position the build thread has not handed on takes a place, so
-    that a host holds at most `_ahead()` positions between its reads and its
-    built batches. Once full, this host reads again when half the read-ahead
-    is free: reads, posts and decisions come in runs, not one per batch.
-    """
+    """Whether to take another read: at most `_ahead()` positions, the unbuilt decided ones too;
+    once full, again when half is free (reads, posts and decisions come in runs, not one a batch)."""
     if self.end is not None or self.stopped:
       return False
     free = self._free()
@@ -221,21 +191,17 @@ class OwnReads:
     return not self._refill
 
   def allowance(self) -> int:
-    """Positions this host lets be decided now: the horizon less what its build thread holds.
-
-    At least 1 when it holds none (it waits), so a stop lands behind at most
-    the built batches and `decide_ahead_s` of decided ones.
-    """
+    """Positions this host lets be decided now: the horizon less what its build thread holds, at
+    least 1 when it holds none (so a stop lands behind the built batches and one horizon)."""
     held = self.held() or 0
     return max(self.limit - held, 1 if held == 0 else 0)
 
   def due(self, unposted: int) -> bool:
     """Whether `unposted` reads are to be posted (on process 0: decided) now.
 
-    A round carries half the read-ahead, so that it completes while the build
-    thread works through the half before. Where the build thread (or the
-    job, before its first batch) waits on the agreement, each read goes at
-    once, and so does the read after a short one. No timer decides.
+    A round carries half the read-ahead, completing while the build thread
+    works through the half before. Where the build thread (or the job, before
+    its first batch) waits, each read goes at once, as does one after a short one.
     """
     if unposted == 0:
       return False

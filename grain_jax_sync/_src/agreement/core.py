@@ -1,17 +1,10 @@
 """The streamed agreement's core: one host's protocol as a coroutine, with no I/O.
 
 The core (`decider.Decider` on process 0, `follower.Follower` on the others)
-holds no thread, no clock and no store. It is a generator: it yields an
-action, and whoever drives it carries the action out and sends back its
-result together with a `Now`, the few facts of the world outside it. The
-agreement thread (`driver.Driver`), the inline mode (the same driver, in the
-consumer's `next()`) and the simulated cluster (`sim_cluster`, virtual time)
-are its drivers (docs/internals.md, "The core and its drivers", draws them).
-An ending asked from outside (a stop) is a field the core reads at its next
-step; a failed action is thrown into it; its last output is `Ended`: the agreed
-end or stop, or the error this host raises. Every action is a small frozen
-type, dispatched by type where it is carried out (`interpreter`, the one
-place that gives actions their meaning).
+is a generator: it yields an action; its driver (`driver.Driver`, in a thread
+or inline; `sim_cluster`, in virtual time) carries it out (`interpreter`) and
+sends back the result with a `Now`. A failed action is thrown into it; its
+last output is `Ended` (docs/internals.md, "The core and its drivers").
 """
 
 from __future__ import annotations
@@ -31,32 +24,20 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Read:
-  """One validated non-empty batch and the source state right after it.
-
-  Attributes:
-    batch: The batch.
-    state: The source state right after it.
-    digest: `rows_digest` of its rows, where processes share rows.
-  """
+  """One validated non-empty batch and the source state right after it."""
 
   batch: batches_lib.HostBatch
   state: Any
-  digest: str | None = None
+  digest: str | None = None  # `rows_digest` of its rows, where processes share rows.
 
 
 @dataclasses.dataclass(frozen=True)
 class End:
-  """How this host's stream ended.
-
-  Attributes:
-    position: Non-empty batches read before the end (the ended position).
-    error: None when the source was exhausted; else what failed, reported.
-    exception: The local exception (re-raised on this host only).
-  """
+  """How this host's stream ended, after `position` non-empty batches."""
 
   position: int
-  error: messages.ReportedError | None = None
-  exception: BaseException | None = None
+  error: messages.ReportedError | None = None  # None: exhausted; else what failed, reported.
+  exception: BaseException | None = None  # The local exception (re-raised on this host only).
 
   @property
   def exhausted(self) -> bool:
@@ -67,17 +48,11 @@ class End:
 
 
 class Now(NamedTuple):
-  """What the driver tells the core with every result.
+  """What the driver tells the core with every result."""
 
-  Attributes:
-    t: Seconds on the driver's clock (monotonic, or virtual).
-    done: Positions the build stage handed on (or dropped).
-    ready: Whether a read waits to be taken at once (inline: always).
-  """
-
-  t: float
-  done: int = 0
-  ready: bool = True
+  t: float  # Seconds on the driver's clock (monotonic, or virtual).
+  done: int = 0  # Positions the build stage handed on (or dropped).
+  ready: bool = True  # Whether a read waits to be taken at once (inline: always).
 
 
 @dataclass_transform(frozen_default=True)
@@ -170,23 +145,20 @@ class Elsewhere(Action):
   calls: tuple[StoreCall, ...]
 
 
-class Look(Action):
-  """A look at this process's streams or at a peer's liveness beat (`liveness.Liveness`)."""
-
-
-class IsDead(Look):  # Its beat stopped.
+# Looks at this process's streams or at a peer's liveness beat (`liveness.Liveness`).
+class IsDead(Action):  # Its beat stopped.
   peer: int
 
 
-class ClosedNote(Look):  # What it wrote as it closed (`key_value.close_note`), or None.
+class ClosedNote(Action):  # What it wrote as it closed (`key_value.close_note`), or None.
   peer: int
 
 
-class Crosswise(Look):  # Streams it waits at the start of, made, not started here; marks ours.
+class Crosswise(Action):  # Streams it waits at the start of, made, not started here; marks ours.
   peer: int
 
 
-class NotWaiting(Look):
+class NotWaiting(Action):
   """This host no longer waits for its stream's first decision."""
 
 
@@ -225,10 +197,9 @@ class Deliver(Action):
 class Closing(NamedTuple):
   """This host's ending, asked (`streamed.Streamed.asked`): closed at `at_batch`, or `error`.
 
-  A close asks twice: `CLOSING` at once (the ending is on its way: decide no
-  more), then, once the consumer's call returned, the ending with its exact
-  count. `left`: this host leaves before the agreed end, so peers waiting
-  there are told too.
+  A close asks twice: `CLOSING` at once (decide no more), then, once the
+  consumer's call returned, the ending with its exact count. `left`: this
+  host leaves before the agreed end (peers waiting there are told too).
   """
 
   at_batch: int | None
@@ -240,11 +211,7 @@ CLOSING = Closing(None)
 
 
 class Close:
-  """This host's close, asked in two steps (`Closing`), as the core decides it.
-
-  `CLOSING` (or the ending) taken: `asked`, decide no more; the ending with
-  its count, the first one taken, is posted once (`to_post`).
-  """
+  """This host's close, asked in two steps (`Closing`): `asked`, then the first ending, posted once."""
 
   def __init__(self) -> None:
     self.asked = False
@@ -284,10 +251,8 @@ ENDED = Ended()
 class Side:
   """A run of a core's steps (its main run, or a side one): `Now` comes in, `Ended` last.
 
-  `clock`: where the core reads the driver's last `Now` (None: it reads none).
-  `close`: once it was asked (`Close.asked`), `Ended` comes at once, but the
-  core is told the result of a store call carried out first: its ending is
-  posted after what that call posted, not over it (process 0's decision `seq`).
+  `clock`: where the core reads the driver's last `Now`. `close`: once asked, `Ended` comes at
+  once, after the core is told the result of a store call carried out first (posted before it).
   """
 
   def __init__(self, steps: Steps, clock: Any = None, close: Close | None = None):

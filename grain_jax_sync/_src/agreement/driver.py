@@ -1,13 +1,10 @@
 """The streamed core's driver on a real host: its world (threads, monotonic time), its inbox.
 
-The same driver runs the core in the agreement thread (beside a reading
-and a build thread) and inline, in the consumer's `next()`; the core is stepped and its
-actions carried out by `interpreter.drive`, as in the simulated cluster.
-Asking is one put into the inbox, from any thread or a signal handler: a
-stop, or this host's ending (a `core.Closing`, in two steps that the core
-decides: `Streamed.asked`), taken by the thread that runs the core at its
-next step, which posts the ending on its way out (or, where none runs the
-core, the ending thread: `post_ending`).
+The same driver runs the core in the agreement thread and inline, in the
+consumer's `next()`, by `interpreter.drive`. Asking (a stop, or this host's
+ending: a `core.Closing`) is one put into the inbox, from any thread or a
+signal handler; the thread that runs the core takes it at its next step and
+posts the ending on its way out (else the ending thread: `post_ending`).
 """
 
 from __future__ import annotations
@@ -29,17 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class Driver(interpreter.World):
-  """Runs one host's core (`decider.Decider` or `follower.Follower`) over the real exchange.
-
-  It is the core's world on a real host (`interpreter.World`): monotonic
-  time, and waits that block its threads.
+  """Runs one host's core over the real exchange: its world (`interpreter.World`), waits that block.
 
   Args:
     agreement: The core.
     reader: This host's reads: inline (an iterator) or the reading thread's stage.
     exchange: The key-value exchange of this stream.
     built: The build stage (`build.Builder`): its progress and the consumer's pace.
-    live: Tells dead peers from slow ones (default: their beats).
     asks: The inbox (default: its own): stops asked (positions) and `Closing`s.
     beat: Inline, its thread posts a stop asked between calls (default: the
       process's `liveness.Beat` of this client, if started; else the asker).
@@ -51,7 +44,6 @@ class Driver(interpreter.World):
     reader: Iterator[core.Read | core.End] | prefetch.OnDemand[Any],
     exchange: key_value.KeyValueExchange,
     built: Any,
-    live: liveness_lib.Liveness | None = None,
     asks: queue.SimpleQueue[int | core.Closing] | None = None,
     beat: liveness_lib.Beat | None = None,
   ):
@@ -60,15 +52,11 @@ class Driver(interpreter.World):
     self.threaded = isinstance(reader, prefetch.OnDemand)  # The core runs in the agreement thread.
     self._exchange = exchange
     self._built = built
-    self._live = live or liveness_lib.Liveness(exchange)
+    self._live = liveness_lib.Liveness(exchange)
     self._beat = beat or liveness_lib.Beat.running(exchange.client, exchange.process_index)
-    # Whoever runs the core holds this while it does: inline, the consumer's
-    # call; else the agreement thread, but while it hands a run on. A stop
-    # asked for meanwhile is posted under it by the beat's thread (`post_stop`).
+    # Held by whoever runs the core (inline, the consumer's call; else the
+    # agreement thread, but while it hands a run on); else `post_stop` takes it.
     self.turn = threading.Lock()
-    # The inbox: stops and this host's ending, asked from any thread or a
-    # signal handler, one reentrant put each; the thread that runs the core
-    # takes them (`_take_asks`).
     self._asks: queue.SimpleQueue[int | core.Closing] = asks or queue.SimpleQueue()
     exchange_streams.stream_started(exchange.namespace)
 
@@ -79,12 +67,8 @@ class Driver(interpreter.World):
     return self.core.close.asked
 
   def __iter__(self) -> Iterator[common.Run]:
-    """The core's runs (`interpreter.runs`); an ending asked for, posted on the way out.
-
-    The agreement thread takes the inbox before each step too (a stop asked during its last wait
-    is the core's first; inline, the call hands it over after: `post_stop`), and holds `turn` but
-    while a run is handed on (a stop asked meanwhile is posted by the beat's thread).
-    """
+    """The core's runs (`interpreter.runs`), the inbox taken before each step; an ending asked for,
+    posted on the way out. The agreement thread holds `turn` but while a run is handed on."""
     turn = self.turn if self.threaded else None
     try:
       yield from interpreter.runs(
@@ -131,8 +115,7 @@ class Driver(interpreter.World):
   def crosswise(self, peer: int) -> list[str]:
     ns = self._exchange.namespace
     exchange_streams.waiting_first(ns, True)
-    # Streams of iterators made here but not started: an iterator never made
-    # here is the timeout's case (created on some processes only).
+    # Made here but not started (one never made here is the timeout's case).
     return [
       t
       for t in self._live.waiting(peer)
@@ -153,12 +136,8 @@ class Driver(interpreter.World):
     self.heard(close=isinstance(ask, core.Closing))
 
   def heard(self, close: bool = False) -> None:
-    """Something was put in the inbox: the thread that runs the core takes it now; no lock.
-
-    With a reading thread, its wait is woken; and for a stop, the beat's
-    thread is handed `post_stop` (one put: the asker, a signal handler say,
-    takes no lock and calls no store); an ending, by the core's thread or the closer.
-    """
+    """Something was put in the inbox: the core's thread takes it now; a stop, the beat's thread
+    (`post_stop`), so that the asker (a signal handler, say) takes no lock and calls no store."""
     if self.threaded:
       self._reader.nudge()
       self._built.wake()  # A wait for the build thread's room, too.
@@ -172,9 +151,7 @@ class Driver(interpreter.World):
   def post_stop(self, *, in_call: bool = False) -> None:
     """Posts a stop asked for here now, unless the core's thread holds `turn` (it posts it then).
 
-    Run by the beat's thread (`heard`), or inline by the consumer's call as it
-    ends (`in_call`: the core runs in this thread, so its own state is read too).
-    Never waits for the turn, so it never holds up a beat for a call.
+    By the beat's thread, or by the consumer's call as it ends (`in_call`); never waits for the turn.
     """
     while (not self._asks.empty() or (in_call and self.core.stop_pending())) and self.turn.acquire(
       False
@@ -192,28 +169,18 @@ class Driver(interpreter.World):
         self.turn.release()
 
   def post_ending(self) -> None:
-    """Posts the ending asked for (`ask`), closed or its error, and ends the exchange. Once.
-
-    By the thread that runs the core, on its way out; else (inline, or that
-    thread ended first) by the ending thread.
-    """
+    """Posts the ending asked for (`ask`) and ends the exchange, once: by the core's thread, else here."""
     self._take_asks()
     interpreter.best_effort(self._exchange, self.core.ending())
 
   def wait_for_peers_at_end(self) -> None:
-    """At the agreed end, in the consumer's thread: returns once every peer's consumer got there.
-
-    Or raises the error naming the one that left, died or timed out (`streamed.Streamed.at_end`).
-    """
+    """At the agreed end: returns once every peer's consumer got there, or raises naming one."""
     for _ in interpreter.runs(self.core.side(self.core.at_end()), self._exchange, self):
       pass
 
 
 class Stepper(interpreter.World):
-  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread: its reads and exchange block there.
-
-  The stops asked for (the inbox, `asks`) reach the core before its next step.
-  """
+  """Runs the lockstep core (`lockstep.Lockstep`) in the calling thread; stops asked reach it per step."""
 
   def __init__(
     self, stepper: Any, reader: Iterator[core.Read | core.End], exchange: Any, asks: Any

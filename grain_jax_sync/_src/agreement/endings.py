@@ -49,12 +49,7 @@ def failed(
   *,
   data: bool = False,
 ) -> core.End:
-  """The `End` for exception `e`.
-
-  With `data`, a ValueError is bad data or settings: every host raises the
-  same ValueError. Anything else is a failure of this host: it re-raises its
-  own exception, the others a RuntimeError naming it.
-  """
+  """The `End` for exception `e`: with `data`, a ValueError every host raises; else this host's own."""
   if data and isinstance(e, ValueError):
     error = ReportedError(ErrorKind.VALUE, _text(e), process, batch_index)
   else:
@@ -88,11 +83,7 @@ def to_exception(error: ReportedError, process: int, own: core.End | None) -> Ba
 
 
 def closed_peer_message(note: str, namespace: str) -> str:
-  """The error for a peer found closed (`key_value.register_close`) while waited for here.
-
-  Closed in this stream, it could not post its ending (a stage thread was
-  blocked); closed in an earlier one, it never started this restarted one.
-  """
+  """The error for a peer found closed (`key_value.register_close`) while waited for here."""
   try:
     stream, message = json.loads(note)
   except (TypeError, ValueError):
@@ -138,10 +129,7 @@ def lost(peer: int, at_batch: int, when: str, cause: str = "") -> ReportedError:
 
 
 def stopped_error(process: int, at_batch: int) -> ReportedError:
-  """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches.
-
-  Every host ends its stream normally at the first position not decided yet.
-  """
+  """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches."""
   return ReportedError(
     ErrorKind.STOPPED,
     f"process {process} requested a stop after batch {at_batch}",
@@ -170,14 +158,9 @@ def crosswise(mine: tuple[int, str], theirs: tuple[int, str], at_batch: int) -> 
   """Two processes, each waiting at the start of a stream the other never started: (process, stream) each."""
   (a, sa), (b, sb) = sorted([mine, theirs])
   message = (
-    f"process {a} waits for the first batch of iterator {_iterator(sa)!r} and"
-    f" process {b} for that of iterator {_iterator(sb)!r}, and neither has"
+    f"process {a} waits for the first batch of iterator {sa.rsplit('/', 1)[0]!r} and"
+    f" process {b} for that of iterator {sb.rsplit('/', 1)[0]!r}, and neither has"
     f" started the other's: {order_cause()}"
   )
   peer = theirs[0]
   return ReportedError(ErrorKind.CLOSED, message, peer, at_batch, "RuntimeError", (peer,))
-
-
-def _iterator(namespace: str) -> str:
-  """An iterator's key prefix, without its stream's generation."""
-  return namespace.rsplit("/", 1)[0]

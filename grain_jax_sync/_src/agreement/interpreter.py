@@ -1,12 +1,9 @@
 """The one place where the core's actions are carried out, against a store and a clock.
 
-`carry` gives each of the core's typed actions its meaning,
-dispatched by type; `drive` is the one loop that steps a core with them.
-A real host (`driver.Driver`) and a simulated one
-(`sim_cluster`) differ only in what they hand in: the store (a
-`KeyValueExchange` over `jax.distributed`'s client, or over the in-memory
-store) and the `World` (monotonic time and blocking threads, or the virtual
-scheduler, to which a wait yields).
+`carry` gives each of the core's typed actions its meaning; `drive` is the
+one loop that steps a core with them. A real host (`driver.Driver`) and a
+simulated one (`sim_cluster`) differ only in the store they hand in and the
+`World` (monotonic time and blocking waits, or a virtual clock a wait yields to).
 """
 
 from __future__ import annotations
@@ -26,11 +23,10 @@ logger = logging.getLogger(__name__)
 class World:
   """The clock and this host's stages, as `carry` reaches them, real (`driver.Driver`) or simulated (`sim_cluster`).
 
-  `now()`, `call(fn, *args)` (one store call), `wait_build`, `pace`, the looks `dead`,
-  `closed`, and the reads: `threaded` (a reading thread), `ask_reads(n)` and `next_read(wait_s)`
-  (inline, a read; else None if none came) (lockstep's: `read_window` alone). `call`, `next_read`
-  and `wait_build` are generators that a real world never yields from (its waits block). No
-  crosswise streams by default.
+  `now()`, `call(fn, *args)` (one store call), `wait_build`, `pace`, `dead`, `closed`, and the
+  reads: `threaded`, `ask_reads(n)`, `next_read(wait_s)` (None if none came) (lockstep's:
+  `read_window`). `call`, `next_read` and `wait_build` are generators a real world never yields
+  from (its waits block).
   """
 
   threaded = False  # No reading thread: inline, each read in `next_read`.
@@ -78,11 +74,8 @@ _PLAIN: dict[type, Callable[[Any, Any, Any], Any]] = {
 def carry(action: Any, exchange: Any, world: Any) -> core.Steps:
   """Carries `action` out on the stream's `exchange` and this host's `world`; its result.
 
-  The exchange is a `KeyValueExchange`, or lockstep's (local or collective).
-
-  A real world's steps never yield (`blocking` takes their result). Holding
-  neither, it makes no cycle: a dropped stream is freed at once (its ending's
-  traceback would otherwise keep the consumer's frame alive until a collection).
+  Holding neither, it makes no cycle: a dropped stream is freed at once (its
+  ending's traceback would otherwise keep the consumer's frame alive).
   """
   store = _STORE.get(type(action))
   if store is not None:
@@ -119,10 +112,8 @@ def take(world: Any, want: int, wait_s: float, ask: int) -> core.Steps:
 
 
 def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall]) -> None:
-  """Posts an ending: `calls` in order, a failure logged; a last `EndExchange` made whatever happens.
-
-  An ending never raises (it also runs in `close()` and at exit), and never waits.
-  """
+  """Posts an ending: `calls` in order, a failure logged, a last `EndExchange` made whatever happens;
+  never raises (it also runs in `close()` and at exit), never waits."""
   last = len(calls) - 1 if calls and type(calls[-1]) is core.EndExchange else len(calls)
   try:
     for call in calls[:last]:
@@ -137,12 +128,11 @@ def best_effort(ex: key_value.KeyValueExchange, calls: Sequence[core.StoreCall])
 def drive(
   runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False
 ) -> core.Steps:
-  """Steps `runner` (a core, or a side run of it), carrying its actions out, to its `core.Deliver`
-  or its `core.Ended`: the one loop of every host, real (`runs`) or simulated.
+  """Steps `runner` (a core, or a side run of it) to its `core.Deliver` or `core.Ended`: the one
+  loop of every host, real (`runs`) or simulated; a failure is thrown in.
 
-  Each result is told at once (a failure thrown in). `asks()`: whether an ending was asked (the
-  inbox taken; `early`: before each step too): then `core.ENDED`, before the next action (the
-  ending is posted after what the core posted, not over it).
+  `asks()`: whether an ending was asked (`early`: before each step too): then `core.ENDED`,
+  before the next action.
   """
   result: Any = None
   error: Exception | None = None
@@ -164,10 +154,8 @@ def drive(
 def runs(
   runner: Any, exchange: Any, world: Any, asks: Any = None, early: bool = False, turn: Any = None
 ) -> Any:
-  """`drive` on a real world (its waits block): the runs; the agreed end returns, an error raises.
-
-  `turn` (a lock) is held but while a run is handed on.
-  """
+  """`drive` on a real world (its waits block): the runs; an error raises. `turn` is held but while a
+  run is handed on."""
   if turn is not None:
     turn.acquire()
   try:

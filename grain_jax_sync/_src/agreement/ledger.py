@@ -18,13 +18,8 @@ _ROWS_ONLY = frozenset(("p", "r", "x", "d"))
 
 
 class Ledger:
-  """Per-process knowledge of rows per position, stream ends, structure.
-
-  Args:
-    process_count: How many processes report.
-    digests: Keep each position's row digest (processes share rows).
-    sizes: Keep each position's sizes of the varying dims (`pad_shapes`).
-  """
+  """Per-process knowledge of rows per position, stream ends, structure; with `digests` and `sizes`,
+  each position's row digest (processes share rows) and sizes of the varying dims (`pad_shapes`)."""
 
   def __init__(self, process_count: int, *, digests: bool = False, sizes: bool = False):
     self._process_count = process_count
@@ -39,13 +34,12 @@ class Ledger:
     self._base = [0] * process_count  # Position of _rows[p][0].
     self._end: list[messages.Report | None] = [None] * process_count
     self._signature: list[dict[str, Any] | None] = [None] * process_count
-    self._shared: dict[str, Any] | None = None  # The last structure (`_share`).
+    self._shared: dict[str, Any] | None = None  # The last structure (`_describe`).
     self._devices = [1] * process_count
     self._config: list[dict[str, Any] | None] = [None] * process_count
     self._resume: list[int | None] = [None] * process_count
     self._ack = [0] * process_count
-    # Per process, its last window report while all its rows have that report's
-    # row count and nothing else changed: reused for windows as long.
+    # Per process, its last window report, reused while nothing but rows of its count come.
     self._held: list[messages.Report | None] = [None] * process_count
     # The first closed / timed-out ending reported (ends the stream at once).
     self.abort: messages.ReportedError | None = None
@@ -62,41 +56,34 @@ class Ledger:
     return self._end[p] is not None
 
   def add(self, chunk: messages.Chunk) -> None:
-    """Records one chunk; chunks of a process must arrive in order.
-
-    Raises:
-      RuntimeError: If the chunk does not continue the process's stream.
-    """
+    """Records one chunk; raises RuntimeError unless it continues its process's stream."""
     r = chunk.report
     p = r.process_index
     if r.error is not None and r.error.kind in messages.ABORTS:
       self.abort = self.abort or r.error
       return
     self._extend(p, chunk.start, r.rows, r.digests, chunk.ack, r.local_devices, r.sizes)
-    self._held[p] = None  # Its end, structure or settings may be new.
     if r.exhausted or r.error is not None:
       self._end[p] = r
-    if r.signature is not None:
-      self._signature[p] = self._share(r.signature)
-    if r.config is not None:
-      self._config[p] = r.config
-    if r.resume is not None:
-      self._resume[p] = r.resume
+    self._describe(p, r.signature, r.config, r.resume)
 
-  def _share(self, signature: dict[str, Any]) -> dict[str, Any]:
-    """One object for equal structures (`plan.signature_error` compares by identity first)."""
-    if signature != self._shared:
-      self._shared = signature
-    return self._shared
+  def _describe(
+    self, p: int, signature: dict[str, Any] | None, config: Any = None, resume: int | None = None
+  ) -> None:
+    """Records what process `p` told of itself (what is not None); its held report is stale."""
+    self._held[p] = None
+    if signature is not None:
+      if signature != self._shared:  # One object for equal structures: compared by identity first.
+        self._shared = signature
+      self._signature[p] = self._shared
+    if config is not None:
+      self._config[p] = config
+    if resume is not None:
+      self._resume[p] = resume
 
   def add_json(self, text: str) -> tuple[int, tuple[float, ...] | None]:
-    """`messages.Chunk.from_json` (raises its ProtocolError), then `add`.
-
-    A chunk of rows only (nearly every one) is recorded without building its report.
-
-    Returns:
-      The chunk's process and its times.
-    """
+    """`messages.Chunk.from_json` (raises its ProtocolError), then `add`: its process and times.
+    A chunk of rows only (nearly every one) is recorded without building its report."""
     obj = messages.load(text, "report")
     r = obj.get("R")
     if type(r) is dict and r.keys() == _ROWS_ONLY and r["x"] is False:
@@ -153,11 +140,8 @@ class Ledger:
 
   def add_end(self, report: messages.Report) -> None:
     """Records that process `report.process_index` ended (own stream)."""
-    p = report.process_index
-    self._end[p] = report
-    self._held[p] = None
-    if report.signature is not None:
-      self._signature[p] = self._share(report.signature)
+    self._end[report.process_index] = report
+    self._describe(report.process_index, report.signature)
 
   def set_own(
     self,
@@ -169,13 +153,8 @@ class Ledger:
     resume: int | None = None,
   ) -> None:
     """Records a process's structure, device count, settings and resume position."""
-    self._held[p] = None
-    if signature is not None:
-      self._signature[p] = self._share(signature)
     self._devices[p] = devices
-    self._config[p] = config
-    if resume is not None:
-      self._resume[p] = resume
+    self._describe(p, signature, config, resume)
 
   def furthest(self) -> int:
     """Positions the furthest-reported process has reported rows for."""
@@ -193,11 +172,7 @@ class Ledger:
     return self.furthest() - position + 1
 
   def window_reports(self, position: int, size: int, *, with_config: bool) -> list[messages.Report]:
-    """Window reports for `plan.decide` over positions ``[position, position + size)``.
-
-    A stream that ends inside the window reports its end; one with rows past
-    the window says so (`Report.more`).
-    """
+    """Window reports for `plan.decide` over ``[position, position + size)`` (`Report.more`: rows past it)."""
     out = []
     last = position + size
     held = [None] * self._process_count if with_config else self._held
@@ -219,8 +194,7 @@ class Ledger:
     rows = tuple(itertools.islice(self._rows[p], a, b))
     kept: tuple[Any, ...] = (self._digests, self._sizes)  # Parallel to `_rows` where kept.
     digests, sizes = (() if k is None else tuple(itertools.islice(k[p], a, b)) for k in kept)
-    # An end right after the window's last row counts too: that row is then
-    # known to be the process's last (`plan.Rules.wait_for_last`).
+    # An end right after the window's last row counts too (`plan.Rules.wait_for_last`).
     end = self._end[p] if count <= last else None
     report = messages.Report(
       process_index=p,

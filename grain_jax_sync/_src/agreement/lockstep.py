@@ -15,14 +15,9 @@ from grain_jax_sync._src.messages import ErrorKind, Outcome
 class Lockstep(common.Agreement):
   """The lockstep core: reads a window, exchanges the reports, decides; no I/O of its own.
 
-  A core as the streamed ones are (`core`): `send` takes the last action's
-  result and gives the next one (`core.ReadWindow`, `core.AllGather`,
-  `core.Deliver`), `core.Ended` last; a driver (`driver.Stepper`) carries
-  them out in the calling thread, one read and at most one exchange per window.
-  On `Outcome.WAIT` the undecided reads are kept and every process reads one
-  more batch (or its end) first. A requested stop (`stop_asked`, before the
-  window) rides in the window's report: every process stops before it; alone,
-  this host stops there.
+  A core as the streamed ones are, driven by `driver.Stepper`. On `Outcome.WAIT`
+  every process reads one more batch (or its end), the undecided reads kept.
+  A stop asked before the window rides in its report: every process stops before it.
   """
 
   def __init__(
@@ -78,11 +73,7 @@ class Lockstep(common.Agreement):
         self._reads.append(item)
 
   def _decide(self, w: int, stop: messages.ReportedError | None) -> core.Steps:
-    """Reports the window (exchanged with several processes) and decides it.
-
-    A stop any process asked for (`stop`) ends the stream before the window
-    on every process. A peer's report tells the signature where this host has none.
-    """
+    """Reports the window (exchanged with several processes) and decides it; a stop ends it."""
     sig = None if self._signature is None else self._signature.to_json()
     report = common.make_report(self._who, self._reads, self._rules, self._end, sig, w == 0)
     if stop is not None:
@@ -124,10 +115,8 @@ def _parse_all(payloads: list[str]) -> list[messages.Chunk]:
 def _check_in_step(chunks: list[messages.Chunk]) -> None:
   """Raises the same RuntimeError on every host unless every window starts at the same batch.
 
-  A process that restarted its stream while its peers kept iterating has
-  nothing to post its ending to: its next all-gather meets the peers' next
-  window, which would pair different batches into one global array.
-  Different starts in every process's first window are the resume error.
+  A process that restarted while its peers kept iterating would pair
+  different batches into one global array (all in a first window: the resume error).
   """
   starts = {c.report.process_index: c.start for c in chunks}
   if len(set(starts.values())) < 2:

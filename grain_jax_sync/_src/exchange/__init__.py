@@ -1,11 +1,9 @@
 """Moves reports and decisions between processes. Knows nothing about batches.
 
 Three transports: `LocalExchange` (one process, or synchronization off),
-`KeyValueExchange` (`key_value.py`: the coordination service's key-value
-store) and `CollectiveExchange` (`collective.py`: the fallback without a
-store client, in the caller's thread only). `streams.py` names each
-iterator's keys. Only this package talks to other processes. Each name is
-imported from the module it lives in; this one holds what picks among them.
+`KeyValueExchange` (the key-value store) and `CollectiveExchange` (the
+fallback without a store client). `streams.py` names each iterator's keys.
+Only this package talks to other processes.
 """
 
 from __future__ import annotations

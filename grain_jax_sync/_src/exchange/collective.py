@@ -6,12 +6,8 @@ import time
 
 
 class CollectiveExchange:
-  """All-gather of JSON payloads with `process_allgather` (device fallback).
-
-  Two collectives per window (the lengths, then the padded payloads), which
-  must run in the same order on every process as all other collectives: so
-  only in the caller's thread.
-  """
+  """All-gather of JSON payloads with `process_allgather`: two collectives per window (lengths,
+  then padded payloads), in the caller's thread only (all collectives run in one order)."""
 
   def __init__(self, *, process_index: int, process_count: int):
     self.process_index = process_index

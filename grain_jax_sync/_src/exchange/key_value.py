@@ -1,37 +1,20 @@
 """Chunks up to process 0, decisions back down, through the key-value store.
 
-The store is the coordination service's, which `jax.distributed.initialize`
-starts (in process 0). No device work. Keys of one iterator live under one
-namespace ``ns``:
+The store is the coordination service's (`jax.distributed.initialize`
+starts it in process 0). Keys of one stream live under ``ns``,
+``{base}/{generation}`` (each (re)start of an iterator its own):
 
-- ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p (p > 0):
-  rows it read, its ending. Only the decider (process 0) reads them, with
-  one directory read.
-- ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0;
-  every other process reads each one once.
+- ``{ns}/s/{p}/{seq // CHUNK_GROUP}/{seq}``: chunk `seq` of process p > 0
+  (rows it read, its ending); process 0 reads them with one directory read.
+- ``{ns}/d/{seq // GROUP}/{seq}``: decision `seq`, posted by process 0.
+  Chunks and decisions are deleted a group at a time once read.
+- ``{ns}/ended``: a counter every process increments once after its last
+  store call; the one that brings it to the process count deletes ``{ns}``.
 
-Both are deleted a group at a time once read.
-- ``{ns}/ended``: a counter every process increments exactly once after its
-  last store call; the one that brings it to the process count deletes
-  ``{ns}`` (and everything under it).
-
-Each (re)start of an iterator has its own ``ns``, ``{base}/{generation}``.
-Under ``base``, once per iterator and process, at `close()`:
-
-- ``{base}/closed/{p}``: process p closed the iterator: JSON ``[ns, text]``.
-  A peer that waits for p reads it once p's beat shows a new close and ends
-  instead of timing out (p never started the stream, or could not post its
-  ending).
-- ``{base}/closed_count``: the process that brings it to the process count
-  deletes ``{base}``.
-- ``{base}/times/{p}``: process p's `stats()` times at the end of its last
-  stream (`post_times`), for `stats(all_hosts=True)`.
-
-Per decided window: one chunk write and one decision read per process, one
-directory read and one decision write at process 0.
-
-Beats, one per process (not per iterator), are at ``{KEY_ROOT}/beat/{p}``
-(`liveness`).
+Under ``base``, at `close()`: ``{base}/closed/{p}`` (JSON ``[ns, text]``,
+read by a peer that waits for p once p's beat shows a new close), and
+``{base}/closed_count`` (the last deletes ``{base}``); ``{base}/times/{p}``:
+p's `stats()` times (`post_times`). Beats: ``{KEY_ROOT}/beat/{p}`` (`liveness`).
 """
 
 from __future__ import annotations
@@ -48,12 +31,10 @@ from grain_jax_sync._src.exchange.streams import KEY_ROOT, beat_streams, count_c
 
 logger = logging.getLogger(__name__)
 
-# Chunks and decisions are keyed in groups of this many and deleted a group at
-# a time: one store call instead of one per key.
+# Decisions are keyed in groups of this many, deleted a group per store call.
 GROUP = 16
-# Chunks in smaller groups: the decider's one directory read returns every
-# chunk not yet deleted, so the chunks of a group already read are read again
-# until the group goes.
+# Chunks in smaller groups: the decider's directory read returns those of a
+# group already read again until the group goes.
 CHUNK_GROUP = 4
 
 
@@ -81,41 +62,19 @@ def _not_posted(e: Exception) -> bool:
   return "deadline" in text or "timed out" in text or "timeout" in text or _is_not_found(e)
 
 
-def _any(e: Exception) -> bool:
-  """A best-effort read: not posted yet, or the store is gone."""
-  del e
-  return True
-
-
 def _logged(e: Exception) -> bool:
   """A best-effort write or delete: its failure is only logged."""
   logger.debug("grain_jax_sync: a best-effort store call failed: %s", e)
   return True
 
 
-def store_failed(e: BaseException, doing: str) -> RuntimeError:
-  """The error for a key-value store call that failed outright."""
-  return RuntimeError(
-    f"the jax.distributed key-value store failed while {doing}: {e}. The"
-    " coordination service runs in process 0: if process 0 died, every other"
-    " process has lost it and the job must be restarted; otherwise see"
-    " process 0's log"
-  )
-
-
 class KeyValueExchange:
-  """Chunks up to process 0, decisions back down, through the key-value store.
-
-  Args:
-    client: A key-value store client (`jax.distributed`'s, or one with its methods).
-    namespace: The iterator's key prefix.
-    process_index: This process.
-    process_count: How many processes take part.
-  """
+  """Chunks up to process 0, decisions back down, through the key-value store `client`
+  (`jax.distributed`'s, or one with its methods), under the stream's `namespace`."""
 
   def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int):
-    self._client = client
-    self._ns = namespace
+    self.client = client  # The liveness beat writes through it too (`liveness.Beat`).
+    self.namespace = namespace
     self.process_index = process_index
     self.process_count = process_count
     self._cancel = threading.Event()
@@ -126,14 +85,6 @@ class KeyValueExchange:
     self._decisions_deleted = 0  # Groups.
     self.ops = 0  # Store calls made (for the scale benchmark).
     self.busy_s = 0.0  # Seconds in store calls and waits (`stats()`'s exchange_s).
-
-  @property
-  def namespace(self) -> str:
-    return self._ns
-
-  @property
-  def ended(self) -> bool:
-    return self._ended
 
   def _call(
     self, doing: str, fn: Any, *args: Any, absent: Callable[[Exception], bool] | None = None
@@ -146,12 +97,17 @@ class KeyValueExchange:
     except Exception as e:  # noqa: BLE001 - the client raises JaxRuntimeError.
       if absent is not None and absent(e):
         return None
-      raise store_failed(e, doing) from e
+      raise RuntimeError(
+        f"the jax.distributed key-value store failed while {doing}: {e}. The"
+        " coordination service runs in process 0: if process 0 died, every other"
+        " process has lost it and the job must be restarted; otherwise see"
+        " process 0's log"
+      ) from e
     finally:
       self.busy_s += time.monotonic() - t0
 
   def _delete(self, key: str) -> None:
-    self._call(f"deleting {key}", self._client.key_value_delete, key, absent=_logged)
+    self._call(f"deleting {key}", self.client.key_value_delete, key, absent=_logged)
 
   def check(self) -> None:
     """Raises `Cancelled` once the iterator is closed (`cancel`)."""
@@ -161,32 +117,27 @@ class KeyValueExchange:
   # -- chunks (process > 0 writes, process 0 reads) ----------------------------
 
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
-    """Posts this process's next chunk; returns its sequence number.
-
-    A `final` chunk (the ending `close()` posts) is written even after `cancel()`.
-    """
+    """Posts this process's next chunk; its sequence number. A `final` one (an ending) even after `cancel()`."""
     if not final:
       self.check()
     seq = self._chunks_posted
-    key = f"{self._ns}/s/{self.process_index}/{seq // CHUNK_GROUP}/{seq}"
-    self._call(f"posting chunk {seq}", self._client.key_value_set, key, payload)
+    key = f"{self.namespace}/s/{self.process_index}/{seq // CHUNK_GROUP}/{seq}"
+    self._call(f"posting chunk {seq}", self.client.key_value_set, key, payload)
     self._chunks_posted += 1
     return seq
 
   def delete_chunks(self, below: int) -> None:
     """Deletes own chunks below `below` that the decider has read (whole groups)."""
     while (self._chunks_deleted + 1) * CHUNK_GROUP <= below:
-      self._delete(f"{self._ns}/s/{self.process_index}/{self._chunks_deleted}")
+      self._delete(f"{self.namespace}/s/{self.process_index}/{self._chunks_deleted}")
       self._chunks_deleted += 1
 
   def read_chunks(self) -> list[tuple[int, str]]:
     """New chunks of every peer, in order per process (one directory read)."""
     self.check()
-    prefix = f"{self._ns}/s/"
-    entries = self._call("reading the peers' chunks", self._client.key_value_dir_get, prefix)
-    # Looks up each process's next keys (O(processes + new chunks)) instead of
-    # parsing every key returned: most are chunks already read, whose group
-    # is not deleted yet.
+    prefix = f"{self.namespace}/s/"
+    entries = self._call("reading the peers' chunks", self.client.key_value_dir_get, prefix)
+    # Each process's next keys looked up, not every key parsed (most were read already).
     found = dict(entries)
     out = []
     nxt = self._next
@@ -201,13 +152,10 @@ class KeyValueExchange:
   def wait_chunk(
     self, process: int, wait_s: float = periods.LIVENESS_PERIOD_S
   ) -> list[tuple[int, str]]:
-    """Blocks up to `wait_s` for `process`'s next chunk, then reads all new ones.
-
-    With more than one peer, one directory read brings every peer's news.
-    """
+    """Blocks up to `wait_s` for `process`'s next chunk, then reads every new one."""
     self.check()
     seq = self._next[process]
-    key = f"{self._ns}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
+    key = f"{self.namespace}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
     value = self._blocking_get(key, f"waiting for process {process}", wait_s)
     if value is None:
       return []
@@ -221,57 +169,53 @@ class KeyValueExchange:
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
       self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
-    self._call(f"posting decision {seq}", self._client.key_value_set, key, payload)
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
+    self._call(f"posting decision {seq}", self.client.key_value_set, key, payload)
 
   def delete_decisions(self, below: int) -> None:
     """Deletes decisions below `below` (every process has read them), whole groups."""
     while (self._decisions_deleted + 1) * GROUP <= below:
-      self._delete(f"{self._ns}/d/{self._decisions_deleted}")
+      self._delete(f"{self.namespace}/d/{self._decisions_deleted}")
       self._decisions_deleted += 1
 
   def try_decision(self, seq: int) -> str | None:
     """Decision `seq` if it is posted, without waiting."""
     self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
-    get = self._client.key_value_try_get
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
+    get = self.client.key_value_try_get
     return self._call(f"reading decision {seq}", get, key, absent=_is_not_found)
 
   def wait_decision(self, seq: int, wait_s: float = periods.LIVENESS_PERIOD_S) -> str | None:
     """Decision `seq`, waiting up to `wait_s` for it."""
     self.check()
-    key = f"{self._ns}/d/{seq // GROUP}/{seq}"
+    key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
     return self._blocking_get(key, "waiting for process 0's decision", wait_s)
 
   def _blocking_get(self, key: str, doing: str, wait_s: float) -> str | None:
-    get, ms = self._client.blocking_key_value_get, max(1, int(wait_s * 1000))
+    get, ms = self.client.blocking_key_value_get, max(1, int(wait_s * 1000))
     return self._call(doing, get, key, ms, absent=_not_posted)
 
   # -- the agreed end -----------------------------------------------------------
 
   def _end_key(self, what: str) -> str:
     """A key of this stream's end, under the iterator's prefix: it outlives `end()`."""
-    base, generation = self._ns.rsplit("/", 1)
+    base, generation = self.namespace.rsplit("/", 1)
     return f"{base}/{what}/{generation}"
 
   def post_reached_end(self) -> None:
-    """Records that this process's consumer received every batch of the stream.
-
-    The process that brings the count to the process count sets the key
-    every process waits on (`wait_all_reached_end`).
-    """
+    """Records that this process's consumer received every batch; the last sets ``all_at_end``."""
     key = f"{self._end_key('end')}/{self.process_index}"
-    self._call("posting the end", self._client.key_value_set, key, "", True)
+    self._call("posting the end", self.client.key_value_set, key, "", True)
     count = self._call(
-      "counting the end", self._client.key_value_increment, self._end_key("end_count"), 1
+      "counting the end", self.client.key_value_increment, self._end_key("end_count"), 1
     )
     if count == self.process_count:
-      self._call("posting the end", self._client.key_value_set, self._end_key("all_at_end"), "1")
+      self._call("posting the end", self.client.key_value_set, self._end_key("all_at_end"), "1")
 
   def post_left(self, message: str) -> None:
     """Records that this process left the stream before its end (a close, a restart)."""
     key = f"{self._end_key('end')}/{self.process_index}"
-    self._call("posting this host's end", self._client.key_value_set, key, message, True)
+    self._call("posting this host's end", self.client.key_value_set, key, message, True)
 
   def wait_all_reached_end(self, wait_s: float = periods.LIVENESS_PERIOD_S) -> bool:
     """Whether every process reached the end, waiting up to `wait_s`."""
@@ -282,32 +226,24 @@ class KeyValueExchange:
   def end_notes(self) -> dict[int, str]:
     """Per process that got there or left: "" (reached the end) or why it left."""
     prefix = f"{self._end_key('end')}/"
-    entries = self._call("reading the end", self._client.key_value_dir_get, prefix)
+    entries = self._call("reading the end", self.client.key_value_dir_get, prefix)
     return {int(key[len(prefix) :]): value for key, value in entries}
-
-  # -- liveness ----------------------------------------------------------------
 
   def closed_note(self, process: int) -> str | None:
     """What `process` wrote when it closed this iterator (`register_close`), or None."""
-    key = closed_key(self._ns.rsplit("/", 1)[0], process)
-    return self._call("reading a close", self._client.key_value_try_get, key, absent=_any)
+    key = closed_key(self.namespace.rsplit("/", 1)[0], process)
+    # Best effort, as `beat_of`: None if not posted yet or the store is gone.
+    return self._call("reading a close", self.client.key_value_try_get, key, absent=lambda _: True)
 
   def beat_of(self, process: int) -> str | None:
     """The last beat `process` wrote, or None if it never beat."""
     key = beat_key(process)
-    return self._call("reading a beat", self._client.key_value_try_get, key, absent=_any)
-
-  # -- the end -----------------------------------------------------------------
-
-  @property
-  def client(self) -> Any:
-    """The store client (the liveness beat writes through it: `put_beat`)."""
-    return self._client
+    return self._call("reading a beat", self.client.key_value_try_get, key, absent=lambda _: True)
 
   def sibling(self, namespace: str) -> KeyValueExchange:
     """The exchange of another stream, through the same client."""
     return KeyValueExchange(
-      self._client, namespace, process_index=self.process_index, process_count=self.process_count
+      self.client, namespace, process_index=self.process_index, process_count=self.process_count
     )
 
   def cancel(self) -> None:
@@ -315,21 +251,18 @@ class KeyValueExchange:
     self._cancel.set()
 
   def end(self) -> None:
-    """Counts this process out after its last store call; the last one deletes the namespace.
-
-    Once only; never blocks on peers (it also runs in `close()` and garbage collection).
-    """
+    """Counts this process out after its last store call; the last one deletes the namespace. Once."""
     if self._ended:
       return
     self._ended = True
     try:
       self.ops += 1
-      ended = self._client.key_value_increment(f"{self._ns}/ended", 1)
+      ended = self.client.key_value_increment(f"{self.namespace}/ended", 1)
     except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator).
-      logger.debug("grain_jax_sync: could not count the end of %s: %s", self._ns, e)
+      logger.debug("grain_jax_sync: could not count the end of %s: %s", self.namespace, e)
       return
     if ended == self.process_count:
-      self._delete(self._ns)
+      self._delete(self.namespace)
 
 
 def closed_key(base: str, process: int) -> str:
@@ -343,48 +276,46 @@ def close_note(stream: str | None, process: int, at_batch: int) -> str:
 
 
 def register_close(base: str, note: str) -> None:
-  """Records that this process closed the iterator of key prefix `base`; best effort.
+  """Records that this process closed the iterator of key prefix `base`; best effort. The last
+  to close it deletes ``{base}``, with the keys of streams some never ended."""
 
-  The last process to close it deletes ``{base}``, with the keys of streams
-  that some processes never ended.
+  def close(client: Any, jax: Any) -> None:
+    client.key_value_set(closed_key(base, jax.process_index()), note)
+    count_close()  # After the note: a peer that sees the count finds it.
+    if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
+      client.key_value_delete(base)
+
+  _shared_store("record the close", base, close)
+
+
+def _shared_store(
+  doing: str, base: str, call: Callable[[Any, Any], Any], default: Any = None
+) -> Any:
+  """``call(client, jax)`` where several processes share the store; best effort (a dead
+  coordinator, at exit): a failure is logged as "could not {doing} of {base}", `default` returned.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   client = distributed_client()
   if client is None or jax.process_count() == 1:
-    return
+    return default
   try:
-    client.key_value_set(closed_key(base, jax.process_index()), note)
-    count_close()  # After the note: a peer that sees the count finds it.
-    if client.key_value_increment(f"{base}/closed_count", 1) == jax.process_count():
-      client.key_value_delete(base)
-  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
-    logger.debug("grain_jax_sync: could not record the close of %s: %s", base, e)
+    return call(client, jax)
+  except Exception as e:  # noqa: BLE001 - best effort.
+    logger.debug("grain_jax_sync: could not %s of %s: %s", doing, base, e)
+    return default
 
 
 def post_times(base: str, text: str) -> None:
   """Posts this process's figures at the end of a stream of the iterator `base`; best effort."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  client = distributed_client()
-  if client is None or jax.process_count() == 1:
-    return
-  try:
-    client.key_value_set(f"{base}/times/{jax.process_index()}", text, True)
-  except Exception as e:  # noqa: BLE001 - best effort (a dead coordinator, at exit).
-    logger.debug("grain_jax_sync: could not post the figures of %s: %s", base, e)
+  post = lambda c, jax: c.key_value_set(f"{base}/times/{jax.process_index()}", text, True)  # noqa: E731
+  _shared_store("post the figures", base, post)
 
 
 def read_times(base: str) -> list[tuple[int, str]]:
   """Every process's figures posted under `base` (`post_times`): one directory read; best effort."""
-  client = distributed_client()
-  if client is None:
-    return []
-  try:
-    entries = client.key_value_dir_get(f"{base}/times/")
-  except Exception as e:  # noqa: BLE001 - best effort: the table keeps what it has.
-    logger.debug("grain_jax_sync: could not read the figures of %s: %s", base, e)
-    return []
+  get = lambda c, _: c.key_value_dir_get(f"{base}/times/")  # noqa: E731
+  entries = _shared_store("read the figures", base, get, [])
   by_process = ((key.rsplit("/", 1)[-1], value) for key, value in entries)
   return [(int(p), value) for p, value in by_process if p.isdigit()]
 
@@ -393,15 +324,6 @@ def beat_text(n: int) -> str:
   """This process's `n`-th beat: ``{n}/{closes}`` (`liveness.Liveness.closed`), the streams it waits on."""
   closes, waiting = beat_streams()
   return " ".join([f"{n}/{closes}", *waiting])
-
-
-def put_beat(client: Any, process: int, value: str) -> None:
-  """Overwrites `process`'s liveness beat."""
-  client.key_value_set(beat_key(process), value, True)
-
-
-def delete_beat(client: Any, process: int) -> None:
-  client.key_value_delete(beat_key(process))
 
 
 def beat_key(process: int) -> str:

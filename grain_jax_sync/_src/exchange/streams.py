@@ -1,12 +1,9 @@
 """This process's streams: their names, and where each stands. No store call.
 
 An iterator's key prefix (`new_namespace`) is the same on every process;
-each (re)start of it is a stream, ``{prefix}/{generation}``. The registry
-(`REGISTRY`, the library's one process-wide registry) records which
-iterators were created here and which streams were started here, wait for
-their first decision (the beat carries those: `agreement.driver.Driver.crosswise`), or
-were ended here before they started (`pre_end`), and how many closes the
-beat announces.
+each (re)start of it is a stream, ``{prefix}/{generation}``. `REGISTRY` records
+the iterators created here, the streams started here, waiting for their first
+decision (the beat carries those) or ended before they started, and the closes.
 """
 
 from __future__ import annotations
@@ -19,13 +16,8 @@ KEY_ROOT = "grain_jax_sync"  # Every key of the library lives under it.
 
 
 class _Registry:
-  """The process-wide registry, the library's only one: this process's iterators and streams.
-
-  Every field is guarded by `lock`. A process's iterators must know each
-  other's streams: the beat carries the streams this process waits at the
-  start of, and the crosswise watch asks whether a stream a peer waits on was
-  created and started here (`agreement.driver.Driver.crosswise`).
-  """
+  """The library's one process-wide registry, every field guarded by `lock`: a process's
+  iterators know each other's streams (`agreement.driver.Driver.crosswise`)."""
 
   def __init__(self) -> None:
     self.lock = threading.Lock()
@@ -42,19 +34,13 @@ REGISTRY = _Registry()
 
 
 def new_namespace(name: str | None = None) -> str:
-  """A key prefix for one iterator; the same on every process under SPMD.
-
-  A per-process counter names them consistently where every process creates
-  its iterators in the same order; where not, pass `name` (every process
-  must then create the same number of iterators of that name).
-  """
+  """A key prefix for one iterator; the same on every process where every process creates its
+  iterators in the same order, else by `name` (the same number of that name everywhere)."""
   with REGISTRY.lock:
     if name is None:
       namespace = f"{KEY_ROOT}/{next(REGISTRY.instances)}"
     else:
-      # The n-th iterator of that name: a new one per epoch under the same
-      # name must not read the keys of the last (a host still ending it, or
-      # its decider still posting).
+      # The n-th of that name: a new one per epoch reads none of the last's keys.
       REGISTRY.named[name] += 1
       namespace = f"{KEY_ROOT}/{name}/{REGISTRY.named[name]}"
     REGISTRY.created.add(namespace)

@@ -1,7 +1,6 @@
 """Source adapters: anything that yields per-host batches -> `SourceIterator`.
 
-Grain, TensorFlow and Hugging Face `datasets` are imported only when such a
-source is passed, so the core works without them.
+Grain, TensorFlow and `datasets` are imported only when such a source is passed.
 """
 
 from __future__ import annotations
@@ -16,11 +15,7 @@ from grain_jax_sync._src.sources.iterable import next_only, open_iterable
 
 
 def open_source(source: Any) -> SourceIterator:
-  """A `SourceIterator` at the start of `source`.
-
-  `source`: a Grain, tf.data or Hugging Face data set or loader, an `hf_pipeline`
-  or `elastic_source` source, or any sequence or iterable of batches.
-  """
+  """A `SourceIterator` at the start of `source` (any source `iter_jax_batches` takes)."""
   if isinstance(source, SourceIterator):
     return source
   if isinstance(source, elastic_source.ElasticSource):
@@ -46,8 +41,7 @@ def reopen(source: Any, current: SourceIterator, initial: Any) -> SourceIterator
   """A source iterator at the start of `source` again (for `reset()`).
 
   A fresh one over a re-iterable `source` (`current` closed), else `current`
-  restored to `initial`, its state before its first read (None: it has none);
-  RuntimeError if neither can be done.
+  restored to `initial`, its state before its first read (None: none).
   """
   if not isinstance(source, (SourceIterator, Iterator)) and not next_only(source):
     current.close()

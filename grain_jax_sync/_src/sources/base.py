@@ -12,15 +12,12 @@ from typing import Any
 
 
 class SourceIterator:
-  """A per-host batch iterator with optional exact resume.
+  """A per-host batch iterator with optional exact resume (`supports_state`).
 
-  Subclasses implement `__next__` and, where the source can resume, set
-  `supports_state` and implement `get_state`/`set_state`. The pipeline calls
-  `get_state()` in the reading thread right after each `__next__` and holds
-  the value beside that batch until the consumer receives it, so it must be a
-  snapshot that later reads do not change (it may be opaque). `export_state`
-  turns a held snapshot into JSON when the user asks for the state (inside
-  `exporting_to_files()`, with no JSON size limit); `set_state` takes it back.
+  `get_state()` is called in the reading thread right after each `__next__`
+  and held beside that batch until the consumer receives it: a snapshot that
+  later reads do not change (maybe opaque). `export_state` turns it into JSON
+  when the user asks for the state; `set_state` takes that back.
   """
 
   supports_state: bool = False
@@ -118,10 +115,8 @@ def to_files() -> bool:
 def encode_state(state: Any) -> Any:
   """A copy of a source state, JSON-serialisable (bytes -> base64).
 
-  A copy: an iterator may return its own live dict from `get_state()`, which
-  its next reads change. The reader keeps each batch's state until the
-  consumer takes that batch, so a live dict became the read-ahead's state and
-  a resume skipped the batches read ahead.
+  A copy: an iterator may return its own live dict, which its next reads
+  change; held until the consumer takes the batch, it would skip the read-ahead.
   """
   if isinstance(state, (bytes, bytearray)):
     return {"__bytes_b64__": base64.b64encode(bytes(state)).decode("ascii")}
@@ -160,11 +155,7 @@ def check_json(state: Any, description: str) -> None:
 
 
 def drop_dict_paths(element: Any, paths: Sequence[tuple[Any, ...]]) -> Any:
-  """Returns `element` without the dict entries at `paths`.
-
-  A dict left empty by the drop is removed too. Works on NumPy elements and on
-  elements traced by tf.data alike.
-  """
+  """`element` (NumPy or traced by tf.data) without the entries at `paths` (nor emptied dicts)."""
   if not paths or not isinstance(element, Mapping):
     return element
   here = {p[0] for p in paths if len(p) == 1}

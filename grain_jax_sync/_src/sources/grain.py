@@ -1,10 +1,6 @@
-"""Grain sources. Imported only when a Grain object is passed.
+"""Grain sources, resumed exactly through Grain's own iterator state. Imported only when used.
 
-A `grain.DataLoader` or `DataLoaderIterator` (its JSON-bytes state held as a
-dict), an `IterDataset` or `DatasetIterator` (its own state), or a
-`MapDataset` (read in index order through `to_iter_dataset()`), resumed
-exactly through Grain's own iterator state. Elements must already be batches;
-the batch validation says how to batch them, on every host.
+Elements must already be batches; the batch validation says how to batch them.
 """
 
 from __future__ import annotations
@@ -20,13 +16,11 @@ from grain_jax_sync._src.sources import base
 class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`).
 
-  `fresh` makes another iterator at `iterator`'s start; until the first read,
-  `get_state()` asks that one: a Grain iterator whose state is taken before
-  its first `next()` (Grain 0.2.18) starts its multiprocessing workers'
-  iterators without prefetch, and reads at about half the rate for good.
-  `first` is (an element already read from `iterator`, the state before
-  it): given first, and kept where `set_state` asks for that state, since
-  rewinding drops what Grain's threads or workers read ahead.
+  Until the first read, `get_state()` asks `fresh()`, another iterator at the
+  start: a Grain iterator whose state is taken before its first `next()`
+  (Grain 0.2.18) reads at about half the rate for good. `first` is (an element
+  already read, the state before it), kept where `set_state` asks for that
+  state, since rewinding drops what Grain's threads or workers read ahead.
   """
 
   supports_state = True
@@ -168,11 +162,7 @@ class LocalLoaderIterator(_LocalFace):
 
 
 def open_grain(source: Any, fresh: Any = None, first: Any = None) -> base.SourceIterator | None:
-  """A `SourceIterator` where a Grain object is (a loader's or dataset's start), else None.
-
-  `fresh` and `first`: for a `grain.DatasetIterator`, as `GrainIteratorSource`
-  takes them.
-  """
+  """A `SourceIterator` over a Grain object (a loader's or dataset's start), else None."""
   grain = extras.require("grain", needed_by="a Grain source")
 
   name = type(source).__qualname__

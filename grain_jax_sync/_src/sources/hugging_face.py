@@ -2,9 +2,7 @@
 
 `hf_pipeline` reads this input shard's rows: map-style, a contiguous range of
 the Arrow table read as NumPy views of Arrow's buffers (`arrow_columns`);
-streaming, `split_dataset_by_node` in windows of rows. `collate` pads
-variable-length columns and adds their masks. `datasets` and `pyarrow` are
-imported only when this module reads one.
+streaming, `split_dataset_by_node` in windows of rows.
 """
 
 from __future__ import annotations
@@ -33,20 +31,11 @@ def collate(
   ragged: Collection[str] = (),
   pad_id: Any = 0,
 ) -> dict[str, Any]:
-  """One batch as a dict of arrays: rows or columns in, variable-length columns padded.
+  """One batch (a dict of NumPy columns, or a list of row dicts) as a dict of arrays.
 
-  Args:
-    batch: A dict of NumPy columns (object arrays for ragged ones), or a list of rows (dicts).
-    ragged: The variable-length columns: each is padded to the batch's
-      longest row and gets a boolean ``"<column>_mask"`` (True for real
-      elements), in every batch, whatever its rows' lengths.
-    pad_id: What pads a variable-length column past each row's length.
-
-  Returns:
-    A dict of arrays sharing their first (row) dimension.
-
-  Raises:
-    ValueError: If a column not in `ragged` has rows of different lengths.
+  Each `ragged` column is padded with `pad_id` to the batch's longest row and
+  gets a boolean ``"<column>_mask"`` (True for real elements), in every batch.
+  Another column whose rows differ in shape raises `leaves.DataError`.
   """
   if not isinstance(batch, Mapping):
     rows = list(batch)
@@ -127,11 +116,10 @@ class HFSource:
 
 
 def arrow_columns(table: Any) -> dict[str, np.ndarray]:
-  """A `pyarrow.Table`'s columns as NumPy, sharing Arrow's buffers where the type allows.
+  """A `pyarrow.Table`'s columns as NumPy views of Arrow's buffers where the type allows.
 
-  Numbers (no nulls) and fixed-size lists of them are views; a variable-length
-  list column is an object array of views, one per row (for `collate`);
-  anything else is converted by Arrow (a copy).
+  A variable-length list column is an object array of views, one per row;
+  nulls and other types are copied by Arrow.
   """
   columns = zip(table.column_names, table.columns, strict=True)
   # One chunk is read as is; `combine_chunks` copies even then.
@@ -258,9 +246,9 @@ class _Streaming(base.SourceIterator):
 class _Windows(base.SourceIterator):
   """`hf_pipeline` over an `IterableDataset`: windows of rows, each in a seeded order.
 
-  The state is where the window started (HF's `state_dict()`, None at an
-  epoch's start), its index and its rows consumed: a resume reads it again in
-  the same order (HF's own shuffle buffer is not in its state: rows lost).
+  The state is where the window started (HF's `state_dict()`), its index and
+  rows consumed: a resume reads it again in the same order (HF's own shuffle
+  buffer is not in its state: rows would be lost).
   """
 
   supports_state = True
@@ -336,11 +324,7 @@ def _batch_fn(spec: HFSource) -> Callable[[Any], dict[str, Any]]:
 
 
 class _Batches(iterable.SequenceSource):
-  """A map-style `Dataset` whose items are batches, read by position in NumPy format.
-
-  Its columns must be rectangular in each batch (`collate` with no ragged
-  columns); `hf_pipeline` pads variable-length ones.
-  """
+  """A map-style `Dataset` whose items are batches (rectangular columns), read by position."""
 
   def __next__(self) -> Any:
     return collate(super().__next__())
@@ -521,25 +505,10 @@ def _load(
 
 
 def _elastic(spec: HFSource) -> Any:
-  """`spec`'s whole data set as an `elastic_source`: map, filter and batches per process."""
-  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
-
+  """`spec`'s whole data set as an `elastic_source`."""
   if not _is_map_style(spec.dataset):
     raise ValueError(
       "`elastic=True` needs a map-style datasets.Dataset (streaming=False): a streaming"
       " data set resumes on the same process count only"
     )
-  return elastic.elastic_source(
-    _Rows(_arrow(spec.dataset)),
-    functools.partial(_per_process, spec=spec),
-    shuffle=spec.shuffle,
-    seed=spec.seed,
-    num_epochs=spec.num_epochs,
-  )
-
-
-def _per_process(ds: Any, *, spec: HFSource) -> Any:
-  """An elastic process's `grain.IterDataset` of rows -> its batches."""
-  ds = ds if spec.map_fn is None else ds.map(spec.map_fn)
-  ds = ds if spec.filter_fn is None else ds.filter(spec.filter_fn)
-  return ds.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=_batch_fn(spec))
+  return tfds_lib.elastic_batches(_Rows(_arrow(spec.dataset)), spec, _batch_fn(spec))

@@ -1,11 +1,8 @@
 """tf.data sources. Imported only when a TensorFlow object is passed.
 
-Elements are read as NumPy through `EagerTensor._numpy()`, which shares the
-tensor's host buffer (`as_numpy_iterator` copies). Columns that cannot become
-`jax.Array`s (ragged, sparse, string) are found in `element_spec` before
-anything is read, and raise a `ValueError` naming each or, with
-``drop_unsupported=True``, are dropped inside the pipeline. Exact resume goes
-through TensorFlow's own iterator checkpointing (`tf_data_state`).
+Columns that cannot become `jax.Array`s (ragged, sparse, string) are found in
+`element_spec` before anything is read. Exact resume goes through TensorFlow's
+own iterator checkpointing (`tf_data_state`).
 """
 
 from __future__ import annotations
@@ -29,16 +26,18 @@ _SLOW_SNAPSHOT_S = 0.01
 _SLOW_SNAPSHOTS_BEFORE_WARNING = 3
 
 
-def _walk(spec: Any, prefix: str, out: list[tuple[str, tuple[Any, ...], Any]], path: tuple):
-  """Lists (name, path, leaf spec) of a nested element spec."""
+def _walk(spec: Any, prefix: str, out: list[tuple[str, Any, Any]], path: tuple | None):
+  """Lists (name, path of dict keys (None under a tuple position), leaf spec) of a spec."""
   if isinstance(spec, Mapping):
     for k in sorted(spec, key=str):
-      _walk(spec[k], f"{prefix}/{k}" if prefix else str(k), out, (*path, k))
+      _walk(
+        spec[k], f"{prefix}/{k}" if prefix else str(k), out, None if path is None else (*path, k)
+      )
   elif isinstance(spec, (tuple, list)):
     fields = getattr(type(spec), "_fields", None)
     for i, sub in enumerate(spec):
       key = fields[i] if fields else i
-      _walk(sub, f"{prefix}/{key}" if prefix else str(key), out, (*path, i))
+      _walk(sub, f"{prefix}/{key}" if prefix else str(key), out, None)
   else:
     out.append((prefix or "<batch>", path, spec))
 
@@ -60,28 +59,17 @@ def _problem(spec: Any) -> str | None:
   return None
 
 
-def unsupported_columns(element_spec: Any) -> list[tuple[str, tuple[Any, ...], str]]:
-  """Returns (column name, path, what it is) for every non-dense leaf."""
-  leaves: list[tuple[str, tuple[Any, ...], Any]] = []
+def unsupported_columns(element_spec: Any) -> list[tuple[str, Any, str]]:
+  """(column name, path as `_walk` gives it, what it is) for every non-dense leaf."""
+  leaves: list[tuple[str, Any, Any]] = []
   _walk(element_spec, "", leaves, ())
   return [(name, path, why) for name, path, spec in leaves if (why := _problem(spec)) is not None]
-
-
-def _droppable(element_spec: Any, path: tuple[Any, ...]) -> bool:
-  spec = element_spec
-  for key in path:
-    if not isinstance(spec, Mapping):
-      return False
-    spec = spec[key]
-  return True
 
 
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
   """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
-  Raises:
-    ValueError: Naming every bad column (when `drop` is False), or naming
-      bad columns that are tuple positions rather than dict entries.
+  A ValueError names every bad column (`drop` False), or those in tuple positions.
   """
   spec = dataset.element_spec
   bad = unsupported_columns(spec)
@@ -96,7 +84,7 @@ def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
       " `.map(...)`, or pass the dataset through"
       " `grain_jax_sync.from_tf_data(ds, drop_unsupported=True)` to drop them"
     )
-  stuck = [n for n, p, _ in bad if not _droppable(spec, p)]
+  stuck = [n for n, p, _ in bad if p is None]
   if stuck:
     raise ValueError(
       f"`drop_unsupported=True` can drop dict entries only, but columns {stuck}"
@@ -204,22 +192,18 @@ class TfDataSource(base.SourceIterator):
 
   def export_state(self, state: Any) -> Any:
     limit = None if base.to_files() else tf_state.JSON_STATE_LIMIT_BYTES
-    if isinstance(state, dict):  # Already exported (restored by set_state).
-      tf_state.check_size(tf_state.exported_size(state), limit)
-      return state
-    last = self._exported  # The same snapshot asked twice is encoded once.
-    if last is not None and last[0] is state:
-      return self.export_state(dict(last[1]))
-    exported = tf_state.export(self._at_end(state), limit=None)
-    self._exported = (state, exported)
-    return self.export_state(dict(exported))
+    if not isinstance(state, dict):  # A dict: already exported (restored by set_state).
+      if self._exported is None or self._exported[0] is not state:  # Else encoded already.
+        self._exported = (state, tf_state.export(self._at_end(state), limit=None))
+      state = dict(self._exported[1])
+    tf_state.check_size(tf_state.exported_size(state), limit)
+    return state
 
   def _at_end(self, snapshot: Any) -> Any:
-    """The snapshot, or one taken now if the dataset ended right after it.
+    """The snapshot, or one taken now (caller's thread) if the dataset ended right after it.
 
     A host whose dataset ran out between two `state_every` steps goes on with
-    dummy batches carrying a state with no snapshot; after the end nothing
-    reads the iterator, so its state is taken here, in the caller's thread.
+    dummy batches whose state has no snapshot; nothing reads the iterator now.
     """
     if not (snapshot.between and self._ended and snapshot.reads == self._reads):
       return snapshot

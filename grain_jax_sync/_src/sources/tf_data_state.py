@@ -1,11 +1,9 @@
 """Exact resume of tf.data iterators through TensorFlow's own checkpointing.
 
 A snapshot is TensorFlow's ``SerializeIterator`` output (what
-`tf.train.Checkpoint(iterator=it)` saves): a variant tensor holding the whole
-iterator state, a value later reads do not change, costing in proportion to
-every shuffle buffer slot (so the source can take one every N batches). It
-becomes base64 only when the user asks for the state. TensorFlow is imported
-only when these functions run.
+`tf.train.Checkpoint(iterator=it)` saves): a variant tensor that later reads do
+not change, costing in proportion to every shuffle buffer slot. It becomes
+base64 only when the user asks for the state.
 """
 
 from __future__ import annotations
@@ -84,8 +82,7 @@ def cannot_checkpoint(error: Exception, description: str) -> str:
 def export(snapshot: Snapshot, *, limit: int | None) -> dict[str, Any]:
   """The JSON form of `snapshot`, with at most `limit` bytes of state (None: files).
 
-  Raises:
-    RuntimeError: If the snapshot holds an error, or its state is over `limit`.
+  RuntimeError if the snapshot holds an error, or its state is over `limit`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -120,12 +117,8 @@ def exported_size(state: dict[str, Any]) -> int:
 def restore(iterator: Any, state: Any, description: str) -> int:
   """Restores an exported state into `iterator`; returns its read count.
 
-  The bytes are checked against their CRC32 first: TensorFlow crashes the
-  process (segmentation fault) on some corrupt states instead of raising.
-
-  Raises:
-    ValueError: If `state` is not an exported tf.data state, is corrupt, or
-      does not fit the pipeline of `iterator`.
+  ValueError if it does not fit. The CRC32 is checked first: TensorFlow crashes
+  the process on some corrupt states.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tensorflow.python.ops import gen_dataset_ops  # pylint: disable=g-import-not-at-top

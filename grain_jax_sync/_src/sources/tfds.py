@@ -1,17 +1,10 @@
 """TFDS: a dataset name and split in, this process's batched pipeline out.
 
-``reader="data_source"`` (default) reads `tfds.data_source` (ArrayRecord, no
-TensorFlow) as a `grain.MapDataset` sliced to this input shard's contiguous
-examples and returns a checkpointable `grain.IterDataset`; ``reader="tf_data"``
-reads this shard's `tfds.even_splits` sub-split with `tfds.load` and returns a
-`tf.data.Dataset` (resumable through TensorFlow's iterator checkpointing).
-
 With ``n`` examples and ``P`` input shards, shard ``p`` is
-``[p*n//P, (p+1)*n//P)``: no example dropped, sizes differing by at most one
-(`iter_jax_batches` with `paddings` or `drop_last` makes every host agree). An
-input shard is a process, or the processes that feed the same rows of a mesh
-(`data_shard_info`): they read the same examples with the same seed. TFDS,
-Grain and TensorFlow are imported only when this module is used.
+``[p*n//P, (p+1)*n//P)`` (``reader="tf_data"``: `tfds.even_splits`): no
+example dropped, sizes differing by at most one. An input shard is a process,
+or the processes that feed the same rows of a mesh (`data_shard_info`): they
+read the same examples with the same seed.
 """
 
 from __future__ import annotations
@@ -245,24 +238,33 @@ class _Request:
   load: dict[str, Any]  # What `tfds.data_source` and `tfds.load` both take.
   process_index: int
   process_count: int
+  filter_fn: None = None  # As `hf_pipeline`'s, for `elastic_batches`.
+
+
+def elastic_batches(records: Any, spec: Any, batch_fn: Any = None) -> Any:
+  """`records` as an `elastic_source`: `spec`'s `map_fn`, `filter_fn` and batches per process.
+
+  `spec`: a `_Request` or an `hf_pipeline` source (fields of the same names).
+  """
+  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
+
+  per_process = functools.partial(_per_process, spec=spec, batch_fn=batch_fn)
+  return elastic.elastic_source(
+    records, per_process, shuffle=spec.shuffle, seed=spec.seed, num_epochs=spec.num_epochs
+  )
+
+
+def _per_process(ds: Any, *, spec: Any, batch_fn: Any) -> Any:
+  ds = ds if spec.map_fn is None else ds.map(spec.map_fn)
+  ds = ds if spec.filter_fn is None else ds.filter(spec.filter_fn)
+  return ds.batch(spec.batch_size, drop_remainder=spec.drop_remainder, batch_fn=batch_fn)
 
 
 def _elastic_pipeline(tfds: Any, r: _Request) -> Any:
-  """The whole split as an `elastic_source` (read with Grain's default options): `map_fn` and batching per host."""
-  from grain_jax_sync._src.sources.elastic import source as elastic  # pylint: disable=g-import-not-at-top
-
+  """The whole split (read with Grain's default options) as an `elastic_source`."""
   grain = extras.require("grain", needed_by="tfds_pipeline(elastic=True)", extra="tfds")
   source = _data_source(tfds, r)
-  records = _dropped(grain.MapDataset.source(source), source, r)
-
-  def transform(ds: Any) -> Any:
-    if r.map_fn is not None:
-      ds = ds.map(r.map_fn)
-    return ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
-
-  return elastic.elastic_source(
-    records, transform, shuffle=r.shuffle, seed=r.seed, num_epochs=r.num_epochs
-  )
+  return elastic_batches(_dropped(grain.MapDataset.source(source), source, r), r)
 
 
 def _data_source(tfds: Any, r: _Request) -> Any:
@@ -307,13 +309,7 @@ def _grain_pipeline(tfds: Any, r: _Request, *, read_options: Any) -> Any:
     "grain_jax_sync: %s[%s] input shard %d/%d reads examples [%d, %d)", r.name, r.split, *where
   )
   ds = _dropped(ds, source, r)
-  if r.shuffle:
-    ds = ds.shuffle(seed=r.seed)
-  if r.num_epochs != 1:
-    ds = ds.repeat(r.num_epochs)
-  if r.map_fn is not None:
-    ds = ds.map(r.map_fn)
-  ds = ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
+  ds = _batched(ds.shuffle(seed=r.seed) if r.shuffle else ds, r)
   return ds.to_iter_dataset(read_options)
 
 
@@ -337,19 +333,18 @@ def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
   if r.shuffle:
     buffer = _buffer_size(ds, shuffle_buffer_size)
     ds = ds.shuffle(buffer, seed=r.seed, reshuffle_each_iteration=True)
-  if r.num_epochs != 1:
-    ds = ds.repeat(r.num_epochs)
-  if r.map_fn is not None:
-    ds = ds.map(r.map_fn, num_parallel_calls=tf.data.AUTOTUNE)
-  ds = ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
+  ds = _batched(ds, r, num_parallel_calls=tf.data.AUTOTUNE)
   return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def _buffer_size(ds: Any, requested: int) -> int:
-  """The shuffle buffer, capped at the shard's size when TFDS knows it.
+def _batched(ds: Any, r: _Request, **map_kwargs: Any) -> Any:
+  """`ds` (shuffled) repeated, mapped and batched as `r` asks."""
+  ds = ds if r.num_epochs == 1 else ds.repeat(r.num_epochs)
+  ds = ds if r.map_fn is None else ds.map(r.map_fn, **map_kwargs)
+  return ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
 
-  A buffer as large as the data already holds all of it, and TensorFlow saves
-  every slot of the buffer in each snapshot, used or not.
-  """
+
+def _buffer_size(ds: Any, requested: int) -> int:
+  """The shuffle buffer, capped at the shard's size (TensorFlow saves every slot in a snapshot)."""
   n = int(ds.cardinality())  # TFDS asserts it; -1 infinite, -2 unknown.
   return min(int(requested), n) if n > 0 else int(requested)
