@@ -55,11 +55,8 @@ def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
 
 
 def to_array(x: Any, *, context: str) -> np.ndarray:
-  """`x` as a native-byte-order NumPy array of any rank that a jax.Array can hold.
-
-  Raises ValueError, prefixed with `context`, for None, strings, masked,
-  ragged or non-numeric values.
-  """
+  """`x` as a native-byte-order NumPy array of any rank that a jax.Array can hold; a ValueError,
+  prefixed with `context`, for None, strings, masked, ragged or non-numeric values."""
   x = _as_array(x, context)
   _check_dtype(x.dtype, context)
   return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))

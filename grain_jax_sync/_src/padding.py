@@ -144,10 +144,8 @@ def fill_leaf(
   dtype: np.dtype,
   pad: np.ndarray | None,
 ) -> np.ndarray:
-  """`leaf` (None: a dummy) as `target` rows of trailing `shape` in `dtype`, padded with `pad`.
-
-  `leaf` itself where it already is that; otherwise a new buffer.
-  """
+  """`leaf` (None: a dummy) as `target` rows of trailing `shape` in `dtype`, padded with `pad`:
+  `leaf` itself where it already is that."""
   rows = 0 if leaf is None else leaf.shape[0]
   grown = leaf is not None and leaf.shape[1:] != shape  # `pad_shapes`: trailing dims pad too.
   if leaf is not None and rows == target and leaf.dtype == dtype and not grown:

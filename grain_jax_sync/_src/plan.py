@@ -337,11 +337,8 @@ class _Walk:
 
 
 def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
-  """How many positions from `i` on hold a batch of `batch_size` rows on every host.
-
-  The fast path for full batches, compared a slice at a time (no error can
-  sit there: a report's error follows its last row).
-  """
+  """How many positions from `i` on hold a batch of `batch_size` rows on every host, compared a
+  slice at a time (no error can sit there: a report's error follows its last row)."""
   n = min(len(r.rows) for r in reports) - i
   if n <= 0:
     return 0
@@ -458,11 +455,8 @@ def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: in
 def shared_rows_error(
   digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
 ) -> str | None:
-  """The error when processes that share a data shard fed different rows; None if they agree.
-
-  `digests`: per process, `reader.rows_digest` of its rows at this batch
-  (None: a dummy batch).
-  """
+  """The error when processes that share a data shard fed different rows (`digests`: per process,
+  `reader.rows_digest` of its rows at this batch, None for a dummy batch); None if they agree."""
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}
     ended = [p for p in procs if digests[p] is None]

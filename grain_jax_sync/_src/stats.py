@@ -43,10 +43,8 @@ class Times:
 
 
 class Delivered(NamedTuple):
-  """What the consumer received: a tuple, made anew per batch received (`session.Mark`).
-
-  Its fields are those of `JaxBatchIterator.stats()` (docs/api.md) but the stage times.
-  """
+  """What the consumer received, made anew per batch (`session.Mark`): the keys of
+  `JaxBatchIterator.stats()` (docs/api.md) but the stage times."""
 
   batches: int = 0
   real_rows: int = 0

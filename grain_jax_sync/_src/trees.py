@@ -99,10 +99,8 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
 
 
 def _registered_node(x: Any) -> tuple[list[tuple[str, Any]], Any] | None:
-  """A node registered with `jax.tree_util`: its (name, child) pairs and one-level treedef.
-
-  None for leaves: arrays, anything with ``__array__``, numbers, strings.
-  """
+  """A node registered with `jax.tree_util`: its (name, child) pairs and one-level treedef;
+  None for leaves (arrays, anything with ``__array__``, numbers, strings)."""
   if isinstance(x, (np.ndarray, np.generic, numbers.Number, str, bytes, list)) or hasattr(
     x, "__array__"
   ):
@@ -205,11 +203,8 @@ def _node_treedef(spec: Mapping[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
-  """A registered node's one-level treedef, from its type (imported here) and aux data.
-
-  Raises:
-    ValueError: Naming the node, where it cannot be rebuilt from data.
-  """
+  """A registered node's one-level treedef from its imported type and aux data, or a ValueError
+  naming the node."""
   import jax  # Only for registered nodes.
 
   where = f"the batch's node {shown} ({path})"
@@ -310,10 +305,8 @@ def spec_keys(spec: TreeSpec) -> list[Any]:
 
 
 def check_spec(spec: Any) -> TreeSpec:
-  """`spec` if it is a spec that `flatten` makes (data only), else a ValueError saying where not.
-
-  A peer's spec is checked before any host builds from it.
-  """
+  """`spec` if it is a spec that `flatten` makes (data only), else a ValueError saying where not
+  (a peer's spec is checked before any host builds from it)."""
   try:
     _check(spec)
   except RecursionError as e:

@@ -60,11 +60,8 @@ class Position(NamedTuple):
 
 
 def find_position(state: Any) -> Position | None:
-  """The stream cursor of a Grain iterator's nested state, or None.
-
-  `Position.why` says why it is not exact for a re-split (Grain's own resume
-  is): a state kept beside its parent's may hold records read past it.
-  """
+  """The stream cursor of a Grain iterator's nested state, or None; `Position.why` says why it
+  is not exact for a re-split (a state beside its parent's may hold records read past it)."""
   tags = _tags(state, None)
   if not tags:
     return None

@@ -122,10 +122,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 
 
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
-  """Every process's share of an epoch after `history`, split over `count` processes.
-
-  Cached, as every process of one job asks for the same split: do not change the lists.
-  """
+  """Each process's share of an epoch after `history`, split `count` ways (cached: read only)."""
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
 
@@ -141,10 +138,8 @@ def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[l
 
 
 def partial(num_records: int, history: Sequence[Resize]) -> dict[int, int]:
-  """The epoch positions whose records a resize left partly delivered: their tokens delivered.
-
-  A later resize's count replaces an earlier one's (it counts from the record's start).
-  """
+  """The epoch positions whose records a resize left partly delivered: their tokens delivered
+  (a later resize's count, from the record's start, replaces an earlier one's)."""
   out: dict[int, int] = {}
   for r, (old_count, cursors) in enumerate(history):
     for share, cursor in zip(shares(num_records, history[:r], old_count), cursors, strict=True):
@@ -162,10 +157,8 @@ def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
-  """The record at each position of `epoch` (None: the identity).
-
-  When `shuffle`, a permutation seeded by ``[seed, epoch]``: the same on every host and count.
-  """
+  """The record at each position of `epoch`: a permutation seeded by ``[seed, epoch]``, or None
+  (the identity) without `shuffle`."""
   return _permutation(num_records, seed, epoch) if shuffle else None
 
 
@@ -293,11 +286,8 @@ class EpochShares:
     holes: Sequence[int] = (),
     partial: Mapping[int, int] | None = None,
   ) -> Cursor:
-    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``).
-
-    `holes`: stream indices below the thresholds not consumed (one threshold
-    only); `partial`: the tokens delivered of some of them.
-    """
+    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``),
+    holes (one threshold only) and their tokens delivered (`partial`)."""
     share, offset = self.entry(epoch)
     n, width = total(share), len(thresholds)
     # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].

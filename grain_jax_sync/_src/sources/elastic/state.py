@@ -113,11 +113,8 @@ def export(
   holes: Sequence[int] = (),
   partial: Mapping[int, int] | None = None,
 ) -> dict:
-  """A process's JSON source state, with stream thresholds (or a position) `consumed`.
-
-  `why_not`: why the cursor cannot be re-split (None: it can); `holes` and
-  `partial` as in `cursor.Position`.
-  """
+  """A process's JSON source state, with stream thresholds (or a position) `consumed`, and
+  why the cursor cannot be re-split (`why_not`), holes and `partial` (`cursor.Position`)."""
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)
   epoch, cursor = shares.cursor(position)
@@ -161,10 +158,8 @@ def mixture_fields(mixture: Any) -> dict[str, Any]:
 
 
 def runs_from_json(value: Any) -> list[tuple[tuple[Range, ...], tuple[int, ...]]] | None:
-  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none).
-
-  A run's first entry was a row before 0.6 (it kept every row below it).
-  """
+  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none);
+  a run's first entry was a row before 0.6 (it kept every row below it)."""
   if value is None:
     return None
   try:

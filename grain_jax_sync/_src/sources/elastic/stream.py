@@ -71,11 +71,8 @@ class Stream:
 
 
 class Chunks:
-  """`stream` at `positions`, read in chunks; a `grain.DatasetIterator` by `_classes`.
-
-  Its state, the positions delivered, is tagged (`cursor.TAG`, and `cursor.SLICE`:
-  an `mp_prefetch` worker's `_worker_slice`) for the cursor to be found.
-  """
+  """`stream` at `positions`, read in chunks, its state (the positions delivered) tagged for the
+  cursor to be found (`cursor.TAG`, `cursor.SLICE`); a `grain.DatasetIterator` by `_classes`."""
 
   def __init__(self, stream: Stream, positions: range, sliced: tuple[int, int, bool] | None):
     self._stream, self._positions, self._sliced = stream, positions, sliced
