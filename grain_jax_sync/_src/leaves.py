@@ -39,11 +39,8 @@ def _dtype_ok(dtype: np.dtype) -> bool:
 
 
 def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
-  """`to_array`, with >= 1 dim (the rows).
-
-  `x` is an ndarray, anything with ``__array__`` (a jax.Array, an eager
-  tf.Tensor) or a list of numbers; it is copied only to change its byte order.
-  """
+  """`to_array` with >= 1 dim (the rows), of an ndarray, anything with ``__array__`` (a
+  jax.Array, an eager tf.Tensor) or a list of numbers: copied only to change its byte order."""
   x = to_array(x, context=context)
   if x.ndim == 0:
     raise ValueError(

@@ -19,11 +19,8 @@ from grain_jax_sync._src import trees
 
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
-  """Resolves a scalar-or-per-column setting (`paddings`, `dtypes`: `what`) per leaf.
-
-  A dict maps columns (`shapes.column_of`) to values; a bare array batch takes
-  a dict with a single entry. Raises ValueError for a column that does not exist.
-  """
+  """A scalar-or-per-column setting (`what`: `paddings`, `dtypes`) per leaf: a dict maps columns
+  (`shapes.column_of`, one entry for a bare array) to values; ValueError for a column it lacks."""
   names = signature.names
   if value is None:
     return [None] * len(names)

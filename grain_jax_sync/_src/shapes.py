@@ -165,11 +165,8 @@ def columns_of(what: str, names: Sequence[str], columns: Collection[str]) -> lis
 def leaf_dims(
   shapes: Shapes, names: tuple[str, ...], ranks: tuple[int, ...]
 ) -> tuple[tuple[int, ...], ...]:
-  """Per leaf, the trailing indices (dim - 1) that vary; () for a fixed leaf.
-
-  Raises ValueError where `pad_shapes` names a column or dim that the leaves
-  (`names`, with `ranks` dims each, rows included) lack.
-  """
+  """Per leaf, the trailing indices (dim - 1) that vary, () for a fixed leaf; a ValueError where
+  `pad_shapes` names a column or dim that the leaves (`ranks` dims each, rows included) lack."""
   given = dict(shapes.dims)
   if names != (ROOT_NAME,):
     found = columns_of("pad_shapes", names, given)
@@ -219,12 +216,8 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
 def agree(
   per_host: Sequence[tuple[int, ...] | None], layout: Flat, index: int
 ) -> tuple[int, ...] | str:
-  """The agreed sizes at batch `index`: per varying dim the max over hosts, up to its next bucket.
-
-  `per_host` holds each host's sizes there (None: no batch there). Where a
-  size is above its column's last bucket, the error instead, the same on
-  every host.
-  """
+  """The agreed sizes at batch `index`: per varying dim the max over hosts (`per_host`, None
+  where a host has no batch), up to its next bucket; the error where it is above the last."""
   got = [s for s in per_host if s is not None]
   out = []
   for k, buckets in enumerate(layout.buckets):

@@ -80,11 +80,8 @@ def packed_row(row: list[_Piece], length: int, restart_positions: bool) -> dict[
 
 
 def checked_record(value: Any, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-  """A record as 1-D arrays of tokens, of the dtypes in `dtypes` (the first record's), never cast.
-
-  Raises:
-    DataError: Naming the feature, its shape or dtype, and what was expected.
-  """
+  """A record as 1-D arrays of tokens of the dtypes in `dtypes` (the first record's), never cast;
+  a DataError names the feature, its shape or dtype, and what was expected."""
   if not isinstance(value, Mapping) or not value:
     raise leaves.DataError(
       f"pack_sequences packs dicts of 1-D token arrays, got {type(value).__name__} {value!r:.80}"

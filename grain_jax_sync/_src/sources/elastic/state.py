@@ -204,12 +204,8 @@ def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
 def check_source_state(
   state: Any, spec: ElasticSource, num_records: int
 ) -> tuple[EpochShares, int, Any]:
-  """(shares, stream index, Grain state or None) of an exported state, checked against `spec`.
-
-  Raises:
-    ValueError: Naming the field that is missing, ill-typed or differs from
-      the source's (record count, shuffle, seed, an epoch past `num_epochs`).
-  """
+  """(shares, stream index, Grain state or None) of an exported state, or a ValueError naming
+  the field that is missing, ill-typed or differs from `spec`'s (an epoch past `num_epochs`)."""
   if not isinstance(state, Mapping) or state.get("format") != FORMAT:
     raise ValueError(
       f"`state['source']` is not an elastic source's state (no 'format': {FORMAT!r});"
