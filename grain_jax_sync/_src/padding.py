@@ -20,7 +20,7 @@ from grain_jax_sync._src import trees
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
   """A scalar-or-per-column setting (`what`: `paddings`, `dtypes`) per leaf: a dict maps columns
-  (`shapes.column_of`, one entry for a bare array) to values; ValueError for a column no leaf has."""
+  (`shapes.column_of`; one entry for a bare array) to values, ValueError for one no leaf has."""
   names = signature.names
   if value is None:
     return [None] * len(names)
