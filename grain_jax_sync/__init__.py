@@ -1,11 +1,10 @@
 """grain_jax_sync: per-host batches in, agreed global jax.Arrays out."""
 
 from grain_jax_sync._src.agreement.endings import PeerLostError, PeerTimeoutError
-from grain_jax_sync._src.api import iter_jax_batches
 from grain_jax_sync._src.checkpoint import checkpoint_restore, checkpoint_save
 from grain_jax_sync._src.compat import jax_sync_generator
 from grain_jax_sync._src.grain_dataset import device_put
-from grain_jax_sync._src.iterator import JaxBatchIterator
+from grain_jax_sync._src.iterator import JaxBatchIterator, iter_jax_batches
 from grain_jax_sync._src.placement import (
   DataShardInfo,
   data_shard_info,

@@ -161,6 +161,7 @@ def test_a_closed_iterators_streams_are_forgotten():
   left = exchange_streams.recorded()
   assert not [s for s in left if s == a or s.startswith(f"{a}/")], left
   assert {b, f"{b}/1"} <= set(left)  # Another iterator's record stays.
-  assert exchange_streams.pre_ended(f"{a}/3") is None and not exchange_streams.is_created(f"{a}/1")
+  assert exchange_streams.pre_ended(f"{a}/3") is None
+  assert not exchange_streams.made_not_started(f"{a}/2")  # Made here, never started: forgotten.
   exchange_streams.forget(b)
   assert not [s for s in exchange_streams.recorded() if s.startswith((a, b))]

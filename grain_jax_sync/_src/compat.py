@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from grain_jax_sync._src import api, placement
+from grain_jax_sync._src import placement
+from grain_jax_sync._src.iterator import iter_jax_batches
 
 
 class _DefaultBatchSize(int):
@@ -83,7 +84,7 @@ def jax_sync_generator(
     batch_iterable = tf_data.open_tf_data(batch_iterable, state_every=None) or batch_iterable
   # Not passed: the largest first host batch, not the reference's 256 (docs/sources.md).
   full = None if batch_size is None or batch_size is _DEFAULT_BATCH_SIZE else batch_size
-  it = api.iter_jax_batches(
+  it = iter_jax_batches(
     batch_iterable,
     batch_size=full,
     drop_last=drop_last,

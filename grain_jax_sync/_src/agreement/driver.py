@@ -116,11 +116,7 @@ class Driver(interpreter.World):
     ns = self._exchange.namespace
     exchange_streams.waiting_first(ns, True)
     # Made here but not started (one never made here is the timeout's case).
-    return [
-      t
-      for t in self._live.waiting(peer)
-      if t != ns and exchange_streams.is_created(t) and not exchange_streams.is_started(t)
-    ]
+    return [t for t in self._live.waiting(peer) if t != ns and exchange_streams.made_not_started(t)]
 
   def not_waiting(self) -> None:
     exchange_streams.waiting_first(self._exchange.namespace, False)

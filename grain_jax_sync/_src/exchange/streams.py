@@ -53,16 +53,10 @@ def stream_started(namespace: str) -> None:
     REGISTRY.started.add(namespace)
 
 
-def is_started(namespace: str) -> bool:
-  """Whether this process started stream `namespace`."""
+def made_not_started(namespace: str) -> bool:
+  """Whether the iterator of stream `namespace` was created in this process, which did not start it."""
   with REGISTRY.lock:
-    return namespace in REGISTRY.started
-
-
-def is_created(namespace: str) -> bool:
-  """Whether the iterator of stream `namespace` was created in this process."""
-  with REGISTRY.lock:
-    return namespace.rsplit("/", 1)[0] in REGISTRY.created
+    return namespace.rsplit("/", 1)[0] in REGISTRY.created and namespace not in REGISTRY.started
 
 
 def waiting_first(namespace: str, waiting: bool) -> None:

@@ -264,8 +264,7 @@ class PackIterator:
     where = {}  # Read index -> (open row, first token), or (-1, ..): the pending record.
     for k, row in enumerate(state["rows"]):
       for entry in row:
-        i, start = (entry, 0) if isinstance(entry, int) else entry  # Ints: states before splits.
-        where[i] = (k, start)
+        where[entry[0]] = (k, entry[1])
     if "pending" in state:
       where[state["pending"][0]] = (-1, state["pending"][1])
     self._rows = [[] for _ in state["rows"]]

@@ -158,20 +158,16 @@ def mixture_fields(mixture: Any) -> dict[str, Any]:
 
 
 def runs_from_json(value: Any) -> list[tuple[tuple[Range, ...], tuple[int, ...]]] | None:
-  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none);
-  a run's first entry was a row before 0.6 (it kept every row below it)."""
+  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none)."""
   if value is None:
     return None
   try:
     out = []
     for kept, p in value:
-      if isinstance(kept, int) and not isinstance(kept, bool):
-        ranges: tuple[Range, ...] = ((0, kept),) if kept else ()
-      else:
-        flat = unpack_ints(kept)
-        ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
-        if any(a >= b for a, b in ranges) or list(flat) != sorted(flat):
-          raise ValueError(f"kept rows {flat[:8]} are not sorted ranges")
+      flat = unpack_ints(kept)
+      ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
+      if any(a >= b for a, b in ranges) or list(flat) != sorted(flat):
+        raise ValueError(f"kept rows {flat[:8]} are not sorted ranges")
       out.append((ranges, tuple(int(x) for x in p)))
   except (TypeError, ValueError, zlib.error) as e:
     raise ValueError(
