@@ -201,7 +201,7 @@ def _signal_at(text: str) -> Any:
 
 def _simulate(args: argparse.Namespace) -> int:
   from grain_jax_sync import testing  # pylint: disable=g-import-not-at-top
-  from grain_jax_sync._src import script_runner  # pylint: disable=g-import-not-at-top
+  from grain_jax_sync._src import sim_worker  # pylint: disable=g-import-not-at-top
 
   run = {
     "num_processes": args.processes,
@@ -233,7 +233,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
         return 2
       kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
-    fn = script_runner.resolve_function(args.target)
+    fn = sim_worker.resolve_function(args.target)
     outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
     for o in outcomes:
       status = "ok" if o.ok else f"{o.error_type}: {o.error_message} (exit code {o.exit_code})"

@@ -31,8 +31,8 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grain_jax_sync._src import script_runner, sim_processes, sim_worker
 from grain_jax_sync._src import signal_at as signal_at_lib
+from grain_jax_sync._src import sim_processes, sim_worker
 from grain_jax_sync._src.sim_cluster import HostOutcome, HostPlan, SimulatedCluster
 
 __all__ = [
@@ -284,7 +284,7 @@ def run_script(
   if not os.path.isfile(path):
     raise ValueError(f"`path` must be a Python file, got {path!r}")
   return run_processes(
-    script_runner.run_as_main,
+    sim_worker.run_as_main,
     num_processes=num_processes,
     devices_per_process=devices_per_process,
     args=(os.path.abspath(path), tuple(argv)),
