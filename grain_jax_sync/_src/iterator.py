@@ -85,7 +85,7 @@ class _Resumable:
         peers raise it too, at once, and so does `next()` here until a
         `set_state` or `reset` succeeds.
       RuntimeError: If the iterator is closed, the source cannot resume, or
-        it is called from inside this thread's own `next()` (a signal
+        out of turn: from inside this thread's own `next()` (a signal
         handler) or while another thread's `next()` is in progress.
     """
     self._in_turn("set_state()", self._set_state, state)
@@ -120,9 +120,8 @@ class _Resumable:
 
     Raises:
       RuntimeError: If the iterator is closed, the source can be read only
-        once (a generator without get_state()/set_state()), or it is called
-        from inside this thread's own `next()` (a signal handler) or while
-        another thread's `next()` is in progress.
+        once (a generator without get_state()/set_state()), or out of turn
+        (as for `set_state`).
     """
     self._in_turn("reset()", self._streams.reset)
 

@@ -484,13 +484,6 @@ def placement_for(sharding: jax.sharding.Sharding, chosen_by: str) -> BatchPlace
   return placement
 
 
-def _named(mesh: Any, spec: jax.sharding.PartitionSpec, what: str) -> jax.sharding.NamedSharding:
-  try:
-    return jax.sharding.NamedSharding(mesh, spec)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{what} {spec} does not fit the mesh {dict(mesh.shape)}: {e}") from e
-
-
 def resolve_placement(
   *,
   mesh: jax.sharding.Mesh | None = None,
@@ -534,7 +527,11 @@ def resolve_placement(
   else:
     spec, what = sharding, "`sharding`"
     chosen_by += " with the `sharding` PartitionSpec"
-  return placement_for(_named(mesh, spec, what), chosen_by)
+  try:
+    named = jax.sharding.NamedSharding(mesh, spec)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{what} {spec} does not fit the mesh {dict(mesh.shape)}: {e}") from e
+  return placement_for(named, chosen_by)
 
 
 def data_shard_info(

@@ -331,7 +331,9 @@ def _tf_pipeline(tfds: Any, r: _Request, *, shuffle_buffer_size: int) -> Any:
   if r.drop_unsupported:
     ds = tf_data.drop_unsupported_columns(ds)
   if r.shuffle:
-    buffer = _buffer_size(ds, shuffle_buffer_size)
+    # Capped at the shard's size: TensorFlow saves every slot in a snapshot.
+    n = int(ds.cardinality())  # TFDS asserts it; -1 infinite, -2 unknown.
+    buffer = min(int(shuffle_buffer_size), n) if n > 0 else int(shuffle_buffer_size)
     ds = ds.shuffle(buffer, seed=r.seed, reshuffle_each_iteration=True)
   ds = _batched(ds, r, num_parallel_calls=tf.data.AUTOTUNE)
   return ds.prefetch(tf.data.AUTOTUNE)
@@ -342,9 +344,3 @@ def _batched(ds: Any, r: _Request, **map_kwargs: Any) -> Any:
   ds = ds if r.num_epochs == 1 else ds.repeat(r.num_epochs)
   ds = ds if r.map_fn is None else ds.map(r.map_fn, **map_kwargs)
   return ds.batch(r.batch_size, drop_remainder=r.drop_remainder)
-
-
-def _buffer_size(ds: Any, requested: int) -> int:
-  """The shuffle buffer, capped at the shard's size (TensorFlow saves every slot in a snapshot)."""
-  n = int(ds.cardinality())  # TFDS asserts it; -1 infinite, -2 unknown.
-  return min(int(requested), n) if n > 0 else int(requested)

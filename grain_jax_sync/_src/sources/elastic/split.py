@@ -152,14 +152,10 @@ def partial(num_records: int, history: Sequence[Resize]) -> dict[int, int]:
 
 
 @functools.lru_cache(maxsize=4)
-def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
-  return np.random.default_rng([seed, epoch]).permutation(num_records)
-
-
 def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
   """The record at each position of `epoch`: a permutation seeded by ``[seed, epoch]``, or None
   (the identity) without `shuffle`."""
-  return _permutation(num_records, seed, epoch) if shuffle else None
+  return np.random.default_rng([seed, epoch]).permutation(num_records) if shuffle else None
 
 
 FOREVER = 2**62  # The stream length of a source that repeats forever (`num_epochs=None`).
