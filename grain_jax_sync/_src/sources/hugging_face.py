@@ -409,14 +409,9 @@ def hf_pipeline(
     pad_id: Pads the `ragged_columns`.
     shuffle_buffer_size: Streaming only: the rows of a shuffled window (a
       resume reads the window it stopped in again).
-    process_index: The input shard this process reads; default: from the
-      mesh, else ``jax.process_index()``.
-    process_count: Input shards; default: from the mesh, else
-      ``jax.process_count()``.
-    mesh: The mesh the batches land on: processes that share rows read the
-      same rows in the same order.
-    data_axes: With `mesh`: the axes the rows are split over.
-    sharding: Instead of `mesh`: the batches' sharding (or PartitionSpec).
+    process_index, process_count, mesh, data_axes, sharding: Pick this
+      process's input shard, as in `tfds_pipeline` (processes that share
+      rows read the same rows in the same order).
     elastic: Map-style only: an `elastic_source` over the whole data set.
 
   Returns:
