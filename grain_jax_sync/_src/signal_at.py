@@ -18,27 +18,18 @@ ENV = "GRAIN_JAX_SYNC_SIGNAL_AT"
 
 
 def encode(after_batch: int, signum: int) -> str:
-  """The value of `ENV` for a signal `signum` after batch `after_batch`."""
+  """The value of `ENV` for a signal `signum` after batch `after_batch` (checked by `testing`)."""
   return f"{int(after_batch)}:{int(signum)}"
-
-
-def parse(text: str) -> tuple[int, int]:
-  """`ENV`'s value (``"BATCH:SIGNAL"``, BATCH >= 1) as (after_batch, signum); (-1, 0) when unset."""
-  if not text:
-    return -1, 0
-  batch, sep, signum = text.partition(":")
-  if not sep or not batch.isdigit() or int(batch) < 1 or not signum.isdigit():
-    raise ValueError(f"`{ENV}` must be 'BATCH:SIGNAL' (BATCH >= 1, numbers), got {text!r}")
-  return int(batch), int(signum)
 
 
 AFTER_BATCH, _SIGNUM = -1, 0
 
 
 def arm(environ: Mapping[str, str]) -> None:
-  """Reads `ENV` from `environ`: at import, and again in a process forked after it."""
+  """Reads `ENV` (unset: no signal) from `environ`: at import, and again in a forked process."""
   global AFTER_BATCH, _SIGNUM
-  AFTER_BATCH, _SIGNUM = parse(environ.get(ENV, ""))
+  batch, _, signum = (environ.get(ENV) or "-1:0").partition(":")
+  AFTER_BATCH, _SIGNUM = int(batch), int(signum)
 
 
 arm(os.environ)
