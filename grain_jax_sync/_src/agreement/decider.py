@@ -80,7 +80,10 @@ class Decider(Streamed):
     size = self._ledger.window(self._decided)
     if size == 0 or (self._own.room() and not self._own.due(size) and self._own.ready()):
       return None  # Read on: decided in runs (`common.OwnReads.due`).
-    allowance = self._own.allowance()
+    # The horizon less what the build thread holds, at least 1 when it holds none
+    # (so a stop lands behind the built batches and one horizon).
+    held = self._own.held() or 0
+    allowance = max(self._own.limit - held, 1 if held == 0 else 0)
     if allowance == 0:
       return None  # A horizon's worth is decided: wait for the build thread.
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
@@ -146,7 +149,8 @@ class Decider(Streamed):
     """
     missing = self._needed()
     if self._process in missing:
-      self._waited = self._waited or self._own.stalled()  # A wait for the source.
+      # A wait for the source: a read asked of the reading thread that is not there yet.
+      self._waited = self._waited or (not self._own.ready() and self._own.asked > 0)
       if not (yield from self._read(periods.LIVENESS_PERIOD_S)):
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
       return
@@ -160,7 +164,7 @@ class Decider(Streamed):
       yield from self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
     if not missing:
-      # Decided a horizon ahead (`common.OwnReads.allowance`): as the build
+      # Decided a horizon ahead (`_plan`'s allowance): as the build
       # thread takes a position, one more may be decided.
       yield from self._own.wait_for_build()
       self._waited = True
@@ -263,10 +267,4 @@ def core_for(
   `next()` reads); `settings`: `Streamed`'s other keyword arguments.
   """
   kind = Decider if who.process == 0 else follower.Follower
-  return kind(
-    rules,
-    who,
-    threaded=threaded,
-    inline=not threaded,
-    **settings,
-  )
+  return kind(rules, who, threaded=threaded, inline=not threaded, **settings)

@@ -59,7 +59,12 @@ class Follower(Streamed):
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
-      posted = yield from self._read_unless_it_blocks(urgent)
+      # Inline a read holds the consumer's call for all of it, and whether process 0's
+      # decision came before it was a millisecond's race: where the call waits on a posted
+      # read (`urgent`) the decision first, but after a short read, which the next one judges.
+      posted = None
+      if not urgent or not self._own.inline or self._own.short():
+        posted = yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S)
       if posted is None:  # No read came: a slow or stuck source, a stop asked for, or inline.
         if urgent:
           yield from self._flush()
@@ -83,17 +88,6 @@ class Follower(Streamed):
     elif self._own.end is not None:
       yield from self._flush()
     return (yield from self._wait())
-
-  def _read_unless_it_blocks(self, urgent: bool) -> core.Steps:
-    """`_read`; None, reading nothing, where the call waits on a posted read (`urgent`) inline.
-
-    Inline a read holds the consumer's call for all of it, and whether process 0's
-    decision came before it was a millisecond's race: the decision first. But after
-    a short read, which the next one judges (`common.OwnReads.blocks`).
-    """
-    if urgent and self._own.blocks():
-      return None
-    return (yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S))
 
   def _wait(self) -> core.Steps:
     if self._idle and (yield core.IsDead(0)):

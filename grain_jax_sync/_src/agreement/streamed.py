@@ -184,30 +184,22 @@ class Streamed(common.Agreement):
     raise NotImplementedError
 
   def stop_now(self) -> core.Steps:
-    """A stop asked for here and not posted yet: posted now (inline, between calls)."""
-    stop = self._stop_due()
-    if stop is not None and not self.ended:
-      yield from self._post_stop(stop)
+    """A stop asked for here and not posted yet: posted now (inline, between calls); no more reads."""
+    if self._stop_at is None or self._stop_posted:
+      return
+    self._stop_posted = True
+    self._own.stopped = True
+    if not self.ended:
+      yield from self._post_stop(endings.stopped_error(self._process, self._stop_at))
 
   def _end_exchange(self) -> core.Steps:
     self.ended = True
     yield core.EndExchange()
 
   def _hand_on(self, decision: messages.Decision) -> core.Steps:
-    """Delivers this host's run of `decision`; after the final one, stops or raises the agreed error."""
+    """Delivers this host's reads for `decision` as a run for the builder, the batch size pinned;
+    after the final decision, stops or raises the agreed error."""
     yield core.NotWaiting()  # Decided: no longer a crosswise wait.
-    run = yield from self._apply(decision)
-    yield from self._forget_decided()
-    if decision.end != messages.Outcome.CONTINUE:
-      yield from self._end_exchange()
-    if run is not None:
-      yield core.Deliver(run)
-      run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
-    if decision.end != messages.Outcome.CONTINUE:
-      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
-
-  def _apply(self, decision: messages.Decision) -> core.Steps:
-    """This host's reads for a decision, as a run for the builder; the batch size pinned."""
     self._rules = plan_lib.pin(self._rules, decision)
     self._own.batch_size = self._rules.batch_size
     if self._signature is None:
@@ -219,18 +211,17 @@ class Streamed(common.Agreement):
     self._decided += len(decision.steps)
     self._yielded += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
     self._waiting_since = None
-    if not decision.steps:
-      return None
-    steps = tuple(zip(reads, decision.steps, strict=True))
-    return common.Run(steps, self._signature)
-
-  def _stop_due(self) -> messages.ReportedError | None:
-    """A stop asked for here and not posted yet: this host reads nothing more."""
-    if self._stop_at is None or self._stop_posted:
-      return None
-    self._stop_posted = True
-    self._own.stopped = True
-    return endings.stopped_error(self._process, self._stop_at)
+    yield from self._forget_decided()
+    final = decision.end != messages.Outcome.CONTINUE
+    if final:
+      yield from self._end_exchange()
+    if decision.steps:  # The build thread's alone: freed once built, as the read-ahead counts.
+      run = common.Run(tuple(zip(reads, decision.steps, strict=True)), self._signature)
+      yield core.Deliver(run)
+      del run
+    del reads
+    if final:
+      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _timed(self, call: core.StoreCall) -> core.Steps:
     """A store read of the peers' posts (its time marks the news as fresh where it read them all)."""
