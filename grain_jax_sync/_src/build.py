@@ -87,6 +87,8 @@ class Layout:
   keys: tuple[Any, ...] | None = None
   # `shape_mask_keys`: (leaf index, mask key) per element mask.
   masks: tuple[tuple[int, str], ...] = ()
+  # The masks' keys, as they follow the leaves: `mask_key`'s row mask, then `masks`.
+  mask_keys: tuple[Any, ...] = ()
 
   @classmethod
   def of(
@@ -134,7 +136,8 @@ class Layout:
         )
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
     masks = _element_masks(sig, shapes, mask_key)
-    return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks)
+    mask_keys = (() if mask_key is None else (mask_key,)) + tuple(k for _, k in masks)
+    return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks, mask_keys)
 
 
 def _layout(sig: batches_lib.Signature, options: Any) -> Layout:
@@ -274,27 +277,23 @@ class FirstRun:
   def wait(self) -> None:
     """Returns once the first run came, or the runs ended before one."""
     with self._lock:
-      self._take_first()
-
-  def _take_first(self) -> None:
-    if self._taken:
-      return
-    try:
-      run = next(self._runs)
-      self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
-      self.signature = run.signature
-      self._held.append(run)
-    except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
-      self._held.append(e)
-    self._taken = True
+      if self._taken:
+        return
+      try:
+        run = next(self._runs)
+        self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
+        self.signature = run.signature
+        self._held.append(run)
+      except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
+        self._held.append(e)
+      self._taken = True
 
   def __iter__(self) -> FirstRun:
     return self
 
   def __next__(self) -> agreement_common.Run:
     if not self._taken:
-      with self._lock:
-        self._take_first()
+      self.wait()
     if self._held:
       run = self._held.pop()
       if isinstance(run, BaseException):
@@ -404,10 +403,7 @@ class Builder:
         self._advance()
 
   def step(
-    self,
-    read: core.Read | None,
-    step: messages.Step,
-    sig: batches_lib.Signature | None,
+    self, read: core.Read | None, step: messages.Step, sig: batches_lib.Signature | None
   ) -> Item | None:
     """One decided position: its `Item`, or None where it is dropped.
 
@@ -442,14 +438,11 @@ class Builder:
       if shapes is None:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
     local = _local_leaves(read, step, sig, layout, shapes)
-    mask_key = self._options.mask_key
-    mask_keys = [] if mask_key is None else [mask_key]
-    if mask_key is not None:
+    if self._options.mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
-    for k, name in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
+    for k, _ in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
       real = None if read is None else read.batch.leaves[k].shape
       local.append(padding.element_mask(real, step.rows, shapes[k], sig.varying[k]))
-      mask_keys.append(name)
     key = (step.rows, step.sizes) if step.sizes else step.rows
     targets = self._targets.get(key)
     if targets is None:
@@ -457,17 +450,17 @@ class Builder:
       self._targets[key] = targets
     # The one seam where local rows become global arrays (the masks, last, are not cast).
     out = transfer.to_global_leaves(local, self._placement, layout.device, targets=targets)
-    return _tree(layout, sig, out, mask_keys)
+    return _tree(layout, sig, out)
 
 
-def _tree(layout: Layout, sig: batches_lib.Signature, out: list[Any], mask_keys: list[str]) -> Any:
-  """The batch's pytree of `out` (its leaves, then its masks named `mask_keys`)."""
-  n = len(out) - len(mask_keys)
+def _tree(layout: Layout, sig: batches_lib.Signature, out: list[Any]) -> Any:
+  """The batch's pytree of `out` (its leaves, then its masks: `Layout.mask_keys`)."""
+  n = len(out) - len(layout.mask_keys)
   if layout.keys is not None:
     tree = dict(zip(layout.keys, out[:n], strict=True))
   else:
     tree = trees.unflatten(sig.spec, out[:n])
-  for name, m in zip(mask_keys, out[n:], strict=True):  # Masks need dict batches.
+  for name, m in zip(layout.mask_keys, out[n:], strict=True):  # Masks need dict batches.
     tree[name] = m
   return tree
 
@@ -495,8 +488,7 @@ def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any
   """
   layout = _layout(sig, options)
   landed = [jax.dtypes.canonicalize_dtype(d or h) for d, h in zip(layout.device, layout.host)]
-  mask_keys = [] if options.mask_key is None else [options.mask_key]
-  mask_keys += [name for _, name in layout.masks]
+  dtypes = landed + [np.dtype(np.bool_)] * len(layout.mask_keys)
   out = []
   for sizes in _bucket_sizes(sig, options.pad_shapes):
     trailing = trailing_shapes(sig, sizes)
@@ -504,13 +496,12 @@ def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any
     if options.mask_key is not None:
       local.append((rows,))
     local += [(rows, *trailing[k][: sig.varying[k][-1] + 1]) for k, _ in layout.masks]
-    dtypes = landed + [np.dtype(np.bool_)] * len(mask_keys)
     shardings, shapes = transfer.global_targets(local, placement)
     leaves = [
       jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       for shape, dtype, sharding in zip(shapes, dtypes, shardings, strict=True)
     ]
-    out.append(_tree(layout, sig, leaves, mask_keys))
+    out.append(_tree(layout, sig, leaves))
   return out
 
 
