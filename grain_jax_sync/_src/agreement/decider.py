@@ -33,7 +33,7 @@ class Decider(Streamed):
     # After `Outcome.WAIT`: the processes whose next batch (or end) is awaited,
     # with the positions they had reported then.
     self._wait: dict[int, int] | None = None
-    self._waited = False  # Waited since the peers' chunks were last read (`_news_stale`).
+    self._waited = False  # Waited since the peers' chunks were last read (`_run`: stale news).
 
   def _run(self) -> core.Steps:
     while True:
@@ -47,7 +47,11 @@ class Decider(Streamed):
       if plan is None:
         yield from self._advance()
         continue
-      if plan.end == Outcome.CONTINUE and self._news_stale():
+      # Stale where this host waited since the peers' chunks were read (an ending posted
+      # meanwhile), or read them long ago (a follower without a decision for `sync_timeout_s`
+      # plus a grace raises its timed-out ending a grace later): read again, then decide.
+      stale = self._waited or self.now.t - self._last_poll >= common.FOLLOWER_GRACE_S / 2
+      if plan.end == Outcome.CONTINUE and stale:
         self._wait = None  # Its steps are decided again, not held back by the wait.
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
         continue  # Decide again with what the peers posted meanwhile.
@@ -94,19 +98,6 @@ class Decider(Streamed):
       plan = plan_lib.Plan(plan.steps[:allowance], Outcome.CONTINUE)
     self._rules = plan_lib.pin(self._rules, plan)
     return plan
-
-  def _news_stale(self) -> bool:
-    """Whether the peers' chunks were not read since this host last waited, or too long ago.
-
-    While this host waited a peer may have posted an ending, decided at the
-    first position not decided yet. And a follower with no decision for
-    `sync_timeout_s` plus a grace posts a timed-out ending and raises it a
-    grace later: a decision posted long after the last read could come too
-    late, so the chunks are read again first and the ending found.
-    """
-    if self._waited:
-      return True
-    return self.now.t - self._last_poll >= common.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
     """The processes whose next batch (or end) the next decision waits for."""
