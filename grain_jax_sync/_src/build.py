@@ -36,21 +36,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Item:
-  """One output batch and the source state after it.
+  """One output batch and the source state after it."""
 
-  Attributes:
-    value: The global batch.
-    state: The source state after it.
-    real: This host's real rows in it (0: a dummy batch).
-    rows: This host's rows in it, padding included.
-    dropped: Positions dropped on every host since the previous item.
-  """
-
-  value: Any
-  state: Any
-  real: int = 0
-  rows: int = 0
-  dropped: int = 0
+  value: Any  # The global batch.
+  state: Any  # The source state after it.
+  real: int = 0  # This host's real rows in it (0: a dummy batch).
+  rows: int = 0  # This host's rows in it, padding included.
+  dropped: int = 0  # Positions dropped on every host since the previous item.
 
 
 def split_casts(
@@ -259,11 +251,6 @@ class FirstRun:
 
   Whichever thread asks first takes the first run under a lock (the build thread,
   or `wait` in the consumer's call); the other waits for it. Later runs pass through.
-
-  Attributes:
-    signature: The first run's agreed batch structure; None until it came,
-      or where the runs ended (or raised) before one.
-    rows: This host's rows in the first batch (None: the run only drops).
   """
 
   def __init__(self, runs: Iterable[agreement_common.Run]):
@@ -271,8 +258,10 @@ class FirstRun:
     self._lock = threading.Lock()
     self._taken = False  # The first run, or the runs' ending, was taken: set last.
     self._held: list[Any] = []  # That run or ending, not handed on yet.
+    # The first run's agreed batch structure; None until it came, or where the runs ended
+    # (or raised) before one.
     self.signature: batches_lib.Signature | None = None
-    self.rows: int | None = None
+    self.rows: int | None = None  # This host's rows in the first batch (None: the run only drops).
 
   def wait(self) -> None:
     """Returns once the first run came, or the runs ended before one."""
@@ -306,11 +295,6 @@ class Builder:
   """Turns decided runs into `Item`s (global batches with their state).
 
   `start_state` is the source state before the first read.
-
-  Attributes:
-    transfer_s: Seconds spent building global batches.
-    dropped: Positions dropped since the last item (counted in the next item;
-      read at the end of the stream for drops after the last one).
   """
 
   def __init__(self, options: Any, placement: Any, start_state: Any):
@@ -322,7 +306,9 @@ class Builder:
     self._targets: dict[Any, transfer.Targets] = {}
     # `pad_shapes`: per agreed sizes, each leaf's trailing shape.
     self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    self.transfer_s = 0.0
+    self.transfer_s = 0.0  # Seconds spent building global batches.
+    # Positions dropped since the last item (counted in the next item; read at the end of
+    # the stream for drops after the last one).
     self.dropped = 0
     self.first = FirstRun(())  # The stream's runs (`__call__`).
     self._done = 0  # Positions handed on or dropped (written by the build thread only).
@@ -388,6 +374,7 @@ class Builder:
     return self._items(self.first)
 
   def _items(self, runs: Iterator[agreement_common.Run]) -> Iterator[Item]:
+    """One `Item` per position not dropped, in order (the state after each is tracked here)."""
     for run in runs:
       # Each host batch is let go once it is built, not held to the end of
       # its run or while the next run is awaited: a source batch lives only
@@ -395,37 +382,27 @@ class Builder:
       steps, sig = taken(run.steps), run.signature
       del run
       for read, step in steps:
-        item = self.step(read, step, sig)
-        del read
-        if item is not None:
-          yield item  # Resumed once the item is handed on (queued, or taken).
-        del item
+        if read is not None:
+          self._state = read.state
+        real = 0 if read is None else read.batch.rows
+        if step.action == messages.Action.DROP:
+          logger.warning(
+            "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
+            real,
+          )
+          self.dropped += 1
+          del read
+        else:
+          assert sig is not None
+          t0 = time.monotonic()
+          value = self.build(read, step, sig)
+          self.transfer_s += time.monotonic() - t0
+          del read
+          dropped, self.dropped = self.dropped, 0
+          # Resumed once the item is handed on (queued, or taken).
+          yield Item(value, self._state, real, step.rows, dropped)
+          del value
         self._advance()
-
-  def step(
-    self, read: core.Read | None, step: messages.Step, sig: batches_lib.Signature | None
-  ) -> Item | None:
-    """One decided position: its `Item`, or None where it is dropped.
-
-    Positions must be given in order (the state after each is tracked here),
-    by one thread: the build thread, or the caller without prefetch.
-    """
-    if read is not None:
-      self._state = read.state
-    if step.action == messages.Action.DROP:
-      logger.warning(
-        "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
-        0 if read is None else read.batch.rows,
-      )
-      self.dropped += 1
-      return None
-    assert sig is not None
-    t0 = time.monotonic()
-    value = self.build(read, step, sig)
-    self.transfer_s += time.monotonic() - t0
-    real = 0 if read is None else read.batch.rows
-    dropped, self.dropped = self.dropped, 0
-    return Item(value, self._state, real, step.rows, dropped)
 
   def build(self, read: core.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""

@@ -221,7 +221,7 @@ class OnDemand(Prefetcher[T]):
     super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
 
   def _watched(self, producer: Iterator[T]) -> Iterator[T]:
-    """`producer`, marking the time spent in its `next()` (`_stop` tells whether it is in one)."""
+    """`producer`, marking the time spent in its `next()` (`close` tells whether it is in one)."""
     while True:
       with self._exit:
         if self._stopped:

@@ -123,6 +123,10 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
+    """Reads the first element to choose the mode, once."""
+    self._assert_not_closed()
+    if self._jax is not None or self._plain:
+      return
     plain, first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
     if plain:
       self._plain = True
@@ -144,9 +148,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       batches.request_stop()
 
   def __next__(self) -> Any:
-    self._assert_not_closed()
-    if self._jax is None and not self._plain:
-      self._choose()
+    self._choose()
     if self._jax is not None:
       return next(self._jax)
     if self._stop_asked and not self._first:  # One process; the element read to choose is due.
@@ -158,9 +160,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def batch_specs(self) -> list[Any]:
     """`JaxBatchIterator.batch_specs`; a ValueError where elements are placed one by one."""
-    self._assert_not_closed()
-    if self._jax is None and not self._plain:
-      self._choose()
+    self._choose()
     if self._jax is None:
       raise ValueError("batch_specs() needs global batches; these elements are placed one by one")
     return self._jax.batch_specs()

@@ -131,13 +131,9 @@ class Decider(Streamed):
     return decision
 
   def _advance(self) -> core.Steps:
-    """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
-
-    This host reads while its read-ahead has room (work the job needs
-    anyway); only then does it look at the store, once, and block on the
-    first peer still awaited. While it waits for its own read, it reads the
-    peers' posts once per liveness period (a stop, an ending).
-    """
+    """Reads this host's next batch while its read-ahead has room (work the job needs anyway);
+    only then looks at the store, once, and blocks on the first peer still awaited. While it
+    waits for its own read, it reads the peers' posts once per liveness period (a stop, an end)."""
     missing = self._needed()
     if self._process in missing:
       # A wait for the source: a read asked of the reading thread that is not there yet.
