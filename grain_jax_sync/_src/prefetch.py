@@ -93,8 +93,7 @@ class Prefetcher(Generic[T]):
     # Set under `_exit` by `close`, and without a lock by `wake` (a signal handler).
     self._stopped = False
     self._exit = threading.Lock()  # Guards `_busy` (and `OnDemand`'s `_exited`, `_hooks`).
-    # Whether the producer may be inside its own `next()`: always, unless the
-    # stage watches it (`OnDemand`).
+    # Whether the producer may be inside its own `next()`: always, unless `OnDemand` watches it.
     self._busy = not self._on_demand
     self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
