@@ -71,6 +71,18 @@ def test_the_records_read_in_chunks_are_the_selection_s_and_each_source_epoch_is
   assert [i for kk, i in whole if kk == 0][: sizes[0]] != list(range(sizes[0]))  # Shuffled.
 
 
+def test_a_process_reads_its_share_over_an_epoch_end_where_its_rows_jump_past_a_block():
+  # Process 0 of 2 reads rows 0 .. 4999 of each 10,000-row epoch: a chunk of its stream ends
+  # one epoch and starts the next, rows more than a block apart.
+  from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
+
+  src = gjs.elastic_mixture([list(range(5000))] * 2, [1, 1], shuffle=False, num_epochs=2)
+  assert src.records._getitems([0, 9000]) == [src.records[0], src.records[9000]]
+  read = list(ElasticIterator(src, index=0, count=2)._it)
+  want = [src.records[e * 10_000 + g] for e in range(2) for g in range(5000)]
+  assert read == want
+
+
 def keys(m: Mixture, batches: list[dict], positions: list[int]) -> list[tuple[int, int, int, int]]:
   """(global row, source, source epoch, record) of each row, given each row's global position."""
   out = []

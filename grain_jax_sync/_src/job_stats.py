@@ -34,8 +34,7 @@ STRAGGLER_WINDOWS = 3
 # scaled, that stays below TABLE_PROCESSES ** 2 rows a second.
 TABLE_EVERY_S = 1.0
 TABLE_PROCESSES = 64
-# One host's row in a decision: process index, then these, in this order.
-COUNTS = ("batches", "real_rows", "padded_rows", "dummy_batches", "dropped_batches")
+COUNTS = stats_lib.FIELDS[:5]  # A host's row in a decision: its index, these, then its times.
 
 
 def encode_times(snapshot: dict[str, Any]) -> tuple[float, ...]:
@@ -45,20 +44,19 @@ def encode_times(snapshot: dict[str, Any]) -> tuple[float, ...]:
 
 def host_row(process: int, counts: Sequence[int], times: Sequence[float]) -> dict[str, Any]:
   """One host's mapping: ``process_index``, the `stats()` keys, ``padding_fraction``."""
-  out: dict[str, Any] = {"process_index": process}
-  out.update(zip(COUNTS, (int(c) for c in counts), strict=True))
-  out.update(zip(stats_lib.TIMES, (float(t) for t in times), strict=True))
-  return stats_lib.with_padding_fraction({k: out[k] for k in ("process_index", *stats_lib.FIELDS)})
+  figures = (process, *map(int, counts), *map(float, times))
+  return stats_lib.with_padding_fraction(
+    dict(zip(("process_index", *stats_lib.FIELDS), figures, strict=True))
+  )
 
 
 class JobTable:
   """Every host's newest counters, as this process knows them; thread-safe.
 
-  Lives as long as the iterator (across restarts). `probe` returns this
-  host's `stats()` snapshot without taking the iterator's locks (it is
-  called from the agreement thread). `namespace`: the iterator's key prefix,
-  where each process posts its times at the end of a stream (None: nothing
-  is exchanged).
+  Lives as long as the iterator. `probe` returns this host's `stats()`
+  snapshot without the iterator's locks (the agreement thread calls it).
+  `namespace`: the iterator's key prefix, where each process posts its times
+  at the end of a stream (None: nothing is exchanged).
   """
 
   def __init__(self, probe: Callable[[], dict[str, Any]], namespace: str | None = None):
@@ -72,8 +70,7 @@ class JobTable:
     self._n = 1
     self._me = jax.process_index()  # Until a stream attaches (one process: for good).
     self._counts: list[list[int]] = [[0] * len(COUNTS)]
-    # Counts every host shares (runs of full batches, drops): added to each
-    # row when it is read, so that the common step costs O(1), not O(processes).
+    # Counts every host shares (full batches, drops), added to each row read: O(1) a step.
     self._shared = [0] * len(COUNTS)
     self._times: list[tuple[float, ...]] = [(0.0,) * len(stats_lib.TIMES)]
     self._changed: set[int] = set()

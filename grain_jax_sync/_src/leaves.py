@@ -15,11 +15,7 @@ _NUMERIC_KINDS = frozenset("biufc")
 
 
 class DataError(ValueError):
-  """Bad data that a source finds in its own records (a packer's record).
-
-  The reader raises it on every host as the same ValueError, prefixed with
-  the process and batch, as it raises a bad leaf.
-  """
+  """Bad data a source finds in its own records (a packer's): raised on every host as a bad leaf."""
 
 
 def where(process_index: int, batch_index: int, name: str | None = None) -> str:
@@ -43,12 +39,8 @@ def _dtype_ok(dtype: np.dtype) -> bool:
 
 
 def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
-  """Converts one leaf to a native-byte-order NumPy array with >= 1 dim.
-
-  `x` is an ndarray, anything with ``__array__`` (a jax.Array, an eager
-  tf.Tensor) or a list of numbers; it is copied only to change its byte order.
-  Raises ValueError, prefixed with `context`, for a leaf no jax.Array can hold.
-  """
+  """`to_array` with >= 1 dim (the rows), of an ndarray, anything with ``__array__`` (a
+  jax.Array, an eager tf.Tensor) or a list of numbers: copied only to change its byte order."""
   x = to_array(x, context=context)
   if x.ndim == 0:
     raise ValueError(
@@ -60,11 +52,8 @@ def to_leaf_array(x: Any, *, context: str) -> np.ndarray:
 
 
 def to_array(x: Any, *, context: str) -> np.ndarray:
-  """`x` as a native-byte-order NumPy array of any rank that a jax.Array can hold.
-
-  Raises ValueError, prefixed with `context`, for None, strings, masked,
-  ragged or non-numeric values.
-  """
+  """`x` as a native-byte-order NumPy array of any rank that a jax.Array can hold; a ValueError,
+  prefixed with `context`, for None, strings, masked, ragged or non-numeric values."""
   x = _as_array(x, context)
   _check_dtype(x.dtype, context)
   return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))

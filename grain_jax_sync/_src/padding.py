@@ -1,8 +1,7 @@
 """Padding, dummy batches and masks: pure NumPy.
 
-Padding is written into one preallocated buffer per leaf, already in the dtype
-that crosses to the device, so a short batch costs one copy and a full batch
-that needs no cast costs none.
+Padding is written into one buffer per leaf, in the dtype that crosses to the
+device: a short batch costs one copy, a full batch that needs no cast none.
 """
 
 from __future__ import annotations
@@ -20,13 +19,8 @@ from grain_jax_sync._src import trees
 
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
-  """Resolves a scalar-or-per-column setting (`paddings`, `dtypes`: `what`) per leaf.
-
-  A dict maps columns to values: a column is a leaf's path (``"features/ids"``)
-  or a prefix of it (``"features"``), the longest match winning; a bare array
-  batch takes a dict with a single entry. Raises ValueError for a column that
-  does not exist.
-  """
+  """A scalar-or-per-column setting (`what`: `paddings`, `dtypes`) per leaf: a dict maps columns
+  (`shapes.column_of`; one entry for a bare array) to values, ValueError for one no leaf has."""
   names = signature.names
   if value is None:
     return [None] * len(names)
@@ -119,9 +113,8 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
   """Writes `x` into `out`, converting values as XLA does (`jax.Array.astype`).
 
   NumPy's float to integer conversion of an out-of-range value or NaN is
-  undefined (int8 of -300.0 gives -44 here); XLA saturates and makes NaN 0.
-  So a host cast and a device cast give the same values. Integer to integer
-  wraps in both.
+  undefined; XLA saturates and makes NaN 0, and so does this. Integer to
+  integer wraps in both.
   """
   if not _is_int(out.dtype) or not _is_float(x.dtype):
     with np.errstate(over="ignore"):  # float -> narrower float: inf, as XLA.
@@ -148,11 +141,8 @@ def fill_leaf(
   dtype: np.dtype,
   pad: np.ndarray | None,
 ) -> np.ndarray:
-  """`leaf` (None: a dummy) as `target` rows of trailing `shape` in `dtype`, padded at the end.
-
-  `leaf` itself where it already is that; otherwise a new buffer, filled with
-  `pad` (of `dtype`) past the real rows and elements.
-  """
+  """`leaf` (None: a dummy) as `target` rows of trailing `shape` in `dtype`, padded with `pad`:
+  `leaf` itself where it already is that."""
   rows = 0 if leaf is None else leaf.shape[0]
   grown = leaf is not None and leaf.shape[1:] != shape  # `pad_shapes`: trailing dims pad too.
   if leaf is not None and rows == target and leaf.dtype == dtype and not grown:

@@ -1,13 +1,10 @@
 """The agreement decision: every host's reports -> one plan, and its errors.
 
 `decide` is a pure function of every host's `messages.Report` and the rules,
-so every host acts on the same `Plan`, each on its own row of it: yield its
-real batch (padded if needed), yield a dummy batch, drop the position, stop,
-or raise the same error. The errors (different settings, resume positions or
-structures, uneven or oversized batches, a short batch that is not its
-host's last, an indivisible batch size) are `messages.ReportedError`s of
-kind VALUE that every host raises as the same ValueError; they name the
-processes and batches involved and the option that fixes them. No JAX, no I/O.
+so every host acts on the same `Plan`, each on its own row of it. Its errors
+are `messages.ReportedError`s of kind VALUE that every host raises as the
+same ValueError, naming the processes, the batch and the option that fixes
+them. No JAX, no I/O.
 """
 
 from __future__ import annotations
@@ -34,57 +31,37 @@ from grain_jax_sync._src.messages import (
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What every host does with a window.
+  """What every host does with a window: its steps, then `end`."""
 
-  Attributes:
-    steps: One step per decided position, in order.
-    end: What happens after the steps.
-    error: The error every host raises when `end` is `Outcome.RAISE`.
-    batch_size: The full batch size the steps were judged by: given, or
-      derived from the first position (None if no position was reached).
-    waiting: With `Outcome.WAIT`, the processes whose next batch (or end)
-      the position after the steps waits for.
-  """
-
-  steps: tuple[Step, ...]
+  steps: tuple[Step, ...]  # One per decided position, in order.
   end: Outcome
-  error: ReportedError | None = None
+  error: ReportedError | None = None  # What every host raises when `end` is `Outcome.RAISE`.
+  # The full batch size the steps were judged by: given, or derived from the first position
+  # (None if no position was reached).
   batch_size: int | None = None
-  waiting: tuple[int, ...] = ()
+  waiting: tuple[int, ...] = ()  # With `Outcome.WAIT`: whose next batch (or end) it waits for.
 
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-  """The rules `decide` applies, from the options; identical on every host.
+  """The rules `decide` applies, from the options; identical on every host."""
 
-  Attributes:
-    batch_size: Rows of a full host batch: what `paddings` fill to and what
-      `drop_last` calls short. None: the largest host batch of the first
-      position decided (see `decide`).
-    drop_last: Stop when a host runs out; drop a short last batch.
-    pad: Pad short batches and fill missing ones with dummy batches.
-    wait_for_last: Where the outcome of a short batch depends on whether it
-      is its host's last and the report does not say, end the plan with
-      `Outcome.WAIT` instead of taking it as the last.
-    derived: `batch_size` was derived from the first position (set by `pin`):
-      a guess, so a short batch that is not its host's last raises even with `pad`.
-    shapes: `pad_shapes` and its buckets: each yield gets agreed sizes (`Step.sizes`).
-  """
-
+  # Rows of a full host batch: what `paddings` fill to and what `drop_last` calls short.
+  # None: the largest host batch of the first position decided (see `decide`).
   batch_size: int | None
-  drop_last: bool
-  pad: bool
+  drop_last: bool  # Stop when a host runs out; drop a short last batch.
+  pad: bool  # Pad short batches and fill missing ones with dummy batches.
+  # Where a short batch's outcome depends on whether it is its host's last and the report
+  # does not say, end with `Outcome.WAIT`.
   wait_for_last: bool = False
+  # `batch_size` was derived (set by `pin`): a guess, so a short batch that is not its
+  # host's last raises even with `pad`.
   derived: bool = False
-  shapes: shapes_lib.Shapes | None = None
+  shapes: shapes_lib.Shapes | None = None  # Each yield gets agreed sizes (`Step.sizes`).
 
 
 def pin(rules: Rules, plan: Plan | Decision) -> Rules:
-  """The rules for the next `decide` call: the derived batch size pinned.
-
-  Call it after every `decide` (or decision read), so that later positions
-  are judged by the first position's size.
-  """
+  """The rules for the next `decide` (call it after each): the derived batch size pinned."""
   if rules.batch_size is None and plan.batch_size is not None:
     return dataclasses.replace(rules, batch_size=plan.batch_size, derived=True)
   return rules
@@ -93,12 +70,6 @@ def pin(rules: Rules, plan: Plan | Decision) -> Rules:
 def _is_last(report: Report, i: int) -> bool:
   """Whether `report.rows[i]` is its host's last batch, as far as it is known."""
   return i == len(report.rows) - 1 and not report.more
-
-
-def _unknown_if_last(report: Report, i: int) -> bool:
-  """Whether the report does not say if `report.rows[i]` is its host's last."""
-  ended = report.exhausted or report.error is not None
-  return _is_last(report, i) and not ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +89,11 @@ class _Position:
   Without either option every host's batch must have the same size.
   """
 
-  def __init__(
-    self, reports: Sequence[Report], i: int, *, batch_size: int, derived: bool, index: int
-  ):
-    self.reports = reports
-    self.i = i
-    self.batch_size = batch_size
-    self.derived = derived  # `batch_size` is a guess (`Rules.derived`).
-    self.index = index  # Output batches before it (for messages).
-    self.has = [i < len(r.rows) for r in reports]
-    self.rows = [r.rows[i] if h else 0 for r, h in zip(reports, self.has, strict=True)]
+  def __init__(self, walk: _Walk, batch_size: int):
+    self.reports, self.i, self.index = walk.reports, walk.i, walk.index
+    self.derived, self.batch_size = walk.derived, batch_size
+    self.has = [self.i < len(r.rows) for r in self.reports]
+    self.rows = [r.rows[self.i] if h else 0 for r, h in zip(self.reports, self.has, strict=True)]
     self.real = [x for x, h in zip(self.rows, self.has, strict=True) if h]
 
   def judge(self, rules: Rules) -> Step | ReportedError | _Wait:
@@ -143,7 +109,12 @@ class _Position:
       (r, x) for r, x, h in zip(self.reports, rows, self.has, strict=True) if h and x < batch_size
     ]
     early = [(r, x) for r, x in short if not _is_last(r, i)]
-    unknown = tuple(r.process_index for r, _ in short if _unknown_if_last(r, i))
+    # Short batches whose reports do not say whether they are their hosts' last.
+    unknown = tuple(
+      r.process_index
+      for r, _ in short
+      if _is_last(r, i) and not (r.exhausted or r.error is not None)
+    )
     matters = rules.drop_last or self.derived  # Else padded, last or not.
     refused = early and (self.derived or not rules.pad)
     # Wait where the outcome, or the process the error names (the first one
@@ -222,44 +193,28 @@ def decide(
   Args:
     reports: One report per process, in process order.
     rules: The shared settings. With ``rules.batch_size=None`` the full
-      batch size is the largest host batch of the window's first position
-      (the same on every host); `Plan.batch_size` returns it, and the caller
-      passes ``pin(rules, plan)`` from then on.
+      batch size is the largest host batch of the first position (returned
+      in `Plan.batch_size`; ``pin(rules, plan)`` keeps it).
     position: Number of batches yielded before this window (for messages).
     groups: Where processes share rows (`BatchPlacement.groups`): the
       processes of each group, whose reports' digests must agree.
 
   Returns:
     The plan; identical on every host given identical reports. With
-    `Rules.shapes`, each yield carries its agreed sizes (`agree_sizes`).
+    `Rules.shapes`, each yield carries its agreed sizes: per varying dim the
+    max over hosts, bucketed. A size above its column's last bucket, or rows
+    that differ within a group (`shared_rows_error`), end the plan before
+    that step with the same ValueError on every host.
   """
   plan = _decide_rows(reports, rules, position)
   if (rules.shapes is None and not groups) or not plan.steps:
     return plan
-  return agree_sizes(plan, reports, rules.shapes, position=position, groups=groups)
-
-
-def agree_sizes(
-  plan: Plan,
-  reports: Sequence[Report],
-  shapes: shapes_lib.Shapes | None,
-  *,
-  position: int,
-  groups: Sequence[Sequence[int]] = (),
-) -> Plan:
-  """`plan` with each yield's agreed sizes, and its rows compared within `groups`.
-
-  A size is the max over hosts per varying dim, bucketed. A size above its
-  column's last bucket, or rows that differ within a group
-  (`shared_rows_error`), end the plan before that step with the same
-  ValueError on every host.
-  """
   sig = signature_of(reports)
   layout = None
-  if shapes is not None and sig is not None:
+  if rules.shapes is not None and sig is not None:
     leaves = sig["leaves"]
     names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-    layout = shapes_lib.flat(shapes, names, dims)
+    layout = shapes_lib.flat(rules.shapes, names, dims)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
@@ -267,9 +222,9 @@ def agree_sizes(
       message = None
       if layout is not None:
         per_host = [r.sizes[i] if i < len(r.sizes) else None for r in reports]
-        sizes = shapes_lib.agree(per_host, layout)
-        if isinstance(sizes, shapes_lib.Above):
-          message = shapes_lib.above_message(layout, sizes, per_host, index)
+        sizes = shapes_lib.agree(per_host, layout, index)
+        if isinstance(sizes, str):
+          message = sizes
         else:
           step = Step(step.action, step.rows, step.real_rows, sizes)
       if message is None and groups:
@@ -300,7 +255,7 @@ def _decide_rows(reports: Sequence[Report], rules: Rules, position: int) -> Plan
 
 
 class _Walk:
-  """`_decide_rows` going through a window's positions in order, adding one step each."""
+  """`_decide_rows` going through a window's positions in order."""
 
   def __init__(self, reports: Sequence[Report], rules: Rules, position: int):
     self.reports = reports
@@ -309,7 +264,7 @@ class _Walk:
     self.derived = self.batch_size is None or rules.derived
     self.i = 0  # The next position of the window to decide.
     self.steps: list[Step] = []
-    self.index = position  # Output batches before position i (for messages), kept as it goes.
+    self.index = position  # Output batches before position i (for messages).
     self.divisible: set[int] = set()  # Row counts every process's devices divide.
 
   def plan(self, end: Outcome, error: ReportedError | None = None) -> Plan:
@@ -348,11 +303,9 @@ class _Walk:
 
   def step(self) -> Plan | None:
     """Decides position `i` by the size rules: its step added, or the plan's end."""
-    reports, i = self.reports, self.i
     if self.batch_size is None:
-      self.batch_size = max(r.rows[i] for r in reports if i < len(r.rows))
-    at = _Position(reports, i, batch_size=self.batch_size, derived=self.derived, index=self.index)
-    step = at.judge(self.rules)
+      self.batch_size = max(r.rows[self.i] for r in self.reports if self.i < len(r.rows))
+    step = _Position(self, self.batch_size).judge(self.rules)
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)
     if isinstance(step, _Wait):
@@ -368,18 +321,24 @@ class _Walk:
     """The error if some process's devices do not divide `rows` (each count checked once)."""
     if rows in self.divisible:
       return None
-    error = divisibility_error(self.reports, rows, self.index)
-    if error is None:
-      self.divisible.add(rows)
-    return error
+    for r in self.reports:
+      if rows % r.local_devices:
+        return value_error(
+          f"The local batch size ({rows}) {NOT_DIVISIBLE}"
+          f" ({r.local_devices}) of process {r.process_index}: batch {self.index}"
+          f" has {rows} rows per host, not divisible by process"
+          f" {r.process_index}'s {r.local_devices} data shards (one per local"
+          " device, fewer where a model axis replicates rows). Pass `paddings`"
+          " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
+          " multiple of that count"
+        )
+    self.divisible.add(rows)
+    return None
 
 
 def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
-  """How many positions from `i` on hold a batch of `batch_size` rows on every host.
-
-  The fast path for full batches, compared a slice at a time (no error can
-  sit there: a report's error follows its last row).
-  """
+  """How many positions from `i` on hold a batch of `batch_size` rows on every host, compared a
+  slice at a time (no error can sit there: a report's error follows its last row)."""
   n = min(len(r.rows) for r in reports) - i
   if n <= 0:
     return 0
@@ -402,8 +361,7 @@ def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, str]:
 
 # -- the errors --------------------------------------------------------------------
 
-# The reference's (Ray Data's `jax_sync_generator`) opening phrases; callers
-# match on them, so every message of the same kind starts with them.
+# The reference's (Ray Data's `jax_sync_generator`) opening phrases, which callers match on.
 UNEVEN_COUNT = "Uneven number of batches detected across JAX workers"
 UNEVEN_SIZES = "Uneven batch sizes detected across JAX workers"
 NOT_DIVISIBLE = "must be evenly divisible by the number of local JAX devices"
@@ -491,34 +449,14 @@ def uneven_count_error(reports: Sequence[Report], has: Sequence[bool], index: in
   )
 
 
-def divisibility_error(reports: Sequence[Report], target: int, index: int) -> ReportedError | None:
-  """The error for `target` rows per host that a process's data shards do not divide."""
-  for r in reports:
-    if target % r.local_devices:
-      return value_error(
-        f"The local batch size ({target}) {NOT_DIVISIBLE}"
-        f" ({r.local_devices}) of process {r.process_index}: batch {index}"
-        f" has {target} rows per host, not divisible by process"
-        f" {r.process_index}'s {r.local_devices} data shards (one per local"
-        " device, fewer where a model axis replicates rows). Pass `paddings`"
-        " with a divisible `batch_size`, set `drop_last=True`, or batch by a"
-        " multiple of that count"
-      )
-  return None
-
-
 # -- identical rows where processes share a data shard ----------------------------
 
 
 def shared_rows_error(
   digests: Sequence[str | None], groups: Sequence[Sequence[int]], batch_index: int
 ) -> str | None:
-  """The error when processes that share a data shard fed different rows; None if they agree.
-
-  `digests`: per process index, `reader.rows_digest` of its rows at this
-  batch, or None where it fed none (a dummy batch). Every host raises the
-  message as ValueError.
-  """
+  """The error when processes that share a data shard fed different rows (`digests`: per process,
+  `reader.rows_digest` of its rows at this batch, None for a dummy batch); None if they agree."""
   for shard, procs in enumerate(groups):
     fed = {p: digests[p] for p in procs if digests[p] is not None}
     ended = [p for p in procs if digests[p] is None]

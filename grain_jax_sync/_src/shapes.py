@@ -1,11 +1,10 @@
 """Shapes that vary: which dims may differ across hosts, their buckets and masks.
 
-`pad_shapes=` names the dims (``{"tokens": 1}``) whose sizes may differ
-between hosts and positions; signatures record them as -1. Hosts report
-their sizes per batch (`messages.Report.sizes`) and agree on the maximum,
-rounded up to the column's next bucket (`shape_buckets=`); every host pads to
-it (`padding.fill_leaf`) and adds an element mask where `shape_mask_keys=` asks.
-Pure Python (NumPy only to take its ints); no JAX.
+`pad_shapes=` names the dims (``{"tokens": 1}``) whose sizes may differ;
+signatures record them as -1. Hosts report their sizes per batch
+(`messages.Report.sizes`) and agree on the maximum, rounded up to the
+column's next bucket (`shape_buckets=`); every host pads to it
+(`padding.fill_leaf`), with element masks where `shape_mask_keys=` asks. No JAX.
 """
 
 from __future__ import annotations
@@ -23,18 +22,12 @@ from grain_jax_sync._src.trees import ROOT_NAME
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-  """The three options, validated and hashable (part of `plan.Rules`).
+  """The three options, validated and hashable (part of `plan.Rules`)."""
 
-  Attributes:
-    dims: (column, dims) pairs: the dims (>= 1; 0 is the row dim) that may vary.
-    buckets: (column, ascending sizes) pairs; a column without buckets pads
-      to the agreed maximum.
-    masks: (column, mask key) pairs: element masks to add.
-  """
-
-  dims: tuple[tuple[str, tuple[int, ...]], ...]
+  dims: tuple[tuple[str, tuple[int, ...]], ...]  # (column, the dims >= 1 that may vary) pairs.
+  # (column, ascending sizes) pairs; a column without buckets pads to the agreed maximum.
   buckets: tuple[tuple[str, tuple[int, ...]], ...] = ()
-  masks: tuple[tuple[str, str], ...] = ()
+  masks: tuple[tuple[str, str], ...] = ()  # (column, element mask key) pairs.
 
   def describe(self) -> dict[str, Any]:
     """A JSON-stable form for the settings digest."""
@@ -172,11 +165,8 @@ def columns_of(what: str, names: Sequence[str], columns: Collection[str]) -> lis
 def leaf_dims(
   shapes: Shapes, names: tuple[str, ...], ranks: tuple[int, ...]
 ) -> tuple[tuple[int, ...], ...]:
-  """Per leaf, the trailing indices (dim - 1) that vary; () for a fixed leaf.
-
-  Raises ValueError where `pad_shapes` names a column or dim that the leaves
-  (`names`, with `ranks` dims each, rows included) lack.
-  """
+  """Per leaf, the trailing indices (dim - 1) that vary, () for a fixed leaf; a ValueError where
+  `pad_shapes` names a column or dim that the leaves (`ranks` dims each, rows included) lack."""
   given = dict(shapes.dims)
   if names != (ROOT_NAME,):
     found = columns_of("pad_shapes", names, given)
@@ -201,15 +191,10 @@ def leaf_dims(
 
 @dataclasses.dataclass(frozen=True)
 class Flat:
-  """The varying dims of one structure, in report order (leaf, then dim).
+  """The varying dims of one structure, in report order (leaf, then dim)."""
 
-  Attributes:
-    names: Per varying dim, ``"column dim d"`` for messages.
-    buckets: Per varying dim, its column's buckets (() for none).
-  """
-
-  names: tuple[str, ...]
-  buckets: tuple[tuple[int, ...], ...]
+  names: tuple[str, ...]  # Per varying dim, ``"column dim d"`` for messages.
+  buckets: tuple[tuple[int, ...], ...]  # Per varying dim, its column's buckets (() for none).
 
 
 @functools.lru_cache(maxsize=64)
@@ -228,20 +213,11 @@ def flat(shapes: Shapes, names: tuple[str, ...], trailing: tuple[tuple[int, ...]
   return Flat(tuple(out_names), tuple(out_buckets))
 
 
-@dataclasses.dataclass(frozen=True)
-class Above:
-  """A size above its column's last bucket: varying dim `k` (in `Flat` order), its size."""
-
-  k: int
-  size: int
-
-
-def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int, ...] | Above:
-  """The agreed sizes: per varying dim the max over hosts, up to its next bucket.
-
-  `per_host` holds each host's sizes at one position (None: no batch there).
-  `Above` where a size is above its last bucket (see `above_message`).
-  """
+def agree(
+  per_host: Sequence[tuple[int, ...] | None], layout: Flat, index: int
+) -> tuple[int, ...] | str:
+  """The agreed sizes at batch `index`: per varying dim the max over hosts (`per_host`, None
+  where a host has no batch), up to its next bucket; the error where it is above the last."""
   got = [s for s in per_host if s is not None]
   out = []
   for k, buckets in enumerate(layout.buckets):
@@ -249,18 +225,12 @@ def agree(per_host: Sequence[tuple[int, ...] | None], layout: Flat) -> tuple[int
     if buckets:
       b = bisect.bisect_left(buckets, size)
       if b == len(buckets):
-        return Above(k, size)
+        hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
+        return (
+          f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
+          f" above the last of its `shape_buckets` {list(buckets)}; add a"
+          " larger bucket, or truncate the sequences in the source"
+        )
       size = buckets[b]
     out.append(size)
   return tuple(out)
-
-
-def above_message(layout: Flat, above: Above, per_host: Sequence[Any], index: int) -> str:
-  """The error, the same on every host, for a size above its column's last bucket."""
-  k, size = above.k, above.size
-  hosts = [p for p, s in enumerate(per_host) if s is not None and s[k] == size]
-  return (
-    f"{layout.names[k]}: size {size} at batch {index} (process {hosts[0]}) is"
-    f" above the last of its `shape_buckets` {list(layout.buckets[k])}; add a"
-    " larger bucket, or truncate the sequences in the source"
-  )

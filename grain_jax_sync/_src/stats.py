@@ -1,15 +1,12 @@
 """What the input pipeline did: counts and times, per stage, for `JaxBatchIterator.stats()`.
 
-Each stage counts its own figures and is the only thread that writes them:
-the reader its ``source_s`` (`reader.Reader.source_s`), the exchange its
-``exchange_s`` (its ``busy_s``), the builder its ``transfer_s`` and, per
-output batch, this host's real and padded rows and the drops before it,
-which travel with the batch (`build.Item`) to the consumer; the consumer
-adds them up, with its ``wait_s`` in ``__next__`` (`Delivered`).
-
-So the counts are those of the batches the user received, never of batches
-still prefetched, and no lock is taken on the hot path (the times are plain
-floats written by one thread and read by `stats()`).
+Each stage is the only thread that writes its figures: the reader its
+``source_s``, the exchange its ``exchange_s`` (``busy_s``), the builder its
+``transfer_s`` and, per output batch, this host's real and padded rows and
+the drops before it, which travel with the batch (`build.Item`) to the
+consumer, who adds them up with its ``wait_s`` (`Delivered`). So the counts
+are those of the batches received, never of batches still prefetched, and no
+lock is taken on the hot path.
 """
 
 from __future__ import annotations
@@ -41,29 +38,13 @@ class Times:
   transfer_s: float = 0.0
 
   def __add__(self, other: Times) -> Times:
-    return Times(
-      self.source_s + other.source_s,
-      self.exchange_s + other.exchange_s,
-      self.transfer_s + other.transfer_s,
-    )
+    pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+    return Times(*(a + b for a, b in pairs))
 
 
 class Delivered(NamedTuple):
-  """What the consumer received; a value, replaced whole with each batch (`session.Mark`).
-
-  A tuple: one is made per batch received, in the consumer's ``next()``.
-
-  Attributes:
-    batches: Global batches received.
-    real_rows: This host's real rows in them.
-    padded_rows: This host's padding rows in them: rows added to short
-      batches, and every row of its dummy batches (the rows a mask marks
-      False).
-    dummy_batches: Batches in which this host had no batch of its own.
-    dropped_batches: Positions dropped on every host (`drop_last`) up to the
-      last batch received, or to the end of the stream once it ended.
-    wait_s: Seconds the consumer waited in ``__next__`` for a batch.
-  """
+  """What the consumer received, made anew per batch (`session.Mark`): the keys of
+  `JaxBatchIterator.stats()` (docs/api.md) but the stage times."""
 
   batches: int = 0
   real_rows: int = 0
@@ -92,13 +73,11 @@ class Delivered(NamedTuple):
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
-  out: dict[str, Any] = delivered._asdict()
-  out.update(source_s=times.source_s, exchange_s=times.exchange_s, transfer_s=times.transfer_s)
+  out: dict[str, Any] = {**delivered._asdict(), **dataclasses.asdict(times)}
   return {k: out[k] for k in FIELDS}
 
 
-# The times of `stats()` (what each host posts in its chunks for the cross-host view).
-TIMES = ("wait_s", "source_s", "exchange_s", "transfer_s")
+TIMES = FIELDS[5:]  # The times of `stats()`, posted in chunks for the cross-host view.
 
 
 def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:
@@ -110,15 +89,13 @@ def with_padding_fraction(row: dict[str, Any]) -> dict[str, Any]:
 class Pace:
   """The consumer's pace: positions it took in the last `window_s` seconds.
 
-  The first `fill` positions fill the prefetch queue in a burst, before the
-  consumer takes any: they tell nothing of its pace and are not counted.
-  Until a window has passed since the first position counted, the window is
-  not full: the count is then the rate of the later half of the positions
-  counted (their intervals until now, so never more than a steady consumer
-  takes), over the whole window, and at most twice the positions counted (a
-  burst as the queue refills tells little of a rate). So a horizon that
-  starts at one position grows about threefold per round of decisions, where
-  the plain count would double.
+  The first `fill` positions (the burst that fills the prefetch queue) are
+  not counted. Until a window has passed since the first one counted, the
+  count is the rate of the later half of the positions counted (their
+  intervals until now: never more than a steady consumer takes) over the
+  whole window, at most twice the positions counted (a refill's burst tells
+  little). So a horizon that starts at one position grows about threefold a
+  round of decisions, where the plain count would double.
   """
 
   def __init__(self, window_s: float, fill: int):
@@ -146,8 +123,6 @@ class Pace:
     n = len(times)
     if self._first is None or self._first <= since or now <= self._first:
       return n
-    # The later half of the positions counted: the intervals after the middle one, until now
-    # (never more than a steady consumer's rate), over the window.
     middle = n // 2
     if now <= times[middle]:  # A burst: no interval to measure.
       return n

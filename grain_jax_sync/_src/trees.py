@@ -2,11 +2,10 @@
 
 A batch is a NumPy array or a pytree of them: dicts, lists, tuples,
 namedtuples, None (an empty node, as in JAX) and nodes registered with
-`jax.tree_util` (a `flax.struct.dataclass` batch). The spec is JSON so that
-it can travel in the exchange and let a host with no data of its own build
-dummy batches. It is data only: a host reads it (`check_spec`) and rebuilds
-a tree from it without unpickling or importing anything. NumPy only, except
-for registered nodes, which JAX flattens and rebuilds.
+`jax.tree_util` (a `flax.struct.dataclass` batch). The spec travels in the
+exchange, so a host with no data of its own builds dummy batches from it; it
+is data only, checked (`check_spec`) and rebuilt without unpickling or
+importing anything. JAX only for registered nodes.
 """
 
 from __future__ import annotations
@@ -36,19 +35,14 @@ NONE = "~"
 ROOT_NAME = "<batch>"
 
 
-def _is_namedtuple(x: Any) -> bool:
-  return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _is_scalar(x: Any) -> bool:
-  return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, (str, bytes))
-
-
 def _is_scalar_sequence(x: Any) -> bool:
   """A (nested) list of numbers: one leaf that NumPy converts unambiguously."""
   if not isinstance(x, list) or not x:
     return False
-  return all(_is_scalar(e) or _is_scalar_sequence(e) for e in x)
+  scalar = (numbers.Number, np.generic)
+  return all(
+    (isinstance(e, scalar) and not isinstance(e, (str, bytes))) or _is_scalar_sequence(e) for e in x
+  )
 
 
 def _child_name(prefix: str, key: Any) -> str:
@@ -59,8 +53,8 @@ def flatten(batch: Any) -> tuple[list[Any], list[str], TreeSpec]:
   """Flattens a batch into its leaves (as given), their names and the spec `unflatten` inverts.
 
   Names are slash-joined paths (``"features/ids"``; ``"<batch>"`` for a bare
-  array). Dicts are walked in sorted key order (as `jax.tree_util` does); a
-  list of numbers is one leaf, not a container of scalar leaves.
+  array). Dicts go in sorted key order (as in `jax.tree_util`); a list of
+  numbers is one leaf.
   """
   leaves: list[Any] = []
   names: list[str] = []
@@ -77,8 +71,8 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
     except TypeError as e:
       raise ValueError(f"dict keys must be str or int, got {list(x.keys())!r}") from e
     return {"d": [[k, _walk(x[k], _child_name(prefix, k), leaves, names)] for k in keys]}
-  if _is_namedtuple(x):
-    t = type(x)
+  if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # A namedtuple.
+    t: Any = type(x)
     return {
       "t": [_walk(v, _child_name(prefix, f), leaves, names) for f, v in zip(t._fields, x)],
       "nt": f"{t.__module__}:{t.__qualname__}",
@@ -105,10 +99,8 @@ def _walk(x: Any, prefix: str, leaves: list[Any], names: list[str]) -> TreeSpec:
 
 
 def _registered_node(x: Any) -> tuple[list[tuple[str, Any]], Any] | None:
-  """A node registered with `jax.tree_util`: its (name, child) pairs and one-level treedef.
-
-  None for leaves: arrays, anything with ``__array__``, numbers, strings.
-  """
+  """A node registered with `jax.tree_util`: its (name, child) pairs and one-level treedef;
+  None for leaves (arrays, anything with ``__array__``, numbers, strings)."""
   if isinstance(x, (np.ndarray, np.generic, numbers.Number, str, bytes, list)) or hasattr(
     x, "__array__"
   ):
@@ -177,10 +169,7 @@ def _from_data(x: Any) -> Any:
 
 
 def _imported(path: str) -> Any:
-  """The object `path` ("module:QualName") names in a module imported already, or None.
-
-  Nothing is imported: a host that can build the type has imported it.
-  """
+  """What `path` ("module:QualName") names in modules imported already (imports none), or None."""
   module, _, qualname = path.partition(":")
   obj = sys.modules.get(module)
   for part in qualname.split("."):
@@ -214,11 +203,8 @@ def _node_treedef(spec: Mapping[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
-  """A registered node's one-level treedef, from its type (imported here) and aux data.
-
-  Raises:
-    ValueError: Naming the node, where it cannot be rebuilt from data.
-  """
+  """A registered node's one-level treedef from its imported type and aux data, or a ValueError
+  naming the node."""
   import jax  # Only for registered nodes.
 
   where = f"the batch's node {shown} ({path})"
@@ -247,10 +233,7 @@ def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
 
 
 def _check_arity(kind: type, aux: Any, children: int, where: str) -> None:
-  """A dataclass node (`jax.tree_util.register_dataclass`) has a child per field not in `aux`.
-
-  JAX does not check this when it rebuilds one from data.
-  """
+  """A dataclass node has a child per field not in `aux` (JAX does not check it from data)."""
   if not dataclasses.is_dataclass(kind) or not isinstance(aux, tuple):
     return
   fields = sum(1 for f in dataclasses.fields(kind) if f.init)
@@ -283,33 +266,27 @@ def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
   return tuple(values)
 
 
-def key_paths(spec: TreeSpec) -> list[str]:
+def key_paths(spec: TreeSpec, prefix: str = "batch") -> list[str]:
   """Each leaf's key path, in leaf order: ``batch['a']['b']``, ``batch[0]``, ``batch.field``.
 
   Unlike a leaf's name (slash-joined), a key path tells apart leaves whose
   names are the same (``{"a": {"b": x}, "a/b": y}``).
   """
-  out: list[str] = []
-  _paths(spec, "batch", out)
-  return out
-
-
-def _paths(s: TreeSpec, prefix: str, out: list[str]) -> None:
-  if s == LEAF:
-    out.append(prefix)
-    return
-  if s == NONE:
-    return
-  if "o" in s:  # A registered node: its children by their `keystr` names.
-    children = [(f"{prefix}.{k}", sub) for k, sub in s["c"]]
-  elif "d" in s:
-    children = [(f"{prefix}[{k!r}]", sub) for k, sub in s["d"]]
-  elif "nt" in s:
-    children = [(f"{prefix}.{f}", sub) for f, sub in zip(s["f"], s["t"], strict=True)]
+  if spec == LEAF:
+    return [prefix]
+  if spec == NONE:
+    return []
+  if "o" in spec:  # A registered node: its children by their `keystr` names.
+    children = [(f"{prefix}.{k}", sub) for k, sub in spec["c"]]
+  elif "d" in spec:
+    children = [(f"{prefix}[{k!r}]", sub) for k, sub in spec["d"]]
+  elif "nt" in spec:
+    children = [(f"{prefix}.{f}", sub) for f, sub in zip(spec["f"], spec["t"], strict=True)]
   else:
-    children = [(f"{prefix}[{i}]", sub) for i, sub in enumerate(s["t"] if "t" in s else s["l"])]
-  for path, sub in children:
-    _paths(sub, path, out)
+    children = [
+      (f"{prefix}[{i}]", sub) for i, sub in enumerate(spec["t"] if "t" in spec else spec["l"])
+    ]
+  return [p for path, sub in children for p in key_paths(sub, path)]
 
 
 def is_dict_spec(spec: TreeSpec) -> bool:
@@ -328,10 +305,8 @@ def spec_keys(spec: TreeSpec) -> list[Any]:
 
 
 def check_spec(spec: Any) -> TreeSpec:
-  """`spec` if it is a spec that `flatten` makes (data only), else a ValueError saying where not.
-
-  A peer's spec is checked before any host builds from it.
-  """
+  """`spec` if it is a spec that `flatten` makes (data only), else a ValueError saying where not
+  (a peer's spec is checked before any host builds from it)."""
   try:
     _check(spec)
   except RecursionError as e:
@@ -359,7 +334,13 @@ def _subtrees(s: Any) -> list[Any] | None:
     subs = s.get("l", s.get("t"))
     if type(subs) is not list:
       return None
-    if "nt" in form and not (type(s["nt"]) is str and _strs(s["f"], len(subs))):
+    names = s.get("f")
+    if "nt" in form and not (
+      type(s["nt"]) is str
+      and type(names) is list
+      and len(names) == len(subs)
+      and all(type(n) is str for n in names)
+    ):
       return None
     return subs
   if form == {"d"}:
@@ -380,7 +361,3 @@ def _pair_subtrees(pairs: Any, keys: tuple[type, ...]) -> list[Any] | None:
   ):
     return None
   return [sub for _, sub in pairs]
-
-
-def _strs(names: Any, count: int) -> bool:
-  return type(names) is list and len(names) == count and all(type(n) is str for n in names)

@@ -46,11 +46,7 @@ def _tags(state: Any, why: Why) -> list[tuple[Mapping[str, Any], Why]]:
         " every batch"
       )
       return _tags(state["parent"], why or (mid if row else None))
-    values = list(state.values())
-  elif isinstance(state, (list, tuple)):
-    values = state
-  else:
-    return []
+  values = _children(state)
   return [t for v in values for t in _tags(v, why or (None if len(values) == 1 else _NOT_ALONE))]
 
 
@@ -64,13 +60,8 @@ class Position(NamedTuple):
 
 
 def find_position(state: Any) -> Position | None:
-  """The stream cursor of a Grain iterator's nested state, or None.
-
-  Not exact (for a re-split; Grain's own resume is): a transform that keeps
-  a state beside its parent's (a mix, packing within a packed batch) may
-  hold records read past the cursor, and a sequential `mp_prefetch` reads
-  blocks, not strides.
-  """
+  """The stream cursor of a Grain iterator's nested state, or None; `Position.why` says why it
+  is not exact for a re-split (a state beside its parent's may hold records read past it)."""
   tags = _tags(state, None)
   if not tags:
     return None
@@ -82,15 +73,16 @@ def find_position(state: Any) -> Position | None:
 
 def find_skip(state: Any) -> int:
   """Tokens of the stream's last record delivered before a resize (its state's ``skip``)."""
+  if isinstance(state, Mapping) and isinstance(state.get(TAG), Mapping):
+    return int(state[TAG].get("skip", 0))
+  return next((k for k in map(find_skip, _children(state)) if k), 0)
+
+
+def _children(state: Any) -> Sequence[Any]:
+  """A mapping's values, a list's or tuple's items; () for anything else."""
   if isinstance(state, Mapping):
-    if TAG in state and isinstance(state[TAG], Mapping):
-      return int(state[TAG].get("skip", 0))
-    values: Sequence[Any] = list(state.values())
-  elif isinstance(state, (list, tuple)):
-    values = state
-  else:
-    return 0
-  return next((k for k in map(find_skip, values) if k), 0)
+    return list(state.values())
+  return state if isinstance(state, (list, tuple)) else ()
 
 
 def _thresholds(tags: list[tuple[Mapping[str, Any], Why]], why: Why) -> tuple[tuple[int, ...], Why]:

@@ -57,10 +57,7 @@ class Mixture:
   def _runs(self) -> list[_Run]:
     """Each run with the source rows it may take (`_Run.free`), from the runs before it."""
     out: list[_Run] = []
-    for kept, p in self.history or (((), self.proportions),):
-      if not out:
-        out.append(_Run(kept, p, [((), 0)] * len(self.sizes)))
-        continue
+    for kept, p in self.history or (((), self.proportions),):  # Run 0 keeps none.
       used: list[list[Range]] = [[] for _ in self.sizes]
       for a, b in kept:
         for k, rows in enumerate(_source_rows(out, a, b)):
@@ -70,11 +67,7 @@ class Mixture:
 
   def counts(self, g: int) -> list[int]:
     """Rows of each source among global rows ``0 .. g - 1``."""
-    out = [0] * len(self.sizes)
-    for run, r0, r1 in _pieces(self._runs, 0, int(g)):
-      for k, (m0, m1) in enumerate(zip(_counts(run.p, r0), _counts(run.p, r1), strict=True)):
-        out[k] += int(m1 - m0)
-    return out
+    return [split.total(rows) for rows in _source_rows(self._runs, 0, int(g))]
 
   def switched(self, kept: Sequence[Range], proportions: tuple[int, ...]) -> Mixture:
     """This mixture with `proportions` for every global row but those in `kept` (sorted ranges)."""
@@ -163,11 +156,8 @@ def _below(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
 
 
 def _contains(ranges: Sequence[Range], g: np.ndarray) -> np.ndarray:
-  if not ranges:
-    return np.zeros(len(g), bool)
-  starts, stops = (np.asarray(x, np.int64) for x in zip(*ranges, strict=True))
-  i = np.searchsorted(starts, g, side="right") - 1
-  return (i >= 0) & (g < stops[np.maximum(i, 0)])
+  """Whether `ranges` (sorted) hold each `g`."""
+  return _below(ranges, g + 1) > _below(ranges, g)
 
 
 def _nth(ranges: Sequence[Range], tail: int, m: np.ndarray) -> np.ndarray:
@@ -273,8 +263,8 @@ class MixedRecords:
     start, sources, at = self._block
     if len(g) and not (start <= np.min(g) and np.max(g) < start + len(sources)):
       first = int(np.min(g))
-      if np.max(g) - first >= _BLOCK:
-        start, (sources, at) = first, self._find(g)
+      if np.max(g) - first >= _BLOCK:  # Too far apart for a block (an epoch's end, a resize).
+        start, (sources, at), g = 0, self._find(g), np.arange(len(g))
       else:
         self._block = start, sources, at = (first, *self._find(np.arange(first, first + _BLOCK)))
     sources, at = sources[g - start].tolist(), at[g - start].tolist()

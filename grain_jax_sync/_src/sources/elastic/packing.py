@@ -1,21 +1,14 @@
 """`pack_sequences`: token sequences packed into rows of a context length, resumable anywhere.
 
-A record is read at its first token not yet delivered (0, or where a resize
-left it). While at least `length` of its tokens remain, they go out as a row
-of their own; the rest (fewer than `length` tokens) goes first-fit into one of
-the open rows (trimming instead cuts a record to `length` tokens). A row is
-emitted when it is full or a piece fits in no open row (the fullest one goes),
-and at the end the open rows go in order. So each record's tokens come out
-once, in order, in consecutive pieces.
-
-The state names the records in flight (the open rows' pieces, and a record
-whose full rows are still going out): the parent's state before the first of
-them, which records read since are where and from which token, and, over an
-elastic stream, their stream indices and the tokens of each already delivered
-(the cursor's holes, `cursor.PACKED`). So a resume on the same count rebuilds
-the open rows exactly, and a re-split over another count re-reads exactly the
-records in flight, each from its first token not delivered, with those not
-read. Grain is imported when it is used.
+A record is read from its first token not yet delivered (0, or where a resize
+left it). A row is emitted when it is full or a piece fits in no open row
+(the fullest one goes); at the end the open rows go in order. The state names
+the records in flight (the open rows' pieces, and a record whose full rows
+are still going out): the parent's state before the first of them, where each
+record read since is and from which token, and, over an elastic stream, their
+stream indices and tokens delivered (the cursor's holes, `cursor.PACKED`). So
+a resume on the same count rebuilds the open rows exactly, and a re-split
+re-reads exactly the records in flight. Grain is imported when it is used.
 """
 
 from __future__ import annotations
@@ -87,14 +80,8 @@ def packed_row(row: list[_Piece], length: int, restart_positions: bool) -> dict[
 
 
 def checked_record(value: Any, dtypes: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
-  """A record as 1-D arrays of tokens, each of its feature's dtype in `dtypes` (the first record's).
-
-  One rule whatever the order the records come in: a feature of another
-  dtype than the first record's is refused, never cast.
-
-  Raises:
-    DataError: Naming the feature, its shape or dtype, and what was expected.
-  """
+  """A record as 1-D arrays of tokens of the dtypes in `dtypes` (the first record's), never cast;
+  a DataError names the feature, its shape or dtype, and what was expected."""
   if not isinstance(value, Mapping) or not value:
     raise leaves.DataError(
       f"pack_sequences packs dicts of 1-D token arrays, got {type(value).__name__} {value!r:.80}"
@@ -146,21 +133,18 @@ def _stream_index(state: Any) -> tuple[int | None, str | None]:
   return found.thresholds[0], found.why
 
 
+def _counts(x: Any) -> list[list[int]]:
+  """Every packer's [packed, padded, trimmed] in a Grain state."""
+  if isinstance(x, Mapping):
+    return ([x[TOKENS]] if TOKENS in x else []) + _counts(list(x.values()))
+  if isinstance(x, (list, tuple)):
+    return [c for v in x for c in _counts(v)]
+  return []
+
+
 def counters(state: Any) -> dict[str, int] | None:
   """The tokens the packers in a Grain state emitted: packed, padded, trimmed (None: no packer)."""
-  found: list[list[int]] = []
-
-  def walk(x: Any) -> None:
-    if isinstance(x, Mapping):
-      if TOKENS in x:
-        found.append(x[TOKENS])
-      for v in x.values():
-        walk(v)
-    elif isinstance(x, (list, tuple)):
-      for v in x:
-        walk(v)
-
-  walk(state)
+  found = _counts(state)
   if not found:
     return None
   totals = np.sum(np.asarray(found, np.int64), axis=0)
@@ -172,9 +156,9 @@ class PackIterator:
 
   _parent: Any  # Set by `grain.DatasetIterator.__init__`.
 
-  def _start(self, length: int, num_bins: int, trim: bool, restart_positions: bool) -> None:
-    self._options = (length, num_bins, trim, restart_positions)
-    self._length, self._num_bins, self._trim = length, num_bins, trim
+  def _start(self, options: tuple[int, int, bool, bool]) -> None:
+    self._options = options
+    self._length, self._num_bins, self._trim, _ = options
     self._rows: list[list[_Piece]] = []
     self._pending: _Piece | None = None  # A record's tokens from `start` on, not placed yet.
     self._read = 0
@@ -275,7 +259,7 @@ class PackIterator:
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])
-    self._start(*self._options)
+    self._start(self._options)
     self._tokens = [int(n) for n in state.get(TOKENS, (0, 0, 0))]
     where = {}  # Read index -> (open row, first token), or (-1, ..): the pending record.
     for k, row in enumerate(state["rows"]):
@@ -305,7 +289,7 @@ def _classes() -> type:
   class Iterator(PackIterator, grain.DatasetIterator):
     def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):
       grain.DatasetIterator.__init__(self, parent)
-      self._start(*options)
+      self._start(options)
 
   class Packed(grain.IterDataset):
     def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):

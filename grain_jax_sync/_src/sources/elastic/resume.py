@@ -1,9 +1,8 @@
 """Resume states across job sizes: every old process's state -> this process's state.
 
-A list of every old process's state on the same process count gives this
-process's own; on another count, or with another `batch_size` or new mixture
-weights, an elastic source re-splits what the old job left (`split.resume`)
-and any other source refuses another count. Pure Python.
+On another count, or with another `batch_size` or new mixture weights, an
+elastic source re-splits what the old job left (`split.resume`); any other
+source refuses another count. Pure Python.
 """
 
 from __future__ import annotations
@@ -11,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from grain_jax_sync._src.sources.elastic import split
 from grain_jax_sync._src.sources.elastic import state as state_lib
-from grain_jax_sync._src.sources.elastic.split import EpochShares, Resize, resume
+from grain_jax_sync._src.sources.elastic.split import EpochShares, resume
 from grain_jax_sync._src.sources.elastic.stream import ElasticIterator
 
 NOT_ELASTIC = (
@@ -60,10 +59,9 @@ def for_this_process(
   """The state this process restores, from `state` as given to `set_state`.
 
   `state` is one state, or every old process's in process order: this
-  process's own, or for an elastic source one re-split from the old job's
-  when the process count, the mixture's weights or the `batch_size` of the
-  `settings` now (the iterator's digest) differ. ValueError if the list is
-  not one job's, or the source cannot be re-split.
+  process's own, or an elastic source's re-split where the process count,
+  the mixture's weights or the `batch_size` of `settings` (the iterator's
+  digest) differ. ValueError if the list is not one job's, or cannot be re-split.
   """
   is_elastic = isinstance(source, ElasticIterator)
   if isinstance(state, Mapping):
@@ -140,9 +138,8 @@ def _thresholds(source: Mapping[str, Any], i: int, position: int, length: int) -
   return tuple(strided)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Old:
-  """What an old process consumed: its shares, its stream thresholds, its holes."""
+class _Old(NamedTuple):
+  """What an old process consumed (`split.resume` takes each field, every process's)."""
 
   shares: EpochShares
   thresholds: tuple[int, ...]
@@ -187,15 +184,6 @@ def _olds(source: ElasticIterator, states: Sequence[Mapping[str, Any]], why: str
   return out
 
 
-def _resume(olds: list[_Old]) -> tuple[int, tuple[tuple[int, tuple[Resize, ...]], ...]]:
-  return resume(
-    [o.shares for o in olds],
-    [o.thresholds for o in olds],
-    [o.holes for o in olds],
-    [o.partial for o in olds],
-  )
-
-
 def _switched(
   source: ElasticIterator, states: list[Mapping[str, Any]]
 ) -> list[Mapping[str, Any]] | None:
@@ -227,7 +215,7 @@ def _switched(
 
 def _kept(olds: list[_Old]) -> list[tuple[int, int]]:
   """The global rows (of a mixture) the old job consumed, or delivered in part, as ranges."""
-  first, splits = _resume(olds)
+  first, splits = resume(*zip(*olds, strict=True))
   length = olds[0].shares.num_records
   kept: list[tuple[int, int]] = [(0, first * length)] if first else []
   for epoch, history in splits:
@@ -254,7 +242,7 @@ def _resplit(
   source: ElasticIterator, states: list[Mapping[str, Any]], p: int, count: int, why: str
 ) -> dict[str, Any]:
   olds = _olds(source, states, why)
-  first, splits = _resume(olds)
+  first, splits = resume(*zip(*olds, strict=True))
   new = EpochShares(olds[0].shares.num_records, olds[0].shares.num_epochs, first, splits, count, p)
   return {
     **states[0],

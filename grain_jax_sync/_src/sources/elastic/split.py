@@ -2,16 +2,11 @@
 
 An epoch's positions ``0 .. num_records - 1`` each name a record (the
 identity, or a seeded permutation when shuffling). A split cuts the positions
-not yet read, a list of ranges ``[start, stop)``, into `count` contiguous
-shares in process order, the first ``num_records % count`` one longer; each
-process keeps a cursor: how many of its share's positions are consumed, or,
-strided, a tuple ``(t_0, .., t_{W-1})``: position ``i`` is consumed when
-``i < t_{i % W}`` (`W` `mp_prefetch` workers, each reading every `W`-th),
-or `Holes`: a prefix but for the positions a packer holds in flight (with
-the tokens of each already delivered, where a long record was split).
-A resize appends ``(old_count, cursors)`` to the epoch's split history, which
-replays to the current split, so a state never lists records. Pure Python and
-NumPy.
+not yet read, ranges ``[start, stop)``, into `count` contiguous shares in
+process order, the first ``num_records % count`` one longer. Each process
+keeps a cursor over its share: a `Cursor`. A resize appends ``(old_count,
+cursors)`` to the epoch's split history, which replays to the current split,
+so a state never lists records. Pure Python and NumPy.
 """
 
 from __future__ import annotations
@@ -35,7 +30,9 @@ class Holes:
   offsets: tuple[int, ...] = ()  # Per hole, its tokens already delivered (empty: none).
 
 
-# A consumed cursor over a share: a prefix length, strided thresholds or holes (see above).
+# A consumed cursor over a share: how many of its positions are consumed; or strided, a tuple
+# ``(t_0, .., t_{W-1})``: position ``i`` is consumed when ``i < t_{i % W}`` (`W` `mp_prefetch`
+# workers, each reading every `W`-th); or `Holes`, a packer's records in flight.
 Cursor = int | tuple[int, ...] | Holes
 # (old process count, each old process's cursor over its share of that split).
 Resize = tuple[int, tuple[Cursor, ...]]
@@ -125,10 +122,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
 
 
 def shares(num_records: int, history: Sequence[Resize], count: int) -> list[list[Range]]:
-  """Every process's share of an epoch after `history`, split over `count` processes.
-
-  Cached, as every process of one job asks for the same split: do not change the lists.
-  """
+  """Each process's share of an epoch after `history`, split `count` ways (cached: read only)."""
   key = tuple((int(n), tuple(c)) for n, c in history)  # Cursors: ints or tuples of ints.
   return _shares(int(num_records), key, int(count))
 
@@ -144,21 +138,16 @@ def _shares(num_records: int, history: tuple[Resize, ...], count: int) -> list[l
 
 
 def partial(num_records: int, history: Sequence[Resize]) -> dict[int, int]:
-  """The epoch positions whose records a resize left partly delivered: their tokens delivered.
-
-  A later resize's count replaces an earlier one's (it counts from the record's start).
-  """
+  """The epoch positions whose records a resize left partly delivered: their tokens delivered
+  (a later resize's count, from the record's start, replaces an earlier one's)."""
   out: dict[int, int] = {}
-  left: list[Range] = [(0, num_records)] if num_records else []
-  for old_count, cursors in history:
-    old = even_split(left, old_count)
-    for share, cursor in zip(old, cursors, strict=True):
+  for r, (old_count, cursors) in enumerate(history):
+    for share, cursor in zip(shares(num_records, history[:r], old_count), cursors, strict=True):
       if isinstance(cursor, Holes):
         offsets = cursor.offsets or (0,) * len(cursor.holes)
         for i, k in zip(cursor.holes, offsets, strict=True):
           if k:
             out[take(share, i, i + 1)[0][0]] = k
-    left = remaining(old, cursors)
   return out
 
 
@@ -168,10 +157,8 @@ def _permutation(num_records: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def epoch_order(num_records: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray | None:
-  """The record at each position of `epoch` (None: the identity).
-
-  When `shuffle`, a permutation seeded by ``[seed, epoch]``: the same on every host and count.
-  """
+  """The record at each position of `epoch`: a permutation seeded by ``[seed, epoch]``, or None
+  (the identity) without `shuffle`."""
   return _permutation(num_records, seed, epoch) if shuffle else None
 
 
@@ -228,10 +215,7 @@ class EpochShares:
   @functools.cached_property
   def _listed(self) -> int:
     """Positions in the listed epochs."""
-    if not self.epochs:
-      return 0
-    _, share, offset = self.epochs[-1]
-    return offset + total(share)
+    return sum(total(share) for _, share, _ in self.epochs)
 
   @functools.cached_property
   def length(self) -> int:
@@ -302,11 +286,8 @@ class EpochShares:
     holes: Sequence[int] = (),
     partial: Mapping[int, int] | None = None,
   ) -> Cursor:
-    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``).
-
-    `holes`: stream indices below the thresholds not consumed (one threshold
-    only); `partial`: the tokens delivered of some of them.
-    """
+    """The cursor over `epoch`'s share of stream thresholds (``j`` consumed: ``j < T[j % W]``),
+    holes (one threshold only) and their tokens delivered (`partial`)."""
     share, offset = self.entry(epoch)
     n, width = total(share), len(thresholds)
     # Share position i is stream index offset + i: its threshold is T[(offset + i) % W].
@@ -316,10 +297,6 @@ class EpochShares:
       tokens = tuple((partial or {}).get(j, 0) for j in mine)
       return Holes(local[0], tuple(j - offset for j in mine), tokens if any(tokens) else ())
     return local[0] if len(set(local)) == 1 else local
-
-  def epoch_span(self, thresholds: Sequence[int], holes: Sequence[int] = ()) -> tuple[int, int]:
-    """(first, last) epoch that stream thresholds leave partly read (as `cursor` names them)."""
-    return self.cursor(min((*thresholds, *holes)))[0], self.cursor(max(thresholds))[0]
 
 
 def resume(
@@ -332,13 +309,17 @@ def resume(
 
   Stream index ``j`` of old process ``p`` is consumed when
   ``j < thresholds[p][j % len(thresholds[p])]`` and ``j`` is not in
-  ``holes[p]`` (``partial[p]``: the tokens delivered of some holes). Every epoch some old process had not finished gets the old
-  job's cursors as a resize.
+  ``holes[p]`` (``partial[p]``: the tokens delivered of some holes). Every
+  epoch some old process had not finished gets the old job's cursors as a
+  resize.
   """
   holes = holes or [()] * len(olds)
   partial = partial or [{}] * len(olds)
-  spans = [old.epoch_span(t, h) for old, t, h in zip(olds, thresholds, holes, strict=True)]
-  first, last = min(a for a, _ in spans), max(b for _, b in spans)
+  # The first and last epoch some old process left partly read.
+  first = min(
+    old.cursor(min((*t, *h)))[0] for old, t, h in zip(olds, thresholds, holes, strict=True)
+  )
+  last = max(old.cursor(max(t))[0] for old, t in zip(olds, thresholds, strict=True))
   base = dict(olds[0].splits)
   splits = []
   end = last if olds[0].num_epochs is None else min(last, olds[0].num_epochs - 1)

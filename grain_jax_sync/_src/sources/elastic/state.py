@@ -1,16 +1,16 @@
 """A process's elastic state as JSON: its split history and its cursor, checked on restore.
 
-`export` writes the job's split (process count, this process's index, each
-epoch's resize history, its cursors packed compactly), the consumed stream
-position (and each `mp_prefetch` worker's threshold), and Grain's own state
-for a resume on the same count; `check_source_state` reads one back, naming
-the field that does not fit. Pure Python and NumPy (no JAX, no Grain).
+`export` writes the job's split, the consumed stream position (each
+`mp_prefetch` worker's threshold, a packer's holes) and Grain's own state for
+a resume on the same count; `check_source_state` reads one back, naming the
+field that does not fit. Pure Python and NumPy.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,12 +83,8 @@ def _row_from_json(value: Any) -> tuple[Cursor, ...]:
   widths, flat = unpack_ints(value["widths"]), unpack_ints(value["strided"])
   if any(w < 1 for w in widths) or sum(widths) != len(flat):
     raise ValueError(f"{len(flat)} strided thresholds for widths {widths[:8]}..")
-  out: list[Cursor] = []
-  at = 0
-  for w in widths:
-    out.append(flat[at] if w == 1 else tuple(flat[at : at + w]))
-    at += w
-  return tuple(out)
+  bounds = itertools.pairwise([0, *itertools.accumulate(widths)])
+  return tuple(flat[a] if b - a == 1 else tuple(flat[a:b]) for a, b in bounds)
 
 
 def splits_to_json(splits: Sequence[tuple[int, Sequence[Resize]]]) -> list[Any]:
@@ -117,12 +113,8 @@ def export(
   holes: Sequence[int] = (),
   partial: Mapping[int, int] | None = None,
 ) -> dict:
-  """A process's JSON source state, with stream thresholds (or a position) `consumed`.
-
-  `why_not`: why the cursor cannot be re-split (None: it can). `holes`: the
-  stream indices below it not consumed (a packer's records in flight);
-  `partial`: the tokens delivered of some of them (a long record split).
-  """
+  """A process's JSON source state, with stream thresholds (or a position) `consumed`, and
+  why the cursor cannot be re-split (`why_not`), holes and `partial` (`cursor.Position`)."""
   thresholds = (consumed,) if isinstance(consumed, int) else tuple(consumed)
   position = min(min(thresholds), shares.length)
   epoch, cursor = shares.cursor(position)
@@ -166,10 +158,8 @@ def mixture_fields(mixture: Any) -> dict[str, Any]:
 
 
 def runs_from_json(value: Any) -> list[tuple[tuple[Range, ...], tuple[int, ...]]] | None:
-  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none).
-
-  A run's first entry was a row before 0.6 (it kept every row below it).
-  """
+  """A state's ``mixture_runs``: each run's kept global row ranges and proportions (None: none);
+  a run's first entry was a row before 0.6 (it kept every row below it)."""
   if value is None:
     return None
   try:
@@ -214,12 +204,8 @@ def _field(state: Mapping[str, Any], key: str, kind: type = int) -> Any:
 def check_source_state(
   state: Any, spec: ElasticSource, num_records: int
 ) -> tuple[EpochShares, int, Any]:
-  """(shares, stream index, Grain state or None) of an exported state, checked against `spec`.
-
-  Raises:
-    ValueError: Naming the field that is missing, ill-typed or differs from
-      the source's (record count, shuffle, seed, an epoch past `num_epochs`).
-  """
+  """(shares, stream index, Grain state or None) of an exported state, or a ValueError naming
+  the field that is missing, ill-typed or differs from `spec`'s (an epoch past `num_epochs`)."""
   if not isinstance(state, Mapping) or state.get("format") != FORMAT:
     raise ValueError(
       f"`state['source']` is not an elastic source's state (no 'format': {FORMAT!r});"

@@ -2,14 +2,13 @@
 
 `open_stream` opens an `ElasticSource` as ``Stream`` (this process's records
 in stream order, `split.EpochShares`), read by ``Reader`` (a chunk of
-positions at a time, one batched read each; its state is the positions
-delivered, as Grain's `to_iter_dataset()`'s) -> ``Cursor`` (tags the stream
-index in the state) -> the user's transform. Grain nests a parent's state in its iterators' states
-as it was after the last element they took, so the tag inside the state kept
-after each delivered batch is the consumed cursor as of that batch; under
-`mp_prefetch` each worker slices ``Cursor`` and the host's cursor is one
-threshold per worker (`cursor.find_position`). The cursor is looked up only
-when a state is exported. Grain is imported when the source is opened.
+positions at a time; its state, the positions delivered, tagged with the
+stream index) -> the user's transform. Grain nests a parent's state in its
+iterators' states as it was after the last element they took, so the tag
+inside the state kept after each delivered batch is the consumed cursor as of
+that batch; under `mp_prefetch` each worker slices ``Reader`` and the host's
+cursor is one threshold per worker (`cursor.find_position`). Grain is
+imported when the source is opened.
 """
 
 from __future__ import annotations
@@ -54,35 +53,29 @@ class Stream:
   """This process's records, in stream order: `records[order[position]]`."""
 
   def __init__(self, records: Any, shares: EpochShares, spec: ElasticSource):
-    self._records, self._shares, self._spec = records, shares, spec
+    self._records, self.shares, self._spec = records, shares, spec
     self._endless = spec.mixture is not None  # Epoch e starts at row e * num_records.
-
-  def __len__(self) -> int:
-    return self._shares.length
 
   def read(self, positions: range) -> list[Any]:
     """The records at stream `positions`, in one batched read where the records have one."""
     rows = []
     for j in positions:
-      epoch, pos = self._shares.locate(j)
+      epoch, pos = self.shares.locate(j)
       order = epoch_order(
-        self._shares.num_records, shuffle=self._spec.shuffle, seed=self._spec.seed, epoch=epoch
+        self.shares.num_records, shuffle=self._spec.shuffle, seed=self._spec.seed, epoch=epoch
       )
       pos = pos if order is None else int(order[pos])
-      rows.append(pos + epoch * self._shares.num_records if self._endless else pos)
+      rows.append(pos + epoch * self.shares.num_records if self._endless else pos)
     getitems = getattr(self._records, "_getitems", None)  # Grain's and `MixedRecords`' batch read.
     return list(getitems(rows)) if getitems else [self._records[r] for r in rows]
 
-  def skip(self, j: int) -> int:
-    """Tokens of stream index `j`'s record a resize left delivered (a packer's split record)."""
-    return self._shares.skip(j)
-
 
 class Chunks:
-  """`stream` at `positions`, read in chunks; a `grain.DatasetIterator` by `_reader_class`."""
+  """`stream` at `positions`, read in chunks, its state (the positions delivered) tagged for the
+  cursor to be found (`cursor.TAG`, `cursor.SLICE`); a `grain.DatasetIterator` by `_classes`."""
 
-  def __init__(self, stream: Stream, positions: range):
-    self._stream, self._positions = stream, positions
+  def __init__(self, stream: Stream, positions: range, sliced: tuple[int, int, bool] | None):
+    self._stream, self._positions, self._sliced = stream, positions, sliced
     self._delivered = 0  # Of `positions`.
     self._buffer: collections.deque[Any] = collections.deque()
 
@@ -98,94 +91,52 @@ class Chunks:
       if value is not None:  # A Grain `filter` on the records leaves None.
         return value
 
-  def get_state(self) -> dict[str, int]:
+  def get_state(self) -> dict[str, Any]:
     state = {"next_index": self._delivered}
-    if self._delivered and (skip := self._stream.skip(self._positions[self._delivered - 1])):
+    last = self._positions[self._delivered - 1] if self._delivered else None
+    if last is not None and (skip := self._stream.shares.skip(last)):
       state["skip"] = skip  # Its last record's tokens a resize left delivered.
-    return state
+    tagged: dict[str, Any] = {cursor_lib.TAG: state}
+    if self._sliced is not None:
+      tagged[cursor_lib.SLICE] = list(self._sliced)
+    return tagged
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self._delivered = int(state["next_index"])
+    self._delivered = int(state[cursor_lib.TAG]["next_index"])
     self._buffer.clear()
 
 
 @functools.cache
-def _classes() -> tuple[type, type]:
-  """(_Reader, _Cursor), built on first use (Grain loads lazily)."""
+def _classes() -> type:
+  """The stream's `grain.IterDataset`, built on first use (Grain loads lazily)."""
   grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
-  return _reader_class(grain), _cursor_class(grain)
-
-
-def _reader_class(grain: Any) -> type:
-  """The `Reader` dataset (see `_classes`)."""
 
   class ReaderIterator(Chunks, grain.DatasetIterator):
-    def __init__(self, stream: Stream, positions: range):
+    def __init__(self, *args: Any):
       grain.DatasetIterator.__init__(self)
-      Chunks.__init__(self, stream, positions)
+      Chunks.__init__(self, *args)
 
   class Reader(grain.IterDataset):
-    """The stream read in chunks of positions, its state the positions delivered."""
+    """The stream as a dataset; `mp_prefetch` slices it in each worker (`set_slice`)."""
 
     def __init__(self, stream: Stream):
       super().__init__()
-      self._stream, self._positions = stream, range(len(stream))
-
-    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-      del sequential_slice  # `Cursor` gives the slice to read.
-      self._positions = self._positions[sl]
-
-    def __iter__(self):
-      return ReaderIterator(self._stream, self._positions)
-
-    def __str__(self) -> str:
-      return f"ElasticStream(process {self._stream._shares.index} of {self._stream._shares.count})"
-
-  return Reader
-
-
-def _cursor_class(grain: Any) -> type:
-  """The `Cursor` dataset (see `_classes`)."""
-
-  class CursorIterator(grain.DatasetIterator):
-    def __init__(self, parent, sliced):
-      super().__init__(parent)
-      self._sliced = sliced
-
-    def __next__(self):
-      return next(self._parent)
-
-    def get_state(self):
-      state = {cursor_lib.TAG: self._parent.get_state()}
-      if self._sliced is not None:
-        state[cursor_lib.SLICE] = list(self._sliced)
-      return state
-
-    def set_state(self, state):
-      self._parent.set_state(state[cursor_lib.TAG])
-
-  class Cursor(grain.IterDataset):
-    """Tags the stream's state, so the cursor can be found in the transform's.
-
-    `mp_prefetch` slices it in each worker (`set_slice`): the tag then says
-    which stream indices the worker reads (every `step`-th from `start`).
-    """
-
-    def __init__(self, parent, length: int):
-      super().__init__(parent)
-      self._length = length
+      self._stream, self._positions = stream, range(stream.shares.length)
       self._sliced: tuple[int, int, bool] | None = None
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
       if self._sliced is not None:
         raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
-      parent_slice, self._sliced = _worker_slice(sl, sequential_slice, self._length)
-      self._parent.set_slice(parent_slice, False)
+      mine, self._sliced = _worker_slice(sl, sequential_slice, self._stream.shares.length)
+      self._positions = self._positions[mine]
 
     def __iter__(self):
-      return CursorIterator(self._parent.__iter__(), self._sliced)
+      return ReaderIterator(self._stream, self._positions, self._sliced)
 
-  return Cursor
+    def __str__(self) -> str:
+      return f"ElasticStream(process {self._stream.shares.index} of {self._stream.shares.count})"
+
+  return Reader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +159,7 @@ class ElasticIterator(base.WrappedIterator):
 
   def _open(self, shares: EpochShares) -> None:
     grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
-    reader_cls, cursor_cls = _classes()
-    ds = cursor_cls(reader_cls(Stream(self.spec.records, shares, self.spec)), shares.length)
+    ds = _classes()(Stream(self.spec.records, shares, self.spec))
     if self.spec.transform is not None:
       ds = self.spec.transform(ds)
       if not isinstance(ds, grain.IterDataset):
