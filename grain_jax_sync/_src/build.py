@@ -212,11 +212,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
 
 
 def _local_leaves(
-  read: core.Read | None,
-  step: messages.Step,
-  sig: batches_lib.Signature,
-  layout: Layout,
-  shapes: Any,
+  read: core.Read | None, step: messages.Step, layout: Layout, shapes: Any
 ) -> list[np.ndarray]:
   """This host's leaves of one batch, padded (rows and varying dims) and cast."""
   if (
@@ -226,7 +222,7 @@ def _local_leaves(
     and (not step.sizes or all(x.shape[1:] == t for x, t in zip(read.batch.leaves, shapes)))
   ):
     return list(read.batch.leaves)
-  leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+  leaves_in = read.batch.leaves if read is not None else [None] * len(layout.host)
   pads = layout.pads
   return [
     padding.fill_leaf(
@@ -412,7 +408,7 @@ class Builder:
       shapes = self._shapes.get(step.sizes)
       if shapes is None:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
-    local = _local_leaves(read, step, sig, layout, shapes)
+    local = _local_leaves(read, step, layout, shapes)
     if self._options.mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
     for k, _ in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
@@ -464,8 +460,19 @@ def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any
   layout = _layout(sig, options)
   landed = [jax.dtypes.canonicalize_dtype(d or h) for d, h in zip(layout.device, layout.host)]
   dtypes = landed + [np.dtype(np.bool_)] * len(layout.mask_keys)
+  every: list[tuple[int, ...]] = [()]  # Every combination of the varying dims' agreed sizes.
+  if options.pad_shapes is not None:
+    flat = shapes_lib.flat(options.pad_shapes, sig.names, sig.shapes)
+    for name, buckets in zip(flat.names, flat.buckets, strict=True):
+      if not buckets:
+        raise ValueError(
+          f"{name} varies (`pad_shapes`) without `shape_buckets`: its size is each"
+          " batch's largest, not known before the batch. Give its column"
+          " `shape_buckets` to know every shape ahead"
+        )
+    every = list(itertools.product(*flat.buckets))
   out = []
-  for sizes in _bucket_sizes(sig, options.pad_shapes):
+  for sizes in every:
     trailing = trailing_shapes(sig, sizes)
     local = [(rows, *t) for t in trailing]
     if options.mask_key is not None:
@@ -478,18 +485,3 @@ def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any
     ]
     out.append(_tree(layout, sig, leaves))
   return out
-
-
-def _bucket_sizes(sig: batches_lib.Signature, shapes: Any) -> list[tuple[int, ...]]:
-  """Every combination of agreed sizes the varying dims can take (`shape_buckets`); [()] if none vary."""
-  if shapes is None:
-    return [()]
-  flat = shapes_lib.flat(shapes, sig.names, sig.shapes)
-  for name, buckets in zip(flat.names, flat.buckets, strict=True):
-    if not buckets:
-      raise ValueError(
-        f"{name} varies (`pad_shapes`) without `shape_buckets`: its size is each"
-        " batch's largest, not known before the batch. Give its column"
-        " `shape_buckets` to know every shape ahead"
-      )
-  return list(itertools.product(*flat.buckets))
