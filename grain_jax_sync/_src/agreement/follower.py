@@ -89,8 +89,7 @@ class Follower(Streamed):
       yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
-      error = endings.lost(0, self._yielded, when, cause)
-      raise endings.to_exception(error, self._process, None)
+      raise endings.to_exception(endings.lost(0, self._yielded, when, cause), self._process, None)
     note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:
       text = yield from self._timed(core.TryDecision(self._seq))  # Its ending here, if any.
