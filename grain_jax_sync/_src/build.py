@@ -307,12 +307,10 @@ class Builder:
     # the stream for drops after the last one).
     self.dropped = 0
     self.first = FirstRun(())  # The stream's runs (`__call__`).
-    # Positions handed on (queued, or taken) or dropped: written by the build thread only,
-    # read from the agreement's thread.
-    self.done = 0
-    # `done` as a waiter sees it, and the pace, under one lock: `wait_done`'s
+    self._done = 0  # Positions handed on or dropped (written by the build thread only).
+    # `_done` as a waiter sees it, and the pace, under one lock: `wait_done`'s
     # `beyond` while it waits (None: nobody waits), woken by one token in
-    # `_woken`. The build thread wakes it only once `done` passed it, so a
+    # `_woken`. The build thread wakes it only once `_done` passed it, so a
     # batch built while nobody waits costs one uncontended lock.
     self._lock = threading.Lock()
     self._waiter: int | None = None
@@ -320,14 +318,18 @@ class Builder:
     # The positions done in the last `decide_ahead_s`, the queue's fill left out (`pace`).
     self._pace = stats_lib.Pace(options.decide_ahead_s, options.prefetch_batches)
 
+  def done(self) -> int:
+    """Positions handed on (queued, or taken) or dropped (read from the agreement's thread)."""
+    return self._done
+
   def wait_done(self, beyond: int, timeout_s: float) -> None:
     """Blocks until more than `beyond` positions are done, `wake()`, or `timeout_s` passes.
 
     It may return early (a wake-up left by a wait that timed out): its
-    caller looks at `done` again.
+    caller looks at `done()` again.
     """
     with self._lock:
-      if self.done > beyond:
+      if self._done > beyond:
         return
       self._waiter = beyond
     try:
@@ -354,7 +356,7 @@ class Builder:
   def _advance(self) -> None:
     """One more position done (in the build thread): counted, and a waiter it passed woken."""
     with self._lock:
-      done = self.done = self.done + 1
+      done = self._done = self._done + 1
       self._pace.done(time.monotonic())
       waiter = self._waiter
       if waiter is None or done <= waiter:

@@ -84,7 +84,7 @@ class Driver(interpreter.World):
   # -- the core's world on a real host (`interpreter.World`) ---------------------
 
   def now(self) -> core.Now:
-    done = self._built.done if self.core.threaded else 0
+    done = self._built.done() if self.core.threaded else 0
     return core.Now(time.monotonic(), done, not self.threaded or self._reader.ready())
 
   def call(self, fn: Any, *args: Any) -> core.Steps:
