@@ -36,21 +36,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)  # Per batch: no frozen-init cost.
 class Item:
-  """One output batch and the source state after it.
+  """One output batch and the source state after it."""
 
-  Attributes:
-    value: The global batch.
-    state: The source state after it.
-    real: This host's real rows in it (0: a dummy batch).
-    rows: This host's rows in it, padding included.
-    dropped: Positions dropped on every host since the previous item.
-  """
-
-  value: Any
-  state: Any
-  real: int = 0
-  rows: int = 0
-  dropped: int = 0
+  value: Any  # The global batch.
+  state: Any  # The source state after it.
+  real: int = 0  # This host's real rows in it (0: a dummy batch).
+  rows: int = 0  # This host's rows in it, padding included.
+  dropped: int = 0  # Positions dropped on every host since the previous item.
 
 
 def split_casts(
@@ -87,6 +79,8 @@ class Layout:
   keys: tuple[Any, ...] | None = None
   # `shape_mask_keys`: (leaf index, mask key) per element mask.
   masks: tuple[tuple[int, str], ...] = ()
+  # The masks' keys, as they follow the leaves: `mask_key`'s row mask, then `masks`.
+  mask_keys: tuple[Any, ...] = ()
 
   @classmethod
   def of(
@@ -134,7 +128,8 @@ class Layout:
         )
     as_read = all(h == d for h, d in zip(host, sig.np_dtypes(), strict=True))
     masks = _element_masks(sig, shapes, mask_key)
-    return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks)
+    mask_keys = (() if mask_key is None else (mask_key,)) + tuple(k for _, k in masks)
+    return cls(host, device, pads, as_read, trees.flat_dict_keys(sig.spec), masks, mask_keys)
 
 
 def _layout(sig: batches_lib.Signature, options: Any) -> Layout:
@@ -217,11 +212,7 @@ def _element_masks(sig: batches_lib.Signature, shapes: Any, mask_key: Any) -> tu
 
 
 def _local_leaves(
-  read: core.Read | None,
-  step: messages.Step,
-  sig: batches_lib.Signature,
-  layout: Layout,
-  shapes: Any,
+  read: core.Read | None, step: messages.Step, layout: Layout, shapes: Any
 ) -> list[np.ndarray]:
   """This host's leaves of one batch, padded (rows and varying dims) and cast."""
   if (
@@ -231,7 +222,7 @@ def _local_leaves(
     and (not step.sizes or all(x.shape[1:] == t for x, t in zip(read.batch.leaves, shapes)))
   ):
     return list(read.batch.leaves)
-  leaves_in = read.batch.leaves if read is not None else [None] * len(sig.names)
+  leaves_in = read.batch.leaves if read is not None else [None] * len(layout.host)
   pads = layout.pads
   return [
     padding.fill_leaf(
@@ -256,11 +247,6 @@ class FirstRun:
 
   Whichever thread asks first takes the first run under a lock (the build thread,
   or `wait` in the consumer's call); the other waits for it. Later runs pass through.
-
-  Attributes:
-    signature: The first run's agreed batch structure; None until it came,
-      or where the runs ended (or raised) before one.
-    rows: This host's rows in the first batch (None: the run only drops).
   """
 
   def __init__(self, runs: Iterable[agreement_common.Run]):
@@ -268,33 +254,31 @@ class FirstRun:
     self._lock = threading.Lock()
     self._taken = False  # The first run, or the runs' ending, was taken: set last.
     self._held: list[Any] = []  # That run or ending, not handed on yet.
+    # The first run's agreed batch structure; None until it came, or where the runs ended
+    # (or raised) before one.
     self.signature: batches_lib.Signature | None = None
-    self.rows: int | None = None
+    self.rows: int | None = None  # This host's rows in the first batch (None: the run only drops).
 
   def wait(self) -> None:
     """Returns once the first run came, or the runs ended before one."""
     with self._lock:
-      self._take_first()
-
-  def _take_first(self) -> None:
-    if self._taken:
-      return
-    try:
-      run = next(self._runs)
-      self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
-      self.signature = run.signature
-      self._held.append(run)
-    except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
-      self._held.append(e)
-    self._taken = True
+      if self._taken:
+        return
+      try:
+        run = next(self._runs)
+        self.rows = next((s.rows for _, s in run.steps if s.action == messages.Action.YIELD), None)
+        self.signature = run.signature
+        self._held.append(run)
+      except BaseException as e:  # noqa: BLE001 - raised by `__next__`, in the build.
+        self._held.append(e)
+      self._taken = True
 
   def __iter__(self) -> FirstRun:
     return self
 
   def __next__(self) -> agreement_common.Run:
     if not self._taken:
-      with self._lock:
-        self._take_first()
+      self.wait()
     if self._held:
       run = self._held.pop()
       if isinstance(run, BaseException):
@@ -307,11 +291,6 @@ class Builder:
   """Turns decided runs into `Item`s (global batches with their state).
 
   `start_state` is the source state before the first read.
-
-  Attributes:
-    transfer_s: Seconds spent building global batches.
-    dropped: Positions dropped since the last item (counted in the next item;
-      read at the end of the stream for drops after the last one).
   """
 
   def __init__(self, options: Any, placement: Any, start_state: Any):
@@ -323,7 +302,9 @@ class Builder:
     self._targets: dict[Any, transfer.Targets] = {}
     # `pad_shapes`: per agreed sizes, each leaf's trailing shape.
     self._shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    self.transfer_s = 0.0
+    self.transfer_s = 0.0  # Seconds spent building global batches.
+    # Positions dropped since the last item (counted in the next item; read at the end of
+    # the stream for drops after the last one).
     self.dropped = 0
     self.first = FirstRun(())  # The stream's runs (`__call__`).
     self._done = 0  # Positions handed on or dropped (written by the build thread only).
@@ -389,6 +370,7 @@ class Builder:
     return self._items(self.first)
 
   def _items(self, runs: Iterator[agreement_common.Run]) -> Iterator[Item]:
+    """One `Item` per position not dropped, in order (the state after each is tracked here)."""
     for run in runs:
       # Each host batch is let go once it is built, not held to the end of
       # its run or while the next run is awaited: a source batch lives only
@@ -396,40 +378,27 @@ class Builder:
       steps, sig = taken(run.steps), run.signature
       del run
       for read, step in steps:
-        item = self.step(read, step, sig)
-        del read
-        if item is not None:
-          yield item  # Resumed once the item is handed on (queued, or taken).
-        del item
+        if read is not None:
+          self._state = read.state
+        real = 0 if read is None else read.batch.rows
+        if step.action == messages.Action.DROP:
+          logger.warning(
+            "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
+            real,
+          )
+          self.dropped += 1
+          del read
+        else:
+          assert sig is not None
+          t0 = time.monotonic()
+          value = self.build(read, step, sig)
+          self.transfer_s += time.monotonic() - t0
+          del read
+          dropped, self.dropped = self.dropped, 0
+          # Resumed once the item is handed on (queued, or taken).
+          yield Item(value, self._state, real, step.rows, dropped)
+          del value
         self._advance()
-
-  def step(
-    self,
-    read: core.Read | None,
-    step: messages.Step,
-    sig: batches_lib.Signature | None,
-  ) -> Item | None:
-    """One decided position: its `Item`, or None where it is dropped.
-
-    Positions must be given in order (the state after each is tracked here),
-    by one thread: the build thread, or the caller without prefetch.
-    """
-    if read is not None:
-      self._state = read.state
-    if step.action == messages.Action.DROP:
-      logger.warning(
-        "grain_jax_sync: drop_last dropped a batch on every host (this host's real rows %d)",
-        0 if read is None else read.batch.rows,
-      )
-      self.dropped += 1
-      return None
-    assert sig is not None
-    t0 = time.monotonic()
-    value = self.build(read, step, sig)
-    self.transfer_s += time.monotonic() - t0
-    real = 0 if read is None else read.batch.rows
-    dropped, self.dropped = self.dropped, 0
-    return Item(value, self._state, real, step.rows, dropped)
 
   def build(self, read: core.Read | None, step: messages.Step, sig: Any) -> Any:
     """One global batch: this host's rows (or a dummy), padded and masked."""
@@ -441,15 +410,12 @@ class Builder:
       shapes = self._shapes.get(step.sizes)
       if shapes is None:
         shapes = self._shapes[step.sizes] = trailing_shapes(sig, step.sizes)
-    local = _local_leaves(read, step, sig, layout, shapes)
-    mask_key = self._options.mask_key
-    mask_keys = [] if mask_key is None else [mask_key]
-    if mask_key is not None:
+    local = _local_leaves(read, step, layout, shapes)
+    if self._options.mask_key is not None:
       local.append(padding.mask(read.batch.rows if read is not None else 0, step.rows))
-    for k, name in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
+    for k, _ in layout.masks:  # `shape_mask_keys`: element masks, after the row mask.
       real = None if read is None else read.batch.leaves[k].shape
       local.append(padding.element_mask(real, step.rows, shapes[k], sig.varying[k]))
-      mask_keys.append(name)
     key = (step.rows, step.sizes) if step.sizes else step.rows
     targets = self._targets.get(key)
     if targets is None:
@@ -457,17 +423,17 @@ class Builder:
       self._targets[key] = targets
     # The one seam where local rows become global arrays (the masks, last, are not cast).
     out = transfer.to_global_leaves(local, self._placement, layout.device, targets=targets)
-    return _tree(layout, sig, out, mask_keys)
+    return _tree(layout, sig, out)
 
 
-def _tree(layout: Layout, sig: batches_lib.Signature, out: list[Any], mask_keys: list[str]) -> Any:
-  """The batch's pytree of `out` (its leaves, then its masks named `mask_keys`)."""
-  n = len(out) - len(mask_keys)
+def _tree(layout: Layout, sig: batches_lib.Signature, out: list[Any]) -> Any:
+  """The batch's pytree of `out` (its leaves, then its masks: `Layout.mask_keys`)."""
+  n = len(out) - len(layout.mask_keys)
   if layout.keys is not None:
     tree = dict(zip(layout.keys, out[:n], strict=True))
   else:
     tree = trees.unflatten(sig.spec, out[:n])
-  for name, m in zip(mask_keys, out[n:], strict=True):  # Masks need dict batches.
+  for name, m in zip(layout.mask_keys, out[n:], strict=True):  # Masks need dict batches.
     tree[name] = m
   return tree
 
@@ -495,35 +461,29 @@ def specs(sig: batches_lib.Signature, rows: int, *, options: Any, placement: Any
   """
   layout = _layout(sig, options)
   landed = [jax.dtypes.canonicalize_dtype(d or h) for d, h in zip(layout.device, layout.host)]
-  mask_keys = [] if options.mask_key is None else [options.mask_key]
-  mask_keys += [name for _, name in layout.masks]
+  dtypes = landed + [np.dtype(np.bool_)] * len(layout.mask_keys)
+  every: list[tuple[int, ...]] = [()]  # Every combination of the varying dims' agreed sizes.
+  if options.pad_shapes is not None:
+    flat = shapes_lib.flat(options.pad_shapes, sig.names, sig.shapes)
+    for name, buckets in zip(flat.names, flat.buckets, strict=True):
+      if not buckets:
+        raise ValueError(
+          f"{name} varies (`pad_shapes`) without `shape_buckets`: its size is each"
+          " batch's largest, not known before the batch. Give its column"
+          " `shape_buckets` to know every shape ahead"
+        )
+    every = list(itertools.product(*flat.buckets))
   out = []
-  for sizes in _bucket_sizes(sig, options.pad_shapes):
+  for sizes in every:
     trailing = trailing_shapes(sig, sizes)
     local = [(rows, *t) for t in trailing]
     if options.mask_key is not None:
       local.append((rows,))
     local += [(rows, *trailing[k][: sig.varying[k][-1] + 1]) for k, _ in layout.masks]
-    dtypes = landed + [np.dtype(np.bool_)] * len(mask_keys)
     shardings, shapes = transfer.global_targets(local, placement)
     leaves = [
       jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       for shape, dtype, sharding in zip(shapes, dtypes, shardings, strict=True)
     ]
-    out.append(_tree(layout, sig, leaves, mask_keys))
+    out.append(_tree(layout, sig, leaves))
   return out
-
-
-def _bucket_sizes(sig: batches_lib.Signature, shapes: Any) -> list[tuple[int, ...]]:
-  """Every combination of agreed sizes the varying dims can take (`shape_buckets`); [()] if none vary."""
-  if shapes is None:
-    return [()]
-  flat = shapes_lib.flat(shapes, sig.names, sig.shapes)
-  for name, buckets in zip(flat.names, flat.buckets, strict=True):
-    if not buckets:
-      raise ValueError(
-        f"{name} varies (`pad_shapes`) without `shape_buckets`: its size is each"
-        " batch's largest, not known before the batch. Give its column"
-        " `shape_buckets` to know every shape ahead"
-      )
-  return list(itertools.product(*flat.buckets))

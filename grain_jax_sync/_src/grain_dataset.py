@@ -1,10 +1,7 @@
 """`device_put`: the drop-in for `grain.experimental.device_put`, with agreement.
 
-Grain's version calls `jax.device_put` on each element, which on several
-hosts neither builds global arrays nor makes hosts agree on the batches. This
-one returns a `grain.IterDataset` (`synced_dataset.py`) whose iterator runs
-`iter_jax_batches` over the per-host batches. Grain is imported when
-`device_put` is first called, never by ``import grain_jax_sync``.
+Grain's calls `jax.device_put` per element: on several hosts, no global arrays
+and no agreement. Grain is imported at the first call, not by ``import grain_jax_sync``.
 """
 
 from __future__ import annotations
@@ -112,10 +109,9 @@ def device_put(
   cpu_buffer_size = options_lib.checked_int("cpu_buffer_size", cpu_buffer_size, minimum=0)
   device_buffer_size = options_lib.checked_int("device_buffer_size", device_buffer_size, minimum=0)
   placement = placement_lib.resolve_device_put(device, mesh, data_axes, sharding)
-  # What Grain's two `ThreadPrefetchIterDataset` stages hold: each its buffer
-  # and, where it has a thread (a size above 0), one element in the thread's
-  # hand while it waits to put it. Ours reads `read_ahead` ahead of the built
-  # batches (the one being built included) and builds the rest ahead.
+  # As Grain's two `ThreadPrefetchIterDataset` stages hold: each its buffer and, with a
+  # thread (a size above 0), one element in its hand. Ours reads `read_ahead` ahead of
+  # the built batches (the one being built included) and builds the rest ahead.
   held = cpu_buffer_size + device_buffer_size + (cpu_buffer_size > 0) + (device_buffer_size > 0)
   read_ahead = cpu_buffer_size + 1 if device_buffer_size > 0 else None
   # Checked now rather than at the first `iter()`; no store, no thread.

@@ -1,19 +1,14 @@
 """A stage in its own thread: a producer drained into a bounded buffer.
 
-Grain's `ThreadPrefetchIterDataset` is the model. The thread runs the
-producer and holds at most `buffer_size` items its consumer has not taken,
-plus the one it is producing. Exceptions and the end travel through the
-buffer and are raised in the consumer with their original traceback.
-
-Each side blocks on one thing and neither polls: the consumer on a
-`queue.SimpleQueue` of items (whose `put` is reentrant, so a signal handler
-that interrupted the consumer may wake it: `wake`), the producer on a
-`queue.SimpleQueue` of free slots, one token each. Both queues are C code:
-a steady ``next()`` is one get and one put, and takes no lock of Python's
-`threading` (whose `Semaphore` and `Condition` run Python bytecode and
-allocate a lock per wait). `close()` wakes both, lets the producer's hook
-cancel a wait of its own (`on_close`), and joins the thread, unless it is
-that thread.
+Grain's `ThreadPrefetchIterDataset` is the model: the thread holds at most
+`buffer_size` items its consumer has not taken, plus the one it is producing;
+the end and exceptions travel through the buffer and are raised in the
+consumer with their original traceback. Neither side polls: each blocks on a
+`queue.SimpleQueue` (C code; its `put` is reentrant, so a signal handler may
+`wake` the consumer), the consumer on items, the producer on free slots, one
+token each, so a steady ``next()`` takes no lock of Python's `threading`.
+`close()` wakes both, lets `on_close` cancel the producer's own wait, and joins
+the thread, unless it is that thread.
 """
 
 from __future__ import annotations
@@ -31,10 +26,9 @@ T = TypeVar("T")
 
 END = object()  # The end of a stream, as a buffer item.
 _WAKE = object()  # Wakes the consumer to stop (`Prefetcher.wake`, `close`).
-# How long `close()` waits for a stage thread to return. A thread is blocked
-# there only inside a source's own `next()` (a store wait is cancelled, a full
-# buffer is woken): a read that outlives this is left to finish in a daemon
-# thread, whatever the host.
+# How long `close()` waits for a stage thread. Only a source's own `next()` blocks it
+# (a store wait is cancelled, a full buffer woken): a read that outlives this is left
+# to finish in a daemon thread, whatever the host.
 JOIN_TIMEOUT_S = 30.0
 
 
@@ -94,13 +88,12 @@ class Prefetcher(Generic[T]):
     # Free slots, one token each: the producer takes one per item, the consumer gives it back.
     self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
     if not self._on_demand:
-      self._free(buffer_size)
+      self.ask(buffer_size)
     self._early = not in_hand  # A slot is taken before producing, not after.
     # Set under `_exit` by `close`, and without a lock by `wake` (a signal handler).
     self._stopped = False
     self._exit = threading.Lock()  # Guards `_busy` (and `OnDemand`'s `_exited`, `_hooks`).
-    # Whether the producer may be inside its own `next()`: always, unless the
-    # stage watches it (`OnDemand`).
+    # Whether the producer may be inside its own `next()`: always, unless `OnDemand` watches it.
     self._busy = not self._on_demand
     self._done = False  # The consumer saw the final item (consumer only).
     self._on_close = on_close
@@ -121,8 +114,8 @@ class Prefetcher(Generic[T]):
     self._slots.put(None)  # Room for the producer.
     return self._unwrap(item)
 
-  def _free(self, n: int) -> None:
-    """Gives the producer `n` more slots (reentrant: no lock)."""
+  def ask(self, n: int = 1) -> None:
+    """Lets the producer make `n` more items: `n` more slots (reentrant: no lock)."""
     put = self._slots.put
     for _ in range(n):
       put(None)
@@ -152,7 +145,7 @@ class Prefetcher(Generic[T]):
       self._done = self._stopped = True
       busy = self._busy  # Else the thread waits for a slot at most: joined at once.
     self._items.put(_WAKE)  # A consumer waiting in another thread.
-    self._free(self._size + 1)  # A producer waiting for room.
+    self.ask(self._size + 1)  # A producer waiting for room.
     if self._on_close is not None:
       self._on_close()
     thread = self.thread
@@ -227,7 +220,7 @@ class OnDemand(Prefetcher[T]):
     super().__init__(self._watched(producer), buffer_size=1, in_hand=False, name=name)
 
   def _watched(self, producer: Iterator[T]) -> Iterator[T]:
-    """`producer`, marking the time spent in its `next()` (`_stop` tells whether it is in one)."""
+    """`producer`, marking the time spent in its `next()` (`close` tells whether it is in one)."""
     while True:
       with self._exit:
         if self._stopped:
@@ -240,10 +233,6 @@ class OnDemand(Prefetcher[T]):
       finally:
         self._busy = False
       yield item
-
-  def ask(self, n: int = 1) -> None:
-    """Lets the producer make `n` more items."""
-    self._free(n)
 
   def take(self, timeout_s: float) -> T | None:
     """The next item, waiting up to `timeout_s` for it; None if none came (or a `nudge`)."""

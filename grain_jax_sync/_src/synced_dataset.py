@@ -34,13 +34,6 @@ def _unbatched(element: Any) -> str | None:
   return None
 
 
-def _normalize_state(state: Any) -> dict[str, Any]:
-  """Our state, or the state Grain's `device_put` iterator saved (its parent's, as our source's)."""
-  if isinstance(state, Mapping) and "version" in state and "source" in state:
-    return dict(state)
-  return _state(0, state)
-
-
 def _plain_first(
   parent: Any,
   before: Callable[[], Any],
@@ -130,15 +123,16 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
 
   def _choose(self) -> None:
-    plain, first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
-    if not plain:
-      self._start_batches(first)
+    """Reads the first element to choose the mode, once."""
+    self._assert_not_closed()
+    if self._jax is not None or self._plain:
       return
-    self._plain = True
-    self._fresh = None  # The parent is read from here on.
-    self._first.append(first[0])  # type: ignore[index]  # A plain parent gave its first element.
-
-  def _start_batches(self, first: tuple[Any, Any] | None) -> None:
+    plain, first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
+    if plain:
+      self._plain = True
+      self._fresh = None  # The parent is read from here on.
+      self._first.append(first[0])  # type: ignore[index]  # A plain parent gave its first element.
+      return
     source = grain_source.open_grain(self._parent, fresh=self._fresh, first=first)
     if source is None:  # Not a Grain iterator: read again from the start.
       if first is not None:
@@ -154,9 +148,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
       batches.request_stop()
 
   def __next__(self) -> Any:
-    self._assert_not_closed()
-    if self._jax is None and not self._plain:
-      self._choose()
+    self._choose()
     if self._jax is not None:
       return next(self._jax)
     if self._stop_asked and not self._first:  # One process; the element read to choose is due.
@@ -168,9 +160,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
 
   def batch_specs(self) -> list[Any]:
     """`JaxBatchIterator.batch_specs`; a ValueError where elements are placed one by one."""
-    self._assert_not_closed()
-    if self._jax is None and not self._plain:
-      self._choose()
+    self._choose()
     if self._jax is None:
       raise ValueError("batch_specs() needs global batches; these elements are placed one by one")
     return self._jax.batch_specs()
@@ -186,7 +176,10 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     return (self._parent if self._fresh is None else self._fresh()).get_state()
 
   def set_state(self, state: Any) -> None:
-    state = _normalize_state(state)
+    if isinstance(state, Mapping) and "version" in state and "source" in state:
+      state = dict(state)
+    else:  # The state Grain's `device_put` iterator saved: its parent's, as our source's.
+      state = _state(0, state)
     self._stop_asked = self._plain_stopped = False  # A stream no request has touched.
     if self._jax is not None:
       self._jax.set_state(state)

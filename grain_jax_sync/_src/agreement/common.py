@@ -160,7 +160,7 @@ class OwnReads:
 
     With a build thread, two horizons: a round's reads are posted, not decided
     yet, while the build thread works through the horizon decided before them.
-    Only decisions are held to the horizon (`allowance`). Inline, one horizon.
+    Only decisions are held to the horizon (`Decider._plan`). Inline, one horizon.
     """
     return min(self._base, 2 * self.limit) if self._threaded else self.limit
 
@@ -169,10 +169,6 @@ class OwnReads:
     (`plan.Rules.wait_for_last`), which is then taken (`room`) and posted (`due`) at once."""
     p, full = self.pending, self.batch_size
     return len(p) >= -at and (full is None or p[at].batch.rows < full)
-
-  def blocks(self) -> bool:
-    """Whether a read would hold the consumer's call (inline) with no short read for it to judge."""
-    return self.inline and not self.short()
 
   def _free(self) -> int:
     """Reads this host may hold undecided now: at least 2 (the next is read while one is
@@ -189,12 +185,6 @@ class OwnReads:
       return False
     self._refill = free <= 0
     return not self._refill
-
-  def allowance(self) -> int:
-    """Positions this host lets be decided now: the horizon less what its build thread holds, at
-    least 1 when it holds none (so a stop lands behind the built batches and one horizon)."""
-    held = self.held() or 0
-    return max(self.limit - held, 1 if held == 0 else 0)
 
   def due(self, unposted: int) -> bool:
     """Whether `unposted` reads are to be posted (on process 0: decided) now.
@@ -234,10 +224,6 @@ class OwnReads:
   def ready(self) -> bool:
     """Whether a read can be taken at once (inline: always)."""
     return self.inline or self.now.ready
-
-  def stalled(self) -> bool:
-    """Whether a read asked of the reading thread is not there yet (one not asked yet is no stall)."""
-    return not self.ready() and self.asked > 0
 
   def read(self, wait_s: float = 0.0) -> core.Steps:
     """This host's reads at hand, one step and one pace for a run; the first waited for up to `wait_s`."""

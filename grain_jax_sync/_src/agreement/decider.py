@@ -33,7 +33,7 @@ class Decider(Streamed):
     # After `Outcome.WAIT`: the processes whose next batch (or end) is awaited,
     # with the positions they had reported then.
     self._wait: dict[int, int] | None = None
-    self._waited = False  # Waited since the peers' chunks were last read (`_news_stale`).
+    self._waited = False  # Waited since the peers' chunks were last read (`_run`: stale news).
 
   def _run(self) -> core.Steps:
     while True:
@@ -47,7 +47,11 @@ class Decider(Streamed):
       if plan is None:
         yield from self._advance()
         continue
-      if plan.end == Outcome.CONTINUE and self._news_stale():
+      # Stale where this host waited since the peers' chunks were read (an ending posted
+      # meanwhile), or read them long ago (a follower without a decision for `sync_timeout_s`
+      # plus a grace raises its timed-out ending a grace later): read again, then decide.
+      stale = self._waited or self.now.t - self._last_poll >= common.FOLLOWER_GRACE_S / 2
+      if plan.end == Outcome.CONTINUE and stale:
         self._wait = None  # Its steps are decided again, not held back by the wait.
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
         continue  # Decide again with what the peers posted meanwhile.
@@ -80,7 +84,10 @@ class Decider(Streamed):
     size = self._ledger.window(self._decided)
     if size == 0 or (self._own.room() and not self._own.due(size) and self._own.ready()):
       return None  # Read on: decided in runs (`common.OwnReads.due`).
-    allowance = self._own.allowance()
+    # The horizon less what the build thread holds, at least 1 when it holds none
+    # (so a stop lands behind the built batches and one horizon).
+    held = self._own.held() or 0
+    allowance = max(self._own.limit - held, 1 if held == 0 else 0)
     if allowance == 0:
       return None  # A horizon's worth is decided: wait for the build thread.
     reports = self._ledger.window_reports(self._decided, size, with_config=self._decided == 0)
@@ -91,19 +98,6 @@ class Decider(Streamed):
       plan = plan_lib.Plan(plan.steps[:allowance], Outcome.CONTINUE)
     self._rules = plan_lib.pin(self._rules, plan)
     return plan
-
-  def _news_stale(self) -> bool:
-    """Whether the peers' chunks were not read since this host last waited, or too long ago.
-
-    While this host waited a peer may have posted an ending, decided at the
-    first position not decided yet. And a follower with no decision for
-    `sync_timeout_s` plus a grace posts a timed-out ending and raises it a
-    grace later: a decision posted long after the last read could come too
-    late, so the chunks are read again first and the ending found.
-    """
-    if self._waited:
-      return True
-    return self.now.t - self._last_poll >= common.FOLLOWER_GRACE_S / 2
 
   def _needed(self) -> list[int]:
     """The processes whose next batch (or end) the next decision waits for."""
@@ -137,16 +131,13 @@ class Decider(Streamed):
     return decision
 
   def _advance(self) -> core.Steps:
-    """Reads this host's next batch, or gathers the peers' chunks, or waits for them.
-
-    This host reads while its read-ahead has room (work the job needs
-    anyway); only then does it look at the store, once, and block on the
-    first peer still awaited. While it waits for its own read, it reads the
-    peers' posts once per liveness period (a stop, an ending).
-    """
+    """Reads this host's next batch while its read-ahead has room (work the job needs anyway);
+    only then looks at the store, once, and blocks on the first peer still awaited. While it
+    waits for its own read, it reads the peers' posts once per liveness period (a stop, an end)."""
     missing = self._needed()
     if self._process in missing:
-      self._waited = self._waited or self._own.stalled()  # A wait for the source.
+      # A wait for the source: a read asked of the reading thread that is not there yet.
+      self._waited = self._waited or (not self._own.ready() and self._own.asked > 0)
       if not (yield from self._read(periods.LIVENESS_PERIOD_S)):
         yield from self._absorb((yield from self._timed(core.ReadChunks())))
       return
@@ -160,7 +151,7 @@ class Decider(Streamed):
       yield from self._read(0.0)  # Read on, and look again half a read-ahead later.
       return
     if not missing:
-      # Decided a horizon ahead (`common.OwnReads.allowance`): as the build
+      # Decided a horizon ahead (`_plan`'s allowance): as the build
       # thread takes a position, one more may be decided.
       yield from self._own.wait_for_build()
       self._waited = True
@@ -263,10 +254,4 @@ def core_for(
   `next()` reads); `settings`: `Streamed`'s other keyword arguments.
   """
   kind = Decider if who.process == 0 else follower.Follower
-  return kind(
-    rules,
-    who,
-    threaded=threaded,
-    inline=not threaded,
-    **settings,
-  )
+  return kind(rules, who, threaded=threaded, inline=not threaded, **settings)

@@ -47,19 +47,20 @@ class Follower(Streamed):
         return
 
   def _next_decision(self) -> core.Steps:
-    """A decision if one is posted; else reads ahead (posting as it goes) or waits.
+    """A decision if one is posted; else reads ahead (posting every half read-ahead) or waits.
 
-    This host reads while its read-ahead has room, posting every half
-    read-ahead; only then does it post what it holds and block in the store
-    for the decision. A read that has not come holds up no decision: while
-    this host waits for one, it looks for a decision once per liveness
-    period (a stop, a peer's close). No timer decides.
+    Only with its read-ahead full does this host post what it holds and block in the
+    store; while a read has not come it looks for a decision once per liveness period.
     """
     yield from self.stop_now()
     if self._own.room():
       # The build thread waits for a decision on what was posted: no read first.
       urgent = self._posted > self._decided and not self._own.waits_on_build()
-      posted = yield from self._read_unless_it_blocks(urgent)
+      # Inline a read holds the consumer's call: where it waits on a posted read, the
+      # decision first (else a millisecond's race), but not after a short read (the next judges it).
+      posted = None
+      if not urgent or not self._own.inline or self._own.short():
+        posted = yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S)
       if posted is None:  # No read came: a slow or stuck source, a stop asked for, or inline.
         if urgent:
           yield from self._flush()
@@ -70,10 +71,9 @@ class Follower(Streamed):
       # Posted, nothing decided left to build: wait in the store for the
       # stream's first decision, and with a build thread for one on a full
       # batch (a short one may wait for the next read: `Rules.wait_for_last`).
-      threaded = self._own.held() is not None
-      if self._seq == 0 or threaded and not self._own.short():
+      if self._seq == 0 or self.threaded and not self._own.short():
         return (yield from self._wait())
-      return None if threaded else (yield from self._timed(core.TryDecision(self._seq)))
+      return None if self.threaded else (yield from self._timed(core.TryDecision(self._seq)))
     if self._posted <= self._decided and self._own.end is None:
       if self._own.waits_on_build():
         # Posts come in runs, not a batch each.
@@ -84,24 +84,12 @@ class Follower(Streamed):
       yield from self._flush()
     return (yield from self._wait())
 
-  def _read_unless_it_blocks(self, urgent: bool) -> core.Steps:
-    """`_read`; None, reading nothing, where the call waits on a posted read (`urgent`) inline.
-
-    Inline a read holds the consumer's call for all of it, and whether process 0's
-    decision came before it was a millisecond's race: the decision first. But after
-    a short read, which the next one judges (`common.OwnReads.blocks`).
-    """
-    if urgent and self._own.blocks():
-      return None
-    return (yield from self._read(0.0 if urgent else periods.LIVENESS_PERIOD_S))
-
   def _wait(self) -> core.Steps:
     if self._idle and (yield core.IsDead(0)):
       yield from self._end_exchange()
       when = f"while process {self._process} waited for its decision on batch {self._yielded}"
       cause = "process 0 hosts the coordination service, so the job must be restarted"
-      error = endings.lost(0, self._yielded, when, cause)
-      raise endings.to_exception(error, self._process, None)
+      raise endings.to_exception(endings.lost(0, self._yielded, when, cause), self._process, None)
     note = (yield core.ClosedNote(0)) if self._idle else None
     if note is not None:
       text = yield from self._timed(core.TryDecision(self._seq))  # Its ending here, if any.

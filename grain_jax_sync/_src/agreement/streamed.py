@@ -7,7 +7,7 @@ no thread, clock or store; `interpreter.carry` carries their actions out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import messages, periods
@@ -33,14 +33,10 @@ class Streamed(common.Agreement):
     who: This process's identity.
     namespace: The stream's keys (named in messages).
     process_count: How many processes take part.
-    lookahead: `synchronize_lookahead`.
     timeout_s: `sync_timeout_s`.
     position: Output batches before the first one (the resume position).
-    read_ahead: At most this many positions held (None: `common.read_ahead_limit`).
-    threaded: Whether a build thread runs (what it has not built counts in the read-ahead).
-    inline: Whether the consumer's own `next()` reads (no reading thread).
-    paced: Whether the horizon is the consumer's measured pace (`core.Pace`).
     job: The iterator's cross-host view (`job_stats.JobTable`); None: none kept.
+    **reads: `common.OwnReads`'s arguments (`lookahead`, `threaded`, `inline`, ...).
   """
 
   def __init__(
@@ -50,30 +46,24 @@ class Streamed(common.Agreement):
     *,
     namespace: str,
     process_count: int,
-    lookahead: int | None,
     timeout_s: float,
     position: int,
-    read_ahead: int | None = None,
-    threaded: bool = False,
-    inline: bool = True,
-    paced: bool = True,
     job: job_stats.JobTable | None = None,
+    **reads: Any,
   ):
     super().__init__(rules, who)
     self._process = who.process
     self._namespace = namespace
     self._process_count = process_count
     self._timeout_s = timeout_s
-    self._own = common.OwnReads(
-      lookahead=lookahead, read_ahead=read_ahead, threaded=threaded, paced=paced, inline=inline
-    )
+    self._own = common.OwnReads(**reads)
     self._own.batch_size = rules.batch_size
     self._decided = 0  # Positions decided.
     self._yielded = position  # Output batches decided (for messages).
     self._seq = 0  # Decisions posted (decider) or consumed (follower).
     self._signature: batches_lib.Signature | None = None
     self._reads_since_look = 0  # Own reads since the peers' posts were last read.
-    self._last_poll = -1.0  # When the peers' posts were last read (`Decider._news_stale`).
+    self._last_poll = -1.0  # When the peers' posts were last read (`Decider._run`: stale news).
     self._idle = False  # The last wait in the store brought nothing: read the beats.
     self._stop_posted = False
     self.reached_end = False  # The final decision ended the stream without an error.
@@ -148,8 +138,7 @@ class Streamed(common.Agreement):
       for peer in waiting:
         if (yield core.IsDead(peer)):
           when = f"before it received the last batch ({yielded} batches)"
-          error = endings.lost(peer, yielded, when)
-          raise endings.to_exception(error, self._process, None)
+          raise endings.to_exception(endings.lost(peer, yielded, when), self._process, None)
       if waiting and reached(self.now.t - since, self._timeout_s):
         error = endings.not_at_end(waiting, yielded, self._timeout_s)
         raise endings.to_exception(error, self._process, None)
@@ -184,30 +173,22 @@ class Streamed(common.Agreement):
     raise NotImplementedError
 
   def stop_now(self) -> core.Steps:
-    """A stop asked for here and not posted yet: posted now (inline, between calls)."""
-    stop = self._stop_due()
-    if stop is not None and not self.ended:
-      yield from self._post_stop(stop)
+    """A stop asked for here and not posted yet: posted now (inline, between calls); reads end."""
+    if self._stop_at is None or self._stop_posted:
+      return
+    self._stop_posted = True
+    self._own.stopped = True
+    if not self.ended:
+      yield from self._post_stop(endings.stopped_error(self._process, self._stop_at))
 
   def _end_exchange(self) -> core.Steps:
     self.ended = True
     yield core.EndExchange()
 
   def _hand_on(self, decision: messages.Decision) -> core.Steps:
-    """Delivers this host's run of `decision`; after the final one, stops or raises the agreed error."""
+    """Delivers this host's reads for `decision` as a run for the builder, the batch size pinned;
+    after the final decision, stops or raises the agreed error."""
     yield core.NotWaiting()  # Decided: no longer a crosswise wait.
-    run = yield from self._apply(decision)
-    yield from self._forget_decided()
-    if decision.end != messages.Outcome.CONTINUE:
-      yield from self._end_exchange()
-    if run is not None:
-      yield core.Deliver(run)
-      run = None  # The build thread's alone: freed once it is built, as the read-ahead counts.
-    if decision.end != messages.Outcome.CONTINUE:
-      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
-
-  def _apply(self, decision: messages.Decision) -> core.Steps:
-    """This host's reads for a decision, as a run for the builder; the batch size pinned."""
     self._rules = plan_lib.pin(self._rules, decision)
     self._own.batch_size = self._rules.batch_size
     if self._signature is None:
@@ -219,18 +200,17 @@ class Streamed(common.Agreement):
     self._decided += len(decision.steps)
     self._yielded += sum(1 for s in decision.steps if s.action == messages.Action.YIELD)
     self._waiting_since = None
-    if not decision.steps:
-      return None
-    steps = tuple(zip(reads, decision.steps, strict=True))
-    return common.Run(steps, self._signature)
-
-  def _stop_due(self) -> messages.ReportedError | None:
-    """A stop asked for here and not posted yet: this host reads nothing more."""
-    if self._stop_at is None or self._stop_posted:
-      return None
-    self._stop_posted = True
-    self._own.stopped = True
-    return endings.stopped_error(self._process, self._stop_at)
+    yield from self._forget_decided()
+    final = decision.end != messages.Outcome.CONTINUE
+    if final:
+      yield from self._end_exchange()
+    if decision.steps:  # The build thread's alone: freed once built, as the read-ahead counts.
+      run = common.Run(tuple(zip(reads, decision.steps, strict=True)), self._signature)
+      yield core.Deliver(run)
+      del run
+    del reads
+    if final:
+      self.reached_end = self._agreed_end(decision.end, decision.error, self._own.end)
 
   def _timed(self, call: core.StoreCall) -> core.Steps:
     """A store read of the peers' posts (its time marks the news as fresh where it read them all)."""
@@ -238,7 +218,7 @@ class Streamed(common.Agreement):
     if type(call) is not core.WaitChunk or self._process_count > 2:
       # With one peer, a wait reads the one chunk waited for, not every post:
       # what follows it (a timed-out ending posted long ago) is read before
-      # deciding once the last read of every post is old (`_news_stale`).
+      # deciding once the last read of every post is old (`Decider._run`).
       self._last_poll = self.now.t
     self._reads_since_look = 0
     return out
