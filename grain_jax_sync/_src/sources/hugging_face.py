@@ -144,18 +144,39 @@ def _array(array: Any) -> np.ndarray:
   return out
 
 
-class _MapStyle(base.SourceIterator):
-  """An `HFSource` over an Arrow table: the state is the epoch and the position in its order."""
+class _Epochs(base.SourceIterator):
+  """`hf_pipeline`'s reader: `_take` up to `count` rows of this epoch (rows or columns), or
+  `_start` an epoch; a short batch is its epoch's last."""
 
   supports_state = True
+  _epoch: int
+  _start: Callable[[int], None]
+  _take: Callable[[int], Any]
 
   def __init__(self, spec: HFSource):
     self._spec = spec
+    self._start(0)
+
+  def __next__(self) -> Any:
+    spec = self._spec
+    while spec.num_epochs is None or self._epoch < spec.num_epochs:
+      rows = self._take(spec.batch_size)
+      count = len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
+      if count == spec.batch_size or (count and not spec.drop_remainder):
+        return _batch_fn(spec)(rows)
+      self._start(self._epoch + 1)
+    raise StopIteration
+
+
+class _MapStyle(_Epochs):
+  """An `HFSource` over an Arrow table: the state is the epoch and the position in its order."""
+
+  def __init__(self, spec: HFSource):
     self._n = spec.dataset.num_rows
     self.description = f"hf_pipeline over {self._n} rows"
-    self._at(0, 0)
+    super().__init__(spec)
 
-  def _at(self, epoch: int, position: int) -> None:
+  def _start(self, epoch: int, position: int = 0) -> None:
     """Moves to `position` in `epoch`'s order."""
     self._epoch, self._pos = epoch, position
     self._order = None
@@ -172,32 +193,19 @@ class _MapStyle(base.SourceIterator):
     self._pos = stop
     return arrow_columns(table)
 
-  def _rows(self) -> list[Any]:
-    """Up to `batch_size` rows through `map_fn` and `filter_fn`, reading no row past the last kept."""
+  def _take(self, count: int) -> Any:
+    """Through `map_fn` and `filter_fn`, reading no row past the last kept."""
     spec, rows = self._spec, list[Any]()
-    while len(rows) < spec.batch_size and self._pos < self._n:
-      cols = self._read(spec.batch_size - len(rows))
+    if self._pos < self._n and spec.map_fn is None and spec.filter_fn is None:
+      return self._read(count)
+    while len(rows) < count and self._pos < self._n:
+      cols = self._read(count - len(rows))
       for i in range(len(next(iter(cols.values())))):
         row = {k: v[i] for k, v in cols.items()}
         row = row if spec.map_fn is None else spec.map_fn(row)
         if spec.filter_fn is None or spec.filter_fn(row):
           rows.append(row)
     return rows
-
-  def __next__(self) -> Any:
-    spec = self._spec
-    while spec.num_epochs is None or self._epoch < spec.num_epochs:
-      if self._pos >= self._n:
-        rows: Any = []
-      elif spec.map_fn is None and spec.filter_fn is None:
-        rows = self._read(spec.batch_size)
-      else:
-        rows = self._rows()
-      count = len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
-      if count == spec.batch_size or (count and not spec.drop_remainder):
-        return _batch_fn(spec)(rows)
-      self._at(self._epoch + 1, 0)  # A short batch is the epoch's last.
-    raise StopIteration
 
   def get_state(self) -> Any:
     return {"epoch": self._epoch, "position": self._pos}
@@ -206,7 +214,7 @@ class _MapStyle(base.SourceIterator):
     epoch, pos = int(state["epoch"]), int(state["position"])
     if not 0 <= pos <= self._n or epoch < 0:
       raise ValueError(f"state {state!r} is outside {self.description}")
-    self._at(epoch, pos)
+    self._start(epoch, pos)
 
 
 class _Rows:
@@ -243,7 +251,7 @@ class _Streaming(base.SourceIterator):
     self._it = None
 
 
-class _Windows(base.SourceIterator):
+class _Windows(_Epochs):
   """`hf_pipeline` over an `IterableDataset`: windows of rows, each in a seeded order.
 
   The state is where the window started (HF's `state_dict()`), its index and
@@ -251,15 +259,13 @@ class _Windows(base.SourceIterator):
   buffer is not in its state: rows would be lost).
   """
 
-  supports_state = True
-
   def __init__(self, spec: HFSource):
-    self._spec, self._ds = spec, spec.dataset()
+    self._ds = spec.dataset()
     self.description = f"hf_pipeline over a streaming data set ({self._ds.n_shards} shards)"
     self._window_rows = spec.window if spec.shuffle else spec.batch_size
-    self._set(epoch=0, window=0, hf=None, offset=0)
+    super().__init__(spec)
 
-  def _set(self, *, epoch: int, window: int, hf: Any, offset: int) -> None:
+  def _start(self, epoch: int, window: int = 0, hf: Any = None, offset: int = 0) -> None:
     self._epoch, self._window, self._hf, self._offset = epoch, window, hf, offset
     self._rows: list[Any] | None = None
     self._windows: Any = None  # HF's iterator, opened at the cursor.
@@ -285,7 +291,6 @@ class _Windows(base.SourceIterator):
     return True
 
   def _take(self, count: int) -> list[Any]:
-    """Up to `count` rows from the cursor, within this epoch."""
     rows: list[Any] = []
     while len(rows) < count and (self._rows is not None or self._load()):
       assert self._rows is not None
@@ -297,15 +302,6 @@ class _Windows(base.SourceIterator):
         self._hf, self._window, self._offset, self._rows = hf, self._window + 1, 0, None
     return rows
 
-  def __next__(self) -> Any:
-    spec = self._spec
-    while spec.num_epochs is None or self._epoch < spec.num_epochs:
-      rows = self._take(spec.batch_size)
-      if len(rows) == spec.batch_size or (rows and not spec.drop_remainder):
-        return _batch_fn(spec)(rows)
-      self._set(epoch=self._epoch + 1, window=0, hf=None, offset=0)
-    raise StopIteration
-
   def get_state(self) -> Any:
     cursor = {"epoch": self._epoch, "window": self._window, "offset": self._offset}
     return self._kept({**cursor, "hf": self._hf})
@@ -316,7 +312,7 @@ class _Windows(base.SourceIterator):
       raise ValueError(
         f"`state` must hold ints >= 0 at 'epoch', 'window', 'offset', got {state!r:.200}"
       )
-    self._set(epoch=epoch, window=window, hf=hf, offset=offset)
+    self._start(epoch, window, hf, offset)
 
 
 def _batch_fn(spec: HFSource) -> Callable[[Any], dict[str, Any]]:
