@@ -7,6 +7,7 @@ import ast
 import importlib
 import importlib.util
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -18,10 +19,9 @@ from typing import Any
 _PROGRESS_POLL_S = 0.1
 
 
-def _show_progress(progress_dir: str, processes: int, total: int, ended: threading.Event) -> None:
-  """Shows the demo hosts' batches, summed, until `ended`: tqdm on stderr, else plain lines."""
-  from grain_jax_sync._src import demo  # pylint: disable=g-import-not-at-top
-
+def _show_progress(progress_file: str, total: int, ended: threading.Event) -> None:
+  """Shows the demo hosts' batches (a byte each in `progress_file`) until `ended`: tqdm on
+  stderr, else plain lines."""
   try:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -31,7 +31,7 @@ def _show_progress(progress_dir: str, processes: int, total: int, ended: threadi
   shown = 0
   while True:
     last = ended.wait(_PROGRESS_POLL_S)  # Once it has ended, one more read shows the end.
-    done = demo.read_progress(progress_dir, processes)
+    done = os.path.getsize(progress_file)
     if done > shown:
       if bar is None:
         print(f"batches (all hosts): {done}/{total}", file=sys.stderr, flush=True)
@@ -51,9 +51,9 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
 
   total = args.processes * demo.expected_batches(args.processes, args.batch_size)
   ended = threading.Event()
-  with tempfile.TemporaryDirectory() as progress_dir:
+  with tempfile.NamedTemporaryFile() as progress_file:
     progress = threading.Thread(
-      target=_show_progress, args=(progress_dir, args.processes, total, ended), daemon=True
+      target=_show_progress, args=(progress_file.name, total, ended), daemon=True
     )
     progress.start()
     try:
@@ -61,7 +61,7 @@ def _run_with_progress(args: argparse.Namespace) -> list[Any]:
         demo.demo_host,
         num_processes=args.processes,
         devices_per_process=args.devices,
-        kwargs={"batch_size": args.batch_size, "progress_dir": progress_dir},
+        kwargs={"batch_size": args.batch_size, "progress_file": progress_file.name},
         timeout_s=args.timeout,
       )
     finally:

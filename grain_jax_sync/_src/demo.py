@@ -7,7 +7,6 @@ iterator pads short batches and gives exhausted hosts masked dummy batches.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -29,27 +28,7 @@ def expected_batches(processes: int, batch_size: int) -> int:
   return max(math.ceil((10 + 7 * p) / batch_size) for p in range(processes))
 
 
-def _report_progress(progress_dir: str, process: int, batches: int) -> None:
-  """Writes this host's batch count where the command-line tool polls it."""
-  path = os.path.join(progress_dir, str(process))
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(str(batches))
-  os.replace(path + ".tmp", path)
-
-
-def read_progress(progress_dir: str, processes: int) -> int:
-  """Batches yielded so far, summed over the hosts (what `_report_progress` wrote)."""
-  done = 0
-  for p in range(processes):
-    try:
-      with open(os.path.join(progress_dir, str(p)), encoding="utf-8") as f:
-        done += int(f.read() or 0)
-    except (FileNotFoundError, ValueError):
-      continue
-  return done
-
-
-def demo_host(batch_size: int, progress_dir: str) -> list[dict[str, Any]]:
+def demo_host(batch_size: int, progress_file: str) -> list[dict[str, Any]]:
   """Runs in every simulated host; returns one line of facts per batch, then
   the resume state, the iterator's `stats()` and its `stats(all_hosts=True)`."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -83,7 +62,8 @@ def demo_host(batch_size: int, progress_dir: str) -> list[dict[str, Any]]:
           "real_ids": sorted(int(x) for x in ids[mask]),
         }
       )
-      _report_progress(progress_dir, p, i + 1)
+      with open(progress_file, "a", encoding="utf-8") as f:  # A byte a batch, for the progress bar.
+        f.write(".")
     rows.append({"state": it.get_state()})
     rows.append({"stats": it.stats()})
     # Every host's counters, as this one sees them, once every host ended:
