@@ -145,8 +145,9 @@ def _array(array: Any) -> np.ndarray:
 
 
 class _Epochs(base.SourceIterator):
-  """`hf_pipeline`'s reader: `_take` up to `count` rows of this epoch (rows or columns), or
-  `_start` an epoch; a short batch is its epoch's last."""
+  """`hf_pipeline`'s reader: batches of `batch_size` rows, epoch after epoch; a short batch is
+  its epoch's last. A subclass reads up to `count` rows of this epoch (`_take`: rows, or
+  columns) and moves to an epoch's start (`_start`)."""
 
   supports_state = True
   _epoch: int
