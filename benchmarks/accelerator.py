@@ -33,6 +33,9 @@ trial starts at the next variant), each trial a fresh iterator whose first
   that ended in the window), kernel CPU, page faults and context switches.
   ``--diagnose`` adds ``inline``, ``iter_p1`` and ``iter_p3`` (``prefetch_batches``),
   ``device_put_whole`` and ``iter_whole`` (every leaf one put, no pieces),
+  ``device_put_si`` and ``grain_device_put_si`` (the interpreter's thread
+  switch interval at 0.5 ms, not 5: whether threads waiting for the GIL, as
+  Grain's worker readers do, hold the input up),
   ``device_put_b0`` (``device_buffer_size=0``)
   and ``device_put`` with a batch less read (``_c3``), built (``_d1``) or
   both (``_c3d1``: what ``device_put(4, 2)`` held before it held Grain's
@@ -440,6 +443,8 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
       )
     # Every leaf as one put (no pieces): what crossing in pieces costs here.
     feeds["device_put_whole"] = functools.partial(_whole, lambda: gjs.device_put(ds, sharding))
+    for name in ("device_put", "grain_device_put"):
+      feeds[f"{name}_si"] = functools.partial(_switching, feeds[name], SWITCH_S)
     feeds["iter_whole"] = functools.partial(
       _whole, lambda: gjs.iter_jax_batches(ds, batch_size=rows, mesh=mesh)
     )
@@ -451,6 +456,19 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
       _device_put, ds, sharding, cpu_buffer_size=3, device_buffer_size=1
     )
   return feeds
+
+
+SWITCH_S = 0.0005  # `_switching`'s interval (the interpreter's default: 0.005).
+
+
+def _switching(make: Callable[[], Iterable[Any]], interval_s: float) -> Iterator[Any]:
+  """`make()`'s batches with `sys.setswitchinterval(interval_s)` while they are read."""
+  before = sys.getswitchinterval()
+  sys.setswitchinterval(interval_s)
+  try:
+    yield from make()
+  finally:
+    sys.setswitchinterval(before)
 
 
 def _whole(make: Callable[[], Iterable[Any]]) -> Iterator[Any]:
