@@ -72,11 +72,6 @@ def _is_last(report: Report, i: int) -> bool:
   return i == len(report.rows) - 1 and not report.more
 
 
-@dataclasses.dataclass(frozen=True)
-class _Wait:
-  processes: tuple[int, ...]
-
-
 class _Position:
   """Every host's batch at position `i` of a window: the size rules, and their errors.
 
@@ -96,8 +91,9 @@ class _Position:
     self.rows = [r.rows[self.i] if h else 0 for r, h in zip(self.reports, self.has, strict=True)]
     self.real = [x for x, h in zip(self.rows, self.has, strict=True) if h]
 
-  def judge(self, rules: Rules) -> Step | ReportedError | _Wait:
-    """The size rules for this position: yield (padded, passed through), drop, wait or error."""
+  def judge(self, rules: Rules) -> Step | ReportedError | tuple[int, ...]:
+    """The size rules for this position: yield (padded, passed through), drop, error, or wait
+    (the processes whose next batch or end it waits for)."""
     i, batch_size, real, rows = self.i, self.batch_size, self.real, tuple(self.rows)
     even = all(self.has) and min(real) == max(real)
     if not (rules.pad or rules.drop_last):
@@ -121,7 +117,7 @@ class _Position:
     # whose short batch is not its last), is not known yet.
     named = early[0][0].process_index if early else -1
     if unknown and matters and rules.wait_for_last and (not refused or unknown[0] < named):
-      return _Wait(unknown)
+      return unknown
     if refused:
       return self._short_error(early[0][0].process_index, early[0][1])
     if short and rules.drop_last and not early:
@@ -308,8 +304,8 @@ class _Walk:
     step = _Position(self, self.batch_size).judge(self.rules)
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)
-    if isinstance(step, _Wait):
-      return dataclasses.replace(self.plan(Outcome.WAIT), waiting=step.processes)
+    if isinstance(step, tuple):
+      return dataclasses.replace(self.plan(Outcome.WAIT), waiting=step)
     if step.action == Action.YIELD and (error := self._divisibility_error(step.rows)):
       return self.plan(Outcome.RAISE, error)
     self.steps.append(step)
