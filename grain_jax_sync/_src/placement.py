@@ -608,24 +608,9 @@ def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> Batch
       raise ValueError("pass `device`, or `mesh`/`sharding`, not both")
     if isinstance(device, jax.sharding.Mesh):
       mesh = device  # Rows over the data axes, replicated over the rest.
-    elif isinstance(device, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+    else:  # A Sharding or a PartitionSpec (`resolve_device_put` checked).
       sharding = device
-    else:
-      raise _usage_error(device)
   return resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
-
-
-def _usage_error(device: Any) -> ValueError:
-  return ValueError(
-    "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
-    " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
-    f" got {type(device).__qualname__}: {device!r:.200}"
-  )
-
-
-def _placed_as_is(element: Any) -> DevicePutPlacement:
-  """As `jax.device_put(x, element)` places x (one process)."""
-  return DevicePutPlacement(resolve_placement(), True, element)
 
 
 def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> DevicePutPlacement:
@@ -639,12 +624,12 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
   if device is None and not multi:
     if mesh is not None or sharding is not None or data_axes is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
-    return _placed_as_is(None)  # As `jax.device_put(element, None)`.
+    return DevicePutPlacement(resolve_placement(), True, None)
   if device is options_lib.UNSET or device is None:
     device = None
   elif not multi and any(x is None for x in _leaves_and_nones(device)):
     # A pytree with the default device for some leaves: placed as it is.
-    return _placed_as_is(device)
+    return DevicePutPlacement(resolve_placement(), True, device)
   if device is None or isinstance(device, _ONE_PLACEMENT):
     one = _resolve_one(device, mesh, data_axes, sharding)
     if isinstance(device, jax.sharding.Mesh):
@@ -656,7 +641,11 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
     return DevicePutPlacement(one, False, element)
   leaves = _leaves_and_nones(device)
   if not leaves or not all(x is None or isinstance(x, _ONE_PLACEMENT) for x in leaves):
-    raise _usage_error(device)
+    raise ValueError(
+      "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
+      " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
+      f" got {type(device).__qualname__}: {device!r:.200}"
+    )
   placements = [_resolve_one(x, mesh, data_axes, sharding) for x in leaves]
   shardings = [p.sharding for p in placements]
   if all(x == shardings[0] for x in shardings):
@@ -668,7 +657,7 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
       " sharding for every leaf (rows split over every process's devices):"
       " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
     )
-  return _placed_as_is(device)
+  return DevicePutPlacement(resolve_placement(), True, device)
 
 
 def _leaves_and_nones(tree: Any) -> list[Any]:
