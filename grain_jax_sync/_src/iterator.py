@@ -219,19 +219,13 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
     did not hide. Takes no lock: safe from any thread or a signal handler.
 
     Returns:
-      A dict: ``batches`` received; this host's ``real_rows`` and
-      ``padded_rows`` in them (padding of short batches and every row of
-      its dummy batches: the rows the mask marks False); ``dummy_batches``
-      (this host had no data of its own); ``dropped_batches`` (dropped on
-      every host by `drop_last`, up to the last batch received, or to the
-      end once iteration ended); and seconds: ``wait_s`` waiting in
-      ``next()``, ``source_s`` in the source's ``next()`` and
-      ``get_state()``, ``exchange_s`` in key-value store calls and waits
-      (or the collective fallback's all-gathers; 0 in one process),
-      ``transfer_s`` building global arrays (padding, mask, host casts,
-      ``make_array_from_process_local_data``). A mixture (`elastic_mixture`)
-      adds ``sources``: per source, the ``rows`` this host consumed, their
-      ``share`` of its rows and the source's ``weight``.
+      A dict of counts: ``batches`` received, this host's ``real_rows`` and
+      ``padded_rows`` (the rows the mask marks False) in them,
+      ``dummy_batches`` and ``dropped_batches`` (`drop_last`); and seconds:
+      ``wait_s`` (in ``next()``), ``source_s``, ``exchange_s`` and
+      ``transfer_s``; each defined in docs/api.md's table. A mixture
+      (`elastic_mixture`) adds ``sources``: per source, the ``rows`` this
+      host consumed, their ``share`` of its rows and the source's ``weight``.
 
       With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
       mapping per process (``process_index``, the keys above and

@@ -140,13 +140,12 @@ class Options:
 
   def rules(self, batch_size: int | None = None) -> plan_lib.Rules:
     """The rules `plan.decide` applies, given the agreed `batch_size` where known (`plan.pin`)."""
-    derived = self.batch_size is None and batch_size is not None
     return plan_lib.Rules(
       batch_size=batch_size if self.batch_size is None else self.batch_size,
       drop_last=self.drop_last,
       pad=self.paddings is not None,
       wait_for_last=True,
-      derived=derived,
+      derived=self.batch_size is None and batch_size is not None,
       shapes=self.pad_shapes,
     )
 
