@@ -194,10 +194,9 @@ class Chunk:
 
   def to_json(self) -> str:
     # The report as a nested object (one parse at the decider, not two).
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
-    obj["R"] = self.report.to_obj()
+    obj = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack, "R": self.report.to_obj()}
     if self.times is not None:
-      obj["t"] = list(self.times)
+      obj["t"] = self.times
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod

@@ -208,9 +208,8 @@ def decide(
   sig = signature_of(reports)
   layout = None
   if rules.shapes is not None and sig is not None:
-    leaves = sig["leaves"]
-    names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-    layout = shapes_lib.flat(rules.shapes, names, dims)
+    signature = batches_lib.Signature.from_json(sig)
+    layout = shapes_lib.flat(rules.shapes, signature.names, signature.shapes)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
