@@ -7,6 +7,7 @@ and into each resume state, which `check_state` checks. Pure Python and NumPy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import numbers
@@ -124,7 +125,7 @@ class Options:
   read_ahead: int | None = None
 
   def digest(self) -> dict[str, Any]:
-    """What every host must agree on (compared in the first exchange)."""
+    """What every host must agree on (compared in the first exchange), JSON-stable."""
     digest = {
       "batch_size": self.batch_size,
       "drop_last": self.drop_last,
@@ -136,7 +137,7 @@ class Options:
       digest["synchronize_lookahead"] = self.synchronize_lookahead
     if self.pad_shapes is not None:  # Only when set: states saved without it still resume.
       digest["pad_shapes"] = self.pad_shapes.describe()
-    return plan_lib.settings_digest(digest)
+    return json.loads(json.dumps(digest, sort_keys=True, default=repr))
 
   def rules(self, batch_size: int | None = None) -> plan_lib.Rules:
     """The rules `plan.decide` applies, given the agreed `batch_size` where known (`plan.pin`)."""

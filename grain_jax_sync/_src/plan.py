@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -341,11 +340,6 @@ def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
   for got in [r.rows[i : i + n] for r in reports if r.rows[i : i + n] != want]:
     n = min(n, next(k for k, x in enumerate(got) if x != batch_size))
   return n
-
-
-def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:
-  """A JSON-stable copy of the settings that every host must share."""
-  return json.loads(json.dumps(settings, sort_keys=True, default=repr))
 
 
 def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, str]:
