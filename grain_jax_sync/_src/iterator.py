@@ -287,7 +287,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
         with contextlib.suppress(StopIteration):
           streams.next()
       else:
-        rows = first.rows or stream.batch_size
+        rows = first.rows or stream.stopper.batch_size
         assert rows is not None  # Pinned by the first decided position.
         self._first = (first.signature, rows)
     if self._first is None:

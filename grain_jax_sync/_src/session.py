@@ -101,6 +101,10 @@ class Start:
 class Stream:
   """One (re)start of the stream: its stages in the diagram's order, its threads and its exchange."""
 
+  stopper: (
+    Agreement  # Either form (a bare one if pre-ended): the batch size it pinned, who stopped.
+  )
+
   def __init__(self, start: Start):
     options = start.options
     ex = exchange_lib.make_exchange(
@@ -113,7 +117,6 @@ class Stream:
     self._exchange = ex
     self._ended = False
     self.agreement: driver.Driver | None = None
-    self.stopper: Agreement | None = None  # Either form: the batch size it pinned, who stopped.
     self._inline: driver.Driver | None = None  # Run in the consumer's call, which holds its turn.
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     read = reader.Reader(
@@ -159,6 +162,7 @@ class Stream:
       return iter(stepper)
     ended = exchange_streams.pre_ended(start.namespace)
     if ended is not None:  # Posted here already (the crosswise wait): raised, no exchange.
+      self.stopper = Agreement(rules, who)
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
     self.agreement = driver.Driver(
@@ -270,16 +274,6 @@ class Stream:
       cancel()
     for stage in self._threads:
       stage.wake()
-
-  @property
-  def batch_size(self) -> int | None:
-    """The agreed full batch size (given, or derived from the first position); None until known."""
-    return None if self.stopper is None else self.stopper.batch_size
-
-  @property
-  def stop_requested_by(self) -> int | None:
-    """The process whose stop ended the stream (the same on every host); None if none did."""
-    return None if self.stopper is None else self.stopper.stop_requested_by
 
   @property
   def left(self) -> bool:
@@ -407,7 +401,7 @@ class Streams:
       d = self.mark.delivered.ended(time.monotonic() - t0, stream.builder.dropped)
       self.mark = self.mark._replace(delivered=d)
       self.exhausted = True
-      self.stopped_by = stream.stop_requested_by
+      self.stopped_by = stream.stopper.stop_requested_by
       if not self.closing:  # Else the close ends it, with its count.
         self.end()
       del stream  # Holds the ending (see `tracebacks.clear_library_frames`).
@@ -422,7 +416,7 @@ class Streams:
     mark = self.mark
     d = mark.delivered.added(item.real, item.rows, item.dropped, time.monotonic() - t0)
     # Pinned by the stream's first decided position, and the same from then on.
-    batch_size = stream.batch_size if mark.batch_size is None else mark.batch_size
+    batch_size = stream.stopper.batch_size if mark.batch_size is None else mark.batch_size
     self.mark = Mark(mark.position + 1, item.state, batch_size, d)
     if mark.position + 1 == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
       signal_at.send()
