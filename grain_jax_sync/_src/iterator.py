@@ -179,7 +179,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
     options: options_lib.Options,
     placement: placement_lib.BatchPlacement,
   ):
-    options_lib.check_divisible(options, placement.local_shards, placement.describe_local())
+    placement.check_divisible(options)
     self._options = options
     self._placement = placement
     # Named at construction, so that a process that never iterates still

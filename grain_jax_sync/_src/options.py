@@ -351,15 +351,3 @@ def checked_int_or_none(
 ) -> int | None:
   """None, or `value` checked by `checked_int`; the message allows `none` too."""
   return None if value is None else checked_int(arg, value, minimum=minimum, also=f" or {none}")
-
-
-def check_divisible(options: Options, shards: int, describe: str) -> None:
-  """With `paddings`, a given `batch_size` must split over this process's data shards.
-
-  A derived one is checked by `plan.pin`.
-  """
-  size = options.batch_size
-  if options.paddings is not None and size is not None and size % shards:
-    raise ValueError(
-      f"`batch_size` must be divisible by {describe} when `paddings` is given, got {size}"
-    )

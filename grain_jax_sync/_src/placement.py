@@ -389,12 +389,19 @@ class BatchPlacement:
   def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
     return local_to_global_shape(local_shape, self.sharding)
 
-  def describe_local(self) -> str:
-    """What local rows must divide among, for messages."""
-    devices = jax.local_device_count()
-    if self.local_shards == devices:
-      return f"the {devices} local devices"
-    return f"the {self.local_shards} data shards that this process's {devices} local devices hold"
+  def check_divisible(self, options: options_lib.Options) -> None:
+    """With `paddings`, a given `batch_size` must split over this process's data shards.
+
+    A derived one is checked by `plan.pin`.
+    """
+    size, shards, devices = options.batch_size, self.local_shards, jax.local_device_count()
+    if options.paddings is not None and size is not None and size % shards:
+      what = f"{devices} local devices"
+      if shards != devices:
+        what = f"{shards} data shards that this process's {what} hold"
+      raise ValueError(
+        f"`batch_size` must be divisible by the {what} when `paddings` is given, got {size}"
+      )
 
   def fingerprint(self) -> dict[str, str]:
     """What every process's sharding must share: mesh, spec and a digest of the device order.
