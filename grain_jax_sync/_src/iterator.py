@@ -61,7 +61,7 @@ class _Resumable:
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._options.digest(),
-      "source": self._export(mark),
+      "source": self.local_state(mark),
     }
     if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
@@ -140,16 +140,13 @@ class _Resumable:
     """
     return self._streams.source.local_iterator(self)
 
-  def local_state(self) -> Any:
-    """The source's JSON state after the last batch received (`local_iterator`)."""
-    return self._export(self._streams.mark)
-
-  def _export(self, mark: session_lib.Mark) -> Any:
-    """The source's JSON state at `mark`; raises if the source cannot report one."""
+  def local_state(self, mark: session_lib.Mark | None = None) -> Any:
+    """The source's JSON state after the last batch received (`local_iterator`), or at `mark`;
+    raises if the source cannot report one."""
     source = self._streams.source
     if not source.supports_state:
       source.get_state()  # Raises with the source's description.
-    return source.export_state(mark.state)
+    return source.export_state((mark or self._streams.mark).state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
