@@ -411,9 +411,8 @@ class BatchPlacement:
     """
     s = self.sharding
     if isinstance(s, jax.sharding.NamedSharding):
-      mesh = s.mesh
-      what = f"mesh {dict(mesh.shape)}, spec {tuple(s.spec)}"
-      order = [d.id for d in mesh.devices.flat]
+      what = f"mesh {dict(s.mesh.shape)}, spec {tuple(s.spec)}"
+      order = [d.id for d in s.mesh.devices.flat]
     else:
       what = type(s).__name__
       by_id = sorted(s.device_set, key=operator.attrgetter("id"))
