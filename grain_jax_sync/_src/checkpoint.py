@@ -103,19 +103,6 @@ def _elastic_args() -> tuple[type, type]:
   return ElasticCheckpointSave, ElasticCheckpointRestore
 
 
-def _item(iterator: Any) -> Any:
-  grain = extras.require("grain", needed_by="grain_jax_sync checkpointing (Orbax)", extra="orbax")
-
-  if isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator)):
-    return iterator
-  if not all(callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")):
-    raise ValueError(
-      "`iterator` must have get_state() and set_state() (a JaxBatchIterator or"
-      f" a Grain iterator), got {type(iterator).__qualname__}"
-    )
-  return _GrainStateAdapter(iterator)
-
-
 def _grain_args() -> tuple[type, type]:
   ckpt = extras.require(
     "grain.checkpoint", needed_by="grain_jax_sync checkpointing (Orbax)", extra="orbax"
@@ -188,5 +175,12 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
 def _args(iterator: Any, which: int) -> Any:
   """Save (`which` 0) or restore (1) arguments; a `JaxBatchIterator`'s, with the elastic handler."""
   plain = _grain_args()[which]
-  item = _item(iterator)
-  return _elastic_args()[which](item) if isinstance(item, _GrainStateAdapter) else plain(item)
+  grain = extras.require("grain", needed_by="grain_jax_sync checkpointing (Orbax)", extra="orbax")
+  if isinstance(iterator, (grain.DatasetIterator, grain.DataLoaderIterator)):
+    return plain(iterator)
+  if not all(callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")):
+    raise ValueError(
+      "`iterator` must have get_state() and set_state() (a JaxBatchIterator or"
+      f" a Grain iterator), got {type(iterator).__qualname__}"
+    )
+  return _elastic_args()[which](_GrainStateAdapter(iterator))

@@ -1,8 +1,7 @@
 """`jax_sync_generator`: a drop-in for Ray Data's ``ray.data.util.jax_util.jax_sync_generator``.
 
-Of the version with `batch_size`, `paddings` and `dtypes`. Where the reference
-works, this one yields the same batches and raises errors that start with the
-same phrases; docs/sources.md lists every difference and its reason.
+Of the version with `batch_size`, `paddings` and `dtypes`; docs/sources.md lists
+every difference and its reason.
 """
 
 from __future__ import annotations
@@ -59,9 +58,6 @@ def jax_sync_generator(
     batch_size: Not passed (the reference's 256), or None: the largest host
       batch of the first batch, agreed across hosts; batches of equal size
       keep it.
-    synchronize_batches: Off by default, as in the reference.
-    prefetch_batches: 0 by default, as in the reference: the caller's
-      thread reads and converts.
 
   Yields:
     Batches of global `jax.Array` values with the input's structure.

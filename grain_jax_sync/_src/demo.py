@@ -48,8 +48,7 @@ def demo_host(batch_size: int, progress_file: str) -> list[dict[str, Any]]:
     for i, batch in enumerate(it):
       mask = np.asarray(multihost_utils.process_allgather(batch["mask"], tiled=True))
       ids = np.asarray(multihost_utils.process_allgather(batch["id"], tiled=True))
-      local = [np.asarray(s.data) for s in batch["mask"].addressable_shards]
-      local_real = int(sum(s.sum() for s in local))
+      local_real = int(sum(np.asarray(s.data).sum() for s in batch["mask"].addressable_shards))
       rows.append(
         {
           "batch": i,

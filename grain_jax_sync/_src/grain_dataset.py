@@ -123,7 +123,7 @@ def device_put(
     read_ahead=read_ahead,
   )
   batches = placement.batches
-  options_lib.check_divisible(checked, batches.local_shards, batches.describe_local())
+  batches.check_divisible(checked)
   if cpu_buffer_size > 0 and device_buffer_size == 0:
     # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)

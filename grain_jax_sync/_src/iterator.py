@@ -61,7 +61,7 @@ class _Resumable:
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "settings": self._options.digest(),
-      "source": self._export(mark),
+      "source": self.local_state(mark),
     }
     if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
@@ -140,16 +140,13 @@ class _Resumable:
     """
     return self._streams.source.local_iterator(self)
 
-  def local_state(self) -> Any:
-    """The source's JSON state after the last batch received (`local_iterator`)."""
-    return self._export(self._streams.mark)
-
-  def _export(self, mark: session_lib.Mark) -> Any:
-    """The source's JSON state at `mark`; raises if the source cannot report one."""
+  def local_state(self, mark: session_lib.Mark | None = None) -> Any:
+    """The source's JSON state after the last batch received (`local_iterator`), or at `mark`;
+    raises if the source cannot report one."""
     source = self._streams.source
     if not source.supports_state:
       source.get_state()  # Raises with the source's description.
-    return source.export_state(mark.state)
+    return source.export_state((mark or self._streams.mark).state)
 
   def restore_local(self, source_state: Any) -> None:
     """Restarts from a `local_state()` (`local_iterator.set_state`).
@@ -179,7 +176,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
     options: options_lib.Options,
     placement: placement_lib.BatchPlacement,
   ):
-    options_lib.check_divisible(options, placement.local_shards, placement.describe_local())
+    placement.check_divisible(options)
     self._options = options
     self._placement = placement
     # Named at construction, so that a process that never iterates still
@@ -219,19 +216,13 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
     did not hide. Takes no lock: safe from any thread or a signal handler.
 
     Returns:
-      A dict: ``batches`` received; this host's ``real_rows`` and
-      ``padded_rows`` in them (padding of short batches and every row of
-      its dummy batches: the rows the mask marks False); ``dummy_batches``
-      (this host had no data of its own); ``dropped_batches`` (dropped on
-      every host by `drop_last`, up to the last batch received, or to the
-      end once iteration ended); and seconds: ``wait_s`` waiting in
-      ``next()``, ``source_s`` in the source's ``next()`` and
-      ``get_state()``, ``exchange_s`` in key-value store calls and waits
-      (or the collective fallback's all-gathers; 0 in one process),
-      ``transfer_s`` building global arrays (padding, mask, host casts,
-      ``make_array_from_process_local_data``). A mixture (`elastic_mixture`)
-      adds ``sources``: per source, the ``rows`` this host consumed, their
-      ``share`` of its rows and the source's ``weight``.
+      A dict of counts: ``batches`` received, this host's ``real_rows`` and
+      ``padded_rows`` (the rows the mask marks False) in them,
+      ``dummy_batches`` and ``dropped_batches`` (`drop_last`); and seconds:
+      ``wait_s`` (in ``next()``), ``source_s``, ``exchange_s`` and
+      ``transfer_s``; each defined in docs/api.md's table. A mixture
+      (`elastic_mixture`) adds ``sources``: per source, the ``rows`` this
+      host consumed, their ``share`` of its rows and the source's ``weight``.
 
       With ``all_hosts=True``: ``{"hosts": [...], "slowest": p}``, one
       mapping per process (``process_index``, the keys above and
@@ -293,7 +284,7 @@ class JaxBatchIterator(_Resumable, Iterator[Any]):
         with contextlib.suppress(StopIteration):
           streams.next()
       else:
-        rows = first.rows or stream.batch_size
+        rows = first.rows or stream.stopper.batch_size
         assert rows is not None  # Pinned by the first decided position.
         self._first = (first.signature, rows)
     if self._first is None:

@@ -95,22 +95,20 @@ class JobTable:
     """This host's stream ended (its stages closed): posts its times, for the peers' `view`."""
     with self._lock:
       running, self._running = self._running, False
-      post = post and running and self._n > 1 and self._base is not None
-    if post:
-      assert self._base is not None
+      post = post and running and self._n > 1
+    if post and self._base is not None:
       text = json.dumps([self._streams, *encode_times(self._probe())])
       key_value.post_times(self._base, text)
 
   def _read_ends(self) -> None:
     """Once this host's stream ended: the times each peer posted at its end, if not all in yet."""
     with self._lock:
-      due = not self._running and self._n > 1 and self._base is not None
+      due = not self._running and self._n > 1
       due = due and any(
         self._ends.get(p, -1) < self._streams for p in range(self._n) if p != self._me
       )
-    if not due:
+    if not due or self._base is None:
       return
-    assert self._base is not None
     posted = []
     for p, text in key_value.read_times(self._base):
       try:

@@ -64,9 +64,8 @@ class ReportedError:
 
   @classmethod
   def from_json(cls, obj: Sequence[Any]) -> ReportedError:
-    kind, message, pi, bi, tn, *rest = obj
-    missing = tuple(rest[0]) if rest else ()
-    return cls(ErrorKind(kind), message, pi, bi, tn, missing)
+    kind, message, pi, bi, tn, missing = obj
+    return cls(ErrorKind(kind), message, pi, bi, tn, tuple(missing))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,20 +101,15 @@ class Report:
 
   def to_obj(self) -> dict[str, Any]:
     """The report as a JSON-ready object (only the fields that differ from their defaults)."""
-    obj: dict[str, Any] = {
-      "p": self.process_index,
-      "r": list(self.rows),
-      "x": self.exhausted,
-      "d": self.local_devices,
-    }
+    obj = {"p": self.process_index, "r": self.rows, "x": self.exhausted, "d": self.local_devices}
     optional = {
       "e": None if self.error is None else self.error.to_json(),
       "s": self.signature,
       "c": self.config,
       "m": self.more or None,
       "b": self.resume,
-      "h": list(self.digests) or None,
-      "z": [list(z) for z in self.sizes] or None,
+      "h": self.digests or None,
+      "z": self.sizes or None,
     }
     obj.update((k, v) for k, v in optional.items() if v is not None)
     return obj
@@ -200,10 +194,9 @@ class Chunk:
 
   def to_json(self) -> str:
     # The report as a nested object (one parse at the decider, not two).
-    obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack}
-    obj["R"] = self.report.to_obj()
+    obj = {"v": PROTOCOL_VERSION, "s": self.start, "a": self.ack, "R": self.report.to_obj()}
     if self.times is not None:
-      obj["t"] = list(self.times)
+      obj["t"] = self.times
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod
@@ -305,7 +298,7 @@ class Decision:
     if self.batch_size is not None:
       obj["b"] = self.batch_size
     if self.table is not None:
-      obj["t"] = [list(row) for row in self.table]
+      obj["t"] = self.table
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod

@@ -7,6 +7,7 @@ and into each resume state, which `check_state` checks. Pure Python and NumPy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import numbers
@@ -124,7 +125,7 @@ class Options:
   read_ahead: int | None = None
 
   def digest(self) -> dict[str, Any]:
-    """What every host must agree on (compared in the first exchange)."""
+    """What every host must agree on (compared in the first exchange), JSON-stable."""
     digest = {
       "batch_size": self.batch_size,
       "drop_last": self.drop_last,
@@ -136,17 +137,16 @@ class Options:
       digest["synchronize_lookahead"] = self.synchronize_lookahead
     if self.pad_shapes is not None:  # Only when set: states saved without it still resume.
       digest["pad_shapes"] = self.pad_shapes.describe()
-    return plan_lib.settings_digest(digest)
+    return json.loads(json.dumps(digest, sort_keys=True, default=repr))
 
   def rules(self, batch_size: int | None = None) -> plan_lib.Rules:
     """The rules `plan.decide` applies, given the agreed `batch_size` where known (`plan.pin`)."""
-    derived = self.batch_size is None and batch_size is not None
     return plan_lib.Rules(
       batch_size=batch_size if self.batch_size is None else self.batch_size,
       drop_last=self.drop_last,
       pad=self.paddings is not None,
       wait_for_last=True,
-      derived=derived,
+      derived=self.batch_size is None and batch_size is not None,
       shapes=self.pad_shapes,
     )
 
@@ -351,15 +351,3 @@ def checked_int_or_none(
 ) -> int | None:
   """None, or `value` checked by `checked_int`; the message allows `none` too."""
   return None if value is None else checked_int(arg, value, minimum=minimum, also=f" or {none}")
-
-
-def check_divisible(options: Options, shards: int, describe: str) -> None:
-  """With `paddings`, a given `batch_size` must split over this process's data shards.
-
-  A derived one is checked by `plan.pin`.
-  """
-  size = options.batch_size
-  if options.paddings is not None and size is not None and size % shards:
-    raise ValueError(
-      f"`batch_size` must be divisible by {describe} when `paddings` is given, got {size}"
-    )

@@ -15,7 +15,6 @@ import numpy as np
 
 from grain_jax_sync._src import batches as batches_lib
 from grain_jax_sync._src import shapes as shapes_lib
-from grain_jax_sync._src import trees
 
 
 def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list[Any]:
@@ -26,13 +25,6 @@ def per_leaf(value: Any, signature: batches_lib.Signature, *, what: str) -> list
     return [None] * len(names)
   if not isinstance(value, Mapping):
     return [value] * len(names)
-  if names == (trees.ROOT_NAME,):
-    if len(value) != 1:
-      raise ValueError(
-        f"`{what}` for a single-array batch must be a scalar or a dict with"
-        f" one entry, got {dict(value)!r}"
-      )
-    return [next(iter(value.values()))]
   keys = {str(k): v for k, v in value.items()}
   return [None if c is None else keys[c] for c in shapes_lib.columns_of(what, names, keys)]
 

@@ -389,12 +389,19 @@ class BatchPlacement:
   def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
     return local_to_global_shape(local_shape, self.sharding)
 
-  def describe_local(self) -> str:
-    """What local rows must divide among, for messages."""
-    devices = jax.local_device_count()
-    if self.local_shards == devices:
-      return f"the {devices} local devices"
-    return f"the {self.local_shards} data shards that this process's {devices} local devices hold"
+  def check_divisible(self, options: options_lib.Options) -> None:
+    """With `paddings`, a given `batch_size` must split over this process's data shards.
+
+    A derived one is checked by `plan.pin`.
+    """
+    size, shards, devices = options.batch_size, self.local_shards, jax.local_device_count()
+    if options.paddings is not None and size is not None and size % shards:
+      what = f"{devices} local devices"
+      if shards != devices:
+        what = f"{shards} data shards that this process's {what} hold"
+      raise ValueError(
+        f"`batch_size` must be divisible by the {what} when `paddings` is given, got {size}"
+      )
 
   def fingerprint(self) -> dict[str, str]:
     """What every process's sharding must share: mesh, spec and a digest of the device order.
@@ -404,9 +411,8 @@ class BatchPlacement:
     """
     s = self.sharding
     if isinstance(s, jax.sharding.NamedSharding):
-      mesh = s.mesh
-      what = f"mesh {dict(mesh.shape)}, spec {tuple(s.spec)}"
-      order = [d.id for d in mesh.devices.flat]
+      what = f"mesh {dict(s.mesh.shape)}, spec {tuple(s.spec)}"
+      order = [d.id for d in s.mesh.devices.flat]
     else:
       what = type(s).__name__
       by_id = sorted(s.device_set, key=operator.attrgetter("id"))
@@ -608,24 +614,9 @@ def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> Batch
       raise ValueError("pass `device`, or `mesh`/`sharding`, not both")
     if isinstance(device, jax.sharding.Mesh):
       mesh = device  # Rows over the data axes, replicated over the rest.
-    elif isinstance(device, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+    else:  # A Sharding or a PartitionSpec (`resolve_device_put` checked).
       sharding = device
-    else:
-      raise _usage_error(device)
   return resolve_placement(mesh=mesh, data_axes=data_axes, sharding=sharding)
-
-
-def _usage_error(device: Any) -> ValueError:
-  return ValueError(
-    "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
-    " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
-    f" got {type(device).__qualname__}: {device!r:.200}"
-  )
-
-
-def _placed_as_is(element: Any) -> DevicePutPlacement:
-  """As `jax.device_put(x, element)` places x (one process)."""
-  return DevicePutPlacement(resolve_placement(), True, element)
 
 
 def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> DevicePutPlacement:
@@ -639,12 +630,12 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
   if device is None and not multi:
     if mesh is not None or sharding is not None or data_axes is not None:
       raise ValueError("pass `device`, or `mesh`/`sharding`/`data_axes`, not both")
-    return _placed_as_is(None)  # As `jax.device_put(element, None)`.
+    return DevicePutPlacement(resolve_placement(), True, None)
   if device is options_lib.UNSET or device is None:
     device = None
   elif not multi and any(x is None for x in _leaves_and_nones(device)):
     # A pytree with the default device for some leaves: placed as it is.
-    return _placed_as_is(device)
+    return DevicePutPlacement(resolve_placement(), True, device)
   if device is None or isinstance(device, _ONE_PLACEMENT):
     one = _resolve_one(device, mesh, data_axes, sharding)
     if isinstance(device, jax.sharding.Mesh):
@@ -656,7 +647,11 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
     return DevicePutPlacement(one, False, element)
   leaves = _leaves_and_nones(device)
   if not leaves or not all(x is None or isinstance(x, _ONE_PLACEMENT) for x in leaves):
-    raise _usage_error(device)
+    raise ValueError(
+      "`device` must be a jax.sharding.Sharding, a jax.sharding.Mesh, a"
+      " PartitionSpec, a jax.Device, a pytree of shardings or devices, or None,"
+      f" got {type(device).__qualname__}: {device!r:.200}"
+    )
   placements = [_resolve_one(x, mesh, data_axes, sharding) for x in leaves]
   shardings = [p.sharding for p in placements]
   if all(x == shardings[0] for x in shardings):
@@ -668,7 +663,7 @@ def resolve_device_put(device: Any, mesh: Any, data_axes: Any, sharding: Any) ->
       " sharding for every leaf (rows split over every process's devices):"
       " pass one jax.sharding.Sharding or a jax.sharding.Mesh"
     )
-  return _placed_as_is(device)
+  return DevicePutPlacement(resolve_placement(), True, device)
 
 
 def _leaves_and_nones(tree: Any) -> list[Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,11 +71,6 @@ def _is_last(report: Report, i: int) -> bool:
   return i == len(report.rows) - 1 and not report.more
 
 
-@dataclasses.dataclass(frozen=True)
-class _Wait:
-  processes: tuple[int, ...]
-
-
 class _Position:
   """Every host's batch at position `i` of a window: the size rules, and their errors.
 
@@ -96,8 +90,9 @@ class _Position:
     self.rows = [r.rows[self.i] if h else 0 for r, h in zip(self.reports, self.has, strict=True)]
     self.real = [x for x, h in zip(self.rows, self.has, strict=True) if h]
 
-  def judge(self, rules: Rules) -> Step | ReportedError | _Wait:
-    """The size rules for this position: yield (padded, passed through), drop, wait or error."""
+  def judge(self, rules: Rules) -> Step | ReportedError | tuple[int, ...]:
+    """The size rules for this position: yield (padded, passed through), drop, error, or wait
+    (the processes whose next batch or end it waits for)."""
     i, batch_size, real, rows = self.i, self.batch_size, self.real, tuple(self.rows)
     even = all(self.has) and min(real) == max(real)
     if not (rules.pad or rules.drop_last):
@@ -121,7 +116,7 @@ class _Position:
     # whose short batch is not its last), is not known yet.
     named = early[0][0].process_index if early else -1
     if unknown and matters and rules.wait_for_last and (not refused or unknown[0] < named):
-      return _Wait(unknown)
+      return unknown
     if refused:
       return self._short_error(early[0][0].process_index, early[0][1])
     if short and rules.drop_last and not early:
@@ -212,9 +207,8 @@ def decide(
   sig = signature_of(reports)
   layout = None
   if rules.shapes is not None and sig is not None:
-    leaves = sig["leaves"]
-    names, dims = tuple(n for n, _, _ in leaves), tuple(tuple(x) for _, _, x in leaves)
-    layout = shapes_lib.flat(rules.shapes, names, dims)
+    signature = batches_lib.Signature.from_json(sig)
+    layout = shapes_lib.flat(rules.shapes, signature.names, signature.shapes)
   steps: list[Step] = []
   index = position
   for i, step in enumerate(plan.steps):
@@ -308,8 +302,8 @@ class _Walk:
     step = _Position(self, self.batch_size).judge(self.rules)
     if isinstance(step, ReportedError):
       return self.plan(Outcome.RAISE, step)
-    if isinstance(step, _Wait):
-      return dataclasses.replace(self.plan(Outcome.WAIT), waiting=step.processes)
+    if isinstance(step, tuple):
+      return dataclasses.replace(self.plan(Outcome.WAIT), waiting=step)
     if step.action == Action.YIELD and (error := self._divisibility_error(step.rows)):
       return self.plan(Outcome.RAISE, error)
     self.steps.append(step)
@@ -346,11 +340,6 @@ def _full_run(reports: Sequence[Report], i: int, batch_size: int) -> int:
   for got in [r.rows[i : i + n] for r in reports if r.rows[i : i + n] != want]:
     n = min(n, next(k for k, x in enumerate(got) if x != batch_size))
   return n
-
-
-def settings_digest(settings: Mapping[str, Any]) -> dict[str, Any]:
-  """A JSON-stable copy of the settings that every host must share."""
-  return json.loads(json.dumps(settings, sort_keys=True, default=repr))
 
 
 def settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, str]:

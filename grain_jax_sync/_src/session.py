@@ -101,6 +101,10 @@ class Start:
 class Stream:
   """One (re)start of the stream: its stages in the diagram's order, its threads and its exchange."""
 
+  stopper: (
+    Agreement  # Either form (a bare one if pre-ended): the batch size it pinned, who stopped.
+  )
+
   def __init__(self, start: Start):
     options = start.options
     ex = exchange_lib.make_exchange(
@@ -108,13 +112,11 @@ class Stream:
     )
     if isinstance(ex, key_value.KeyValueExchange):
       liveness.Beat.ensure(ex.client, ex.process_index)  # Peers tell dead from slow by it.
-    self.position = start.mark.position
     self.reached_end = False  # This host's consumer reached the agreed end (not an error).
     self._failed = False  # The stream ended with an error here: no peer waits at its end.
     self._exchange = ex
     self._ended = False
     self.agreement: driver.Driver | None = None
-    self.stopper: Agreement | None = None  # Either form: the batch size it pinned, who stopped.
     self._inline: driver.Driver | None = None  # Run in the consumer's call, which holds its turn.
     self._threads: list[prefetch_lib.Prefetcher[Any]] = []
     read = reader.Reader(
@@ -126,7 +128,7 @@ class Stream:
       shapes=options.pad_shapes,  # `pad_shapes`: the dims whose sizes vary.
       narrowing=functools.partial(build_lib.narrowing, dtypes=options.dtypes),
     )
-    self._builder = build_lib.Builder(options, start.placement, start.mark.state)
+    self.builder = build_lib.Builder(options, start.placement, start.mark.state)
     runs = self._agree(start, read)
     self._read = read  # Counts its own time (`times`).
     self._items = self._build(start, runs)
@@ -152,7 +154,7 @@ class Stream:
       # Lockstep: one process, or each alone; the collective fallback in the caller's thread.
       window = (options.synchronize_lookahead or LOCKSTEP_WINDOW) if ex.process_count > 1 else 1
       self.stopper = lockstep.Lockstep(
-        rules, who, process_count=ex.process_count, window=window, position=self.position
+        rules, who, process_count=ex.process_count, window=window, position=start.mark.position
       )
       stepper = driver.Stepper(self.stopper, read, ex, start.asks)
       if ex.process_count == 1 and options.prefetch_batches > 0 and options.read_ahead is not None:
@@ -160,6 +162,7 @@ class Stream:
       return iter(stepper)
     ended = exchange_streams.pre_ended(start.namespace)
     if ended is not None:  # Posted here already (the crosswise wait): raised, no exchange.
+      self.stopper = Agreement(rules, who)
       return _raising(RuntimeError(ended))
     threaded = options.prefetch_batches > 0
     self.agreement = driver.Driver(
@@ -179,7 +182,7 @@ class Stream:
       # A reading thread: a stuck read holds up no decision, stop or close.
       self._thread(prefetch_lib.OnDemand(read, name=READ_THREAD)) if threaded else read,
       ex,
-      self._builder,
+      self.builder,
       asks=start.asks,
     )
     self.stopper = self.agreement.core
@@ -200,8 +203,8 @@ class Stream:
       or isinstance(self._exchange, collective.CollectiveExchange)
       or exchange_streams.pre_ended(start.namespace) is not None
     ):
-      return self._builder(runs)
-    return self._prefetched(self._builder(runs), start.options.prefetch_batches, BUILD_THREAD)
+      return self.builder(runs)
+    return self._prefetched(self.builder(runs), start.options.prefetch_batches, BUILD_THREAD)
 
   def _prefetched(self, producer: Iterator[Any], buffer_size: int, name: str) -> Iterator[Any]:
     """`producer` in a stage thread that takes a slot before it produces an item (so the
@@ -246,7 +249,7 @@ class Stream:
 
   def first_run(self) -> build_lib.FirstRun:
     """The first decided run, waited for without building a batch (its signature None: ended)."""
-    first = self._builder.first
+    first = self.builder.first
     with self._turn():
       first.wait()
     if self._inline is not None:
@@ -255,7 +258,7 @@ class Stream:
 
   def times(self) -> stats_lib.Times:
     """The stages' time so far (each written by its own thread only)."""
-    return stats_lib.Times(self._read.source_s, self._exchange.busy_s, self._builder.transfer_s)
+    return stats_lib.Times(self._read.source_s, self._exchange.busy_s, self.builder.transfer_s)
 
   def heard(self, close: bool) -> None:
     """Something was put in the inbox (any thread, a signal handler): a wake (`driver.Driver.heard`)."""
@@ -264,10 +267,6 @@ class Stream:
     if self.agreement is not None:  # Lockstep takes it at its next window.
       self.agreement.heard(close)
 
-  def trailing_drops(self) -> int:
-    """Positions dropped after the last item; exact once the stream ended."""
-    return self._builder.dropped
-
   def wake(self) -> None:
     """Wakes every wait of the stages, taking no lock (a signal handler may hold one)."""
     cancel = getattr(self._exchange, "cancel", None)
@@ -275,16 +274,6 @@ class Stream:
       cancel()
     for stage in self._threads:
       stage.wake()
-
-  @property
-  def batch_size(self) -> int | None:
-    """The agreed full batch size (given, or derived from the first position); None until known."""
-    return None if self.stopper is None else self.stopper.batch_size
-
-  @property
-  def stop_requested_by(self) -> int | None:
-    """The process whose stop ended the stream (the same on every host); None if none did."""
-    return None if self.stopper is None else self.stopper.stop_requested_by
 
   @property
   def left(self) -> bool:
@@ -302,7 +291,7 @@ class Stream:
       if self._ended:
         return
       self._ended = True
-      self._builder.wake()  # The agreement thread may wait for the build thread's room.
+      self.builder.wake()  # The agreement thread may wait for the build thread's room.
       self.wake()  # Every wait at once, before any join.
     with self._turn():
       for stage in self._threads:
@@ -409,10 +398,10 @@ class Streams:
     try:
       item = next(stream)
     except BaseException as e:
-      d = self.mark.delivered.ended(time.monotonic() - t0, stream.trailing_drops())
+      d = self.mark.delivered.ended(time.monotonic() - t0, stream.builder.dropped)
       self.mark = self.mark._replace(delivered=d)
       self.exhausted = True
-      self.stopped_by = stream.stop_requested_by
+      self.stopped_by = stream.stopper.stop_requested_by
       if not self.closing:  # Else the close ends it, with its count.
         self.end()
       del stream  # Holds the ending (see `tracebacks.clear_library_frames`).
@@ -427,7 +416,7 @@ class Streams:
     mark = self.mark
     d = mark.delivered.added(item.real, item.rows, item.dropped, time.monotonic() - t0)
     # Pinned by the stream's first decided position, and the same from then on.
-    batch_size = stream.batch_size if mark.batch_size is None else mark.batch_size
+    batch_size = stream.stopper.batch_size if mark.batch_size is None else mark.batch_size
     self.mark = Mark(mark.position + 1, item.state, batch_size, d)
     if mark.position + 1 == signal_at.AFTER_BATCH:  # -1 unless under `testing`'s signal_at.
       signal_at.send()

@@ -149,8 +149,21 @@ def column_of(name: str, columns: Collection[str]) -> str | None:
   return None
 
 
-def columns_of(what: str, names: Sequence[str], columns: Collection[str]) -> list[str | None]:
-  """Per leaf name, its column (`column_of`); a ValueError naming `what` for a column with no leaf."""
+def columns_of(
+  what: str, names: Sequence[str], columns: Mapping[str, Any], kinds: str = "a scalar"
+) -> list[str | None]:
+  """Per leaf name, its column (`column_of`; a bare array's: the one entry, whatever its key).
+
+  A ValueError naming `what` for a column with no leaf, or for several entries
+  for a bare array (`kinds`: what `what` may be instead of a dict).
+  """
+  if tuple(names) == (ROOT_NAME,):
+    if len(columns) != 1:
+      raise ValueError(
+        f"`{what}` for a single-array batch must be {kinds} or a dict with one"
+        f" entry, got {dict(columns)!r}"
+      )
+    return list(columns)
   found = [column_of(name, columns) for name in names]
   unknown = sorted(set(columns) - set(found))
   if unknown:
@@ -168,15 +181,7 @@ def leaf_dims(
   """Per leaf, the trailing indices (dim - 1) that vary, () for a fixed leaf; a ValueError where
   `pad_shapes` names a column or dim that the leaves (`ranks` dims each, rows included) lack."""
   given = dict(shapes.dims)
-  if names != (ROOT_NAME,):
-    found = columns_of("pad_shapes", names, given)
-  elif len(given) == 1:
-    found = list(given)
-  else:
-    raise ValueError(
-      f"`pad_shapes` for a single-array batch must be an int, a tuple or a dict"
-      f" with one entry, got {given!r}"
-    )
+  found = columns_of("pad_shapes", names, given, "an int, a tuple")
   out: list[tuple[int, ...]] = []
   for name, rank, column in zip(names, ranks, found, strict=True):
     dims = () if column is None else given[column]

@@ -192,15 +192,6 @@ def _namedtuple_type(path: str, fields: tuple[str, ...]) -> type:
   return collections.namedtuple(path.partition(":")[2].rpartition(".")[2], fields)  # type: ignore[misc]
 
 
-def _node_treedef(spec: Mapping[str, Any]) -> Any:
-  """The one-level `PyTreeDef` of a registered node's spec: this process's own, or rebuilt."""
-  own = _OWN.get(_node_key(spec))
-  if own is not None:
-    return own
-  data = json.dumps(spec["x"]) if "x" in spec else None
-  return _rebuilt(spec["o"], spec["a"], data, len(spec["c"]))
-
-
 @functools.lru_cache(maxsize=64)
 def _rebuilt(path: str, shown: str, data: str | None, children: int) -> Any:
   """A registered node's one-level treedef from its imported type and aux data, or a ValueError
@@ -254,8 +245,12 @@ def _build(s: TreeSpec, it: Iterator[Any]) -> Any:
     return next(it)
   if s == NONE:
     return None
-  if "o" in s:
-    return _node_treedef(s).unflatten([_build(sub, it) for _, sub in s["c"]])
+  if "o" in s:  # A registered node: its one-level treedef, this process's own or rebuilt.
+    treedef = _OWN.get(_node_key(s))
+    if treedef is None:
+      data = json.dumps(s["x"]) if "x" in s else None
+      treedef = _rebuilt(s["o"], s["a"], data, len(s["c"]))
+    return treedef.unflatten([_build(sub, it) for _, sub in s["c"]])
   if "d" in s:
     return {k: _build(sub, it) for k, sub in s["d"]}
   if "l" in s:
