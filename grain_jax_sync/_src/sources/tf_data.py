@@ -59,20 +59,15 @@ def _problem(spec: Any) -> str | None:
   return None
 
 
-def unsupported_columns(element_spec: Any) -> list[tuple[str, Any, str]]:
-  """(column name, path as `_walk` gives it, what it is) for every non-dense leaf."""
-  leaves: list[tuple[str, Any, Any]] = []
-  _walk(element_spec, "", leaves, ())
-  return [(name, path, why) for name, path, spec in leaves if (why := _problem(spec)) is not None]
-
-
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
   """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
   A ValueError names every bad column (`drop` False), or those in tuple positions.
   """
   spec = dataset.element_spec
-  bad = unsupported_columns(spec)
+  leaves: list[tuple[str, Any, Any]] = []
+  _walk(spec, "", leaves, ())
+  bad = [(name, path, why) for name, path, leaf in leaves if (why := _problem(leaf)) is not None]
   if not bad:
     return dataset
   if not drop:
@@ -151,7 +146,13 @@ class TfDataSource(base.SourceIterator):
       )
     reads = self._reads
     if reads % self._every:
-      return tf_state.Snapshot(reads, error=self._not_here(reads), between=True)
+      why = (
+        f"{self.description} takes a snapshot every {self._every} batches"
+        f" (`state_every={self._every}`), and the last batch received was batch"
+        f" {reads} read from it; call get_state() after a multiple of"
+        f" {self._every} batches, or use a smaller `state_every`"
+      )
+      return tf_state.Snapshot(reads, error=why, between=True)
     if self._broken is not None:
       return tf_state.Snapshot(reads, error=self._broken)
     start = time.perf_counter()
@@ -164,14 +165,6 @@ class TfDataSource(base.SourceIterator):
       return tf_state.Snapshot(reads, error=tf_state.cannot_checkpoint(e, self.description))
     self._warn_if_slow(time.perf_counter() - start)
     return tf_state.Snapshot(reads, variant)
-
-  def _not_here(self, reads: int) -> str:
-    return (
-      f"{self.description} takes a snapshot every {self._every} batches"
-      f" (`state_every={self._every}`), and the last batch received was batch"
-      f" {reads} read from it; call get_state() after a multiple of"
-      f" {self._every} batches, or use a smaller `state_every`"
-    )
 
   def _warn_if_slow(self, seconds: float) -> None:
     if seconds < _SLOW_SNAPSHOT_S:
@@ -191,7 +184,7 @@ class TfDataSource(base.SourceIterator):
     )
 
   def export_state(self, state: Any) -> Any:
-    limit = None if base.to_files() else tf_state.JSON_STATE_LIMIT_BYTES
+    limit = None if base.TO_FILES.get() else tf_state.JSON_STATE_LIMIT_BYTES
     if not isinstance(state, dict):  # A dict: already exported (restored by set_state).
       if self._exported is None or self._exported[0] is not state:  # Else encoded already.
         self._exported = (state, tf_state.export(self._at_end(state), limit=None))
