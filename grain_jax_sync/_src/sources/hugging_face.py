@@ -335,10 +335,6 @@ def open_hf(source: Any) -> base.SourceIterator | None:
   return None
 
 
-def _is_map_style(ds: Any) -> bool:
-  return hasattr(ds, "__getitem__") and hasattr(ds, "__len__")
-
-
 def _numpy(ds: Any) -> Any:
   """`ds` in NumPy format, unless the user chose a format."""
   fmt = getattr(ds, "format", None) or {}
@@ -422,6 +418,7 @@ def hf_pipeline(
   placement_args = (process_index, process_count, mesh, data_axes, sharding)
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
+  map_style = hasattr(ds, "__getitem__") and hasattr(ds, "__len__")  # Else streaming.
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
   window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
   shuffle = options_lib.checked_bool("shuffle", shuffle)
@@ -429,7 +426,7 @@ def hf_pipeline(
   drop_remainder = options_lib.checked_bool("drop_remainder", drop_remainder)
   spec = dataclasses.replace(spec, drop_remainder=drop_remainder, window=window)
   if elastic:  # The whole data set as an `elastic_source`.
-    if not _is_map_style(ds):
+    if not map_style:
       raise ValueError(
         "`elastic=True` needs a map-style datasets.Dataset (streaming=False): a streaming"
         " data set resumes on the same process count only"
@@ -439,7 +436,7 @@ def hf_pipeline(
   index, count = tfds_lib.input_shard(
     *placement_args[:2], mesh=mesh, data_axes=data_axes, sharding=sharding
   )
-  if not _is_map_style(ds):
+  if not map_style:
     stream = functools.partial(_stream, ds, index, count, map_fn, filter_fn)
     return dataclasses.replace(spec, dataset=stream, map_fn=None, filter_fn=None)
   start, stop = tfds_lib.shard_range(len(ds), index, count)

@@ -163,25 +163,21 @@ class TfDataSource(base.SourceIterator):
       return tf_state.Snapshot(reads, error=self._broken)
     except Exception as e:  # noqa: BLE001 - raised when the user asks.
       return tf_state.Snapshot(reads, error=tf_state.cannot_checkpoint(e, self.description))
-    self._warn_if_slow(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if seconds >= _SLOW_SNAPSHOT_S:
+      self._slow += 1
+      if self._slow == _SLOW_SNAPSHOTS_BEFORE_WARNING:
+        logger.warning(
+          "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
+          " batches for exact resume; each slot of a shuffle buffer costs about"
+          " 10-20 us, used or not). Pass `from_tf_data(ds, state_every=N)` to"
+          " take one every N batches, or `state_every=None` if you never call"
+          " get_state()",
+          self.description,
+          seconds * 1e3,
+          self._every,
+        )
     return tf_state.Snapshot(reads, variant)
-
-  def _warn_if_slow(self, seconds: float) -> None:
-    if seconds < _SLOW_SNAPSHOT_S:
-      return
-    self._slow += 1
-    if self._slow != _SLOW_SNAPSHOTS_BEFORE_WARNING:
-      return
-    logger.warning(
-      "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
-      " batches for exact resume; each slot of a shuffle buffer costs about"
-      " 10-20 us, used or not). Pass `from_tf_data(ds, state_every=N)` to"
-      " take one every N batches, or `state_every=None` if you never call"
-      " get_state()",
-      self.description,
-      seconds * 1e3,
-      self._every,
-    )
 
   def export_state(self, state: Any) -> Any:
     limit = None if base.TO_FILES.get() else tf_state.JSON_STATE_LIMIT_BYTES
