@@ -104,11 +104,6 @@ def _to_json_bytes(state: Any) -> bytes:
   return json.dumps(state, indent=4).encode("utf-8")
 
 
-_NOT_ITERABLE = (
-  "`local_iterator` is for checkpointing (get_state/set_state); iterate the JaxBatchIterator itself"
-)
-
-
 class LocalIterator:
   """The source's iterator seen through `owner`, a `JaxBatchIterator`: a checkpoint face for
   Grain's handler (a `grain.DatasetIterator` by `grain_class`).
@@ -125,7 +120,10 @@ class LocalIterator:
     return self
 
   def __next__(self) -> Any:
-    raise TypeError(_NOT_ITERABLE)
+    raise TypeError(
+      "`local_iterator` is for checkpointing (get_state/set_state); iterate the"
+      " JaxBatchIterator itself"
+    )
 
   def start_prefetch(self) -> None:
     """Nothing to start: the stream starts on the next batch."""
