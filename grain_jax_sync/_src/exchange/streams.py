@@ -75,7 +75,9 @@ def pre_end(namespace: str, message: str) -> None:
 
 
 def pre_ended(namespace: str | None) -> str | None:
-  """The ending this process posted to `namespace` before starting it, if any (None: none)."""
+  """The ending this process posted to `namespace` before starting it, if any."""
+  if namespace is None:
+    return None
   with REGISTRY.lock:
     return REGISTRY.pre_ended.get(namespace)
 

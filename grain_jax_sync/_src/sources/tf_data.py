@@ -110,12 +110,11 @@ class TfDataSource(base.SourceIterator):
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
     tf = extras.require("tensorflow", needed_by="a tf.data source")
 
-    options_lib.checked_int_or_none("state_every", state_every)
+    self._every = options_lib.checked_int_or_none("state_every", state_every)
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
     self._map = tf.nest.map_structure
     self._errors = tf.errors
-    self._every = None if state_every is None else int(state_every)
     self._exported: tuple[Any, dict[str, Any]] | None = None  # Last export.
     self._policy = tf_state.external_state_policy(self._dataset)
     self._reads = 0
