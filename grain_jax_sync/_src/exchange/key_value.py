@@ -114,8 +114,6 @@ class KeyValueExchange:
     if self._cancel.is_set():
       raise Cancelled()
 
-  # -- chunks (process > 0 writes, process 0 reads) ----------------------------
-
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
     """Posts this process's next chunk; its sequence number. A `final` one (an ending) even after `cancel()`."""
     if not final:
@@ -163,8 +161,6 @@ class KeyValueExchange:
     self._next[process] = seq + 1
     return [(process, value)]
 
-  # -- decisions (process 0 writes, every other process reads) -----------------
-
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
       self.check()
@@ -193,8 +189,6 @@ class KeyValueExchange:
     self.check()  # Each wait: `Cancelled` once closed.
     get, ms = self.client.blocking_key_value_get, max(1, int(wait_s * 1000))
     return self._call(doing, get, key, ms, absent=_not_posted)
-
-  # -- the agreed end -----------------------------------------------------------
 
   def _end_key(self, what: str) -> str:
     """A key of this stream's end, under the iterator's prefix: it outlives `end()`."""
