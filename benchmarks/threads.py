@@ -3,11 +3,12 @@
 Run from the repository root (Linux: it reads ``/proc/self/task``):
 
   python -m benchmarks.threads                 # 2 x 4, 0.8 MB, 20 ms step, 300 batches, 3 trials
-  python -m benchmarks.threads --trials 5 --variants bare,ours,ours_p0
+  python -m benchmarks.threads --trials 5 --variants bare,ours,ours_p0,ours_d4
 
 Per trial and host: the process CPU per batch of each variant over the bare
 loop (paired within the trial, as `host.cpu_per_batch_hosts` pairs them),
-then each thread's CPU per batch (``schedstat``, in ns) between batch
+then each thread's CPU per batch in us and, in brackets, the times it was
+run per batch (woken, mostly; both from ``schedstat``) between batch
 `host.SKIP` and `n - host.SKIP`: the library's threads by name, the
 consumer's as ``main``, the others (XLA's, gRPC's) by their kernel name. A
 thread that exits inside the window (the agreement and reading threads end
@@ -27,12 +28,14 @@ import numpy as np
 
 from benchmarks import host
 
-_EXITED: dict[int, tuple[int, str]] = {}  # Native id: (CPU ns at exit, name).
+_EXITED: dict[int, tuple[int, int, str]] = {}  # Native id: (CPU ns, times run, at exit; name).
 
 
-def _cpu_ns(tid: int | str) -> int:
+def _cpu_ns(tid: int | str) -> tuple[int, int]:
+  """A thread's CPU ns and the times it was run (woken or scheduled in: ``schedstat``)."""
   with open(f"/proc/self/task/{tid}/schedstat") as f:
-    return int(f.read().split()[0])
+    ns, _, slices = f.read().split()
+  return int(ns), int(slices)
 
 
 def _recorded(run: Any) -> Any:
@@ -40,13 +43,13 @@ def _recorded(run: Any) -> Any:
     try:
       run(self)
     finally:
-      _EXITED[threading.get_native_id()] = (_cpu_ns(threading.get_native_id()), self.name)
+      _EXITED[threading.get_native_id()] = (*_cpu_ns(threading.get_native_id()), self.name)
 
   return wrapper
 
 
-def _snapshot() -> dict[int, tuple[int, str]]:
-  """Every thread's (CPU ns, name) now, the exited ones' as they left."""
+def _snapshot() -> dict[int, tuple[int, int, str]]:
+  """Every thread's (CPU ns, times run, name) now, the exited ones' as they left."""
   names = {t.native_id: t.name for t in threading.enumerate()}
   names[os.getpid()] = "main"
   out = dict(_EXITED)
@@ -54,47 +57,77 @@ def _snapshot() -> dict[int, tuple[int, str]]:
     try:
       with open(f"/proc/self/task/{tid}/comm") as f:
         comm = f.read().strip().rstrip("0123456789-_")
-      out[int(tid)] = (_cpu_ns(tid), names.get(int(tid), f"other: {comm}"))
+      out[int(tid)] = (*_cpu_ns(tid), names.get(int(tid), f"other: {comm}"))
     except OSError:  # Gone meanwhile.
       continue
   return out
 
 
-def _trial(make: Any, step_s: float, n: int) -> tuple[float, dict[str, float]]:
-  """(process CPU us per batch, {thread: CPU us per batch}) between `SKIP` and `n - SKIP`."""
+class _Counted:
+  """The store's client, counting this process's calls (process 0 also serves every peer's)."""
+
+  def __init__(self, client: Any):
+    self._client, self.calls = client, 0
+
+  def __getattr__(self, name: str) -> Any:
+    attr = getattr(self._client, name)
+    if not callable(attr):
+      return attr
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+      self.calls += 1
+      return attr(*args, **kwargs)
+
+    return call
+
+
+def _trial(make: Any, step_s: float, n: int, counted: _Counted) -> tuple[float, Any, float]:
+  """(process CPU us, {thread: (CPU us, times run)}, store calls) per batch, batch `SKIP` to `n - SKIP`."""
   import jax
 
   a, b = host.SKIP, n - host.SKIP
   before = after = {}
-  cpu0 = cpu1 = 0.0
+  cpu0 = cpu1 = calls0 = calls1 = 0.0
   for k, batch in enumerate(make(), 1):
     jax.block_until_ready(batch)
     del batch
     time.sleep(step_s)
     if k in (a, b):
-      snap, cpu = _snapshot(), time.process_time()
-      before, cpu0 = (snap, cpu) if k == a else (before, cpu0)
-      after, cpu1 = (snap, cpu) if k == b else (after, cpu1)
-  per: dict[str, float] = collections.Counter()
-  for tid, (ns, name) in after.items():
-    per[name] += (ns - before.get(tid, (0, name))[0]) / (b - a) / 1e3
-  return (cpu1 - cpu0) / (b - a) * 1e6, dict(per)
+      snap, cpu, calls = _snapshot(), time.process_time(), counted.calls
+      before, cpu0, calls0 = (snap, cpu, calls) if k == a else (before, cpu0, calls0)
+      after, cpu1, calls1 = (snap, cpu, calls) if k == b else (after, cpu1, calls1)
+  per: dict[str, tuple[float, float]] = collections.defaultdict(lambda: (0.0, 0.0))
+  for tid, (ns, runs, name) in after.items():
+    ns0, runs0, _ = before.get(tid, (0, 0, name))
+    us, times = per[name]
+    per[name] = (us + (ns - ns0) / (b - a) / 1e3, times + (runs - runs0) / (b - a))
+  return (cpu1 - cpu0) / (b - a) * 1e6, dict(per), (calls1 - calls0) / (b - a)
 
 
 def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") -> list[Any]:
-  """Each trial's {variant: (process CPU us, per-thread us)} on this host."""
+  """Each trial's {variant: (process CPU us, per-thread (us, times run), store calls)} here."""
+  import jax
+  from jax._src import distributed
+
+  import grain_jax_sync as gjs
+
   threading.Thread.run = _recorded(threading.Thread.run)  # type: ignore[method-assign]
+  jax.devices()  # The backend first: it takes the client as it is.
+  counted = distributed.global_state.client = _Counted(distributed.global_state.client)
   rows, width = 256, int(0.8e6) // 256
   rng = np.random.default_rng(0)
   distinct = [{"x": rng.integers(0, 255, (rows, width), dtype=np.uint8)} for _ in range(4)]
-  makers = host._cpu_variants([distinct[i % 4] for i in range(n)], rows)  # noqa: SLF001
+  data = [distinct[i % 4] for i in range(n)]
+  makers = host._cpu_variants(data, rows)  # noqa: SLF001
+  # Rounds of the agreement 4 times further apart, as far as the read-ahead's bytes allow.
+  makers["ours_d4"] = lambda: gjs.iter_jax_batches(data, batch_size=rows, decide_ahead_s=4.0)
   keys = variants.split(",")
   for k in keys:  # Warm-up.
-    _trial(makers[k], 0.0, n)
+    _trial(makers[k], 0.0, n, counted)
   out = []
   for t in range(trials):
     order = keys[t % len(keys) :] + keys[: t % len(keys)]
-    out.append({k: _trial(makers[k], 0.02, n) for k in order})
+    out.append({k: _trial(makers[k], 0.02, n, counted) for k in order})
   return out
 
 
@@ -114,11 +147,14 @@ def main() -> None:
   for p, trials in enumerate(res):
     for t, trial in enumerate(trials):
       bare = trial["bare"][0]
-      extra = "  ".join(f"{k} {c - bare:+.0f}" for k, (c, _) in trial.items() if k != "bare")
+      extra = "  ".join(f"{k} {c - bare:+.0f}" for k, (c, *_) in trial.items() if k != "bare")
       print(f"process {p} trial {t}: bare {bare:.0f} us; over it: {extra}")
-      for k, (_, threads) in trial.items():
-        top = sorted(threads.items(), key=lambda kv: -kv[1])
-        print(f"  {k:8s}", "  ".join(f"{name}={us:.0f}" for name, us in top if us >= 1))
+      for k, (_, threads, calls) in trial.items():
+        print(f"  {k:8s} store calls made {calls:.3f} a batch")
+        top = sorted(threads.items(), key=lambda kv: -kv[1][0])
+        print(
+          f"  {k:8s}", "  ".join(f"{name}={us:.0f} ({r:.2f})" for name, (us, r) in top if us >= 1)
+        )
 
 
 if __name__ == "__main__":
