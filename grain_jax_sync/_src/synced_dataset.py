@@ -1,10 +1,10 @@
 """The Grain dataset and iterator that `device_put` returns.
 
 They subclass Grain's `IterDataset` and `DatasetIterator`, made on first use
-(`sources.grain.grain_class`) so that ``import grain_jax_sync`` never loads Grain. The iterator
-reads the first element to choose its mode: global batches through a
-`JaxBatchIterator`, or, on one process, elements placed one by one as
-`jax.device_put` places them.
+(`sources.grain.grain_class`) so that ``import grain_jax_sync`` never loads
+Grain. The iterator reads the first element to choose its mode: global
+batches through a `JaxBatchIterator`, or, on one process, elements placed one
+by one as `jax.device_put` places them.
 """
 
 from __future__ import annotations
