@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -28,8 +29,8 @@ def _show_progress(progress_file: str, total: int, ended: threading.Event) -> No
     bar = tqdm(total=total, desc="batches (all hosts)", unit="batch", leave=True)
   except ImportError:
     bar = None
-  shown = 0
-  while True:
+  shown, last = 0, False
+  while not last:
     last = ended.wait(_PROGRESS_POLL_S)  # Once it has ended, one more read shows the end.
     done = os.path.getsize(progress_file)
     if done > shown:
@@ -38,8 +39,6 @@ def _show_progress(progress_file: str, total: int, ended: threading.Event) -> No
       else:
         bar.update(done - shown)
       shown = done
-    if last:
-      break
   if bar is not None:
     bar.close()
 
@@ -173,14 +172,6 @@ def _doctor(args: argparse.Namespace) -> int:
   return 0
 
 
-def _parse_value(text: str) -> Any:
-  """A ``name=value`` argument's value: a Python literal, else the string."""
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
 def _signal_at(text: str) -> Any:
   """``--signal PROCESS:SIGNAL:BATCH`` (e.g. ``1:SIGTERM:5``) as a `testing.SignalAt`."""
   import signal  # pylint: disable=g-import-not-at-top
@@ -232,7 +223,9 @@ def _simulate(args: argparse.Namespace) -> int:
       if not sep:
         print(f"simulate: a function takes name=value arguments, got {arg!r}", file=sys.stderr)
         return 2
-      kwargs[name.lstrip("-").replace("-", "_")] = _parse_value(value)
+      with contextlib.suppress(ValueError, SyntaxError):
+        value = ast.literal_eval(value)  # A Python literal, else the string.
+      kwargs[name.lstrip("-").replace("-", "_")] = value
     fn = sim_worker.resolve_function(args.target)
     outcomes = testing.run_processes(fn, kwargs=kwargs, **run)
     for o in outcomes:

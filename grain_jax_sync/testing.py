@@ -118,12 +118,6 @@ def _signal_env(signal_at: SignalAt | Sequence[SignalAt], num_processes: int) ->
   return out
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   qualname = fn.__qualname__
   if "<locals>" in qualname or "<lambda>" in qualname:
@@ -139,30 +133,6 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, str]:
   for _ in range(module.count(".")):
     root = os.path.dirname(root)
   return {"module": module, "root": root, "file": path, "qualname": qualname}
-
-
-def _check_run(
-  num_processes: int,
-  devices_per_process: int,
-  per_process_kwargs: Sequence[Mapping[str, Any]] | None,
-) -> None:
-  """Raises ValueError for a bad count or kwargs list; RuntimeError for a run while loading."""
-  if num_processes < 1:
-    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
-  if devices_per_process < 1:
-    raise ValueError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
-  if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
-    raise ValueError(
-      f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
-    )
-  loading = os.environ.get(sim_worker.LOADING_ENV)
-  if loading is not None:
-    raise RuntimeError(
-      f"run_processes() was called while a simulated process imported {loading!r}"
-      " to find the function to run: that file starts its run when imported, so"
-      " every process would start it again. Put the file's top-level code under"
-      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
-    )
 
 
 def run_processes(
@@ -214,13 +184,31 @@ def run_processes(
     RuntimeError: When called while a simulated process imports the file of
       a scenario (a script with no ``if __name__ == "__main__":`` guard).
   """
-  _check_run(num_processes, devices_per_process, per_process_kwargs)
+  if num_processes < 1:
+    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}")
+  if devices_per_process < 1:
+    raise ValueError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
+  if per_process_kwargs is not None and len(per_process_kwargs) != num_processes:
+    raise ValueError(
+      f"`per_process_kwargs` needs {num_processes} entries, got {len(per_process_kwargs)}"
+    )
+  loading = os.environ.get(sim_worker.LOADING_ENV)
+  if loading is not None:
+    raise RuntimeError(
+      f"run_processes() was called while a simulated process imported {loading!r}"
+      " to find the function to run: that file starts its run when imported, so"
+      " every process would start it again. Put the file's top-level code under"
+      ' `if __name__ == "__main__":`, as multiprocessing\'s spawn requires.'
+    )
   signal_env = _signal_env(signal_at, num_processes)
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))  # A free port for the coordinator.
+    port = s.getsockname()[1]
   job = {
     "fn": _function_spec(fn),
     "args": tuple(args),
     "num_processes": num_processes,
-    "coordinator": f"127.0.0.1:{_free_port()}",
+    "coordinator": f"127.0.0.1:{port}",
     "heartbeat_timeout_s": heartbeat_timeout_s,
     "exit_barrier_timeout_s": exit_barrier_timeout_s,
   }

@@ -6,7 +6,6 @@ and no agreement. Grain is imported at the first call, not by ``import grain_jax
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Unpack
 
 import jax
@@ -14,6 +13,7 @@ import jax
 from grain_jax_sync._src import extras, sources, synced_dataset
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src.sources import grain as grain_source
 
 if TYPE_CHECKING:
   import grain
@@ -100,7 +100,7 @@ def device_put(
   if isinstance(ds, grain.MapDataset):
     ds = ds.to_iter_dataset()
   if type(ds).__module__.startswith(("datasets", "grain_jax_sync._src.sources.hugging_face")):
-    ds = _source_dataset(grain)(ds)  # A Hugging Face data set or `hf_pipeline`'s source.
+    ds = grain_source.grain_class(SourceDataset, "IterDataset")(ds)  # Or `hf_pipeline`'s.
   if not isinstance(ds, grain.IterDataset):
     raise ValueError(
       "`ds` must be a grain.IterDataset or grain.MapDataset, or a Hugging Face source,"
@@ -127,34 +127,33 @@ def device_put(
   if cpu_buffer_size > 0 and device_buffer_size == 0:
     # Built in the consumer's thread: the host read-ahead is Grain's thread.
     ds = prefetch.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer_size)
-  synced, _ = synced_dataset.classes()
+  synced = grain_source.grain_class(synced_dataset.SyncedIterDataset, "IterDataset")
   return synced(ds, checked, placement)
 
 
-@functools.cache
-def _source_dataset(grain: Any) -> type:
-  """A `grain.IterDataset` over another source kind, read and resumed through its `SourceIterator`."""
+class SourceDatasetIterator:
+  """A source of another kind, read and resumed through its `SourceIterator` (`grain_class`)."""
 
-  class SourceIterator(grain.DatasetIterator):
-    def __init__(self, source: Any):
-      super().__init__()
-      self._source = sources.open_source(source)
+  def __init__(self, source: Any):
+    super().__init__()
+    self._source = sources.open_source(source)
 
-    def __next__(self) -> Any:
-      return next(self._source)
+  def __next__(self) -> Any:
+    return next(self._source)
 
-    def get_state(self) -> Any:
-      return self._source.export_state(self._source.get_state())
+  def get_state(self) -> Any:
+    return self._source.export_state(self._source.get_state())
 
-    def set_state(self, state: Any) -> None:
-      self._source.set_state(state)
+  def set_state(self, state: Any) -> None:
+    self._source.set_state(state)
 
-  class SourceDataset(grain.IterDataset):
-    def __init__(self, source: Any):
-      super().__init__()
-      self._source = source
 
-    def __iter__(self) -> Any:
-      return SourceIterator(self._source)
+class SourceDataset:
+  """A `grain.IterDataset` over a source of another kind (`grain_class`)."""
 
-  return SourceDataset
+  def __init__(self, source: Any):
+    super().__init__()
+    self._source = source
+
+  def __iter__(self) -> Any:
+    return grain_source.grain_class(SourceDatasetIterator, "DatasetIterator")(self._source)

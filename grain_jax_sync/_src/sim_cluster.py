@@ -99,16 +99,6 @@ class HostPlan:
         f"`stall` must name a read <= `batches` ({self.batches}), got {self.stall!r}"
       )
 
-  def check_within(self, last: int) -> None:
-    """Raises ValueError where a batch it names is past `last`, the job's last batch."""
-    for name, at in (("stop", self.stop), ("pause", self.pause), ("close_at", self.close_at)):
-      at = at[0] if isinstance(at, tuple) else at
-      if at is not None and at > last:
-        raise ValueError(
-          f"`{name}` names batch {at}, past the job's last ({last}, the longest shard):"
-          f" its loop never gets there, got {getattr(self, name)!r}"
-        )
-
 
 @dataclasses.dataclass
 class HostOutcome:
@@ -486,8 +476,14 @@ class SimulatedCluster:
     if len(plans) != self.processes:
       raise ValueError(f"`plans` must have {self.processes} entries, got {len(plans)}")
     last = max(p.resume + p.batches for p in plans) - min(p.resume for p in plans)
-    for plan in plans:
-      plan.check_within(last)
+    for plan in plans:  # A batch it names past the job's last.
+      for name, at in (("stop", plan.stop), ("pause", plan.pause), ("close_at", plan.close_at)):
+        at = at[0] if isinstance(at, tuple) else at
+        if at is not None and at > last:
+          raise ValueError(
+            f"`{name}` names batch {at}, past the job's last ({last}, the longest shard):"
+            f" its loop never gets there, got {getattr(plan, name)!r}"
+          )
     self.clock = _Clock()
     self._entered: dict[int, int] = {}  # Per collective step: the hosts that entered it.
     self.store = memory_store.MemoryStore(self.clock.signal, wait=False)

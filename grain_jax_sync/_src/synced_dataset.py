@@ -1,22 +1,20 @@
 """The Grain dataset and iterator that `device_put` returns.
 
 They subclass Grain's `IterDataset` and `DatasetIterator`, made on first use
-(`classes`) so that ``import grain_jax_sync`` never loads Grain. The iterator
-reads the first element to choose its mode: global batches through a
-`JaxBatchIterator`, or, on one process, elements placed one by one as
-`jax.device_put` places them.
+(`sources.grain.grain_class`) so that ``import grain_jax_sync`` never loads
+Grain. The iterator reads the first element to choose its mode: global
+batches through a `JaxBatchIterator`, or, on one process, elements placed one
+by one as `jax.device_put` places them.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from grain_jax_sync._src import extras
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
@@ -85,7 +83,7 @@ def _state(count: int, source: Any, options: options_lib.Options | None = None) 
   return {**state, "source": source}
 
 
-class _SyncedIterator:  # The bases come with Grain (`classes`).
+class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
   """Global `jax.Array` batches that every host agrees on.
 
   `get_state`/`set_state` (which also takes the state Grain's own
@@ -221,7 +219,7 @@ class _SyncedIterator:  # The bases come with Grain (`classes`).
     return "SyncedDatasetIterator"
 
 
-class _SyncedDataset:  # The bases come with Grain (`classes`).
+class SyncedIterDataset:  # The Grain base comes with `grain_class`.
   """The dataset `device_put` returns; each `iter()` starts a fresh run."""
 
   _parent: Any  # Set by Grain's IterDataset (the other base).
@@ -231,23 +229,8 @@ class _SyncedDataset:  # The bases come with Grain (`classes`).
     self._args = (options, placement)
 
   def __iter__(self) -> Any:
-    return classes()[1](self._parent.__iter__(), *self._args, fresh=self._parent.__iter__)
+    iterator = grain_source.grain_class(SyncedDatasetIterator, "DatasetIterator")
+    return iterator(self._parent.__iter__(), *self._args, fresh=self._parent.__iter__)
 
   def __str__(self) -> str:
     return "grain_jax_sync.device_put"
-
-
-@functools.cache
-def classes() -> tuple[type, type]:
-  """The Grain subclasses, made on first use so that Grain loads lazily."""
-  # Any: Grain's classes are bases here, and Grain ships no type information.
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.device_put")
-  iterator = type(
-    "SyncedDatasetIterator",
-    (_SyncedIterator, grain.DatasetIterator),
-    {"__doc__": _SyncedIterator.__doc__},
-  )
-  dataset = type(
-    "SyncedIterDataset", (_SyncedDataset, grain.IterDataset), {"__doc__": _SyncedDataset.__doc__}
-  )
-  return dataset, iterator

@@ -114,8 +114,6 @@ class KeyValueExchange:
     if self._cancel.is_set():
       raise Cancelled()
 
-  # -- chunks (process > 0 writes, process 0 reads) ----------------------------
-
   def post_chunk(self, payload: str, *, final: bool = False) -> int:
     """Posts this process's next chunk; its sequence number. A `final` one (an ending) even after `cancel()`."""
     if not final:
@@ -153,7 +151,6 @@ class KeyValueExchange:
     self, process: int, wait_s: float = periods.LIVENESS_PERIOD_S
   ) -> list[tuple[int, str]]:
     """Blocks up to `wait_s` for `process`'s next chunk, then reads every new one."""
-    self.check()
     seq = self._next[process]
     key = f"{self.namespace}/s/{process}/{seq // CHUNK_GROUP}/{seq}"
     value = self._blocking_get(key, f"waiting for process {process}", wait_s)
@@ -163,8 +160,6 @@ class KeyValueExchange:
       return self.read_chunks()
     self._next[process] = seq + 1
     return [(process, value)]
-
-  # -- decisions (process 0 writes, every other process reads) -----------------
 
   def post_decision(self, seq: int, payload: str, *, final: bool = False) -> None:
     if not final:
@@ -187,15 +182,13 @@ class KeyValueExchange:
 
   def wait_decision(self, seq: int, wait_s: float = periods.LIVENESS_PERIOD_S) -> str | None:
     """Decision `seq`, waiting up to `wait_s` for it."""
-    self.check()
     key = f"{self.namespace}/d/{seq // GROUP}/{seq}"
     return self._blocking_get(key, "waiting for process 0's decision", wait_s)
 
   def _blocking_get(self, key: str, doing: str, wait_s: float) -> str | None:
+    self.check()  # Each wait: `Cancelled` once closed.
     get, ms = self.client.blocking_key_value_get, max(1, int(wait_s * 1000))
     return self._call(doing, get, key, ms, absent=_not_posted)
-
-  # -- the agreed end -----------------------------------------------------------
 
   def _end_key(self, what: str) -> str:
     """A key of this stream's end, under the iterator's prefix: it outlives `end()`."""
@@ -219,7 +212,6 @@ class KeyValueExchange:
 
   def wait_all_reached_end(self, wait_s: float = periods.LIVENESS_PERIOD_S) -> bool:
     """Whether every process reached the end, waiting up to `wait_s`."""
-    self.check()
     key = self._end_key("all_at_end")
     return self._blocking_get(key, "waiting for the end", wait_s) is not None
 

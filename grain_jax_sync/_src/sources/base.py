@@ -94,22 +94,18 @@ class WrappedIterator(SourceIterator):
     self._it.set_state(decode_state(state))
 
 
-_TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
+# Whether the state being exported goes to a file (`exporting_to_files`).
+TO_FILES = contextvars.ContextVar("grain_jax_sync_state_to_files", default=False)
 
 
 @contextlib.contextmanager
 def exporting_to_files():
   """Within it, `export_state` writes for a file (no JSON size limit)."""
-  token = _TO_FILES.set(True)
+  token = TO_FILES.set(True)
   try:
     yield
   finally:
-    _TO_FILES.reset(token)
-
-
-def to_files() -> bool:
-  """Whether the state being exported goes to a file (see `exporting_to_files`)."""
-  return _TO_FILES.get()
+    TO_FILES.reset(token)
 
 
 def encode_state(state: Any) -> Any:

@@ -62,7 +62,7 @@ class GrainIteratorSource(base.WrappedIterator):
     super().set_state(state)
 
   def local_iterator(self, owner: Any) -> Any:
-    return _local_iterator_class()(owner)
+    return grain_class(LocalIterator, "DatasetIterator")(owner)
 
 
 class GrainLoaderSource(GrainIteratorSource):
@@ -104,13 +104,13 @@ def _to_json_bytes(state: Any) -> bytes:
   return json.dumps(state, indent=4).encode("utf-8")
 
 
-_NOT_ITERABLE = (
-  "`local_iterator` is for checkpointing (get_state/set_state); iterate the JaxBatchIterator itself"
-)
+class LocalIterator:
+  """The source's iterator seen through `owner`, a `JaxBatchIterator`: a checkpoint face for
+  Grain's handler (a `grain.DatasetIterator` by `grain_class`).
 
-
-class _LocalFace:
-  """A source's iterator seen through `owner`, a `JaxBatchIterator`: a checkpoint face."""
+  `get_state()` is the source state after the last batch the consumer
+  received; `set_state()` restarts the stream from a state.
+  """
 
   def __init__(self, owner: Any):
     super().__init__()  # Grain's `DatasetIterator`, where it is the other base.
@@ -120,45 +120,41 @@ class _LocalFace:
     return self
 
   def __next__(self) -> Any:
-    raise TypeError(_NOT_ITERABLE)
+    raise TypeError(
+      "`local_iterator` is for checkpointing (get_state/set_state); iterate the"
+      " JaxBatchIterator itself"
+    )
 
   def start_prefetch(self) -> None:
     """Nothing to start: the stream starts on the next batch."""
 
+  def get_state(self) -> Any:
+    return self._owner.local_state()
 
-@functools.cache
-def _local_iterator_class() -> type:
-  """A `grain.DatasetIterator` subclass, built on first use (Grain loads lazily)."""
-  # Any: Grain's class is a base here, and Grain ships no type information.
-  grain: Any = extras.require("grain", needed_by="a Grain source")
+  def set_state(self, state: Any) -> None:
+    self._owner.restore_local(state)
 
-  class LocalIterator(_LocalFace, grain.DatasetIterator):
-    """The source's `DatasetIterator` as seen through the agreed stream, for Grain's handler.
-
-    `get_state()` is the source state after the last batch the consumer
-    received; `set_state()` restarts the stream from a state.
-    """
-
-    def get_state(self) -> dict[str, Any]:
-      return self._owner.local_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-      self._owner.restore_local(state)
-
-    def __str__(self) -> str:
-      return "grain_jax_sync.LocalIterator"
-
-  return LocalIterator
+  def __str__(self) -> str:
+    return "grain_jax_sync.LocalIterator"
 
 
-class LocalLoaderIterator(_LocalFace):
+class LocalLoaderIterator(LocalIterator):
   """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream."""
 
   def get_state(self) -> bytes:
-    return _to_json_bytes(self._owner.local_state())
+    return _to_json_bytes(super().get_state())
 
   def set_state(self, state: bytes) -> None:
-    self._owner.restore_local(_from_json_bytes(state))
+    super().set_state(_from_json_bytes(state))
+
+
+@functools.cache
+def grain_class(mixin: type, base: str, needed_by: str = "a Grain source") -> type:
+  """`mixin` on Grain's class `base` (``"DatasetIterator"``, ``"IterDataset"``), made on first use
+  so that Grain loads lazily; the mixin's name and docstring (Grain ships no type information)."""
+  grain: Any = extras.require("grain", needed_by=needed_by)
+  namespace = {"__doc__": mixin.__doc__, "__module__": mixin.__module__}
+  return type(mixin.__name__, (mixin, getattr(grain, base)), namespace)
 
 
 def open_grain(source: Any, fresh: Any = None, first: Any = None) -> base.SourceIterator | None:

@@ -164,7 +164,7 @@ class _Epochs(base.SourceIterator):
       rows = self._take(spec.batch_size)
       count = len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
       if count == spec.batch_size or (count and not spec.drop_remainder):
-        return _batch_fn(spec)(rows)
+        return collate(rows, ragged=spec.ragged, pad_id=spec.pad_id)
       self._start(self._epoch + 1)
     raise StopIteration
 
@@ -316,10 +316,6 @@ class _Windows(_Epochs):
     self._start(epoch, window, hf, offset)
 
 
-def _batch_fn(spec: HFSource) -> Callable[[Any], dict[str, Any]]:
-  return functools.partial(collate, ragged=spec.ragged, pad_id=spec.pad_id)
-
-
 class _Batches(iterable.SequenceSource):
   """A map-style `Dataset` whose items are batches (rectangular columns), read by position."""
 
@@ -337,10 +333,6 @@ def open_hf(source: Any) -> base.SourceIterator | None:
   if isinstance(source, datasets.IterableDataset):
     return _Streaming(_numpy(source))
   return None
-
-
-def _is_map_style(ds: Any) -> bool:
-  return hasattr(ds, "__getitem__") and hasattr(ds, "__len__")
 
 
 def _numpy(ds: Any) -> Any:
@@ -426,18 +418,25 @@ def hf_pipeline(
   placement_args = (process_index, process_count, mesh, data_axes, sharding)
   batch_size = tfds_lib.check_args(batch_size, num_epochs, seed, elastic, placement_args)
   ds = _load(dataset, data_files, split, streaming, load_kwargs, columns)
+  map_style = hasattr(ds, "__getitem__") and hasattr(ds, "__len__")  # Else streaming.
   ragged = _ragged(ds) if ragged_columns is None else tuple(ragged_columns)
   window = options_lib.checked_int("shuffle_buffer_size", shuffle_buffer_size)
   shuffle = options_lib.checked_bool("shuffle", shuffle)
   spec = HFSource(ds, batch_size, map_fn, filter_fn, pad_id, ragged, shuffle, int(seed), num_epochs)
   drop_remainder = options_lib.checked_bool("drop_remainder", drop_remainder)
   spec = dataclasses.replace(spec, drop_remainder=drop_remainder, window=window)
-  if elastic:
-    return _elastic(spec)
+  if elastic:  # The whole data set as an `elastic_source`.
+    if not map_style:
+      raise ValueError(
+        "`elastic=True` needs a map-style datasets.Dataset (streaming=False): a streaming"
+        " data set resumes on the same process count only"
+      )
+    batch_fn = functools.partial(collate, ragged=ragged, pad_id=pad_id)
+    return tfds_lib.elastic_batches(_Rows(_arrow(ds)), spec, batch_fn)
   index, count = tfds_lib.input_shard(
     *placement_args[:2], mesh=mesh, data_axes=data_axes, sharding=sharding
   )
-  if not _is_map_style(ds):
+  if not map_style:
     stream = functools.partial(_stream, ds, index, count, map_fn, filter_fn)
     return dataclasses.replace(spec, dataset=stream, map_fn=None, filter_fn=None)
   start, stop = tfds_lib.shard_range(len(ds), index, count)
@@ -494,13 +493,3 @@ def _load(
       f" got {type(dataset).__name__}"
     )
   return dataset if columns is None else dataset.select_columns(list(columns))
-
-
-def _elastic(spec: HFSource) -> Any:
-  """`spec`'s whole data set as an `elastic_source`."""
-  if not _is_map_style(spec.dataset):
-    raise ValueError(
-      "`elastic=True` needs a map-style datasets.Dataset (streaming=False): a streaming"
-      " data set resumes on the same process count only"
-    )
-  return tfds_lib.elastic_batches(_Rows(_arrow(spec.dataset)), spec, _batch_fn(spec))

@@ -59,20 +59,15 @@ def _problem(spec: Any) -> str | None:
   return None
 
 
-def unsupported_columns(element_spec: Any) -> list[tuple[str, Any, str]]:
-  """(column name, path as `_walk` gives it, what it is) for every non-dense leaf."""
-  leaves: list[tuple[str, Any, Any]] = []
-  _walk(element_spec, "", leaves, ())
-  return [(name, path, why) for name, path, spec in leaves if (why := _problem(spec)) is not None]
-
-
 def drop_unsupported_columns(dataset: Any, *, drop: bool = True) -> Any:
   """`dataset` without the dict columns JAX cannot hold (logged), or with `drop` False, checked.
 
   A ValueError names every bad column (`drop` False), or those in tuple positions.
   """
   spec = dataset.element_spec
-  bad = unsupported_columns(spec)
+  leaves: list[tuple[str, Any, Any]] = []
+  _walk(spec, "", leaves, ())
+  bad = [(name, path, why) for name, path, leaf in leaves if (why := _problem(leaf)) is not None]
   if not bad:
     return dataset
   if not drop:
@@ -115,12 +110,11 @@ class TfDataSource(base.SourceIterator):
   def __init__(self, dataset: Any, *, drop_unsupported: bool = False, state_every: int | None = 1):
     tf = extras.require("tensorflow", needed_by="a tf.data source")
 
-    options_lib.checked_int_or_none("state_every", state_every)
+    self._every = options_lib.checked_int_or_none("state_every", state_every)
     self._dataset = drop_unsupported_columns(dataset, drop=drop_unsupported)
     self._it = iter(self._dataset)
     self._map = tf.nest.map_structure
     self._errors = tf.errors
-    self._every = None if state_every is None else int(state_every)
     self._exported: tuple[Any, dict[str, Any]] | None = None  # Last export.
     self._policy = tf_state.external_state_policy(self._dataset)
     self._reads = 0
@@ -151,7 +145,13 @@ class TfDataSource(base.SourceIterator):
       )
     reads = self._reads
     if reads % self._every:
-      return tf_state.Snapshot(reads, error=self._not_here(reads), between=True)
+      why = (
+        f"{self.description} takes a snapshot every {self._every} batches"
+        f" (`state_every={self._every}`), and the last batch received was batch"
+        f" {reads} read from it; call get_state() after a multiple of"
+        f" {self._every} batches, or use a smaller `state_every`"
+      )
+      return tf_state.Snapshot(reads, error=why, between=True)
     if self._broken is not None:
       return tf_state.Snapshot(reads, error=self._broken)
     start = time.perf_counter()
@@ -162,36 +162,24 @@ class TfDataSource(base.SourceIterator):
       return tf_state.Snapshot(reads, error=self._broken)
     except Exception as e:  # noqa: BLE001 - raised when the user asks.
       return tf_state.Snapshot(reads, error=tf_state.cannot_checkpoint(e, self.description))
-    self._warn_if_slow(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if seconds >= _SLOW_SNAPSHOT_S:
+      self._slow += 1
+      if self._slow == _SLOW_SNAPSHOTS_BEFORE_WARNING:
+        logger.warning(
+          "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
+          " batches for exact resume; each slot of a shuffle buffer costs about"
+          " 10-20 us, used or not). Pass `from_tf_data(ds, state_every=N)` to"
+          " take one every N batches, or `state_every=None` if you never call"
+          " get_state()",
+          self.description,
+          seconds * 1e3,
+          self._every,
+        )
     return tf_state.Snapshot(reads, variant)
 
-  def _not_here(self, reads: int) -> str:
-    return (
-      f"{self.description} takes a snapshot every {self._every} batches"
-      f" (`state_every={self._every}`), and the last batch received was batch"
-      f" {reads} read from it; call get_state() after a multiple of"
-      f" {self._every} batches, or use a smaller `state_every`"
-    )
-
-  def _warn_if_slow(self, seconds: float) -> None:
-    if seconds < _SLOW_SNAPSHOT_S:
-      return
-    self._slow += 1
-    if self._slow != _SLOW_SNAPSHOTS_BEFORE_WARNING:
-      return
-    logger.warning(
-      "grain_jax_sync: a snapshot of %s took %.0f ms (taken after every %d"
-      " batches for exact resume; each slot of a shuffle buffer costs about"
-      " 10-20 us, used or not). Pass `from_tf_data(ds, state_every=N)` to"
-      " take one every N batches, or `state_every=None` if you never call"
-      " get_state()",
-      self.description,
-      seconds * 1e3,
-      self._every,
-    )
-
   def export_state(self, state: Any) -> Any:
-    limit = None if base.to_files() else tf_state.JSON_STATE_LIMIT_BYTES
+    limit = None if base.TO_FILES.get() else tf_state.JSON_STATE_LIMIT_BYTES
     if not isinstance(state, dict):  # A dict: already exported (restored by set_state).
       if self._exported is None or self._exported[0] is not state:  # Else encoded already.
         self._exported = (state, tf_state.export(self._at_end(state), limit=None))

@@ -123,23 +123,6 @@ def restore(iterator: Any, state: Any, description: str) -> int:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tensorflow.python.ops import gen_dataset_ops  # pylint: disable=g-import-not-at-top
 
-  data = _checked_bytes(state, description)
-  try:
-    variant = tf.io.parse_tensor(data, tf.variant)
-    gen_dataset_ops.deserialize_iterator(
-      iterator._iterator_resource,  # pylint: disable=protected-access
-      variant,
-    )
-  except (tf.errors.OpError, ValueError) as e:
-    raise ValueError(
-      f"the saved tf.data state does not fit {description}: {type(e).__name__}:"
-      f" {str(e).strip()[:300]}. Restore into the same pipeline (same"
-      " transformations and arguments) that saved it, on the same process"
-    ) from e
-  return int(state["reads"])
-
-
-def _checked_bytes(state: Any, description: str) -> bytes:
   if not (
     isinstance(state, dict)
     and isinstance(state.get(KEY), str)
@@ -159,4 +142,16 @@ def _checked_bytes(state: Any, description: str) -> bytes:
       f"the saved tf.data state for {description} is corrupt: its {len(data)}"
       f" bytes have CRC32 {zlib.crc32(data)}, the state says {state['crc32']}"
     )
-  return data
+  try:
+    variant = tf.io.parse_tensor(data, tf.variant)
+    gen_dataset_ops.deserialize_iterator(
+      iterator._iterator_resource,  # pylint: disable=protected-access
+      variant,
+    )
+  except (tf.errors.OpError, ValueError) as e:
+    raise ValueError(
+      f"the saved tf.data state does not fit {description}: {type(e).__name__}:"
+      f" {str(e).strip()[:300]}. Restore into the same pipeline (same"
+      " transformations and arguments) that saved it, on the same process"
+    ) from e
+  return int(state["reads"])

@@ -14,14 +14,14 @@ re-reads exactly the records in flight. Grain is imported when it is used.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import extras, leaves
+from grain_jax_sync._src import leaves
 from grain_jax_sync._src import options as options_lib
+from grain_jax_sync._src.sources import grain as grain_source
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
 
 TOKENS = "grain_jax_sync_packed_tokens"  # [packed, padded, trimmed] in a packer's state.
@@ -152,9 +152,13 @@ def counters(state: Any) -> dict[str, int] | None:
 
 
 class PackIterator:
-  """Packs its parent's records (see the module); a `grain.DatasetIterator` by `_classes`."""
+  """Packs its parent's records (see the module); a `grain.DatasetIterator` by `grain_class`."""
 
   _parent: Any  # Set by `grain.DatasetIterator.__init__`.
+
+  def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._start(options)
 
   def _start(self, options: tuple[int, int, bool, bool]) -> None:
     self._options = options
@@ -281,31 +285,25 @@ class PackIterator:
           self._rows[k].append(piece)
 
 
-@functools.cache
-def _classes() -> type:
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.pack_sequences")
+class Packed:
+  """`pack_sequences`'s dataset; a `grain.IterDataset` by `grain_class`."""
 
-  class Iterator(PackIterator, grain.DatasetIterator):
-    def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):
-      grain.DatasetIterator.__init__(self, parent)
-      self._start(options)
+  _parent: Any  # Set by `grain.IterDataset.__init__`.
 
-  class Packed(grain.IterDataset):
-    def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):
-      super().__init__(parent)
-      self._options = options
+  def __init__(self, parent: Any, options: tuple[int, int, bool, bool]):
+    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    self._options = options
 
-    def __iter__(self):
-      return Iterator(self._parent.__iter__(), self._options)
+  def __iter__(self) -> Any:
+    iterator = grain_source.grain_class(PackIterator, "DatasetIterator")
+    return iterator(self._parent.__iter__(), self._options)
 
-    def __str__(self) -> str:
-      length, num_bins, trim, restart = self._options
-      return (
-        f"PackSequences(length={length}, num_bins={num_bins}, trim={trim},"
-        f" restart_positions={restart})"
-      )
-
-  return Packed
+  def __str__(self) -> str:
+    length, num_bins, trim, restart = self._options
+    return (
+      f"PackSequences(length={length}, num_bins={num_bins}, trim={trim},"
+      f" restart_positions={restart})"
+    )
 
 
 def pack_sequences(
@@ -358,4 +356,5 @@ def pack_sequences(
   """
   length = options_lib.checked_int("length", length)
   num_bins = options_lib.checked_int("num_bins", num_bins)
-  return _classes()(ds, (length, num_bins, bool(trim), bool(restart_positions)))
+  packed = grain_source.grain_class(Packed, "IterDataset", "grain_jax_sync.pack_sequences")
+  return packed(ds, (length, num_bins, bool(trim), bool(restart_positions)))

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from typing import Any
 
 from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources import grain as grain_source
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
 from grain_jax_sync._src.sources.elastic import packing
 from grain_jax_sync._src.sources.elastic import state as state_lib
@@ -72,9 +72,10 @@ class Stream:
 
 class Chunks:
   """`stream` at `positions`, read in chunks, its state (the positions delivered) tagged for the
-  cursor to be found (`cursor.TAG`, `cursor.SLICE`); a `grain.DatasetIterator` by `_classes`."""
+  cursor to be found (`cursor.TAG`, `cursor.SLICE`); a `grain.DatasetIterator` by `grain_class`."""
 
   def __init__(self, stream: Stream, positions: range, sliced: tuple[int, int, bool] | None):
+    super().__init__()  # Grain's `DatasetIterator`, the other base.
     self._stream, self._positions, self._sliced = stream, positions, sliced
     self._delivered = 0  # Of `positions`.
     self._buffer: collections.deque[Any] = collections.deque()
@@ -106,37 +107,27 @@ class Chunks:
     self._buffer.clear()
 
 
-@functools.cache
-def _classes() -> type:
-  """The stream's `grain.IterDataset`, built on first use (Grain loads lazily)."""
-  grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
+class Reader:
+  """The stream as a dataset, a `grain.IterDataset` by `grain_class`; `mp_prefetch` slices it in
+  each worker (`set_slice`)."""
 
-  class ReaderIterator(Chunks, grain.DatasetIterator):
-    def __init__(self, *args: Any):
-      grain.DatasetIterator.__init__(self)
-      Chunks.__init__(self, *args)
+  def __init__(self, stream: Stream):
+    super().__init__()
+    self._stream, self._positions = stream, range(stream.shares.length)
+    self._sliced: tuple[int, int, bool] | None = None
 
-  class Reader(grain.IterDataset):
-    """The stream as a dataset; `mp_prefetch` slices it in each worker (`set_slice`)."""
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    if self._sliced is not None:
+      raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
+    mine, self._sliced = _worker_slice(sl, sequential_slice, self._stream.shares.length)
+    self._positions = self._positions[mine]
 
-    def __init__(self, stream: Stream):
-      super().__init__()
-      self._stream, self._positions = stream, range(stream.shares.length)
-      self._sliced: tuple[int, int, bool] | None = None
+  def __iter__(self) -> Any:
+    chunks = grain_source.grain_class(Chunks, "DatasetIterator")
+    return chunks(self._stream, self._positions, self._sliced)
 
-    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-      if self._sliced is not None:
-        raise ValueError(f"an elastic source's stream cannot be sliced twice ({sl})")
-      mine, self._sliced = _worker_slice(sl, sequential_slice, self._stream.shares.length)
-      self._positions = self._positions[mine]
-
-    def __iter__(self):
-      return ReaderIterator(self._stream, self._positions, self._sliced)
-
-    def __str__(self) -> str:
-      return f"ElasticStream(process {self._stream.shares.index} of {self._stream.shares.count})"
-
-  return Reader
+  def __str__(self) -> str:
+    return f"ElasticStream(process {self._stream.shares.index} of {self._stream.shares.count})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +150,8 @@ class ElasticIterator(base.WrappedIterator):
 
   def _open(self, shares: EpochShares) -> None:
     grain: Any = extras.require("grain", needed_by="grain_jax_sync.elastic_source")
-    ds = _classes()(Stream(self.spec.records, shares, self.spec))
+    stream = Stream(self.spec.records, shares, self.spec)
+    ds = grain_source.grain_class(Reader, "IterDataset")(stream)
     if self.spec.transform is not None:
       ds = self.spec.transform(ds)
       if not isinstance(ds, grain.IterDataset):
