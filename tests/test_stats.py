@@ -238,6 +238,23 @@ def test_pace_never_counts_more_than_a_steady_consumer_takes_in_the_window(step_
   assert pace.count(t) == pytest.approx(1.0 / step_s, abs=1)  # The window is full.
 
 
+@pytest.mark.parametrize("store_ms", [20.0 + 0.05 * i for i in range(41)])
+def test_pace_counts_a_position_on_the_window_edge_out_however_virtual_time_rounds(store_ms):
+  # A consumer taking one every half window, its times summed as a simulated
+  # host's clock sums them (three store calls, then half-second steps): one
+  # position lands on the window's edge, rounded to either side of it. It is
+  # out (2 a window, not 3): at 21.1 ms it was counted, and a simulated stop
+  # landed a batch later than at 21.05 or 21.15.
+  pace, t = stats.Pace(1.0, fill=0), 0.0
+  for _ in range(3):
+    t += store_ms / 1e3
+  for k in range(10):
+    pace.done(t)
+    if k >= 3:
+      assert pace.count(t) == 2, (k, t)
+    t += 0.5
+
+
 def test_pace_grows_with_a_starved_consumer_before_the_window_fills():
   # Positions come in rounds of 0.1 s, each as large as the count says (a
   # horizon that follows the pace). The plain count of the window's

@@ -116,8 +116,9 @@ class Pace:
 
   def count(self, now: float) -> int:
     # The window is (now - window_s, now]: a consumer that takes one every half window takes 2
-    # per window, not 3 when one position lands exactly on its edge (virtual time does that).
-    times, since = self._times, now - self._window_s
+    # per window, not 3 when one position lands exactly on its edge (virtual time does that,
+    # its sums rounded either way: a nanosecond past the edge is on it).
+    times, since = self._times, now - self._window_s + 1e-9
     while times and times[0] <= since:
       times.popleft()
     n = len(times)
