@@ -20,6 +20,7 @@ from grain_jax_sync._src.trees import (
   NONE,
   TreeSpec,
   check_spec,
+  flat_dict_keys,
   flatten,
   key_paths,
 )
@@ -263,6 +264,9 @@ class Matcher:
       (dt, len(shape) + 1, shape)
       for dt, shape in zip(signature.np_dtypes(), signature.shapes, strict=True)
     ]
+    # A dict of leaves only (the common case): its keys, in leaf order.
+    self._flat = flat_dict_keys(signature.spec)
+    self._flat_type = tree[1] if self._flat is not None else None
 
   @classmethod
   def compile(cls, batch: Any, signature: Signature) -> Matcher | None:
@@ -274,9 +278,18 @@ class Matcher:
 
   def match(self, batch: Any) -> HostBatch | None:
     """The validated batch, or None where `validate` must look at it."""
-    leaves: list[Any] = []
-    if not _take(self._tree, batch, leaves):
-      return None
+    leaves: list[Any]
+    if self._flat is not None:
+      if type(batch) is not self._flat_type or len(batch) != len(self._flat):
+        return None
+      try:
+        leaves = [batch[k] for k in self._flat]
+      except (KeyError, TypeError):
+        return None
+    else:
+      leaves = []
+      if not _take(self._tree, batch, leaves):
+        return None
     rows = -1
     for a, (dtype, ndim, trailing) in zip(leaves, self._checks, strict=True):
       if type(a) is not np.ndarray or a.dtype != dtype:
