@@ -227,7 +227,7 @@ def real_host(row: Row) -> dict[str, Any]:
   out["calls"] = slowed.calls
   out["extra_s"] = sorted(slowed.extra)
   # Reads back to back (a refill's, under 5 ms apart): the reading thread's own time a read.
-  gaps = [b - a - plan.read_s for a, b in zip(reads, reads[1:]) if b - a - plan.read_s < 5e-3]
+  gaps = [g for g in (b - a - plan.read_s for a, b in zip(reads, reads[1:])) if g < 5e-3]
   out["own_read_s"] = statistics.median(gaps) if gaps else 0.0
   return out
 
