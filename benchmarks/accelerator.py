@@ -37,9 +37,12 @@ trial starts at the next variant), each trial a fresh iterator whose first
   switch interval at 0.5 ms, not 5: whether threads waiting for the GIL, as
   Grain's worker readers do, hold the input up),
   ``device_put_b0`` (``device_buffer_size=0``)
-  and ``device_put`` with a batch less read (``_c3``), built (``_d1``) or
+  ``device_put`` with a batch less read (``_c3``), built (``_d1``) or
   both (``_c3d1``: what ``device_put(4, 2)`` held before it held Grain's
-  counts); ``--variants``
+  counts), ``device_put_tp`` (the source read by Grain's prefetch thread
+  of 4, as Grain's ``device_put`` reads it), ``device_put_es`` (only the
+  source's state taken before its first read, as that thread's constructor
+  does) and ``device_put_rt`` (only a reading thread, 4 ahead); ``--variants``
   keeps the ones named. A trial waits for the Grain threads it started to
   end before the next one starts.
 * ``transfer``: no step; GB/s (1e9 bytes per second) of one blocking
@@ -59,12 +62,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import datetime
 import functools
 import gc
 import json
 import os
 import platform as platform_lib
+import queue
 import resource
 import statistics
 import sys
@@ -455,7 +460,92 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
     feeds["device_put_c3d1"] = functools.partial(
       _device_put, ds, sharding, cpu_buffer_size=3, device_buffer_size=1
     )
+    # Read from the source by Grain's prefetch thread, as Grain's `device_put`
+    # reads it, not by ours: whether the reading thread is the difference.
+    # Grain's thread takes the source's state before its first read; `_es`
+    # does only that, `_rt` only reads in a thread of its own (4 ahead).
+    early, threaded = _probe_sources(ds)
+    feeds["device_put_es"] = lambda: iter(gjs.device_put(early, sharding))
+    feeds["device_put_rt"] = lambda: iter(gjs.device_put(threaded, sharding, cpu_buffer_size=0))
+    feeds["device_put_tp"] = lambda: iter(
+      gjs.device_put(
+        grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4),
+        sharding,
+        cpu_buffer_size=0,
+      )
+    )
   return feeds
+
+
+class _EarlyState:
+  """An iterator whose state is taken before its first read (`_probe_sources`)."""
+
+  def __init__(self, it: Any):
+    super().__init__()  # Grain's `DatasetIterator`, where `_probe_sources` mixes it in.
+    self._it = it
+    it.get_state()
+
+  def __next__(self) -> Any:
+    return next(self._it)
+
+  def get_state(self) -> Any:
+    return self._it.get_state()
+
+  def set_state(self, state: Any) -> None:
+    self._it.set_state(state)
+
+  def close(self) -> None:
+    self._it.close()
+
+
+class _OwnThread:
+  """An iterator read 4 ahead in a thread of its own, started by the first read (`_probe_sources`)."""
+
+  def __init__(self, it: Any):
+    super().__init__()
+    self._it, self._state, self._stop = it, None, threading.Event()
+    self._q: queue.Queue[Any] = queue.Queue(4)
+    self._thread: threading.Thread | None = None
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        x = next(self._it)
+        self._q.put((x, copy.deepcopy(self._it.get_state()), None))
+    except BaseException as e:  # noqa: BLE001 - to the consumer.
+      self._q.put((None, None, e))
+
+  def __next__(self) -> Any:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, daemon=True, name="grain-probe")
+      self._thread.start()
+    x, self._state, e = self._q.get()
+    if e is not None:
+      raise e
+    return x
+
+  def get_state(self) -> Any:
+    return self._state
+
+  def set_state(self, state: Any) -> None:
+    raise NotImplementedError
+
+  def close(self) -> None:
+    self._stop.set()
+    while not self._q.empty():
+      self._q.get_nowait()
+    self._it.close()
+
+
+def _probe_sources(ds: Any) -> tuple[Any, Any]:
+  """`ds` as Grain datasets of `_EarlyState` and of `_OwnThread` iterators."""
+  import grain
+
+  def wrapped(kind: type) -> Any:
+    it = type(kind.__name__, (kind, grain.DatasetIterator), {})
+    return type(kind.__name__, (grain.IterDataset,), {"__iter__": lambda self: it(iter(ds))})(ds)
+
+  return wrapped(_EarlyState), wrapped(_OwnThread)
 
 
 SWITCH_S = 0.0005  # `_switching`'s interval (the interpreter's default: 0.005).
