@@ -163,6 +163,51 @@ def test_device_put_rejects_non_grain_datasets():
 # -- everything Grain's device_put accepts on one process -----------------------------
 
 
+class _PlainIterator:
+  """Batches of 8 ids from an `IterDataset` whose iterator is no Grain `DatasetIterator`."""
+
+  def __init__(self):
+    self.i = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.i == 32:
+      raise StopIteration
+    self.i += 8
+    return {"x": np.arange(self.i - 8, self.i)}
+
+  def get_state(self):
+    return {"i": self.i}
+
+  def set_state(self, state):
+    self.i = state["i"]
+
+
+class _PlainDataset(grain.IterDataset):
+  def __iter__(self):
+    return _PlainIterator()
+
+
+def test_device_put_reads_an_iter_dataset_whose_iterator_is_not_grains_as_grain_does():
+  # Grain's device_put reads it through its prefetch, which takes any
+  # iterator with get_state; ours failed building its iterator.
+  want = [np.asarray(b["x"]).tolist() for b in grain.experimental.device_put(_PlainDataset(), None)]
+  assert want == [list(range(k, k + 8)) for k in (0, 8, 16, 24)]
+  it = iter(gjs.device_put(_PlainDataset(), gjs.default_sharding()))
+  got = [np.asarray(next(it)["x"]).tolist()]
+  state = it.get_state()
+  got += [np.asarray(b["x"]).tolist() for b in it]
+  it.set_state(state)
+  again = [np.asarray(b["x"]).tolist() for b in it]
+  it.close()
+  assert got == want
+  assert again == want[1:]
+  unread = iter(gjs.device_put(_PlainDataset(), gjs.default_sharding()))
+  unread.close()  # The parent has no close(): nothing to close, nothing raised.
+
+
 def _grain_and_ours(ds, device, **ours_kwargs):
   """Grain's device_put and ours over the same dataset: lists of elements."""
   theirs = iter(grain.experimental.device_put(ds, device, cpu_buffer_size=0, device_buffer_size=0))

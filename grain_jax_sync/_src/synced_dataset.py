@@ -18,6 +18,7 @@ import numpy as np
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
+from grain_jax_sync._src import prefetch
 from grain_jax_sync._src.sources import grain as grain_source
 
 
@@ -96,7 +97,6 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
   _MUTATES_ELEMENT_SPEC = True
   # Grain's DatasetIterator (the other base) sets and defines these.
   _closed: bool
-  _parent: Any
   _assert_not_closed: Any
 
   def __init__(
@@ -106,7 +106,13 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     placement: placement_lib.DevicePutPlacement,
     fresh: Callable[[], Any] | None = None,
   ):
-    super().__init__(parent)  # type: ignore[call-arg]  # Grain's base.
+    import grain  # noqa: PLC0415 - imported already: this class's other base is Grain's.
+
+    # A parent that is no Grain `DatasetIterator` (a plain iterator an
+    # `IterDataset` returns) is read as it is, as Grain's prefetch reads it.
+    native = isinstance(parent, grain.DatasetIterator)
+    super().__init__(parent if native else ())  # type: ignore[call-arg]  # Grain's base.
+    self._source_it = parent
     self._options = options
     self._placement = placement
     # Makes a parent iterator at the start: its state stands for the parent's
@@ -119,6 +125,10 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     self._count = 0
     self._stop_asked = False  # Set without a lock (a handler); handed on at the start.
     self._plain_stopped = False  # Placed one by one: the stream ended by the request.
+
+  @property
+  def _parent(self) -> Any:
+    return self._source_it
 
   def _choose(self) -> None:
     """Reads the first element to choose the mode, once."""
@@ -208,7 +218,7 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     if self._jax is not None:
       self._jax.close()  # Stops the pipeline thread, then closes `parent`.
     else:
-      self._parent.close()
+      prefetch.close_producer(self._parent)  # Where it has a `close`.
     self._closed = True
 
   @property
