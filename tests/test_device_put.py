@@ -140,6 +140,21 @@ def test_device_put_reads_ahead_at_most_its_two_buffer_sizes(cpu, device):
   grains.close()
 
 
+def test_device_put_iterator_stats_are_those_of_its_batches():
+  it = iter(gjs.device_put(_batches(n=40).to_iter_dataset(), gjs.default_sharding()))
+  assert it.stats() is None  # Nothing read yet: stats() reads nothing either.
+  for _ in range(3):
+    next(it)
+  stats = it.stats()
+  assert (stats["batches"], stats["real_rows"], stats["padded_rows"]) == (3, 24, 0)
+  assert it.stats(all_hosts=True)["hosts"][0]["batches"] == 3
+  it.close()
+  plain = iter(gjs.device_put(grain.MapDataset.range(4).to_iter_dataset(), None))
+  assert int(next(plain)) == 0
+  assert plain.stats() is None  # Unbatched elements, placed one by one.
+  plain.close()
+
+
 def test_device_put_checks_iter_jax_batches_arguments_up_front():
   with pytest.raises(ValueError, match=r"`batch_size` must be divisible by the 8 local devices"):
     gjs.device_put(_batches().to_iter_dataset(), batch_size=6, paddings=0)

@@ -88,8 +88,8 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
   """Global `jax.Array` batches that every host agrees on.
 
   `get_state`/`set_state` (which also takes the state Grain's own
-  `device_put` iterator saved), `request_stop()` and `stop_requested_by` are
-  those of `JaxBatchIterator`. On one process, unbatched elements (and every
+  `device_put` iterator saved), `request_stop()`, `stop_requested_by` and
+  `stats()` are those of `JaxBatchIterator`. On one process, unbatched elements (and every
   element under a pytree of different shardings) are placed as
   `jax.device_put` places them.
   """
@@ -211,6 +211,10 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     if self._jax is not None:
       return self._jax.stop_requested_by
     return jax.process_index() if self._plain_stopped else None
+
+  def stats(self, *, all_hosts: bool = False) -> dict[str, Any] | None:
+    """`JaxBatchIterator.stats()`; None before the first batch, and where elements are placed one by one."""
+    return None if self._jax is None else self._jax.stats(all_hosts=all_hosts)
 
   def close(self) -> None:
     if self._closed:
