@@ -429,6 +429,7 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
   import jax
 
   import grain_jax_sync as gjs
+  from grain_jax_sync._src.sources.grain import grain_class
 
   mesh = sharding.mesh
   feeds = {
@@ -464,24 +465,26 @@ def _input_feeds(ds: Any, sharding: Any, rows: int, *, diagnose: bool) -> dict[s
     # reads it, not by ours: whether the reading thread is the difference.
     # Grain's thread takes the source's state before its first read; `_es`
     # does only that, `_rt` only reads in a thread of its own (4 ahead).
-    early, threaded = _probe_sources(ds)
-    feeds["device_put_es"] = lambda: iter(gjs.device_put(early, sharding))
-    feeds["device_put_rt"] = lambda: iter(gjs.device_put(threaded, sharding, cpu_buffer_size=0))
-    feeds["device_put_tp"] = lambda: iter(
-      gjs.device_put(
-        grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4),
-        sharding,
-        cpu_buffer_size=0,
-      )
+    probe = grain_class(_ProbeDataset, "IterDataset")
+    early, own = (grain_class(k, "DatasetIterator") for k in (_EarlyState, _OwnThread))
+    feeds["device_put_es"] = functools.partial(_device_put, probe(ds, early), sharding)
+    feeds["device_put_rt"] = functools.partial(
+      _device_put, probe(ds, own), sharding, cpu_buffer_size=0
+    )
+    feeds["device_put_tp"] = functools.partial(
+      _device_put,
+      grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4),
+      sharding,
+      cpu_buffer_size=0,
     )
   return feeds
 
 
 class _EarlyState:
-  """An iterator whose state is taken before its first read (`_probe_sources`)."""
+  """An iterator whose state is taken before its first read (`_ProbeDataset`)."""
 
   def __init__(self, it: Any):
-    super().__init__()  # Grain's `DatasetIterator`, where `_probe_sources` mixes it in.
+    super().__init__()  # Grain's `DatasetIterator`, the other base.
     self._it = it
     it.get_state()
 
@@ -499,7 +502,7 @@ class _EarlyState:
 
 
 class _OwnThread:
-  """An iterator read 4 ahead in a thread of its own, started by the first read (`_probe_sources`)."""
+  """An iterator read 4 ahead in a thread of its own, started by the first read (`_ProbeDataset`)."""
 
   def __init__(self, it: Any):
     super().__init__()
@@ -537,15 +540,15 @@ class _OwnThread:
     self._it.close()
 
 
-def _probe_sources(ds: Any) -> tuple[Any, Any]:
-  """`ds` as Grain datasets of `_EarlyState` and of `_OwnThread` iterators."""
-  import grain
+class _ProbeDataset:
+  """`parent` read through iterators of class `kind` (a Grain `IterDataset` by `grain_class`)."""
 
-  def wrapped(kind: type) -> Any:
-    it = type(kind.__name__, (kind, grain.DatasetIterator), {})
-    return type(kind.__name__, (grain.IterDataset,), {"__iter__": lambda self: it(iter(ds))})(ds)
+  def __init__(self, parent: Any, kind: type):
+    super().__init__(parent)
+    self._kind = kind
 
-  return wrapped(_EarlyState), wrapped(_OwnThread)
+  def __iter__(self) -> Any:
+    return self._kind(iter(self._parent))
 
 
 SWITCH_S = 0.0005  # `_switching`'s interval (the interpreter's default: 0.005).

@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from grain_jax_sync._src import extras, prefetch
 from grain_jax_sync._src import iterator as iterator_lib
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src import placement as placement_lib
-from grain_jax_sync._src import prefetch
 from grain_jax_sync._src.sources import grain as grain_source
 
 
@@ -89,9 +89,9 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
 
   `get_state`/`set_state` (which also takes the state Grain's own
   `device_put` iterator saved), `request_stop()`, `stop_requested_by` and
-  `stats()` are those of `JaxBatchIterator`. On one process, unbatched elements (and every
-  element under a pytree of different shardings) are placed as
-  `jax.device_put` places them.
+  `stats()` are those of `JaxBatchIterator`. On one process, unbatched
+  elements (and every element under a pytree of different shardings) are
+  placed as `jax.device_put` places them.
   """
 
   _MUTATES_ELEMENT_SPEC = True
@@ -106,8 +106,7 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     placement: placement_lib.DevicePutPlacement,
     fresh: Callable[[], Any] | None = None,
   ):
-    import grain  # noqa: PLC0415 - imported already: this class's other base is Grain's.
-
+    grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
     # A parent that is no Grain `DatasetIterator` (a plain iterator an
     # `IterDataset` returns) is read as it is, as Grain's prefetch reads it.
     native = isinstance(parent, grain.DatasetIterator)
