@@ -11,7 +11,8 @@ Where JAX finds no accelerator (its default backend is the CPU) it prints one
 line saying so and exits 0, unless ``--platform cpu`` asks for the CPU. Every
 figure is the median of `--trials` trials, the variants interleaved (each
 trial starts at the next variant), each trial a fresh iterator whose first
-`SKIP` batches (threads starting, buffers filling) are not timed. Sections:
+`SKIP` batches (threads starting, buffers filling) are not timed, and over
+worker processes also what their buffers hold. Sections:
 
 * ``steady``: a bf16 MLP train step (jitted, the parameters donated) on
   uint8 image batches, with the step calibrated to a short and a long time;
@@ -168,9 +169,9 @@ def _settle(before: set[threading.Thread]) -> float:
 
 
 def _timed(
-  batches: Iterable[Any], step: Callable[[Any, Any], Any], state: Any, n: int
+  batches: Iterable[Any], step: Callable[[Any, Any], Any], state: Any, n: int, skip: int = SKIP
 ) -> tuple[dict, Any]:
-  """Wall, process CPU and per-group thread CPU per batch over `n` batches after `SKIP`;
+  """Wall, process CPU and per-group thread CPU per batch over `n` batches after `skip`;
   and the step's last state."""
   import jax
 
@@ -178,15 +179,15 @@ def _timed(
   it = iter(batches)
   start: tuple[float, float, dict[int, float], tuple[float, float, int, int]] | None = None
   for i, batch in enumerate(it):
-    if i == SKIP:
+    if i == skip:
       jax.block_until_ready(state)
       start = (time.perf_counter(), time.process_time(), _thread_cpu(), _usage())
     state = step(state, batch)
     del batch
-    if i == SKIP + n - 1:
+    if i == skip + n - 1:
       break
   jax.block_until_ready(state)
-  assert start is not None, "fewer batches than SKIP"
+  assert start is not None, "fewer batches than the skip"
   wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
   threads = _by_group(start[2], _thread_cpu())
   usage = [b - a for a, b in zip(start[3], _usage(), strict=True)]
@@ -356,7 +357,9 @@ def steady(cfg: dict, *, trials: int, n: int, report: Callable[[dict], None]) ->
   return out
 
 
-def _trial(make: Callable[[], Iterable[Any]], step: Callable, params: Any, n: int) -> Callable:
+def _trial(
+  make: Callable[[], Iterable[Any]], step: Callable, params: Any, n: int, skip: int = SKIP
+) -> Callable:
   """One trial of a feed; the step's parameters go from trial to trial (they are donated)."""
   import jax
   import jax.numpy as jnp
@@ -364,7 +367,7 @@ def _trial(make: Callable[[], Iterable[Any]], step: Callable, params: Any, n: in
   held = [jax.tree.map(jnp.copy, params)]  # Each feed its own: a step donates them.
 
   def run() -> dict:
-    figures, held[0] = _timed(make(), step, held[0], n)
+    figures, held[0] = _timed(make(), step, held[0], n, skip)
     return figures
 
   return run
@@ -620,9 +623,15 @@ def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: b
   for i in range(rows):
     make_record(i, side)
   record_ms = (time.process_time() - start) * 1e3
+  # Worker processes start one after another in one of Grain's modes (the
+  # first `get_state()` before the first read, as Grain's `device_put` takes
+  # it), and the first worker fills its buffers (`threads` batches read
+  # ahead, one in its queue, one in its reading thread) before the second
+  # makes a batch: untimed too, or a window serves from those buffers.
+  skip = SKIP + w * (cfg["input_threads"] + 2)
   # Data past the window by more than any variant reads ahead: the end of
   # the data (workers stopping, the last reads) falls outside every timing.
-  ds = input_pipeline(rows, SKIP + n + TAIL, side, workers=w, threads=cfg["input_threads"])
+  ds = input_pipeline(rows, skip + n + TAIL, side, workers=w, threads=cfg["input_threads"])
   feeds = _picked(_input_feeds(ds, sharding, rows, diagnose=diagnose), cfg.get("variants"))
   return {
     "workers": w,
@@ -631,7 +640,10 @@ def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: b
     "mb": probe["image"].nbytes / 1e6,
     "step_ms": step_s * 1e3,
     "records_cpu_ms": record_ms,  # Making one batch's records, in one thread.
-    "variants": _interleaved({k: _trial(m, step, params, n) for k, m in feeds.items()}, trials),
+    "skip": skip,
+    "variants": _interleaved(
+      {k: _trial(m, step, params, n, skip) for k, m in feeds.items()}, trials
+    ),
   }
 
 
@@ -827,6 +839,7 @@ def _print_steady(r: dict) -> None:
 
 def _print_input_bound(r: dict) -> None:
   how = f"{r['workers']} worker processes" if r["workers"] else f"{r['threads']} threads"
+  how += f", {r['skip']} untimed"
   title = f"input_bound: {r['mb']:.1f} MB ({r['rows']} rows), {how}, step {r['step_ms']:.2f} ms"
   _print_variants(f"{title}, records {r['records_cpu_ms']:.1f} ms CPU", r["variants"])
 

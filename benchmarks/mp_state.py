@@ -8,7 +8,9 @@ Not a test. Runs anywhere (no accelerator):
 Grain's `device_put` reads through a `ThreadPrefetchIterDataset`, whose
 constructor takes its source's state; a Grain 0.2.18 `mp_prefetch` iterator
 whose state is taken before its first read makes its worker iterators in the
-caller, unstarted, and runs another way. Wall per batch after 10 untimed, the
+caller, unstarted: the second worker starts when the first has made a batch.
+The start (seconds to the first batch and to the end of the untimed
+batches), then wall per batch once the workers' buffers are past, the
 modes interleaved: ``plain`` (read as a training loop reads it), ``state``
 (`get_state()` first) and ``thread`` (through `ThreadPrefetchIterDataset(ds,
 4)`). The library reads as ``plain`` does (benchmarks/RESULTS.md).
@@ -34,23 +36,27 @@ class Record:
     return {"image": image.astype(np.float32).astype(np.uint8), "index": np.int32(i)}
 
 
-def per_batch_ms(mode: str, workers: int, n: int) -> float:
-  """Wall ms per batch of 64 records over `n` batches, after 10 untimed."""
-  ds: Any = grain.MapDataset.range(1 << 20).map(Record()).batch(64).to_iter_dataset()
+def one_trial(mode: str, workers: int, n: int, read_ahead: int, skip: int) -> tuple[float, ...]:
+  """Seconds to the first batch and to batch `skip` (the start), then wall ms a batch over `n`."""
+  read = grain.ReadOptions(prefetch_buffer_size=read_ahead)
+  ds: Any = grain.MapDataset.range(1 << 20).map(Record()).batch(64).to_iter_dataset(read)
   ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   if mode == "thread":
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4)
+  begin = time.perf_counter()
   it = iter(ds)
   if mode == "state":
     it.get_state()
-  for _ in range(10):
+  next(it)
+  first = time.perf_counter() - begin
+  for _ in range(skip - 1):
     next(it)
   start = time.perf_counter()
   for _ in range(n):
     next(it)
   wall = time.perf_counter() - start
   it.close()
-  return wall / n * 1e3
+  return first, start - begin, wall / n * 1e3
 
 
 def main() -> None:
@@ -60,15 +66,32 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--trials", type=int, default=4)
-  parser.add_argument("--n", type=int, default=150)
+  parser.add_argument("--n", type=int, default=400)
+  parser.add_argument(
+    "--read-ahead",
+    type=int,
+    default=16,
+    help="batches each worker reads ahead (Grain's default: 500)",
+  )
+  parser.add_argument(
+    "--skip", type=int, help="untimed batches (default: what the workers hold, and 10)"
+  )
   args = parser.parse_args()
-  times: dict[str, list[float]] = {m: [] for m in MODES}
+  skip = args.skip if args.skip is not None else 10 + args.workers * (args.read_ahead + 2)
+  times: dict[str, list[tuple[float, ...]]] = {m: [] for m in MODES}
   for trial in range(args.trials):
     for mode in MODES if trial % 2 == 0 else MODES[::-1]:
-      times[mode].append(per_batch_ms(mode, args.workers, args.n))
-  print(f"mp_state: grain {grain.__version__}, {args.workers} workers, {args.n} batches a trial")
-  for mode, ms in times.items():
-    print(f"  {mode:6s} {np.median(ms):7.2f} ms a batch ({min(ms):.2f}..{max(ms):.2f})")
+      times[mode].append(one_trial(mode, args.workers, args.n, args.read_ahead, skip))
+  print(
+    f"mp_state: grain {grain.__version__}, {args.workers} workers reading {args.read_ahead} ahead,"
+    f" {args.n} batches a trial after {skip}"
+  )
+  for mode, rows in times.items():
+    first, begun, ms = (np.asarray(c) for c in zip(*rows, strict=True))
+    print(
+      f"  {mode:6s} first batch {np.median(first):5.2f} s, batch {skip} at {np.median(begun):5.2f} s;"
+      f" then {np.median(ms):6.2f} ms a batch ({ms.min():.2f}..{ms.max():.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_accelerator_cpu_mode_measures_every_section(tmp_path):
     "resident", "bare", "iter_jax_batches", "inline", "grain_device_put", "device_put",
   }  # fmt: skip
   (bound,) = results["input_bound"]
-  assert bound["workers"] == 0 and bound["rows"] == 32
+  assert bound["workers"] == 0 and bound["rows"] == 32 and bound["skip"] == 8
   assert set(bound["variants"]) == {"bare", "iter_jax_batches", "grain_device_put", "device_put"}
   for row in (steady, bound):
     assert row["step_ms"] > 0

@@ -142,8 +142,8 @@ class _WatchedDataset(grain.IterDataset):
 
 @pytest.mark.parametrize("how", ["iter_jax_batches", "device_put"])
 def test_grain_state_before_the_first_batch_comes_from_a_fresh_iterator_not_the_one_read(how):
-  # Grain 0.2.18's multiprocessing iterators read at half the rate for good
-  # once their state is taken before their first `next()`.
+  # Grain 0.2.18's multiprocessing iterators start their workers one after
+  # the other once their state is taken before their first `next()`.
   _Watched.made.clear()
   ds = _WatchedDataset().map(lambda b: b)
   if how == "device_put":

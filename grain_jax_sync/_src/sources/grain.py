@@ -17,8 +17,9 @@ class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`).
 
   Until the first read, `get_state()` asks `fresh()`, another iterator at the
-  start: a Grain iterator whose state is taken before its first `next()`
-  (Grain 0.2.18) reads at about half the rate for good. `first` is (an element
+  start: a Grain 0.2.18 iterator whose state is taken before its first
+  `next()` starts its worker processes one after the other, each when the
+  one before has made a batch. `first` is (an element
   already read, the state before it), kept where `set_state` asks for that
   state, since rewinding drops what Grain's threads or workers read ahead.
   """
