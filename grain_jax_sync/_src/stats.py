@@ -38,8 +38,11 @@ class Times:
   transfer_s: float = 0.0
 
   def __add__(self, other: Times) -> Times:
-    pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
-    return Times(*(a + b for a, b in pairs))
+    return Times(
+      self.source_s + other.source_s,
+      self.exchange_s + other.exchange_s,
+      self.transfer_s + other.transfer_s,
+    )
 
 
 class Delivered(NamedTuple):
@@ -73,7 +76,8 @@ class Delivered(NamedTuple):
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:
   """The mapping `JaxBatchIterator.stats()` returns (keys in `FIELDS`)."""
-  out: dict[str, Any] = {**delivered._asdict(), **dataclasses.asdict(times)}
+  out: dict[str, Any] = delivered._asdict()
+  out.update(source_s=times.source_s, exchange_s=times.exchange_s, transfer_s=times.transfer_s)
   return {k: out[k] for k in FIELDS}
 
 
