@@ -623,11 +623,11 @@ def _input_row(cfg: dict, rows: int, w: int, *, trials: int, n: int, diagnose: b
   for i in range(rows):
     make_record(i, side)
   record_ms = (time.process_time() - start) * 1e3
-  # Worker processes start one after another in one of Grain's modes (the
-  # first `get_state()` before the first read, as Grain's `device_put` takes
-  # it), and the first worker fills its buffers (`threads` batches read
-  # ahead, one in its queue, one in its reading thread) before the second
-  # makes a batch: untimed too, or a window serves from those buffers.
+  # Grain's `device_put` takes its source's state before the first read, so
+  # Grain starts each worker once the one before has made a batch; the first
+  # fills its buffers meanwhile (`threads` batches read ahead, one in its
+  # queue, one in its reading thread). Those are left untimed too, or they
+  # feed the window.
   skip = SKIP + w * (cfg["input_threads"] + 2)
   # Data past the window by more than any variant reads ahead: the end of
   # the data (workers stopping, the last reads) falls outside every timing.

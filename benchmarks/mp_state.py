@@ -3,12 +3,12 @@
 Not a test. Runs anywhere (no accelerator):
 
   python -m benchmarks.mp_state
-  python -m benchmarks.mp_state --workers 2 --trials 4 --n 150
+  python -m benchmarks.mp_state --workers 4 --read-ahead 500   # Grain's default read-ahead
 
 Grain's `device_put` reads through a `ThreadPrefetchIterDataset`, whose
 constructor takes its source's state; a Grain 0.2.18 `mp_prefetch` iterator
 whose state is taken before its first read makes its worker iterators in the
-caller, unstarted: the second worker starts when the first has made a batch.
+caller, unstarted: each worker starts once the one before has made a batch.
 The start (seconds to the first batch and to the end of the untimed
 batches), then wall per batch once the workers' buffers are past, the
 modes interleaved: ``plain`` (read as a training loop reads it), ``state``

@@ -18,10 +18,10 @@ class GrainIteratorSource(base.WrappedIterator):
 
   Until the first read, `get_state()` asks `fresh()`, another iterator at the
   start: a Grain 0.2.18 iterator whose state is taken before its first
-  `next()` starts its worker processes one after the other, each when the
-  one before has made a batch. `first` is (an element
-  already read, the state before it), kept where `set_state` asks for that
-  state, since rewinding drops what Grain's threads or workers read ahead.
+  `next()` starts each worker process once the one before has made a batch,
+  a start-up per worker. `first` is (an element already read, the state
+  before it), kept where `set_state` asks for that state, since rewinding
+  drops what Grain's threads or workers read ahead.
   """
 
   supports_state = True
