@@ -3,7 +3,7 @@
 Run from the repository root (Linux: it reads ``/proc/self/task``):
 
   python -m benchmarks.threads                 # 2 x 4, 0.8 MB, 20 ms step, 300 batches, 3 trials
-  python -m benchmarks.threads --trials 5 --variants bare,ours,ours_p0,ours_d4
+  python -m benchmarks.threads --trials 5 --variants bare,ours,ours_p0,ours_d4,bare_thread
 
 Per trial and host: the process CPU per batch of each variant over the bare
 loop (paired within the trial, as `host.cpu_per_batch_hosts` pairs them),
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import queue
 import threading
 import time
 from typing import Any
@@ -86,6 +87,20 @@ def _trial(make: Any, step_s: float, n: int, counted: Any) -> tuple[float, Any, 
   return (cpu1 - cpu0) / (b - a) * 1e6, dict(per), (calls1 - calls0) / (b - a)
 
 
+def _in_a_thread(batches: Any, size: int) -> Any:
+  """`batches` made in a thread, at most `size` ahead: the floor of any design with a build thread."""
+  items: queue.Queue[Any] = queue.Queue(size)
+
+  def run() -> None:
+    for b in batches:
+      items.put(b)
+    items.put(None)
+
+  threading.Thread(target=run, name="bare-build", daemon=True).start()
+  while (b := items.get()) is not None:
+    yield b
+
+
 def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") -> list[Any]:
   """Each trial's {variant: (process CPU us, per-thread (us, times run), store calls)} here."""
   import jax
@@ -105,6 +120,7 @@ def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") ->
   makers = host._cpu_variants(data, rows)  # noqa: SLF001
   # Rounds of the agreement 4 times further apart, as far as the read-ahead's bytes allow.
   makers["ours_d4"] = lambda: gjs.iter_jax_batches(data, batch_size=rows, decide_ahead_s=4.0)
+  makers["bare_thread"] = lambda: _in_a_thread(makers["bare"](), 2)
   keys = variants.split(",")
   for k in keys:  # Warm-up.
     _trial(makers[k], 0.0, n, counted)
