@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import queue
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks import host, twin
+from benchmarks import host, twin, workloads
 
 _EXITED: dict[int, tuple[int, int, str]] = {}  # Native id: (CPU ns, times run, at exit; name).
 
@@ -87,20 +86,6 @@ def _trial(make: Any, step_s: float, n: int, counted: Any) -> tuple[float, Any, 
   return (cpu1 - cpu0) / (b - a) * 1e6, dict(per), (calls1 - calls0) / (b - a)
 
 
-def _in_a_thread(batches: Any, size: int) -> Any:
-  """`batches` made in a thread, at most `size` ahead: the floor of any design with a build thread."""
-  items: queue.Queue[Any] = queue.Queue(size)
-
-  def run() -> None:
-    for b in batches:
-      items.put(b)
-    items.put(None)
-
-  threading.Thread(target=run, name="bare-build", daemon=True).start()
-  while (b := items.get()) is not None:
-    yield b
-
-
 def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") -> list[Any]:
   """Each trial's {variant: (process CPU us, per-thread (us, times run), store calls)} here."""
   import jax
@@ -120,7 +105,8 @@ def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") ->
   makers = host._cpu_variants(data, rows)  # noqa: SLF001
   # Rounds of the agreement 4 times further apart, as far as the read-ahead's bytes allow.
   makers["ours_d4"] = lambda: gjs.iter_jax_batches(data, batch_size=rows, decide_ahead_s=4.0)
-  makers["bare_thread"] = lambda: _in_a_thread(makers["bare"](), 2)
+  # The bare loop in a thread 2 batches ahead: the floor of any design with a build thread.
+  makers["bare_thread"] = lambda: workloads._handed_over(data, keep=False, ahead=2)  # noqa: SLF001
   keys = variants.split(",")
   for k in keys:  # Warm-up.
     _trial(makers[k], 0.0, n, counted)

@@ -422,15 +422,19 @@ def column_scaling(*, rows: int = 64, n: int = 100, trials: int = 15) -> dict[st
   return out
 
 
-def _handed_over(batches: list[dict[str, np.ndarray]], keep: bool) -> Iterator[Any]:
+def _handed_over(
+  batches: list[dict[str, np.ndarray]], keep: bool, ahead: int | None = None
+) -> Iterator[Any]:
   """The bare loop in a thread, each batch handed to the consumer over a queue; no library code.
 
   With `keep`, every batch stays referenced until the end, so that no
   `jax.Array` is freed in the consumer's thread while the thread builds.
+  With `ahead`, the thread builds at most that many batches ahead (the
+  floor of any design with a build thread, `benchmarks.threads`).
   """
   import queue
 
-  handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+  handed: Any = queue.SimpleQueue() if ahead is None else queue.Queue(ahead)
   kept: list[Any] = []
 
   def produce() -> None:

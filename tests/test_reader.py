@@ -260,7 +260,7 @@ def test_rows_digest_large_leaves_are_sampled_but_see_each_sampled_row():
 
 
 def test_rows_digest_reads_a_bounded_sample_of_a_large_batch(monkeypatch):
-  big = np.arange(256 * 224 * 224 * 3, dtype=np.uint32).astype(np.uint8).reshape(256, 224, 224, 3)
+  big = np.random.default_rng(0).integers(0, 256, (256, 224, 224, 3), np.uint8)
   labels = np.arange(256, dtype=np.int32)
   expected = reader.rows_digest([big, labels])
   hashed = []
