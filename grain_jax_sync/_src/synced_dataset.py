@@ -9,7 +9,7 @@ by one as `jax.device_put` places them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -35,7 +35,6 @@ def _unbatched(element: Any) -> str | None:
 
 def _plain_first(
   parent: Any,
-  before: Callable[[], Any],
   options: options_lib.Options,
   placement: placement_lib.DevicePutPlacement,
 ) -> tuple[bool, tuple[Any, Any] | None]:
@@ -48,7 +47,7 @@ def _plain_first(
   """
   if jax.process_count() > 1:  # Unbatched elements fail validation everywhere.
     return False, None
-  start = before()
+  start = parent.get_state()  # Before the first read, as Grain's `device_put` takes it.
   first = next(parent, None)
   why = None if first is None else _unbatched(first)
   if first is None or not (why or placement.per_leaf):
@@ -92,6 +91,10 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
   `stats()` are those of `JaxBatchIterator`. On one process, unbatched
   elements (and every element under a pytree of different shardings) are
   placed as `jax.device_put` places them.
+
+  The parent's state is taken before its first read, as Grain's
+  `device_put` takes it: Grain then starts `mp_prefetch` workers one after
+  the other, and the job reads them in the phase Grain's does.
   """
 
   _MUTATES_ELEMENT_SPEC = True
@@ -104,7 +107,6 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     parent: Any,
     options: Any,
     placement: placement_lib.DevicePutPlacement,
-    fresh: Callable[[], Any] | None = None,
   ):
     grain = extras.require("grain", needed_by="grain_jax_sync.device_put")
     # A parent that is no Grain `DatasetIterator` (a plain iterator an
@@ -114,9 +116,6 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     self._source_it = parent
     self._options = options
     self._placement = placement
-    # Makes a parent iterator at the start: its state stands for the parent's
-    # until the parent is read or restored (`sources.grain.GrainIteratorSource`).
-    self._fresh = fresh
     self._jax: iterator_lib.JaxBatchIterator | None = None
     self._plain = False  # Elements placed one by one, as jax.device_put does.
     self._first: list[Any] = []  # The element read to choose the mode.
@@ -134,13 +133,12 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
     self._assert_not_closed()
     if self._jax is not None or self._plain:
       return
-    plain, first = _plain_first(self._parent, self._parent_state, self._options, self._placement)
+    plain, first = _plain_first(self._parent, self._options, self._placement)
     if plain:
       self._plain = True
-      self._fresh = None  # The parent is read from here on.
       self._first.append(first[0])  # type: ignore[index]  # A plain parent gave its first element.
       return
-    source = grain_source.open_grain(self._parent, fresh=self._fresh, first=first)
+    source = grain_source.open_grain(self._parent, first=first)
     if source is None:  # Not a Grain iterator: read again from the start.
       if first is not None:
         self._parent.set_state(first[1])
@@ -177,10 +175,7 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
       return self._jax.get_state()
     if self._first:  # Read to choose the mode, not yet returned.
       raise RuntimeError("internal: state asked between choosing and returning")
-    return _state(self._count, self._parent_state(), self._options)
-
-  def _parent_state(self) -> Any:
-    return (self._parent if self._fresh is None else self._fresh()).get_state()
+    return _state(self._count, self._parent.get_state(), self._options)
 
   def set_state(self, state: Any) -> None:
     if isinstance(state, Mapping) and "version" in state and "source" in state:
@@ -192,7 +187,6 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
       self._jax.set_state(state)
       return
     self._first.clear()
-    self._fresh = None
     self._parent.set_state(state["source"])
     self._count = int(state["batches"])
     self._restored = state
@@ -243,7 +237,7 @@ class SyncedIterDataset:  # The Grain base comes with `grain_class`.
 
   def __iter__(self) -> Any:
     iterator = grain_source.grain_class(SyncedDatasetIterator, "DatasetIterator")
-    return iterator(self._parent.__iter__(), *self._args, fresh=self._parent.__iter__)
+    return iterator(self._parent.__iter__(), *self._args)
 
   def __str__(self) -> str:
     return "grain_jax_sync.device_put"

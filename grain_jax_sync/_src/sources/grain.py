@@ -158,7 +158,7 @@ def grain_class(mixin: type, base: str, needed_by: str = "a Grain source") -> ty
   return type(mixin.__name__, (mixin, getattr(grain, base)), namespace)
 
 
-def open_grain(source: Any, fresh: Any = None, first: Any = None) -> base.SourceIterator | None:
+def open_grain(source: Any, first: Any = None) -> base.SourceIterator | None:
   """A `SourceIterator` over a Grain object (a loader's or dataset's start), else None."""
   grain = extras.require("grain", needed_by="a Grain source")
 
@@ -177,5 +177,5 @@ def open_grain(source: Any, fresh: Any = None, first: Any = None) -> base.Source
     return GrainIteratorSource(iter(ds), description=description, fresh=functools.partial(iter, ds))
   if isinstance(source, grain.DatasetIterator):
     description = f"a grain DatasetIterator ({name})"
-    return GrainIteratorSource(source, description=description, fresh=fresh, first=first)
+    return GrainIteratorSource(source, description=description, first=first)
   return None
