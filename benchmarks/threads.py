@@ -4,6 +4,7 @@ Run from the repository root (Linux: it reads ``/proc/self/task``):
 
   python -m benchmarks.threads                 # 2 x 4, 0.8 MB, 20 ms step, 300 batches, 3 trials
   python -m benchmarks.threads --trials 5 --variants bare,ours,ours_p0,ours_d4,bare_thread
+  python -m benchmarks.threads --trials 5 --variants bare,bare_again,bare_thread,ours
 
 Per trial and host: the process CPU per batch of each variant over the bare
 loop (paired within the trial, as `host.cpu_per_batch_hosts` pairs them),
@@ -107,6 +108,8 @@ def per_thread(*, n: int = 300, trials: int = 3, variants: str = "bare,ours") ->
   makers["ours_d4"] = lambda: gjs.iter_jax_batches(data, batch_size=rows, decide_ahead_s=4.0)
   # The bare loop in a thread 2 batches ahead: the floor of any design with a build thread.
   makers["bare_thread"] = lambda: workloads._handed_over(data, keep=False, ahead=2)  # noqa: SLF001
+  # The bare loop again: what the pairing within a trial reads for no difference at all.
+  makers["bare_again"] = makers["bare"]
   keys = variants.split(",")
   for k in keys:  # Warm-up.
     _trial(makers[k], 0.0, n, counted)
