@@ -12,8 +12,10 @@ caller, unstarted: each worker starts once the one before has made a batch.
 The start (seconds to the first batch and to the end of the untimed
 batches), then wall per batch once the workers' buffers are past, the
 modes interleaved: ``plain`` (read as a training loop reads it), ``state``
-(`get_state()` first) and ``thread`` (through `ThreadPrefetchIterDataset(ds,
-4)`). The library reads as ``plain`` does (benchmarks/RESULTS.md).
+(`get_state()` first), ``thread`` (through `ThreadPrefetchIterDataset(ds,
+4)`) and ``device_put`` (`grain_jax_sync.device_put` to the default sharding,
+JAX on the CPU). `iter_jax_batches` reads as ``plain`` does; `device_put`
+takes the state first, as Grain's does (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import grain
 import numpy as np
 
-MODES = ("plain", "state", "thread")
+MODES = ("plain", "state", "thread", "device_put")
 
 
 class Record:
@@ -43,6 +45,10 @@ def one_trial(mode: str, workers: int, n: int, read_ahead: int, skip: int) -> tu
   ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   if mode == "thread":
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=4)
+  elif mode == "device_put":
+    import grain_jax_sync as gjs
+
+    ds = gjs.device_put(ds, gjs.default_sharding())
   begin = time.perf_counter()
   it = iter(ds)
   if mode == "state":
@@ -89,7 +95,7 @@ def main() -> None:
   for mode, rows in times.items():
     first, begun, ms = (np.asarray(c) for c in zip(*rows, strict=True))
     print(
-      f"  {mode:6s} first batch {np.median(first):5.2f} s, batch {skip} at {np.median(begun):5.2f} s;"
+      f"  {mode:10s} first batch {np.median(first):5.2f} s, batch {skip} at {np.median(begun):5.2f} s;"
       f" then {np.median(ms):6.2f} ms a batch ({ms.min():.2f}..{ms.max():.2f})"
     )
 
