@@ -484,6 +484,29 @@ def _host_first(batch: Any) -> int:
   return int(np.asarray(shard.data)[0])
 
 
+@pytest.mark.timeout(120)
+def test_device_put_over_two_worker_processes_yields_every_batch_in_order_and_resumes():
+  # Its state taken first, Grain starts the workers one after the other:
+  # every batch once, in Grain's order, and a resume in the middle.
+  def firsts(it, n=None):
+    out = []
+    for b in it:
+      out.append(int(np.asarray(b["x"])[0]))
+      if len(out) == n:
+        break
+    return out
+
+  it = iter(gjs.device_put(_worker_pipeline(0, 80, 2), gjs.default_sharding()))
+  head = firsts(it, 3)
+  state = json.loads(json.dumps(it.get_state()))
+  it.close()
+  again = iter(gjs.device_put(_worker_pipeline(0, 80, 2), gjs.default_sharding()))
+  again.set_state(state)
+  tail = firsts(again)
+  again.close()
+  assert head + tail == list(range(0, 80, 8)) and state["batches"] == 3
+
+
 def stop_device_put_on_sigterm(asker: int, after: int, records: int, directory: str) -> dict:
   """`asker`'s SIGTERM handler calls `request_stop()` after its batch `after`; saved and
   restored through Orbax and Grain's handler, over Grain worker processes."""
