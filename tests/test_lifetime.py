@@ -73,6 +73,30 @@ def test_every_call_that_moves_a_closed_iterator_raises_closed(call):
   assert it.get_state() == state  # Still the state after the last batch received.
 
 
+@pytest.mark.parametrize("how", ["close", "drop"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_iterator_let_go_frees_its_source_without_the_cycle_collector(how, prefetch):
+  # A source (a tf.data iterator with its buffers, a Grain iterator with its
+  # workers' semaphores and shared memory) goes with the last reference to
+  # the iterator, not at some later collection of cycles.
+  source = (row for row in rows(40))  # A generator: weakly referenceable.
+  it = gjs.iter_jax_batches(source, batch_size=8, prefetch_batches=prefetch)
+  assert [first(next(it)) for _ in range(3)] == [0, 1, 2]
+  alive = weakref.ref(source)
+  gc.disable()
+  try:
+    if how == "close":
+      it.close()
+    del it, source
+    end = time.monotonic() + 10  # A build thread may still be finishing its batch.
+    while alive() is not None and time.monotonic() < end:
+      time.sleep(0.01)
+    assert alive() is None
+  finally:
+    gc.enable()
+  assert wait_for_no_threads(15.0) == []
+
+
 # -- defects found by running the library as users do -----------------------------
 
 

@@ -8,12 +8,14 @@ How, what it costs, and the straggler rule: docs/performance.md, "Seeing the job
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,13 +56,14 @@ class JobTable:
   """Every host's newest counters, as this process knows them; thread-safe.
 
   Lives as long as the iterator. `probe` returns this host's `stats()`
-  snapshot without the iterator's locks (the agreement thread calls it).
+  snapshot without the iterator's locks (the agreement thread calls it); a
+  bound method weakly: no cycle keeps its owner, and the source, alive.
   `namespace`: the iterator's key prefix, where each process posts its times
   at the end of a stream (None: nothing is exchanged).
   """
 
   def __init__(self, probe: Callable[[], dict[str, Any]], namespace: str | None = None):
-    self._probe = probe
+    self._probe = weakref.WeakMethod(probe) if inspect.ismethod(probe) else lambda: probe
     self._base = namespace
     self._streams = 0  # Streams attached here.
     self._running = False
@@ -77,6 +80,9 @@ class JobTable:
     self._sent_at: float | None = None  # When the last table went out (the core's clock).
     self._posted: tuple[float, ...] | None = None  # Own times in the last chunk.
     self.stragglers = Stragglers(time.monotonic())
+
+  def _own(self) -> dict[str, Any]:
+    return self._probe()()  # type: ignore[misc]  # The owner outlives its threads, which call.
 
   def attach(self, process: int, process_count: int) -> None:
     """Sizes the table for a stream's processes (keeps what it knows)."""
@@ -97,7 +103,7 @@ class JobTable:
       running, self._running = self._running, False
       post = post and running and self._n > 1
     if post and self._base is not None:
-      text = json.dumps([self._streams, *encode_times(self._probe())])
+      text = json.dumps([self._streams, *encode_times(self._own())])
       key_value.post_times(self._base, text)
 
   def _read_ends(self) -> None:
@@ -127,7 +133,7 @@ class JobTable:
 
   def times_to_post(self) -> tuple[float, ...] | None:
     """This host's times for its next chunk, or None if unchanged since its last."""
-    times = encode_times(self._probe())
+    times = encode_times(self._own())
     if times == self._posted:
       return None
     self._posted = times
@@ -189,7 +195,7 @@ class JobTable:
       if self._n < 2 or not self._changed or (not final and now - self._sent_at < every):
         return None
       self._sent_at = now
-      self._times[self._me] = encode_times(self._probe())
+      self._times[self._me] = encode_times(self._own())
       rows = tuple(
         (p, *self._row_counts(p), *self._times[p]) for p in sorted(self._changed | {self._me})
       )
@@ -200,7 +206,7 @@ class JobTable:
     """Process 0, at `now`: closes a window once every peer posted fresh times (`Stragglers`)."""
     with self._lock:
       sources = [t[stats_lib.TIMES.index("source_s")] for t in self._times]
-    sources[self._me] = float(self._probe()["source_s"])
+    sources[self._me] = float(self._own()["source_s"])
     self.stragglers.check(self._me, sources, now)
 
   # -- stats(all_hosts=True) ---------------------------------------------------
@@ -208,7 +214,7 @@ class JobTable:
   def view(self) -> dict[str, Any]:
     """``{"hosts": [one mapping per process], "slowest": `slowest` of them}``."""
     self._read_ends()
-    own = stats_lib.with_padding_fraction({"process_index": self._me, **self._probe()})
+    own = stats_lib.with_padding_fraction({"process_index": self._me, **self._own()})
     with self._lock:
       if self._n == 1:  # One process, or no stream over the store (collective fallback).
         hosts = [own]
