@@ -8,6 +8,7 @@ what must hold whatever the machine's speed (a slow source's sleeps are in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -451,3 +452,16 @@ def test_all_hosts_view_names_the_slowed_host_and_each_peers_end(processes, devi
       check_all_hosts_shows_each_peers_figures_at_its_end_and_names_no_slowest_on_a_tie
     )
   check_cases(run_cases(processes, devices, cases, timeout_s=240), checks)
+
+
+def test_times_sum_and_report_every_field():
+  # `Times.__add__` and `snapshot` name the fields by hand (a snapshot is
+  # taken in the agreement thread): a field added to `Times` alone would sum
+  # as 0 and go unreported.
+  names = [f.name for f in dataclasses.fields(stats.Times)]
+  a = stats.Times(*(float(i + 1) for i in range(len(names))))
+  b = stats.Times(*(10.0 * (i + 1) for i in range(len(names))))
+  assert dataclasses.astuple(a + b) == tuple(11.0 * (i + 1) for i in range(len(names)))
+  got = stats.snapshot(stats.Delivered(), a)
+  assert {k: got[k] for k in names} == dataclasses.asdict(a)
+  assert set(stats.TIMES) == {"wait_s", *names}  # Posted to the peers, with the wait.
