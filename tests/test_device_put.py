@@ -223,49 +223,6 @@ def test_device_put_reads_an_iter_dataset_whose_iterator_is_not_grains_as_grain_
   unread.close()  # The parent has no close(): nothing to close, nothing raised.
 
 
-class _LoggedIterator(_PlainIterator):
-  """A `_PlainIterator` that logs (its number, the call) to its dataset's log."""
-
-  def __init__(self, log):
-    super().__init__()
-    self.log, self.n = log, sum(1 for _, call in log if call == "iter")
-    log.append((self.n, "iter"))
-
-  def __next__(self):
-    self.log.append((self.n, "next"))
-    return super().__next__()
-
-  def get_state(self):
-    self.log.append((self.n, "get_state"))
-    return super().get_state()
-
-
-class _LoggedDataset(grain.IterDataset):
-  def __init__(self):
-    super().__init__()
-    self.log = []
-
-  def __iter__(self):
-    return _LoggedIterator(self.log)
-
-
-def test_device_put_takes_its_parents_state_before_the_first_read_as_grains_does():
-  # A Grain 0.2.18 `mp_prefetch` iterator whose state is taken first starts
-  # its workers one after the other; Grain's `device_put` reads so, and a
-  # drop-in reads its workers in the same phase. One iterator over the
-  # parent, none made only for its state.
-  def first_calls(make):
-    ds = _LoggedDataset()
-    it = iter(make(ds))
-    np.asarray(next(it)["x"])
-    it.close()
-    return ds.log[: ds.log.index((0, "next")) + 1]
-
-  want = first_calls(lambda ds: grain.experimental.device_put(ds, None))
-  assert want == [(0, "iter"), (0, "get_state"), (0, "next")]
-  assert first_calls(lambda ds: gjs.device_put(ds, gjs.default_sharding())) == want
-
-
 def _grain_and_ours(ds, device, **ours_kwargs):
   """Grain's device_put and ours over the same dataset: lists of elements."""
   theirs = iter(grain.experimental.device_put(ds, device, cpu_buffer_size=0, device_buffer_size=0))

@@ -88,13 +88,10 @@ def test_an_iterator_let_go_frees_its_source_without_the_cycle_collector(how, pr
     if how == "close":
       it.close()
     del it, source
-    end = time.monotonic() + 10  # A build thread may still be finishing its batch.
-    while alive() is not None and time.monotonic() < end:
-      time.sleep(0.01)
+    assert wait_for_no_threads(15.0) == []  # A build thread may still be finishing its batch.
     assert alive() is None
   finally:
     gc.enable()
-  assert wait_for_no_threads(15.0) == []
 
 
 # -- defects found by running the library as users do -----------------------------

@@ -149,6 +149,11 @@ def test_grain_state_before_the_first_batch_fresh_for_iter_jax_batches_as_grains
   # `iter_jax_batches` asks a fresh iterator, so they start at once;
   # `device_put` asks the one it reads, as Grain's `device_put` does.
   _Watched.made.clear()
+  theirs = iter(grain.experimental.device_put(_WatchedDataset(), None))
+  next(theirs)
+  theirs.close()
+  assert len(_Watched.made) == 1 and _Watched.made[0].state_before_read  # Grain's way.
+  _Watched.made.clear()
   ds = _WatchedDataset().map(lambda b: b)
   if how == "device_put":
     it = iter(gjs.device_put(ds, gjs.default_sharding()))

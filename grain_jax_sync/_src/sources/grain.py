@@ -16,12 +16,12 @@ from grain_jax_sync._src.sources import base
 class GrainIteratorSource(base.WrappedIterator):
   """A Grain `DatasetIterator` (from an `IterDataset` or `MapDataset`).
 
-  Until the first read, `get_state()` asks `fresh()`, another iterator at the
-  start: a Grain 0.2.18 iterator whose state is taken before its first
-  `next()` starts each worker process once the one before has made a batch,
-  a start-up per worker. `first` is (an element already read, the state
-  before it), kept where `set_state` asks for that state, since rewinding
-  drops what Grain's threads or workers read ahead.
+  Until the first read, `get_state()` asks `fresh()` (none from `device_put`,
+  which reads as Grain's does), another iterator at the start: a Grain
+  0.2.18 iterator whose state is taken before its first `next()` starts
+  each worker process once the one before has made a batch. `first` is (an
+  element already read, the state before it), kept where `set_state` asks
+  for that state, since rewinding drops what Grain's threads or workers read ahead.
   """
 
   supports_state = True
