@@ -49,8 +49,9 @@ from grain_jax_sync._src.exchange import key_value
 from grain_jax_sync._src.memory_store import MemoryStore
 
 RULES = plan.Rules(batch_size=8, drop_last=False, pad=True)
-TIMEOUT_S = 0.4
+TIMEOUT_S = 0.4  # Where a schedule stalls a process on purpose (real threads, real time).
 STALL_S = 1.2
+NO_STALL_TIMEOUT_S = 30.0  # Elsewhere: a loaded machine must not time a healthy run out.
 EXAMPLES = 40
 
 
@@ -101,9 +102,9 @@ def _driven(read, ex, rules, who, *, lookahead, timeout_s, built=None):
   return driver.Driver(core, read, ex, built)
 
 
-def _host(p, n, store, spec, lookahead, seed, out, rules=RULES):
+def _host(p, n, store, spec, lookahead, seed, out, rules=RULES, timeout_s=NO_STALL_TIMEOUT_S):
   source = _source(p, spec, seed)
-  stage = _agreement(p, n, store, source, lookahead=lookahead, timeout_s=TIMEOUT_S, rules=rules)
+  stage = _agreement(p, n, store, source, lookahead=lookahead, timeout_s=timeout_s, rules=rules)
   record, yielded = [], 0
   runs = iter(stage)
   try:
@@ -178,7 +179,10 @@ def _in_threads(n, args_of):
 def _run(n, hosts, lookahead, seed, rules=RULES):
   store = MemoryStore()
   out: dict = {}
-  _in_threads(n, lambda p: (_host, (p, n, store, hosts[p], lookahead, seed + p, out, rules)))
+  stalls = any(h["ending"] == "timeout" for h in hosts)
+  timeout_s = TIMEOUT_S if stalls else NO_STALL_TIMEOUT_S
+  args = lambda p: (p, n, store, hosts[p], lookahead, seed + p, out, rules, timeout_s)  # noqa: E731
+  _in_threads(n, lambda p: (_host, args(p)))
   return store, out
 
 
@@ -279,7 +283,7 @@ def test_decisions_are_o1_per_position_and_chunks_go_to_process_0_only():
   n = 4
   hosts = [{"rows": [8] * 30, "ending": "exhausted", "at": 0} for _ in range(n)]
   store, out = _run(n, hosts, 10, 0)
-  assert {out[p][0] for p in range(n)} == {"stop"}
+  assert {out[p][0] for p in range(n)} == {"stop"}, {p: out[p][2] for p in range(n)}
   assert all(len(out[p][1]) == 30 for p in range(n))
   assert store.keys() == []
 
@@ -306,7 +310,7 @@ def _run_recorded(hosts, lookahead):
   store = _Recording()
   out: dict = {}
   _in_threads(len(hosts), lambda p: (_host, (p, len(hosts), store, hosts[p], lookahead, p, out)))
-  assert {out[p][0] for p in range(len(hosts))} == {"stop"}
+  assert {out[p][0] for p in range(len(hosts))} == {"stop"}, {p: v[2] for p, v in out.items()}
   assert [len(out[p][1]) for p in range(len(hosts))] == [len(h["rows"]) for h in hosts]
   return store
 
