@@ -3,10 +3,11 @@
 Two common ways to feed a multi-host job, and the one-line change that makes
 every host agree on the number and shape of batches:
 
-* ``grain.experimental.device_put(ds, sharding)`` puts each host's batches on
-  its devices; nothing makes hosts agree, and the arrays are not global.
-  ``grain_jax_sync.device_put(ds, sharding, batch_size=..., paddings=...,
-  mask_key=...)`` takes the same first arguments and yields global arrays.
+* ``grain.experimental.device_put(ds, sharding)``, with a sharding over every
+  host, needs the same (global) batch on every host; nothing makes hosts agree
+  on the number of batches. ``grain_jax_sync.device_put(ds, sharding,
+  batch_size=..., paddings=..., mask_key=...)`` takes the same first arguments
+  and each host's own rows (here its own records), and yields global arrays.
 * MaxText's ``MultiHostDataLoadIterator(dataloader, global_mesh)`` builds
   global arrays sharded as ``NamedSharding(mesh, PartitionSpec(mesh.axis_names))``
   but hangs or fails in the next collective when one host has a batch more.

@@ -122,6 +122,23 @@ def run_device_put_cases(n: int, batch: int, k: int) -> dict[str, Any]:
   except ValueError as e:
     out["none_leaf"] = str(e)
 
+  # Grain's, given a sharding over every host, needs the same element on each
+  # (jax.device_put checks): the global array is that element. Ours takes each
+  # host's element as its own rows, so the same element appears once per host.
+  # No buffers: Grain's check is a collective, made by each next() in turn.
+  unbuffered = {"cpu_buffer_size": 0, "device_buffer_size": 0}
+  own = iter(grain.experimental.device_put(_grain_batches(p, n, batch), sharding, **unbuffered))
+  try:
+    next(own)
+    out["grain_own_rows"] = None
+  except AssertionError as e:
+    out["grain_own_rows"] = str(e)
+  own.close()
+  for name, put in (("grain_same", grain.experimental.device_put), ("ours_same", gjs.device_put)):
+    same_it = iter(put(_grain_batches(0, n, batch), sharding, **unbuffered))
+    out[name] = gather(next(same_it))["x"].tolist()
+    same_it.close()
+
   unbatched = grain.MapDataset.range(8).map(lambda i: {"x": np.int32(i)}).to_iter_dataset()
   out["unbatched"] = consume(iter(gjs.device_put(unbatched, sharding)))
   try:
