@@ -382,6 +382,27 @@ def test_device_put_restores_a_checkpoint_written_by_grains_device_put():
   assert ours.get_state()["source"] == {"next_index": 5}
 
 
+def test_device_put_source_error_ends_the_stream_where_grains_reads_on():
+  def record(i):
+    if i == 12:
+      raise KeyError("bad record 12")
+    return {"x": np.int32(i)}
+
+  def run(put):
+    it = iter(put(grain.MapDataset.range(32).map(record).batch(8), gjs.default_sharding()))
+    first = np.asarray(next(it)["x"]).tolist()
+    with pytest.raises(KeyError, match="bad record 12"):
+      next(it)
+    after = next(it, None)
+    it.close()
+    return first, None if after is None else np.asarray(after["x"]).tolist()
+
+  # Grain's next() reads on past the failing batch; ours ends there, as every
+  # ending (on every host), until set_state().
+  assert run(grain.experimental.device_put) == (list(range(8)), list(range(16, 24)))
+  assert run(gjs.device_put) == (list(range(8)), None)
+
+
 def test_device_put_warns_once_for_paddings_without_mask_key(caplog):
   with caplog.at_level("WARNING", logger="grain_jax_sync"):
     ds = gjs.device_put(_batches(16).to_iter_dataset(), batch_size=8, paddings=0)
