@@ -140,13 +140,27 @@ class LocalIterator:
 
 
 class LocalLoaderIterator(LocalIterator):
-  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream."""
+  """A `grain.DataLoaderIterator`'s checkpoint face (JSON bytes), through the agreed stream.
+
+  Orbax v1 saves it as Grain's: `save`/`load` are `DataLoaderIterator`'s
+  (a `StatefulCheckpointable`), run on this iterator's state.
+  """
 
   def get_state(self) -> bytes:
     return _to_json_bytes(super().get_state())
 
   def set_state(self, state: bytes) -> None:
     super().set_state(_from_json_bytes(state))
+
+  async def save(self, directory: Any) -> Any:
+    return await _grain_module().DataLoaderIterator.save(self, directory)
+
+  async def load(self, directory: Any) -> Any:
+    return await _grain_module().DataLoaderIterator.load(self, directory)
+
+
+def _grain_module() -> Any:
+  return extras.require("grain", needed_by="a Grain source")
 
 
 @functools.cache
@@ -160,7 +174,7 @@ def grain_class(mixin: type, base: str, needed_by: str = "a Grain source") -> ty
 
 def open_grain(source: Any, first: Any = None) -> base.SourceIterator | None:
   """A `SourceIterator` over a Grain object (a loader's or dataset's start), else None."""
-  grain = extras.require("grain", needed_by="a Grain source")
+  grain = _grain_module()
 
   name = type(source).__qualname__
   if isinstance(source, grain.DataLoader):
