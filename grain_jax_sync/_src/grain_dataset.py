@@ -35,7 +35,9 @@ def device_put(
   A drop-in for `grain.experimental.device_put` (same first arguments) that
   makes hosts agree. Elements of `ds` should be this process's batches; the
   returned dataset's elements are global arrays of rows x input shards,
-  built and agreed as by `iter_jax_batches`. Its iterators are
+  built and agreed as by `iter_jax_batches`. (Grain's, given a sharding over
+  every host, needs the same global batch on every host: here each host's
+  `ds` yields its own share, or every row appears once per host.) Its iterators are
   `grain.DatasetIterator`s with JSON `get_state`/`set_state` (which also
   takes the state Grain's own `device_put` iterator saved), so Grain's
   checkpointing and Orbax's resume them exactly, and they have
