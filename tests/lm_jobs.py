@@ -204,6 +204,22 @@ def lm_job(
   return {"batches": out, "sources": sources, "state": state}
 
 
+def mixed_by_process(weights: list[list[float]], seeds: list[int]) -> str:
+  """One process of a job whose process `p` mixes two sources by ``weights[p]``, ``seeds[p]``:
+  its batch count, or the error it raised."""
+  import jax
+
+  p = jax.process_index()
+  src = gjs.elastic_mixture(
+    [rows(0, 10), rows(1, 20)], weights[p], lambda ds: ds.batch(8), seed=seeds[p], num_epochs=1
+  )
+  try:
+    with gjs.iter_jax_batches(src, batch_size=8, paddings=0, mask_key="mask") as it:
+      return f"{sum(1 for _ in it)} batches"
+  except ValueError as e:
+    return str(e)
+
+
 def run_jobs(
   count: int,
   devices: int,

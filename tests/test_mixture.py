@@ -290,3 +290,23 @@ def test_new_weights_on_3_hosts_reach_every_host_from_its_next_batch():
     assert np.all(np.abs(share - new) < 0.02)
   seen = reread(m, head, states, [0] * 3) + reread(m, rest, after, [0] * 3)
   assert len({(s, e, i) for _, s, e, i in seen}) == len(seen) == 1350
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hosts_given_other_weights_or_seed_raise_the_same_value_error_naming_the_source():
+  from helpers import run_cases
+
+  head = "processes 0 and 1 were given different settings (elastic_source: '30 records, seed=0"
+  cases = {
+    "same": (lm_jobs.mixed_by_process, ([[1, 2], [1.0, 2.0]], [0, 0]), {}),
+    "weights": (lm_jobs.mixed_by_process, ([[1, 2], [2, 1]], [0, 0]), {}),
+    "seed": (lm_jobs.mixed_by_process, ([[1, 2], [1, 2]], [0, 1]), {}),
+  }
+  out = run_cases(2, 1, cases, timeout_s=120)
+  assert out[0] == out[1]  # Every host the same.
+  assert out[0]["same"] == "2 batches"
+  assert out[0]["weights"].startswith(head)
+  assert "proportions [100, 200] of sources of [10, 20] records" in out[0]["weights"]
+  assert "proportions [200, 100]" in out[0]["weights"]
+  assert out[0]["seed"].startswith(head) and "vs '30 records, seed=1" in out[0]["seed"]

@@ -77,6 +77,31 @@ def test_checkpoint_save_restore_single_process_with_grain_handler(tmp_path):
   ]
 
 
+def test_an_elastic_mixture_takes_new_weights_and_batch_size_from_orbax_on_the_same_count(
+  tmp_path,
+):
+  sources = [[{"x": np.int32(i)} for i in range(10)], [{"x": np.int32(100 + i)} for i in range(20)]]
+
+  def pipeline(weights, batch_size):
+    src = gjs.elastic_mixture(sources, weights, lambda ds: ds.batch(batch_size), num_epochs=1)
+    return gjs.iter_jax_batches(src, batch_size=batch_size, paddings=0, mask_key="mask")
+
+  def rows(it):
+    return [int(x) for b in it for x, m in zip(b["x"], b["mask"], strict=True) if m]
+
+  with pipeline([1, 2], 8) as it, ocp.CheckpointManager(tmp_path) as mngr:
+    head = rows([next(it), next(it)])
+    state = json.loads(json.dumps(it.get_state()))
+    mngr.save(2, args=ocp.args.Composite(data=gjs.checkpoint_save(it)))
+  with pipeline([3, 1], 16) as listed:  # Restored from the list: the documented switch.
+    listed.set_state([state])
+    want = rows(listed)
+  with pipeline([3, 1], 16) as it, ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.restore(2, args=ocp.args.Composite(data=gjs.checkpoint_restore(it)))
+    assert [s["weight"] for s in it.stats()["sources"]] == [0.75, 0.25]
+    assert rows(it) == want and len(head) + len(want) == 30
+
+
 def test_checkpoint_save_passes_grain_iterators_through():
   it = iter(gjs.device_put(grain.MapDataset.range(8).batch(8)))
   assert gjs.checkpoint_save(it).item is it

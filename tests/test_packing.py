@@ -89,6 +89,10 @@ def test_a_long_record_goes_over_rows_in_consecutive_pieces_unless_trimmed(
 
   with pytest.raises(ValueError, match="`length` must be a positive int, got 0"):
     gjs.pack_sequences(grain.MapDataset.range(3).to_iter_dataset(), length=0)
+  with pytest.raises(
+    ValueError, match="`ds` must be a grain.IterDataset of records, got list; wrap"
+  ):
+    gjs.pack_sequences([{"tok": np.arange(1, 10)}], length=4)
   ds = grain.MapDataset.source(
     [{"tok": np.arange(1, 10)}, {"tok": np.arange(1, 3)}]
   ).to_iter_dataset()
@@ -138,6 +142,26 @@ def test_documents_of_1_to_1000_tokens_are_packed_whole_across_a_stop_mid_docume
     }
   out = sum(len(p) for got in lm_jobs.document_pieces([whole]).values() for p in got)
   assert out == sum(len(d["tok"]) for d in docs) == 157_845
+
+
+@pytest.mark.parametrize("middle", [(1, 2, 3), (1, 1, 1)])
+def test_new_weights_after_a_resize_keep_a_document_an_earlier_job_left_in_part_whole(middle):
+  # 2 hosts stop inside documents; 1 host (the old weights, or new ones) reads one batch, so
+  # process 1's documents in part are not reached; new weights then. Each is read whole.
+  docs = lm_jobs.documents(60)
+  sources = [docs[:10], docs[10:30], docs[30:]]
+
+  def mixture(weights):
+    pack = lambda ds: gjs.pack_sequences(ds, length=64).batch(4)  # noqa: E731
+    return gjs.elastic_mixture(sources, weights, pack, seed=0, num_epochs=1)
+
+  jobs, states = [], None
+  for count, weights, steps in ((2, (1, 2, 3), 3), (1, middle, 1), (1, (5, 1, 1), None)):
+    got, states = lm_jobs.play(mixture(list(weights)), count, steps, states)
+    jobs.append(got)
+  for d, pieces in lm_jobs.document_pieces(jobs).items():  # A source repeats: whole each time.
+    counts = np.bincount(np.concatenate(pieces), minlength=len(docs[d]["tok"]))
+    assert counts.min() == counts.max(), (d, counts)
 
 
 @pytest.mark.multiprocess

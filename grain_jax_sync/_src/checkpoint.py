@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 from grain_jax_sync._src import extras
 from grain_jax_sync._src.sources import base
+from grain_jax_sync._src.sources.elastic import state as elastic_state
 
 
 class _GrainStateAdapter:
@@ -64,6 +65,12 @@ def old_job_files(directory: Any) -> list[Any]:
   return [files[i] for i in range(count)]
 
 
+def _elastic(path: Any) -> bool:
+  """Whether the state file at `path` is an elastic source's."""
+  source = json.loads(path.read_text()).get("source")
+  return isinstance(source, dict) and source.get("format") == elastic_state.FORMAT
+
+
 @functools.cache
 def _elastic_args() -> tuple[type, type]:
   """Orbax (save, restore) arguments whose handler also restores from another count's files.
@@ -74,14 +81,15 @@ def _elastic_args() -> tuple[type, type]:
   from grain._src.python.checkpoint import handler as grain_handler  # pylint: disable=g-import-not-at-top
 
   class ElasticCheckpointHandler(grain_handler.CheckpointHandler):
-    """Grain's handler; without this process's file, every old process's files (issue 24)."""
+    """Grain's handler; without this process's file, or with an elastic source's (which takes
+    new mixture weights or a new `batch_size` only from the list), every old process's files."""
 
     def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
       item = item or args.item
       import jax  # pylint: disable=g-import-not-at-top
 
       own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-      if own.exists() or not isinstance(item, _GrainStateAdapter):
+      if not isinstance(item, _GrainStateAdapter) or (own.exists() and not _elastic(own)):
         return super().restore(directory, item=item, args=args)
       item.set_state([f.read_bytes() for f in old_job_files(directory)])
       return item
@@ -157,7 +165,9 @@ def checkpoint_restore(iterator: Any) -> grain.checkpoint.CheckpointRestore:
     `JaxBatchIterator`); restoring it calls `iterator.set_state` with this
     process's saved state or, if the checkpoint was saved on another process
     count, with the list of every old process's state (an iterator over an
-    `elastic_source` re-splits them; others refuse, on every host).
+    `elastic_source` re-splits them; others refuse, on every host). An
+    elastic source's iterator always gets the list, so it takes new mixture
+    weights or a new `batch_size` on the same count too.
 
   Raises:
     ValueError: If `iterator` has no `get_state`/`set_state`.

@@ -143,9 +143,9 @@ class Stream:
     who = Identity(
       process=ex.process_index,
       devices=start.placement.local_shards,
-      # The options and the sharding (not saved in a state: a resumed job
-      # may run on another mesh, but its processes must share one).
-      config={**options.digest(), **start.placement.fingerprint()},
+      # The options, the sharding and the source's settings (not saved in a state: a
+      # resumed job may run on another mesh, but its processes must share one).
+      config={**options.digest(), **start.placement.fingerprint(), **start.source.fingerprint()},
       resume=start.mark.position,
       groups=start.placement.groups if self._shares(start) else (),
     )

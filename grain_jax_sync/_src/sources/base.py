@@ -70,6 +70,10 @@ class SourceIterator:
     del state
     return {}
 
+  def fingerprint(self) -> dict[str, str]:
+    """What every process's source must share, compared in the first exchange (default: none)."""
+    return {}
+
   def local_iterator(self, owner: Any) -> Any:
     """Its own iterator type seen through `owner` (``local_state``/``restore_local``), or None."""
     del owner

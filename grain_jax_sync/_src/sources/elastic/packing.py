@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_jax_sync._src import leaves
+from grain_jax_sync._src import extras, leaves
 from grain_jax_sync._src import options as options_lib
 from grain_jax_sync._src.sources import grain as grain_source
 from grain_jax_sync._src.sources.elastic import cursor as cursor_lib
@@ -344,9 +344,10 @@ def pack_sequences(
     A `grain.IterDataset` of packed rows (batch them with `.batch`).
 
   Raises:
-    ValueError: If `length` or `num_bins` is not an int >= 1 (NumPy ints too); while reading,
-      naming the feature, if a record is not a dict of 1-D numeric arrays
-      with the first record's features and dtypes (raised on every host).
+    ValueError: If `ds` is not a Grain dataset, or `length` or `num_bins` is
+      not an int >= 1 (NumPy ints too); while reading, naming the feature, if
+      a record is not a dict of 1-D numeric arrays with the first record's
+      features and dtypes (raised on every host).
 
   Example:
 
@@ -356,5 +357,11 @@ def pack_sequences(
   """
   length = options_lib.checked_int("length", length)
   num_bins = options_lib.checked_int("num_bins", num_bins)
+  grain: Any = extras.require("grain", needed_by="grain_jax_sync.pack_sequences")
+  if not isinstance(ds, (grain.IterDataset, grain.MapDataset)):
+    raise ValueError(
+      f"`ds` must be a grain.IterDataset of records, got {type(ds).__name__}; wrap a"
+      " sequence of records as grain.MapDataset.source(records).to_iter_dataset()"
+    )
   packed = grain_source.grain_class(Packed, "IterDataset", "grain_jax_sync.pack_sequences")
   return packed(ds, (length, num_bins, bool(trim), bool(restart_positions)))

@@ -214,7 +214,7 @@ def _switched(
 
 
 def _kept(olds: list[_Old]) -> list[tuple[int, int]]:
-  """The global rows (of a mixture) the old job consumed, or delivered in part, as ranges."""
+  """The global rows (of a mixture) the old job consumed, or some job delivered in part, as ranges."""
   first, splits = resume(*zip(*olds, strict=True))
   length = olds[0].shares.num_records
   kept: list[tuple[int, int]] = [(0, first * length)] if first else []
@@ -225,10 +225,11 @@ def _kept(olds: list[_Old]) -> list[tuple[int, int]]:
       if a > at:
         kept.append((epoch * length + at, epoch * length + a))
       at = b
-  for old in olds:
-    for j in old.partial:
-      epoch, pos = old.shares.locate(j)
-      kept.append((epoch * length + pos, epoch * length + pos + 1))
+    # Partly delivered by any job of the history, the old one's holes included: a record
+    # an earlier job left in part and the old job did not reach keeps its source too.
+    kept.extend(
+      (epoch * length + pos, epoch * length + pos + 1) for pos in split.partial(length, history)
+    )
   out: list[tuple[int, int]] = []
   for a, b in sorted(kept):
     if out and a <= out[-1][1]:

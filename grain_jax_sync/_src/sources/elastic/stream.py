@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import zlib
 from typing import Any
 
 from grain_jax_sync._src import extras
@@ -205,6 +207,20 @@ class ElasticIterator(base.WrappedIterator):
       holes = state_lib.unpack_ints(state.get("holes", []))
       mixture = state_lib.mixture_spec(state, self.spec).mixture
     return {**out, "sources": mixture.stats(mixture.consumed(shares, position, holes))}
+
+  def fingerprint(self) -> dict[str, str]:
+    """The split's settings and a mixture's weights (their runs too): another on one host would
+    read records another host reads, or none."""
+    spec, mixture = self.spec, self.spec.mixture
+    what = f"{self.num_records} records, seed={spec.seed}, num_epochs={spec.num_epochs}"
+    if mixture is None:
+      return {"elastic_source": f"{what}, shuffle={spec.shuffle}"}
+    what += f", proportions {list(mixture.proportions)} of sources of {list(mixture.sizes)}"
+    what += f" records, shuffle={mixture.shuffle}"
+    if mixture.history:  # Runs of weights (resumes that changed them): a digest.
+      runs = json.dumps(state_lib.mixture_fields(mixture)["mixture_runs"]).encode()
+      what += f", {len(mixture.history)} runs of weights (digest {zlib.crc32(runs):08x})"
+    return {"elastic_source": what}
 
   def set_state(self, state: Any) -> None:
     shares, position, grain_state = state_lib.check_source_state(state, self.spec, self.num_records)
