@@ -215,6 +215,8 @@ FLAX_SMALL = ["--mock-examples", "601", "--batch-size", "8", "--epochs", "2"]
 @pytest.mark.multiprocess
 @pytest.mark.timeout(100 * 10 + 120)
 def test_examples_and_the_readme_example_print_their_documented_values_on_two_hosts(tmp_path):
+  for extra in ("tensorflow_datasets", "flax", "optax"):  # The examples' imports.
+    pytest.importorskip(extra)
   # One launch, 2 processes x 4 devices, each example at its small size one
   # after the other. train_flax_orbax first: process 1's SIGTERM after its
   # batch 5 (the launch's --signal) stops that run; a restart on its
@@ -257,6 +259,7 @@ def test_examples_and_the_readme_example_print_their_documented_values_on_two_ho
 @pytest.mark.multiprocess
 @pytest.mark.timeout(100 * 4 + 120)
 def test_hf_text_example_stopped_on_sigterm_and_resumed_equals_the_uninterrupted_run(tmp_path):
+  pytest.importorskip("datasets")
   # One launch: process 1's SIGTERM after its batch 4 stops the first run;
   # the restart on its checkpoint and an uninterrupted run follow.
   example, small = "examples/hf_text.py", ["--examples", "400"]

@@ -813,6 +813,7 @@ def check_2d_data_axes_minor_first_orders_shards_by_rows(outs):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_2x4_every_placement_case_across_real_processes():
+  pytest.importorskip("tensorflow_datasets")  # A case reads a TFDS mock.
   outs = _launch(cases_2x4, 2, 4)
   checks = {
     "model_axis_inside": check_model_axis_inside_a_process_rows_per_process,

@@ -700,6 +700,7 @@ def test_device_put_iterator_batch_specs_before_its_first_batch():
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize(("n", "d"), TOPOLOGIES)
 def test_varying_shapes_agree_across_real_processes(n, d):
+  pytest.importorskip("tensorflow")  # A case reads a tf.data pipeline.
   # One launch per topology runs every case (`CASES`); each case's own checks.
   by_case = _run(n, d)
   checks = {

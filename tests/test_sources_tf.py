@@ -38,7 +38,7 @@ def run_tf(sizes: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-def test_tf_data_two_processes_uneven_shards_every_example_once():
+def test_tf_data_two_processes_uneven_shards_every_example_once(tf):
   sizes = [13, 6]
   outs = testing.values(
     testing.run_processes(
