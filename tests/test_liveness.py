@@ -159,3 +159,53 @@ def test_a_close_note_is_read_once_a_beat_period_while_the_peer_has_no_beat():
   store.key_value_set(key_value.closed_key("it", 1), note)
   assert _until(lambda: live.closed(1), "the close was not found") == note
   assert store.reads["closed"] == 2
+
+
+class _HeldReads:
+  """Beats read through a store that process 0 holds: a read during its freeze returns after it."""
+
+  def __init__(self, clock: list[float]) -> None:
+    self.clock = clock
+    self.beat = "1/0"
+    self.hold_s = 0.0
+
+  def beat_of(self, process: int) -> str:
+    self.clock[0] += self.hold_s
+    self.hold_s = 0.0
+    return self.beat
+
+
+def test_a_beat_read_that_the_store_held_up_does_not_count_as_silence():
+  # Process 0 frozen 12 s (SIGSTOP, a swap storm) freezes the store with it: a follower's read
+  # returns when it resumes, with the beat from before. Before, that read made the follower
+  # name process 0 lost while it was alive again, and process 0 went on yielding batches
+  # that the follower never got, then raised another error.
+  clock = [0.0]
+  ex = _HeldReads(clock)
+  live = liveness.Liveness(ex, dead_after_s=8.0, clock=lambda: clock[0])
+  assert not live.dead(0)
+  clock[0] = 1.0
+  ex.hold_s = 12.0
+  assert not live.dead(0)  # Read from 1 s to 13 s: the beat is still "1/0".
+  clock[0] = 14.0
+  ex.beat = "2/0"  # Process 0 beats again.
+  assert not live.dead(0)
+  # A beat that then stops is dead after `dead_after_s` of quick reads, not before.
+  verdicts = []
+  for t in range(15, 25):
+    clock[0] = float(t)
+    verdicts.append((t, live.dead(0)))
+  assert [t for t, dead in verdicts if dead] == [22, 23, 24], verdicts
+
+
+def test_a_dead_peer_is_still_named_through_a_store_that_holds_every_read_up():
+  clock = [0.0]
+  ex = _HeldReads(clock)
+  live = liveness.Liveness(ex, dead_after_s=8.0, clock=lambda: clock[0])
+  named_at = None
+  while named_at is None and clock[0] < 60.0:
+    clock[0] += 1.0
+    ex.hold_s = 1.5  # A loaded coordinator: every read takes 1.5 s; the beat never changes.
+    if live.dead(1):
+      named_at = clock[0]
+  assert named_at is not None and 8.0 <= named_at <= 30.0, named_at

@@ -132,7 +132,12 @@ class Liveness:
     last = self._seen.get(process)
     if last is None or now - last[2] >= periods.LIVENESS_PERIOD_S:
       beat = self._ex.beat_of(process)
+      held = self._clock() - now
       since = last[1] if last is not None and last[0] == beat else now
+      if held >= periods.LIVENESS_PERIOD_S:
+        # The store held the read up (process 0, which holds it, was frozen): the beat it
+        # returns may be from before the hold, and the hold is not the peer's silence.
+        since += held
       last = self._seen[process] = (beat, since, now)
     return last
 
