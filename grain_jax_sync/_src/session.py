@@ -142,7 +142,7 @@ class Stream:
     options, ex = start.options, self._exchange
     who = Identity(
       process=ex.process_index,
-      devices=start.placement.local_shards,
+      devices=len(start.placement.local_blocks),
       # The options, the sharding and the source's settings (not saved in a state: a
       # resumed job may run on another mesh, but its processes must share one).
       config={**options.digest(), **start.placement.fingerprint(), **start.source.fingerprint()},
