@@ -584,11 +584,6 @@ class DevicePutPlacement:
   per_leaf: bool
   element: Any
 
-  @property
-  def sharding(self) -> jax.sharding.Sharding | None:
-    """The one sharding of every leaf of a global batch (None if `per_leaf`)."""
-    return None if self.per_leaf else self.batches.sharding
-
 
 def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> BatchPlacement:
   if isinstance(device, jax.Device):

@@ -207,7 +207,10 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
 
   @property
   def sharding(self) -> jax.sharding.Sharding | None:
-    return self._jax.sharding if self._jax is not None else self._placement.sharding
+    """Every leaf's sharding in a global batch (None where elements are placed one by one)."""
+    if self._jax is not None:
+      return self._jax.sharding
+    return None if self._placement.per_leaf else self._placement.batches.sharding
 
   def __str__(self) -> str:
     return "SyncedDatasetIterator"
