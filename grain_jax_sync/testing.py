@@ -255,12 +255,8 @@ def run_script(
   Args:
     path: A Python file.
     argv: Its command-line arguments.
-    num_processes: How many processes (simulated hosts) to start.
-    devices_per_process: Forced CPU devices per process.
-    timeout_s: Wall-clock bound for the whole run, as in `run_processes`.
-    env: Extra environment variables for every process.
-    signal_at: As in `run_processes`.
-    echo: As in `run_processes`.
+    num_processes, devices_per_process, timeout_s, env, signal_at, echo: As
+      in `run_processes`.
 
   Returns:
     One ``ProcessOutcome`` per process; its ``value`` is the script's stdout.

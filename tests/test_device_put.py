@@ -431,7 +431,8 @@ def check_device_put_two_processes_grain_checkpoint_and_unbatched_elements(outs)
     assert out["none_leaf"] is None
     # A sharding over every host: Grain's needs the same element on each host;
     # ours reads each host's element as its own rows (docs/sources.md).
-    assert "passed to device_put is not the same on each process" in out["grain_own_rows"]
+    if jax.__version_info__ >= (0, 10):  # Run from 0.10 (scenarios_dropin says why).
+      assert "passed to device_put is not the same on each process" in out["grain_own_rows"]
     assert out["grain_same"] == list(range(8))
     assert out["ours_same"] == [*range(8), *range(8)]
   assert outs[0]["unbatched"]["error"] == outs[1]["unbatched"]["error"]

@@ -62,8 +62,7 @@ def demo_host(batch_size: int, progress_file: str) -> list[dict[str, Any]]:
       )
       with open(progress_file, "a", encoding="utf-8") as f:  # A byte a batch, for the progress bar.
         f.write(".")
-    rows.append({"state": it.get_state()})
-    rows.append({"stats": it.stats()})
+    rows += [{"state": it.get_state()}, {"stats": it.stats()}]
     # Every host's counters, as this one sees them, once every host ended:
     # each posts its figures at its end, after its last batch.
     multihost_utils.sync_global_devices("grain_jax_sync demo: every host ended")

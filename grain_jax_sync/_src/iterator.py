@@ -25,6 +25,21 @@ from grain_jax_sync._src.exchange import streams as exchange_streams
 from grain_jax_sync._src.sources.elastic import resume as elastic_resume
 
 
+def make_state(
+  count: int, source: Any, options: options_lib.Options | None = None
+) -> dict[str, Any]:
+  """A `JaxBatchIterator` state at batch `count`; without `options`, version 1 (no options digest)."""
+  state = {
+    "version": 1 if options is None else options_lib.STATE_VERSION,
+    "batches": count,
+    "process_index": jax.process_index(),
+    "process_count": jax.process_count(),
+  }
+  if options is not None:
+    state["settings"] = options.digest()
+  return {**state, "source": source}
+
+
 class _Resumable:
   """The resume state of a `JaxBatchIterator`, its restarts, and the source's own iterator."""
 
@@ -55,14 +70,7 @@ class _Resumable:
       RuntimeError: If the source cannot report its position.
     """
     mark = self._streams.mark
-    state = {
-      "version": options_lib.STATE_VERSION,
-      "batches": mark.position,
-      "process_index": jax.process_index(),
-      "process_count": jax.process_count(),
-      "settings": self._options.digest(),
-      "source": self.local_state(mark),
-    }
+    state = make_state(mark.position, self.local_state(mark), self._options)
     if self._options.batch_size is None and mark.batch_size is not None:
       state["batch_size"] = mark.batch_size  # Derived: later batches are judged by it.
     return state

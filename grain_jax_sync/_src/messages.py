@@ -291,14 +291,9 @@ class Decision:
       )
     ]
     obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "j": self.start, "st": runs, "e": self.end.value}
-    if self.error is not None:
-      obj["x"] = self.error.to_json()
-    if self.signature is not None:
-      obj["g"] = self.signature
-    if self.batch_size is not None:
-      obj["b"] = self.batch_size
-    if self.table is not None:
-      obj["t"] = self.table
+    error = None if self.error is None else self.error.to_json()
+    optional = {"x": error, "g": self.signature, "b": self.batch_size, "t": self.table}
+    obj.update((k, v) for k, v in optional.items() if v is not None)
     return json.dumps(obj, separators=(",", ":"))
 
   @classmethod

@@ -373,11 +373,6 @@ class BatchPlacement:
   chosen_by: str
 
   @property
-  def local_shards(self) -> int:
-    """Data shards this process holds: its local rows must divide among them."""
-    return len(self.local_blocks)
-
-  @property
   def shares_rows(self) -> bool:
     """Whether some processes feed identical rows (the same on every host)."""
     return any(len(g) > 1 for g in self.groups)
@@ -386,15 +381,12 @@ class BatchPlacement:
   def single_process(self) -> bool:
     return jax.process_count() == 1
 
-  def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
-    return local_to_global_shape(local_shape, self.sharding)
-
   def check_divisible(self, options: options_lib.Options) -> None:
     """With `paddings`, a given `batch_size` must split over this process's data shards.
 
     A derived one is checked by `plan.pin`.
     """
-    size, shards, devices = options.batch_size, self.local_shards, jax.local_device_count()
+    size, shards, devices = options.batch_size, len(self.local_blocks), jax.local_device_count()
     if options.paddings is not None and size is not None and size % shards:
       what = f"{devices} local devices"
       if shards != devices:
@@ -591,11 +583,6 @@ class DevicePutPlacement:
   batches: BatchPlacement
   per_leaf: bool
   element: Any
-
-  @property
-  def sharding(self) -> jax.sharding.Sharding | None:
-    """The one sharding of every leaf of a global batch (None if `per_leaf`)."""
-    return None if self.per_leaf else self.batches.sharding
 
 
 def _resolve_one(device: Any, mesh: Any, data_axes: Any, sharding: Any) -> BatchPlacement:

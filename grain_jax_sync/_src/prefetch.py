@@ -178,22 +178,19 @@ class Prefetcher(Generic[T]):
     self._items.put(item)
     return True
 
-  def _produce(self, producer: Iterator[Any]) -> None:
-    while True:
-      if self._early:
-        self._slots.get()
-        if self._stopped:
-          return
-      item = next(producer, END)
-      if not self._put(item) or item is END:
-        return
-      # Not held while the next one is produced: a batch handed on is the
-      # consumer's alone, so it is freed as soon as the consumer drops it.
-      del item
-
   def _run(self, producer: Iterator[Any]) -> None:
     try:
-      self._produce(producer)
+      while True:
+        if self._early:
+          self._slots.get()
+          if self._stopped:
+            return
+        item = next(producer, END)
+        if not self._put(item) or item is END:
+          return
+        # Not held while the next one is produced: a batch handed on is the
+        # consumer's alone, so it is freed as soon as the consumer drops it.
+        del item
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer.
       self._put(Raised(e))
     finally:

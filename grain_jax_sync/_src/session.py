@@ -1,12 +1,7 @@
 """The streams of one iterator and their endings: each (re)start one `Stream`, ended in one place.
 
-```
-source -> Reader -> agreement (lockstep, or Decider / Follower) -> Builder -> user
-                    [with prefetch and the key-value store: a     [with prefetch: a thread,
-                     thread, one decided position queued]          `prefetch_batches` queued]
-```
-
-With `prefetch_batches=0` every stage runs in the caller's `next()`; with
+The stages, in docs/internals.md's diagram ("Data flow"): with
+`prefetch_batches=0` every stage runs in the caller's `next()`; with
 prefetch, each threaded stage is a `prefetch.Prefetcher` (at most three
 threads per stream) and `next()` is one queue get.
 
@@ -142,7 +137,7 @@ class Stream:
     options, ex = start.options, self._exchange
     who = Identity(
       process=ex.process_index,
-      devices=start.placement.local_shards,
+      devices=len(start.placement.local_blocks),
       # The options, the sharding and the source's settings (not saved in a state: a
       # resumed job may run on another mesh, but its processes must share one).
       config={**options.digest(), **start.placement.fingerprint(), **start.source.fingerprint()},

@@ -15,19 +15,6 @@ import collections
 import dataclasses
 from typing import Any, NamedTuple
 
-# The keys of `JaxBatchIterator.stats()`, in the order `demo` shows them.
-FIELDS = (
-  "batches",
-  "real_rows",
-  "padded_rows",
-  "dummy_batches",
-  "dropped_batches",
-  "wait_s",
-  "source_s",
-  "exchange_s",
-  "transfer_s",
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Times:
@@ -72,6 +59,10 @@ class Delivered(NamedTuple):
     return self._replace(
       dropped_batches=self.dropped_batches + dropped, wait_s=self.wait_s + wait_s
     )
+
+
+# The keys of `JaxBatchIterator.stats()`, in the order `demo` shows them.
+FIELDS = (*Delivered._fields, *(f.name for f in dataclasses.fields(Times)))
 
 
 def snapshot(delivered: Delivered, times: Times) -> dict[str, Any]:

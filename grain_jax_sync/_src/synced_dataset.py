@@ -70,19 +70,6 @@ def _plain_first(
   return True, (first, start)
 
 
-def _state(count: int, source: Any, options: options_lib.Options | None = None) -> dict[str, Any]:
-  """A `JaxBatchIterator` state at batch `count`; without `options`, version 1 (no options digest)."""
-  state = {
-    "version": 1 if options is None else options_lib.STATE_VERSION,
-    "batches": count,
-    "process_index": jax.process_index(),
-    "process_count": jax.process_count(),
-  }
-  if options is not None:
-    state["settings"] = options.digest()
-  return {**state, "source": source}
-
-
 class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
   """Global `jax.Array` batches that every host agrees on.
 
@@ -175,13 +162,13 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
       return self._jax.get_state()
     if self._first:  # Read to choose the mode, not yet returned.
       raise RuntimeError("internal: state asked between choosing and returning")
-    return _state(self._count, self._parent.get_state(), self._options)
+    return iterator_lib.make_state(self._count, self._parent.get_state(), self._options)
 
   def set_state(self, state: Any) -> None:
     if isinstance(state, Mapping) and "version" in state and "source" in state:
       state = dict(state)
     else:  # The state Grain's `device_put` iterator saved: its parent's, as our source's.
-      state = _state(0, state)
+      state = iterator_lib.make_state(0, state)
     self._stop_asked = self._plain_stopped = False  # A stream no request has touched.
     if self._jax is not None:
       self._jax.set_state(state)
@@ -220,7 +207,10 @@ class SyncedDatasetIterator:  # The Grain base comes with `grain_class`.
 
   @property
   def sharding(self) -> jax.sharding.Sharding | None:
-    return self._jax.sharding if self._jax is not None else self._placement.sharding
+    """Every leaf's sharding in a global batch (None where elements are placed one by one)."""
+    if self._jax is not None:
+      return self._jax.sharding
+    return None if self._placement.per_leaf else self._placement.batches.sharding
 
   def __str__(self) -> str:
     return "SyncedDatasetIterator"

@@ -19,17 +19,12 @@ from grain_jax_sync._src import placement as placement_lib
 Targets = tuple[list[jax.sharding.Sharding], list[tuple[int, ...]]]
 
 # A leaf bound for one device crosses the link as up to `PIECES` puts of
-# rows, each of at least `PIECE_BYTES`, joined on the device. One put is one
-# copy stream from host memory, which fills only part of a host-to-device
-# link; a few at once fill it, without holding any more host memory (the
-# pieces are views of the leaf). Joining costs one device copy, whose memory
-# bandwidth is far above any host link's. A leaf spread over several
-# devices already crosses as one put per device. The floor keeps each put's
-# fixed cost small beside its bytes, on any host. CPU devices have no link
-# (their arrays are host memory): a leaf goes to one as one put. So does a
-# leaf in memory NumPy did not allocate (shared memory from Grain's worker
-# processes, a memory-mapped file): its pages are first touched by the put,
-# and several puts faulting one mapping at once cost far more CPU than one.
+# rows (views: no host memory added), joined on the device: one put fills only
+# part of a host-to-device link, a few fill it. Each is at least `PIECE_BYTES`,
+# so its fixed cost stays small beside its bytes on any host. One put where
+# there is no link (CPU devices), or where NumPy does not own the memory
+# (Grain's shared memory, a memory-mapped file: several puts faulting one
+# mapping at once cost far more CPU). Why, with figures: docs/performance.md.
 PIECES = 4
 PIECE_BYTES = 4 << 20
 NO_LINK = frozenset({"cpu"})
@@ -41,7 +36,7 @@ def global_targets(
   """Per leaf, its sharding and global shape, given its local shape."""
   return (
     [placement_lib.cut(placement.sharding, len(s)) for s in local_shapes],
-    [placement.global_shape(s) for s in local_shapes],
+    [placement_lib.local_to_global_shape(s, placement.sharding) for s in local_shapes],
   )
 
 

@@ -22,11 +22,8 @@ FOLLOWER_GRACE_S = periods.DEAD_AFTER_S + 2.0
 
 def read_ahead_limit(read: core.Read, lookahead: int | None, cap: int | None = None) -> int:
   """The most positions a host holds ahead of its build thread: the byte bound, `lookahead`, `cap`; >= 1."""
-  limit = READ_AHEAD_BYTES // max(1, read.batch.nbytes)
-  for bound in (lookahead, cap):
-    if bound is not None:
-      limit = min(limit, bound)
-  return max(1, limit)
+  bounds = [b for b in (lookahead, cap) if b is not None]
+  return max(1, min([READ_AHEAD_BYTES // max(1, read.batch.nbytes), *bounds]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

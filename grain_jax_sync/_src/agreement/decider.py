@@ -175,17 +175,15 @@ class Decider(Streamed):
           messages.ErrorKind.CLOSED, message, peer, self._yielded, "closed", (peer,)
         )
     elif reached(waited := self._waited_s(), self._timeout_s):
-      self._abort = messages.ReportedError(
-        messages.ErrorKind.TIMEOUT,
+      message = (
         f"process {peer} did not report batch {self._yielded} (position"
         f" {self._decided}) within `sync_timeout_s`={self._timeout_s:g}s; it is alive"
         " or only just silent (its liveness beat is recent), so it may have"
         " died just now, hung in its source, paused its training loop for"
-        f" longer than `sync_timeout_s`, or {endings.order_cause()}",
-        peer,
-        self._yielded,
-        "PeerTimeoutError",
-        (peer,),
+        f" longer than `sync_timeout_s`, or {endings.order_cause()}"
+      )
+      self._abort = messages.ReportedError(
+        messages.ErrorKind.TIMEOUT, message, peer, self._yielded, "PeerTimeoutError", (peer,)
       )
     elif self._idle and not self._decided and (cross := (yield from self._crosswise(peer))):
       self._abort = cross

@@ -51,16 +51,10 @@ def failed(
 ) -> core.End:
   """The `End` for exception `e`: with `data`, a ValueError every host raises; else this host's own."""
   if data and isinstance(e, ValueError):
-    error = ReportedError(ErrorKind.VALUE, _text(e), process, batch_index)
-  else:
-    error = ReportedError(
-      ErrorKind.SOURCE,
-      f"process {process} failed while {doing}: {type(e).__qualname__}: {_text(e)}",
-      process,
-      batch_index,
-      type(e).__qualname__,
-    )
-  return core.End(position, error, e)
+    return core.End(position, ReportedError(ErrorKind.VALUE, _text(e), process, batch_index), e)
+  name = type(e).__qualname__
+  message = f"process {process} failed while {doing}: {name}: {_text(e)}"
+  return core.End(position, ReportedError(ErrorKind.SOURCE, message, process, batch_index, name), e)
 
 
 def to_exception(error: ReportedError, process: int, own: core.End | None) -> BaseException:
@@ -117,40 +111,29 @@ def closed_error(process: int, at_batch: int, how: str = "closed its iterator") 
 
 def lost(peer: int, at_batch: int, when: str, cause: str = "") -> ReportedError:
   """The ending of a peer whose liveness beat stopped `when`: dead, not slow (`liveness`)."""
-  return ReportedError(
-    ErrorKind.LOST,
+  message = (
     f"process {peer} is lost: its liveness beat stopped for {periods.DEAD_AFTER_S:g}s {when};"
-    f" {cause or 'it died (killed, out of memory, crashed) or froze'}",
-    peer,
-    at_batch,
-    "PeerLostError",
-    (peer,),
+    f" {cause or 'it died (killed, out of memory, crashed) or froze'}"
   )
+  return ReportedError(ErrorKind.LOST, message, peer, at_batch, "PeerLostError", (peer,))
 
 
 def stopped_error(process: int, at_batch: int) -> ReportedError:
   """A stop that `process` asked for (`request_stop()`) after receiving `at_batch` batches."""
-  return ReportedError(
-    ErrorKind.STOPPED,
-    f"process {process} requested a stop after batch {at_batch}",
-    process,
-    at_batch,
-    "stop",
-  )
+  message = f"process {process} requested a stop after batch {at_batch}"
+  return ReportedError(ErrorKind.STOPPED, message, process, at_batch, "stop")
 
 
 def not_at_end(waiting: list[int], yielded: int, timeout_s: float) -> ReportedError:
   """The ending of peers alive but not at the agreed end within `sync_timeout_s`."""
-  return ReportedError(
-    ErrorKind.TIMEOUT,
+  message = (
     f"processes {waiting} did not reach the end of the stream ({yielded}"
     f" batches) within `sync_timeout_s`={timeout_s:g}s; they are alive"
     " (their liveness beats are recent) but stopped iterating before the end"
-    " without closing the iterator",
-    waiting[0],
-    yielded,
-    "PeerTimeoutError",
-    tuple(waiting),
+    " without closing the iterator"
+  )
+  return ReportedError(
+    ErrorKind.TIMEOUT, message, waiting[0], yielded, "PeerTimeoutError", tuple(waiting)
   )
 
 

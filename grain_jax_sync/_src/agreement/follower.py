@@ -123,15 +123,13 @@ class Follower(Streamed):
       # Nothing decided in this stream yet: process 0 may not have made or
       # started this iterator, which looks the same from here.
       cause = f"it has posted no decision on this iterator yet: {cause}, or {endings.order_cause()}"
-    return messages.ReportedError(
-      messages.ErrorKind.TIMEOUT,
+    message = (
       f"process {self._process} got no decision on batch {self._yielded} from"
       f" process 0 within `sync_timeout_s`={self._timeout_s:g}s (+"
-      f" {common.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}",
-      self._process,
-      self._yielded,
-      "PeerTimeoutError",
-      (0,),
+      f" {common.FOLLOWER_GRACE_S:g}s); process 0 is alive but {cause}"
+    )
+    return messages.ReportedError(
+      messages.ErrorKind.TIMEOUT, message, self._process, self._yielded, "PeerTimeoutError", (0,)
     )
 
   def _read(self, wait_s: float) -> core.Steps:

@@ -26,8 +26,7 @@ class CollectiveExchange:
         multihost_utils.process_allgather(np.array([data.size], np.int32))
       ).reshape(-1)
       width = int(lengths.max())
-      buf = np.zeros((width,), np.uint8)
-      buf[: data.size] = data
+      buf = np.pad(data, (0, width - data.size))
       gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(
         self.process_count, width
       )

@@ -43,13 +43,15 @@ def total(ranges: Sequence[Range]) -> int:
   return sum(stop - start for start, stop in ranges)
 
 
-def _append(out: list[Range], start: int, stop: int) -> None:
-  if start >= stop:
-    return
-  if out and out[-1][1] == start:
-    out[-1] = (out[-1][0], stop)  # Adjacent: one range.
-  else:
-    out.append((start, stop))
+def _extend(out: list[Range], ranges: Sequence[Range]) -> None:
+  """Appends `ranges` to `out`, an adjacent one joined to the last, an empty one dropped."""
+  for start, stop in ranges:
+    if start >= stop:
+      continue
+    if out and out[-1][1] == start:
+      out[-1] = (out[-1][0], stop)
+    else:
+      out.append((start, stop))
 
 
 def take(ranges: Sequence[Range], begin: int, end: int) -> list[Range]:
@@ -59,8 +61,7 @@ def take(ranges: Sequence[Range], begin: int, end: int) -> list[Range]:
   for start, stop in ranges:
     n = stop - start
     lo, hi = max(begin - offset, 0), min(end - offset, n)
-    if lo < hi:
-      _append(out, start + lo, start + hi)
+    _extend(out, [(start + lo, start + hi)])
     offset += n
     if offset >= end:
       break
@@ -89,16 +90,13 @@ def _unconsumed(share: Sequence[Range], cursor: Cursor) -> list[Range]:
   out: list[Range] = []
   if isinstance(cursor, Holes):
     for i in (*cursor.holes, cursor.stop):
-      for start, stop in take(share, i, i + 1 if i < cursor.stop else n):
-        _append(out, start, stop)
+      _extend(out, take(share, i, i + 1 if i < cursor.stop else n))
     return out
   lo, hi, width = min(cursor), max(cursor), len(cursor)
   for i in range(lo, hi):  # Between the thresholds: position by position.
     if i >= cursor[i % width]:
-      for start, stop in take(share, i, i + 1):
-        _append(out, start, stop)
-  for start, stop in take(share, hi, n):
-    _append(out, start, stop)
+      _extend(out, take(share, i, i + 1))
+  _extend(out, take(share, hi, n))
   return out
 
 
@@ -116,8 +114,7 @@ def remaining(shares: Sequence[Sequence[Range]], cursors: Sequence[Cursor]) -> l
       values = (cursor,) if isinstance(cursor, int) else tuple(cursor)
     if not values or not all(0 <= c <= n for c in values):
       raise ValueError(f"process {i}'s cursor {cursor} is outside its share of {n} records")
-    for start, stop in _unconsumed(share, cursor):
-      _append(out, start, stop)
+    _extend(out, _unconsumed(share, cursor))
   return out
 
 
