@@ -14,6 +14,7 @@ hang a peer in a gather).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -310,6 +311,43 @@ def test_host_killed_at_its_first_read_with_default_settings_is_named_within_15_
     assert out["elapsed_s"] < 15.0, out["elapsed_s"]
     assert out["close_s"] < 5
     _check_rows(o.process_index, out)
+
+
+FREEZE_BATCHES = 200
+
+
+def run_freeze_process_0(freeze_s: float) -> dict[str, Any]:
+  """Process 0 (which holds the store) is frozen whole (SIGSTOP) after its batch 3; a 20 ms step."""
+  import subprocess
+
+  import jax
+
+  import grain_jax_sync as gjs
+
+  p = jax.process_index()
+  src = scenarios_faults.batch_source(p, [8] * FREEZE_BATCHES)
+
+  def step(n: int) -> None:
+    time.sleep(0.02)
+    if p == 0 and n == 3:
+      pid = os.getpid()
+      subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {freeze_s}; kill -CONT {pid}"])
+      time.sleep(1.0)  # Frozen within it.
+
+  with gjs.iter_jax_batches(src, batch_size=8) as it:
+    return scenarios_endings.drain(it, on_batch=step)
+
+
+@pytest.mark.multiprocess
+def test_process_0_frozen_beyond_the_dead_threshold_is_slow_not_lost():
+  # Process 0 frozen 10 s (> DEAD_AFTER_S = 8 s) freezes the store with it: the follower's read
+  # of its beat returns when it comes back, with the beat from before. Before, the follower
+  # raised PeerLostError then, while process 0 yielded the batches already decided and raised
+  # "process 1 closed its iterator": two endings.
+  outs = testing.values(_run(run_freeze_process_0, 10.0, d=1))
+  for p, out in enumerate(outs):
+    assert out["error"] is None and out["n"] == FREEZE_BATCHES, (p, out["error"], out["n"])
+    _check_rows(p, out)
 
 
 @pytest.mark.multiprocess
