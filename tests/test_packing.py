@@ -90,7 +90,9 @@ def test_a_long_record_goes_over_rows_in_consecutive_pieces_unless_trimmed(
   with pytest.raises(ValueError, match="`length` must be a positive int, got 0"):
     gjs.pack_sequences(grain.MapDataset.range(3).to_iter_dataset(), length=0)
   with pytest.raises(
-    ValueError, match="`ds` must be a grain.IterDataset of records, got list; wrap"
+    ValueError,
+    match=r"`ds` must be a grain.IterDataset or grain.MapDataset of records, got list; wrap a"
+    r" sequence of records as grain.MapDataset.source\(records\)$",
   ):
     gjs.pack_sequences([{"tok": np.arange(1, 10)}], length=4)
   ds = grain.MapDataset.source(

@@ -360,8 +360,8 @@ def pack_sequences(
   grain: Any = extras.require("grain", needed_by="grain_jax_sync.pack_sequences")
   if not isinstance(ds, (grain.IterDataset, grain.MapDataset)):
     raise ValueError(
-      f"`ds` must be a grain.IterDataset of records, got {type(ds).__name__}; wrap a"
-      " sequence of records as grain.MapDataset.source(records).to_iter_dataset()"
+      f"`ds` must be a grain.IterDataset or grain.MapDataset of records, got"
+      f" {type(ds).__name__}; wrap a sequence of records as grain.MapDataset.source(records)"
     )
   packed = grain_source.grain_class(Packed, "IterDataset", "grain_jax_sync.pack_sequences")
   return packed(ds, (length, num_bins, bool(trim), bool(restart_positions)))
