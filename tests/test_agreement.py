@@ -181,8 +181,9 @@ def _run(n, hosts, lookahead, seed, rules=RULES):
   out: dict = {}
   stalls = any(h["ending"] == "timeout" for h in hosts)
   timeout_s = TIMEOUT_S if stalls else NO_STALL_TIMEOUT_S
-  args = lambda p: (p, n, store, hosts[p], lookahead, seed + p, out, rules, timeout_s)  # noqa: E731
-  _in_threads(n, lambda p: (_host, args(p)))
+  _in_threads(
+    n, lambda p: (_host, (p, n, store, hosts[p], lookahead, seed + p, out, rules, timeout_s))
+  )
   return store, out
 
 
